@@ -1,0 +1,38 @@
+# kvgate — build, test, benchmark.
+SHELL := /bin/bash
+export PATH := /usr/local/go/bin:$(HOME)/go/bin:$(PATH)
+GO ?= go
+BIN := bin/kvgate
+
+.PHONY: all build test vet fmt-check bench demo fuzz clean
+
+all: build
+
+build:
+	$(GO) build -o $(BIN) ./cmd/kvgate
+
+# The test command of the README and of CI: formatting, vet, every test with the race detector.
+test: fmt-check vet
+	$(GO) test -race -count=1 -timeout 20m ./...
+
+vet:
+	$(GO) vet ./...
+
+fmt-check:
+	@out=$$(gofmt -l $$(git ls-files '*.go' 2>/dev/null || find . -name '*.go')); \
+	if [ -n "$$out" ]; then echo "gofmt would change:"; echo "$$out"; exit 1; fi
+
+# Benchmarks quoted in the README (decision time, index memory, engine speed).
+bench:
+	$(GO) test -run '^$$' -bench . -benchtime 2s ./internal/prompt ./internal/prefixindex ./internal/router
+
+demo: build
+	$(BIN) demo
+
+# Each fuzz target for FUZZTIME (default 60s).
+FUZZTIME ?= 60s
+fuzz:
+	$(GO) test -run '^$$' -fuzz FuzzParse -fuzztime $(FUZZTIME) ./internal/prompt
+
+clean:
+	rm -rf bin

@@ -1,0 +1,115 @@
+// Package policy holds kvgate's routing policies behind one small interface.
+//
+// A Policy picks a replica for one request from a snapshot of what the
+// router knows (ReplicaView); it does no I/O and does not change state, so
+// a dry run (/debug/route) is a plain Pick. Policies that learn (their own
+// prefix trees, windows, TTFT corrections) implement Observer and change
+// state only on events: Routed when the request is actually sent, then
+// FirstToken and Done. The live gateway and the offline replay call the same
+// code through internal/router.
+package policy
+
+import (
+	"errors"
+	"time"
+)
+
+// ErrNoReplica is returned when no replica can take the request.
+var ErrNoReplica = errors.New("policy: no healthy replica")
+
+// Policy picks a replica for one request.
+type Policy interface {
+	Name() string
+	// Pick chooses among replicas (all configured ones, unhealthy included
+	// with Healthy false, in a stable order). It must not modify req or
+	// replicas and returns ErrNoReplica when none is healthy.
+	Pick(req *Request, replicas []ReplicaView) (Decision, error)
+}
+
+// Observer is implemented by policies that learn from outcomes.
+type Observer interface {
+	Observe(ev Event)
+}
+
+// Request is the routing key of one request.
+type Request struct {
+	ID        uint64
+	Now       time.Time // the router's clock (wall or virtual) at routing time
+	Model     string
+	Adapter   string
+	Salt      string
+	Text      string   // routing text: prompt, or chat rendered with roles ("" for token-id prompts)
+	KeyText   string   // the first user message (chat) or the prompt: prefix-key policies
+	System    string   // the chat's system prompt, if any
+	Session   string   // X-Session-Id header, else the body's "user"
+	Blocks    []uint64 // kvgate's chained block hashes of the prompt's full blocks
+	Tokens    int      // prompt tokens
+	MaxTokens int      // requested output tokens (0: unknown)
+}
+
+// ReplicaView is what the router knows of one replica now.
+type ReplicaView struct {
+	Index   int    // the replica's slot: stable, Decision.Replica refers to it
+	URL     string // as configured
+	Healthy bool
+
+	// The gateway's own counts (exact for this gateway).
+	InFlight       int // requests sent and not finished
+	InFlightTokens int // prompt + max output tokens of those requests (KV footprint)
+	PendingPrefill int // uncached prompt tokens of requests without a first token yet
+	PendingCount   int // requests without a first token yet
+
+	// Scraped from the replica's /metrics (HaveMetrics false until the first scrape).
+	HaveMetrics bool
+	MetricsAge  time.Duration
+	Waiting     int
+	Running     int
+	KVUsage     float64 // 0..1
+	NumBlocks   int     // the replica's KV capacity in blocks (0: unknown)
+
+	// Match is the number of leading blocks of the request the router's
+	// index (approximate, or precise when KV events feed it) believes the
+	// replica holds.
+	Match int
+}
+
+// Decision is a policy's choice and why.
+type Decision struct {
+	Replica int    `json:"replica"` // ReplicaView.Index
+	Reason  string `json:"reason"`
+	// Matched is the prefix the policy credited to the chosen replica, in
+	// blocks (character-based policies convert).
+	Matched int `json:"matched_blocks"`
+	// Load is the chosen replica's load as the policy counted it.
+	Load float64 `json:"load"`
+	// EstTTFT is the estimated time to first token on the chosen replica
+	// (ttft policy; 0 for others).
+	EstTTFT time.Duration `json:"est_ttft_ns"`
+	// Scores holds the policy's per-replica score or cost, indexed like the
+	// replicas passed to Pick (nil if the policy has none).
+	Scores []float64 `json:"scores,omitempty"`
+}
+
+// EventKind is the kind of an outcome event.
+type EventKind int
+
+const (
+	Routed     EventKind = iota // the request was sent to Replica
+	FirstToken                  // its first token arrived
+	Done                        // it finished (Err set when it failed)
+)
+
+// Event is an outcome reported to Observers.
+type Event struct {
+	Kind     EventKind
+	At       time.Time
+	Req      *Request
+	Decision Decision
+	Replica  int
+	// FirstToken and Done:
+	TTFT time.Duration
+	// Done: the replica's own counts (usage), when it reported them.
+	CachedTokens int
+	OutputTokens int
+	Err          error
+}

@@ -1,0 +1,196 @@
+package policy
+
+import (
+	"fmt"
+	"math"
+	"sync"
+	"time"
+)
+
+// TTFT is kvgate's default policy: send each request to the replica that
+// will produce its first token soonest.
+//
+//	est(r) = correction(r) × time to run, on r, the prefill work queued ahead
+//	         of the request plus the request's own uncached tokens
+//
+// The work ahead is the prompt tokens this gateway sent to r that have not
+// produced a first token (exact, instant), raised to the replica's scraped
+// waiting count when other clients queue there too. The request's own work
+// is its prompt minus the prefix r holds. Both go through the cost model of
+// an iteration-level scheduler with chunked prefill (internal/costmodel):
+// each step processes up to the token budget left by r's running decodes
+// and pays the per-step cost and the decodes' attention, so a replica busy
+// decoding prefills more slowly. correction(r) is an EWMA of observed over
+// predicted TTFT on r, which absorbs a mis-specified profile or hardware
+// differences. Among replicas within a margin of the best estimate the
+// deepest match wins (keeping a prefix in one place while it costs little),
+// then a random one.
+//
+// No special case for hot prefixes: when the holder's queue outweighs the
+// prefill a holder saves, another replica's estimate wins, and that replica
+// becomes a second holder of the prefix.
+type TTFT struct {
+	o Options
+	p ttftParams
+	g *rng
+
+	mu         sync.Mutex
+	correction map[int]float64    // replica slot → observed/predicted
+	pending    map[uint64]pendEst // request id → raw estimate at routing
+	meanPrompt float64            // EWMA of uncached tokens per request, for others' queued requests
+}
+
+type pendEst struct {
+	replica int
+	raw     float64 // ms, before correction
+}
+
+type ttftParams struct {
+	// MarginRel and MarginMs: estimates within best×(1+rel)+ms tie.
+	MarginRel float64 `json:"margin_rel"`
+	MarginMs  float64 `json:"margin_ms"`
+	// Alpha is the EWMA weight of a new TTFT observation (0 disables the correction).
+	Alpha float64 `json:"correction_alpha"`
+	// MaxCorrection bounds correction to [1/max, max].
+	MaxCorrection float64 `json:"max_correction"`
+}
+
+var _ Policy = (*TTFT)(nil)
+var _ Observer = (*TTFT)(nil)
+
+func init() {
+	register("ttft", func(o Options) (Policy, error) {
+		p := ttftParams{MarginRel: 0.05, MarginMs: 2, Alpha: 0.1, MaxCorrection: 4}
+		if err := decodeParams(o.Params, &p); err != nil {
+			return nil, err
+		}
+		if p.MarginRel < 0 || p.MarginMs < 0 || p.Alpha < 0 || p.Alpha > 1 || p.MaxCorrection < 1 {
+			return nil, fmt.Errorf("need margin_rel ≥ 0, margin_ms ≥ 0, 0 ≤ correction_alpha ≤ 1, max_correction ≥ 1")
+		}
+		return &TTFT{o: o, p: p, g: newRNG(o.Seed), correction: map[int]float64{}, pending: map[uint64]pendEst{}}, nil
+	})
+}
+
+func (*TTFT) Name() string { return "ttft" }
+
+// Estimate returns the uncorrected estimated TTFT on v in milliseconds and
+// the blocks credited.
+func (t *TTFT) Estimate(req *Request, v *ReplicaView, meanPrompt float64) (float64, int) {
+	prof, bs := t.o.Profile, t.o.BlockSize
+	matched := min(v.Match, len(req.Blocks))
+	cached := min(matched*bs, max(req.Tokens-1, 0))
+	own := max(req.Tokens-cached, 1)
+
+	queued := float64(v.PendingPrefill)
+	if v.HaveMetrics && v.Waiting > v.PendingCount {
+		queued += float64(v.Waiting-v.PendingCount) * meanPrompt
+	}
+	decodes := max(v.InFlight-v.PendingCount, 0)
+	if v.HaveMetrics {
+		decodes = max(decodes, v.Running-v.PendingCount)
+	}
+	meanCtx := 0.0
+	if v.InFlight > 0 {
+		meanCtx = float64(v.InFlightTokens) / float64(v.InFlight)
+	}
+	budget := float64(t.o.MaxBatchTokens)
+	chunk := max(budget-float64(decodes), budget/8)
+	work := queued + float64(own)
+	steps := math.Ceil(work / chunk)
+	ms := steps*(prof.C0+prof.C1*float64(decodes)+prof.C3*float64(decodes)*meanCtx) +
+		prof.C1*work + prof.C2*float64(own)*float64(cached+own)
+	return ms, matched
+}
+
+func (t *TTFT) Pick(req *Request, rs []ReplicaView) (Decision, error) {
+	t.mu.Lock()
+	meanPrompt := t.meanPrompt
+	if meanPrompt == 0 {
+		meanPrompt = float64(req.Tokens)
+	}
+	scores := make([]float64, len(rs))
+	matched := make([]int, len(rs))
+	best := math.Inf(1)
+	for i := range rs {
+		if !rs[i].Healthy {
+			scores[i] = math.Inf(1)
+			continue
+		}
+		raw, m := t.Estimate(req, &rs[i], meanPrompt)
+		scores[i], matched[i] = raw*t.corr(rs[i].Index), m
+		best = min(best, scores[i])
+	}
+	t.mu.Unlock()
+	if math.IsInf(best, 1) {
+		return Decision{}, ErrNoReplica
+	}
+	// Within the margin: deepest match, then at random.
+	limit := best*(1+t.p.MarginRel) + t.p.MarginMs
+	choice, seen := -1, 0
+	for i := range rs {
+		if scores[i] > limit {
+			continue
+		}
+		switch {
+		case choice < 0 || matched[i] > matched[choice]:
+			choice, seen = i, 1
+		case matched[i] == matched[choice]:
+			seen++
+			if t.g.IntN(seen) == 0 {
+				choice = i
+			}
+		}
+	}
+	reason := "lowest estimated TTFT"
+	if scores[choice] > best {
+		reason = "deepest match within the margin of the lowest estimated TTFT"
+	}
+	d := decide(rs, choice, reason, matched[choice], float64(rs[choice].PendingPrefill))
+	d.EstTTFT = time.Duration(scores[choice] * float64(time.Millisecond))
+	d.Scores = scores
+	return d, nil
+}
+
+func (t *TTFT) corr(replica int) float64 {
+	if c, ok := t.correction[replica]; ok {
+		return c
+	}
+	return 1
+}
+
+// Observe learns the correction from first tokens and the mean uncached
+// prompt from routing decisions.
+func (t *TTFT) Observe(ev Event) {
+	if ev.Req == nil {
+		return
+	}
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	switch ev.Kind {
+	case Routed:
+		c := t.corr(ev.Replica)
+		if ev.Decision.EstTTFT > 0 && len(t.pending) < 1<<16 {
+			t.pending[ev.Req.ID] = pendEst{replica: ev.Replica, raw: float64(ev.Decision.EstTTFT) / float64(time.Millisecond) / c}
+		}
+		uncached := float64(max(ev.Req.Tokens-ev.Decision.Matched*t.o.BlockSize, 1))
+		if t.meanPrompt == 0 {
+			t.meanPrompt = uncached
+		} else {
+			t.meanPrompt += 0.05 * (uncached - t.meanPrompt)
+		}
+	case FirstToken, Done:
+		pe, ok := t.pending[ev.Req.ID]
+		if !ok {
+			return
+		}
+		delete(t.pending, ev.Req.ID)
+		if ev.Kind != FirstToken || ev.Err != nil || ev.TTFT <= 0 || pe.raw <= 0 || t.p.Alpha == 0 {
+			return
+		}
+		ratio := float64(ev.TTFT) / float64(time.Millisecond) / pe.raw
+		ratio = min(max(ratio, 1/t.p.MaxCorrection), t.p.MaxCorrection)
+		c := t.corr(pe.replica)
+		c += t.p.Alpha * (ratio - c)
+		t.correction[pe.replica] = min(max(c, 1/t.p.MaxCorrection), t.p.MaxCorrection)
+	}
+}

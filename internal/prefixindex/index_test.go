@@ -1,0 +1,227 @@
+package prefixindex
+
+import (
+	"errors"
+	"math/rand/v2"
+	"runtime"
+	"testing"
+
+	"github.com/kvgate/kvgate/internal/prompt"
+	"pgregory.net/rapid"
+)
+
+// linearMatch is the plain definition Match must agree with.
+func linearMatch(ix *Index, hashes []uint64) []int {
+	out := make([]int, ix.Replicas())
+	for r := range out {
+		for _, h := range hashes {
+			if !ix.Holds(r, h) {
+				break
+			}
+			out[r]++
+		}
+	}
+	return out
+}
+
+// chain makes block hashes for a path of a random tree: prompts share prefixes.
+func chain(ids []int) []uint64 {
+	out := make([]uint64, len(ids))
+	h := uint64(7)
+	for i, id := range ids {
+		var b [8]byte
+		for j := range b {
+			b[j] = byte(id >> (8 * j))
+		}
+		h = prompt.Chain(h, b[:])
+		out[i] = h
+	}
+	return out
+}
+
+func TestMatchAgreesWithLinearScan(t *testing.T) {
+	rapid.Check(t, func(t *rapid.T) {
+		replicas := rapid.IntRange(1, 130).Draw(t, "replicas") // crosses shard boundaries
+		capacity := rapid.IntRange(0, 40).Draw(t, "capacity")
+		maxEntries := rapid.IntRange(0, 400).Draw(t, "maxEntries")
+		ix, err := New(Config{Replicas: replicas, BlocksPerReplica: capacity, MaxEntries: maxEntries})
+		if err != nil {
+			t.Fatal(err)
+		}
+		gen := rapid.SliceOfN(rapid.IntRange(0, 3), 0, 24) // small alphabet: lots of shared prefixes
+		for range rapid.IntRange(1, 60).Draw(t, "ops") {
+			p := chain(gen.Draw(t, "prompt"))
+			if err := ix.Insert(rapid.IntRange(0, replicas-1).Draw(t, "r"), p); err != nil {
+				t.Fatal(err)
+			}
+			q := chain(gen.Draw(t, "query"))
+			got := ix.Match(q, nil)
+			want := linearMatch(ix, q)
+			for r := range want {
+				if got[r] != want[r] {
+					t.Fatalf("replica %d: match %d, linear %d", r, got[r], want[r])
+				}
+			}
+			if ix.Len() > ix.cfg.MaxEntries {
+				t.Fatalf("len %d over cap %d", ix.Len(), ix.cfg.MaxEntries)
+			}
+			for r := range replicas {
+				if capacity > 0 && ix.ReplicaLen(r) > capacity {
+					t.Fatalf("replica %d holds %d > %d", r, ix.ReplicaLen(r), capacity)
+				}
+			}
+		}
+	})
+}
+
+func TestLRUEvictsLeavesFirst(t *testing.T) {
+	ix, _ := New(Config{Replicas: 1, BlocksPerReplica: 6})
+	a := chain([]int{1, 2, 3, 4, 5})
+	b := chain([]int{1, 2, 9, 9})
+	_ = ix.Insert(0, a)
+	_ = ix.Insert(0, b) // 7 distinct blocks > 6: evicts a's last block, never a shared head
+	if got := ix.Match(a, nil)[0]; got != 4 {
+		t.Fatalf("a matches %d, want 4 (its leaf evicted)", got)
+	}
+	if got := ix.Match(b, nil)[0]; got != 4 {
+		t.Fatalf("b matches %d, want 4", got)
+	}
+	if ix.ReplicaLen(0) != 6 || ix.Len() != 6 {
+		t.Fatalf("len %d/%d", ix.ReplicaLen(0), ix.Len())
+	}
+}
+
+func TestRemoveClearAndBadSlot(t *testing.T) {
+	ix, _ := New(Config{Replicas: 3})
+	a := chain([]int{1, 2, 3})
+	_ = ix.Insert(0, a)
+	_ = ix.Insert(2, a)
+	if m := ix.Match(a, nil); m[0] != 3 || m[1] != 0 || m[2] != 3 {
+		t.Fatalf("match %v", m)
+	}
+	_ = ix.Remove(0, a[1:]) // correction: replica 0 reported only one cached block
+	if m := ix.Match(a, nil); m[0] != 1 || m[2] != 3 {
+		t.Fatalf("after remove %v", m)
+	}
+	_ = ix.Clear(2)
+	if m := ix.Match(a, nil); m[2] != 0 || ix.Len() != 1 || ix.Blocks() != 1 {
+		t.Fatalf("after clear %v len %d", m, ix.Len())
+	}
+	if err := ix.Insert(3, a); !errors.Is(err, ErrReplica) {
+		t.Fatalf("slot 3: %v", err)
+	}
+	if _, err := New(Config{Replicas: -1}); err == nil {
+		t.Fatal("negative config accepted")
+	}
+}
+
+// Fed a million unique prompts, the index stays under its cap.
+func TestMillionUniquePromptsStayUnderCap(t *testing.T) {
+	const cap = 20000
+	ix, _ := New(Config{Replicas: 8, MaxEntries: cap})
+	rng := rand.New(rand.NewPCG(1, 2))
+	hs := make([]uint64, 4)
+	for i := range 1_000_000 {
+		for j := range hs {
+			hs[j] = rng.Uint64()
+		}
+		_ = ix.Insert(i%8, hs)
+		if ix.Len() > cap {
+			t.Fatalf("after %d prompts: %d entries > cap %d", i, ix.Len(), cap)
+		}
+	}
+	if ix.Len() < cap-4 || ix.Blocks() > cap {
+		t.Fatalf("len %d blocks %d", ix.Len(), ix.Blocks())
+	}
+	for _, sh := range ix.shards {
+		if int(sh.used) > cap+4 {
+			t.Fatalf("node slab grew to %d", sh.used)
+		}
+	}
+}
+
+func TestPrecise(t *testing.T) {
+	ix, _ := New(Config{Replicas: 2})
+	p := NewPrecise(ix, "m", 4)
+	text := "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ!@#$" // 66 bytes: 16 tokens, 4 blocks of 4
+	ids := prompt.Approx{}.Encode(nil, text)
+	want := prompt.ApproxBlockHashes(nil, prompt.Key{Model: "m"}.Root(), text, 4)
+	// The engine reports its own hashes, in two events: blocks 0-1, then 2-3 with a parent.
+	e := []uint64{101, 102, 103, 104}
+	if err := p.Stored(1, e[:2], nil, ids[:8], 4, ""); err != nil {
+		t.Fatal(err)
+	}
+	if err := p.Stored(1, e[2:], &e[1], ids[8:16], 4, ""); err != nil {
+		t.Fatal(err)
+	}
+	if m := ix.Match(want, nil); m[0] != 0 || m[1] != 4 {
+		t.Fatalf("match %v", m)
+	}
+	if err := p.Removed(1, []uint64{104, 999}); err != nil {
+		t.Fatal(err)
+	}
+	if m := ix.Match(want, nil); m[1] != 3 {
+		t.Fatalf("after removal %v", m)
+	}
+	unknown := uint64(555)
+	if err := p.Stored(0, e[2:3], &unknown, ids[8:12], 4, ""); !errors.Is(err, ErrUnknownParent) {
+		t.Fatalf("unknown parent: %v", err)
+	}
+	if err := p.Stored(0, e[:1], nil, ids[:3], 4, ""); !errors.Is(err, ErrBlockSize) {
+		t.Fatalf("short tokens: %v", err)
+	}
+	// A different adapter is a different partition.
+	_ = p.Stored(0, []uint64{7}, nil, ids[:4], 4, "lora")
+	if m := ix.Match(want, nil); m[0] != 0 {
+		t.Fatalf("adapter matched base model: %v", m)
+	}
+	_ = p.Cleared(1)
+	if m := ix.Match(want, nil); m[1] != 0 {
+		t.Fatalf("after clear %v", m)
+	}
+}
+
+// BenchmarkMemoryPerEntry reports heap bytes per (block, replica) entry with
+// 1M entries over 16 replicas (prompts of 64 blocks, each block held by one
+// replica; a shared block held by several replicas costs less per entry).
+func BenchmarkMemoryPerEntry(b *testing.B) {
+	for b.Loop() {
+		runtime.GC()
+		var before, after runtime.MemStats
+		runtime.ReadMemStats(&before)
+		ix, _ := New(Config{Replicas: 16, MaxEntries: 1 << 20})
+		rng := rand.New(rand.NewPCG(3, 4))
+		hs := make([]uint64, 64)
+		for i := 0; ix.Len() < 1<<20; i++ {
+			for j := range hs {
+				hs[j] = rng.Uint64()
+			}
+			_ = ix.Insert(i%16, hs)
+		}
+		runtime.GC()
+		runtime.ReadMemStats(&after)
+		b.ReportMetric(float64(after.HeapAlloc-before.HeapAlloc)/float64(ix.Len()), "bytes/entry")
+		runtime.KeepAlive(ix)
+	}
+}
+
+func BenchmarkMatch(b *testing.B) {
+	ix, _ := New(Config{Replicas: 16, MaxEntries: 1 << 21})
+	rng := rand.New(rand.NewPCG(5, 6))
+	hs := make([]uint64, 500)
+	for i := 0; ix.Len() < 1<<20; i++ {
+		for j := range hs {
+			hs[j] = rng.Uint64()
+		}
+		_ = ix.Insert(i%16, hs)
+	}
+	_ = ix.Insert(3, hs)
+	_ = ix.Insert(9, hs[:200])
+	out := make([]int, 16)
+	for b.Loop() {
+		out = ix.Match(hs, out)
+	}
+	if out[3] != 500 || out[9] != 200 {
+		b.Fatalf("match %v", out)
+	}
+}

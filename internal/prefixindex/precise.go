@@ -1,0 +1,127 @@
+package prefixindex
+
+import (
+	"errors"
+	"fmt"
+	"sync"
+
+	"github.com/kvgate/kvgate/internal/prompt"
+)
+
+// ErrUnknownParent reports a BlockStored whose parent block was never seen:
+// the event stream lost something, and the replica's view must be resynced.
+var ErrUnknownParent = errors.New("prefixindex: stored block's parent is unknown")
+
+// ErrBlockSize reports a stored event whose token ids do not fill its blocks.
+var ErrBlockSize = errors.New("prefixindex: token ids do not match block hashes × block size")
+
+// Precise feeds an Index from replicas' KV events. An engine's block hashes
+// are its own (vLLM: sha256 or its builtin hash, seeded per process); kvgate
+// never reproduces them. It rehashes the token ids each BlockStored event
+// carries with its own chained hash, from the same root a request's blocks
+// use, and keeps a per-replica map engine hash → kvgate hash so that
+// BlockRemoved can be resolved.
+type Precise struct {
+	ix        *Index
+	model     string
+	blockSize int
+
+	mu     sync.Mutex
+	engine []map[uint64]uint64 // per replica: engine hash → kvgate hash
+}
+
+// NewPrecise wraps ix. Requests must be hashed with prompt.Key{Model: model,
+// Adapter: lora}.Root() and blockSize for their blocks to match.
+func NewPrecise(ix *Index, model string, blockSize int) *Precise {
+	if blockSize <= 0 {
+		blockSize = prompt.DefaultBlockSize
+	}
+	return &Precise{ix: ix, model: model, blockSize: blockSize}
+}
+
+// Index is the index fed.
+func (p *Precise) Index() *Index { return p.ix }
+
+func (p *Precise) replicaMap(r int) map[uint64]uint64 {
+	for len(p.engine) <= r {
+		p.engine = append(p.engine, make(map[uint64]uint64))
+	}
+	return p.engine[r]
+}
+
+// Stored handles BlockStored: engineHashes are the new blocks in order,
+// parent the engine hash of the block before the first (nil: they start a
+// prompt), tokenIDs their tokens (len = blocks × blockSize).
+func (p *Precise) Stored(r int, engineHashes []uint64, parent *uint64, tokenIDs []uint32, blockSize int, lora string) error {
+	if blockSize != p.blockSize {
+		return fmt.Errorf("%w: replica block size %d, index block size %d", ErrBlockSize, blockSize, p.blockSize)
+	}
+	if len(tokenIDs) != len(engineHashes)*blockSize {
+		return fmt.Errorf("%w: %d token ids for %d blocks of %d", ErrBlockSize, len(tokenIDs), len(engineHashes), blockSize)
+	}
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if r < 0 || r >= p.ix.Replicas() {
+		return fmt.Errorf("%w: %d", ErrReplica, r)
+	}
+	m := p.replicaMap(r)
+	h := prompt.Key{Model: p.model, Adapter: lora}.Root()
+	if parent != nil {
+		ph, ok := m[*parent]
+		if !ok {
+			return fmt.Errorf("%w: replica %d, parent %#x", ErrUnknownParent, r, *parent)
+		}
+		h = ph
+	}
+	ours := make([]uint64, len(engineHashes))
+	buf := prompt.TokenBytes(make([]byte, 0, len(tokenIDs)*prompt.TokenBytesPer), tokenIDs)
+	step := blockSize * prompt.TokenBytesPer
+	for i, eh := range engineHashes {
+		h = prompt.Chain(h, buf[i*step:(i+1)*step])
+		ours[i] = h
+		m[eh] = h
+	}
+	if err := p.ix.Insert(r, ours); err != nil {
+		return err
+	}
+	// The index may have evicted entries under its memory cap; keep the
+	// engine map from outgrowing it.
+	if len(m) > 2*p.ix.ReplicaLen(r)+1024 {
+		for eh, h := range m {
+			if !p.ix.Holds(r, h) {
+				delete(m, eh)
+			}
+		}
+	}
+	return nil
+}
+
+// Removed handles BlockRemoved. Unknown hashes are ignored (already evicted
+// under the memory cap, or stored before kvgate subscribed).
+func (p *Precise) Removed(r int, engineHashes []uint64) error {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if r < 0 || r >= p.ix.Replicas() {
+		return fmt.Errorf("%w: %d", ErrReplica, r)
+	}
+	m := p.replicaMap(r)
+	ours := make([]uint64, 0, len(engineHashes))
+	for _, eh := range engineHashes {
+		if h, ok := m[eh]; ok {
+			ours = append(ours, h)
+			delete(m, eh)
+		}
+	}
+	return p.ix.Remove(r, ours)
+}
+
+// Cleared handles AllBlocksCleared, and a resync after lost events.
+func (p *Precise) Cleared(r int) error {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if r < 0 || r >= p.ix.Replicas() {
+		return fmt.Errorf("%w: %d", ErrReplica, r)
+	}
+	clear(p.replicaMap(r))
+	return p.ix.Clear(r)
+}

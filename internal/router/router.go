@@ -1,0 +1,322 @@
+// Package router composes the routing core: it turns a parsed request into
+// a routing key (prompt), keeps the gateway's view of every replica (load
+// counters, scraped metrics, health) and the prefix index, asks the policy
+// for a decision, and feeds outcomes back. The live gateway and the offline
+// replay both route through a Router, so they run the same code.
+package router
+
+import (
+	"errors"
+	"fmt"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/kvgate/kvgate/internal/policy"
+	"github.com/kvgate/kvgate/internal/prefixindex"
+	"github.com/kvgate/kvgate/internal/prompt"
+)
+
+// Config configures a Router.
+type Config struct {
+	Replicas  []string // replica URLs (or names), in slot order
+	Policy    policy.Policy
+	Tokenizer prompt.Tokenizer // default prompt.Approx{}
+	BlockSize int              // default 16
+	// BlocksPerReplica bounds each replica's share of the approximate index
+	// (default 30,000: the engine's default KV capacity; the gateway sets it
+	// from each replica's scraped cache_config_info when known).
+	BlocksPerReplica int
+	// MaxEntries caps the approximate index, and the precise one (default prefixindex's).
+	MaxEntries int
+	// Precise enables a second index fed by KV events (see Precise()).
+	Precise bool
+	// Model names the partition KV events are hashed under in precise mode.
+	Model string
+	// Now is the clock (default time.Now).
+	Now func() time.Time
+}
+
+// Metrics is what a scrape of a replica's /metrics tells.
+type Metrics struct {
+	Waiting, Running int
+	KVUsage          float64
+	NumBlocks        int
+	BlockSize        int
+}
+
+// replica is the router's state of one replica: hot counters in atomics.
+type replica struct {
+	url            string
+	healthy        atomic.Bool
+	inFlight       atomic.Int64
+	inFlightTokens atomic.Int64
+	pendingPrefill atomic.Int64
+	pendingCount   atomic.Int64
+	// preciseOK: the precise index is in sync for this replica.
+	preciseOK atomic.Bool
+
+	mu        sync.Mutex
+	metrics   Metrics
+	metricsAt time.Time
+	have      bool
+}
+
+// Router routes requests.
+type Router struct {
+	cfg      Config
+	pol      policy.Policy
+	obs      policy.Observer
+	tok      prompt.Tokenizer
+	approx   *prefixindex.Index
+	precise  *prefixindex.Precise
+	replicas []*replica
+	nextID   atomic.Uint64
+}
+
+// New builds a Router.
+func New(cfg Config) (*Router, error) {
+	if len(cfg.Replicas) == 0 {
+		return nil, errors.New("router: no replicas")
+	}
+	if cfg.Policy == nil {
+		return nil, errors.New("router: no policy")
+	}
+	if cfg.Tokenizer == nil {
+		cfg.Tokenizer = prompt.Approx{}
+	}
+	if cfg.BlockSize <= 0 {
+		cfg.BlockSize = prompt.DefaultBlockSize
+	}
+	if cfg.BlocksPerReplica <= 0 {
+		cfg.BlocksPerReplica = 30000
+	}
+	if cfg.Now == nil {
+		cfg.Now = time.Now
+	}
+	ix, err := prefixindex.New(prefixindex.Config{Replicas: len(cfg.Replicas), BlocksPerReplica: cfg.BlocksPerReplica, MaxEntries: cfg.MaxEntries})
+	if err != nil {
+		return nil, err
+	}
+	rt := &Router{cfg: cfg, pol: cfg.Policy, tok: cfg.Tokenizer, approx: ix}
+	rt.obs, _ = cfg.Policy.(policy.Observer)
+	if cfg.Precise {
+		pix, err := prefixindex.New(prefixindex.Config{Replicas: len(cfg.Replicas), MaxEntries: cfg.MaxEntries})
+		if err != nil {
+			return nil, err
+		}
+		rt.precise = prefixindex.NewPrecise(pix, cfg.Model, cfg.BlockSize)
+	}
+	for _, u := range cfg.Replicas {
+		r := &replica{url: u}
+		r.healthy.Store(true)
+		rt.replicas = append(rt.replicas, r)
+	}
+	return rt, nil
+}
+
+// Policy is the router's policy.
+func (rt *Router) Policy() policy.Policy { return rt.pol }
+
+// BlockSize is the block size requests are hashed with.
+func (rt *Router) BlockSize() int { return rt.cfg.BlockSize }
+
+// Tokenizer is the tokenizer requests are hashed with.
+func (rt *Router) Tokenizer() prompt.Tokenizer { return rt.tok }
+
+// Replicas is the number of replica slots.
+func (rt *Router) Replicas() int { return len(rt.replicas) }
+
+// URL is replica slot i's URL.
+func (rt *Router) URL(i int) string { return rt.replicas[i].url }
+
+// Index is the approximate index.
+func (rt *Router) Index() *prefixindex.Index { return rt.approx }
+
+// Precise is the KV-event index (nil unless Config.Precise).
+func (rt *Router) Precise() *prefixindex.Precise { return rt.precise }
+
+// SetPreciseSynced marks whether replica i's precise index is in sync with
+// its KV events; while it is not (before the first event, after a sequence
+// gap) the approximate index answers for it.
+func (rt *Router) SetPreciseSynced(i int, ok bool) { rt.replicas[i].preciseOK.Store(ok) }
+
+// SetHealthy marks replica i in or out of rotation.
+func (rt *Router) SetHealthy(i int, ok bool) { rt.replicas[i].healthy.Store(ok) }
+
+// Healthy reports replica i's health.
+func (rt *Router) Healthy(i int) bool { return rt.replicas[i].healthy.Load() }
+
+// SetMetrics records a scrape of replica i taken at `at`.
+func (rt *Router) SetMetrics(i int, m Metrics, at time.Time) {
+	r := rt.replicas[i]
+	r.mu.Lock()
+	r.metrics, r.metricsAt, r.have = m, at, true
+	r.mu.Unlock()
+}
+
+// InFlight is the number of requests in flight to replica i.
+func (rt *Router) InFlight(i int) int { return int(rt.replicas[i].inFlight.Load()) }
+
+// Prepare makes the routing key of a parsed request.
+func (rt *Router) Prepare(p *prompt.Parsed, session, adapter string) *policy.Request {
+	req := &policy.Request{
+		ID:        rt.nextID.Add(1),
+		Now:       rt.cfg.Now(),
+		Model:     p.Model,
+		Adapter:   adapter,
+		Salt:      p.CacheSalt,
+		Text:      p.Text,
+		KeyText:   p.KeyText,
+		System:    p.System,
+		Session:   session,
+		MaxTokens: p.MaxTokens,
+	}
+	if req.Session == "" {
+		req.Session = p.User
+	}
+	root := prompt.Key{Model: p.Model, Adapter: adapter, Salt: p.CacheSalt}.Root()
+	req.Tokens, req.Blocks = p.Blocks(nil, rt.tok, root, rt.cfg.BlockSize)
+	return req
+}
+
+// Views returns the router's view of every replica for req, with each
+// replica's match from the index.
+func (rt *Router) Views(req *policy.Request) []policy.ReplicaView {
+	views := make([]policy.ReplicaView, len(rt.replicas))
+	var approx, precise []int
+	approx = rt.approx.Match(req.Blocks, make([]int, 0, len(rt.replicas)))
+	if rt.precise != nil {
+		precise = rt.precise.Index().Match(req.Blocks, make([]int, 0, len(rt.replicas)))
+	}
+	for i, r := range rt.replicas {
+		v := &views[i]
+		v.Index, v.URL, v.Healthy = i, r.url, r.healthy.Load()
+		v.InFlight = int(r.inFlight.Load())
+		v.InFlightTokens = int(r.inFlightTokens.Load())
+		v.PendingPrefill = int(r.pendingPrefill.Load())
+		v.PendingCount = int(r.pendingCount.Load())
+		r.mu.Lock()
+		if r.have {
+			v.HaveMetrics = true
+			v.MetricsAge = req.Now.Sub(r.metricsAt)
+			v.Waiting, v.Running, v.KVUsage, v.NumBlocks = r.metrics.Waiting, r.metrics.Running, r.metrics.KVUsage, r.metrics.NumBlocks
+		}
+		r.mu.Unlock()
+		v.Match = approx[i]
+		if precise != nil && r.preciseOK.Load() {
+			v.Match = precise[i]
+		}
+	}
+	return views
+}
+
+// DryRun is the decision for req without sending anything or learning.
+func (rt *Router) DryRun(req *policy.Request) (policy.Decision, []policy.ReplicaView, error) {
+	views := rt.Views(req)
+	d, err := rt.pol.Pick(req, views)
+	return d, views, err
+}
+
+// Ticket tracks one routed request until it ends.
+type Ticket struct {
+	rt       *Router
+	req      *policy.Request
+	Decision policy.Decision
+	Replica  int
+	start    time.Time
+	uncached int64
+	tokens   int64
+	first    bool
+	done     bool
+	mu       sync.Mutex
+}
+
+// Route decides and commits: the replica's counters go up (before the
+// upstream call), the index learns the request's blocks, observers hear
+// Routed. exclude lists replica slots not to use (a retry's failed ones).
+func (rt *Router) Route(req *policy.Request, exclude ...int) (*Ticket, error) {
+	views := rt.Views(req)
+	for _, x := range exclude {
+		if x >= 0 && x < len(views) {
+			views[x].Healthy = false
+		}
+	}
+	d, err := rt.pol.Pick(req, views)
+	if err != nil {
+		return nil, err
+	}
+	if d.Replica < 0 || d.Replica >= len(rt.replicas) {
+		return nil, fmt.Errorf("router: policy %s chose replica %d of %d", rt.pol.Name(), d.Replica, len(rt.replicas))
+	}
+	return rt.commit(req, d, views[d.Replica].Match), nil
+}
+
+func (rt *Router) commit(req *policy.Request, d policy.Decision, match int) *Ticket {
+	r := rt.replicas[d.Replica]
+	cached := min(match*rt.cfg.BlockSize, max(req.Tokens-1, 0))
+	t := &Ticket{rt: rt, req: req, Decision: d, Replica: d.Replica, start: req.Now,
+		uncached: int64(req.Tokens - cached), tokens: int64(req.Tokens + req.MaxTokens)}
+	r.inFlight.Add(1)
+	r.inFlightTokens.Add(t.tokens)
+	r.pendingPrefill.Add(t.uncached)
+	r.pendingCount.Add(1)
+	_ = rt.approx.Insert(d.Replica, req.Blocks)
+	if rt.obs != nil {
+		rt.obs.Observe(policy.Event{Kind: policy.Routed, At: req.Now, Req: req, Decision: d, Replica: d.Replica})
+	}
+	return t
+}
+
+// Request is the ticket's request.
+func (t *Ticket) Request() *policy.Request { return t.req }
+
+// FirstToken reports the first token at `at` (idempotent).
+func (t *Ticket) FirstToken(at time.Time) {
+	t.mu.Lock()
+	if t.first || t.done {
+		t.mu.Unlock()
+		return
+	}
+	t.first = true
+	t.mu.Unlock()
+	r := t.rt.replicas[t.Replica]
+	r.pendingPrefill.Add(-t.uncached)
+	r.pendingCount.Add(-1)
+	if t.rt.obs != nil {
+		t.rt.obs.Observe(policy.Event{Kind: policy.FirstToken, At: at, Req: t.req, Decision: t.Decision,
+			Replica: t.Replica, TTFT: at.Sub(t.start)})
+	}
+}
+
+// Outcome is how a request ended.
+type Outcome struct {
+	// CachedTokens is the replica's usage.prompt_tokens_details.cached_tokens
+	// (-1: not reported).
+	CachedTokens int
+	OutputTokens int
+	Err          error
+}
+
+// Done ends the ticket (idempotent): counters go down, observers hear Done.
+func (t *Ticket) Done(at time.Time, o Outcome) {
+	t.mu.Lock()
+	if t.done {
+		t.mu.Unlock()
+		return
+	}
+	t.done = true
+	first := t.first
+	t.mu.Unlock()
+	r := t.rt.replicas[t.Replica]
+	if !first {
+		r.pendingPrefill.Add(-t.uncached)
+		r.pendingCount.Add(-1)
+	}
+	r.inFlight.Add(-1)
+	r.inFlightTokens.Add(-t.tokens)
+	if t.rt.obs != nil {
+		t.rt.obs.Observe(policy.Event{Kind: policy.Done, At: at, Req: t.req, Decision: t.Decision,
+			Replica: t.Replica, CachedTokens: o.CachedTokens, OutputTokens: o.OutputTokens, Err: o.Err})
+	}
+}

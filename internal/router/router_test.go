@@ -1,0 +1,124 @@
+package router
+
+import (
+	"math/rand/v2"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/kvgate/kvgate/internal/policy"
+	"github.com/kvgate/kvgate/internal/prompt"
+)
+
+func newRouter(t testing.TB, pol string, n int) *Router {
+	t.Helper()
+	p, err := policy.New(pol, policy.Options{Seed: 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	urls := make([]string, n)
+	for i := range urls {
+		urls[i] = "http://r" + string(rune('a'+i))
+	}
+	clock := time.Unix(0, 0)
+	rt, err := New(Config{Replicas: urls, Policy: p, Now: func() time.Time { return clock }, MaxEntries: 2 << 20, BlocksPerReplica: 1 << 20})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return rt
+}
+
+func parse(t testing.TB, text string) *prompt.Parsed {
+	return &prompt.Parsed{Kind: prompt.Completion, Model: "m", Text: text, KeyText: text, MaxTokens: 16, Prompts: 1}
+}
+
+func TestCountersReturnToZero(t *testing.T) {
+	rt := newRouter(t, "ttft", 3)
+	var tickets []*Ticket
+	for i := range 10 {
+		req := rt.Prepare(parse(t, strings.Repeat("x", 100*i+64)), "", "")
+		tk, err := rt.Route(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		tickets = append(tickets, tk)
+	}
+	for i, tk := range tickets {
+		if i%2 == 0 {
+			tk.FirstToken(time.Unix(1, 0))
+			tk.FirstToken(time.Unix(1, 0)) // idempotent
+		}
+		tk.Done(time.Unix(2, 0), Outcome{CachedTokens: -1})
+		tk.Done(time.Unix(2, 0), Outcome{CachedTokens: -1})
+	}
+	for i, r := range rt.replicas {
+		if r.inFlight.Load() != 0 || r.inFlightTokens.Load() != 0 || r.pendingPrefill.Load() != 0 || r.pendingCount.Load() != 0 {
+			t.Fatalf("replica %d counters not zero: %d %d %d %d", i, r.inFlight.Load(), r.inFlightTokens.Load(), r.pendingPrefill.Load(), r.pendingCount.Load())
+		}
+	}
+}
+
+func TestRouteExcludeAndUnhealthy(t *testing.T) {
+	rt := newRouter(t, "least_load", 3)
+	rt.SetHealthy(1, false)
+	for range 20 {
+		tk, err := rt.Route(rt.Prepare(parse(t, "hello"), "", ""), 0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if tk.Replica != 2 {
+			t.Fatalf("routed to %d; 0 excluded, 1 unhealthy", tk.Replica)
+		}
+	}
+	if _, err := rt.Route(rt.Prepare(parse(t, "hello"), "", ""), 0, 2); err == nil {
+		t.Fatal("no replica left, no error")
+	}
+}
+
+func TestTTFTKeepsAConversationOnItsReplica(t *testing.T) {
+	rt := newRouter(t, "ttft", 4)
+	history := strings.Repeat("system prompt shared by the conversation. ", 100)
+	first := -1
+	for turn := range 8 {
+		history += strings.Repeat("turn text ", 30)
+		tk, err := rt.Route(rt.Prepare(parse(t, history), "", ""))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if first < 0 {
+			first = tk.Replica
+		} else if tk.Replica != first {
+			t.Fatalf("turn %d went to %d, conversation is on %d", turn, tk.Replica, first)
+		}
+		if turn > 0 && tk.Decision.Matched == 0 {
+			t.Fatalf("turn %d credited no match", turn)
+		}
+		tk.FirstToken(time.Unix(1, 0))
+		tk.Done(time.Unix(1, 0), Outcome{CachedTokens: -1})
+	}
+}
+
+// BenchmarkDecision measures one routing decision as the gateway makes it:
+// hash a 32,000-character prompt, match it over 16 replicas in an index of
+// 1M blocks, pick with the default policy (ttft).
+func BenchmarkDecision(b *testing.B) {
+	rt := newRouter(b, "ttft", 16)
+	rng := rand.New(rand.NewPCG(1, 2))
+	hs := make([]uint64, 500)
+	for i := 0; rt.Index().Len() < 1<<20; i++ {
+		for j := range hs {
+			hs[j] = rng.Uint64()
+		}
+		_ = rt.Index().Insert(i%16, hs)
+	}
+	text := strings.Repeat("The quick brown fox jumps over the lazy dog. ", 32000/45+1)[:32000]
+	p := parse(b, text)
+	rt.Index().Insert(5, rt.Prepare(p, "", "").Blocks[:300])
+	b.ResetTimer()
+	for b.Loop() {
+		req := rt.Prepare(p, "", "")
+		if _, _, err := rt.DryRun(req); err != nil {
+			b.Fatal(err)
+		}
+	}
+}
