@@ -1,0 +1,110 @@
+package report
+
+import (
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"math"
+	"slices"
+)
+
+// Bound is the replay's upper bounds on the hit rate of any policy on a trace.
+type Bound struct {
+	PrefixReuse float64 `json:"prefix_reuse"` // one unbounded cache: every repeated prefix hits
+	MergedLRU   float64 `json:"merged_lru"`   // one LRU cache with the whole fleet's capacity
+}
+
+// Result is what bench and replay write: the runs, and for replay the bounds.
+type Result struct {
+	Bound *Bound         `json:"bound,omitempty"`
+	Runs  []Run          `json:"runs"`
+	Meta  map[string]any `json:"meta,omitempty"` // command, seed, workload, … shown in the report
+}
+
+var (
+	// ErrNonFinite is returned by WriteJSON when a number is NaN or ±Inf, which JSON cannot
+	// carry; the error names the run and the field.
+	ErrNonFinite = errors.New("report: non-finite number")
+	// ErrMalformed is returned by ReadJSON for input that is not a kvgate result.
+	ErrMalformed = errors.New("report: malformed result JSON")
+)
+
+// WriteJSON writes res as indented JSON, exactly the bench/replay contract: nil slices are
+// written as [] (never null), optional fields are omitted when unset.
+func WriteJSON(w io.Writer, res Result) error {
+	if err := checkFinite(res); err != nil {
+		return err
+	}
+	out := res
+	out.Runs = make([]Run, len(res.Runs))
+	for i, r := range res.Runs {
+		if r.ReplicaShare == nil {
+			r.ReplicaShare = []float64{}
+		}
+		out.Runs[i] = r
+	}
+	b, err := json.MarshalIndent(out, "", "  ")
+	if err != nil {
+		return fmt.Errorf("report: encode result: %w", err)
+	}
+	b = append(b, '\n')
+	_, err = w.Write(b)
+	return err
+}
+
+// ReadJSON reads a result written by WriteJSON (or by anything following the contract).
+// Unknown fields are ignored, so that newer writers stay readable; a missing "runs" array
+// or trailing data is ErrMalformed. Runs read back carry no Series.
+func ReadJSON(r io.Reader) (Result, error) {
+	dec := json.NewDecoder(r)
+	var res Result
+	if err := dec.Decode(&res); err != nil {
+		return Result{}, fmt.Errorf("%w: %w", ErrMalformed, err)
+	}
+	if _, err := dec.Token(); err != io.EOF {
+		return Result{}, fmt.Errorf("%w: trailing data after the result object", ErrMalformed)
+	}
+	if res.Runs == nil {
+		return Result{}, fmt.Errorf("%w: no \"runs\" array", ErrMalformed)
+	}
+	return res, nil
+}
+
+func checkFinite(res Result) error {
+	bad := func(v float64) bool { return math.IsNaN(v) || math.IsInf(v, 0) }
+	if b := res.Bound; b != nil {
+		if bad(b.PrefixReuse) || bad(b.MergedLRU) {
+			return fmt.Errorf("%w: bound", ErrNonFinite)
+		}
+	}
+	for _, r := range res.Runs {
+		fields := []struct {
+			name string
+			v    float64
+		}{
+			{"ttft_ms.mean", r.TTFTms.Mean}, {"ttft_ms.p50", r.TTFTms.P50}, {"ttft_ms.p90", r.TTFTms.P90}, {"ttft_ms.p99", r.TTFTms.P99},
+			{"itl_ms.mean", r.ITLms.Mean}, {"itl_ms.p50", r.ITLms.P50}, {"itl_ms.p90", r.ITLms.P90}, {"itl_ms.p99", r.ITLms.P99},
+			{"e2e_ms.mean", r.E2Ems.Mean}, {"e2e_ms.p50", r.E2Ems.P50}, {"e2e_ms.p90", r.E2Ems.P90}, {"e2e_ms.p99", r.E2Ems.P99},
+			{"throughput_rps", r.ThroughputRPS}, {"output_tokens_per_s", r.OutputTokensPerS},
+			{"hit_rate", r.HitRate}, {"imbalance", r.Imbalance},
+		}
+		for _, f := range fields {
+			if bad(f.v) {
+				return fmt.Errorf("%w: run %q field %s = %v", ErrNonFinite, r.Policy, f.name, f.v)
+			}
+		}
+		if slices.ContainsFunc(r.ReplicaShare, bad) {
+			return fmt.Errorf("%w: run %q field replica_share", ErrNonFinite, r.Policy)
+		}
+		if r.CapacitySpeedup != nil && bad(*r.CapacitySpeedup) {
+			return fmt.Errorf("%w: run %q field capacity_speedup", ErrNonFinite, r.Policy)
+		}
+		for k, v := range r.Extra {
+			if bad(v) {
+				return fmt.Errorf("%w: run %q field extra.%s", ErrNonFinite, r.Policy, k)
+			}
+		}
+	}
+	return nil
+}

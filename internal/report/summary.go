@@ -1,0 +1,279 @@
+// Package report turns per-request outcomes into the summary every kvgate verb reports
+// (bench and replay alike), and writes it as a terminal table, the JSON contract, charts
+// (SVG and PNG via gonum/plot) and one self-contained HTML page.
+//
+// There is exactly one summary computation, Summarize, so that a figure from `replay`
+// (virtual time) and a figure from `bench` (wall clock) mean the same thing.
+package report
+
+import (
+	"math"
+	"slices"
+	"time"
+)
+
+// Record is one request's outcome, produced by bench (measured) or replay (simulated).
+// It is kept small on purpose (no per-token slices): a replay of a long trace holds
+// millions of them.
+type Record struct {
+	Start time.Duration // arrival, relative to run start
+	TTFT  time.Duration // time to first token; 0 when Err
+	E2E   time.Duration // arrival to last token; 0 when Err
+
+	PromptTokens int // prompt tokens as counted by the replica (usage.prompt_tokens)
+	CachedTokens int // of which served from its prefix cache (usage.prompt_tokens_details.cached_tokens)
+	OutputTokens int // generated tokens (usage.completion_tokens)
+
+	Replica int    // index of the replica that served (or was sent) it; -1 if none
+	Err     bool   // the request failed: excluded from latency, throughput and hit rate, counted in Errors
+	ErrKind string // short class of the failure (e.g. "timeout", "http_503"), for the caller's breakdowns
+}
+
+// Dist summarises one latency distribution in milliseconds.
+type Dist struct {
+	Mean float64 `json:"mean"`
+	P50  float64 `json:"p50"`
+	P90  float64 `json:"p90"`
+	P99  float64 `json:"p99"`
+}
+
+// Point is one (x, y) sample of a chart series.
+type Point struct{ X, Y float64 }
+
+// Series holds what the charts need beyond the scalar summary. It is not part of the JSON
+// contract: a Result read back from JSON has no Series, and the report then draws what the
+// scalars allow (see WriteReport).
+type Series struct {
+	// TTFTCDF is the empirical CDF of TTFT over successful requests: X in ms (ascending),
+	// Y = fraction of requests with TTFT ≤ X. At most maxCDFPoints points: beyond that the
+	// CDF is sampled at evenly spaced ranks, always keeping the first and the last.
+	TTFTCDF []Point
+	// HitRate is the prefix-cache hit rate (cached / prompt tokens, 0..1) of the requests
+	// arriving in each of about hitRateBuckets equal time buckets; X is the bucket's centre
+	// in seconds since run start. Buckets without prompt tokens are left out.
+	HitRate []Point
+	// ReplicaRequests counts the requests routed to each replica, errors included.
+	ReplicaRequests []int
+}
+
+// Run is the summary of one policy's run: one element of "runs" in the JSON contract.
+type Run struct {
+	Policy           string             `json:"policy"`
+	Requests         int                `json:"requests"`
+	Errors           int                `json:"errors"`
+	TTFTms           Dist               `json:"ttft_ms"`
+	ITLms            Dist               `json:"itl_ms"`
+	E2Ems            Dist               `json:"e2e_ms"`
+	ThroughputRPS    float64            `json:"throughput_rps"`
+	OutputTokensPerS float64            `json:"output_tokens_per_s"`
+	HitRate          float64            `json:"hit_rate"`
+	Imbalance        float64            `json:"imbalance"`
+	ReplicaShare     []float64          `json:"replica_share"`
+	CapacitySpeedup  *float64           `json:"capacity_speedup,omitempty"`
+	Extra            map[string]float64 `json:"extra,omitempty"` // e.g. hit_rate_vs_bound
+	Series           *Series            `json:"-"`
+}
+
+const (
+	// hitRateBuckets is how many arrival-time buckets the hit-rate-over-time series uses.
+	hitRateBuckets = 20
+	// maxCDFPoints bounds the TTFT CDF kept for charts: enough for a smooth curve at any
+	// chart width, small enough that a million-request replay does not keep every sample.
+	maxCDFPoints = 1000
+)
+
+// Summarize computes the one summary kvgate reports for a policy's run.
+//
+//   - Requests counts every record, Errors the failed ones. Failed requests are excluded
+//     from the latency distributions, the throughputs and the hit rate (their usage is unknown).
+//   - Percentiles use linear interpolation between closest ranks (Hyndman & Fan type 7, the
+//     default of numpy and R): for sorted x[0..n-1], p → x[h] interpolated at h = (n−1)·p.
+//   - ITL per request is (E2E − TTFT) / (OutputTokens − 1): the mean gap between consecutive
+//     tokens, since the gaps telescope from the first token to the last. Requests with fewer
+//     than two output tokens have no gap and are left out of the ITL distribution.
+//   - Throughput is successful requests (and their output tokens) per second of wall; when
+//     wall is 0 it is the span from the first arrival to the last completion.
+//   - hit_rate = Σ cached prompt tokens / Σ prompt tokens over successful requests.
+//   - replica_share[i] = requests routed to replica i / requests routed to any replica
+//     (errors included: a failed request still took a routing decision). imbalance = the
+//     largest share / the mean share (1/N), so 1.0 is perfect balance and N is "all on one";
+//     0 when nothing was routed. replicas sets N; a record naming a replica ≥ N widens it.
+func Summarize(policy string, recs []Record, replicas int, wall time.Duration) Run {
+	run := Run{Policy: policy, Requests: len(recs)}
+
+	n := max(replicas, 0)
+	for _, r := range recs {
+		n = max(n, r.Replica+1)
+	}
+	perReplica := make([]int, n)
+
+	var (
+		ttft, itl, e2e  = make([]float64, 0, len(recs)), make([]float64, 0, len(recs)), make([]float64, 0, len(recs))
+		prompt, cached  int64
+		outTokens       int64
+		ok              int
+		first, last     time.Duration
+		seen            bool
+		firstOK, lastOK time.Duration // arrival range of successful requests, for hit-rate buckets
+		seenOK          bool
+	)
+	for _, r := range recs {
+		if r.Replica >= 0 {
+			perReplica[r.Replica]++
+		}
+		done := r.Start + r.E2E
+		if !seen {
+			first, last, seen = r.Start, done, true
+		}
+		first, last = min(first, r.Start), max(last, done)
+		if r.Err {
+			run.Errors++
+			continue
+		}
+		if !seenOK {
+			firstOK, lastOK, seenOK = r.Start, r.Start, true
+		}
+		firstOK, lastOK = min(firstOK, r.Start), max(lastOK, r.Start)
+		ok++
+		ttft = append(ttft, ms(r.TTFT))
+		e2e = append(e2e, ms(r.E2E))
+		if r.OutputTokens >= 2 {
+			itl = append(itl, ms(r.E2E-r.TTFT)/float64(r.OutputTokens-1))
+		}
+		prompt += int64(r.PromptTokens)
+		cached += int64(r.CachedTokens)
+		outTokens += int64(r.OutputTokens)
+	}
+
+	slices.Sort(ttft)
+	slices.Sort(itl)
+	slices.Sort(e2e)
+	run.TTFTms, run.ITLms, run.E2Ems = distOf(ttft), distOf(itl), distOf(e2e)
+
+	if wall <= 0 && seen {
+		wall = last - first
+	}
+	if wall > 0 {
+		run.ThroughputRPS = float64(ok) / wall.Seconds()
+		run.OutputTokensPerS = float64(outTokens) / wall.Seconds()
+	}
+	if prompt > 0 {
+		run.HitRate = float64(cached) / float64(prompt)
+	}
+
+	run.ReplicaShare = make([]float64, n)
+	routed, most := 0, 0
+	for _, c := range perReplica {
+		routed += c
+		most = max(most, c)
+	}
+	if routed > 0 {
+		for i, c := range perReplica {
+			run.ReplicaShare[i] = float64(c) / float64(routed)
+		}
+		// max share / mean share = (most/routed) / (1/n)
+		run.Imbalance = float64(most) * float64(n) / float64(routed)
+	}
+
+	run.Series = &Series{
+		TTFTCDF:         cdfOf(ttft),
+		HitRate:         hitRateSeries(recs, firstOK, lastOK),
+		ReplicaRequests: perReplica,
+	}
+	return run
+}
+
+func ms(d time.Duration) float64 { return float64(d) / float64(time.Millisecond) }
+
+// distOf summarises sorted samples; the zero Dist when there are none.
+func distOf(sorted []float64) Dist {
+	if len(sorted) == 0 {
+		return Dist{}
+	}
+	// Kahan–Babuška (Neumaier) summation: a long replay sums millions of samples of
+	// very different magnitudes.
+	var sum, comp float64
+	for _, v := range sorted {
+		t := sum + v
+		if math.Abs(sum) >= math.Abs(v) {
+			comp += (sum - t) + v
+		} else {
+			comp += (v - t) + sum
+		}
+		sum = t
+	}
+	return Dist{
+		Mean: (sum + comp) / float64(len(sorted)),
+		P50:  Percentile(sorted, 0.50),
+		P90:  Percentile(sorted, 0.90),
+		P99:  Percentile(sorted, 0.99),
+	}
+}
+
+// Percentile returns the p-quantile (0 ≤ p ≤ 1) of ascending samples by linear
+// interpolation between closest ranks (Hyndman & Fan type 7): h = (n−1)·p,
+// x[⌊h⌋] + (h−⌊h⌋)·(x[⌊h⌋+1] − x[⌊h⌋]). 0 for no samples.
+func Percentile(sorted []float64, p float64) float64 {
+	n := len(sorted)
+	if n == 0 {
+		return 0
+	}
+	p = min(max(p, 0), 1)
+	h := float64(n-1) * p
+	lo := int(math.Floor(h))
+	if lo >= n-1 {
+		return sorted[n-1]
+	}
+	return sorted[lo] + (h-float64(lo))*(sorted[lo+1]-sorted[lo])
+}
+
+// cdfOf returns the empirical CDF of ascending samples, sampled at no more than
+// maxCDFPoints evenly spaced ranks (first and last kept).
+func cdfOf(sorted []float64) []Point {
+	n := len(sorted)
+	if n == 0 {
+		return nil
+	}
+	m := min(n, maxCDFPoints)
+	out := make([]Point, 0, m)
+	for k := range m {
+		i := k
+		if m < n {
+			i = int(math.Round(float64(k) * float64(n-1) / float64(m-1)))
+		}
+		out = append(out, Point{X: sorted[i], Y: float64(i+1) / float64(n)})
+	}
+	return out
+}
+
+// hitRateSeries buckets successful requests by arrival into hitRateBuckets equal spans of
+// [first, last] and returns each non-empty bucket's token hit rate at its centre (seconds).
+func hitRateSeries(recs []Record, first, last time.Duration) []Point {
+	span := last - first
+	buckets := hitRateBuckets
+	if span <= 0 {
+		buckets = 1
+	}
+	prompt := make([]int64, buckets)
+	cached := make([]int64, buckets)
+	for _, r := range recs {
+		if r.Err {
+			continue
+		}
+		b := 0
+		if span > 0 {
+			b = min(int(float64(r.Start-first)/float64(span)*float64(buckets)), buckets-1)
+		}
+		prompt[b] += int64(r.PromptTokens)
+		cached[b] += int64(r.CachedTokens)
+	}
+	var out []Point
+	for b := range buckets {
+		if prompt[b] == 0 {
+			continue
+		}
+		centre := first.Seconds() + (float64(b)+0.5)*span.Seconds()/float64(buckets)
+		out = append(out, Point{X: centre, Y: float64(cached[b]) / float64(prompt[b])})
+	}
+	return out
+}

@@ -1,0 +1,122 @@
+package report
+
+import (
+	"fmt"
+	"io"
+	"strings"
+	"unicode/utf8"
+)
+
+// table is the one tabular view of a Result, shared by WriteTable and the HTML report so
+// that both print the same figures, formatted the same way.
+type table struct {
+	Header []string
+	Rows   [][]string
+	Right  []bool // column is right-aligned (numbers)
+}
+
+// Number formats, one per kind of figure.
+func fmtMs(v float64) string      { return fmt.Sprintf("%.1f", v) }
+func fmtRate(v float64) string    { return fmt.Sprintf("%.2f", v) }
+func fmtTokRate(v float64) string { return fmt.Sprintf("%.0f", v) }
+func fmtPercent(v float64) string { return fmt.Sprintf("%.1f", 100*v) }
+func fmtRatio(v float64) string   { return fmt.Sprintf("%.2f", v) }
+func fmtSpeedup(v float64) string { return fmt.Sprintf("%.2fx", v) }
+func fmtExtra(v float64) string   { return fmt.Sprintf("%.4g", v) }
+func hasCapacity(res Result) bool {
+	return anyRun(res, func(r Run) bool { return r.CapacitySpeedup != nil })
+}
+func anyRun(res Result, f func(Run) bool) bool {
+	for _, r := range res.Runs {
+		if f(r) {
+			return true
+		}
+	}
+	return false
+}
+
+// buildTable lays out the columns of the terminal table: policy, TTFT p50/p90/p99, ITL p50,
+// E2E p50, req/s, out tok/s, hit %, imbalance, errors, and capacity when any run has it.
+func buildTable(res Result) table {
+	t := table{Header: []string{
+		"policy", "ttft p50 ms", "ttft p90 ms", "ttft p99 ms", "itl p50 ms", "e2e p50 ms",
+		"req/s", "out tok/s", "hit %", "imbalance", "errors",
+	}}
+	capacity := hasCapacity(res)
+	if capacity {
+		t.Header = append(t.Header, "capacity")
+	}
+	for _, r := range res.Runs {
+		row := []string{
+			r.Policy,
+			fmtMs(r.TTFTms.P50), fmtMs(r.TTFTms.P90), fmtMs(r.TTFTms.P99),
+			fmtMs(r.ITLms.P50), fmtMs(r.E2Ems.P50),
+			fmtRate(r.ThroughputRPS), fmtTokRate(r.OutputTokensPerS),
+			fmtPercent(r.HitRate), fmtRatio(r.Imbalance), fmt.Sprint(r.Errors),
+		}
+		if capacity {
+			if r.CapacitySpeedup != nil {
+				row = append(row, fmtSpeedup(*r.CapacitySpeedup))
+			} else {
+				row = append(row, "-")
+			}
+		}
+		t.Rows = append(t.Rows, row)
+	}
+	t.Right = make([]bool, len(t.Header))
+	for i := 1; i < len(t.Right); i++ {
+		t.Right[i] = true
+	}
+	return t
+}
+
+// boundLine describes the replay's hit-rate bounds in one line, "" without bounds.
+func boundLine(b *Bound) string {
+	if b == nil {
+		return ""
+	}
+	return fmt.Sprintf("hit-rate bounds: prefix reuse %s%% (unbounded cache), merged LRU %s%% (one LRU with the fleet's capacity)",
+		fmtPercent(b.PrefixReuse), fmtPercent(b.MergedLRU))
+}
+
+// WriteTable writes res as an aligned plain-text table (policy left-aligned, figures
+// right-aligned, two spaces between columns), followed by the bound line when present.
+// Write errors are not reported: the table goes to a terminal.
+func WriteTable(w io.Writer, res Result) {
+	t := buildTable(res)
+	width := make([]int, len(t.Header))
+	for i, h := range t.Header {
+		width[i] = utf8.RuneCountInString(h)
+	}
+	for _, row := range t.Rows {
+		for i, c := range row {
+			width[i] = max(width[i], utf8.RuneCountInString(c))
+		}
+	}
+	var b strings.Builder
+	line := func(cells []string) {
+		for i, c := range cells {
+			pad := strings.Repeat(" ", width[i]-utf8.RuneCountInString(c))
+			if i > 0 {
+				b.WriteString("  ")
+			}
+			if t.Right[i] {
+				b.WriteString(pad + c)
+			} else if i < len(cells)-1 {
+				b.WriteString(c + pad)
+			} else {
+				b.WriteString(c)
+			}
+		}
+		b.WriteByte('\n')
+	}
+	line(t.Header)
+	for _, row := range t.Rows {
+		line(row)
+	}
+	if s := boundLine(res.Bound); s != "" {
+		b.WriteString(s)
+		b.WriteByte('\n')
+	}
+	_, _ = io.WriteString(w, b.String())
+}
