@@ -21,12 +21,12 @@ type verb struct {
 
 func verbs() []verb {
 	return []verb{
-		{"serve", "the gateway: an OpenAI-compatible reverse proxy with pluggable routing policies", notBuilt("serve")},
-		{"sim", "N simulated vLLM-compatible replicas (API, prefix cache, metrics, KV events)", notBuilt("sim")},
-		{"bench", "drive load through a gateway, measure TTFT/ITL/E2E/hit rate per policy", notBuilt("bench")},
-		{"replay", "run a trace through the policies and the replica model in virtual time", notBuilt("replay")},
+		{"serve", "the gateway: an OpenAI-compatible reverse proxy with pluggable routing policies", runServe},
+		{"sim", "N simulated vLLM-compatible replicas (API, prefix cache, metrics, KV events)", runSim},
+		{"bench", "drive load through a gateway, measure TTFT/ITL/E2E/hit rate per policy", runBench},
+		{"replay", "run a trace through the policies and the replica model in virtual time", runReplay},
 		{"route", "the seed function: LRU-affinity assignment of prefix hashes (JSON on stdin)", runRoute},
-		{"demo", "sim + serve + bench in one command, ending with a table and a report", notBuilt("demo")},
+		{"demo", "sim + serve + bench in one command, ending with a table and a report", runDemo},
 	}
 }
 

@@ -1,0 +1,4 @@
+package main
+
+// runReplay is replaced by the replay verb when it is built.
+var runReplay = notBuilt("replay")

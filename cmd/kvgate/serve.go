@@ -1,0 +1,4 @@
+package main
+
+// runServe is replaced by the serve verb when it is built.
+var runServe = notBuilt("serve")

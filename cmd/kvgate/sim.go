@@ -1,0 +1,4 @@
+package main
+
+// runSim is replaced by the sim verb when it is built.
+var runSim = notBuilt("sim")
