@@ -155,6 +155,14 @@ func (rt *Router) SetMetrics(i int, m Metrics, at time.Time) {
 	r.mu.Unlock()
 }
 
+// ReplicaMetrics is replica i's last scrape and when it was taken.
+func (rt *Router) ReplicaMetrics(i int) (Metrics, time.Time, bool) {
+	r := rt.replicas[i]
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.metrics, r.metricsAt, r.have
+}
+
 // InFlight is the number of requests in flight to replica i.
 func (rt *Router) InFlight(i int) int { return int(rt.replicas[i].inFlight.Load()) }
 

@@ -1,0 +1,291 @@
+// Package fleet keeps the gateway's knowledge of its replicas current: it
+// scrapes each replica's /metrics (waiting, running, KV usage, cache size),
+// checks /health, lists /v1/models, and ejects a replica after consecutive
+// failures (passive health) for a cooldown. It writes what it learns into
+// the router, which the policies read.
+package fleet
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"log/slog"
+	"net/http"
+	"sort"
+	"sync"
+	"time"
+
+	"github.com/kvgate/kvgate/internal/router"
+)
+
+// Config tunes the fleet's loops.
+type Config struct {
+	ScrapeInterval time.Duration // default 250ms
+	HealthInterval time.Duration // default 1s
+	EjectAfter     int           // consecutive failures; default 3
+	EjectCooldown  time.Duration // default 10s
+	Timeout        time.Duration // per probe; default 2s
+	// APIKeys per replica (optional), sent as bearer tokens.
+	APIKeys []string
+	Logger  *slog.Logger
+	Now     func() time.Time
+	// OnEject is called when a replica is ejected (metrics).
+	OnEject func(replica int)
+}
+
+// Fleet watches the router's replicas.
+type Fleet struct {
+	rt     *router.Router
+	cfg    Config
+	client *http.Client
+	mem    []*member
+}
+
+type member struct {
+	url string
+	mu  sync.Mutex
+	// healthOK: the last active health check passed (true until one fails).
+	healthOK     bool
+	consecFail   int
+	ejectedUntil time.Time
+	models       []string
+	cacheBlocks  int
+}
+
+// New watches every replica of rt.
+func New(rt *router.Router, client *http.Client, cfg Config) *Fleet {
+	if cfg.ScrapeInterval <= 0 {
+		cfg.ScrapeInterval = 250 * time.Millisecond
+	}
+	if cfg.HealthInterval <= 0 {
+		cfg.HealthInterval = time.Second
+	}
+	if cfg.EjectAfter <= 0 {
+		cfg.EjectAfter = 3
+	}
+	if cfg.EjectCooldown <= 0 {
+		cfg.EjectCooldown = 10 * time.Second
+	}
+	if cfg.Timeout <= 0 {
+		cfg.Timeout = 2 * time.Second
+	}
+	if cfg.Logger == nil {
+		cfg.Logger = slog.New(slog.DiscardHandler)
+	}
+	if cfg.Now == nil {
+		cfg.Now = time.Now
+	}
+	f := &Fleet{rt: rt, cfg: cfg, client: client}
+	for i := range rt.Replicas() {
+		f.mem = append(f.mem, &member{url: rt.URL(i), healthOK: true})
+	}
+	return f
+}
+
+// Run probes every replica until ctx ends; it returns when all its
+// goroutines have.
+func (f *Fleet) Run(ctx context.Context) {
+	var wg sync.WaitGroup
+	for i := range f.mem {
+		wg.Add(2)
+		go func() { defer wg.Done(); f.loop(ctx, f.cfg.ScrapeInterval, func() { f.scrape(ctx, i) }) }()
+		go func() { defer wg.Done(); f.loop(ctx, f.cfg.HealthInterval, func() { f.health(ctx, i) }) }()
+	}
+	wg.Wait()
+}
+
+func (f *Fleet) loop(ctx context.Context, every time.Duration, probe func()) {
+	t := time.NewTicker(every)
+	defer t.Stop()
+	for {
+		probe()
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+	}
+}
+
+func (f *Fleet) get(ctx context.Context, i int, path string) (*http.Response, error) {
+	ctx, cancel := context.WithTimeout(ctx, f.cfg.Timeout)
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, f.mem[i].url+path, nil)
+	if err != nil {
+		cancel()
+		return nil, err
+	}
+	if i < len(f.cfg.APIKeys) && f.cfg.APIKeys[i] != "" {
+		req.Header.Set("Authorization", "Bearer "+f.cfg.APIKeys[i])
+	}
+	resp, err := f.client.Do(req)
+	if err != nil {
+		cancel()
+		return nil, err
+	}
+	resp.Body = &cancelBody{ReadCloser: resp.Body, cancel: cancel}
+	if resp.StatusCode != http.StatusOK {
+		_, _ = io.Copy(io.Discard, io.LimitReader(resp.Body, 4096))
+		resp.Body.Close()
+		return nil, fmt.Errorf("GET %s: %s", path, resp.Status)
+	}
+	return resp, nil
+}
+
+type cancelBody struct {
+	io.ReadCloser
+	cancel context.CancelFunc
+}
+
+func (b *cancelBody) Close() error { err := b.ReadCloser.Close(); b.cancel(); return err }
+
+// ScrapeOnce scrapes replica i now (tests, and the first scrape at start).
+func (f *Fleet) scrape(ctx context.Context, i int) {
+	resp, err := f.get(ctx, i, "/metrics")
+	if err != nil {
+		return // the health loop judges reachability
+	}
+	m, err := ParseMetrics(io.LimitReader(resp.Body, 8<<20))
+	resp.Body.Close()
+	if err != nil {
+		f.cfg.Logger.Debug("scrape", "replica", f.mem[i].url, "err", err)
+		return
+	}
+	f.rt.SetMetrics(i, m, f.cfg.Now())
+	mem := f.mem[i]
+	mem.mu.Lock()
+	changed := m.NumBlocks > 0 && m.NumBlocks != mem.cacheBlocks
+	mem.cacheBlocks = m.NumBlocks
+	mem.mu.Unlock()
+	if changed {
+		// The index forgets about when the replica's cache does.
+		_ = f.rt.Index().SetCapacity(i, m.NumBlocks)
+	}
+}
+
+func (f *Fleet) health(ctx context.Context, i int) {
+	ok := false
+	if resp, err := f.get(ctx, i, "/health"); err == nil {
+		resp.Body.Close()
+		ok = true
+	}
+	if ctx.Err() != nil {
+		return
+	}
+	mem := f.mem[i]
+	mem.mu.Lock()
+	mem.healthOK = ok
+	if ok {
+		mem.consecFail = 0
+	}
+	mem.mu.Unlock()
+	if ok {
+		f.fetchModels(ctx, i)
+	}
+	f.update(i)
+}
+
+func (f *Fleet) fetchModels(ctx context.Context, i int) {
+	resp, err := f.get(ctx, i, "/v1/models")
+	if err != nil {
+		return
+	}
+	defer resp.Body.Close()
+	var body struct {
+		Data []struct {
+			ID string `json:"id"`
+		} `json:"data"`
+	}
+	if err := json.NewDecoder(io.LimitReader(resp.Body, 1<<20)).Decode(&body); err != nil {
+		return
+	}
+	ids := make([]string, 0, len(body.Data))
+	for _, d := range body.Data {
+		ids = append(ids, d.ID)
+	}
+	f.mem[i].mu.Lock()
+	f.mem[i].models = ids
+	f.mem[i].mu.Unlock()
+}
+
+// update sets the router's health flag from the checks and ejection.
+func (f *Fleet) update(i int) {
+	mem := f.mem[i]
+	mem.mu.Lock()
+	ok := mem.healthOK && !f.cfg.Now().Before(mem.ejectedUntil)
+	mem.mu.Unlock()
+	f.rt.SetHealthy(i, ok)
+}
+
+// Success records a good response from replica i (passive health).
+func (f *Fleet) Success(i int) {
+	mem := f.mem[i]
+	mem.mu.Lock()
+	mem.consecFail = 0
+	mem.mu.Unlock()
+}
+
+// Failure records a failed request to replica i (connection refused, reset,
+// 5xx); after EjectAfter in a row the replica is out for EjectCooldown, and
+// back when the cooldown is over and its health check passes.
+func (f *Fleet) Failure(i int) {
+	mem := f.mem[i]
+	mem.mu.Lock()
+	mem.consecFail++
+	eject := mem.consecFail >= f.cfg.EjectAfter && !f.cfg.Now().Before(mem.ejectedUntil)
+	if eject {
+		mem.ejectedUntil = f.cfg.Now().Add(f.cfg.EjectCooldown)
+		mem.consecFail = 0
+	}
+	mem.mu.Unlock()
+	if eject {
+		f.cfg.Logger.Warn("replica ejected", "replica", mem.url, "cooldown", f.cfg.EjectCooldown)
+		if f.cfg.OnEject != nil {
+			f.cfg.OnEject(i)
+		}
+		f.rt.SetHealthy(i, false)
+	}
+}
+
+// Ejected reports whether replica i is in its ejection cooldown.
+func (f *Fleet) Ejected(i int) bool {
+	mem := f.mem[i]
+	mem.mu.Lock()
+	defer mem.mu.Unlock()
+	return f.cfg.Now().Before(mem.ejectedUntil)
+}
+
+// Models is the union of the replicas' served models, sorted.
+func (f *Fleet) Models() []string {
+	set := map[string]bool{}
+	for _, m := range f.mem {
+		m.mu.Lock()
+		for _, id := range m.models {
+			set[id] = true
+		}
+		m.mu.Unlock()
+	}
+	out := make([]string, 0, len(set))
+	for id := range set {
+		out = append(out, id)
+	}
+	sort.Strings(out)
+	return out
+}
+
+// ServesModel reports whether replica i lists model (true while its models
+// are unknown).
+func (f *Fleet) ServesModel(i int, model string) bool {
+	m := f.mem[i]
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if len(m.models) == 0 {
+		return true
+	}
+	for _, id := range m.models {
+		if id == model {
+			return true
+		}
+	}
+	return false
+}

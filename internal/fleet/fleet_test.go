@@ -1,0 +1,104 @@
+package fleet
+
+import (
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"go.uber.org/goleak"
+
+	"github.com/kvgate/kvgate/internal/policy"
+	"github.com/kvgate/kvgate/internal/router"
+)
+
+func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
+
+func TestParseMetrics(t *testing.T) {
+	page := `# HELP vllm:num_requests_waiting x
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{model_name="a"} 3
+vllm:num_requests_waiting{model_name="b"} 2
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{model_name="a"} 7
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{model_name="a"} 0.5
+vllm:kv_cache_usage_perc{model_name="b"} 0.75
+# TYPE vllm:cache_config_info gauge
+vllm:cache_config_info{block_size="16",num_gpu_blocks="30000",enable_prefix_caching="True"} 1
+`
+	m, err := ParseMetrics(strings.NewReader(page))
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := router.Metrics{Waiting: 5, Running: 7, KVUsage: 0.75, NumBlocks: 30000, BlockSize: 16}
+	if m != want {
+		t.Fatalf("%+v want %+v", m, want)
+	}
+	old := "# TYPE vllm:gpu_cache_usage_perc gauge\nvllm:gpu_cache_usage_perc 0.25\n"
+	if m, err := ParseMetrics(strings.NewReader(old)); err != nil || m.KVUsage != 0.25 {
+		t.Fatalf("old name: %+v %v", m, err)
+	}
+	for _, bad := range []string{"", "garbage{", "# TYPE x gauge\nx 1\n", "vllm:kv_cache_usage_perc NaN\n", "vllm:num_requests_waiting -1\n"} {
+		if _, err := ParseMetrics(strings.NewReader(bad)); err == nil {
+			t.Errorf("%q parsed", bad)
+		}
+	}
+}
+
+func FuzzParseMetrics(f *testing.F) {
+	f.Add("vllm:num_requests_waiting 3\nvllm:kv_cache_usage_perc 0.5\n")
+	f.Add("vllm:cache_config_info{num_gpu_blocks=\"x\"} 1\nvllm:num_requests_running 1\n")
+	f.Fuzz(func(t *testing.T, page string) {
+		m, err := ParseMetrics(strings.NewReader(page))
+		if err == nil && (m.KVUsage < 0 || m.KVUsage > 1.0001 || m.Waiting < 0 || m.Running < 0) {
+			t.Fatalf("out of range accepted: %+v", m)
+		}
+	})
+}
+
+type fakeClock struct {
+	mu sync.Mutex
+	t  time.Time
+}
+
+func (c *fakeClock) Now() time.Time { c.mu.Lock(); defer c.mu.Unlock(); return c.t }
+func (c *fakeClock) Add(d time.Duration) {
+	c.mu.Lock()
+	c.t = c.t.Add(d)
+	c.mu.Unlock()
+}
+
+func TestEjectionAndReturn(t *testing.T) {
+	pol, _ := policy.New("least_load", policy.Options{})
+	rt, _ := router.New(router.Config{Replicas: []string{"http://a", "http://b"}, Policy: pol})
+	clk := &fakeClock{t: time.Unix(100, 0)}
+	var ejected []int
+	f := New(rt, nil, Config{EjectAfter: 3, EjectCooldown: 10 * time.Second, Now: clk.Now, OnEject: func(i int) { ejected = append(ejected, i) }})
+	f.Failure(1)
+	f.Failure(1)
+	f.Success(1) // a success resets the count
+	f.Failure(1)
+	f.Failure(1)
+	if !rt.Healthy(1) || f.Ejected(1) {
+		t.Fatal("ejected before 3 consecutive failures")
+	}
+	f.Failure(1)
+	if rt.Healthy(1) || !f.Ejected(1) || len(ejected) != 1 {
+		t.Fatalf("not ejected after 3: healthy %v ejections %v", rt.Healthy(1), ejected)
+	}
+	f.update(1) // a health check during the cooldown keeps it out
+	if rt.Healthy(1) {
+		t.Fatal("back during cooldown")
+	}
+	clk.Add(11 * time.Second)
+	f.update(1) // the health check after the cooldown brings it back
+	if !rt.Healthy(1) || f.Ejected(1) {
+		t.Fatal("not back after cooldown")
+	}
+	f.mem[1].healthOK = false
+	f.update(1)
+	if rt.Healthy(1) {
+		t.Fatal("failing health check kept it in")
+	}
+}

@@ -1,0 +1,221 @@
+package gateway
+
+import (
+	"bytes"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"net/url"
+	"os"
+	"strings"
+	"time"
+
+	"sigs.k8s.io/yaml"
+
+	"github.com/kvgate/kvgate/internal/costmodel"
+	"github.com/kvgate/kvgate/internal/policy"
+)
+
+// Duration is a time.Duration written as "250ms", "10s" in configuration.
+type Duration time.Duration
+
+func (d Duration) MarshalJSON() ([]byte, error) { return json.Marshal(time.Duration(d).String()) }
+
+func (d *Duration) UnmarshalJSON(b []byte) error {
+	var s string
+	if err := json.Unmarshal(b, &s); err != nil {
+		return fmt.Errorf("a duration must be a string like \"250ms\" or \"10s\"")
+	}
+	v, err := time.ParseDuration(s)
+	if err != nil {
+		return err
+	}
+	if v < 0 {
+		return fmt.Errorf("duration %q is negative", s)
+	}
+	*d = Duration(v)
+	return nil
+}
+
+// D is the time.Duration.
+func (d Duration) D() time.Duration { return time.Duration(d) }
+
+// ReplicaConfig is one upstream replica.
+type ReplicaConfig struct {
+	URL string `json:"url"`
+	// KVEvents is the replica's KV-event publisher (tcp://host:port), for precise mode.
+	KVEvents string `json:"kv_events,omitempty"`
+	// APIKey is sent upstream as a bearer token (replicas started with --api-key).
+	APIKey string `json:"api_key,omitempty"`
+}
+
+// Config is the gateway's configuration (YAML file and flags).
+type Config struct {
+	Listen       string          `json:"listen"`
+	Replicas     []ReplicaConfig `json:"replicas"`
+	Policy       string          `json:"policy"`
+	PolicyParams map[string]any  `json:"policy_params,omitempty"`
+	Seed         uint64          `json:"seed"`
+	// Tokenizer: "approx" (default) or "remote" (the replica's POST /tokenize).
+	Tokenizer string `json:"tokenizer"`
+	BlockSize int    `json:"block_size"`
+	// Profile is the replicas' latency profile, for the ttft estimate.
+	Profile        string `json:"profile"`
+	MaxBatchTokens int    `json:"max_batch_tokens"`
+
+	ScrapeInterval Duration `json:"scrape_interval"`
+	HealthInterval Duration `json:"health_interval"`
+	// EjectAfter consecutive failures take a replica out for EjectCooldown.
+	EjectAfter    int      `json:"eject_after"`
+	EjectCooldown Duration `json:"eject_cooldown"`
+
+	// Retries is how many other replicas a request may try before its first byte.
+	Retries          int      `json:"retries"`
+	RetryBackoff     Duration `json:"retry_backoff"`
+	RetryBackoffMax  Duration `json:"retry_backoff_max"`
+	ConnectTimeout   Duration `json:"connect_timeout"`
+	FirstByteTimeout Duration `json:"first_byte_timeout"`
+	RequestTimeout   Duration `json:"request_timeout"`
+	MaxBodyBytes     int64    `json:"max_body_bytes"`
+
+	// IndexMaxEntries caps the prefix index ((block, replica) entries).
+	IndexMaxEntries int `json:"index_max_entries"`
+	// BlocksPerReplica is each replica's index capacity until its
+	// cache_config_info is scraped.
+	BlocksPerReplica int `json:"blocks_per_replica"`
+
+	// AdminToken enables /debug/* and /admin/*, behind "Authorization: Bearer".
+	AdminToken string `json:"admin_token,omitempty"`
+	// APIKeys, when set, are the only bearer tokens clients may use.
+	APIKeys []string `json:"api_keys,omitempty"`
+}
+
+// Defaults returns the configuration with every default set.
+func Defaults() Config {
+	return Config{
+		Listen:           "127.0.0.1:8080",
+		Policy:           policy.Default,
+		Seed:             1,
+		Tokenizer:        "approx",
+		BlockSize:        16,
+		Profile:          costmodel.Default,
+		MaxBatchTokens:   8192,
+		ScrapeInterval:   Duration(250 * time.Millisecond),
+		HealthInterval:   Duration(time.Second),
+		EjectAfter:       3,
+		EjectCooldown:    Duration(10 * time.Second),
+		Retries:          2,
+		RetryBackoff:     Duration(25 * time.Millisecond),
+		RetryBackoffMax:  Duration(time.Second),
+		ConnectTimeout:   Duration(5 * time.Second),
+		FirstByteTimeout: 0,
+		RequestTimeout:   Duration(10 * time.Minute),
+		MaxBodyBytes:     8 << 20,
+		IndexMaxEntries:  4 << 20,
+		BlocksPerReplica: 30000,
+	}
+}
+
+// LoadConfig reads a YAML (or JSON) file over the defaults. Unknown fields
+// are errors.
+func LoadConfig(path string) (Config, error) {
+	data, err := os.ReadFile(path)
+	if err != nil {
+		return Config{}, err
+	}
+	cfg, err := ParseConfig(data)
+	if err != nil {
+		return Config{}, fmt.Errorf("%s: %w", path, err)
+	}
+	return cfg, nil
+}
+
+// ParseConfig parses YAML over the defaults, strictly.
+func ParseConfig(data []byte) (Config, error) {
+	cfg := Defaults()
+	js, err := yaml.YAMLToJSON(data)
+	if err != nil {
+		return Config{}, fmt.Errorf("not valid YAML: %w", err)
+	}
+	if s := bytes.TrimSpace(js); len(s) == 0 || string(s) == "null" {
+		return cfg, nil
+	}
+	dec := json.NewDecoder(bytes.NewReader(js))
+	dec.DisallowUnknownFields()
+	if err := dec.Decode(&cfg); err != nil {
+		return Config{}, fmt.Errorf("config: %w", err)
+	}
+	return cfg, nil
+}
+
+// ParseReplicaList parses the --replicas and --kv-events flags.
+func ParseReplicaList(urls, kvEvents string) ([]ReplicaConfig, error) {
+	var out []ReplicaConfig
+	for _, u := range strings.Split(urls, ",") {
+		if u = strings.TrimSpace(u); u != "" {
+			out = append(out, ReplicaConfig{URL: u})
+		}
+	}
+	if kvEvents != "" {
+		eps := strings.Split(kvEvents, ",")
+		if len(eps) != len(out) {
+			return nil, fmt.Errorf("--kv-events has %d endpoints for %d replicas: give one per replica, in order", len(eps), len(out))
+		}
+		for i, e := range eps {
+			out[i].KVEvents = strings.TrimSpace(e)
+		}
+	}
+	return out, nil
+}
+
+// Validate checks the configuration and names the first problem.
+func (c *Config) Validate() error {
+	var errs []error
+	if len(c.Replicas) == 0 {
+		errs = append(errs, errors.New("no replicas: give --replicas URL,URL,... or replicas: in the config file"))
+	}
+	seen := map[string]bool{}
+	for i, r := range c.Replicas {
+		u, err := url.Parse(r.URL)
+		if err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
+			errs = append(errs, fmt.Errorf("replicas[%d]: %q is not an http(s) URL", i, r.URL))
+		}
+		if seen[r.URL] {
+			errs = append(errs, fmt.Errorf("replicas[%d]: %q is listed twice", i, r.URL))
+		}
+		seen[r.URL] = true
+		if r.KVEvents != "" && !strings.HasPrefix(r.KVEvents, "tcp://") && !strings.HasPrefix(r.KVEvents, "ipc://") {
+			errs = append(errs, fmt.Errorf("replicas[%d].kv_events: %q is not a tcp:// or ipc:// endpoint", i, r.KVEvents))
+		}
+	}
+	if c.Tokenizer != "approx" && c.Tokenizer != "remote" {
+		errs = append(errs, fmt.Errorf("tokenizer %q: want approx or remote", c.Tokenizer))
+	}
+	if _, err := costmodel.Lookup(c.Profile); err != nil {
+		errs = append(errs, err)
+	}
+	if c.BlockSize <= 0 || c.MaxBatchTokens <= 0 || c.EjectAfter <= 0 || c.MaxBodyBytes <= 0 || c.Retries < 0 {
+		errs = append(errs, errors.New("block_size, max_batch_tokens, eject_after and max_body_bytes must be positive, retries ≥ 0"))
+	}
+	if c.ScrapeInterval <= 0 || c.HealthInterval <= 0 {
+		errs = append(errs, errors.New("scrape_interval and health_interval must be positive"))
+	}
+	if c.Precise() {
+		for i, r := range c.Replicas {
+			if r.KVEvents == "" {
+				errs = append(errs, fmt.Errorf("replicas[%d]: precise mode needs kv_events for every replica", i))
+			}
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// Precise reports whether KV events feed the index.
+func (c *Config) Precise() bool {
+	for _, r := range c.Replicas {
+		if r.KVEvents != "" {
+			return true
+		}
+	}
+	return false
+}

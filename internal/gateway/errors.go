@@ -1,0 +1,92 @@
+package gateway
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"net"
+	"net/http"
+
+	"github.com/kvgate/kvgate/internal/policy"
+	"github.com/kvgate/kvgate/internal/prompt"
+)
+
+// apiError is an error in OpenAI's shape, with its HTTP status.
+type apiError struct {
+	Status  int
+	Type    string
+	Code    string
+	Param   string
+	Message string
+}
+
+func (e *apiError) Error() string { return e.Message }
+
+var (
+	errTooLarge    = &apiError{Status: http.StatusRequestEntityTooLarge, Type: "invalid_request_error", Code: "request_too_large"}
+	errUnauth      = &apiError{Status: http.StatusUnauthorized, Type: "invalid_request_error", Code: "invalid_api_key", Message: "missing or invalid API key"}
+	errNoReplica   = &apiError{Status: http.StatusServiceUnavailable, Type: "server_error", Code: "no_replica", Message: "no healthy replica can take the request"}
+	errUpstream    = &apiError{Status: http.StatusBadGateway, Type: "server_error", Code: "upstream_error"}
+	errUpstreamTO  = &apiError{Status: http.StatusGatewayTimeout, Type: "server_error", Code: "upstream_timeout"}
+	errMethod      = &apiError{Status: http.StatusMethodNotAllowed, Type: "invalid_request_error", Code: "method_not_allowed"}
+	errNotFound    = &apiError{Status: http.StatusNotFound, Type: "invalid_request_error", Code: "not_found", Message: "no such endpoint"}
+	errModel       = &apiError{Status: http.StatusNotFound, Type: "invalid_request_error", Code: "model_not_found"}
+	errContentType = &apiError{Status: http.StatusUnsupportedMediaType, Type: "invalid_request_error", Code: "unsupported_media_type", Message: "send the request body as application/json"}
+)
+
+// with returns a copy of e with a message.
+func (e *apiError) with(msg string) *apiError {
+	c := *e
+	c.Message = msg
+	return &c
+}
+
+// toAPIError maps an error to its HTTP form: the one place that does.
+func toAPIError(err error) *apiError {
+	var ae *apiError
+	var re *prompt.RequestError
+	var ne net.Error
+	switch {
+	case errors.As(err, &ae):
+		return ae
+	case errors.As(err, &re):
+		return &apiError{Status: http.StatusBadRequest, Type: "invalid_request_error", Param: re.Param, Message: re.Error()}
+	case errors.Is(err, policy.ErrNoReplica):
+		return errNoReplica
+	case errors.Is(err, context.DeadlineExceeded), errors.As(err, &ne) && ne.Timeout():
+		return errUpstreamTO.with("the replica did not answer in time")
+	default:
+		return errUpstream.with("upstream: " + err.Error())
+	}
+}
+
+type errorBody struct {
+	Error struct {
+		Message string  `json:"message"`
+		Type    string  `json:"type"`
+		Param   *string `json:"param"`
+		Code    string  `json:"code"`
+	} `json:"error"`
+}
+
+func (e *apiError) body() []byte {
+	var b errorBody
+	b.Error.Message, b.Error.Type, b.Error.Code = e.Message, e.Type, e.Code
+	if e.Param != "" {
+		b.Error.Param = &e.Param
+	}
+	out, _ := json.Marshal(b)
+	return out
+}
+
+func writeError(w http.ResponseWriter, err error) *apiError {
+	ae := toAPIError(err)
+	h := w.Header()
+	h.Set("Content-Type", "application/json")
+	if ae.Status == http.StatusServiceUnavailable || ae.Status == http.StatusTooManyRequests {
+		h.Set("Retry-After", "1")
+	}
+	w.WriteHeader(ae.Status)
+	_, _ = w.Write(append(ae.body(), '\n'))
+	return ae
+}

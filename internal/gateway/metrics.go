@@ -1,0 +1,64 @@
+package gateway
+
+import (
+	"strconv"
+
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/kvgate/kvgate/internal/router"
+)
+
+// metrics are the gateway's Prometheus series, on a registry passed in.
+type metrics struct {
+	requests   *prometheus.CounterVec   // policy, replica, code
+	errors     *prometheus.CounterVec   // kind
+	ttft       *prometheus.HistogramVec // policy
+	e2e        *prometheus.HistogramVec // policy
+	decision   prometheus.Histogram
+	matchRatio prometheus.Histogram
+	retries    prometheus.Counter
+	ejections  *prometheus.CounterVec // replica
+}
+
+var latencyBuckets = []float64{.005, .01, .025, .05, .075, .1, .15, .2, .3, .5, .75, 1, 1.5, 2, 3, 5, 7.5, 10, 20, 40, 80}
+
+func newMetrics(reg prometheus.Registerer, rt *router.Router, policyName string) *metrics {
+	m := &metrics{
+		requests: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvgate_requests_total",
+			Help: "Requests proxied, by policy, replica and HTTP status."}, []string{"policy", "replica", "code"}),
+		errors: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvgate_request_errors_total",
+			Help: "Requests answered with a gateway error, by kind."}, []string{"kind"}),
+		ttft: prometheus.NewHistogramVec(prometheus.HistogramOpts{Name: "kvgate_time_to_first_token_seconds",
+			Help: "Time to first token of streamed requests, seen by the gateway.", Buckets: latencyBuckets}, []string{"policy"}),
+		e2e: prometheus.NewHistogramVec(prometheus.HistogramOpts{Name: "kvgate_e2e_request_latency_seconds",
+			Help: "End-to-end request latency seen by the gateway.", Buckets: latencyBuckets}, []string{"policy"}),
+		decision: prometheus.NewHistogram(prometheus.HistogramOpts{Name: "kvgate_routing_decision_seconds",
+			Help:    "Time to route one request: hashing, index match and policy pick.",
+			Buckets: prometheus.ExponentialBuckets(1e-6, 2, 16)}),
+		matchRatio: prometheus.NewHistogram(prometheus.HistogramOpts{Name: "kvgate_prefix_match_ratio",
+			Help: "Matched blocks / prompt blocks credited to the chosen replica.", Buckets: prometheus.LinearBuckets(0, 0.1, 11)}),
+		retries: prometheus.NewCounter(prometheus.CounterOpts{Name: "kvgate_retries_total",
+			Help: "Requests sent again to another replica before their first byte."}),
+		ejections: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvgate_ejections_total",
+			Help: "Replicas taken out of rotation after consecutive failures."}, []string{"replica"}),
+	}
+	reg.MustRegister(m.requests, m.errors, m.ttft, m.e2e, m.decision, m.matchRatio, m.retries, m.ejections)
+	reg.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "kvgate_index_entries",
+		Help: "(block, replica) entries in the approximate prefix index."}, func() float64 { return float64(rt.Index().Len()) }))
+	for i := range rt.Replicas() {
+		lbl := prometheus.Labels{"replica": rt.URL(i)}
+		reg.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "kvgate_replica_in_flight",
+			Help: "Requests in flight to the replica.", ConstLabels: lbl}, func() float64 { return float64(rt.InFlight(i)) }))
+		reg.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "kvgate_replica_healthy",
+			Help: "1 when the replica is in rotation.", ConstLabels: lbl}, func() float64 {
+			if rt.Healthy(i) {
+				return 1
+			}
+			return 0
+		}))
+	}
+	_ = policyName
+	return m
+}
+
+func codeLabel(code int) string { return strconv.Itoa(code) }
