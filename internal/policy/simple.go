@@ -4,8 +4,12 @@ import "sync/atomic"
 
 func init() {
 	register("round_robin", func(o Options) (Policy, error) { return &RoundRobin{}, decodeParams(o.Params, &struct{}{}) })
-	register("random", func(o Options) (Policy, error) { return &Random{g: newRNG(o.Seed)}, decodeParams(o.Params, &struct{}{}) })
-	register("least_load", func(o Options) (Policy, error) { return &LeastLoad{g: newRNG(o.Seed)}, decodeParams(o.Params, &struct{}{}) })
+	register("random", func(o Options) (Policy, error) {
+		return &Random{g: newRNG(o.Seed)}, decodeParams(o.Params, &struct{}{})
+	})
+	register("least_load", func(o Options) (Policy, error) {
+		return &LeastLoad{g: newRNG(o.Seed)}, decodeParams(o.Params, &struct{}{})
+	})
 	register("p2c", func(o Options) (Policy, error) { return &P2C{g: newRNG(o.Seed)}, decodeParams(o.Params, &struct{}{}) })
 }
 
