@@ -147,6 +147,11 @@ func (t *TTFT) Pick(req *Request, rs []ReplicaView) (Decision, error) {
 	}
 	d := decide(rs, choice, reason, matched[choice], float64(rs[choice].PendingPrefill))
 	d.EstTTFT = time.Duration(scores[choice] * float64(time.Millisecond))
+	for i := range scores {
+		if math.IsInf(scores[i], 1) {
+			scores[i] = -1 // not considered (unhealthy); JSON has no infinity
+		}
+	}
 	d.Scores = scores
 	return d, nil
 }

@@ -1,0 +1,312 @@
+package policy
+
+import (
+	"strings"
+	"testing"
+	"time"
+	"unicode/utf8"
+)
+
+// sgRouted tells p that text went to the replica at position pos at t.
+func sgRouted(p Policy, rs []ReplicaView, pos int, text string, at time.Time) {
+	req := peerReq(0, text, at)
+	peerObserve(p, Event{Kind: Routed, At: at, Req: req, Decision: Decision{Replica: rs[pos].Index}, Replica: rs[pos].Index})
+}
+
+// TestSGLangBalanceThresholds: affinity is left for the least loaded
+// replica exactly when BOTH (max − min) > 32 and max > 1.1 × min, over the
+// healthy replicas. Replica 0 holds the prompt (match rate 1).
+func TestSGLangBalanceThresholds(t *testing.T) {
+	text := strings.Repeat("the cached system prompt. ", 20)
+	cases := []struct {
+		name  string
+		loads []int
+		down  int // position of an unhealthy replica, -1 none
+		want  int
+	}{
+		{"balanced", []int{3, 2}, -1, 0},
+		{"only abs crossed: 400-367 > 32, 400 < 1.1×367", []int{400, 367}, -1, 0},
+		{"only rel crossed: 10 > 1.1×2, 10-2 ≤ 32", []int{10, 2}, -1, 0},
+		{"both crossed", []int{100, 50}, -1, 1},
+		{"abs exactly 32 is not over", []int{82, 50}, -1, 0},
+		{"abs 33, rel crossed", []int{83, 50}, -1, 1},
+		{"rel exactly 1.1 is not over", []int{374, 340}, -1, 0},
+		{"rel just over", []int{375, 340}, -1, 1},
+		{"an unhealthy idle replica does not count", []int{40, 35, 0}, 2, 0},
+		{"imbalanced: the least loaded healthy one", []int{100, 60, 50, 0}, 3, 2},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			p := peerNew(t, "sglang", nil)
+			rs := peerViews(len(c.loads))
+			for i, l := range c.loads {
+				rs[i].InFlight = l
+			}
+			if c.down >= 0 {
+				rs[c.down].Healthy = false
+			}
+			sgRouted(p, rs, 0, text, peerT0)
+			got, d := peerPick(t, p, peerReq(1, text, peerT0), rs)
+			if got != c.want {
+				t.Fatalf("loads %v: picked %d (%s), want %d", c.loads, got, d.Reason, c.want)
+			}
+		})
+	}
+}
+
+// TestSGLangCacheThreshold: the holder wins only when matched characters /
+// prompt characters > cache_threshold; else the least loaded (replica 1).
+func TestSGLangCacheThreshold(t *testing.T) {
+	cases := []struct {
+		name, stored, prompt string
+		params               map[string]any
+		want                 int
+		rate                 float64 // Scores[0]: bytes matched / bytes
+	}{
+		{"rate 0.5 is not over 0.5", strings.Repeat("A", 60) + strings.Repeat("B", 40),
+			strings.Repeat("A", 50) + strings.Repeat("C", 50), nil, 1, 0.5},
+		{"rate 0.51", strings.Repeat("A", 60) + strings.Repeat("B", 40),
+			strings.Repeat("A", 51) + strings.Repeat("C", 49), nil, 0, 0.51},
+		{"rate 0.3 under a 0.25 threshold", strings.Repeat("A", 30) + "B",
+			strings.Repeat("A", 30) + strings.Repeat("C", 70), map[string]any{"cache_threshold": 0.25}, 0, 0.3},
+		// 50 of 100 characters, but 100 of 150 bytes: characters count.
+		{"characters, not bytes", strings.Repeat("é", 60),
+			strings.Repeat("é", 50) + strings.Repeat("x", 50), nil, 1, 100.0 / 150},
+		// The match stops inside "é" vs "ê" (same first byte): not a character.
+		{"a half character is no match", strings.Repeat("a", 50) + "é",
+			strings.Repeat("a", 50) + "ê" + strings.Repeat("z", 49), nil, 1, 51.0 / 101},
+		{"full match", "prompt", "prompt", nil, 0, 1},
+		{"no match", "prompt", "other", nil, 1, 0},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			p := peerNew(t, "sglang", c.params)
+			rs := peerViews(2)
+			rs[0].InFlight = 1
+			sgRouted(p, rs, 0, c.stored, peerT0)
+			got, d := peerPick(t, p, peerReq(1, c.prompt, peerT0), rs)
+			if got != c.want {
+				t.Errorf("picked %d (%s), want %d", got, d.Reason, c.want)
+			}
+			if d.Scores[0] != c.rate || d.Scores[1] != 0 {
+				t.Errorf("scores %v, want [%v 0]", d.Scores, c.rate)
+			}
+		})
+	}
+}
+
+// TestSGLangDeepestHolder: the deepest matched node decides; among its
+// holders the least loaded; unhealthy holders are skipped.
+func TestSGLangDeepestHolder(t *testing.T) {
+	a := strings.Repeat("a", 100)
+	b := strings.Repeat("b", 100)
+	cases := []struct {
+		name    string
+		stored  [][2]any // (position, text)
+		loads   []int
+		down    int
+		want    int
+		matched int // Decision.Matched: chars / 64
+	}{
+		{"deeper holder wins over a less loaded shallower one", [][2]any{{0, a}, {1, a + b}}, []int{0, 5, 0}, -1, 1, 200 / 64},
+		{"two holders: the less loaded", [][2]any{{0, a + b}, {2, a + b}}, []int{5, 0, 3}, -1, 2, 200 / 64},
+		{"two holders, equal load: the first", [][2]any{{2, a + b}, {0, a + b}}, []int{4, 0, 4}, -1, 0, 200 / 64},
+		{"deepest holder down: the next deepest", [][2]any{{0, a + b[:60]}, {1, a + b}}, []int{0, 0, 0}, 1, 0, 160 / 64},
+		{"split edge credits the partial match", [][2]any{{0, a + b + b}}, []int{1, 0, 0}, -1, 0, 200 / 64},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			p := peerNew(t, "sglang", nil)
+			rs := peerViews(len(c.loads))
+			for i, l := range c.loads {
+				rs[i].InFlight = l
+			}
+			for k, st := range c.stored {
+				sgRouted(p, rs, st[0].(int), st[1].(string), peerT0.Add(time.Duration(k)*time.Second))
+			}
+			if c.down >= 0 {
+				rs[c.down].Healthy = false
+			}
+			got, d := peerPick(t, p, peerReq(1, a+b+"ccccc", peerT0), rs)
+			if got != c.want || d.Matched != c.matched {
+				t.Fatalf("picked %d matched %d (%s, scores %v), want %d matched %d", got, d.Matched, d.Reason, d.Scores, c.want, c.matched)
+			}
+		})
+	}
+}
+
+// TestSGLangTies: the miss path takes the first least-loaded replica, as
+// SGLang does; random_ties spreads them.
+func TestSGLangTies(t *testing.T) {
+	for _, c := range []struct {
+		random   bool
+		distinct int
+	}{{false, 1}, {true, 4}} {
+		p := peerNew(t, "sglang", map[string]any{"random_ties": c.random})
+		rs := peerViews(4)
+		seen := map[int]int{}
+		for k := range 100 {
+			pos, _ := peerPick(t, p, peerReq(uint64(k), "never seen", peerT0), rs)
+			seen[pos]++
+		}
+		if len(seen) != c.distinct || (!c.random && seen[0] != 100) {
+			t.Errorf("random_ties %v: choices %v, want %d distinct", c.random, seen, c.distinct)
+		}
+	}
+}
+
+// TestSGLangImbalancedStillInserts: the balance path's choice learns the text.
+func TestSGLangImbalancedStillInserts(t *testing.T) {
+	p := peerNew(t, "sglang", nil)
+	rs := peerViews(2)
+	text := strings.Repeat("hot prefix ", 30)
+	sgRouted(p, rs, 0, text, peerT0)
+	rs[0].InFlight = 100
+	req := peerReq(1, text, peerT0)
+	if got := peerRoute(t, p, req, rs); got != 1 {
+		t.Fatalf("imbalanced: %d, want 1", got)
+	}
+	rs[0].InFlight, rs[1].InFlight = 3, 2
+	if got, d := peerPick(t, p, req, rs); got != 1 || d.Scores[1] != 1 {
+		t.Fatalf("balanced again: %d %v, want 1 holding the text", got, d.Scores)
+	}
+}
+
+// TestSGLangPartitions: a text cached under another adapter is no match.
+func TestSGLangPartitions(t *testing.T) {
+	p := peerNew(t, "sglang", nil)
+	rs := peerViews(2)
+	rs[0].InFlight = 1
+	text := strings.Repeat("adapter prompt ", 10)
+	sgRouted(p, rs, 0, text, peerT0)
+	req := peerReq(1, text, peerT0)
+	req.Adapter = "lora-1"
+	if got, d := peerPick(t, p, req, rs); got != 1 || d.Scores[0] != 0 {
+		t.Fatalf("other adapter: %d %v, want 1 with no match", got, d.Scores)
+	}
+}
+
+// TestSGLangCharCounts: a tenant's count is the characters of the nodes it
+// holds; shared edges count once per tenant.
+func TestSGLangCharCounts(t *testing.T) {
+	p := peerNew(t, "sglang", nil).(*SGLang)
+	rs := peerViews(2)
+	pre := strings.Repeat("P", 30)
+	sgRouted(p, rs, 0, pre+"xxxxxxxxxx", peerT0)
+	sgRouted(p, rs, 0, pre+"yyyyyyyyyy", peerT0)
+	sgRouted(p, rs, 1, pre+"xxxxx", peerT0)
+	sgRouted(p, rs, 0, pre+"xxxxxxxxxx", peerT0) // again: nothing new
+	if got, want := p.chars[rs[0].Index], 50; got != want {
+		t.Errorf("replica 0: %d chars, want %d", got, want)
+	}
+	if got, want := p.chars[rs[1].Index], 35; got != want {
+		t.Errorf("replica 1: %d chars, want %d", got, want)
+	}
+}
+
+// TestSGLangEviction: once the interval has passed (event time), a tenant
+// over max_tree_size loses its least recently used leaves until it fits; a
+// tenant over twice the size is trimmed at once.
+func TestSGLangEviction(t *testing.T) {
+	texts := make([]string, 6)
+	for i := range texts {
+		texts[i] = string(rune('A'+i)) + strings.Repeat("-", 39) // 40 chars, distinct first char
+	}
+	sec := func(s float64) time.Time { return peerT0.Add(time.Duration(s * float64(time.Second))) }
+	type ins struct {
+		text int
+		at   float64
+	}
+	cases := []struct {
+		name   string
+		params map[string]any
+		ins    []ins
+		kept   []int // texts still matched afterwards
+		chars  int
+	}{
+		{"under the interval: nothing evicted", map[string]any{"max_tree_size": 100},
+			[]ins{{0, 0}, {1, 1}, {2, 2}, {3, 3}, {4, 29}}, []int{0, 1, 2, 3, 4}, 200},
+		{"interval passed: oldest leaves go", map[string]any{"max_tree_size": 100},
+			[]ins{{0, 0}, {1, 1}, {2, 2}, {3, 3}, {4, 31}}, []int{3, 4}, 80},
+		{"a re-routed text is recent again", map[string]any{"max_tree_size": 100},
+			[]ins{{0, 0}, {1, 1}, {2, 2}, {3, 3}, {0, 4}, {4, 31}}, []int{0, 4}, 80},
+		{"twice the size: trimmed at once", map[string]any{"max_tree_size": 100, "eviction_interval_secs": 1000},
+			[]ins{{0, 0}, {1, 1}, {2, 2}, {3, 3}, {4, 4}, {5, 5}}, []int{4, 5}, 80},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			p := peerNew(t, "sglang", c.params).(*SGLang)
+			rs := peerViews(2)
+			rs[1].InFlight = 1
+			for _, in := range c.ins {
+				sgRouted(p, rs, 0, texts[in.text], sec(in.at))
+			}
+			if got := p.chars[rs[0].Index]; got != c.chars {
+				t.Errorf("chars %d, want %d", got, c.chars)
+			}
+			for i, text := range texts {
+				_, d := peerPick(t, p, peerReq(1, text, sec(40)), rs)
+				held := d.Scores[0] == 1
+				want := false
+				for _, k := range c.kept {
+					want = want || k == i
+				}
+				if held != want {
+					t.Errorf("text %d held %v, want %v", i, held, want)
+				}
+			}
+		})
+	}
+}
+
+// TestSGLangEvictionKeepsSharedPrefix: evicting one branch leaves the
+// shared edge for the other; evicting the tenant entirely empties the tree.
+func TestSGLangEvictionKeepsSharedPrefix(t *testing.T) {
+	p := peerNew(t, "sglang", map[string]any{"max_tree_size": 60, "eviction_interval_secs": 10}).(*SGLang)
+	rs := peerViews(2)
+	pre := strings.Repeat("P", 40)
+	sgRouted(p, rs, 0, pre+strings.Repeat("x", 20), peerT0)
+	sgRouted(p, rs, 0, pre+strings.Repeat("y", 20), peerT0.Add(time.Second))
+	sgRouted(p, rs, 1, "other", peerT0.Add(11*time.Second)) // runs the eviction
+	if got := p.chars[rs[0].Index]; got != 60 {
+		t.Fatalf("chars %d, want 60 (the x leaf evicted)", got)
+	}
+	_, d := peerPick(t, p, peerReq(1, pre+strings.Repeat("y", 20), peerT0), rs)
+	if d.Scores[0] != 1 {
+		t.Fatalf("y branch: score %v, want 1", d.Scores[0])
+	}
+	_, d = peerPick(t, p, peerReq(1, pre+strings.Repeat("x", 20), peerT0), rs)
+	if d.Scores[0] != 40.0/60 {
+		t.Fatalf("x branch: score %v, want 40/60 (the shared edge)", d.Scores[0])
+	}
+
+	q := peerNew(t, "sglang", map[string]any{"max_tree_size": 1, "eviction_interval_secs": 0}).(*SGLang)
+	sgRouted(q, rs, 0, "abcdef", peerT0)
+	if len(q.roots) != 0 || len(q.chars) != 0 {
+		t.Fatalf("after evicting everything: %d roots, chars %v", len(q.roots), q.chars)
+	}
+}
+
+func TestCountRunes(t *testing.T) {
+	for _, s := range []string{"", "a", "abcdefgh", "abcdefghi", "é", "ééééééééé", "a€b𝄞c" + strings.Repeat("ü", 13), "日本語のテキスト、それと English."} {
+		if got, want := countRunes(s), utf8.RuneCountInString(s); got != want {
+			t.Errorf("countRunes(%q) = %d, want %d", s, got, want)
+		}
+	}
+}
+
+func TestCommonPrefix(t *testing.T) {
+	cases := []struct {
+		a, b string
+		want int
+	}{
+		{"", "", 0}, {"abc", "", 0}, {"abc", "abd", 2}, {"abcdefgh", "abcdefgh", 8},
+		{"abcdefghijklmnop", "abcdefghijklmnoX", 15}, {"abcdefghij", "abcdefgh", 8},
+		{"abcdefgXijklmnop", "abcdefghijklmnop", 7}, {strings.Repeat("z", 100) + "a", strings.Repeat("z", 100) + "b", 100},
+	}
+	for _, c := range cases {
+		if got := commonPrefix(c.a, c.b); got != c.want {
+			t.Errorf("commonPrefix(%q, %q) = %d, want %d", c.a, c.b, got, c.want)
+		}
+	}
+}
