@@ -128,7 +128,11 @@ func (ix *Index) Insert(r int, hashes []uint64) error {
 			ix.total++
 		}
 	}
-	if c := ix.cfg.BlocksPerReplica; c > 0 {
+	c := sh.lists[bit].capacity
+	if c == 0 {
+		c = ix.cfg.BlocksPerReplica
+	}
+	if c > 0 {
 		for sh.lists[bit].n > c {
 			sh.evictTail(bit)
 			ix.total--
@@ -156,6 +160,21 @@ func (ix *Index) evictLargest() {
 	}
 	best.evictTail(bestBit)
 	ix.total--
+}
+
+// SetCapacity sets replica r's LRU capacity in blocks (0: the index's
+// BlocksPerReplica), e.g. from the replica's own num_gpu_blocks, so that the
+// index forgets roughly when the replica does. A smaller capacity applies at
+// the replica's next insert.
+func (ix *Index) SetCapacity(r, blocks int) error {
+	ix.mu.Lock()
+	defer ix.mu.Unlock()
+	sh, bit, err := ix.slot(r)
+	if err != nil {
+		return err
+	}
+	sh.lists[bit].capacity = max(blocks, 0)
+	return nil
 }
 
 // Remove forgets that replica r holds hashes (precise mode: the replica

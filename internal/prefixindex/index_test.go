@@ -225,3 +225,22 @@ func BenchmarkMatch(b *testing.B) {
 		b.Fatalf("match %v", out)
 	}
 }
+
+func TestSetCapacity(t *testing.T) {
+	ix, _ := New(Config{Replicas: 2, BlocksPerReplica: 100})
+	if err := ix.SetCapacity(1, 3); err != nil {
+		t.Fatal(err)
+	}
+	a := chain([]int{1, 2, 3, 4, 5})
+	_ = ix.Insert(0, a)
+	_ = ix.Insert(1, a)
+	if ix.ReplicaLen(0) != 5 || ix.ReplicaLen(1) != 3 {
+		t.Fatalf("lens %d %d", ix.ReplicaLen(0), ix.ReplicaLen(1))
+	}
+	if m := ix.Match(a, nil); m[1] != 3 {
+		t.Fatalf("match %v", m)
+	}
+	if err := ix.SetCapacity(2, 1); !errors.Is(err, ErrReplica) {
+		t.Fatal(err)
+	}
+}

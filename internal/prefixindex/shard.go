@@ -33,6 +33,7 @@ type node struct {
 type list struct {
 	head, tail int32
 	n          int
+	capacity   int // blocks; 0: the index's BlocksPerReplica
 }
 
 func newShard() *shard {
