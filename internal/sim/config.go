@@ -1,0 +1,236 @@
+package sim
+
+import (
+	"errors"
+	"fmt"
+	"math"
+	"slices"
+	"time"
+
+	"github.com/kvgate/kvgate/internal/costmodel"
+	"github.com/kvgate/kvgate/internal/engine"
+	"github.com/kvgate/kvgate/internal/kvevents"
+)
+
+// ErrInvalidConfig wraps every configuration error of Start.
+var ErrInvalidConfig = errors.New("sim: invalid config")
+
+// Defaults of Config.
+const (
+	DefaultModel = "sim-llama-8b"
+	// DefaultMaxModelLen caps the context length when the KV cache is larger
+	// (Llama-3.1's 128k context).
+	DefaultMaxModelLen = 131072
+	// DefaultOutputMedian is the median of the output length drawn when a
+	// request does not set ignore_eos: chat answers of a few paragraphs.
+	DefaultOutputMedian = 128
+	// DefaultOutputSigma is the log-space spread of that length.
+	DefaultOutputSigma = 0.6
+	// DefaultCompletionMaxTokens is OpenAI's legacy completions default.
+	DefaultCompletionMaxTokens = 16
+	// DefaultChatMaxTokens is the sim's chat default. vLLM's is "whatever
+	// fits the context", which would make an unbounded request generate
+	// tens of thousands of tokens; 256 keeps a forgotten max_tokens cheap.
+	DefaultChatMaxTokens = 256
+	// DefaultMaxLag is the default Config.MaxLag: a few timer granules.
+	DefaultMaxLag = 5 * time.Millisecond
+	// MaxTimeScale bounds --time-scale so that virtual nanoseconds,
+	// (wall − start) × scale, fit an int64 for more than a day of wall time.
+	MaxTimeScale = 1e5
+)
+
+// Config describes a fleet of simulated replicas. The zero value of every
+// field but Replicas takes a default.
+type Config struct {
+	Replicas int
+	// Host is the listening address of every replica, default 127.0.0.1.
+	Host string
+	// Port: replica i listens on Port+i; 0 gives every replica an ephemeral port.
+	Port int
+
+	// KVEvents turns on the ZMQ KV-event publishers. Replica i binds
+	// tcp://Host:(KVEventsPort+i), or an ephemeral port when KVEventsPort is 0,
+	// and publishes under topic kv@HOST:PORT@MODEL.
+	KVEvents     bool
+	KVEventsPort int
+	KVEventsForm kvevents.Form // FormMap (default) or FormArray
+
+	Model string // served model name, default DefaultModel
+	// Adapters are LoRA adapter names served beside Model: a request naming
+	// one is accepted, its blocks are partitioned by it and its KV events
+	// carry it as lora_name.
+	Adapters []string
+	Profile  string // costmodel profile name, default costmodel.Default
+
+	KVBlocks       int // KV cache blocks per replica, default engine.DefaultNumBlocks
+	BlockSize      int // tokens per block, default engine.DefaultBlockSize
+	MaxBatchTokens int // default engine.DefaultMaxBatchTokens
+	MaxSeqs        int // default engine.DefaultMaxSeqs
+	// MaxModelLen is the longest prompt + max_tokens accepted, default
+	// min(DefaultMaxModelLen, KVBlocks × BlockSize); it may not exceed what
+	// the cache holds (vLLM refuses to start then).
+	MaxModelLen int
+	Jitter      float64 // relative step-time noise, see engine.Config.Jitter
+
+	Seed uint64
+	// TimeScale > 1 runs faster than real time: virtual time = wall time
+	// elapsed × TimeScale. Default 1; at most MaxTimeScale.
+	TimeScale float64
+
+	OutputMedian int     // median output length without ignore_eos, default DefaultOutputMedian
+	OutputSigma  float64 // log-space standard deviation of that length, default DefaultOutputSigma
+
+	Faults Faults
+	// FaultReplicas lists the replica indexes the faults apply to; nil or
+	// empty means every replica.
+	FaultReplicas []int
+
+	// MaxLag is how far (wall time) a busy driver's virtual time may trail
+	// the wall clock before it jumps forward; see Replica.drive. Default
+	// DefaultMaxLag.
+	MaxLag time.Duration
+
+	// Clock is the wall clock of the drivers and faults; default the real one.
+	Clock Clock
+}
+
+// Faults injects failures for reliability testing. Every draw comes from a
+// generator seeded by Config.Seed and the replica index.
+type Faults struct {
+	// ErrorRate is the probability that an inference request is answered
+	// 500 with an OpenAI error body.
+	ErrorRate float64
+	// FailAfter > 0: every inference request after the FailAfter-th gets 503,
+	// and /health turns 503 too (vLLM's dead-engine behaviour).
+	FailAfter int
+	// StallRate is the probability that a request is held Stall (wall time)
+	// before its first byte.
+	StallRate float64
+	Stall     time.Duration
+	// DieRate is the probability that a request's connection is cut: after
+	// the first chunk of a streamed response, before any byte of a
+	// non-streamed one.
+	DieRate float64
+	// RefuseAfter > 0 and RefuseFor > 0: RefuseAfter after start the
+	// replica closes its listener and every open connection (so new
+	// connections are refused), and RefuseFor later listens again on the
+	// same port. The engine and its cache survive.
+	RefuseAfter, RefuseFor time.Duration
+}
+
+func (f Faults) any() bool {
+	return f.ErrorRate > 0 || f.FailAfter > 0 || f.StallRate > 0 || f.DieRate > 0 ||
+		(f.RefuseAfter > 0 && f.RefuseFor > 0)
+}
+
+// withDefaults fills the zero fields.
+func (c Config) withDefaults() Config {
+	if c.Host == "" {
+		c.Host = "127.0.0.1"
+	}
+	if c.Model == "" {
+		c.Model = DefaultModel
+	}
+	if c.Profile == "" {
+		c.Profile = costmodel.Default
+	}
+	if c.KVBlocks == 0 {
+		c.KVBlocks = engine.DefaultNumBlocks
+	}
+	if c.BlockSize == 0 {
+		c.BlockSize = engine.DefaultBlockSize
+	}
+	if c.MaxBatchTokens == 0 {
+		c.MaxBatchTokens = engine.DefaultMaxBatchTokens
+	}
+	if c.MaxSeqs == 0 {
+		c.MaxSeqs = engine.DefaultMaxSeqs
+	}
+	if c.MaxModelLen == 0 && c.KVBlocks > 0 && c.BlockSize > 0 {
+		c.MaxModelLen = int(min(int64(DefaultMaxModelLen), int64(c.KVBlocks)*int64(c.BlockSize)))
+	}
+	if c.TimeScale == 0 {
+		c.TimeScale = 1
+	}
+	if c.OutputMedian == 0 {
+		c.OutputMedian = DefaultOutputMedian
+	}
+	if c.OutputSigma == 0 {
+		c.OutputSigma = DefaultOutputSigma
+	}
+	if c.MaxLag == 0 {
+		c.MaxLag = DefaultMaxLag
+	}
+	if c.Clock == nil {
+		c.Clock = RealClock{}
+	}
+	return c
+}
+
+func (c Config) validate() error {
+	bad := func(format string, args ...any) error {
+		return fmt.Errorf("%w: %s", ErrInvalidConfig, fmt.Sprintf(format, args...))
+	}
+	switch {
+	case c.Replicas < 1:
+		return bad("replicas %d < 1", c.Replicas)
+	case c.Port < 0 || c.Port+c.Replicas-1 > 65535:
+		return bad("ports %d..%d out of range", c.Port, c.Port+c.Replicas-1)
+	case c.KVEvents && (c.KVEventsPort < 0 || c.KVEventsPort+c.Replicas-1 > 65535):
+		return bad("kv-event ports %d..%d out of range", c.KVEventsPort, c.KVEventsPort+c.Replicas-1)
+	case c.KVEvents && c.Port > 0 && c.KVEventsPort > 0 &&
+		c.KVEventsPort < c.Port+c.Replicas && c.Port < c.KVEventsPort+c.Replicas:
+		return bad("kv-event ports %d.. overlap the HTTP ports %d..", c.KVEventsPort, c.Port)
+	case c.KVEventsForm != kvevents.FormMap && c.KVEventsForm != kvevents.FormArray:
+		return bad("kv-event form %v", c.KVEventsForm)
+	case !(c.TimeScale > 0 && c.TimeScale <= MaxTimeScale):
+		return bad("time scale %v out of (0, %g]", c.TimeScale, float64(MaxTimeScale))
+	case c.MaxLag < 0:
+		return bad("max lag %v < 0", c.MaxLag)
+	case c.KVBlocks < 1 || c.BlockSize < 1:
+		return bad("kv blocks %d and block size %d must be ≥ 1", c.KVBlocks, c.BlockSize)
+	case c.MaxModelLen < 1:
+		return bad("max model len %d < 1", c.MaxModelLen)
+	case int64(c.MaxModelLen) > int64(c.KVBlocks)*int64(c.BlockSize):
+		// vLLM: "The model's max seq len is larger than the maximum number of
+		// tokens that can be stored in KV cache".
+		return bad("max model len %d exceeds the KV cache (%d blocks × %d tokens)", c.MaxModelLen, c.KVBlocks, c.BlockSize)
+	case c.OutputMedian < 1 || !(c.OutputSigma >= 0 && c.OutputSigma <= 5):
+		return bad("output median %d must be ≥ 1 and sigma %v in [0, 5]", c.OutputMedian, c.OutputSigma)
+	case slices.Contains(c.Adapters, c.Model) || slices.Contains(c.Adapters, ""):
+		return bad("adapter names must be non-empty and differ from the model %q", c.Model)
+	}
+	f := c.Faults
+	for _, p := range []struct {
+		name string
+		v    float64
+	}{{"error rate", f.ErrorRate}, {"stall rate", f.StallRate}, {"die rate", f.DieRate}} {
+		if !(p.v >= 0 && p.v <= 1) || math.IsNaN(p.v) {
+			return bad("fault %s %v out of [0, 1]", p.name, p.v)
+		}
+	}
+	switch {
+	case f.FailAfter < 0:
+		return bad("fault fail-after %d < 0", f.FailAfter)
+	case f.Stall < 0 || f.RefuseAfter < 0 || f.RefuseFor < 0:
+		return bad("fault durations must be ≥ 0")
+	case f.StallRate > 0 && f.Stall == 0:
+		return bad("fault stall rate %v without a stall duration", f.StallRate)
+	case (f.RefuseAfter > 0) != (f.RefuseFor > 0):
+		return bad("fault refuse-after and refuse-for go together")
+	}
+	for _, i := range c.FaultReplicas {
+		if i < 0 || i >= c.Replicas {
+			return bad("fault replica %d out of [0, %d)", i, c.Replicas)
+		}
+	}
+	return nil
+}
+
+// faultsFor returns the faults replica i runs with.
+func (c Config) faultsFor(i int) Faults {
+	if len(c.FaultReplicas) == 0 || slices.Contains(c.FaultReplicas, i) {
+		return c.Faults
+	}
+	return Faults{}
+}

@@ -1,0 +1,98 @@
+package sim
+
+import (
+	"encoding/json"
+	"errors"
+	"fmt"
+	"net/http"
+
+	"github.com/kvgate/kvgate/internal/engine"
+	"github.com/kvgate/kvgate/internal/prompt"
+)
+
+// APIError is an error answered to a client, in OpenAI's shape
+// {"error": {"message", "type", "param", "code"}}.
+type APIError struct {
+	Status  int
+	Type    string // OpenAI error type: invalid_request_error, server_error, ...
+	Code    string // OpenAI error code, "" = null
+	Param   string // the offending field, "" = null
+	Message string
+}
+
+func (e *APIError) Error() string {
+	return fmt.Sprintf("sim: %d %s: %s", e.Status, e.Type, e.Message)
+}
+
+// Sentinel-like constructors, one per kind of answer.
+func badRequest(param, format string, args ...any) *APIError {
+	return &APIError{Status: http.StatusBadRequest, Type: "invalid_request_error", Param: param,
+		Message: fmt.Sprintf(format, args...)}
+}
+
+func modelNotFound(model string) *APIError {
+	return &APIError{Status: http.StatusNotFound, Type: "invalid_request_error", Code: "model_not_found",
+		Param: "model", Message: fmt.Sprintf("The model `%s` does not exist.", model)}
+}
+
+// contextTooLong is vLLM's wording of a request that cannot fit the context.
+func contextTooLong(maxLen, promptTokens, maxTokens int, chat bool) *APIError {
+	where := "prompt"
+	if chat {
+		where = "messages"
+	}
+	return &APIError{Status: http.StatusBadRequest, Type: "invalid_request_error", Code: "context_length_exceeded",
+		Param: "max_tokens",
+		Message: fmt.Sprintf("This model's maximum context length is %d tokens. However, you requested %d tokens "+
+			"(%d in the %s, %d in the completion). Please reduce the length of the %s or completion.",
+			maxLen, promptTokens+maxTokens, promptTokens, where, maxTokens, where)}
+}
+
+var (
+	errInjected = &APIError{Status: http.StatusInternalServerError, Type: "server_error",
+		Message: "injected fault: internal server error"}
+	errFailed = &APIError{Status: http.StatusServiceUnavailable, Type: "service_unavailable_error",
+		Message: "injected fault: the replica has failed"}
+	errShuttingDown = &APIError{Status: http.StatusServiceUnavailable, Type: "service_unavailable_error",
+		Message: "the replica is shutting down"}
+)
+
+// toAPIError maps an error to its answer, in one place.
+func toAPIError(err error) *APIError {
+	var ae *APIError
+	var re *prompt.RequestError
+	var mbe *http.MaxBytesError
+	switch {
+	case errors.As(err, &ae):
+		return ae
+	case errors.As(err, &re):
+		return badRequest(re.Param, "%s", re.Msg)
+	case errors.As(err, &mbe):
+		return &APIError{Status: http.StatusRequestEntityTooLarge, Type: "invalid_request_error",
+			Message: fmt.Sprintf("request body larger than %d bytes", mbe.Limit)}
+	case errors.Is(err, engine.ErrInvalidRequest):
+		return badRequest("", "%v", err)
+	}
+	return &APIError{Status: http.StatusInternalServerError, Type: "server_error", Message: err.Error()}
+}
+
+func writeError(w http.ResponseWriter, err error) {
+	ae := toAPIError(err)
+	type body struct {
+		Message string  `json:"message"`
+		Type    string  `json:"type"`
+		Param   *string `json:"param"`
+		Code    any     `json:"code"`
+	}
+	b := body{Message: ae.Message, Type: ae.Type}
+	if ae.Param != "" {
+		b.Param = &ae.Param
+	}
+	if ae.Code != "" {
+		b.Code = ae.Code
+	}
+	data, _ := json.Marshal(map[string]body{"error": b})
+	w.Header().Set("Content-Type", "application/json")
+	w.WriteHeader(ae.Status)
+	_, _ = w.Write(data)
+}

@@ -1,0 +1,203 @@
+package sim
+
+import (
+	"encoding/json"
+	"errors"
+	"io"
+	"net"
+	"net/http"
+	"strings"
+	"testing"
+	"time"
+)
+
+const smallBody = `{"model":"sim-llama-8b","prompt":"fault injection","max_tokens":3,"ignore_eos":true}`
+
+// streamBody is long enough (5000 steps) that the cut always comes first.
+const streamBody = `{"model":"sim-llama-8b","prompt":"fault injection","max_tokens":5000,"ignore_eos":true,"stream":true}`
+
+func errorType(t *testing.T, r resp) string {
+	t.Helper()
+	var e struct {
+		Error struct {
+			Type string `json:"type"`
+		} `json:"error"`
+	}
+	if err := json.Unmarshal(r.body, &e); err != nil {
+		t.Fatalf("not an OpenAI error body: %s", r.body)
+	}
+	return e.Error.Type
+}
+
+func TestFaultErrorRateAndReplicas(t *testing.T) {
+	cfg := fast()
+	cfg.Replicas = 2
+	cfg.Faults.ErrorRate = 1
+	cfg.FaultReplicas = []int{1}
+	f := startFleet(t, cfg)
+	c := testClient(t)
+	if r := post(t, c, f.URLs()[0]+"/v1/completions", smallBody); r.status != 200 {
+		t.Errorf("replica 0 (no faults): %d", r.status)
+	}
+	r := post(t, c, f.URLs()[1]+"/v1/completions", smallBody)
+	if r.status != 500 || errorType(t, r) != "server_error" {
+		t.Errorf("replica 1: %d %s", r.status, r.body)
+	}
+	if r := get(t, c, f.URLs()[1]+"/health"); r.status != 200 {
+		t.Errorf("an error rate does not fail /health: %d", r.status)
+	}
+}
+
+// The rate is a seeded draw: about the rate, and the same sequence again
+// with the same seed.
+func TestFaultErrorRateSeeded(t *testing.T) {
+	run := func() []bool {
+		cfg := fast()
+		cfg.Faults.ErrorRate = 0.25
+		f := startFleet(t, cfg)
+		c := testClient(t)
+		var out []bool
+		for range 120 {
+			out = append(out, post(t, c, f.URLs()[0]+"/v1/completions", smallBody).status == 500)
+		}
+		return out
+	}
+	a, b := run(), run()
+	n := 0
+	for i := range a {
+		if a[i] {
+			n++
+		}
+		if a[i] != b[i] {
+			t.Fatalf("request %d differs between runs with one seed", i)
+		}
+	}
+	if n < 15 || n > 45 {
+		t.Errorf("%d errors of 120 at rate 0.25", n)
+	}
+}
+
+func TestFaultFailAfter(t *testing.T) {
+	cfg := fast()
+	cfg.Faults.FailAfter = 2
+	f := startFleet(t, cfg)
+	c := testClient(t)
+	url := f.URLs()[0]
+	for i, want := range []int{200, 200, 503, 503} {
+		if r := post(t, c, url+"/v1/chat/completions",
+			`{"model":"sim-llama-8b","messages":[{"role":"user","content":"x"}],"max_tokens":1}`); r.status != want {
+			t.Errorf("request %d: %d, want %d", i, r.status, want)
+		}
+	}
+	if r := get(t, c, url+"/health"); r.status != 503 {
+		t.Errorf("/health after failing: %d", r.status)
+	}
+}
+
+// A stalled request gets no byte until the stall (on the replica's clock)
+// has passed.
+func TestFaultStall(t *testing.T) {
+	clk := newFakeClock()
+	cfg := Config{Clock: clk, Seed: 1, Faults: Faults{StallRate: 1, Stall: 10 * time.Second}}
+	f := startFleet(t, cfg)
+	c := testClient(t)
+	done := make(chan resp, 1)
+	go func() { done <- post(t, c, f.URLs()[0]+"/v1/completions", smallBody) }()
+	if got := waitTimer(t, clk); got != 10*time.Second {
+		t.Fatalf("stall timer %v", got)
+	}
+	clk.Advance(10*time.Second - time.Millisecond)
+	select {
+	case r := <-done:
+		t.Fatalf("answered %d before the stall ended", r.status)
+	default:
+	}
+	clk.Advance(time.Millisecond)
+	for {
+		select {
+		case r := <-done:
+			decodeCompletion(t, r)
+			return
+		default:
+		}
+		if p := clk.Pending(); len(p) == 1 {
+			clk.Advance(p[0]) // the engine's steps
+		}
+		time.Sleep(time.Millisecond) // polling interval
+	}
+}
+
+func TestFaultDie(t *testing.T) {
+	cfg := fast()
+	cfg.Faults.DieRate = 1
+	f := startFleet(t, cfg)
+	c := testClient(t)
+	url := f.URLs()[0]
+
+	// Streamed: the first chunk arrives, then the connection is cut.
+	r, err := c.Post(url+"/v1/completions", "application/json", strings.NewReader(streamBody))
+	if err != nil {
+		t.Fatal(err)
+	}
+	body, err := io.ReadAll(r.Body)
+	r.Body.Close()
+	if err == nil || !errors.Is(err, io.ErrUnexpectedEOF) {
+		t.Errorf("stream read error %v, want unexpected EOF", err)
+	}
+	if !strings.HasPrefix(string(body), "data: {") || strings.Contains(string(body), "[DONE]") ||
+		strings.Contains(string(body), `"finish_reason":"length"`) {
+		t.Errorf("stream body %q", body)
+	}
+	eventually(t, 10*time.Second, "the abort", func() bool {
+		n, _ := metricValue(scrape(t, c, url), MetricRequestSuccess, map[string]string{"finished_reason": "abort"})
+		return n == 1
+	})
+
+	// Non-streamed: no response at all.
+	if r, err := c.Post(url+"/v1/completions", "application/json", strings.NewReader(smallBody)); err == nil {
+		r.Body.Close()
+		t.Errorf("non-streamed request answered %d", r.StatusCode)
+	}
+}
+
+// The replica closes its listener and connections for a window, then
+// listens on the same port again.
+func TestFaultRefuse(t *testing.T) {
+	clk := newFakeClock()
+	cfg := Config{Clock: clk, Seed: 1, Faults: Faults{RefuseAfter: time.Second, RefuseFor: 2 * time.Second}}
+	f := startFleet(t, cfg)
+	c := testClient(t)
+	url := f.URLs()[0]
+	addr := strings.TrimPrefix(url, "http://")
+	if r := get(t, c, url+"/health"); r.status != 200 {
+		t.Fatalf("/health %d", r.status)
+	}
+	if got := waitTimer(t, clk); got != time.Second {
+		t.Fatalf("refuse timer %v", got)
+	}
+	clk.Advance(time.Second)
+	eventually(t, 10*time.Second, "connections refused", func() bool {
+		conn, err := net.Dial("tcp", addr)
+		if err == nil {
+			conn.Close()
+			return false
+		}
+		return true
+	})
+	// The client's kept-alive connection was cut too.
+	if _, err := c.Get(url + "/health"); err == nil {
+		t.Error("request served while refusing")
+	}
+	if got := waitTimer(t, clk); got != 2*time.Second {
+		t.Fatalf("reopen timer %v", got)
+	}
+	clk.Advance(2 * time.Second)
+	eventually(t, 10*time.Second, "the replica back", func() bool {
+		r, err := c.Get(url + "/health")
+		if err != nil {
+			return false
+		}
+		r.Body.Close()
+		return r.StatusCode == http.StatusOK
+	})
+}

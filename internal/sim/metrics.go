@@ -1,0 +1,154 @@
+package sim
+
+import (
+	"strconv"
+
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/kvgate/kvgate/internal/engine"
+)
+
+// Metric names, exactly as vLLM (v1 engine, ≥ 0.9) exposes them. vLLM
+// declares its counters without the suffix and Python's prometheus_client
+// appends "_total"; Go's client exposes names as given, so the counters are
+// declared with the suffix.
+const (
+	MetricRunning        = "vllm:num_requests_running"
+	MetricWaiting        = "vllm:num_requests_waiting"
+	MetricKVUsage        = "vllm:kv_cache_usage_perc"
+	MetricPrefixQueries  = "vllm:prefix_cache_queries_total"
+	MetricPrefixHits     = "vllm:prefix_cache_hits_total"
+	MetricPreemptions    = "vllm:num_preemptions_total"
+	MetricPromptTokens   = "vllm:prompt_tokens_total"
+	MetricGenTokens      = "vllm:generation_tokens_total"
+	MetricRequestSuccess = "vllm:request_success_total"
+	MetricTTFT           = "vllm:time_to_first_token_seconds"
+	MetricE2E            = "vllm:e2e_request_latency_seconds"
+	MetricCacheConfig    = "vllm:cache_config_info"
+)
+
+// ContractMetrics are the metrics DESIGN.md's sim contract requires.
+var ContractMetrics = []string{
+	MetricRunning, MetricWaiting, MetricKVUsage, MetricPrefixQueries, MetricPrefixHits,
+	MetricTTFT, MetricE2E, MetricPromptTokens, MetricGenTokens, MetricRequestSuccess,
+	MetricCacheConfig,
+}
+
+// Buckets of vLLM's v1 PrometheusStatLogger.
+var (
+	ttftBuckets = []float64{0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5,
+		0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0}
+	latencyBuckets = []float64{0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
+		40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0}
+)
+
+// Finish reasons, vLLM's FinishReason values and OpenAI's finish_reason.
+const (
+	finishStop   = "stop"
+	finishLength = "length"
+	finishAbort  = "abort"
+)
+
+// metrics is one replica's registry. Gauges and engine counters are read
+// from the engine at scrape time (engineCollector); latency histograms and
+// finish reasons, which the engine does not know, are observed by the driver.
+// Latencies are in virtual seconds: what the simulated GPU would report.
+type metrics struct {
+	reg     *prometheus.Registry
+	ttft    prometheus.Histogram
+	e2e     prometheus.Histogram
+	success map[string]prometheus.Counter
+}
+
+func newMetrics(model string, r *Replica) *metrics {
+	// vLLM labels every series with the served model name and the engine
+	// index (one engine core per replica here).
+	labels := prometheus.Labels{"model_name": model, "engine": "0"}
+	m := &metrics{
+		reg: prometheus.NewRegistry(),
+		ttft: prometheus.NewHistogram(prometheus.HistogramOpts{
+			Name: MetricTTFT, Help: "Histogram of time to first token in seconds.",
+			Buckets: ttftBuckets, ConstLabels: labels,
+		}),
+		e2e: prometheus.NewHistogram(prometheus.HistogramOpts{
+			Name: MetricE2E, Help: "Histogram of e2e request latency in seconds.",
+			Buckets: latencyBuckets, ConstLabels: labels,
+		}),
+		success: make(map[string]prometheus.Counter),
+	}
+	sv := prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: MetricRequestSuccess, Help: "Count of successfully processed requests.",
+		ConstLabels: labels,
+	}, []string{"finished_reason"})
+	// vLLM creates one series per FinishReason up front, so they read 0.
+	for _, reason := range []string{finishStop, finishLength, finishAbort} {
+		m.success[reason] = sv.WithLabelValues(reason)
+	}
+	// vLLM's cache_config_info carries the CacheConfig fields as labels
+	// (plus "engine") and no model_name.
+	cc := prometheus.NewGauge(prometheus.GaugeOpts{
+		Name: MetricCacheConfig, Help: "Information of the LLMEngine CacheConfig",
+		ConstLabels: prometheus.Labels{
+			"block_size":            strconv.Itoa(r.cfg.BlockSize),
+			"num_gpu_blocks":        strconv.Itoa(r.cfg.KVBlocks),
+			"enable_prefix_caching": "True",
+			"cache_dtype":           "auto",
+			"engine":                "0",
+		},
+	})
+	cc.Set(1)
+	m.reg.MustRegister(m.ttft, m.e2e, sv, cc, newEngineCollector(labels, r))
+	return m
+}
+
+// engineCollector reads the engine's gauges and counters at scrape time.
+type engineCollector struct {
+	r                                                          *Replica
+	running, waiting, kvUsage, queries, hits, preempt, pt, gen *prometheus.Desc
+}
+
+func newEngineCollector(labels prometheus.Labels, r *Replica) *engineCollector {
+	d := func(name, help string) *prometheus.Desc { return prometheus.NewDesc(name, help, nil, labels) }
+	return &engineCollector{
+		r:       r,
+		running: d(MetricRunning, "Number of requests in model execution batches."),
+		waiting: d(MetricWaiting, "Number of requests waiting to be processed."),
+		kvUsage: d(MetricKVUsage, "KV-cache usage. 1 means 100 percent usage."),
+		queries: d(MetricPrefixQueries, "Prefix cache queries, in terms of number of queried tokens."),
+		hits:    d(MetricPrefixHits, "Prefix cache hits, in terms of number of cached tokens."),
+		preempt: d(MetricPreemptions, "Cumulative number of preemption from the engine."),
+		pt:      d(MetricPromptTokens, "Number of prefill tokens processed."),
+		gen:     d(MetricGenTokens, "Number of generation tokens processed."),
+	}
+}
+
+func (c *engineCollector) Describe(ch chan<- *prometheus.Desc) {
+	for _, d := range []*prometheus.Desc{c.running, c.waiting, c.kvUsage, c.queries, c.hits, c.preempt, c.pt, c.gen} {
+		ch <- d
+	}
+}
+
+func (c *engineCollector) Collect(ch chan<- prometheus.Metric) {
+	s := c.r.stats()
+	g := func(d *prometheus.Desc, v float64) { ch <- prometheus.MustNewConstMetric(d, prometheus.GaugeValue, v) }
+	k := func(d *prometheus.Desc, v int64) {
+		ch <- prometheus.MustNewConstMetric(d, prometheus.CounterValue, float64(v))
+	}
+	g(c.running, float64(s.Running))
+	g(c.waiting, float64(s.Waiting))
+	g(c.kvUsage, s.KVUsage)
+	k(c.queries, s.PrefixQueries)
+	k(c.hits, s.PrefixHits)
+	k(c.preempt, s.Preemptions)
+	k(c.pt, s.PromptTokens)
+	k(c.gen, s.GenerationTokens)
+}
+
+var _ prometheus.Collector = (*engineCollector)(nil)
+
+// stats is a snapshot of the engine's counters.
+func (r *Replica) stats() engine.Stats {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.eng.Stats()
+}

@@ -1,0 +1,122 @@
+package sim
+
+import (
+	"context"
+	"errors"
+	"net"
+	"net/http"
+	"time"
+)
+
+// serve runs the HTTP server on ln and, after each refuse window, on the
+// listener that replaces it, until the server is closed.
+func (r *Replica) serve(ln net.Listener) {
+	defer r.wg.Done()
+	for {
+		err := r.srv.Serve(ln)
+		if errors.Is(err, http.ErrServerClosed) {
+			return
+		}
+		// The listener was closed by a refuse window: wait for the next one.
+		select {
+		case ln = <-r.reopen:
+		case <-r.done:
+			return
+		}
+	}
+}
+
+// trackConn keeps the open connections so that a refuse window can cut them.
+func (r *Replica) trackConn(c net.Conn, s http.ConnState) {
+	r.connMu.Lock()
+	defer r.connMu.Unlock()
+	switch s {
+	case http.StateNew:
+		if r.refusing.Load() {
+			_ = c.Close() // accepted just before the listener closed
+			return
+		}
+		r.conns[c] = struct{}{}
+	case http.StateClosed, http.StateHijacked:
+		delete(r.conns, c)
+	}
+}
+
+// refuseWindow is the --fault-refuse-after/--fault-refuse-for fault: the
+// replica goes away as a crashed process does (listener closed, so new
+// connections are refused, and open connections cut), then comes back on
+// the same port.
+func (r *Replica) refuseWindow() {
+	defer r.wg.Done()
+	t := r.clock.NewTimer(r.faults.RefuseAfter)
+	defer t.Stop()
+	select {
+	case <-t.C():
+	case <-r.done:
+		return
+	}
+	r.refusing.Store(true)
+	_ = r.ln.Close()
+	r.connMu.Lock()
+	for c := range r.conns {
+		_ = c.Close()
+	}
+	r.connMu.Unlock()
+
+	t.Reset(r.faults.RefuseFor)
+	select {
+	case <-t.C():
+	case <-r.done:
+		return
+	}
+	// Listening again can fail briefly if the port is taken by someone
+	// else meanwhile; retry with a capped backoff until closed.
+	delay := 10 * time.Millisecond
+	for {
+		var lc net.ListenConfig
+		ln, err := lc.Listen(context.Background(), "tcp", r.addr)
+		if err == nil {
+			r.refusing.Store(false)
+			r.ln = ln
+			r.reopen <- ln
+			return
+		}
+		t.Reset(delay)
+		select {
+		case <-t.C():
+		case <-r.done:
+			return
+		}
+		delay = min(2*delay, time.Second)
+	}
+}
+
+// shutdown stops the replica: graceful until ctx ends (in-flight requests
+// finish, the driver keeps stepping for them), then abrupt. It waits for
+// every goroutine it started.
+func (r *Replica) shutdown(ctx context.Context) error {
+	err := r.srv.Shutdown(ctx)
+	if err != nil {
+		_ = r.srv.Close()
+	}
+	handlersGone := r.gate.close()
+	close(r.done) // ends the driver, waiting handlers and the fault timer
+	<-handlersGone
+	r.wg.Wait()
+	// A refuse window may have opened a listener Serve never took.
+	select {
+	case ln := <-r.reopen:
+		_ = ln.Close()
+	default:
+	}
+	if r.pub != nil {
+		if perr := r.pub.Close(); perr != nil && err == nil {
+			err = perr
+		}
+	}
+	if errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded) {
+		// Cut short as asked: not a failure of the replica.
+		err = nil
+	}
+	return err
+}
