@@ -38,6 +38,7 @@ type TTFT struct {
 	correction map[int]float64    // replica slot → observed/predicted
 	pending    map[uint64]pendEst // request id → raw estimate at routing
 	meanPrompt float64            // EWMA of uncached tokens per request, for others' queued requests
+	meanOutput float64            // EWMA of output tokens per request, when max_tokens is absent
 }
 
 type pendEst struct {
@@ -53,6 +54,13 @@ type ttftParams struct {
 	Alpha float64 `json:"correction_alpha"`
 	// MaxCorrection bounds correction to [1/max, max].
 	MaxCorrection float64 `json:"max_correction"`
+	// DecodeWeight weighs the decode slowdown of the choice: the request's
+	// own output tokens run in r's decode batch, each step longer by
+	// r's other decodes (c1 + c3·context each).
+	DecodeWeight float64 `json:"decode_weight"`
+	// InterferenceWeight weighs what the request's prefill costs r's
+	// running decodes: each of them waits c1 per uncached token.
+	InterferenceWeight float64 `json:"interference_weight"`
 }
 
 var _ Policy = (*TTFT)(nil)
@@ -60,12 +68,12 @@ var _ Observer = (*TTFT)(nil)
 
 func init() {
 	register("ttft", func(o Options) (Policy, error) {
-		p := ttftParams{MarginRel: 0.05, MarginMs: 2, Alpha: 0.1, MaxCorrection: 4}
+		p := ttftParams{MarginRel: 0.05, MarginMs: 2, Alpha: 0.1, MaxCorrection: 4, DecodeWeight: 1, InterferenceWeight: 1}
 		if err := decodeParams(o.Params, &p); err != nil {
 			return nil, err
 		}
-		if p.MarginRel < 0 || p.MarginMs < 0 || p.Alpha < 0 || p.Alpha > 1 || p.MaxCorrection < 1 {
-			return nil, fmt.Errorf("need margin_rel ≥ 0, margin_ms ≥ 0, 0 ≤ correction_alpha ≤ 1, max_correction ≥ 1")
+		if p.MarginRel < 0 || p.MarginMs < 0 || p.Alpha < 0 || p.Alpha > 1 || p.MaxCorrection < 1 || p.DecodeWeight < 0 || p.InterferenceWeight < 0 {
+			return nil, fmt.Errorf("need margin_rel ≥ 0, margin_ms ≥ 0, 0 ≤ correction_alpha ≤ 1, max_correction ≥ 1, decode_weight ≥ 0, interference_weight ≥ 0")
 		}
 		return &TTFT{o: o, p: p, g: newRNG(o.Seed), correction: map[int]float64{}, pending: map[uint64]pendEst{}}, nil
 	})
@@ -76,6 +84,13 @@ func (*TTFT) Name() string { return "ttft" }
 // Estimate returns the uncorrected estimated TTFT on v in milliseconds and
 // the blocks credited.
 func (t *TTFT) Estimate(req *Request, v *ReplicaView, meanPrompt float64) (float64, int) {
+	ms, matched, _ := t.estimate(req, v, meanPrompt, 0)
+	return ms, matched
+}
+
+// estimate returns the estimated TTFT (ms), the blocks credited, and the
+// decode cost of the choice (ms) for out expected output tokens.
+func (t *TTFT) estimate(req *Request, v *ReplicaView, meanPrompt, out float64) (float64, int, float64) {
 	prof, bs := t.o.Profile, t.o.BlockSize
 	matched := min(v.Match, len(req.Blocks))
 	cached := min(matched*bs, max(req.Tokens-1, 0))
@@ -99,7 +114,12 @@ func (t *TTFT) Estimate(req *Request, v *ReplicaView, meanPrompt float64) (float
 	steps := math.Ceil(work / chunk)
 	ms := steps*(prof.C0+prof.C1*float64(decodes)+prof.C3*float64(decodes)*meanCtx) +
 		prof.C1*work + prof.C2*float64(own)*float64(cached+own)
-	return ms, matched
+	// The decode cost of the choice: the request's own tokens slowed by r's
+	// batch, and the request's prefill stalling r's running decodes.
+	perStep := prof.C1 + prof.C3*meanCtx
+	cost := t.p.DecodeWeight*out*perStep*float64(decodes) +
+		t.p.InterferenceWeight*float64(decodes)*prof.C1*float64(own)
+	return ms, matched, cost
 }
 
 func (t *TTFT) Pick(req *Request, rs []ReplicaView) (Decision, error) {
@@ -108,7 +128,15 @@ func (t *TTFT) Pick(req *Request, rs []ReplicaView) (Decision, error) {
 	if meanPrompt == 0 {
 		meanPrompt = float64(req.Tokens)
 	}
-	scores := make([]float64, len(rs))
+	out := float64(req.MaxTokens)
+	if out <= 0 {
+		out = t.meanOutput
+		if out == 0 {
+			out = 128
+		}
+	}
+	scores := make([]float64, len(rs)) // estimated TTFT + decode cost, ms
+	ttfts := make([]float64, len(rs))  // estimated TTFT, ms
 	matched := make([]int, len(rs))
 	best := math.Inf(1)
 	for i := range rs {
@@ -116,8 +144,9 @@ func (t *TTFT) Pick(req *Request, rs []ReplicaView) (Decision, error) {
 			scores[i] = math.Inf(1)
 			continue
 		}
-		raw, m := t.Estimate(req, &rs[i], meanPrompt)
-		scores[i], matched[i] = raw*t.corr(rs[i].Index), m
+		raw, m, cost := t.estimate(req, &rs[i], meanPrompt, out)
+		ttfts[i] = raw * t.corr(rs[i].Index)
+		scores[i], matched[i] = ttfts[i]+cost, m
 		best = min(best, scores[i])
 	}
 	t.mu.Unlock()
@@ -146,7 +175,7 @@ func (t *TTFT) Pick(req *Request, rs []ReplicaView) (Decision, error) {
 		reason = "deepest match within the margin of the lowest estimated TTFT"
 	}
 	d := decide(rs, choice, reason, matched[choice], float64(rs[choice].PendingPrefill))
-	d.EstTTFT = time.Duration(scores[choice] * float64(time.Millisecond))
+	d.EstTTFT = time.Duration(ttfts[choice] * float64(time.Millisecond))
 	for i := range scores {
 		if math.IsInf(scores[i], 1) {
 			scores[i] = -1 // not considered (unhealthy); JSON has no infinity
@@ -184,6 +213,13 @@ func (t *TTFT) Observe(ev Event) {
 			t.meanPrompt += 0.05 * (uncached - t.meanPrompt)
 		}
 	case FirstToken, Done:
+		if ev.Kind == Done && ev.Err == nil && ev.OutputTokens > 0 {
+			if t.meanOutput == 0 {
+				t.meanOutput = float64(ev.OutputTokens)
+			} else {
+				t.meanOutput += 0.05 * (float64(ev.OutputTokens) - t.meanOutput)
+			}
+		}
 		pe, ok := t.pending[ev.Req.ID]
 		if !ok {
 			return

@@ -191,9 +191,40 @@ func planMultiturn(p params, requests int) (plan, error) {
 				}
 			}
 		}
-		return reqs
+		return interleave(r, reqs, c)
 	}
 	return plan{n: n, made: float64(n), textBytes: textBytes, gen: gen}, nil
+}
+
+// interleave puts the conversations of each round of c requests (one turn
+// of every conversation) in a seeded random order and renumbers Index and
+// Prev to match. Without it conversation i's turns would all sit at index
+// i modulo c, and round robin over a replica count dividing c would keep
+// every conversation on one replica by accident, which real traffic never
+// does.
+func interleave(r *rng, reqs []Request, c int) []Request {
+	n := len(reqs)
+	pos := make([]int, n) // old index → new index
+	for start := 0; start < n; start += c {
+		end := min(start+c, n)
+		order := make([]int, end-start)
+		for j := range order {
+			order[j] = start + j
+		}
+		r.shuffle(len(order), func(i, j int) { order[i], order[j] = order[j], order[i] })
+		for j, old := range order {
+			pos[old] = start + j
+		}
+	}
+	out := make([]Request, n)
+	for old, q := range reqs {
+		q.Index = pos[old]
+		if q.Prev >= 0 {
+			q.Prev = pos[q.Prev]
+		}
+		out[q.Index] = q
+	}
+	return out
 }
 
 // planSharedPrefix: groups × prompts_per_group prompts, each a group's

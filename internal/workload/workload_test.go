@@ -6,6 +6,7 @@ import (
 	"math"
 	"reflect"
 	"slices"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -276,8 +277,12 @@ func TestMultiturn(t *testing.T) {
 		t.Fatalf("%d requests", len(reqs))
 	}
 	turn := map[string]int{}
+	inOrder := true
 	for i := range reqs {
 		r := &reqs[i]
+		if r.Session != "conv-"+strconv.Itoa(i%7) {
+			inOrder = false
+		}
 		k := turn[r.Session]
 		turn[r.Session]++
 		if len(r.Contents) != 2*k+2 || r.Roles[0] != "system" || r.Roles[len(r.Roles)-1] != "user" {
@@ -293,7 +298,8 @@ func TestMultiturn(t *testing.T) {
 			continue
 		}
 		p := &reqs[r.Prev]
-		if p.Session != r.Session || turn[p.Session] == 0 || r.Prev != i-7 {
+		// Each round of 7 holds one turn of every conversation, in a shuffled order.
+		if p.Session != r.Session || turn[p.Session] == 0 || r.Prev/7 != i/7-1 {
 			t.Fatalf("request %d: Prev %d is not its conversation's previous turn", i, r.Prev)
 		}
 		if r.Think < 100*time.Millisecond || r.Think >= 300*time.Millisecond {
@@ -317,6 +323,9 @@ func TestMultiturn(t *testing.T) {
 	sys := len("<|system|>\n"+reqs[0].Contents[0]) / 64
 	if got := sharedBlocks(reqs[0].Text(), reqs[1].Text()); got < sys || got > sys+1 {
 		t.Fatalf("conversations share %d blocks, want the system prompt's %d", got, sys)
+	}
+	if inOrder {
+		t.Fatal("conversations are not interleaved within rounds: request i is always conversation i mod 7")
 	}
 }
 
