@@ -16,13 +16,13 @@ func init() {
 	register("sglang", func(o Options) (Policy, error) {
 		p := sglangParams{
 			CacheThreshold: 0.5, BalanceAbs: 32, BalanceRel: 1.1,
-			EvictionIntervalSecs: 30, MaxTreeSize: 10000,
+			EvictionIntervalSecs: 30, MaxTreeSize: 10000, HardCapChars: 1 << 24,
 		}
 		if err := decodeParams(o.Params, &p); err != nil {
 			return nil, err
 		}
 		if p.CacheThreshold < 0 || p.CacheThreshold > 1 || p.BalanceAbs < 0 || p.BalanceRel < 1 ||
-			p.EvictionIntervalSecs < 0 || p.MaxTreeSize < 1 {
+			p.EvictionIntervalSecs < 0 || p.MaxTreeSize < 1 || p.HardCapChars < p.MaxTreeSize {
 			return nil, fmt.Errorf("%w: need 0 ≤ cache_threshold ≤ 1, balance_abs_threshold ≥ 0, "+
 				"balance_rel_threshold ≥ 1, eviction_interval_secs ≥ 0, max_tree_size ≥ 1", ErrParam)
 		}
@@ -40,6 +40,9 @@ type sglangParams struct {
 	EvictionIntervalSecs float64 `json:"eviction_interval_secs"`
 	// MaxTreeSize bounds each replica's share of the tree, in characters.
 	MaxTreeSize int `json:"max_tree_size"`
+	// HardCapChars bounds a replica's share between two evictions (kvgate's
+	// memory bound; SGLang's tree grows unbounded between its evictions).
+	HardCapChars int `json:"hard_cap_chars"`
 	// RandomTies breaks least-load ties at random; SGLang takes the first.
 	RandomTies bool `json:"random_ties"`
 }
@@ -64,8 +67,9 @@ type sglangParams struct {
 // the request is Routed, whichever path chose it. SGLang's router evicts
 // from a background thread every eviction interval; here eviction runs
 // lazily from Observe once the interval has passed in event time, and also
-// at once when a tenant grows past twice max_tree_size, so that memory stays
-// bounded however fast (virtual) time runs between two evictions.
+// at once when a tenant grows past hard_cap_chars (16M characters), so that
+// memory stays bounded however fast (virtual) time runs between two
+// evictions. Between evictions the tree keeps everything, as SGLang's does.
 //
 // Trees are kept per cache partition (model, adapter, salt), as SGLang keeps
 // one per model: a prefix cached under another adapter is no hit.
@@ -316,7 +320,7 @@ func (s *SGLang) Observe(ev Event) {
 	}
 	s.insert(ev.Req, ev.Replica, at)
 	interval := time.Duration(s.p.EvictionIntervalSecs * float64(time.Second))
-	if ev.At.Sub(s.lastEvict) >= interval || s.chars[ev.Replica] > 2*s.p.MaxTreeSize {
+	if ev.At.Sub(s.lastEvict) >= interval || s.chars[ev.Replica] > s.p.HardCapChars {
 		s.evict()
 		s.lastEvict = ev.At
 	}

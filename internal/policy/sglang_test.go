@@ -206,7 +206,7 @@ func TestSGLangCharCounts(t *testing.T) {
 
 // TestSGLangEviction: once the interval has passed (event time), a tenant
 // over max_tree_size loses its least recently used leaves until it fits; a
-// tenant over twice the size is trimmed at once.
+// tenant over hard_cap_chars is trimmed at once.
 func TestSGLangEviction(t *testing.T) {
 	texts := make([]string, 6)
 	for i := range texts {
@@ -230,7 +230,7 @@ func TestSGLangEviction(t *testing.T) {
 			[]ins{{0, 0}, {1, 1}, {2, 2}, {3, 3}, {4, 31}}, []int{3, 4}, 80},
 		{"a re-routed text is recent again", map[string]any{"max_tree_size": 100},
 			[]ins{{0, 0}, {1, 1}, {2, 2}, {3, 3}, {0, 4}, {4, 31}}, []int{0, 4}, 80},
-		{"twice the size: trimmed at once", map[string]any{"max_tree_size": 100, "eviction_interval_secs": 1000},
+		{"over the hard cap: trimmed at once", map[string]any{"max_tree_size": 100, "eviction_interval_secs": 1000, "hard_cap_chars": 200},
 			[]ins{{0, 0}, {1, 1}, {2, 2}, {3, 3}, {4, 4}, {5, 5}}, []int{4, 5}, 80},
 	}
 	for _, c := range cases {

@@ -1,0 +1,113 @@
+package bench
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	"go.uber.org/goleak"
+
+	"github.com/kvgate/kvgate/internal/gateway"
+	"github.com/kvgate/kvgate/internal/report"
+	"github.com/kvgate/kvgate/internal/sim"
+	"github.com/kvgate/kvgate/internal/workload"
+)
+
+func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
+
+func generate(t *testing.T, name string, params map[string]float64) []workload.Request {
+	t.Helper()
+	spec, err := workload.Parse(name)
+	if err != nil {
+		t.Fatal(err)
+	}
+	spec.Seed = 7
+	spec.Params = params
+	reqs, err := workload.Generate(spec)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return reqs
+}
+
+func embedded(replicas int) EmbeddedConfig {
+	g := gateway.Defaults()
+	g.ScrapeInterval = gateway.Duration(20 * time.Millisecond)
+	g.HealthInterval = gateway.Duration(50 * time.Millisecond)
+	return EmbeddedConfig{
+		Sim:     sim.Config{Replicas: replicas, TimeScale: 2, Seed: 7},
+		Gateway: g,
+		Load:    Config{Concurrency: 8, MaxDuration: 2 * time.Minute},
+	}
+}
+
+// Cache-aware policies must show a clearly higher hit rate and a lower
+// TTFT p50 than round_robin, on both workloads the issue names.
+func TestCacheAwareBeatsRoundRobin(t *testing.T) {
+	if testing.Short() {
+		t.Skip("embedded fleet run")
+	}
+	cases := []struct {
+		workload string
+		params   map[string]float64
+	}{
+		// 4 prompts per group over 4 replicas: round robin computes a group's
+		// system prompt up to 4 times, a cache-aware policy once.
+		{"shared_prefix", map[string]float64{"groups": 12, "prompts_per_group": 4, "system_prompt_len": 2048,
+			"question_len": 64, "output_len": 16}},
+		// Short system prompt, growing histories: the history is the prefix.
+		{"multiturn", map[string]float64{"conversations": 15, "turns": 6, "system_prompt_len": 32,
+			"user_len_min": 300, "user_len_max": 350, "output_len": 16, "think_ms": 0}},
+	}
+	for _, tc := range cases {
+		t.Run(tc.workload, func(t *testing.T) {
+			reqs := generate(t, tc.workload, tc.params)
+			runs := map[string]report.Run{}
+			for _, pol := range []string{"round_robin", "ttft", "sglang"} {
+				e := embedded(4)
+				e.Load.Concurrency = 4 // one request per replica: prefill time, not queueing, decides TTFT
+				res, err := RunEmbedded(context.Background(), e, pol, reqs)
+				if err != nil {
+					t.Fatalf("%s: %v", pol, err)
+				}
+				if res.Run.Errors != 0 || res.Run.Requests != len(reqs) {
+					t.Fatalf("%s: %d errors of %d", pol, res.Run.Errors, res.Run.Requests)
+				}
+				runs[pol] = res.Run
+				t.Logf("%-12s hit %.3f ttft p50 %.1f ms imbalance %.2f", pol, res.Run.HitRate, res.Run.TTFTms.P50, res.Run.Imbalance)
+			}
+			rr := runs["round_robin"]
+			for _, pol := range []string{"ttft", "sglang"} {
+				r := runs[pol]
+				if r.HitRate < rr.HitRate+0.15 {
+					t.Errorf("%s hit rate %.3f not clearly above round_robin's %.3f", pol, r.HitRate, rr.HitRate)
+				}
+				if r.TTFTms.P50 >= rr.TTFTms.P50 {
+					t.Errorf("%s TTFT p50 %.1f ms not below round_robin's %.1f ms", pol, r.TTFTms.P50, rr.TTFTms.P50)
+				}
+			}
+		})
+	}
+}
+
+func TestRunRecordsAndDependencies(t *testing.T) {
+	reqs := generate(t, "multiturn", map[string]float64{"conversations": 3, "turns": 3, "system_prompt_len": 16,
+		"user_len_min": 8, "user_len_max": 8, "output_len": 4, "think_ms": 0})
+	res, err := RunEmbedded(context.Background(), embedded(2), "ttft", reqs)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(res.Records) != len(reqs) {
+		t.Fatalf("%d records for %d requests", len(res.Records), len(reqs))
+	}
+	for i, rec := range res.Records {
+		if rec.Err || rec.TTFT <= 0 || rec.E2E < rec.TTFT || rec.OutputTokens != 4 || rec.Replica < 0 ||
+			rec.PromptTokens != reqs[i].InputTokens {
+			t.Fatalf("record %d: %+v (request %d tokens)", i, rec, reqs[i].InputTokens)
+		}
+		if p := reqs[i].Prev; p >= 0 && rec.Start < res.Records[p].Start+res.Records[p].E2E/2 {
+			t.Fatalf("turn %d started at %v before its previous turn (start %v, e2e %v) finished",
+				i, rec.Start, res.Records[p].Start, res.Records[p].E2E)
+		}
+	}
+}

@@ -1,0 +1,140 @@
+package bench
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"sync"
+	"time"
+
+	"github.com/kvgate/kvgate/internal/gateway"
+	"github.com/kvgate/kvgate/internal/report"
+	"github.com/kvgate/kvgate/internal/sim"
+	"github.com/kvgate/kvgate/internal/workload"
+)
+
+// EmbeddedConfig describes an in-process fleet: simulated replicas and a
+// gateway in front of them, built fresh (cold caches) for every policy.
+type EmbeddedConfig struct {
+	Sim     sim.Config     // Replicas, Profile, KVBlocks, TimeScale, Seed, ...
+	Gateway gateway.Config // policy parameters, intervals; replicas and listen are set here
+	Load    Config         // concurrency, timeouts (Target, Replicas, TimeScale set here)
+}
+
+// EmbeddedResult is one policy's run.
+type EmbeddedResult struct {
+	Run     report.Run
+	Records []report.Record
+	// HitRate from the replicas' own counters (vllm:prefix_cache_hits_total /
+	// vllm:prefix_cache_queries_total over the run).
+	HitRate float64
+}
+
+// RunEmbedded runs reqs through policy on a fresh simulated fleet.
+func RunEmbedded(ctx context.Context, e EmbeddedConfig, policy string, reqs []workload.Request) (EmbeddedResult, error) {
+	simCfg := e.Sim
+	simCfg.Port = 0
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	fl, err := sim.Start(ctx, simCfg)
+	if err != nil {
+		return EmbeddedResult{}, err
+	}
+	defer fl.Close()
+	gcfg := e.Gateway
+	gcfg.Policy = policy
+	gcfg.Replicas = nil
+	urls := make([]string, 0, len(fl.Replicas()))
+	for _, r := range fl.Replicas() {
+		urls = append(urls, r.URL())
+		gcfg.Replicas = append(gcfg.Replicas, gateway.ReplicaConfig{URL: r.URL()})
+	}
+	if gcfg.ScrapeInterval == 0 {
+		gcfg.ScrapeInterval = gateway.Duration(250 * time.Millisecond)
+	}
+	g, err := gateway.New(gcfg, gateway.Options{})
+	if err != nil {
+		return EmbeddedResult{}, err
+	}
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return EmbeddedResult{}, err
+	}
+	srv := gateway.NewServer(g.Handler())
+	var wg sync.WaitGroup
+	wg.Add(2)
+	go func() { defer wg.Done(); g.Run(ctx) }()
+	go func() { defer wg.Done(); _ = srv.Serve(ln) }()
+	defer func() {
+		cancel()
+		sctx, scancel := context.WithTimeout(context.Background(), 5*time.Second)
+		_ = srv.Shutdown(sctx)
+		scancel()
+		wg.Wait()
+	}()
+	if err := waitReady(ctx, g, len(urls)); err != nil {
+		return EmbeddedResult{}, err
+	}
+	before := counters(fl)
+	load := e.Load
+	load.Target = "http://" + ln.Addr().String()
+	load.Replicas = urls
+	load.TimeScale = simCfg.TimeScale
+	if load.Model == "" {
+		load.Model = simCfg.Model
+		if load.Model == "" {
+			load.Model = sim.DefaultModel
+		}
+	}
+	recs, wall, err := Run(ctx, load, reqs)
+	if err != nil && !errors.Is(err, ErrDeadline) {
+		return EmbeddedResult{}, err
+	}
+	after := counters(fl)
+	res := EmbeddedResult{Records: recs}
+	res.Run = report.Summarize(policy, recs, len(urls), wall)
+	if q := after.queries - before.queries; q > 0 {
+		res.HitRate = float64(after.hits-before.hits) / float64(q)
+		res.Run.HitRate = res.HitRate
+	}
+	return res, err
+}
+
+type hitCounters struct{ hits, queries int64 }
+
+func counters(fl *sim.Fleet) hitCounters {
+	var c hitCounters
+	for _, r := range fl.Replicas() {
+		s := r.Stats()
+		c.hits += s.PrefixHits
+		c.queries += s.PrefixQueries
+	}
+	return c
+}
+
+// waitReady polls until the gateway has scraped every replica and lists a
+// model, or a deadline passes.
+func waitReady(ctx context.Context, g *gateway.Gateway, n int) error {
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		ok := len(g.Fleet().Models()) > 0
+		for i := 0; ok && i < n; i++ {
+			_, _, have := g.Router().ReplicaMetrics(i)
+			ok = have && g.Router().Healthy(i)
+		}
+		if ok {
+			return nil
+		}
+		if time.Now().After(deadline) {
+			return fmt.Errorf("bench: the embedded fleet was not ready within 10s")
+		}
+		t := time.NewTimer(5 * time.Millisecond)
+		select {
+		case <-ctx.Done():
+			t.Stop()
+			return ctx.Err()
+		case <-t.C:
+		}
+	}
+}

@@ -1,0 +1,402 @@
+// Package bench drives load through a gateway (or any OpenAI-compatible
+// endpoint) and measures each request the way vLLM's and SGLang's serving
+// benchmarks do: time to the first content token of the SSE stream, inter-
+// token latency, end-to-end latency, and the replica's own count of cached
+// prompt tokens from the usage chunk.
+package bench
+
+import (
+	"bufio"
+	"bytes"
+	"container/heap"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/kvgate/kvgate/internal/report"
+	"github.com/kvgate/kvgate/internal/workload"
+)
+
+// Config is one load run.
+type Config struct {
+	Target string // base URL of the gateway (…/v1/… is appended)
+	Model  string
+	// Concurrency > 0: closed loop with that many clients; 0: open loop at
+	// the requests' arrival times (Poisson or trace timestamps).
+	Concurrency int
+	// MaxInFlight bounds an open loop's outstanding requests (default 4096):
+	// past it, arrivals wait, and the run says so.
+	MaxInFlight int
+	// TimeScale > 1 when the replicas run faster than real time (kvgate sim
+	// --time-scale): arrival gaps and think times are divided by it and
+	// measured latencies multiplied by it, so figures are in model time.
+	TimeScale float64
+	// RequestTimeout bounds one request (model time; default 10 min).
+	RequestTimeout time.Duration
+	// MaxDuration bounds the whole run in wall time (default 1 h).
+	MaxDuration time.Duration
+	// Replicas maps X-Kvgate-Replica values to replica indexes (optional).
+	Replicas []string
+	Client   *http.Client
+	// Progress, if set, is called after each request.
+	Progress func(done, total int)
+	// Header adds headers to every request (e.g. Authorization).
+	Header http.Header
+}
+
+// ErrDeadline reports a run cut by MaxDuration: the records so far are returned.
+var ErrDeadline = errors.New("bench: run exceeded its maximum duration")
+
+// Run sends reqs and returns a record per request (in request order) and
+// the run's wall time in model time units.
+func Run(ctx context.Context, cfg Config, reqs []workload.Request) ([]report.Record, time.Duration, error) {
+	if cfg.TimeScale <= 0 {
+		cfg.TimeScale = 1
+	}
+	if cfg.RequestTimeout <= 0 {
+		cfg.RequestTimeout = 10 * time.Minute
+	}
+	if cfg.MaxDuration <= 0 {
+		cfg.MaxDuration = time.Hour
+	}
+	if cfg.MaxInFlight <= 0 {
+		cfg.MaxInFlight = 4096
+	}
+	if cfg.Client == nil {
+		cfg.Client = &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: 4096, MaxIdleConns: 4096, DisableCompression: true}}
+	}
+	ctx, cancel := context.WithTimeout(ctx, cfg.MaxDuration)
+	defer cancel()
+	r := &runner{cfg: cfg, reqs: reqs, recs: make([]report.Record, len(reqs)), start: time.Now(),
+		ready: make(chan struct{}, 1), dependents: make(map[int][]int)}
+	for i := range reqs {
+		if p := reqs[i].Prev; p >= 0 && p < len(reqs) {
+			r.dependents[p] = append(r.dependents[p], i)
+		}
+	}
+	err := r.run(ctx)
+	wall := time.Duration(float64(time.Since(r.start)) * cfg.TimeScale)
+	if errors.Is(ctx.Err(), context.DeadlineExceeded) && err == nil {
+		err = ErrDeadline
+	}
+	return r.recs, wall, err
+}
+
+type runner struct {
+	cfg        Config
+	reqs       []workload.Request
+	recs       []report.Record
+	start      time.Time
+	dependents map[int][]int
+
+	mu    sync.Mutex
+	queue readyQueue // requests whose dependencies are met, by release time then index
+	ready chan struct{}
+	done  int
+}
+
+// item is a request and the wall time at which it may be sent.
+type item struct {
+	idx int
+	at  time.Duration // wall offset from start
+}
+
+type readyQueue []item
+
+func (q readyQueue) Len() int { return len(q) }
+func (q readyQueue) Less(i, j int) bool {
+	if q[i].at != q[j].at {
+		return q[i].at < q[j].at
+	}
+	return q[i].idx < q[j].idx
+}
+func (q readyQueue) Swap(i, j int) { q[i], q[j] = q[j], q[i] }
+func (q *readyQueue) Push(x any)   { *q = append(*q, x.(item)) }
+func (q *readyQueue) Pop() any {
+	old := *q
+	it := old[len(old)-1]
+	*q = old[:len(old)-1]
+	return it
+}
+
+func (r *runner) wall(d time.Duration) time.Duration {
+	return time.Duration(float64(d) / r.cfg.TimeScale)
+}
+
+func (r *runner) release(it item) {
+	r.mu.Lock()
+	heap.Push(&r.queue, it)
+	r.mu.Unlock()
+	select {
+	case r.ready <- struct{}{}:
+	default:
+	}
+}
+
+// next returns the next request to send once its time has come, or false
+// when the run is over.
+func (r *runner) next(ctx context.Context) (item, bool) {
+	for {
+		r.mu.Lock()
+		if r.done == len(r.reqs) {
+			r.mu.Unlock()
+			return item{}, false
+		}
+		var wait time.Duration = -1
+		if r.queue.Len() > 0 {
+			it := r.queue[0]
+			now := time.Since(r.start)
+			if it.at <= now {
+				heap.Pop(&r.queue)
+				r.mu.Unlock()
+				return it, true
+			}
+			wait = it.at - now
+		}
+		r.mu.Unlock()
+		var timer *time.Timer
+		var fire <-chan time.Time
+		if wait >= 0 {
+			timer = time.NewTimer(wait)
+			fire = timer.C
+		}
+		select {
+		case <-ctx.Done():
+		case <-r.ready:
+		case <-fire:
+		}
+		if timer != nil {
+			timer.Stop()
+		}
+		if ctx.Err() != nil {
+			return item{}, false
+		}
+	}
+}
+
+func (r *runner) run(ctx context.Context) error {
+	for i := range r.reqs {
+		r.recs[i] = report.Record{Start: r.reqs[i].At, Replica: -1}
+		if p := r.reqs[i].Prev; p < 0 || p >= len(r.reqs) {
+			r.release(item{idx: i, at: r.wall(r.reqs[i].At)})
+		}
+	}
+	if len(r.reqs) == 0 {
+		return nil
+	}
+	limit := r.cfg.Concurrency
+	if limit <= 0 {
+		limit = r.cfg.MaxInFlight
+	}
+	sem := make(chan struct{}, limit)
+	var wg sync.WaitGroup
+	for {
+		select {
+		case sem <- struct{}{}:
+		case <-ctx.Done():
+		}
+		if ctx.Err() != nil {
+			break
+		}
+		it, ok := r.next(ctx)
+		if !ok {
+			<-sem
+			break
+		}
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			defer func() { <-sem }()
+			r.send(ctx, it)
+		}()
+	}
+	wg.Wait()
+	// Requests never sent (cut by the deadline) are errors, not silently lost.
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	for i := range r.recs {
+		if r.recs[i].E2E == 0 && !r.recs[i].Err {
+			r.recs[i].Err, r.recs[i].ErrKind = true, "not_sent"
+		}
+	}
+	return ctx.Err()
+}
+
+// send runs one request and releases its dependents.
+func (r *runner) send(ctx context.Context, it item) {
+	q := &r.reqs[it.idx]
+	sent := time.Since(r.start)
+	rec := r.do(ctx, q)
+	rec.Start = time.Duration(float64(sent) * r.cfg.TimeScale)
+	if q.Prev < 0 {
+		rec.Start = q.At // open loop: measured from the scheduled arrival
+	}
+	doneAt := time.Since(r.start)
+	r.mu.Lock()
+	r.recs[it.idx] = rec
+	r.done++
+	done := r.done
+	r.mu.Unlock()
+	for _, d := range r.dependents[it.idx] {
+		at := max(r.wall(r.reqs[d].At), doneAt+r.wall(r.reqs[d].Think))
+		if rec.Err {
+			at = doneAt // a failed turn still lets the conversation go on
+		}
+		r.release(item{idx: d, at: at})
+	}
+	if r.cfg.Progress != nil {
+		r.cfg.Progress(done, len(r.reqs))
+	}
+	select {
+	case r.ready <- struct{}{}:
+	default:
+	}
+}
+
+// body is the JSON request sent for q.
+func (r *runner) body(q *workload.Request) ([]byte, string) {
+	m := map[string]any{
+		"model":          r.cfg.Model,
+		"max_tokens":     q.MaxTokens,
+		"ignore_eos":     true,
+		"stream":         true,
+		"stream_options": map[string]any{"include_usage": true},
+		"temperature":    0,
+	}
+	if q.Chat {
+		msgs := make([]map[string]string, len(q.Roles))
+		for i := range q.Roles {
+			msgs[i] = map[string]string{"role": q.Roles[i], "content": q.Contents[i]}
+		}
+		m["messages"] = msgs
+		b, _ := json.Marshal(m)
+		return b, "/v1/chat/completions"
+	}
+	m["prompt"] = q.Text()
+	b, _ := json.Marshal(m)
+	return b, "/v1/completions"
+}
+
+func (r *runner) replicaIndex(url string) int {
+	for i, u := range r.cfg.Replicas {
+		if u == url {
+			return i
+		}
+	}
+	return -1
+}
+
+// do sends one streamed request and times it.
+func (r *runner) do(ctx context.Context, q *workload.Request) report.Record {
+	rec := report.Record{Replica: -1, PromptTokens: q.InputTokens}
+	fail := func(kind string) report.Record {
+		rec.Err, rec.ErrKind = true, kind
+		return rec
+	}
+	body, path := r.body(q)
+	ctx, cancel := context.WithTimeout(ctx, r.wall(r.cfg.RequestTimeout))
+	defer cancel()
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, strings.TrimRight(r.cfg.Target, "/")+path, bytes.NewReader(body))
+	if err != nil {
+		return fail("request")
+	}
+	req.Header.Set("Content-Type", "application/json")
+	if q.Session != "" {
+		req.Header.Set("X-Session-Id", q.Session)
+	}
+	for k, vs := range r.cfg.Header {
+		req.Header[k] = vs
+	}
+	t0 := time.Now()
+	resp, err := r.cfg.Client.Do(req)
+	if err != nil {
+		if ctx.Err() != nil {
+			return fail("timeout")
+		}
+		return fail("connect")
+	}
+	defer resp.Body.Close()
+	rec.Replica = r.replicaIndex(resp.Header.Get("X-Kvgate-Replica"))
+	if resp.StatusCode != http.StatusOK {
+		_, _ = io.Copy(io.Discard, io.LimitReader(resp.Body, 1<<20))
+		return fail(fmt.Sprintf("http_%d", resp.StatusCode))
+	}
+	var first time.Duration
+	tokens := 0
+	sawDone := false
+	sc := bufio.NewScanner(resp.Body)
+	sc.Buffer(make([]byte, 64<<10), 16<<20)
+	for sc.Scan() {
+		line := sc.Bytes()
+		data, ok := bytes.CutPrefix(line, []byte("data:"))
+		if !ok {
+			continue
+		}
+		data = bytes.TrimSpace(data)
+		if bytes.Equal(data, []byte("[DONE]")) {
+			sawDone = true
+			break
+		}
+		var c chunk
+		if err := json.Unmarshal(data, &c); err != nil {
+			return fail("bad_chunk")
+		}
+		if c.Error != nil {
+			return fail("stream_error")
+		}
+		for _, ch := range c.Choices {
+			if ch.Text != "" || ch.Delta.Content != "" {
+				if first == 0 {
+					first = time.Since(t0)
+				}
+				tokens++
+			}
+		}
+		if c.Usage != nil {
+			rec.PromptTokens = c.Usage.PromptTokens
+			rec.OutputTokens = c.Usage.CompletionTokens
+			if c.Usage.Details != nil {
+				rec.CachedTokens = c.Usage.Details.CachedTokens
+			}
+		}
+	}
+	e2e := time.Since(t0)
+	if err := sc.Err(); err != nil {
+		if ctx.Err() != nil {
+			return fail("timeout")
+		}
+		return fail("stream_broken")
+	}
+	if !sawDone || first == 0 {
+		return fail("incomplete")
+	}
+	if rec.OutputTokens == 0 {
+		rec.OutputTokens = tokens
+	}
+	rec.TTFT = time.Duration(float64(first) * r.cfg.TimeScale)
+	rec.E2E = time.Duration(float64(e2e) * r.cfg.TimeScale)
+	return rec
+}
+
+type chunk struct {
+	Choices []struct {
+		Text  string `json:"text"`
+		Delta struct {
+			Content string `json:"content"`
+		} `json:"delta"`
+	} `json:"choices"`
+	Usage *struct {
+		PromptTokens     int `json:"prompt_tokens"`
+		CompletionTokens int `json:"completion_tokens"`
+		Details          *struct {
+			CachedTokens int `json:"cached_tokens"`
+		} `json:"prompt_tokens_details"`
+	} `json:"usage"`
+	Error *json.RawMessage `json:"error"`
+}
