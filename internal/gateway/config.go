@@ -78,6 +78,12 @@ type Config struct {
 	RequestTimeout   Duration `json:"request_timeout"`
 	MaxBodyBytes     int64    `json:"max_body_bytes"`
 
+	// MaxConcurrency bounds the requests proxied at once (0: no bound);
+	// MaxQueue more may wait up to QueueTimeout (full queue: 429; timeout: 503).
+	MaxConcurrency int      `json:"max_concurrency"`
+	MaxQueue       int      `json:"max_queue"`
+	QueueTimeout   Duration `json:"queue_timeout"`
+
 	// IndexMaxEntries caps the prefix index ((block, replica) entries).
 	IndexMaxEntries int `json:"index_max_entries"`
 	// BlocksPerReplica is each replica's index capacity until its
@@ -111,6 +117,8 @@ func Defaults() Config {
 		FirstByteTimeout: 0,
 		RequestTimeout:   Duration(10 * time.Minute),
 		MaxBodyBytes:     8 << 20,
+		MaxQueue:         1024,
+		QueueTimeout:     Duration(30 * time.Second),
 		IndexMaxEntries:  4 << 20,
 		BlocksPerReplica: 30000,
 	}
@@ -196,6 +204,9 @@ func (c *Config) Validate() error {
 	}
 	if c.BlockSize <= 0 || c.MaxBatchTokens <= 0 || c.EjectAfter <= 0 || c.MaxBodyBytes <= 0 || c.Retries < 0 {
 		errs = append(errs, errors.New("block_size, max_batch_tokens, eject_after and max_body_bytes must be positive, retries ≥ 0"))
+	}
+	if c.MaxConcurrency < 0 || c.MaxQueue < 0 {
+		errs = append(errs, errors.New("max_concurrency and max_queue must be ≥ 0"))
 	}
 	if c.ScrapeInterval <= 0 || c.HealthInterval <= 0 {
 		errs = append(errs, errors.New("scrape_interval and health_interval must be positive"))

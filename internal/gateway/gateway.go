@@ -44,6 +44,7 @@ type Gateway struct {
 	mux    *http.ServeMux
 	now    func() time.Time
 	tok    *remoteTokenizer
+	lim    *limiter
 
 	jmu    sync.Mutex
 	jitter *rand.Rand
@@ -107,7 +108,9 @@ func New(cfg Config, o Options) (*Gateway, error) {
 	}
 	g := &Gateway{cfg: cfg, rt: rt, client: &http.Client{Transport: tr}, log: o.Logger, reg: o.Registry, now: o.Now,
 		jitter: rand.New(rand.NewPCG(cfg.Seed, 99))}
+	g.lim = newLimiter(cfg.MaxConcurrency, cfg.MaxQueue, cfg.QueueTimeout.D())
 	g.met = newMetrics(o.Registry, rt, cfg.Policy)
+	g.registerLimiterMetrics(o.Registry)
 	g.fleet = fleet.New(rt, &http.Client{Transport: tr}, fleet.Config{
 		ScrapeInterval: cfg.ScrapeInterval.D(), HealthInterval: cfg.HealthInterval.D(),
 		EjectAfter: cfg.EjectAfter, EjectCooldown: cfg.EjectCooldown.D(), APIKeys: keys, Logger: o.Logger, Now: o.Now,
@@ -338,6 +341,14 @@ func (g *Gateway) proxy(w http.ResponseWriter, r *http.Request, kind prompt.Kind
 		fail(err, "invalid")
 		return
 	}
+	if err := g.lim.acquire(ctx); err != nil {
+		if r.Context().Err() != nil {
+			return // the client left while queued
+		}
+		fail(err, "overload")
+		return
+	}
+	defer g.lim.release()
 	var exclude []int
 	var last *bufferedResponse
 	for attempt := 0; attempt <= g.cfg.Retries; attempt++ {

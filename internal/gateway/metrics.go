@@ -61,4 +61,14 @@ func newMetrics(reg prometheus.Registerer, rt *router.Router, policyName string)
 	return m
 }
 
+func (g *Gateway) registerLimiterMetrics(reg prometheus.Registerer) {
+	if g.lim == nil {
+		return
+	}
+	reg.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "kvgate_admitted_requests",
+		Help: "Requests holding a concurrency slot."}, func() float64 { return float64(g.lim.inUse()) }))
+	reg.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "kvgate_queued_requests",
+		Help: "Requests waiting for a concurrency slot."}, func() float64 { return float64(g.lim.waiting.Load()) }))
+}
+
 func codeLabel(code int) string { return strconv.Itoa(code) }
