@@ -180,6 +180,7 @@ func TestProxyNonStreamAndStream(t *testing.T) {
 func TestStreamFlushesEachEvent(t *testing.T) {
 	release := make(chan struct{})
 	mux := http.NewServeMux()
+	mux.HandleFunc("/health", func(w http.ResponseWriter, r *http.Request) {})
 	mux.HandleFunc("/v1/completions", func(w http.ResponseWriter, r *http.Request) {
 		w.Header().Set("Content-Type", "text/event-stream")
 		io.WriteString(w, "data: {\"choices\":[{\"text\":\"first\"}]}\n\n")
