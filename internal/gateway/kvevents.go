@@ -3,6 +3,7 @@ package gateway
 import (
 	"context"
 	"errors"
+	"strings"
 	"sync"
 	"time"
 
@@ -70,7 +71,7 @@ func (g *Gateway) onKVMessage(i int, st *kvSync, m kvevents.Message) {
 			if e.Medium != "" && e.Medium != "GPU" {
 				continue // offloaded tiers are not what the engine hits first
 			}
-			err := p.Stored(i, e.BlockHashes, e.ParentBlockHash, e.TokenIDs, e.BlockSize, e.LoraName)
+			err := p.Stored(i, topicModel(m.Topic), e.BlockHashes, e.ParentBlockHash, e.TokenIDs, e.BlockSize, e.LoraName)
 			if errors.Is(err, prefixindex.ErrUnknownParent) {
 				// A child of a block stored before we subscribed (or lost):
 				// the chain cannot be rebuilt; the approximate index covers it.
@@ -106,4 +107,13 @@ func (g *Gateway) onKVMessage(i int, st *kvSync, m kvevents.Message) {
 	if synced {
 		g.rt.SetPreciseSynced(i, true)
 	}
+}
+
+// topicModel is the model of a vLLM KV-event topic "kv@HOST:PORT@MODEL"
+// ("" when the topic has no model part).
+func topicModel(topic string) string {
+	if i := strings.LastIndexByte(topic, '@'); i >= 0 && strings.Count(topic, "@") >= 2 {
+		return topic[i+1:]
+	}
+	return ""
 }

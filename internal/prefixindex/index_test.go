@@ -148,10 +148,10 @@ func TestPrecise(t *testing.T) {
 	want := prompt.ApproxBlockHashes(nil, prompt.Key{Model: "m"}.Root(), text, 4)
 	// The engine reports its own hashes, in two events: blocks 0-1, then 2-3 with a parent.
 	e := []uint64{101, 102, 103, 104}
-	if err := p.Stored(1, e[:2], nil, ids[:8], 4, ""); err != nil {
+	if err := p.Stored(1, "", e[:2], nil, ids[:8], 4, ""); err != nil {
 		t.Fatal(err)
 	}
-	if err := p.Stored(1, e[2:], &e[1], ids[8:16], 4, ""); err != nil {
+	if err := p.Stored(1, "", e[2:], &e[1], ids[8:16], 4, ""); err != nil {
 		t.Fatal(err)
 	}
 	if m := ix.Match(want, nil); m[0] != 0 || m[1] != 4 {
@@ -164,14 +164,14 @@ func TestPrecise(t *testing.T) {
 		t.Fatalf("after removal %v", m)
 	}
 	unknown := uint64(555)
-	if err := p.Stored(0, e[2:3], &unknown, ids[8:12], 4, ""); !errors.Is(err, ErrUnknownParent) {
+	if err := p.Stored(0, "", e[2:3], &unknown, ids[8:12], 4, ""); !errors.Is(err, ErrUnknownParent) {
 		t.Fatalf("unknown parent: %v", err)
 	}
-	if err := p.Stored(0, e[:1], nil, ids[:3], 4, ""); !errors.Is(err, ErrBlockSize) {
+	if err := p.Stored(0, "", e[:1], nil, ids[:3], 4, ""); !errors.Is(err, ErrBlockSize) {
 		t.Fatalf("short tokens: %v", err)
 	}
 	// A different adapter is a different partition.
-	_ = p.Stored(0, []uint64{7}, nil, ids[:4], 4, "lora")
+	_ = p.Stored(0, "", []uint64{7}, nil, ids[:4], 4, "lora")
 	if m := ix.Match(want, nil); m[0] != 0 {
 		t.Fatalf("adapter matched base model: %v", m)
 	}

@@ -51,8 +51,10 @@ func (p *Precise) replicaMap(r int) map[uint64]uint64 {
 
 // Stored handles BlockStored: engineHashes are the new blocks in order,
 // parent the engine hash of the block before the first (nil: they start a
-// prompt), tokenIDs their tokens (len = blocks × blockSize).
-func (p *Precise) Stored(r int, engineHashes []uint64, parent *uint64, tokenIDs []uint32, blockSize int, lora string) error {
+// prompt), tokenIDs their tokens (len = blocks × blockSize). model names the
+// served model the events are about (vLLM's topic "kv@HOST:PORT@MODEL"
+// carries it; "" means the model given to NewPrecise).
+func (p *Precise) Stored(r int, model string, engineHashes []uint64, parent *uint64, tokenIDs []uint32, blockSize int, lora string) error {
 	if blockSize != p.blockSize {
 		return fmt.Errorf("%w: replica block size %d, index block size %d", ErrBlockSize, blockSize, p.blockSize)
 	}
@@ -65,7 +67,10 @@ func (p *Precise) Stored(r int, engineHashes []uint64, parent *uint64, tokenIDs 
 		return fmt.Errorf("%w: %d", ErrReplica, r)
 	}
 	m := p.replicaMap(r)
-	h := prompt.Key{Model: p.model, Adapter: lora}.Root()
+	if model == "" {
+		model = p.model
+	}
+	h := prompt.Key{Model: model, Adapter: lora}.Root()
 	if parent != nil {
 		ph, ok := m[*parent]
 		if !ok {
