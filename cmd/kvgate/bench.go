@@ -47,6 +47,8 @@ type benchOptions struct {
 	reportDir   string
 	timeout     time.Duration
 	maxDuration time.Duration
+	duration    time.Duration
+	soakEvery   time.Duration
 }
 
 func runBench(ctx context.Context, args []string, _ io.Reader, stdout, stderr io.Writer) error {
@@ -62,7 +64,7 @@ func runBench(ctx context.Context, args []string, _ io.Reader, stdout, stderr io
 	fs.IntVar(&o.concurrency, "concurrency", 16, "closed loop: concurrent clients (ignored with --rate or a trace)")
 	fs.StringVar(&o.policies, "policies", "round_robin,least_load,prefix_key,sglang,ttft", "policies to compare (--embedded), comma-separated, or all")
 	fs.StringVar(&o.model, "model", sim.DefaultModel, "model name sent in requests")
-	fs.Float64Var(&o.timeScale, "time-scale", 20, "simulated replicas run this many times faster than real time (--embedded)")
+	fs.Float64Var(&o.timeScale, "time-scale", 0, "the replicas run this many times faster than real time: latencies are multiplied by it (default 20 with --embedded, 1 with --target)")
 	fs.StringVar(&o.profile, "profile", costmodel.Default, "latency profile of the simulated replicas: "+strings.Join(costmodel.Names(), ", "))
 	fs.IntVar(&o.kvBlocks, "kv-blocks", 30000, "KV cache blocks per simulated replica")
 	fs.Uint64Var(&o.seed, "seed", 1, "seed of the workload, the replicas and the policies")
@@ -70,8 +72,13 @@ func runBench(ctx context.Context, args []string, _ io.Reader, stdout, stderr io
 	fs.StringVar(&o.reportDir, "report", "", "write charts and an HTML report into this directory")
 	fs.DurationVar(&o.timeout, "timeout", 10*time.Minute, "per-request timeout (model time)")
 	fs.DurationVar(&o.maxDuration, "max-duration", 30*time.Minute, "bound on each run's wall time")
+	fs.DurationVar(&o.duration, "duration", 0, "soak: repeat the workload (new prompts each round) against --target for this long, reading the gateway's goroutines and heap")
+	fs.DurationVar(&o.soakEvery, "soak-interval", 10*time.Second, "soak: how often the gateway's /metrics is read")
 	if err := parseFlags(fs, args); err != nil {
 		return err
+	}
+	if o.duration > 0 {
+		return o.soak(ctx, stdout)
 	}
 	res, err := o.run(ctx, stderr)
 	if err != nil {
@@ -81,6 +88,12 @@ func runBench(ctx context.Context, args []string, _ io.Reader, stdout, stderr io
 }
 
 func (o *benchOptions) validate() error {
+	if o.timeScale == 0 {
+		o.timeScale = 1
+		if o.embedded {
+			o.timeScale = 20
+		}
+	}
 	switch {
 	case o.embedded == (o.target != ""):
 		return fmt.Errorf("%w: give exactly one of --target URL and --embedded", errUsage)
@@ -163,7 +176,7 @@ func (o *benchOptions) run(ctx context.Context, stderr io.Writer) (report.Result
 		return report.Result{}, err
 	}
 	open := o.rate > 0 || strings.HasPrefix(o.workload, "trace:")
-	load := bench.Config{Model: o.model, RequestTimeout: o.timeout, MaxDuration: o.maxDuration}
+	load := bench.Config{Model: o.model, RequestTimeout: o.timeout, MaxDuration: o.maxDuration, TimeScale: o.timeScale}
 	if !open {
 		load.Concurrency = o.concurrency
 	}
@@ -282,4 +295,35 @@ func (p *progress) finish() {
 	if p.bar != nil {
 		_ = p.bar.Finish()
 	}
+}
+
+// soak runs the workload round after round against --target for --duration
+// and prints the gateway's goroutines and heap over time.
+func (o *benchOptions) soak(ctx context.Context, stdout io.Writer) error {
+	if o.target == "" || o.embedded {
+		return fmt.Errorf("%w: --duration soaks a running gateway: give --target URL (kvgate serve registers go_goroutines and heap metrics)", errUsage)
+	}
+	if err := o.validate(); err != nil {
+		return err
+	}
+	load := bench.Config{Target: o.target, Model: o.model, RequestTimeout: o.timeout, Concurrency: o.concurrency, TimeScale: o.timeScale}
+	if o.rate > 0 || strings.HasPrefix(o.workload, "trace:") {
+		load.Concurrency = 0
+	}
+	seed := o.seed
+	gen := func(round int) ([]workload.Request, error) {
+		o.seed = seed + uint64(round)
+		reqs, _, err := o.requestsFor()
+		return reqs, err
+	}
+	start := time.Now()
+	samples, recs, err := bench.Soak(ctx, load, gen, o.duration, o.soakEvery)
+	if err != nil {
+		return err
+	}
+	bench.WriteSoak(stdout, samples)
+	run := report.Summarize("soak", recs, maxReplica(recs)+1, time.Since(start))
+	res := report.Result{Runs: []report.Run{run}, Meta: map[string]any{"soak": samples, "workload": o.workload,
+		"duration": o.duration.String(), "target": o.target}}
+	return o.output(res, stdout, "kvgate bench soak")
 }

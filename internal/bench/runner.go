@@ -99,6 +99,7 @@ type runner struct {
 	queue readyQueue // requests whose dependencies are met, by release time then index
 	ready chan struct{}
 	done  int
+	seen  map[string]int // X-Kvgate-Replica values met, when Config.Replicas is empty
 }
 
 // item is a request and the wall time at which it may be sent.
@@ -283,13 +284,29 @@ func (r *runner) body(q *workload.Request) ([]byte, string) {
 	return b, "/v1/completions"
 }
 
+// replicaIndex maps an X-Kvgate-Replica value to an index: its position in
+// Config.Replicas, or, when those are not given, its order of first
+// appearance.
 func (r *runner) replicaIndex(url string) int {
 	for i, u := range r.cfg.Replicas {
 		if u == url {
 			return i
 		}
 	}
-	return -1
+	if url == "" || len(r.cfg.Replicas) > 0 {
+		return -1
+	}
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.seen == nil {
+		r.seen = map[string]int{}
+	}
+	i, ok := r.seen[url]
+	if !ok {
+		i = len(r.seen)
+		r.seen[url] = i
+	}
+	return i
 }
 
 // do sends one streamed request and times it.
@@ -300,8 +317,16 @@ func (r *runner) do(ctx context.Context, q *workload.Request) report.Record {
 		return rec
 	}
 	body, path := r.body(q)
+	runCtx := ctx
 	ctx, cancel := context.WithTimeout(ctx, r.wall(r.cfg.RequestTimeout))
 	defer cancel()
+	fail = func(kind string) report.Record {
+		if runCtx.Err() != nil {
+			kind = "canceled" // the run ended (deadline or interrupt), not this request's fault
+		}
+		rec.Err, rec.ErrKind = true, kind
+		return rec
+	}
 	req, err := http.NewRequestWithContext(ctx, http.MethodPost, strings.TrimRight(r.cfg.Target, "/")+path, bytes.NewReader(body))
 	if err != nil {
 		return fail("request")

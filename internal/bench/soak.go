@@ -1,0 +1,144 @@
+package bench
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"net/http"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/prometheus/common/expfmt"
+	"github.com/prometheus/common/model"
+
+	"github.com/kvgate/kvgate/internal/report"
+	"github.com/kvgate/kvgate/internal/workload"
+)
+
+// Sample is one reading of a gateway's own process metrics during a soak.
+type Sample struct {
+	At         time.Duration `json:"at_ns"`
+	Goroutines float64       `json:"goroutines"`
+	HeapBytes  float64       `json:"heap_bytes"`
+	RSSBytes   float64       `json:"rss_bytes"`
+	Requests   int           `json:"requests"`
+	Errors     int           `json:"errors"`
+}
+
+// Soak repeats rounds of requests (round k uses gen(k), so prompts keep
+// changing and the gateway's structures keep being filled) until duration
+// has passed, reading the target's /metrics (go_goroutines,
+// go_memstats_heap_inuse_bytes, process_resident_memory_bytes) every
+// interval. It returns the readings and every round's records.
+func Soak(ctx context.Context, cfg Config, gen func(round int) ([]workload.Request, error), duration, interval time.Duration) ([]Sample, []report.Record, error) {
+	if interval <= 0 {
+		interval = 10 * time.Second
+	}
+	ctx, cancel := context.WithTimeout(ctx, duration)
+	defer cancel()
+	start := time.Now()
+	var (
+		mu      sync.Mutex
+		samples []Sample
+		all     []report.Record
+		done    atomic.Int64
+		errs    atomic.Int64
+	)
+	sample := func() {
+		s, err := scrape(cfg.Client, cfg.Target)
+		if err != nil {
+			return
+		}
+		s.At, s.Requests, s.Errors = time.Since(start), int(done.Load()), int(errs.Load())
+		mu.Lock()
+		samples = append(samples, s)
+		mu.Unlock()
+	}
+	sample()
+	stop := make(chan struct{})
+	var wg sync.WaitGroup
+	wg.Add(1)
+	go func() { // the sampler: a reading every interval, whatever the rounds do
+		defer wg.Done()
+		t := time.NewTicker(interval)
+		defer t.Stop()
+		for {
+			select {
+			case <-stop:
+				return
+			case <-t.C:
+				sample()
+			}
+		}
+	}()
+	cfg.MaxDuration = duration
+	var genErr error
+	for round := 0; ctx.Err() == nil; round++ {
+		reqs, err := gen(round)
+		if err != nil {
+			genErr = err
+			break
+		}
+		c := cfg
+		c.Progress = func(int, int) { done.Add(1) }
+		recs, _, _ := Run(ctx, c, reqs)
+		for _, r := range recs {
+			if r.Err && (r.ErrKind == "not_sent" || r.ErrKind == "canceled") {
+				continue // cut by the end of the soak
+			}
+			if r.Err {
+				errs.Add(1)
+			}
+			all = append(all, r)
+		}
+	}
+	close(stop)
+	wg.Wait()
+	sample()
+	return samples, all, genErr
+}
+
+func scrape(c *http.Client, target string) (Sample, error) {
+	if c == nil {
+		c = http.DefaultClient
+	}
+	resp, err := c.Get(strings.TrimRight(target, "/") + "/metrics")
+	if err != nil {
+		return Sample{}, err
+	}
+	defer resp.Body.Close()
+	parser := expfmt.NewTextParser(model.LegacyValidation)
+	fams, err := parser.TextToMetricFamilies(io.LimitReader(resp.Body, 16<<20))
+	if err != nil {
+		return Sample{}, fmt.Errorf("soak: %s/metrics: %w", target, err)
+	}
+	get := func(name string) float64 {
+		f, ok := fams[name]
+		if !ok || len(f.GetMetric()) == 0 {
+			return 0
+		}
+		m := f.GetMetric()[0]
+		switch {
+		case m.Gauge != nil:
+			return m.Gauge.GetValue()
+		case m.Counter != nil:
+			return m.Counter.GetValue()
+		case m.Untyped != nil:
+			return m.Untyped.GetValue()
+		}
+		return 0
+	}
+	return Sample{Goroutines: get("go_goroutines"), HeapBytes: get("go_memstats_heap_inuse_bytes"),
+		RSSBytes: get("process_resident_memory_bytes")}, nil
+}
+
+// WriteSoak prints the soak readings as a table.
+func WriteSoak(w io.Writer, samples []Sample) {
+	fmt.Fprintf(w, "%10s  %10s  %10s  %10s  %9s  %7s\n", "elapsed", "goroutines", "heap MiB", "rss MiB", "requests", "errors")
+	for _, s := range samples {
+		fmt.Fprintf(w, "%10s  %10.0f  %10.1f  %10.1f  %9d  %7d\n", s.At.Round(time.Second), s.Goroutines,
+			s.HeapBytes/(1<<20), s.RSSBytes/(1<<20), s.Requests, s.Errors)
+	}
+}
