@@ -329,7 +329,11 @@ func (p *Parsed) Blocks(dst []uint64, tok Tokenizer, root uint64, blockSize int)
 // TextBlocks is Blocks for text.
 func TextBlocks(dst []uint64, tok Tokenizer, root uint64, text string, blockSize int) (int, []uint64) {
 	if _, ok := tok.(Approx); ok || tok == nil {
-		return (Approx{}).Count(text), ApproxBlockHashes(dst, root, text, blockSize)
+		n := (Approx{}).Count(text)
+		if dst == nil && blockSize > 0 {
+			dst = make([]uint64, 0, n/blockSize) // one allocation, exactly sized
+		}
+		return n, ApproxBlockHashes(dst, root, text, blockSize)
 	}
 	ids := tok.Encode(nil, text)
 	return len(ids), BlockHashes(dst, root, TokenBytes(nil, ids), blockSize)
