@@ -164,7 +164,7 @@ func hitRateChart(res Result) (Chart, bool) {
 		YLabel:  "hit rate (% of prompt tokens cached)",
 		YMin:    0,
 		YMax:    100,
-		Caption: "Cached prompt tokens / prompt tokens of the requests arriving in each of about 20 time buckets. Caches start cold, so curves rise first; a policy that keeps a conversation or a shared prefix on one replica sits higher.",
+		Caption: "Cached prompt tokens / prompt tokens of the requests arriving in each of up to 20 time buckets (times in model time: wall time × the time scale). Curves that coincide hide each other (same hit rate). A policy that keeps a conversation or a shared prefix on one replica sits higher.",
 	}
 	found := false
 	for _, r := range res.Runs {
