@@ -112,8 +112,22 @@ func (t *TTFT) estimate(req *Request, v *ReplicaView, meanPrompt, out float64) (
 	chunk := max(budget-float64(decodes), budget/8)
 	work := queued + float64(own)
 	steps := math.Ceil(work / chunk)
-	ms := steps*(prof.C0+prof.C1*float64(decodes)+prof.C3*float64(decodes)*meanCtx) +
-		prof.C1*work + prof.C2*float64(own)*float64(cached+own)
+	stepMs := prof.C0 + prof.C1*float64(decodes) + prof.C3*float64(decodes)*meanCtx
+	ms := steps*stepMs + prof.C1*work + prof.C2*float64(own)*float64(cached+own)
+	// KV admission: a request whose blocks do not fit beside those of the
+	// requests running there waits until enough of them finish. Footprints
+	// finish at about the same rate as the in-flight requests decode: the
+	// excess share of the footprint times a request's decode time.
+	if v.NumBlocks > 0 {
+		capacity := float64(v.NumBlocks * bs)
+		footprint := float64(v.InFlightTokens)
+		if v.HaveMetrics {
+			footprint = max(footprint, v.KVUsage*capacity)
+		}
+		if excess := footprint + float64(req.Tokens) + out - capacity; excess > 0 && footprint > 0 {
+			ms += min(excess/footprint, 1) * out * stepMs
+		}
+	}
 	// The decode cost of the choice: the request's own tokens slowed by r's
 	// batch, and the request's prefill stalling r's running decodes.
 	perStep := prof.C1 + prof.C3*meanCtx

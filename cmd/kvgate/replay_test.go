@@ -1,0 +1,182 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"github.com/kvgate/kvgate/internal/report"
+)
+
+// tinyWorkload replays in milliseconds: 16 requests in 4 groups.
+var tinyWorkload = []string{
+	"--workload", "shared_prefix",
+	"--workload-param", "groups=4", "--workload-param", "prompts_per_group=4",
+	"--workload-param", "system_prompt_len=256", "--workload-param", "question_len=32",
+	"--workload-param", "output_len=8", "--replicas", "2",
+}
+
+func replayArgs(extra ...string) []string {
+	return append(append([]string{"replay"}, tinyWorkload...), extra...)
+}
+
+func TestReplayUsageErrors(t *testing.T) {
+	tests := []struct {
+		name string
+		args []string
+		code int
+		want string // in stderr
+	}{
+		{"nothing to replay", []string{"replay"}, 2, "give --trace FILE or --workload NAME"},
+		{"both sources", []string{"replay", "--trace", "x.jsonl", "--workload", "random"}, 2, "not both"},
+		{"missing trace", []string{"replay", "--trace", "/nonexistent/trace.jsonl"}, 1, "no such file"},
+		{"unknown policy", replayArgs("--policies", "ttft,nope"), 2, "unknown policy \"nope\" (known: all, chwbl"},
+		{"bad duration", replayArgs("--staleness", "5"), 2, "invalid value \"5\" for flag -staleness"},
+		{"negative staleness", replayArgs("--staleness", "-1s"), 2, "--staleness -1s"},
+		{"zero replicas", replayArgs("--replicas", "0"), 2, "--replicas 0"},
+		{"unknown workload", []string{"replay", "--workload", "nope"}, 2, "multiturn"},
+		{"unknown workload param", replayArgs("--workload-param", "bogus=1"), 2, "bogus"},
+		{"unknown question", replayArgs("--question", "why"), 2, "--question \"why\""},
+		{"slo without capacity", replayArgs("--slo-ttft-p90", "1s"), 2, "needs --capacity"},
+		{"score surface with policies", replayArgs("--question", "score-surface", "--policies", "ttft"), 2, "drop --policies"},
+		{"sharing on a random workload", []string{"replay", "--workload", "random", "--question", "sharing"}, 2, "shared_prefix"},
+		{"stray argument", replayArgs("extra"), 2, "unexpected argument"},
+		{"unknown policy param", replayArgs("--policies", "score", "--policy-param", "nope=1"), 2, "nope"},
+		{"policy param for an absent policy", replayArgs("--policies", "ttft", "--policy-param", "score.cache_weight=2"), 2, "not in --policies"},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			code, _, errs := runCmd(t, "", tc.args...)
+			if code != tc.code || !strings.Contains(errs, tc.want) {
+				t.Errorf("exit %d, stderr %q; want exit %d and %q", code, errs, tc.code, tc.want)
+			}
+		})
+	}
+}
+
+func TestReplayJSONDeterministic(t *testing.T) {
+	dir := t.TempDir()
+	var outs [2][]byte
+	for i := range outs {
+		path := filepath.Join(dir, []string{"a.json", "b.json"}[i])
+		code, stdout, stderr := runCmd(t, "", replayArgs("--policies", "round_robin,ttft", "--seed", "3", "--json", path)...)
+		if code != 0 {
+			t.Fatalf("exit %d: %s", code, stderr)
+		}
+		for _, want := range []string{"policy", "round_robin", "ttft", "hit-rate bounds: prefix reuse"} {
+			if !strings.Contains(stdout, want) {
+				t.Errorf("stdout lacks %q:\n%s", want, stdout)
+			}
+		}
+		for _, want := range []string{"replay: round_robin", "replay: ttft"} {
+			if !strings.Contains(stderr, want) {
+				t.Errorf("stderr lacks the progress line %q:\n%s", want, stderr)
+			}
+		}
+		b, err := os.ReadFile(path)
+		if err != nil {
+			t.Fatal(err)
+		}
+		outs[i] = b
+	}
+	if !bytes.Equal(outs[0], outs[1]) {
+		t.Fatalf("same seed, different JSON:\n%s\n%s", outs[0], outs[1])
+	}
+	res, err := report.ReadJSON(bytes.NewReader(outs[0]))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if res.Bound == nil || len(res.Runs) != 2 || res.Runs[0].Requests != 16 {
+		t.Fatalf("result %+v", res)
+	}
+	if cmd, _ := res.Meta["command"].(string); strings.Contains(cmd, "--json") || !strings.Contains(cmd, "--seed 3") {
+		t.Errorf("meta command %q: want the experiment without its output flags", cmd)
+	}
+}
+
+func TestReplayPolicyParams(t *testing.T) {
+	// score with load_weight 0 routes on the cache alone: each group's
+	// prompts stay on one replica, so it hits more than the 1:1 default.
+	hit := func(extra ...string) float64 {
+		path := filepath.Join(t.TempDir(), "r.json")
+		code, _, stderr := runCmd(t, "", replayArgs(append([]string{"--policies", "score,round_robin", "--json", path}, extra...)...)...)
+		if code != 0 {
+			t.Fatalf("exit %d: %s", code, stderr)
+		}
+		b, err := os.ReadFile(path)
+		if err != nil {
+			t.Fatal(err)
+		}
+		res, err := report.ReadJSON(bytes.NewReader(b))
+		if err != nil {
+			t.Fatal(err)
+		}
+		return res.Runs[0].HitRate
+	}
+	def, cacheOnly := hit(), hit("--policy-param", "score.load_weight=0")
+	if cacheOnly <= def {
+		t.Errorf("score with load_weight=0 hit %.3f, with the default %.3f", cacheOnly, def)
+	}
+}
+
+func TestReplayCapacityAndTrace(t *testing.T) {
+	dir := t.TempDir()
+	trace := filepath.Join(dir, "t.jsonl")
+	lines := `{"timestamp": 0, "input_length": 700, "output_length": 5, "hash_ids": [1, 2]}
+{"timestamp": 100, "input_length": 900, "output_length": 5, "hash_ids": [1, 3]}
+{"timestamp": 250, "input_length": 600, "output_length": 5, "hash_ids": [1, 2]}
+`
+	if err := os.WriteFile(trace, []byte(lines), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	path := filepath.Join(dir, "c.json")
+	code, _, stderr := runCmd(t, "", "replay", "--trace", trace, "--replicas", "2", "--policies", "ttft",
+		"--capacity", "--slo-ttft-p90", "500ms", "--json", path)
+	if code != 0 {
+		t.Fatalf("exit %d: %s", code, stderr)
+	}
+	b, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	res, err := report.ReadJSON(bytes.NewReader(b))
+	if err != nil {
+		t.Fatal(err)
+	}
+	r := res.Runs[0]
+	if r.Requests != 3 || r.CapacitySpeedup == nil || *r.CapacitySpeedup <= 1 {
+		t.Fatalf("run %+v", r)
+	}
+	if res.Meta["trace"] != "t.jsonl" {
+		t.Errorf("meta %v", res.Meta)
+	}
+}
+
+func TestReplayQuestionReport(t *testing.T) {
+	dir := filepath.Join(t.TempDir(), "report")
+	code, stdout, stderr := runCmd(t, "", replayArgs("--question", "staleness", "--policies", "llmd", "--report", dir)...)
+	if code != 0 {
+		t.Fatalf("exit %d: %s", code, stderr)
+	}
+	if !strings.Contains(stdout, "llmd staleness=5s") {
+		t.Errorf("stdout lacks the 5 s run:\n%s", stdout)
+	}
+	for _, f := range []string{"index.html", "result.json", "staleness_ttft_p90.svg", "staleness_hit_rate.png"} {
+		if _, err := os.Stat(filepath.Join(dir, f)); err != nil {
+			t.Errorf("report: %v", err)
+		}
+	}
+}
+
+func TestReplayCancelled(t *testing.T) {
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	var out, errb bytes.Buffer
+	if code := run(ctx, replayArgs("--policies", "ttft"), strings.NewReader(""), &out, &errb); code != 1 ||
+		!strings.Contains(errb.String(), "context canceled") {
+		t.Fatalf("exit %d: %s", code, errb.String())
+	}
+}

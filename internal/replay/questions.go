@@ -1,0 +1,366 @@
+package replay
+
+import (
+	"context"
+	"fmt"
+	"math"
+	"strconv"
+	"time"
+
+	"github.com/kvgate/kvgate/internal/report"
+	"github.com/kvgate/kvgate/internal/workload"
+)
+
+// The three questions of the seed on cache-aware routing, each answered by
+// one function: a Result (every run, labelled with its setting) and the
+// charts that answer it.
+
+// CacheAware are the cache-aware policies the questions compare by default.
+func CacheAware() []string {
+	return []string{"ttft", "sglang", "dynamo", "llmd", "precise", "preble"}
+}
+
+// SharingPolicies are the default policies of the sharing question: the
+// cache-aware ones against two load balancers that ignore the cache.
+func SharingPolicies() []string {
+	return append([]string{"round_robin", "least_load"}, CacheAware()...)
+}
+
+// DefaultSharingRatios are the sharing ratios the sharing question sweeps.
+func DefaultSharingRatios() []float64 { return []float64{0.05, 0.25, 0.5, 0.75, 0.95} }
+
+// DefaultStaleness are the staleness values the staleness question sweeps.
+func DefaultStaleness() []time.Duration {
+	return []time.Duration{0, 50 * time.Millisecond, 250 * time.Millisecond, time.Second, 5 * time.Second}
+}
+
+// DefaultScoreWeights are the values of both weights of the score surface.
+func DefaultScoreWeights() []float64 { return []float64{0, 0.5, 1, 2, 4} }
+
+// sharingParams names, per workload, the parameters whose lengths make the
+// shared and the unshared part of a prompt.
+func sharingParams(workload string) ([2]string, bool) {
+	switch workload {
+	case "shared_prefix":
+		return [2]string{"system_prompt_len", "question_len"}, true
+	case "prefix_repetition", "zipf":
+		return [2]string{"prefix_len", "suffix_len"}, true
+	}
+	return [2]string{}, false
+}
+
+// SharingWorkloads lists the workloads the sharing question can sweep.
+func SharingWorkloads() []string { return []string{"prefix_repetition", "shared_prefix", "zipf"} }
+
+// SharingSpec is base with its shared part set to ratio of the prompt: the
+// prompt length (shared + unshared, from base or the workload's defaults)
+// is kept, and split as round(ratio·L) shared tokens and the rest unshared,
+// each at least one token.
+func SharingSpec(base workload.Spec, ratio float64) (workload.Spec, error) {
+	names, ok := sharingParams(base.Name)
+	if !ok {
+		return workload.Spec{}, fmt.Errorf("%w: the sharing question needs one of %v, not %q", ErrConfig, SharingWorkloads(), base.Name)
+	}
+	if !(ratio > 0 && ratio < 1) {
+		return workload.Spec{}, fmt.Errorf("%w: sharing ratio %v out of (0, 1)", ErrConfig, ratio)
+	}
+	ps, err := workload.ParamsOf(base.Name)
+	if err != nil {
+		return workload.Spec{}, err
+	}
+	length := 0.0
+	for _, n := range names {
+		v, ok := base.Params[n]
+		if !ok {
+			for _, p := range ps {
+				if p.Name == n {
+					v = p.Default
+				}
+			}
+		}
+		length += v
+	}
+	shared := min(max(math.Round(ratio*length), 1), length-1)
+	out := base
+	out.Params = make(map[string]float64, len(base.Params)+2)
+	for k, v := range base.Params {
+		out.Params[k] = v
+	}
+	out.Params[names[0]], out.Params[names[1]] = shared, length-shared
+	return out, nil
+}
+
+// Sharing answers "how do TTFT and hit rate depend on how much of a prompt
+// is shared?": for each ratio it generates base with that sharing ratio
+// (SharingSpec), gives it Poisson arrivals at rate (≤ 0: all at once) and
+// replays every policy on it. Runs are labelled "POLICY sharing=R" and carry
+// extra.sharing_ratio and extra.bound_prefix_reuse (bounds differ per ratio,
+// so the Result has none).
+func Sharing(ctx context.Context, cfg Config, base workload.Spec, rate float64, ratios []float64, specs []PolicySpec, progress func(PolicySpec, report.Run)) (report.Result, []report.Chart, error) {
+	cfg = cfg.WithDefaults()
+	if err := cfg.validate(); err != nil {
+		return report.Result{}, nil, err
+	}
+	var res report.Result
+	ttft := map[string]*report.ChartSeries{}
+	hit := map[string]*report.ChartSeries{}
+	bound := &report.ChartSeries{Name: "bound: prefix reuse", Dashed: true, Points: true}
+	for _, ratio := range ratios {
+		ws, err := SharingSpec(base, ratio)
+		if err != nil {
+			return report.Result{}, nil, err
+		}
+		reqs, err := workload.Generate(ws)
+		if err != nil {
+			return report.Result{}, nil, err
+		}
+		workload.Arrivals(reqs, rate, ws.Seed)
+		pl, err := newPlan(reqs)
+		if err != nil {
+			return report.Result{}, nil, err
+		}
+		b, err := boundsPlan(ctx, cfg, pl)
+		if err != nil {
+			return report.Result{}, nil, err
+		}
+		bound.X, bound.Y = append(bound.X, ratio), append(bound.Y, b.PrefixReuse)
+		for _, spec := range specs {
+			s := spec
+			s.Label = fmt.Sprintf("%s sharing=%s", spec.RunName(), fmtF(ratio))
+			run, err := runPlan(ctx, cfg, pl, s)
+			if err != nil {
+				return report.Result{}, nil, err
+			}
+			run.Extra["sharing_ratio"] = ratio
+			run.Extra["bound_prefix_reuse"] = b.PrefixReuse
+			if progress != nil {
+				progress(s, run)
+			}
+			res.Runs = append(res.Runs, run)
+			addPoint(ttft, spec.RunName(), ratio, run.TTFTms.P90)
+			addPoint(hit, spec.RunName(), ratio, run.HitRate)
+		}
+	}
+	charts := []report.Chart{
+		{
+			Name: "sharing_ttft_p90", Title: "p90 TTFT against the sharing ratio",
+			XLabel: "sharing ratio (shared tokens / prompt tokens)", YLabel: "p90 TTFT (ms)",
+			Caption: fmt.Sprintf("Workload %s at %s req/s, prompt length fixed, its shared part swept. "+
+				"Lower is better; the gap between a policy and round_robin is what cache-aware routing buys.", base.Name, fmtF(rate)),
+			Series: seriesOf(ttft, specs, res.Runs),
+		},
+		{
+			Name: "sharing_hit_rate", Title: "Prefix-cache hit rate against the sharing ratio",
+			XLabel: "sharing ratio (shared tokens / prompt tokens)", YLabel: "hit rate (cached / prompt tokens)",
+			Caption: "The dashed line is the prefix-reuse bound (one unlimited cache): no policy can hit more.",
+			YMin:    0, YMax: 1,
+			Series: append(seriesOf(hit, specs, res.Runs), *bound),
+		},
+	}
+	return res, logTTFT(charts), nil
+}
+
+// ScoreSurface answers "how should the score policy weigh the cache against
+// the load?": it replays reqs with score at every (cache_weight,
+// load_weight) of weights × weights but (0, 0). Since the score is
+// cache_weight·cache + load_weight·load and the maximum wins, only the ratio
+// of the weights matters (up to ties): equal ratios draw equal points, and
+// the chart is the surface seen along the cache-weight axis, one line per
+// load weight. Runs are labelled "score cache=C load=L".
+func ScoreSurface(ctx context.Context, cfg Config, reqs []workload.Request, weights []float64, progress func(PolicySpec, report.Run)) (report.Result, []report.Chart, error) {
+	cfg = cfg.WithDefaults()
+	if err := cfg.validate(); err != nil {
+		return report.Result{}, nil, err
+	}
+	for _, w := range weights {
+		if !(w >= 0) || math.IsInf(w, 0) {
+			return report.Result{}, nil, fmt.Errorf("%w: score weight %v", ErrConfig, w)
+		}
+	}
+	pl, err := newPlan(reqs)
+	if err != nil {
+		return report.Result{}, nil, err
+	}
+	b, err := boundsPlan(ctx, cfg, pl)
+	if err != nil {
+		return report.Result{}, nil, err
+	}
+	res := report.Result{Bound: &b}
+	ttft := map[string]*report.ChartSeries{}
+	hit := map[string]*report.ChartSeries{}
+	var order []string
+	for _, lw := range weights {
+		name := "load_weight=" + fmtF(lw)
+		for _, cw := range weights {
+			if cw == 0 && lw == 0 {
+				continue
+			}
+			spec := PolicySpec{
+				Name:   "score",
+				Label:  fmt.Sprintf("score cache=%s load=%s", fmtF(cw), fmtF(lw)),
+				Params: map[string]any{"cache_weight": cw, "load_weight": lw},
+			}
+			run, err := runPlan(ctx, cfg, pl, spec)
+			if err != nil {
+				return report.Result{}, nil, err
+			}
+			run.Extra["cache_weight"], run.Extra["load_weight"] = cw, lw
+			if b.PrefixReuse > 0 {
+				run.Extra["hit_rate_vs_bound"] = run.HitRate / b.PrefixReuse
+			}
+			if progress != nil {
+				progress(spec, run)
+			}
+			res.Runs = append(res.Runs, run)
+			if _, ok := ttft[name]; !ok {
+				order = append(order, name)
+			}
+			addPoint(ttft, name, cw, run.TTFTms.P90)
+			addPoint(hit, name, cw, run.HitRate)
+		}
+	}
+	named := make([]PolicySpec, len(order))
+	for i, n := range order {
+		named[i] = PolicySpec{Name: n}
+	}
+	charts := []report.Chart{
+		{
+			Name: "score_surface_ttft_p90", Title: "score: p90 TTFT by cache weight and load weight",
+			XLabel: "cache_weight", YLabel: "p90 TTFT (ms)",
+			Caption: "One line per load weight. Only the ratio cache_weight/load_weight matters: " +
+				"a line's point at cache weight c equals the load-weight-1 line at c/load weight. " +
+				"load_weight=0 routes on the cache alone; cache_weight=0 on the load alone.",
+			Series: seriesOf(ttft, named, res.Runs),
+		},
+		{
+			Name: "score_surface_hit_rate", Title: "score: hit rate by cache weight and load weight",
+			XLabel: "cache_weight", YLabel: "hit rate (cached / prompt tokens)",
+			Caption: "The dashed grey line is the prefix-reuse bound.",
+			YMin:    0, YMax: 1,
+			Series: seriesOf(hit, named, res.Runs),
+			Refs:   []report.RefLine{{Label: "bound: prefix reuse", Y: b.PrefixReuse}},
+		},
+	}
+	return res, logTTFT(charts), nil
+}
+
+// Staleness answers "how much do cache-aware policies suffer when their
+// view of the replicas is old?": it replays reqs with every policy at every
+// staleness (scrapes, and KV events for precise, reach the router that much
+// later). Policies that read only the gateway's own counts and index do not
+// change; those that read scraped metrics do. Runs are labelled
+// "POLICY staleness=D".
+func Staleness(ctx context.Context, cfg Config, reqs []workload.Request, staleness []time.Duration, specs []PolicySpec, progress func(PolicySpec, report.Run)) (report.Result, []report.Chart, error) {
+	cfg = cfg.WithDefaults()
+	if err := cfg.validate(); err != nil {
+		return report.Result{}, nil, err
+	}
+	pl, err := newPlan(reqs)
+	if err != nil {
+		return report.Result{}, nil, err
+	}
+	b, err := boundsPlan(ctx, cfg, pl)
+	if err != nil {
+		return report.Result{}, nil, err
+	}
+	res := report.Result{Bound: &b}
+	cats := make([]string, len(staleness))
+	for i, d := range staleness {
+		cats[i] = d.String()
+	}
+	ttft := map[string]*report.ChartSeries{}
+	hit := map[string]*report.ChartSeries{}
+	// Staleness outermost: the first len(specs) runs name the policies' colours.
+	for _, d := range staleness {
+		for _, spec := range specs {
+			c := cfg
+			c.Staleness = d
+			if err := c.validate(); err != nil {
+				return report.Result{}, nil, err
+			}
+			s := spec
+			s.Label = fmt.Sprintf("%s staleness=%s", spec.RunName(), d)
+			run, err := runPlan(ctx, c, pl, s)
+			if err != nil {
+				return report.Result{}, nil, err
+			}
+			run.Extra["staleness_ms"] = float64(d) / float64(time.Millisecond)
+			if b.PrefixReuse > 0 {
+				run.Extra["hit_rate_vs_bound"] = run.HitRate / b.PrefixReuse
+			}
+			if progress != nil {
+				progress(s, run)
+			}
+			res.Runs = append(res.Runs, run)
+			x := float64(d) / float64(time.Millisecond)
+			addPoint(ttft, spec.RunName(), x, run.TTFTms.P90)
+			addPoint(hit, spec.RunName(), x, run.HitRate)
+		}
+	}
+	charts := []report.Chart{
+		{
+			Name: "staleness_ttft_p90", Title: "p90 TTFT against the staleness of the replicas' metrics",
+			XLabel: "staleness", YLabel: "p90 TTFT (ms)", Bars: true, Categories: cats,
+			Caption: fmt.Sprintf("Scrapes every %s reach the router this much later (KV events too, for precise). "+
+				"A policy whose bars stay level does not depend on scraped state.", cfg.ScrapeInterval),
+			Series: seriesOf(ttft, specs, res.Runs),
+		},
+		{
+			Name: "staleness_hit_rate", Title: "Hit rate against the staleness of the replicas' metrics",
+			XLabel: "staleness", YLabel: "hit rate (cached / prompt tokens)", Bars: true, Categories: cats,
+			YMin: 0, YMax: 1,
+			Series: seriesOf(hit, specs, res.Runs),
+			Refs:   []report.RefLine{{Label: "bound: prefix reuse", Y: b.PrefixReuse}},
+		},
+	}
+	return res, logTTFT(charts), nil
+}
+
+func addPoint(m map[string]*report.ChartSeries, name string, x, y float64) {
+	s, ok := m[name]
+	if !ok {
+		s = &report.ChartSeries{Name: name, Points: true}
+		m[name] = s
+	}
+	s.X, s.Y = append(s.X, x), append(s.Y, y)
+}
+
+// seriesOf lists the series in the order of specs (map order is random).
+// The k-th series takes the colour of the k-th run (ChartSeries.Key): the
+// questions order their runs so that the first ones are one per series, and
+// the report gives the Result's runs its first, solid colours, so that a
+// policy has the same colour here as in the report's own charts.
+func seriesOf(m map[string]*report.ChartSeries, specs []PolicySpec, runs []report.Run) []report.ChartSeries {
+	out := make([]report.ChartSeries, 0, len(m))
+	for _, sp := range specs {
+		if s, ok := m[sp.RunName()]; ok {
+			if k := len(out); k < len(runs) {
+				s.Key = runs[k].Policy
+			}
+			out = append(out, *s)
+		}
+	}
+	return out
+}
+
+// logTTFT puts the TTFT chart (the first of each question) on a log scale
+// when it is a line chart and every value allows it: a policy that piles everything on one
+// replica waits a thousand times longer than the rest, and a linear axis
+// would flatten every other line to the floor.
+func logTTFT(charts []report.Chart) []report.Chart {
+	c := &charts[0]
+	if c.Bars {
+		return charts // bars rise from zero, which a log axis lacks
+	}
+	for _, s := range c.Series {
+		for _, y := range s.Y {
+			if !(y > 0) {
+				return charts
+			}
+		}
+	}
+	c.LogY = true
+	return charts
+}
+
+func fmtF(v float64) string { return strconv.FormatFloat(v, 'g', 4, 64) }

@@ -1,0 +1,306 @@
+// Package replay runs request sequences (a Mooncake trace or a generated
+// workload) through kvgate's routing policies and its replica engine model in
+// virtual time: a discrete-event simulation with no HTTP, no goroutines and no
+// sleeping, so that a whole trace replays in seconds and the same seed gives
+// the same figures.
+//
+// One run is one policy on a fresh fleet:
+//
+//   - the gateway is a router.Router, the very code the live gateway uses: its
+//     clock is the virtual clock, its in-flight counts are exact, its prefix
+//     index learns from routing, and the replicas' scraped metrics reach it
+//     every scrape interval, delivered Staleness late;
+//   - each replica is an engine.Engine (the model `kvgate sim` serves), stepped
+//     back to back while it has work: a step starts at its predecessor's end,
+//     or at the instant an arrival wakes an idle engine, after every other
+//     event of that instant;
+//   - events (arrivals, step ends, metric deliveries, KV-event deliveries) sit
+//     in one min-heap ordered by (virtual time, sequence number), so ties are
+//     resolved in a fixed order and runs are deterministic.
+//
+// A request's text is made at its arrival and dropped when it ends: the router
+// keeps only its hashes, the engine only its block hashes in its own "engine"
+// namespace (prompt.RootOf), exactly as the simulated replicas hash prompts, so
+// the router must learn the engine's blocks through routing or KV events, as it
+// must with a real vLLM.
+package replay
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"slices"
+	"time"
+
+	"github.com/kvgate/kvgate/internal/costmodel"
+	"github.com/kvgate/kvgate/internal/engine"
+	"github.com/kvgate/kvgate/internal/policy"
+	"github.com/kvgate/kvgate/internal/prompt"
+	"github.com/kvgate/kvgate/internal/report"
+	"github.com/kvgate/kvgate/internal/workload"
+)
+
+// Errors; test with errors.Is.
+var (
+	// ErrConfig reports an invalid Config.
+	ErrConfig = errors.New("replay: invalid config")
+	// ErrInput reports a request sequence that cannot be replayed (a
+	// dependency on a later or missing request).
+	ErrInput = errors.New("replay: invalid input")
+	// ErrStalled reports an engine that has work but schedules nothing: a bug
+	// in the engine model, reported instead of looping forever.
+	ErrStalled = errors.New("replay: engine stalled")
+)
+
+// Defaults of Config.
+const (
+	DefaultReplicas       = 8
+	DefaultScrapeInterval = 250 * time.Millisecond
+	DefaultModel          = "sim-llama-8b"
+)
+
+// Config describes the fleet and the gateway of a replay.
+type Config struct {
+	Replicas       int               // engines (default 8)
+	Profile        costmodel.Profile // latency profile (default costmodel.Default)
+	KVBlocks       int               // KV blocks per engine (default engine.DefaultNumBlocks)
+	BlockSize      int               // tokens per block (default 16)
+	MaxBatchTokens int               // engine token budget per step (default engine's)
+	MaxSeqs        int               // engine running-sequence cap (default engine's)
+	Model          string            // model name: the root of both hash chains (default sim-llama-8b)
+	// Speedup divides arrival and think times: 2 replays the trace twice as fast.
+	Speedup float64
+	// Staleness delays every scrape (and every KV event, for the precise
+	// policy) by this much before the router sees it.
+	Staleness time.Duration
+	// ScrapeInterval is the period of the metric scrapes (default 250 ms).
+	ScrapeInterval time.Duration
+	// Seed seeds the policies (policy.Options.Seed) and the engines' jitter.
+	Seed uint64
+
+	// observe, when set (tests, benchmarks), is called with every scrape
+	// as it is taken and every ctxCheckEvery events.
+	observe func(ev observation)
+}
+
+// observation is what Config.observe hears.
+type observation struct {
+	scrape *snapshot // a scrape as taken, or nil for a periodic call
+}
+
+// WithDefaults fills the zero fields.
+func (c Config) WithDefaults() Config {
+	if c.Replicas == 0 {
+		c.Replicas = DefaultReplicas
+	}
+	if c.Profile == (costmodel.Profile{}) {
+		c.Profile = costmodel.MustLookup(costmodel.Default)
+	}
+	if c.KVBlocks == 0 {
+		c.KVBlocks = engine.DefaultNumBlocks
+	}
+	if c.BlockSize == 0 {
+		c.BlockSize = prompt.DefaultBlockSize
+	}
+	if c.MaxBatchTokens == 0 {
+		c.MaxBatchTokens = engine.DefaultMaxBatchTokens
+	}
+	if c.MaxSeqs == 0 {
+		c.MaxSeqs = engine.DefaultMaxSeqs
+	}
+	if c.Model == "" {
+		c.Model = DefaultModel
+	}
+	if c.Speedup == 0 {
+		c.Speedup = 1
+	}
+	if c.ScrapeInterval == 0 {
+		c.ScrapeInterval = DefaultScrapeInterval
+	}
+	return c
+}
+
+func (c Config) validate() error {
+	switch {
+	case c.Replicas < 1:
+		return fmt.Errorf("%w: replicas %d < 1", ErrConfig, c.Replicas)
+	case !(c.Speedup > 0) || c.Speedup > 1e9:
+		return fmt.Errorf("%w: speedup %v out of (0, 1e9]", ErrConfig, c.Speedup)
+	case c.Staleness < 0:
+		return fmt.Errorf("%w: staleness %v < 0", ErrConfig, c.Staleness)
+	case c.ScrapeInterval <= 0:
+		return fmt.Errorf("%w: scrape interval %v ≤ 0", ErrConfig, c.ScrapeInterval)
+	case c.KVBlocks < 1 || c.BlockSize < 1:
+		return fmt.Errorf("%w: kv blocks %d and block size %d must be ≥ 1", ErrConfig, c.KVBlocks, c.BlockSize)
+	}
+	if err := c.Profile.Validate(); err != nil {
+		return fmt.Errorf("%w: %w", ErrConfig, err)
+	}
+	return nil
+}
+
+func (c Config) engineConfig(i int, events bool) engine.Config {
+	return engine.Config{
+		Profile:         c.Profile,
+		NumBlocks:       c.KVBlocks,
+		BlockSize:       c.BlockSize,
+		MaxBatchTokens:  c.MaxBatchTokens,
+		MaxSeqs:         c.MaxSeqs,
+		Seed:            c.Seed + uint64(i),
+		DisableKVEvents: !events,
+	}
+}
+
+// PolicySpec names one policy run: a registered policy, its parameters and
+// the name its run carries in the result.
+type PolicySpec struct {
+	Name   string         // policy.New name
+	Label  string         // run name in the result (default Name)
+	Params map[string]any // policy.Options.Params
+	// New, when set, builds the policy instead of the registry (a policy of
+	// the caller's own, or a wrapped one); it is called once per run.
+	New func(policy.Options) (policy.Policy, error)
+}
+
+// RunName is the run's name in the result: Label, or Name.
+func (p PolicySpec) RunName() string {
+	if p.Label != "" {
+		return p.Label
+	}
+	return p.Name
+}
+
+// Specs turns policy names into specs; "all" (alone) is every registered
+// policy. Unknown names are an error listing the known ones.
+func Specs(names []string) ([]PolicySpec, error) {
+	if len(names) == 1 && names[0] == "all" {
+		names = policy.Names()
+	}
+	known := policy.Names()
+	out := make([]PolicySpec, 0, len(names))
+	for _, n := range names {
+		if !slices.Contains(known, n) {
+			return nil, fmt.Errorf("%w: unknown policy %q (known: all, %s)", ErrConfig, n, joinNames(known))
+		}
+		out = append(out, PolicySpec{Name: n})
+	}
+	if len(out) == 0 {
+		return nil, fmt.Errorf("%w: no policy", ErrConfig)
+	}
+	return out, nil
+}
+
+func joinNames(ns []string) string {
+	s := ""
+	for i, n := range ns {
+		if i > 0 {
+			s += ", "
+		}
+		s += n
+	}
+	return s
+}
+
+// Run replays reqs on a fresh fleet routed by one policy and summarises it.
+// Requests whose prompt can never fit an engine's cache (engine.ErrTooLong)
+// are recorded as errors ("too_long"); so are requests no replica takes.
+func Run(ctx context.Context, cfg Config, reqs []workload.Request, spec PolicySpec) (report.Run, error) {
+	cfg = cfg.WithDefaults()
+	if err := cfg.validate(); err != nil {
+		return report.Run{}, err
+	}
+	pl, err := newPlan(reqs)
+	if err != nil {
+		return report.Run{}, err
+	}
+	return runPlan(ctx, cfg, pl, spec)
+}
+
+func runPlan(ctx context.Context, cfg Config, pl *plan, spec PolicySpec) (report.Run, error) {
+	s, err := newSim(cfg, pl, spec)
+	if err != nil {
+		return report.Run{}, err
+	}
+	if err := s.loop(ctx); err != nil {
+		return report.Run{}, err
+	}
+	return s.summary(spec.RunName()), nil
+}
+
+// epoch is virtual time zero on the router's clock. Any fixed instant would
+// do; a recent one keeps Unix-second arithmetic in policies (SGLang's
+// eviction stamps) in a realistic range.
+var epoch = time.Date(2025, 1, 1, 0, 0, 0, 0, time.UTC)
+
+// plan is what every run of one request sequence shares: the requests, their
+// dependency graph and the order of independent arrivals.
+type plan struct {
+	reqs  []workload.Request
+	roots []int32   // requests without a predecessor, by (At, index)
+	kids  [][]int32 // kids[i]: the requests waiting for i to finish
+}
+
+func newPlan(reqs []workload.Request) (*plan, error) {
+	pl := &plan{reqs: reqs, kids: make([][]int32, len(reqs))}
+	if len(reqs) >= 1<<31-1 {
+		return nil, fmt.Errorf("%w: %d requests", ErrInput, len(reqs))
+	}
+	for i := range reqs {
+		r := &reqs[i]
+		switch {
+		case r.Prev < 0:
+			pl.roots = append(pl.roots, int32(i))
+		case r.Prev >= i:
+			// Predecessors come first: this rules out cycles with one check.
+			return nil, fmt.Errorf("%w: request %d depends on request %d, which is not before it", ErrInput, i, r.Prev)
+		default:
+			pl.kids[r.Prev] = append(pl.kids[r.Prev], int32(i))
+		}
+		if r.At < 0 || r.Think < 0 {
+			return nil, fmt.Errorf("%w: request %d has a negative arrival or think time", ErrInput, i)
+		}
+	}
+	slices.SortStableFunc(pl.roots, func(a, b int32) int {
+		return cmpDur(reqs[a].At, reqs[b].At)
+	})
+	return pl, nil
+}
+
+func cmpDur(a, b time.Duration) int {
+	switch {
+	case a < b:
+		return -1
+	case a > b:
+		return 1
+	}
+	return 0
+}
+
+// scale divides a trace duration by the speed-up.
+func scale(d time.Duration, speedup float64) time.Duration {
+	if speedup == 1 {
+		return d
+	}
+	return time.Duration(float64(d) / speedup)
+}
+
+// parsed is what the gateway's parser would make of the request's body.
+func parsed(r *workload.Request, text, model string) prompt.Parsed {
+	p := prompt.Parsed{Kind: prompt.Completion, Model: model, MaxTokens: r.MaxTokens, Text: text, KeyText: text, Prompts: 1}
+	if r.Chat {
+		p.Kind = prompt.Chat
+		p.KeyText = ""
+		for k, role := range r.Roles {
+			if k == 0 && role == "system" {
+				p.System = r.Contents[k]
+			}
+			if p.KeyText == "" && role == "user" {
+				p.KeyText = r.Contents[k]
+			}
+		}
+		if p.KeyText == "" {
+			p.KeyText = text
+		}
+	}
+	return p
+}
