@@ -20,7 +20,7 @@ func runDemo(ctx context.Context, args []string, _ io.Reader, stdout, stderr io.
 	fs.IntVar(&o.replicas, "replicas", 4, "simulated replicas")
 	fs.StringVar(&o.workload, "workload", "multiturn", "workload (see kvgate bench -h)")
 	fs.StringVar(&o.policies, "policies", "round_robin,least_load,prefix_key,sglang,ttft", "policies to compare")
-	fs.Float64Var(&o.timeScale, "time-scale", 10, "the simulated replicas run this many times faster than real time")
+	fs.Float64Var(&o.timeScale, "time-scale", 5, "the simulated replicas run this many times faster than real time")
 	fs.Float64Var(&o.rate, "rate", 6, "Poisson arrivals of new conversations' turns, requests/s of model time")
 	fs.IntVar(&o.requests, "requests", 0, "requests per policy (0: the workload's default)")
 	fs.Uint64Var(&o.seed, "seed", 1, "seed of the workload, the replicas and the policies")
