@@ -217,7 +217,7 @@ func (ix *Index) Holds(r int, h uint64) bool {
 	if err != nil {
 		return false
 	}
-	return sh.table[h].mask&(1<<bit) != 0
+	return sh.mask(h)&(1<<bit) != 0
 }
 
 // Len is the number of (block, replica) entries.
@@ -244,7 +244,7 @@ func (ix *Index) Blocks() int {
 	defer ix.mu.RUnlock()
 	n := 0
 	for _, sh := range ix.shards {
-		n += len(sh.table)
+		n += sh.table.len()
 	}
 	return n
 }

@@ -6,7 +6,7 @@ package prefixindex
 // doubling slack), plus the block's 16-byte map slot (8-byte key, 8-byte
 // value) with the map's overhead, shared by the replicas holding it.
 type shard struct {
-	table  map[uint64]entry
+	table  *table
 	chunks [][]node // the node slab, in chunks of chunkSize
 	used   int32    // nodes ever allocated
 	free   int32    // head of the free-node list (linked through next), -1 if none
@@ -37,7 +37,7 @@ type list struct {
 }
 
 func newShard() *shard {
-	s := &shard{table: make(map[uint64]entry), free: -1}
+	s := &shard{table: newTable(), free: -1}
 	for i := range s.lists {
 		s.lists[i] = list{head: -1, tail: -1}
 	}
@@ -49,10 +49,10 @@ func newShard() *shard {
 // i" monotone in i, so a divide-and-conquer binary search finds every
 // replica's length with one look-up per split.
 func (s *shard) match(hashes []uint64, out []int) {
-	if len(hashes) == 0 || len(s.table) == 0 {
+	if len(hashes) == 0 || s.table.len() == 0 {
 		return
 	}
-	m0 := uint64(s.table[hashes[0]].mask)
+	m0 := s.mask(hashes[0])
 	if m0 == 0 {
 		return
 	}
@@ -77,7 +77,7 @@ func (s *shard) split(hashes []uint64, lo, hi int, mLo, mHi uint64, out []int) {
 		}
 		mid := int(uint(lo+hi) >> 1)
 		// Intersect with mLo: a replica missing an ancestor holds no descendant.
-		mMid := uint64(s.table[hashes[mid]].mask)&mLo | mHi
+		mMid := s.mask(hashes[mid])&mLo | mHi
 		s.split(hashes, lo, mid, mLo, mMid, out)
 		lo, mLo = mid, mMid
 	}
@@ -86,7 +86,7 @@ func (s *shard) split(hashes []uint64, lo, hi int, mLo, mHi uint64, out []int) {
 // touch makes block h the most recent of replica bit b, adding it if absent;
 // it reports whether an entry was added.
 func (s *shard) touch(h uint64, b int) bool {
-	e, ok := s.table[h]
+	e, ok := s.table.upsert(h)
 	if ok && e.mask&(1<<b) != 0 {
 		for i := e.first; i >= 0; i = s.node(i).sibling {
 			if int(s.node(i).bit) == b {
@@ -102,9 +102,16 @@ func (s *shard) touch(h uint64, b int) bool {
 	}
 	e.first = i
 	e.mask |= 1 << b
-	s.table[h] = e
 	s.pushFront(b, i)
 	return true
+}
+
+// mask is the bit mask of the replicas holding block h.
+func (s *shard) mask(h uint64) uint64 {
+	if e := s.table.get(h); e != nil {
+		return uint64(e.mask)
+	}
+	return 0
 }
 
 func (s *shard) alloc() int32 {
@@ -168,8 +175,8 @@ func (s *shard) evictTail(b int) {
 
 // remove drops block h from replica bit b; it reports whether it was held.
 func (s *shard) remove(h uint64, b int) bool {
-	e, ok := s.table[h]
-	if !ok || e.mask&(1<<b) == 0 {
+	e := s.table.get(h)
+	if e == nil || e.mask&(1<<b) == 0 {
 		return false
 	}
 	for i := e.first; i >= 0; i = s.node(i).sibling {
@@ -186,7 +193,7 @@ func (s *shard) remove(h uint64, b int) bool {
 func (s *shard) drop(b int, i int32) {
 	s.unlink(b, i)
 	h := s.node(i).hash
-	e := s.table[h]
+	e := s.table.get(h)
 	if e.first == i {
 		e.first = s.node(i).sibling
 	} else {
@@ -199,9 +206,7 @@ func (s *shard) drop(b int, i int32) {
 	}
 	e.mask &^= 1 << b
 	if e.mask == 0 {
-		delete(s.table, h)
-	} else {
-		s.table[h] = e
+		s.table.del(h)
 	}
 	*s.node(i) = node{next: s.free}
 	s.free = i
