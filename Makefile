@@ -4,7 +4,7 @@ export PATH := /usr/local/go/bin:$(HOME)/go/bin:$(PATH)
 GO ?= go
 BIN := bin/kvgate
 
-.PHONY: all build test vet fmt-check bench demo fuzz clean
+.PHONY: all build test vet fmt-check bench demo fuzz chaos clean
 
 all: build
 
@@ -29,10 +29,19 @@ bench:
 demo: build
 	$(BIN) demo
 
-# Each fuzz target for FUZZTIME (default 60s).
+# Each fuzz target for FUZZTIME (default 60s; e.g. FUZZTIME=1000000x), one after another.
 FUZZTIME ?= 60s
 fuzz:
-	$(GO) test -run '^$$' -fuzz FuzzParse -fuzztime $(FUZZTIME) ./internal/prompt
+	$(GO) test -run '^$$' -fuzz '^FuzzParse$$' -fuzztime $(FUZZTIME) ./internal/prompt
+	$(GO) test -run '^$$' -fuzz '^FuzzDecode$$' -fuzztime $(FUZZTIME) ./internal/kvevents
+	$(GO) test -run '^$$' -fuzz '^FuzzParseMetrics$$' -fuzztime $(FUZZTIME) ./internal/fleet
+	$(GO) test -run '^$$' -fuzz '^FuzzReadTrace$$' -fuzztime $(FUZZTIME) ./internal/workload
+	$(GO) test -run '^$$' -fuzz '^FuzzParseConfig$$' -fuzztime $(FUZZTIME) ./internal/gateway
+
+# Fault injection report: per fault kind, requests sent, succeeded, retried, failed clearly, lost.
+CHAOS_REQUESTS ?= 1000
+chaos:
+	KVGATE_CHAOS=1 KVGATE_CHAOS_REQUESTS=$(CHAOS_REQUESTS) $(GO) test -run '^TestChaosReport$$' -v -count=1 -timeout 30m ./internal/chaos
 
 clean:
 	rm -rf bin

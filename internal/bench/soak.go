@@ -10,9 +10,7 @@ import (
 	"sync/atomic"
 	"time"
 
-	"github.com/prometheus/common/expfmt"
-	"github.com/prometheus/common/model"
-
+	"github.com/kvgate/kvgate/internal/fleet"
 	"github.com/kvgate/kvgate/internal/report"
 	"github.com/kvgate/kvgate/internal/workload"
 )
@@ -109,8 +107,7 @@ func scrape(c *http.Client, target string) (Sample, error) {
 		return Sample{}, err
 	}
 	defer resp.Body.Close()
-	parser := expfmt.NewTextParser(model.LegacyValidation)
-	fams, err := parser.TextToMetricFamilies(io.LimitReader(resp.Body, 16<<20))
+	fams, err := fleet.ParseText(io.LimitReader(resp.Body, 16<<20))
 	if err != nil {
 		return Sample{}, fmt.Errorf("soak: %s/metrics: %w", target, err)
 	}

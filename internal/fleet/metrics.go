@@ -18,8 +18,7 @@ import (
 // summed; the KV usage is their maximum. vLLM ≥ 0.10 names the usage
 // vllm:kv_cache_usage_perc; older releases vllm:gpu_cache_usage_perc.
 func ParseMetrics(r io.Reader) (router.Metrics, error) {
-	p := expfmt.NewTextParser(model.LegacyValidation)
-	fams, err := p.TextToMetricFamilies(r)
+	fams, err := ParseText(r)
 	if err != nil {
 		return router.Metrics{}, fmt.Errorf("metrics: %w", err)
 	}
@@ -86,4 +85,18 @@ func value(s *dto.Metric) float64 {
 		return s.Untyped.GetValue()
 	}
 	return 0
+}
+
+// ParseText runs Prometheus's text parser, turning its panics into errors:
+// prometheus/common v0.66's parser dereferences nil on a page such as "{}"
+// (fixed upstream in a release this module cannot use yet), and a replica's
+// bad /metrics page must not take the gateway down.
+func ParseText(r io.Reader) (fams map[string]*dto.MetricFamily, err error) {
+	defer func() {
+		if v := recover(); v != nil {
+			fams, err = nil, fmt.Errorf("unparsable metrics page (%v)", v)
+		}
+	}()
+	p := expfmt.NewTextParser(model.LegacyValidation)
+	return p.TextToMetricFamilies(r)
 }
