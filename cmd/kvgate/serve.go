@@ -140,7 +140,7 @@ func runServe(ctx context.Context, args []string, _ io.Reader, stdout, stderr io
 
 // serveUntil serves g on ln until ctx ends, then shuts down gracefully.
 func serveUntil(ctx context.Context, ln net.Listener, g *gateway.Gateway, log *slog.Logger) error {
-	srv := gateway.NewServer(g.Handler())
+	srv := g.Server()
 	runCtx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	var wg sync.WaitGroup

@@ -61,7 +61,7 @@ func RunEmbedded(ctx context.Context, e EmbeddedConfig, policy string, reqs []wo
 	if err != nil {
 		return EmbeddedResult{}, err
 	}
-	srv := gateway.NewServer(g.Handler())
+	srv := g.Server()
 	var wg sync.WaitGroup
 	wg.Add(2)
 	go func() { defer wg.Done(); g.Run(ctx) }()

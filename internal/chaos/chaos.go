@@ -59,22 +59,21 @@ const (
 	// meet 10× the load it admits.
 	Overload Kind = "overload"
 	// Truncate: a replica ends some streams cleanly after their first event,
-	// without [DONE] (a stand-in frontend). A known gap: the gateway passes
-	// the truncated stream on without an SSE error event, so the client
-	// cannot tell it from a complete one; see KnownGaps.
+	// without [DONE] (a stand-in frontend); the gateway must end them with
+	// an SSE error event so the client can tell them from complete ones.
 	Truncate Kind = "truncate"
 )
 
 // Kinds lists every scenario the suite asserts on, in the order Report
 // prints them.
 func Kinds() []Kind {
-	return []Kind{Refuse, Die, Stall, Error500, Fail503, Limit429, Flap, Timeout, Overload}
+	return []Kind{Refuse, Die, Stall, Error500, Fail503, Limit429, Flap, Timeout, Truncate, Overload}
 }
 
 // KnownGaps lists scenarios that show a gap of the gateway today (requests
 // lost); they run only when asked for by name, and move to Kinds once the
 // gateway handles them.
-func KnownGaps() []Kind { return []Kind{Truncate} }
+func KnownGaps() []Kind { return nil }
 
 // Options bound a run. The zero value of every field takes its default.
 type Options struct {

@@ -217,7 +217,7 @@ func start(ctx context.Context, sc scenario, o Options) (_ *env, err error) {
 		return nil, err
 	}
 	e.base = "http://" + ln.Addr().String()
-	srv := gateway.NewServer(g.Handler())
+	srv := g.Server()
 	if sc.server != nil {
 		sc.server(srv)
 	}

@@ -49,6 +49,10 @@ type member struct {
 	healthOK     bool
 	consecFail   int
 	ejectedUntil time.Time
+	// The circuit breaker: open while ejectedUntil is ahead; after it,
+	// half-open (opens > 0) until a probe request succeeds.
+	opens  int  // consecutive openings without a success in between
+	probe  bool // half-open: a trial request is in flight
 	models       []string
 	cacheBlocks  int
 }
@@ -174,10 +178,9 @@ func (f *Fleet) health(ctx context.Context, i int) {
 	}
 	mem := f.mem[i]
 	mem.mu.Lock()
+	// A passing /health does not reset the passive failure count: a replica
+	// can answer /health and fail every inference request.
 	mem.healthOK = ok
-	if ok {
-		mem.consecFail = 0
-	}
 	mem.mu.Unlock()
 	if ok {
 		f.fetchModels(ctx, i)
@@ -217,34 +220,85 @@ func (f *Fleet) update(i int) {
 	f.rt.SetHealthy(i, ok)
 }
 
-// Success records a good response from replica i (passive health).
+// Allow asks to send a request to replica i: always while its breaker is
+// closed; while half-open (after an ejection's cooldown) only one trial
+// request at a time. The caller then reports the outcome with exactly one
+// of Success, Failure or Neutral.
+func (f *Fleet) Allow(i int) bool {
+	mem := f.mem[i]
+	mem.mu.Lock()
+	defer mem.mu.Unlock()
+	if mem.opens == 0 {
+		return true
+	}
+	if f.cfg.Now().Before(mem.ejectedUntil) || mem.probe {
+		return false
+	}
+	mem.probe = true
+	return true
+}
+
+// Success records a good response from replica i: the failure count
+// restarts and a half-open breaker closes.
 func (f *Fleet) Success(i int) {
 	mem := f.mem[i]
 	mem.mu.Lock()
-	mem.consecFail = 0
+	mem.consecFail, mem.opens, mem.probe = 0, 0, false
 	mem.mu.Unlock()
 }
 
-// Failure records a failed request to replica i (connection refused, reset,
-// 5xx); after EjectAfter in a row the replica is out for EjectCooldown, and
-// back when the cooldown is over and its health check passes.
+// Neutral ends a request that says nothing of the replica's health (the
+// client went away, a 4xx): it only frees a half-open breaker's trial.
+func (f *Fleet) Neutral(i int) {
+	mem := f.mem[i]
+	mem.mu.Lock()
+	mem.probe = false
+	mem.mu.Unlock()
+}
+
+// Failure records a failed request to replica i (connection refused or
+// reset, 5xx, timeout). The breaker opens after EjectAfter consecutive
+// failures, or at once when a half-open trial fails, for a cooldown that
+// doubles with each opening in a row (at most 32× EjectCooldown); the
+// replica leaves rotation. After the cooldown the replica returns half-open
+// (if its /health passes) and closes on a trial's success.
 func (f *Fleet) Failure(i int) {
 	mem := f.mem[i]
 	mem.mu.Lock()
 	mem.consecFail++
-	eject := mem.consecFail >= f.cfg.EjectAfter && !f.cfg.Now().Before(mem.ejectedUntil)
+	trial := mem.probe
+	mem.probe = false
+	now := f.cfg.Now()
+	eject := !now.Before(mem.ejectedUntil) && (trial || mem.consecFail >= f.cfg.EjectAfter)
+	var cooldown time.Duration
 	if eject {
-		mem.ejectedUntil = f.cfg.Now().Add(f.cfg.EjectCooldown)
+		mem.opens++
+		cooldown = f.cfg.EjectCooldown << min(mem.opens-1, 5)
+		mem.ejectedUntil = now.Add(cooldown)
 		mem.consecFail = 0
 	}
 	mem.mu.Unlock()
 	if eject {
-		f.cfg.Logger.Warn("replica ejected", "replica", mem.url, "cooldown", f.cfg.EjectCooldown)
+		f.cfg.Logger.Warn("replica ejected", "replica", mem.url, "cooldown", cooldown)
 		if f.cfg.OnEject != nil {
 			f.cfg.OnEject(i)
 		}
 		f.rt.SetHealthy(i, false)
 	}
+}
+
+// State is replica i's breaker state: "closed", "open" or "half-open".
+func (f *Fleet) State(i int) string {
+	mem := f.mem[i]
+	mem.mu.Lock()
+	defer mem.mu.Unlock()
+	switch {
+	case mem.opens == 0:
+		return "closed"
+	case f.cfg.Now().Before(mem.ejectedUntil):
+		return "open"
+	}
+	return "half-open"
 }
 
 // Ejected reports whether replica i is in its ejection cooldown.

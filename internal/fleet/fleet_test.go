@@ -102,3 +102,63 @@ func TestEjectionAndReturn(t *testing.T) {
 		t.Fatal("failing health check kept it in")
 	}
 }
+
+// The breaker: closed → open after EjectAfter failures → half-open after
+// the cooldown (one trial at a time) → closed on the trial's success, or
+// open again, for twice as long, on its failure.
+func TestBreakerStates(t *testing.T) {
+	pol, _ := policy.New("least_load", policy.Options{})
+	rt, _ := router.New(router.Config{Replicas: []string{"http://a"}, Policy: pol})
+	clk := &fakeClock{t: time.Unix(100, 0)}
+	f := New(rt, nil, Config{EjectAfter: 2, EjectCooldown: 10 * time.Second, Now: clk.Now})
+	step := func(what, want string) {
+		t.Helper()
+		if got := f.State(0); got != want {
+			t.Fatalf("%s: state %s, want %s", what, got, want)
+		}
+	}
+	step("start", "closed")
+	if !f.Allow(0) || !f.Allow(0) {
+		t.Fatal("closed breaker refused")
+	}
+	f.Failure(0)
+	f.Failure(0)
+	step("2 failures", "open")
+	if f.Allow(0) || rt.Healthy(0) {
+		t.Fatal("open breaker let a request through")
+	}
+	clk.Add(10 * time.Second)
+	f.update(0) // the health check after the cooldown
+	step("cooldown over", "half-open")
+	if !rt.Healthy(0) || !f.Allow(0) {
+		t.Fatal("half-open breaker refused its trial")
+	}
+	if f.Allow(0) {
+		t.Fatal("half-open breaker let a second request through beside the trial")
+	}
+	f.Failure(0) // the trial fails: open again, for 20 s
+	step("trial failed", "open")
+	clk.Add(15 * time.Second)
+	step("15 s into a doubled cooldown", "open")
+	clk.Add(5 * time.Second)
+	f.update(0)
+	step("doubled cooldown over", "half-open")
+	if !f.Allow(0) {
+		t.Fatal("no trial")
+	}
+	f.Neutral(0) // the client left: the trial slot is free again, still half-open
+	step("neutral trial", "half-open")
+	if !f.Allow(0) {
+		t.Fatal("no second trial")
+	}
+	f.Success(0)
+	step("trial succeeded", "closed")
+	if !f.Allow(0) || !f.Allow(0) {
+		t.Fatal("closed breaker refused")
+	}
+	// A passing /health does not reset the passive failure count.
+	f.Failure(0)
+	f.update(0)
+	f.Failure(0)
+	step("failures around a health check", "open")
+}

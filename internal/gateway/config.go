@@ -77,6 +77,9 @@ type Config struct {
 	FirstByteTimeout Duration `json:"first_byte_timeout"`
 	RequestTimeout   Duration `json:"request_timeout"`
 	MaxBodyBytes     int64    `json:"max_body_bytes"`
+	// ReadHeaderTimeout and BodyReadTimeout cut slow clients (slowloris).
+	ReadHeaderTimeout Duration `json:"read_header_timeout"`
+	BodyReadTimeout   Duration `json:"body_read_timeout"`
 
 	// MaxConcurrency bounds the requests proxied at once (0: no bound);
 	// MaxQueue more may wait up to QueueTimeout (full queue: 429; timeout: 503).
@@ -99,28 +102,30 @@ type Config struct {
 // Defaults returns the configuration with every default set.
 func Defaults() Config {
 	return Config{
-		Listen:           "127.0.0.1:8080",
-		Policy:           policy.Default,
-		Seed:             1,
-		Tokenizer:        "approx",
-		BlockSize:        16,
-		Profile:          costmodel.Default,
-		MaxBatchTokens:   8192,
-		ScrapeInterval:   Duration(250 * time.Millisecond),
-		HealthInterval:   Duration(time.Second),
-		EjectAfter:       3,
-		EjectCooldown:    Duration(10 * time.Second),
-		Retries:          2,
-		RetryBackoff:     Duration(25 * time.Millisecond),
-		RetryBackoffMax:  Duration(time.Second),
-		ConnectTimeout:   Duration(5 * time.Second),
-		FirstByteTimeout: 0,
-		RequestTimeout:   Duration(10 * time.Minute),
-		MaxBodyBytes:     8 << 20,
-		MaxQueue:         1024,
-		QueueTimeout:     Duration(30 * time.Second),
-		IndexMaxEntries:  4 << 20,
-		BlocksPerReplica: 30000,
+		Listen:            "127.0.0.1:8080",
+		Policy:            policy.Default,
+		Seed:              1,
+		Tokenizer:         "approx",
+		BlockSize:         16,
+		Profile:           costmodel.Default,
+		MaxBatchTokens:    8192,
+		ScrapeInterval:    Duration(250 * time.Millisecond),
+		HealthInterval:    Duration(time.Second),
+		EjectAfter:        3,
+		EjectCooldown:     Duration(10 * time.Second),
+		Retries:           2,
+		RetryBackoff:      Duration(25 * time.Millisecond),
+		RetryBackoffMax:   Duration(time.Second),
+		ConnectTimeout:    Duration(5 * time.Second),
+		FirstByteTimeout:  0,
+		RequestTimeout:    Duration(10 * time.Minute),
+		MaxBodyBytes:      8 << 20,
+		ReadHeaderTimeout: Duration(10 * time.Second),
+		BodyReadTimeout:   Duration(30 * time.Second),
+		MaxQueue:          1024,
+		QueueTimeout:      Duration(30 * time.Second),
+		IndexMaxEntries:   4 << 20,
+		BlocksPerReplica:  30000,
 	}
 }
 
@@ -207,6 +212,9 @@ func (c *Config) Validate() error {
 	}
 	if c.MaxConcurrency < 0 || c.MaxQueue < 0 {
 		errs = append(errs, errors.New("max_concurrency and max_queue must be ≥ 0"))
+	}
+	if c.ReadHeaderTimeout <= 0 || c.BodyReadTimeout <= 0 {
+		errs = append(errs, errors.New("read_header_timeout and body_read_timeout must be positive"))
 	}
 	if c.ScrapeInterval <= 0 || c.HealthInterval <= 0 {
 		errs = append(errs, errors.New("scrape_interval and health_interval must be positive"))

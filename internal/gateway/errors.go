@@ -31,6 +31,7 @@ var (
 	errMethod      = &apiError{Status: http.StatusMethodNotAllowed, Type: "invalid_request_error", Code: "method_not_allowed"}
 	errNotFound    = &apiError{Status: http.StatusNotFound, Type: "invalid_request_error", Code: "not_found", Message: "no such endpoint"}
 	errModel       = &apiError{Status: http.StatusNotFound, Type: "invalid_request_error", Code: "model_not_found"}
+	errBreaker     = &apiError{Status: http.StatusServiceUnavailable, Type: "server_error", Code: "breaker_open", Message: "the replica's circuit breaker is half-open with a trial request in flight"}
 	errContentType = &apiError{Status: http.StatusUnsupportedMediaType, Type: "invalid_request_error", Code: "unsupported_media_type", Message: "send the request body as application/json"}
 )
 

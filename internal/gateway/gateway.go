@@ -199,9 +199,6 @@ func (g *Gateway) authorized(r *http.Request) bool {
 	return false
 }
 
-// bodyReadTimeout bounds the time a client may take to send its body.
-const bodyReadTimeout = 30 * time.Second
-
 // readBody reads at most MaxBodyBytes.
 func (g *Gateway) readBody(w http.ResponseWriter, r *http.Request) ([]byte, error) {
 	if ct := r.Header.Get("Content-Type"); ct != "" && !strings.HasPrefix(ct, "application/json") {
@@ -210,7 +207,7 @@ func (g *Gateway) readBody(w http.ResponseWriter, r *http.Request) ([]byte, erro
 	// A slow client gets bodyReadTimeout to send its body, then the deadline
 	// is lifted so that the client's disconnect is still noticed during a stream.
 	rc := http.NewResponseController(w)
-	_ = rc.SetReadDeadline(time.Now().Add(bodyReadTimeout))
+	_ = rc.SetReadDeadline(time.Now().Add(g.cfg.BodyReadTimeout.D()))
 	body, err := io.ReadAll(http.MaxBytesReader(w, r.Body, g.cfg.MaxBodyBytes))
 	_ = rc.SetReadDeadline(time.Time{})
 	var mbe *http.MaxBytesError
@@ -351,8 +348,9 @@ func (g *Gateway) proxy(w http.ResponseWriter, r *http.Request, kind prompt.Kind
 	defer g.lim.release()
 	var exclude []int
 	var last *bufferedResponse
+	skips := 0
 	for attempt := 0; attempt <= g.cfg.Retries; attempt++ {
-		if attempt > 0 {
+		if attempt > 0 && skips == 0 {
 			g.met.retries.Inc()
 			if err := sleepCtx(ctx, g.backoff(attempt)); err != nil {
 				break
@@ -373,9 +371,15 @@ func (g *Gateway) proxy(w http.ResponseWriter, r *http.Request, kind prompt.Kind
 			g.met.matchRatio.Observe(float64(tk.Decision.Matched) / float64(n))
 		}
 		res := g.attempt(ctx, w, r, tk, body, parsed, start, log)
+		skips = 0
 		switch {
 		case res.done:
 			return
+		case res.skip && len(exclude) < g.rt.Replicas():
+			exclude = append(exclude, tk.Replica)
+			attempt--
+			skips++
+			continue
 		case res.retry:
 			exclude = append(exclude, tk.Replica)
 			if res.resp != nil {
@@ -403,6 +407,7 @@ func (g *Gateway) proxy(w http.ResponseWriter, r *http.Request, kind prompt.Kind
 type attemptResult struct {
 	done  bool
 	retry bool
+	skip  bool // the replica's breaker refused it: route again, no attempt spent
 	err   error
 	resp  *bufferedResponse
 }
@@ -418,6 +423,9 @@ type bufferedResponse struct {
 func (b *bufferedResponse) write(w http.ResponseWriter) {
 	copyHeaders(w.Header(), b.header)
 	w.Header().Set("X-Kvgate-Replica", b.replica)
+	if w.Header().Get("Retry-After") == "" {
+		w.Header().Set("Retry-After", "1") // a refusal the client may retry: say when
+	}
 	w.WriteHeader(b.status)
 	_, _ = w.Write(b.body)
 }
@@ -428,8 +436,14 @@ func (g *Gateway) attempt(ctx context.Context, w http.ResponseWriter, r *http.Re
 	parsed *prompt.Parsed, start time.Time, log *slog.Logger) attemptResult {
 	i := tk.Replica
 	url := g.rt.URL(i)
+	if !g.fleet.Allow(i) {
+		// Its breaker is half-open with a trial in flight: not this one.
+		tk.Done(g.now(), router.Outcome{CachedTokens: -1, Err: errBreaker})
+		return attemptResult{skip: true, err: errBreaker}
+	}
 	up, err := http.NewRequestWithContext(ctx, http.MethodPost, url+r.URL.Path, bytes.NewReader(body))
 	if err != nil {
+		g.fleet.Neutral(i)
 		tk.Done(g.now(), router.Outcome{CachedTokens: -1, Err: err})
 		return attemptResult{err: err}
 	}
@@ -448,12 +462,13 @@ func (g *Gateway) attempt(ctx context.Context, w http.ResponseWriter, r *http.Re
 	if err != nil {
 		tk.Done(g.now(), router.Outcome{CachedTokens: -1, Err: err})
 		if r.Context().Err() != nil {
+			g.fleet.Neutral(i)
 			return attemptResult{done: true} // the client went away
 		}
+		g.fleet.Failure(i) // refused, reset, or no answer in time
 		if ctx.Err() != nil {
 			return attemptResult{err: ctx.Err()}
 		}
-		g.fleet.Failure(i)
 		return attemptResult{retry: true, err: err}
 	}
 	defer resp.Body.Close()
@@ -462,16 +477,13 @@ func (g *Gateway) attempt(ctx context.Context, w http.ResponseWriter, r *http.Re
 		b, _ := io.ReadAll(io.LimitReader(resp.Body, 64<<10))
 		if resp.StatusCode == http.StatusServiceUnavailable {
 			g.fleet.Failure(i)
+		} else {
+			g.fleet.Neutral(i) // 429: busy, not broken
 		}
 		tk.Done(g.now(), router.Outcome{CachedTokens: -1, Err: fmt.Errorf("replica answered %s", resp.Status)})
 		g.met.requests.WithLabelValues(g.cfg.Policy, url, codeLabel(resp.StatusCode)).Inc()
 		return attemptResult{retry: true, err: fmt.Errorf("replica answered %s", resp.Status),
 			resp: &bufferedResponse{status: resp.StatusCode, header: resp.Header.Clone(), body: b, replica: url}}
-	}
-	if resp.StatusCode >= 500 {
-		g.fleet.Failure(i)
-	} else {
-		g.fleet.Success(i)
 	}
 	copyHeaders(w.Header(), resp.Header)
 	w.Header().Set("X-Kvgate-Replica", url)
@@ -485,6 +497,14 @@ func (g *Gateway) attempt(ctx context.Context, w http.ResponseWriter, r *http.Re
 		out = g.copyBody(w, resp.Body)
 	}
 	end := g.now()
+	switch {
+	case resp.StatusCode >= 500 || out.upstreamFault:
+		g.fleet.Failure(i)
+	case out.err != nil:
+		g.fleet.Neutral(i) // the client went away mid-response
+	default:
+		g.fleet.Success(i)
+	}
 	if out.err == nil && resp.StatusCode >= 400 {
 		out.err = fmt.Errorf("replica answered %s", resp.Status)
 	}
@@ -500,14 +520,14 @@ func (g *Gateway) attempt(ctx context.Context, w http.ResponseWriter, r *http.Re
 	return attemptResult{done: true}
 }
 
-// NewServer is the http.Server the gateway runs in: bounded header size and
+// Server is the http.Server the gateway runs in: bounded header size and
 // header-read time (slow clients), idle connections reaped. No write
 // timeout: streams last as long as generation does. The body's read time is
 // bounded per request in readBody.
-func NewServer(h http.Handler) *http.Server {
+func (g *Gateway) Server() *http.Server {
 	return &http.Server{
-		Handler:           h,
-		ReadHeaderTimeout: 10 * time.Second,
+		Handler:           g.mux,
+		ReadHeaderTimeout: g.cfg.ReadHeaderTimeout.D(),
 		IdleTimeout:       120 * time.Second,
 		MaxHeaderBytes:    64 << 10,
 	}

@@ -19,6 +19,8 @@ type outcome struct {
 	cached     int // -1 when the response carried no usage
 	completion int
 	err        error
+	// upstreamFault: the replica broke the response (not the client).
+	upstreamFault bool
 }
 
 type usage struct {
@@ -46,7 +48,7 @@ func (g *Gateway) copyBody(w http.ResponseWriter, body io.Reader) outcome {
 		err = fmt.Errorf("response larger than %d bytes", maxBody)
 		data = data[:maxBody]
 	}
-	out := outcome{cached: -1, err: err}
+	out := outcome{cached: -1, err: err, upstreamFault: err != nil}
 	if _, werr := w.Write(data); werr != nil && out.err == nil {
 		out.err = werr
 	}
@@ -99,12 +101,18 @@ func (g *Gateway) copyStream(w http.ResponseWriter, body io.Reader, tk *router.T
 				_ = rc.Flush()
 			}
 			if !sawDone {
-				out.err = errors.New("stream ended without data: [DONE]")
+				// The replica closed the stream cleanly but early: tell the
+				// client, or it would take a cut answer for a whole one.
+				out.err, out.upstreamFault = errors.New("stream ended without data: [DONE]"), true
+				ae := &apiError{Status: http.StatusBadGateway, Type: "server_error", Code: "upstream_stream_error",
+					Message: "the replica's stream ended before it was complete; the response is incomplete"}
+				_, _ = fmt.Fprintf(w, "data: %s\n\n", ae.body())
+				_ = rc.Flush()
 			}
 			return out
 		}
 		if err != nil {
-			out.err = fmt.Errorf("upstream stream broke: %w", err)
+			out.err, out.upstreamFault = fmt.Errorf("upstream stream broke: %w", err), true
 			ae := &apiError{Status: http.StatusBadGateway, Type: "server_error", Code: "upstream_stream_error",
 				Message: "the replica's stream broke after it started; the response is incomplete"}
 			_, _ = fmt.Fprintf(w, "data: %s\n\n", ae.body())
