@@ -51,10 +51,10 @@ type member struct {
 	ejectedUntil time.Time
 	// The circuit breaker: open while ejectedUntil is ahead; after it,
 	// half-open (opens > 0) until a probe request succeeds.
-	opens  int  // consecutive openings without a success in between
-	probe  bool // half-open: a trial request is in flight
-	models       []string
-	cacheBlocks  int
+	opens       int  // consecutive openings without a success in between
+	probe       bool // half-open: a trial request is in flight
+	models      []string
+	cacheBlocks int
 }
 
 // New watches every replica of rt.
