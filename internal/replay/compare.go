@@ -46,6 +46,9 @@ func Compare(ctx context.Context, cfg Config, reqs []workload.Request, specs []P
 		if bound.PrefixReuse > 0 {
 			run.Extra["hit_rate_vs_bound"] = run.HitRate / bound.PrefixReuse
 		}
+		if bound.MergedLRU > 0 {
+			run.Extra["hit_rate_vs_merged_lru"] = run.HitRate / bound.MergedLRU
+		}
 		if opt.Capacity != nil {
 			c, err := capacityPlan(ctx, cfg, pl, spec, *opt.Capacity)
 			if err != nil {

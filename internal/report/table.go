@@ -42,6 +42,10 @@ func buildTable(res Result) table {
 		"policy", "ttft p50 ms", "ttft p90 ms", "ttft p99 ms", "itl p50 ms", "e2e p50 ms",
 		"req/s", "out tok/s", "hit %", "imbalance", "errors",
 	}}
+	merged := res.Bound != nil && res.Bound.MergedLRU > 0
+	if merged {
+		t.Header = append(t.Header, "hit/merged")
+	}
 	capacity := hasCapacity(res)
 	if capacity {
 		t.Header = append(t.Header, "capacity")
@@ -53,6 +57,11 @@ func buildTable(res Result) table {
 			fmtMs(r.ITLms.P50), fmtMs(r.E2Ems.P50),
 			fmtRate(r.ThroughputRPS), fmtTokRate(r.OutputTokensPerS),
 			fmtPercent(r.HitRate), fmtRatio(r.Imbalance), fmt.Sprint(r.Errors),
+		}
+		if merged {
+			// The hit rate as a share of the merged-LRU bound: how close the
+			// policy comes to one cache as large as the fleet's.
+			row = append(row, fmtPercent(r.HitRate/res.Bound.MergedLRU))
 		}
 		if capacity {
 			if r.CapacitySpeedup != nil {

@@ -35,10 +35,11 @@ func TestWriteTable(t *testing.T) {
 		{
 			name:   "replay with capacity and bound",
 			res:    Result{Bound: &Bound{PrefixReuse: 0.8123, MergedLRU: 0.7}, Runs: []Run{rr, withCap}},
-			header: []string{"policy", "ttft p50 ms", "ttft p90 ms", "ttft p99 ms", "itl p50 ms", "e2e p50 ms", "req/s", "out tok/s", "hit %", "imbalance", "errors", "capacity"},
+			header: []string{"policy", "ttft p50 ms", "ttft p90 ms", "ttft p99 ms", "itl p50 ms", "e2e p50 ms", "req/s", "out tok/s", "hit %", "imbalance", "errors", "hit/merged", "capacity"},
 			rows: [][]string{
-				{"round_robin", "100.0", "250.2", "12345.7", "9.5", "2000.0", "12.50", "2500", "62.5", "1.20", "2", "-"},
-				{"ttft", "100.0", "250.2", "400.0", "9.5", "2000.0", "12.50", "2500", "62.5", "1.20", "2", "3.46x"},
+				// hit/merged: 62.5% of a 70% bound = 89.3%.
+				{"round_robin", "100.0", "250.2", "12345.7", "9.5", "2000.0", "12.50", "2500", "62.5", "1.20", "2", "89.3", "-"},
+				{"ttft", "100.0", "250.2", "400.0", "9.5", "2000.0", "12.50", "2500", "62.5", "1.20", "2", "89.3", "3.46x"},
 			},
 			boundLine: "hit-rate bounds: prefix reuse 81.2% (unbounded cache), merged LRU 70.0% (one LRU with the fleet's capacity)",
 		},

@@ -1,0 +1,65 @@
+package costmodel
+
+import (
+	"math"
+	"strings"
+	"testing"
+	"time"
+)
+
+func TestStepAndPrefill(t *testing.T) {
+	p := MustLookup(Default)
+	// One step of 1,000 prefill tokens on an empty context.
+	if got, want := p.StepMs(Step{Tokens: 1000, PrefillCtx: 1000 * 1000}), 10+0.04*1000+1e-7*1e6; math.Abs(got-want) > 1e-9 {
+		t.Fatalf("step %v want %v", got, want)
+	}
+	// Prefill is chunked by the budget: 10,000 tokens in chunks of 4,096, 4,096 and 1,808.
+	want := 0.0
+	ctx := 500
+	for _, c := range []int{4096, 4096, 1808} {
+		ctx += c
+		want += p.StepMs(Step{Tokens: c, PrefillCtx: float64(c) * float64(ctx)})
+	}
+	if got := p.PrefillMs(10000, 500, 4096); math.Abs(got-want) > 1e-9 {
+		t.Fatalf("chunked prefill %v want %v", got, want)
+	}
+	// A cached prompt still computes one token; no budget means one chunk.
+	if p.PrefillMs(0, 100, 0) != p.PrefillMs(1, 100, 0) {
+		t.Fatal("zero new tokens is not one token")
+	}
+	if d := p.PrefillTime(1000, 0, 0); d != time.Duration(p.PrefillMs(1000, 0, 0)*float64(time.Millisecond)) {
+		t.Fatalf("PrefillTime %v", d)
+	}
+	// Cached tokens make the prefill cheaper, more context makes it dearer.
+	if p.PrefillMs(100, 0, 0) >= p.PrefillMs(4000, 0, 0) || p.PrefillMs(100, 8000, 0) <= p.PrefillMs(100, 0, 0) {
+		t.Fatal("prefill time does not follow new tokens and context")
+	}
+	if got := p.DecodeStepMs(8, 1000); math.Abs(got-(10+0.04*8+3e-6*8000)) > 1e-9 {
+		t.Fatalf("decode step %v", got)
+	}
+}
+
+func TestProfiles(t *testing.T) {
+	if len(Names()) != 2 || Names()[0] != "llama3-70b-h100-tp2" {
+		t.Fatalf("names %v", Names())
+	}
+	big, small := MustLookup("llama3-70b-h100-tp2"), MustLookup("llama3-8b-h100")
+	if big.PrefillMs(8000, 0, 8192) < 1.9*small.PrefillMs(8000, 0, 8192) {
+		t.Fatal("the 70B profile is not about twice the 8B's cost")
+	}
+	for _, n := range Names() {
+		p := MustLookup(n)
+		if err := p.Validate(); err != nil || p.Source == "" {
+			t.Fatalf("%s: %v, source %q", n, err, p.Source)
+		}
+	}
+	if p, err := Lookup(""); err != nil || p.Name != Default {
+		t.Fatalf("default: %v %v", p.Name, err)
+	}
+	if _, err := Lookup("gpt-5"); err == nil || !strings.Contains(err.Error(), "llama3-8b-h100") {
+		t.Fatalf("unknown profile: %v", err)
+	}
+	if (Profile{Name: "x", C1: 0}).Validate() == nil {
+		t.Fatal("c1 = 0 accepted")
+	}
+}
