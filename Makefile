@@ -4,7 +4,7 @@ export PATH := /usr/local/go/bin:$(HOME)/go/bin:$(PATH)
 GO ?= go
 BIN := bin/kvgate
 
-.PHONY: all build test vet fmt-check bench demo fuzz chaos clean
+.PHONY: all build test vet fmt-check bench demo fuzz chaos results clean
 
 all: build
 
@@ -42,6 +42,15 @@ fuzz:
 CHAOS_REQUESTS ?= 1000
 chaos:
 	KVGATE_CHAOS=1 KVGATE_CHAOS_REQUESTS=$(CHAOS_REQUESTS) $(GO) test -run '^TestChaosReport$$' -v -count=1 -timeout 30m ./internal/chaos
+
+# The README's results: every policy on both Mooncake traces, 8 replicas, capacity at p90 TTFT ≤ 2 s.
+TRACES ?= ../shared/traces
+results: build
+	mkdir -p results
+	for t in conversation synthetic; do \
+	  $(BIN) replay --trace $(TRACES)/mooncake_$${t}_trace.jsonl --replicas 8 --policies all \
+	    --capacity --slo-ttft-p90 2s --json results/$$t.json --report results/$$t-report | tee results/$$t.txt || exit 1; \
+	done
 
 clean:
 	rm -rf bin

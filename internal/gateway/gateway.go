@@ -45,6 +45,7 @@ type Gateway struct {
 	now    func() time.Time
 	tok    *remoteTokenizer
 	lim    *limiter
+	prof   costmodel.Profile
 
 	jmu    sync.Mutex
 	jitter *rand.Rand
@@ -106,7 +107,7 @@ func New(cfg Config, o Options) (*Gateway, error) {
 			DisableCompression:    true, // pass bytes through; SSE must not be buffered by gzip
 		}
 	}
-	g := &Gateway{cfg: cfg, rt: rt, client: &http.Client{Transport: tr}, log: o.Logger, reg: o.Registry, now: o.Now,
+	g := &Gateway{cfg: cfg, rt: rt, client: &http.Client{Transport: tr}, log: o.Logger, reg: o.Registry, now: o.Now, prof: prof,
 		jitter: rand.New(rand.NewPCG(cfg.Seed, 99))}
 	g.lim = newLimiter(cfg.MaxConcurrency, cfg.MaxQueue, cfg.QueueTimeout.D())
 	g.met = newMetrics(o.Registry, rt, cfg.Policy)
@@ -404,6 +405,18 @@ func (g *Gateway) proxy(w http.ResponseWriter, r *http.Request, kind prompt.Kind
 	fail(errUpstream.with("every replica tried failed"), "exhausted")
 }
 
+// prefillBound is how long a request's prefill may take on its replica:
+// twice the policy's TTFT estimate, or twice the cost model's prefill time
+// of its uncached tokens behind the queued ones (at least 10 ms).
+func (g *Gateway) prefillBound(tk *router.Ticket) time.Duration {
+	est := tk.Decision.EstTTFT
+	if est <= 0 {
+		v := g.rt.Pending(tk.Replica)
+		est = g.prof.PrefillTime(tk.UncachedTokens()+v, 0, g.cfg.MaxBatchTokens)
+	}
+	return max(2*est, 10*time.Millisecond)
+}
+
 type attemptResult struct {
 	done  bool
 	retry bool
@@ -458,6 +471,13 @@ func (g *Gateway) attempt(ctx context.Context, w http.ResponseWriter, r *http.Re
 	}
 	up.Header.Del("Accept-Encoding")
 	up.ContentLength = int64(len(body))
+	if !parsed.Stream {
+		// A non-streamed response shows no first token: count the prefill as
+		// done once the replica has surely run it, so that the queue the
+		// policies see does not keep it for the whole generation.
+		timer := time.AfterFunc(g.prefillBound(tk), tk.PrefillDone)
+		defer timer.Stop()
+	}
 	resp, err := g.client.Do(up)
 	if err != nil {
 		tk.Done(g.now(), router.Outcome{CachedTokens: -1, Err: err})
@@ -496,6 +516,7 @@ func (g *Gateway) attempt(ctx context.Context, w http.ResponseWriter, r *http.Re
 	} else {
 		out = g.copyBody(w, resp.Body)
 	}
+	tk.PrefillDone() // a non-streamed answer: its prefill is over by now at the latest
 	end := g.now()
 	switch {
 	case resp.StatusCode >= 500 || out.upstreamFault:

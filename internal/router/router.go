@@ -163,6 +163,10 @@ func (rt *Router) ReplicaMetrics(i int) (Metrics, time.Time, bool) {
 	return r.metrics, r.metricsAt, r.have
 }
 
+// Pending is the prompt tokens routed to replica i that have not produced
+// a first token.
+func (rt *Router) Pending(i int) int { return int(rt.replicas[i].pendingPrefill.Load()) }
+
 // InFlight is the number of requests in flight to replica i.
 func (rt *Router) InFlight(i int) int { return int(rt.replicas[i].inFlight.Load()) }
 
@@ -281,20 +285,35 @@ func (t *Ticket) Request() *policy.Request { return t.req }
 
 // FirstToken reports the first token at `at` (idempotent).
 func (t *Ticket) FirstToken(at time.Time) {
+	if !t.prefillDone() {
+		return
+	}
+	if t.rt.obs != nil {
+		t.rt.obs.Observe(policy.Event{Kind: policy.FirstToken, At: at, Req: t.req, Decision: t.Decision,
+			Replica: t.Replica, TTFT: at.Sub(t.start)})
+	}
+}
+
+// PrefillDone ends the request's prefill in the replica's counters without
+// a first-token observation: for a non-streamed response, whose first token
+// the gateway never sees, once the prefill has surely run (idempotent).
+func (t *Ticket) PrefillDone() { t.prefillDone() }
+
+// UncachedTokens is the prompt the replica is expected to compute.
+func (t *Ticket) UncachedTokens() int { return int(t.uncached) }
+
+func (t *Ticket) prefillDone() bool {
 	t.mu.Lock()
 	if t.first || t.done {
 		t.mu.Unlock()
-		return
+		return false
 	}
 	t.first = true
 	t.mu.Unlock()
 	r := t.rt.replicas[t.Replica]
 	r.pendingPrefill.Add(-t.uncached)
 	r.pendingCount.Add(-1)
-	if t.rt.obs != nil {
-		t.rt.obs.Observe(policy.Event{Kind: policy.FirstToken, At: at, Req: t.req, Decision: t.Decision,
-			Replica: t.Replica, TTFT: at.Sub(t.start)})
-	}
+	return true
 }
 
 // Outcome is how a request ended.

@@ -122,3 +122,40 @@ func BenchmarkDecision(b *testing.B) {
 		}
 	}
 }
+
+// recorder is a policy that records the events it observes.
+type recorder struct {
+	policy.Policy
+	kinds []policy.EventKind
+}
+
+func (r *recorder) Observe(ev policy.Event) { r.kinds = append(r.kinds, ev.Kind) }
+
+func TestPrefillDoneFreesTheQueueWithoutAnObservation(t *testing.T) {
+	base, _ := policy.New("least_load", policy.Options{})
+	rec := &recorder{Policy: base}
+	rt, err := New(Config{Replicas: []string{"a"}, Policy: rec, Now: func() time.Time { return time.Unix(0, 0) }})
+	if err != nil {
+		t.Fatal(err)
+	}
+	tk, err := rt.Route(rt.Prepare(parse(t, strings.Repeat("x", 400)), "", ""))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if rt.Pending(0) != 100 || tk.UncachedTokens() != 100 {
+		t.Fatalf("pending %d, uncached %d", rt.Pending(0), tk.UncachedTokens())
+	}
+	tk.PrefillDone()
+	tk.FirstToken(time.Unix(1, 0)) // too late: the prefill was already counted done
+	if rt.Pending(0) != 0 || rt.InFlight(0) != 1 {
+		t.Fatalf("pending %d in flight %d", rt.Pending(0), rt.InFlight(0))
+	}
+	tk.Done(time.Unix(2, 0), Outcome{CachedTokens: -1})
+	if rt.InFlight(0) != 0 {
+		t.Fatal("in flight after Done")
+	}
+	want := []policy.EventKind{policy.Routed, policy.Done}
+	if len(rec.kinds) != 2 || rec.kinds[0] != want[0] || rec.kinds[1] != want[1] {
+		t.Fatalf("observed %v, want %v (no FirstToken without a first token)", rec.kinds, want)
+	}
+}
