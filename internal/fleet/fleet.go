@@ -12,8 +12,10 @@ import (
 	"io"
 	"log/slog"
 	"net/http"
+	"slices"
 	"sort"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/kvgate/kvgate/internal/router"
@@ -36,6 +38,7 @@ type Config struct {
 
 // Fleet watches the router's replicas.
 type Fleet struct {
+	models atomic.Pointer[[]string] // union of the replicas' models
 	rt     *router.Router
 	cfg    Config
 	client *http.Client
@@ -207,8 +210,31 @@ func (f *Fleet) fetchModels(ctx context.Context, i int) {
 		ids = append(ids, d.ID)
 	}
 	f.mem[i].mu.Lock()
+	changed := !slices.Equal(f.mem[i].models, ids)
 	f.mem[i].models = ids
 	f.mem[i].mu.Unlock()
+	if changed {
+		f.refreshModels()
+	}
+}
+
+// refreshModels recomputes the union of the replicas' models, which the
+// gateway reads on every request.
+func (f *Fleet) refreshModels() {
+	set := map[string]bool{}
+	for _, m := range f.mem {
+		m.mu.Lock()
+		for _, id := range m.models {
+			set[id] = true
+		}
+		m.mu.Unlock()
+	}
+	out := make([]string, 0, len(set))
+	for id := range set {
+		out = append(out, id)
+	}
+	sort.Strings(out)
+	f.models.Store(&out)
 }
 
 // update sets the router's health flag from the checks and ejection.
@@ -309,22 +335,13 @@ func (f *Fleet) Ejected(i int) bool {
 	return f.cfg.Now().Before(mem.ejectedUntil)
 }
 
-// Models is the union of the replicas' served models, sorted.
+// Models is the union of the replicas' served models, sorted (shared: do
+// not modify).
 func (f *Fleet) Models() []string {
-	set := map[string]bool{}
-	for _, m := range f.mem {
-		m.mu.Lock()
-		for _, id := range m.models {
-			set[id] = true
-		}
-		m.mu.Unlock()
+	if p := f.models.Load(); p != nil {
+		return *p
 	}
-	out := make([]string, 0, len(set))
-	for id := range set {
-		out = append(out, id)
-	}
-	sort.Strings(out)
-	return out
+	return nil
 }
 
 // ServesModel reports whether replica i lists model (true while its models

@@ -4,7 +4,6 @@ import (
 	"crypto/subtle"
 	"encoding/json"
 	"net/http"
-	"sort"
 	"strings"
 
 	"github.com/kvgate/kvgate/internal/policy"
@@ -135,7 +134,6 @@ func (g *Gateway) models(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	ids := g.fleet.Models()
-	sort.Strings(ids)
 	type model struct {
 		ID      string `json:"id"`
 		Object  string `json:"object"`

@@ -18,6 +18,7 @@ import (
 	"math/rand/v2"
 	"net"
 	"net/http"
+	"slices"
 	"strings"
 	"sync"
 	"time"
@@ -246,12 +247,8 @@ func (g *Gateway) knownModel(model string) bool {
 	if len(models) == 0 {
 		return true // not listed yet: let the replica judge
 	}
-	for _, m := range models {
-		if m == model {
-			return true
-		}
-	}
-	return false
+	_, found := slices.BinarySearch(models, model)
+	return found
 }
 
 // hop-by-hop headers (RFC 9110 §7.6.1) are never forwarded.
