@@ -50,6 +50,13 @@ type Config struct {
 	Header http.Header
 }
 
+// NewClient is the load generator's HTTP client: keep-alive connections
+// for as many concurrent requests as a run may have, no compression (SSE
+// must arrive as sent).
+func NewClient() *http.Client {
+	return &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: 4096, MaxIdleConns: 4096, DisableCompression: true}}
+}
+
 // ErrDeadline reports a run cut by MaxDuration: the records so far are returned.
 var ErrDeadline = errors.New("bench: run exceeded its maximum duration")
 
@@ -69,7 +76,8 @@ func Run(ctx context.Context, cfg Config, reqs []workload.Request) ([]report.Rec
 		cfg.MaxInFlight = 4096
 	}
 	if cfg.Client == nil {
-		cfg.Client = &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: 4096, MaxIdleConns: 4096, DisableCompression: true}}
+		cfg.Client = NewClient()
+		defer cfg.Client.CloseIdleConnections() // leave no connection open at the target
 	}
 	ctx, cancel := context.WithTimeout(ctx, cfg.MaxDuration)
 	defer cancel()

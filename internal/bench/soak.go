@@ -34,6 +34,12 @@ func Soak(ctx context.Context, cfg Config, gen func(round int) ([]workload.Reque
 	if interval <= 0 {
 		interval = 10 * time.Second
 	}
+	if cfg.Client == nil {
+		// One client for every round: a gateway's connection count then
+		// reflects its own behaviour, not abandoned client connections.
+		cfg.Client = NewClient()
+		defer cfg.Client.CloseIdleConnections()
+	}
 	ctx, cancel := context.WithTimeout(ctx, duration)
 	defer cancel()
 	start := time.Now()

@@ -18,6 +18,7 @@ import (
 	"math/rand/v2"
 	"net"
 	"net/http"
+	"net/http/pprof"
 	"slices"
 	"strings"
 	"sync"
@@ -158,6 +159,10 @@ func (g *Gateway) routes() {
 	m.HandleFunc("/ready", g.ready)
 	m.Handle("/metrics", promhttp.HandlerFor(g.reg, promhttp.HandlerOpts{}))
 	m.HandleFunc("/debug/", g.admin(g.debug))
+	// Go's profiler, behind the same admin token: goroutines, heap, CPU.
+	m.HandleFunc("/debug/pprof/", g.admin(pprof.Index))
+	m.HandleFunc("/debug/pprof/profile", g.admin(pprof.Profile))
+	m.HandleFunc("/debug/pprof/trace", g.admin(pprof.Trace))
 	m.HandleFunc("/admin/", g.admin(g.adminReplicas))
 	m.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) { writeError(w, errNotFound) })
 	g.mux = m
