@@ -68,7 +68,7 @@ var _ Observer = (*TTFT)(nil)
 
 func init() {
 	register("ttft", func(o Options) (Policy, error) {
-		p := ttftParams{MarginRel: 0.05, MarginMs: 2, Alpha: 0.1, MaxCorrection: 4, DecodeWeight: 0.25, InterferenceWeight: 0}
+		p := ttftParams{MarginRel: 0.2, MarginMs: 2, Alpha: 0.1, MaxCorrection: 4, DecodeWeight: 0.25, InterferenceWeight: 0}
 		if err := decodeParams(o.Params, &p); err != nil {
 			return nil, err
 		}

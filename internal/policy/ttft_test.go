@@ -117,7 +117,7 @@ func TestTTFTCorrectionLearnsFromFirstTokens(t *testing.T) {
 // The decode cost spreads load: an idle replica beats one decoding many
 // requests when neither holds the prefix.
 func TestTTFTDecodeCostSpreadsLoad(t *testing.T) {
-	p := peerNew(t, "ttft", nil)
+	p := peerNew(t, "ttft", map[string]any{"margin_rel": 0, "margin_ms": 0})
 	rs := peerViews(3)
 	rs[0].InFlight, rs[0].InFlightTokens = 40, 40*1700
 	rs[1].InFlight, rs[1].InFlightTokens = 10, 10*1700
