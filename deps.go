@@ -14,6 +14,7 @@ import (
 	_ "github.com/redis/go-redis/v9"
 	_ "github.com/schollz/progressbar/v3"
 	_ "github.com/vmihailenco/msgpack/v5"
+	_ "github.com/zeebo/xxh3"
 	_ "go.uber.org/goleak"
 	_ "gonum.org/v1/plot"
 	_ "pgregory.net/rapid"
