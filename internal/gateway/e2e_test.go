@@ -193,7 +193,14 @@ func TestPreciseIndexFollowsKVEvents(t *testing.T) {
 		if resp.StatusCode != 200 {
 			t.Fatalf("%d %s", resp.StatusCode, body)
 		}
-		eventually(t, "index equals the replicas' cached blocks", settled)
+		// Settled: the counts agree and this prompt's blocks have arrived (a
+		// full cache evicts as many blocks as it stores, so counts alone can
+		// agree before the events do).
+		blocks := prompt.ApproxBlockHashes(nil, prompt.Key{Model: sim.DefaultModel}.Root(), text, 16)
+		eventually(t, "index equals the replicas' cached blocks", func() bool {
+			m := pix.Match(blocks, nil)
+			return settled() && max(m[0], m[1]) == len(blocks)
+		})
 	}
 	root := prompt.Key{Model: sim.DefaultModel}.Root()
 	lastBlocks := prompt.ApproxBlockHashes(nil, root, last, 16)
