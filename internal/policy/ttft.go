@@ -149,9 +149,14 @@ func (t *TTFT) Pick(req *Request, rs []ReplicaView) (Decision, error) {
 			out = 128
 		}
 	}
-	scores := make([]float64, len(rs)) // estimated TTFT + decode cost, ms
-	ttfts := make([]float64, len(rs))  // estimated TTFT, ms
-	matched := make([]int, len(rs))
+	scores := make([]float64, len(rs)) // estimated TTFT + decode cost, ms (returned)
+	var tbuf [64]float64
+	var mbuf [64]int
+	ttfts, matched := tbuf[:0], mbuf[:0] // estimated TTFT (ms) and blocks credited
+	if len(rs) > len(tbuf) {
+		ttfts, matched = make([]float64, 0, len(rs)), make([]int, 0, len(rs))
+	}
+	ttfts, matched = ttfts[:len(rs)], matched[:len(rs)]
 	best := math.Inf(1)
 	for i := range rs {
 		if !rs[i].Healthy {

@@ -56,10 +56,14 @@ type replica struct {
 	// preciseOK: the precise index is in sync for this replica.
 	preciseOK atomic.Bool
 
-	mu        sync.Mutex
-	metrics   Metrics
-	metricsAt time.Time
-	have      bool
+	// scrape is the last scrape (nil before the first): read on every
+	// routing decision, so an atomic pointer rather than a lock.
+	scrape atomic.Pointer[scrape]
+}
+
+type scrape struct {
+	m  Metrics
+	at time.Time
 }
 
 // Router routes requests.
@@ -149,18 +153,15 @@ func (rt *Router) Healthy(i int) bool { return rt.replicas[i].healthy.Load() }
 
 // SetMetrics records a scrape of replica i taken at `at`.
 func (rt *Router) SetMetrics(i int, m Metrics, at time.Time) {
-	r := rt.replicas[i]
-	r.mu.Lock()
-	r.metrics, r.metricsAt, r.have = m, at, true
-	r.mu.Unlock()
+	rt.replicas[i].scrape.Store(&scrape{m: m, at: at})
 }
 
 // ReplicaMetrics is replica i's last scrape and when it was taken.
 func (rt *Router) ReplicaMetrics(i int) (Metrics, time.Time, bool) {
-	r := rt.replicas[i]
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	return r.metrics, r.metricsAt, r.have
+	if s := rt.replicas[i].scrape.Load(); s != nil {
+		return s.m, s.at, true
+	}
+	return Metrics{}, time.Time{}, false
 }
 
 // Pending is the prompt tokens routed to replica i that have not produced
@@ -208,13 +209,11 @@ func (rt *Router) Views(req *policy.Request) []policy.ReplicaView {
 		v.InFlightTokens = int(r.inFlightTokens.Load())
 		v.PendingPrefill = int(r.pendingPrefill.Load())
 		v.PendingCount = int(r.pendingCount.Load())
-		r.mu.Lock()
-		if r.have {
+		if s := r.scrape.Load(); s != nil {
 			v.HaveMetrics = true
-			v.MetricsAge = req.Now.Sub(r.metricsAt)
-			v.Waiting, v.Running, v.KVUsage, v.NumBlocks = r.metrics.Waiting, r.metrics.Running, r.metrics.KVUsage, r.metrics.NumBlocks
+			v.MetricsAge = req.Now.Sub(s.at)
+			v.Waiting, v.Running, v.KVUsage, v.NumBlocks = s.m.Waiting, s.m.Running, s.m.KVUsage, s.m.NumBlocks
 		}
-		r.mu.Unlock()
 		v.Match = approx[i]
 		if precise != nil && r.preciseOK.Load() {
 			v.Match = precise[i]
