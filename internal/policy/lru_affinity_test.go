@@ -181,3 +181,28 @@ func TestLRUAffinityAgreesWithRoute(t *testing.T) {
 		}
 	})
 }
+
+// Thousands of random inputs, against the plain reference.
+func TestRouteMatchesReferenceSeeded(t *testing.T) {
+	rng := newRNG(42)
+	for c := range 5000 {
+		n, capacity := 1+rng.IntN(8), rng.IntN(7)
+		hashes := make([]string, rng.IntN(120))
+		for i := range hashes {
+			hashes[i] = strconv.Itoa(rng.IntN(1 + rng.IntN(16)))
+		}
+		res, err := Route(hashes, n, capacity)
+		if err != nil {
+			t.Fatal(err)
+		}
+		ref, hits, ratio := referenceRoute(hashes, n, capacity)
+		if res.CacheHits != hits || res.HitRatio != ratio || len(res.Assignments) != len(ref) {
+			t.Fatalf("case %d: hits %d/%v want %d/%v", c, res.CacheHits, res.HitRatio, hits, ratio)
+		}
+		for i := range ref {
+			if res.Assignments[i] != ref[i] {
+				t.Fatalf("case %d request %d: %d want %d", c, i, res.Assignments[i], ref[i])
+			}
+		}
+	}
+}
