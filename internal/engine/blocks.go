@@ -1,5 +1,7 @@
 package engine
 
+import "github.com/kvgate/kvgate/internal/hashtab"
+
 // blockPool is the paged KV block manager with automatic prefix caching, after
 // vLLM v1's BlockPool:
 //
@@ -24,7 +26,7 @@ type blockPool struct {
 	next   []int32
 	free   int // blocks in the free queue (reference count zero)
 
-	cache map[uint64]int32 // block hash → the one block carrying it
+	cache *hashtab.Table[int32] // block hash → the one block carrying it
 
 	// trackRemoved makes alloc record evicted hashes in removed, which the
 	// engine turns into Removed events.
@@ -41,7 +43,7 @@ func newBlockPool(n int, trackRemoved bool) *blockPool {
 		hashed:       make([]bool, n),
 		prev:         make([]int32, n+1),
 		next:         make([]int32, n+1),
-		cache:        make(map[uint64]int32, min(n, 1<<16)),
+		cache:        hashtab.New[int32](),
 		trackRemoved: trackRemoved,
 	}
 	s := int32(n)
@@ -75,7 +77,7 @@ func (p *blockPool) alloc() int32 {
 	b := p.next[p.n]
 	p.unlink(b)
 	if p.hashed[b] {
-		delete(p.cache, p.hash[b])
+		p.cache.Del(p.hash[b])
 		p.hashed[b] = false
 		p.evicted++
 		if p.trackRemoved {
@@ -113,10 +115,11 @@ func (p *blockPool) release(blocks []int32) {
 // concurrently) the new block stays anonymous: one block per hash keeps the
 // Stored/Removed event stream a set, which the precise index relies on.
 func (p *blockPool) register(b int32, h uint64) bool {
-	if _, dup := p.cache[h]; dup {
+	v, dup := p.cache.Upsert(h)
+	if dup {
 		return false
 	}
-	p.cache[h] = b
+	*v = b
 	p.hash[b] = h
 	p.hashed[b] = true
 	return true
@@ -126,7 +129,7 @@ func (p *blockPool) register(b int32, h uint64) bool {
 func (p *blockPool) matchLen(hashes []uint64, limit int) int {
 	limit = min(limit, len(hashes))
 	for i := range limit {
-		if _, ok := p.cache[hashes[i]]; !ok {
+		if p.cache.Get(hashes[i]) == nil {
 			return i
 		}
 	}
@@ -139,6 +142,6 @@ func (p *blockPool) used() int { return p.n - p.free }
 // clearHashes drops every hash (vLLM's reset_prefix_cache). Only valid when no
 // block is held.
 func (p *blockPool) clearHashes() {
-	clear(p.cache)
+	p.cache = hashtab.New[int32]()
 	clear(p.hashed)
 }

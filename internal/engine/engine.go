@@ -390,7 +390,7 @@ func (e *Engine) Stats() Stats {
 	s.Running = e.live
 	s.Waiting = e.waiting.len()
 	s.KVUsage = float64(e.pool.used()) / float64(e.cfg.NumBlocks)
-	s.CachedBlocks = len(e.pool.cache)
+	s.CachedBlocks = e.pool.cache.Len()
 	s.EvictedBlocks = e.pool.evicted
 	return s
 }
@@ -550,10 +550,11 @@ func (e *Engine) admit() {
 		s.blocks = s.blocks[:0]
 		evictable := 0 // hit blocks sitting in the free queue: taking them shrinks it
 		for i := range limit {
-			b, ok := e.pool.cache[s.hashes[i]]
-			if !ok {
+			bp := e.pool.cache.Get(s.hashes[i])
+			if bp == nil {
 				break
 			}
+			b := *bp
 			if e.pool.ref[b] == 0 {
 				evictable++
 			}

@@ -197,8 +197,8 @@ func checkInvariants(tb testing.TB, e *Engine, events eventSet) {
 			free++
 		}
 		if p.hashed[b] {
-			if got, ok := p.cache[p.hash[b]]; !ok || got != int32(b) {
-				tb.Fatalf("block %d hashed %x but cache has %d,%v", b, p.hash[b], got, ok)
+			if got := p.cache.Get(p.hash[b]); got == nil || *got != int32(b) {
+				tb.Fatalf("block %d hashed %x but cache has %v", b, p.hash[b], got)
 			}
 		}
 	}
@@ -212,17 +212,17 @@ func checkInvariants(tb testing.TB, e *Engine, events eventSet) {
 	if free != p.free || walked != p.free {
 		tb.Fatalf("free: counter %d, ref-0 blocks %d, queue length %d", p.free, free, walked)
 	}
-	for h, b := range p.cache {
+	for h, b := range p.cache.All() {
 		if !p.hashed[b] || p.hash[b] != h {
 			tb.Fatalf("cache %x → block %d which carries %x (%v)", h, b, p.hash[b], p.hashed[b])
 		}
 	}
 	if events != nil {
-		if len(events) != len(p.cache) {
-			tb.Fatalf("event replay holds %d hashes, engine caches %d", len(events), len(p.cache))
+		if len(events) != p.cache.Len() {
+			tb.Fatalf("event replay holds %d hashes, engine caches %d", len(events), p.cache.Len())
 		}
 		for h := range events {
-			if _, ok := p.cache[h]; !ok {
+			if p.cache.Get(h) == nil {
 				tb.Fatalf("event replay holds %x, engine does not", h)
 			}
 		}

@@ -244,7 +244,7 @@ func (ix *Index) Blocks() int {
 	defer ix.mu.RUnlock()
 	n := 0
 	for _, sh := range ix.shards {
-		n += sh.table.len()
+		n += sh.table.Len()
 	}
 	return n
 }

@@ -244,34 +244,3 @@ func TestSetCapacity(t *testing.T) {
 		t.Fatal(err)
 	}
 }
-
-func TestTableAgainstMap(t *testing.T) {
-	rapid.Check(t, func(t *rapid.T) {
-		tb := newTable()
-		ref := map[uint64]entry{}
-		keys := rapid.SliceOfN(rapid.Uint64Range(0, 5000), 1, 3000).Draw(t, "keys")
-		for i, k := range keys {
-			if i%3 == 2 {
-				tb.del(k)
-				delete(ref, k)
-				continue
-			}
-			e, _ := tb.upsert(k)
-			e.first = int32(i)
-			ref[k] = entry{first: int32(i)}
-		}
-		if tb.len() != len(ref) {
-			t.Fatalf("len %d, map %d", tb.len(), len(ref))
-		}
-		for k, v := range ref {
-			if e := tb.get(k); e == nil || e.first != v.first {
-				t.Fatalf("key %d: %v, want %v", k, e, v)
-			}
-		}
-		for _, k := range keys {
-			if _, ok := ref[k]; !ok && tb.get(k) != nil {
-				t.Fatalf("deleted key %d found", k)
-			}
-		}
-	})
-}

@@ -1,12 +1,14 @@
 package prefixindex
 
+import "github.com/kvgate/kvgate/internal/hashtab"
+
 // A shard indexes up to 32 replicas: one bit each in a block's mask.
 //
 // Memory per (block, replica) entry: one 24-byte node in a chunked slab (no
 // doubling slack), plus the block's 16-byte map slot (8-byte key, 8-byte
 // value) with the map's overhead, shared by the replicas holding it.
 type shard struct {
-	table  *table
+	table  *hashtab.Table[entry]
 	chunks [][]node // the node slab, in chunks of chunkSize
 	used   int32    // nodes ever allocated
 	free   int32    // head of the free-node list (linked through next), -1 if none
@@ -37,7 +39,7 @@ type list struct {
 }
 
 func newShard() *shard {
-	s := &shard{table: newTable(), free: -1}
+	s := &shard{table: hashtab.New[entry](), free: -1}
 	for i := range s.lists {
 		s.lists[i] = list{head: -1, tail: -1}
 	}
@@ -49,7 +51,7 @@ func newShard() *shard {
 // i" monotone in i, so a divide-and-conquer binary search finds every
 // replica's length with one look-up per split.
 func (s *shard) match(hashes []uint64, out []int) {
-	if len(hashes) == 0 || s.table.len() == 0 {
+	if len(hashes) == 0 || s.table.Len() == 0 {
 		return
 	}
 	m0 := s.mask(hashes[0])
@@ -86,7 +88,7 @@ func (s *shard) split(hashes []uint64, lo, hi int, mLo, mHi uint64, out []int) {
 // touch makes block h the most recent of replica bit b, adding it if absent;
 // it reports whether an entry was added.
 func (s *shard) touch(h uint64, b int) bool {
-	e, ok := s.table.upsert(h)
+	e, ok := s.table.Upsert(h)
 	if ok && e.mask&(1<<b) != 0 {
 		for i := e.first; i >= 0; i = s.node(i).sibling {
 			if int(s.node(i).bit) == b {
@@ -108,7 +110,7 @@ func (s *shard) touch(h uint64, b int) bool {
 
 // mask is the bit mask of the replicas holding block h.
 func (s *shard) mask(h uint64) uint64 {
-	if e := s.table.get(h); e != nil {
+	if e := s.table.Get(h); e != nil {
 		return uint64(e.mask)
 	}
 	return 0
@@ -175,7 +177,7 @@ func (s *shard) evictTail(b int) {
 
 // remove drops block h from replica bit b; it reports whether it was held.
 func (s *shard) remove(h uint64, b int) bool {
-	e := s.table.get(h)
+	e := s.table.Get(h)
 	if e == nil || e.mask&(1<<b) == 0 {
 		return false
 	}
@@ -193,7 +195,7 @@ func (s *shard) remove(h uint64, b int) bool {
 func (s *shard) drop(b int, i int32) {
 	s.unlink(b, i)
 	h := s.node(i).hash
-	e := s.table.get(h)
+	e := s.table.Get(h)
 	if e.first == i {
 		e.first = s.node(i).sibling
 	} else {
@@ -206,7 +208,7 @@ func (s *shard) drop(b int, i int32) {
 	}
 	e.mask &^= 1 << b
 	if e.mask == 0 {
-		s.table.del(h)
+		s.table.Del(h)
 	}
 	*s.node(i) = node{next: s.free}
 	s.free = i

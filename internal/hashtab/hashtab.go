@@ -1,38 +1,45 @@
-package prefixindex
+// Package hashtab is an open-addressing hash table keyed by 64-bit hashes,
+// shared by the prefix index and the engine model's block pool (both are
+// dominated by hash-table probes when a trace is replayed).
+package hashtab
 
-// table is an open-addressing hash table from block hash to entry, with
+import "iter"
+
+// Table is an open-addressing hash table from block hash to V, with
 // linear probing and backward-shift deletion (no tombstones). Keys are
 // already uniformly distributed 64-bit hashes, so their low bits index the
 // slots directly with no rehash. Against Go's map it makes a touch one probe
 // sequence (find-or-insert) instead of a look-up and an assignment, and a
 // removal one probe plus a short shift: the approximate index's insert path
 // is dominated by these probes (cache misses), so halving them matters.
+// Not safe for concurrent use.
 //
 // Key 0 marks an empty slot; the one real key 0 is kept aside.
-type table struct {
-	slots []slot
+type Table[V any] struct {
+	slots []slot[V]
 	n     int // keys stored in slots
 	shift uint
-	zero  entry // the entry of key 0
+	zero  V // the value of key 0
 	has0  bool
 }
 
-type slot struct {
+type slot[V any] struct {
 	key uint64
-	e   entry
+	e   V
 }
 
 const minSlots = 1 << 10
 
-func newTable() *table {
-	t := &table{}
+// New returns an empty table.
+func New[V any]() *Table[V] {
+	t := &Table[V]{}
 	t.resize(minSlots)
 	return t
 }
 
-func (t *table) resize(size int) {
+func (t *Table[V]) resize(size int) {
 	old := t.slots
-	t.slots = make([]slot, size)
+	t.slots = make([]slot[V], size)
 	t.shift = uint(64 - bitsLen(size-1))
 	t.n = 0
 	for _, s := range old {
@@ -53,18 +60,18 @@ func bitsLen(x int) int {
 
 // home is the key's first slot: its top bits (Fibonacci hashing spreads any
 // residual structure).
-func (t *table) home(key uint64) int { return int((key * 0x9E3779B97F4A7C15) >> t.shift) }
+func (t *Table[V]) home(key uint64) int { return int((key * 0x9E3779B97F4A7C15) >> t.shift) }
 
-// len is the number of keys.
-func (t *table) len() int {
+// Len is the number of keys.
+func (t *Table[V]) Len() int {
 	if t.has0 {
 		return t.n + 1
 	}
 	return t.n
 }
 
-// get returns the key's entry, or nil.
-func (t *table) get(key uint64) *entry {
+// Get returns the key's value, or nil.
+func (t *Table[V]) Get(key uint64) *V {
 	if key == 0 {
 		if t.has0 {
 			return &t.zero
@@ -83,13 +90,14 @@ func (t *table) get(key uint64) *entry {
 	}
 }
 
-// upsert returns the key's entry, inserting a zero entry if absent; the
-// pointer is valid until the next upsert or del.
-func (t *table) upsert(key uint64) (*entry, bool) {
+// Upsert returns the key's value, inserting a zero value if absent, and
+// whether it was present; the pointer is valid until the next Upsert or Del.
+func (t *Table[V]) Upsert(key uint64) (*V, bool) {
 	if key == 0 {
 		found := t.has0
 		if !found {
-			t.has0, t.zero = true, entry{}
+			var zero V
+			t.has0, t.zero = true, zero
 		}
 		return &t.zero, found
 	}
@@ -104,7 +112,8 @@ func (t *table) upsert(key uint64) (*entry, bool) {
 				t.resize(len(t.slots) * 2)
 				return t.insertNew(key), false
 			}
-			s.key, s.e = key, entry{}
+			var zero V
+			s.key, s.e = key, zero
 			t.n++
 			return &s.e, false
 		}
@@ -112,20 +121,20 @@ func (t *table) upsert(key uint64) (*entry, bool) {
 }
 
 // insertNew inserts a key known to be absent, without growing.
-func (t *table) insertNew(key uint64) *entry {
+func (t *Table[V]) insertNew(key uint64) *V {
 	mask := len(t.slots) - 1
 	i := t.home(key)
 	for t.slots[i].key != 0 {
 		i = (i + 1) & mask
 	}
-	t.slots[i] = slot{key: key}
+	t.slots[i] = slot[V]{key: key}
 	t.n++
 	return &t.slots[i].e
 }
 
-// del removes the key, shifting later keys of its probe run back so that
+// Del removes the key, shifting later keys of its probe run back so that
 // no tombstone is left; it shrinks the table when it is mostly empty.
-func (t *table) del(key uint64) {
+func (t *Table[V]) Del(key uint64) {
 	if key == 0 {
 		t.has0 = false
 		return
@@ -155,9 +164,24 @@ func (t *table) del(key uint64) {
 			i = j
 		}
 	}
-	t.slots[i] = slot{}
+	t.slots[i] = slot[V]{}
 	t.n--
 	if len(t.slots) > minSlots && t.n*8 < len(t.slots) {
 		t.resize(len(t.slots) / 2)
+	}
+}
+
+// All iterates over the keys and values (tests, debugging); the table must
+// not change during the iteration.
+func (t *Table[V]) All() iter.Seq2[uint64, V] {
+	return func(yield func(uint64, V) bool) {
+		if t.has0 && !yield(0, t.zero) {
+			return
+		}
+		for _, s := range t.slots {
+			if s.key != 0 && !yield(s.key, s.e) {
+				return
+			}
+		}
 	}
 }
