@@ -70,11 +70,6 @@ func Kinds() []Kind {
 	return []Kind{Refuse, Die, Stall, Error500, Fail503, Limit429, Flap, Timeout, Truncate, Overload}
 }
 
-// KnownGaps lists scenarios that show a gap of the gateway today (requests
-// lost); they run only when asked for by name, and move to Kinds once the
-// gateway handles them.
-func KnownGaps() []Kind { return nil }
-
 // Options bound a run. The zero value of every field takes its default.
 type Options struct {
 	Kinds    []Kind  // scenarios to run, default Kinds()
@@ -151,8 +146,8 @@ func ParseKinds(s string) ([]Kind, error) {
 			continue
 		}
 		k := Kind(name)
-		if !slices.Contains(Kinds(), k) && !slices.Contains(KnownGaps(), k) {
-			return nil, fmt.Errorf("%w %q (known: %v, %v)", ErrUnknownKind, name, Kinds(), KnownGaps())
+		if !slices.Contains(Kinds(), k) {
+			return nil, fmt.Errorf("%w %q (known: %v)", ErrUnknownKind, name, Kinds())
 		}
 		out = append(out, k)
 	}

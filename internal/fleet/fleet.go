@@ -343,20 +343,3 @@ func (f *Fleet) Models() []string {
 	}
 	return nil
 }
-
-// ServesModel reports whether replica i lists model (true while its models
-// are unknown).
-func (f *Fleet) ServesModel(i int, model string) bool {
-	m := f.mem[i]
-	m.mu.Lock()
-	defer m.mu.Unlock()
-	if len(m.models) == 0 {
-		return true
-	}
-	for _, id := range m.models {
-		if id == model {
-			return true
-		}
-	}
-	return false
-}

@@ -112,7 +112,7 @@ func New(cfg Config, o Options) (*Gateway, error) {
 	g := &Gateway{cfg: cfg, rt: rt, client: &http.Client{Transport: tr}, log: o.Logger, reg: o.Registry, now: o.Now, prof: prof,
 		jitter: rand.New(rand.NewPCG(cfg.Seed, 99))}
 	g.lim = newLimiter(cfg.MaxConcurrency, cfg.MaxQueue, cfg.QueueTimeout.D())
-	g.met = newMetrics(o.Registry, rt, cfg.Policy)
+	g.met = newMetrics(o.Registry, rt)
 	g.registerLimiterMetrics(o.Registry)
 	g.fleet = fleet.New(rt, &http.Client{Transport: tr}, fleet.Config{
 		ScrapeInterval: cfg.ScrapeInterval.D(), HealthInterval: cfg.HealthInterval.D(),
@@ -539,7 +539,6 @@ func (g *Gateway) attempt(ctx context.Context, w http.ResponseWriter, r *http.Re
 	log.Debug("proxied", "replica", url, "status", resp.StatusCode, "matched_blocks", tk.Decision.Matched,
 		"blocks", len(tk.Request().Blocks), "reason", tk.Decision.Reason, "cached_tokens", out.cached,
 		"e2e", end.Sub(start), "err", out.err)
-	_ = parsed
 	return attemptResult{done: true}
 }
 

@@ -22,7 +22,7 @@ type metrics struct {
 
 var latencyBuckets = []float64{.005, .01, .025, .05, .075, .1, .15, .2, .3, .5, .75, 1, 1.5, 2, 3, 5, 7.5, 10, 20, 40, 80}
 
-func newMetrics(reg prometheus.Registerer, rt *router.Router, policyName string) *metrics {
+func newMetrics(reg prometheus.Registerer, rt *router.Router) *metrics {
 	m := &metrics{
 		requests: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvgate_requests_total",
 			Help: "Requests proxied, by policy, replica and HTTP status."}, []string{"policy", "replica", "code"}),
@@ -57,7 +57,6 @@ func newMetrics(reg prometheus.Registerer, rt *router.Router, policyName string)
 			return 0
 		}))
 	}
-	_ = policyName
 	return m
 }
 

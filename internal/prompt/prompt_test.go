@@ -186,3 +186,20 @@ func BenchmarkApproxBlockHashes32k(b *testing.B) {
 		dst = ApproxBlockHashes(dst[:0], root, text, 16)
 	}
 }
+
+// ChatParsed gives the routing key Parse gives the same chat's body.
+func TestChatParsedEqualsParse(t *testing.T) {
+	roles := []string{"system", "user", "assistant", "user"}
+	contents := []string{"be brief", "first", "an answer", "second"}
+	body := `{"model":"m","max_tokens":9,"messages":[{"role":"system","content":"be brief"},{"role":"user","content":"first"},` +
+		`{"role":"assistant","content":"an answer"},{"role":"user","content":"second"}]}`
+	want, err := Parse(Chat, []byte(body))
+	if err != nil {
+		t.Fatal(err)
+	}
+	got := ChatParsed("m", roles, contents, RenderChat(roles, contents), 9)
+	if got.Text != want.Text || got.System != want.System || got.KeyText != want.KeyText ||
+		got.MaxTokens != want.MaxTokens || got.Kind != want.Kind || got.Prompts != want.Prompts {
+		t.Fatalf("ChatParsed %+v, Parse %+v", got, *want)
+	}
+}

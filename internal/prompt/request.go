@@ -199,12 +199,7 @@ func (p *Parsed) fromChat(msgs []Message, tools json.RawMessage) error {
 		if m.Role == "" {
 			return invalid(fmt.Sprintf("messages[%d].role", i), "a message needs a role")
 		}
-		if i == 0 && m.Role == "system" {
-			p.System = text
-		}
-		if p.KeyText == "" && m.Role == "user" {
-			p.KeyText = text
-		}
+		p.noteMessage(i, m.Role, text)
 		RenderMessage(&sb, m.Role, text)
 		if len(m.ToolCalls) > 0 {
 			sb.Write(m.ToolCalls)
@@ -212,11 +207,39 @@ func (p *Parsed) fromChat(msgs []Message, tools json.RawMessage) error {
 		}
 	}
 	p.Text = sb.String()
+	p.finishChat()
+	return nil
+}
+
+// noteMessage takes a chat's routing keys from message i: the leading system
+// prompt and the first user message.
+func (p *Parsed) noteMessage(i int, role, text string) {
+	if i == 0 && role == "system" {
+		p.System = text
+	}
+	if p.KeyText == "" && role == "user" {
+		p.KeyText = text
+	}
+}
+
+func (p *Parsed) finishChat() {
 	if p.KeyText == "" {
 		p.KeyText = p.Text
 	}
 	p.Prompts = 1
-	return nil
+}
+
+// ChatParsed is what Parse makes of a chat request with these messages
+// (and no tools), given their rendering text = RenderChat(roles, contents):
+// load generators and the replay use it so that their routing keys are the
+// gateway's.
+func ChatParsed(model string, roles, contents []string, text string, maxTokens int) Parsed {
+	p := Parsed{Kind: Chat, Model: model, MaxTokens: maxTokens, Text: text}
+	for i, role := range roles {
+		p.noteMessage(i, role, contents[i])
+	}
+	p.finishChat()
+	return p
 }
 
 // RenderMessage appends one chat message as the routing text renders it:

@@ -286,21 +286,8 @@ func scale(d time.Duration, speedup float64) time.Duration {
 
 // parsed is what the gateway's parser would make of the request's body.
 func parsed(r *workload.Request, text, model string) prompt.Parsed {
-	p := prompt.Parsed{Kind: prompt.Completion, Model: model, MaxTokens: r.MaxTokens, Text: text, KeyText: text, Prompts: 1}
 	if r.Chat {
-		p.Kind = prompt.Chat
-		p.KeyText = ""
-		for k, role := range r.Roles {
-			if k == 0 && role == "system" {
-				p.System = r.Contents[k]
-			}
-			if p.KeyText == "" && role == "user" {
-				p.KeyText = r.Contents[k]
-			}
-		}
-		if p.KeyText == "" {
-			p.KeyText = text
-		}
+		return prompt.ChatParsed(model, r.Roles, r.Contents, text, r.MaxTokens)
 	}
-	return p
+	return prompt.Parsed{Kind: prompt.Completion, Model: model, MaxTokens: r.MaxTokens, Text: text, KeyText: text, Prompts: 1}
 }

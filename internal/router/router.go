@@ -122,12 +122,6 @@ func New(cfg Config) (*Router, error) {
 // Policy is the router's policy.
 func (rt *Router) Policy() policy.Policy { return rt.pol }
 
-// BlockSize is the block size requests are hashed with.
-func (rt *Router) BlockSize() int { return rt.cfg.BlockSize }
-
-// Tokenizer is the tokenizer requests are hashed with.
-func (rt *Router) Tokenizer() prompt.Tokenizer { return rt.tok }
-
 // Replicas is the number of replica slots.
 func (rt *Router) Replicas() int { return len(rt.replicas) }
 
