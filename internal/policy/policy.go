@@ -71,6 +71,9 @@ type ReplicaView struct {
 	// index (approximate, or precise when KV events feed it) believes the
 	// replica holds.
 	Match int
+	// Cached is the number of blocks the same index believes the replica
+	// holds in all.
+	Cached int
 }
 
 // Decision is a policy's choice and why.

@@ -20,11 +20,17 @@ import (
 // an iteration-level scheduler with chunked prefill (internal/costmodel):
 // each step processes up to the token budget left by r's running decodes
 // and pays the per-step cost and the decodes' attention, so a replica busy
-// decoding prefills more slowly. correction(r) is an EWMA of observed over
-// predicted TTFT on r, which absorbs a mis-specified profile or hardware
-// differences. Among replicas within a margin of the best estimate the
-// deepest match wins (keeping a prefix in one place while it costs little),
-// then a random one.
+// decoding prefills more slowly. correction(r) is the fleet's EWMA of
+// observed over predicted TTFT (a mis-specified profile), times r's own
+// lasting deviation from it (a slower or shared replica).
+//
+// The score adds two costs the choice puts on others: its output tokens
+// decoding in r's batch, and, once r's cache is full, the prefill it writes
+// there, which evicts as much of other prefixes (eviction_weight × its own
+// prefill time). The second keeps a prefix with its holders under load,
+// where recomputing it elsewhere would cost the fleet twice. Among
+// replicas within a margin of the best score the deepest match wins, then
+// the lowest score, then a random one.
 //
 // No special case for hot prefixes: when the holder's queue outweighs the
 // prefill a holder saves, another replica's estimate wins, and that replica
@@ -35,7 +41,10 @@ type TTFT struct {
 	g *rng
 
 	mu         sync.Mutex
-	correction map[int]float64    // replica slot → observed/predicted
+	fleetLog   float64            // EWMA of log(observed/predicted TTFT), all replicas
+	relLog     map[int]float64    // replica slot → EWMA of its log ratio beyond the fleet's
+	factor     map[int]float64    // replica slot → its correction (fleetFac when absent)
+	fleetFac   float64            // the fleet's correction
 	pending    map[uint64]pendEst // request id → raw estimate at routing
 	meanPrompt float64            // EWMA of uncached tokens per request, for others' queued requests
 	meanOutput float64            // EWMA of output tokens per request, when max_tokens is absent
@@ -50,9 +59,13 @@ type ttftParams struct {
 	// MarginRel and MarginMs: estimates within best×(1+rel)+ms tie.
 	MarginRel float64 `json:"margin_rel"`
 	MarginMs  float64 `json:"margin_ms"`
-	// Alpha is the EWMA weight of a new TTFT observation (0 disables the correction).
+	// Alpha is the EWMA weight of a new TTFT observation in the fleet's
+	// correction (0 disables all correction).
 	Alpha float64 `json:"correction_alpha"`
-	// MaxCorrection bounds correction to [1/max, max].
+	// ReplicaAlpha is the EWMA weight of a replica's own deviation from
+	// the fleet's correction (0: the fleet's correction only).
+	ReplicaAlpha float64 `json:"replica_alpha"`
+	// MaxCorrection bounds the correction to [1/max, max].
 	MaxCorrection float64 `json:"max_correction"`
 	// DecodeWeight weighs the decode slowdown of the choice: the request's
 	// own output tokens run in r's decode batch, each step longer by
@@ -61,6 +74,10 @@ type ttftParams struct {
 	// InterferenceWeight weighs what the request's prefill costs r's
 	// running decodes: each of them waits c1 per uncached token.
 	InterferenceWeight float64 `json:"interference_weight"`
+	// EvictionWeight weighs the prefill a choice writes into r's cache:
+	// once it is full, as many tokens of other prefixes are evicted, and
+	// the requests that would have reused them compute them again.
+	EvictionWeight float64 `json:"eviction_weight"`
 }
 
 var _ Policy = (*TTFT)(nil)
@@ -68,14 +85,14 @@ var _ Observer = (*TTFT)(nil)
 
 func init() {
 	register("ttft", func(o Options) (Policy, error) {
-		p := ttftParams{MarginRel: 0.2, MarginMs: 2, Alpha: 0.1, MaxCorrection: 4, DecodeWeight: 0.25, InterferenceWeight: 0}
+		p := ttftParams{MarginRel: 0.2, MarginMs: 2, Alpha: 0.1, ReplicaAlpha: 0.02, MaxCorrection: 4, DecodeWeight: 0.25, InterferenceWeight: 0, EvictionWeight: 2}
 		if err := decodeParams(o.Params, &p); err != nil {
 			return nil, err
 		}
-		if p.MarginRel < 0 || p.MarginMs < 0 || p.Alpha < 0 || p.Alpha > 1 || p.MaxCorrection < 1 || p.DecodeWeight < 0 || p.InterferenceWeight < 0 {
-			return nil, fmt.Errorf("need margin_rel ≥ 0, margin_ms ≥ 0, 0 ≤ correction_alpha ≤ 1, max_correction ≥ 1, decode_weight ≥ 0, interference_weight ≥ 0")
+		if p.MarginRel < 0 || p.MarginMs < 0 || p.Alpha < 0 || p.Alpha > 1 || p.ReplicaAlpha < 0 || p.ReplicaAlpha > 1 || p.MaxCorrection < 1 || p.DecodeWeight < 0 || p.InterferenceWeight < 0 || p.EvictionWeight < 0 {
+			return nil, fmt.Errorf("need margin_rel ≥ 0, margin_ms ≥ 0, 0 ≤ correction_alpha ≤ 1, 0 ≤ replica_alpha ≤ 1, max_correction ≥ 1, decode_weight ≥ 0, interference_weight ≥ 0, eviction_weight ≥ 0")
 		}
-		return &TTFT{o: o, p: p, g: newRNG(o.Seed), correction: map[int]float64{}, pending: map[uint64]pendEst{}}, nil
+		return &TTFT{o: o, p: p, g: newRNG(o.Seed), relLog: map[int]float64{}, factor: map[int]float64{}, fleetFac: 1, pending: map[uint64]pendEst{}}, nil
 	})
 }
 
@@ -89,7 +106,7 @@ func (t *TTFT) Estimate(req *Request, v *ReplicaView, meanPrompt float64) (float
 }
 
 // estimate returns the estimated TTFT (ms), the blocks credited, and the
-// decode cost of the choice (ms) for out expected output tokens.
+// decode and eviction cost of the choice (ms) for out expected output tokens.
 func (t *TTFT) estimate(req *Request, v *ReplicaView, meanPrompt, out float64) (float64, int, float64) {
 	prof, bs := t.o.Profile, t.o.BlockSize
 	matched := min(v.Match, len(req.Blocks))
@@ -133,6 +150,17 @@ func (t *TTFT) estimate(req *Request, v *ReplicaView, meanPrompt, out float64) (
 	perStep := prof.C1 + prof.C3*meanCtx
 	cost := t.p.DecodeWeight*out*perStep*float64(decodes) +
 		t.p.InterferenceWeight*float64(decodes)*prof.C1*float64(own)
+	// The prefill the choice writes into r's cache evicts as much of other
+	// prefixes once the cache is full (unknown size: taken as full).
+	if t.p.EvictionWeight > 0 {
+		evict := 1.0
+		if v.NumBlocks > 0 {
+			ownBlocks := float64(own+bs-1) / float64(bs)
+			evict = min(max((float64(v.Cached)+ownBlocks-float64(v.NumBlocks))/ownBlocks, 0), 1)
+		}
+		ownMs := prof.C1*float64(own) + prof.C2*float64(own)*float64(cached+own) + math.Ceil(float64(own)/chunk)*stepMs
+		cost += t.p.EvictionWeight * evict * ownMs
+	}
 	return ms, matched, cost
 }
 
@@ -149,7 +177,7 @@ func (t *TTFT) Pick(req *Request, rs []ReplicaView) (Decision, error) {
 			out = 128
 		}
 	}
-	scores := make([]float64, len(rs)) // estimated TTFT + decode cost, ms (returned)
+	scores := make([]float64, len(rs)) // estimated TTFT + decode and eviction costs, ms (returned)
 	var tbuf [64]float64
 	var mbuf [64]int
 	ttfts, matched := tbuf[:0], mbuf[:0] // estimated TTFT (ms) and blocks credited
@@ -172,7 +200,7 @@ func (t *TTFT) Pick(req *Request, rs []ReplicaView) (Decision, error) {
 	if math.IsInf(best, 1) {
 		return Decision{}, ErrNoReplica
 	}
-	// Within the margin: deepest match, then at random.
+	// Within the margin: deepest match, then lowest score, then at random.
 	limit := best*(1+t.p.MarginRel) + t.p.MarginMs
 	choice, seen := -1, 0
 	for i := range rs {
@@ -182,7 +210,9 @@ func (t *TTFT) Pick(req *Request, rs []ReplicaView) (Decision, error) {
 		switch {
 		case choice < 0 || matched[i] > matched[choice]:
 			choice, seen = i, 1
-		case matched[i] == matched[choice]:
+		case matched[i] == matched[choice] && scores[i] < scores[choice]:
+			choice, seen = i, 1
+		case matched[i] == matched[choice] && scores[i] == scores[choice]:
 			seen++
 			if t.g.IntN(seen) == 0 {
 				choice = i
@@ -204,11 +234,33 @@ func (t *TTFT) Pick(req *Request, rs []ReplicaView) (Decision, error) {
 	return d, nil
 }
 
+// replicaDeadBand is the part of a replica's own deviation (log ratio)
+// ignored: about ±20%. Transient queueing errors move a replica's ratio
+// about that much on identical hardware, and following them moves traffic
+// off replicas that hold its prefixes; a slower GPU or a replica shared
+// with other clients shows a larger, lasting deviation.
+var replicaDeadBand = math.Log(1.2)
+
+// corr is replica's correction: the fleet's, times its own deviation
+// beyond the dead band.
 func (t *TTFT) corr(replica int) float64 {
-	if c, ok := t.correction[replica]; ok {
-		return c
+	if f, ok := t.factor[replica]; ok {
+		return f
 	}
-	return 1
+	return t.fleetFac
+}
+
+// learn moves the corrections towards an observed log ratio l on replica.
+func (t *TTFT) learn(replica int, l float64) {
+	lim := math.Log(t.p.MaxCorrection)
+	l = min(max(l, -lim), lim)
+	t.fleetLog += t.p.Alpha * (l - t.fleetLog)
+	t.relLog[replica] += t.p.ReplicaAlpha * (l - t.fleetLog - t.relLog[replica])
+	t.fleetFac = math.Exp(t.fleetLog)
+	for r, rel := range t.relLog {
+		rel = math.Copysign(max(math.Abs(rel)-replicaDeadBand, 0), rel)
+		t.factor[r] = math.Exp(min(max(t.fleetLog+rel, -lim), lim))
+	}
 }
 
 // Observe learns the correction from first tokens and the mean uncached
@@ -247,10 +299,6 @@ func (t *TTFT) Observe(ev Event) {
 		if ev.Kind != FirstToken || ev.Err != nil || ev.TTFT <= 0 || pe.raw <= 0 || t.p.Alpha == 0 {
 			return
 		}
-		ratio := float64(ev.TTFT) / float64(time.Millisecond) / pe.raw
-		ratio = min(max(ratio, 1/t.p.MaxCorrection), t.p.MaxCorrection)
-		c := t.corr(pe.replica)
-		c += t.p.Alpha * (ratio - c)
-		t.correction[pe.replica] = min(max(c, 1/t.p.MaxCorrection), t.p.MaxCorrection)
+		t.learn(pe.replica, math.Log(float64(ev.TTFT)/float64(time.Millisecond)/pe.raw))
 	}
 }

@@ -26,7 +26,7 @@ func TestTTFTPrefersHolderUntilQueueOutweighsSaving(t *testing.T) {
 		{1900, 1}, {3000, 1}, {20000, 1}, // the queue outweighs the saving
 	}
 	for _, c := range cases {
-		p := peerNew(t, "ttft", map[string]any{"margin_rel": 0, "margin_ms": 0, "decode_weight": 0})
+		p := peerNew(t, "ttft", map[string]any{"margin_rel": 0, "margin_ms": 0, "decode_weight": 0, "eviction_weight": 0})
 		rs := peerViews(2)
 		req := ttftReq(1)
 		rs[0].Match = len(req.Blocks)
@@ -76,41 +76,98 @@ func TestTTFTMarginPrefersDeeperMatch(t *testing.T) {
 	rs[0].Match = 90 // a little slower (less cached) than replica 1 ...
 	rs[1].Match = 100
 	rs[1].PendingPrefill, rs[1].PendingCount, rs[1].InFlight = 200, 1, 1 // ... but replica 1 has a queue
-	tight := peerNew(t, "ttft", map[string]any{"margin_rel": 0, "margin_ms": 0, "decode_weight": 0})
+	tight := peerNew(t, "ttft", map[string]any{"margin_rel": 0, "margin_ms": 0, "decode_weight": 0, "eviction_weight": 0})
 	if pos, d := peerPick(t, tight, req, rs); pos != 0 {
 		t.Fatalf("no margin: chose %d (scores %v)", pos, d.Scores)
 	}
-	loose := peerNew(t, "ttft", map[string]any{"margin_rel": 0.5, "margin_ms": 0, "decode_weight": 0})
+	loose := peerNew(t, "ttft", map[string]any{"margin_rel": 0.5, "margin_ms": 0, "decode_weight": 0, "eviction_weight": 0})
 	if pos, d := peerPick(t, loose, req, rs); pos != 1 || !strings.Contains(d.Reason, "deepest") {
 		t.Fatalf("wide margin: chose %d (%s)", pos, d.Reason)
 	}
 }
 
-// Observed TTFTs twice the estimate on a replica double its estimates.
+// A replica answering 3× slower than estimated, beside one answering as
+// estimated, is learned: the fleet's correction moves to their mean and the
+// slow one's own deviation (beyond the dead band) takes traffic off it.
 func TestTTFTCorrectionLearnsFromFirstTokens(t *testing.T) {
-	p := peerNew(t, "ttft", map[string]any{"margin_rel": 0, "margin_ms": 0, "correction_alpha": 0.5, "decode_weight": 0})
+	p := peerNew(t, "ttft", map[string]any{"margin_rel": 0, "margin_ms": 0, "correction_alpha": 0.1, "replica_alpha": 0.1, "decode_weight": 0, "eviction_weight": 0})
 	rs := peerViews(2)
 	req := ttftReq(1)
-	rs[0].Match = 50 // replica 0 saves 800 of 1,600 tokens: faster on paper
+	rs[0].Match = 30 // replica 0 saves 480 of 1,600 tokens: faster on paper
 	if pos, _ := peerPick(t, p, req, rs); pos != 0 {
 		t.Fatalf("chose %d before any correction", pos)
 	}
 	obs := p.(Observer)
-	raw, _ := p.(*TTFT).Estimate(req, &rs[0], 0) // what replica 0 should take, ms
-	for k := range 12 {
+	for k := range 200 {
 		r := ttftReq(uint64(100 + k))
+		slot := k % 2
 		_, dk := peerPick(t, p, r, rs)
-		// Routed to replica 0 with the (corrected) estimate of the moment; it takes 3× the model.
-		routed := Decision{Replica: rs[0].Index, EstTTFT: time.Duration(dk.Scores[0] * float64(time.Millisecond))}
-		obs.Observe(Event{Kind: Routed, Req: r, Decision: routed, Replica: rs[0].Index})
-		obs.Observe(Event{Kind: FirstToken, Req: r, Replica: rs[0].Index, TTFT: time.Duration(3 * raw * float64(time.Millisecond))})
+		raw, _ := p.(*TTFT).Estimate(r, &rs[slot], 0)
+		routed := Decision{Replica: rs[slot].Index, EstTTFT: time.Duration(dk.Scores[slot] * float64(time.Millisecond))}
+		obs.Observe(Event{Kind: Routed, Req: r, Decision: routed, Replica: rs[slot].Index})
+		took := raw // replica 1 answers as estimated, replica 0 takes 3× the model
+		if slot == 0 {
+			took *= 3
+		}
+		obs.Observe(Event{Kind: FirstToken, Req: r, Replica: rs[slot].Index, TTFT: time.Duration(took * float64(time.Millisecond))})
 	}
 	pos, d2 := peerPick(t, p, req, rs)
 	if pos != 1 {
 		t.Fatalf("replica 0 answers 3× slower than estimated, still chosen (scores %v)", d2.Scores)
 	}
-	if c := p.(*TTFT).corr(rs[0].Index); c < 2.5 || c > 3.01 {
-		t.Fatalf("correction %v, want ≈3", c)
+	tt := p.(*TTFT)
+	// Relative 3× less the ±20% dead band on each side: 3/1.44 ≈ 2.08.
+	if c0, c1 := tt.corr(rs[0].Index), tt.corr(rs[1].Index); c0/c1 < 1.9 || c0/c1 > 3.01 || c0 < 1.5 || c1 > 1.5 {
+		t.Fatalf("corrections %v and %v, want about 2.5 and 1.2", c0, c1)
+	}
+}
+
+// Within the ±20% dead band a replica's deviation is not followed: on
+// identical replicas, transient estimate errors do not move traffic.
+func TestTTFTCorrectionIgnoresSmallDeviations(t *testing.T) {
+	p := peerNew(t, "ttft", map[string]any{"correction_alpha": 0.5, "replica_alpha": 0.5})
+	obs := p.(Observer)
+	for k := range 20 {
+		r := ttftReq(uint64(100 + k))
+		slot := k % 2
+		c := p.(*TTFT).corr(slot) // the model says 100 ms; the estimate is corrected
+		obs.Observe(Event{Kind: Routed, Req: r, Decision: Decision{Replica: slot, EstTTFT: time.Duration(100 * c * float64(time.Millisecond))}, Replica: slot})
+		took := 100.0 // slot 0 runs 15% slow, slot 1 as estimated
+		if slot == 0 {
+			took = 115
+		}
+		obs.Observe(Event{Kind: FirstToken, Req: r, Replica: slot, TTFT: time.Duration(took * float64(time.Millisecond))})
+	}
+	tt := p.(*TTFT)
+	if c0, c1 := tt.corr(0), tt.corr(1); c0 != c1 || c0 < 1.0 || c0 > 1.15 {
+		t.Fatalf("corrections %v and %v, want equal, between 1 and 1.15", c0, c1)
+	}
+}
+
+// Once the caches are full, the eviction cost keeps a request with the
+// holder of its prefix past the queue at which the plain estimate moves it:
+// elsewhere it would evict 1,600 tokens of other prefixes, at the holder
+// one. While the caches have room, the plain estimate decides.
+func TestTTFTEvictionCostKeepsPrefixWithHolder(t *testing.T) {
+	for _, c := range []struct {
+		name   string
+		cached int // blocks held by each replica, of 30,000
+		want   int
+	}{
+		{"caches full", 30000, 0},
+		{"caches with room", 1000, 1},
+	} {
+		p := peerNew(t, "ttft", map[string]any{"margin_rel": 0, "margin_ms": 0, "decode_weight": 0, "eviction_weight": 2})
+		rs := peerViews(2)
+		req := ttftReq(1)
+		rs[0].Match = len(req.Blocks)
+		rs[0].PendingPrefill, rs[0].PendingCount, rs[0].InFlight = 3000, 1, 1 // moves it without the eviction cost
+		for i := range rs {
+			rs[i].HaveMetrics, rs[i].NumBlocks, rs[i].Cached = true, 30000, c.cached
+		}
+		if pos, d := peerPick(t, p, req, rs); pos != c.want {
+			t.Errorf("%s: chose %d, want %d (scores %v)", c.name, pos, c.want, d.Scores)
+		}
 	}
 }
 

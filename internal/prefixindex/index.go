@@ -99,6 +99,13 @@ func (ix *Index) slot(r int) (*shard, int, error) {
 // Match sets out[r] to the number of leading blocks of hashes that replica r
 // holds, for every replica slot, and returns out (grown to Replicas()).
 func (ix *Index) Match(hashes []uint64, out []int) []int {
+	out, _ = ix.MatchLens(hashes, out, nil)
+	return out
+}
+
+// MatchLens is Match, and also sets lens[r] to the number of blocks replica
+// r holds (lens grown to Replicas()), under one lock. A nil lens is left nil.
+func (ix *Index) MatchLens(hashes []uint64, out, lens []int) ([]int, []int) {
 	ix.mu.RLock()
 	defer ix.mu.RUnlock()
 	n := ix.cfg.Replicas
@@ -111,7 +118,16 @@ func (ix *Index) Match(hashes []uint64, out []int) []int {
 		base := s * shardWidth
 		sh.match(hashes, out[base:min(base+shardWidth, n)])
 	}
-	return out
+	if lens != nil {
+		if cap(lens) < n {
+			lens = make([]int, n)
+		}
+		lens = lens[:n]
+		for r := range lens {
+			lens[r] = ix.shards[r/shardWidth].lists[r%shardWidth].n
+		}
+	}
+	return out, lens
 }
 
 // Insert records that replica r holds hashes (a prompt's blocks, first to

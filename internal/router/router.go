@@ -191,10 +191,12 @@ func (rt *Router) Prepare(p *prompt.Parsed, session, adapter string) *policy.Req
 // replica's match from the index.
 func (rt *Router) Views(req *policy.Request) []policy.ReplicaView {
 	views := make([]policy.ReplicaView, len(rt.replicas))
-	var approx, precise []int
-	approx = rt.approx.Match(req.Blocks, make([]int, 0, len(rt.replicas)))
+	n := len(rt.replicas)
+	var precise, preciseLen []int
+	buf := make([]int, 4*n)
+	approx, approxLen := rt.approx.MatchLens(req.Blocks, buf[:n:n], buf[n:2*n:2*n])
 	if rt.precise != nil {
-		precise = rt.precise.Index().Match(req.Blocks, make([]int, 0, len(rt.replicas)))
+		precise, preciseLen = rt.precise.Index().MatchLens(req.Blocks, buf[2*n:3*n:3*n], buf[3*n:])
 	}
 	for i, r := range rt.replicas {
 		v := &views[i]
@@ -208,9 +210,9 @@ func (rt *Router) Views(req *policy.Request) []policy.ReplicaView {
 			v.MetricsAge = req.Now.Sub(s.at)
 			v.Waiting, v.Running, v.KVUsage, v.NumBlocks = s.m.Waiting, s.m.Running, s.m.KVUsage, s.m.NumBlocks
 		}
-		v.Match = approx[i]
+		v.Match, v.Cached = approx[i], approxLen[i]
 		if precise != nil && r.preciseOK.Load() {
-			v.Match = precise[i]
+			v.Match, v.Cached = precise[i], preciseLen[i]
 		}
 	}
 	return views
