@@ -69,7 +69,9 @@ type ttftParams struct {
 	MaxCorrection float64 `json:"max_correction"`
 	// DecodeWeight weighs the decode slowdown of the choice: the request's
 	// own output tokens run in r's decode batch, each step longer by
-	// r's other decodes (c1 + c3·context each).
+	// r's other decodes (c1 + c3·context each). At 1 the score is the
+	// request's estimated time to its last token, less the decode time it
+	// would have alone.
 	DecodeWeight float64 `json:"decode_weight"`
 	// InterferenceWeight weighs what the request's prefill costs r's
 	// running decodes: each of them waits c1 per uncached token.
@@ -85,7 +87,7 @@ var _ Observer = (*TTFT)(nil)
 
 func init() {
 	register("ttft", func(o Options) (Policy, error) {
-		p := ttftParams{MarginRel: 0.2, MarginMs: 2, Alpha: 0.1, ReplicaAlpha: 0.02, MaxCorrection: 4, DecodeWeight: 0.25, InterferenceWeight: 0, EvictionWeight: 2}
+		p := ttftParams{MarginRel: 0.2, MarginMs: 2, Alpha: 0.1, ReplicaAlpha: 0.02, MaxCorrection: 4, DecodeWeight: 1, InterferenceWeight: 0, EvictionWeight: 2}
 		if err := decodeParams(o.Params, &p); err != nil {
 			return nil, err
 		}
