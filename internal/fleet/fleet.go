@@ -158,7 +158,7 @@ func (f *Fleet) scrape(ctx context.Context, i int) {
 		f.cfg.Logger.Debug("scrape", "replica", f.mem[i].url, "err", err)
 		return
 	}
-	f.rt.SetMetrics(i, m, f.cfg.Now())
+	m = f.rt.SetMetrics(i, m, f.cfg.Now())
 	mem := f.mem[i]
 	mem.mu.Lock()
 	changed := m.NumBlocks > 0 && m.NumBlocks != mem.cacheBlocks

@@ -146,8 +146,15 @@ func (rt *Router) SetHealthy(i int, ok bool) { rt.replicas[i].healthy.Store(ok) 
 func (rt *Router) Healthy(i int) bool { return rt.replicas[i].healthy.Load() }
 
 // SetMetrics records a scrape of replica i taken at `at`.
-func (rt *Router) SetMetrics(i int, m Metrics, at time.Time) {
+func (rt *Router) SetMetrics(i int, m Metrics, at time.Time) Metrics {
+	// The replica's KV capacity in the router's blocks: vLLM's block size
+	// (its cache_config_info) need not be the index's.
+	if m.BlockSize > 0 && m.BlockSize != rt.cfg.BlockSize && m.NumBlocks > 0 {
+		m.NumBlocks = int(int64(m.NumBlocks) * int64(m.BlockSize) / int64(rt.cfg.BlockSize))
+		m.BlockSize = rt.cfg.BlockSize
+	}
 	rt.replicas[i].scrape.Store(&scrape{m: m, at: at})
+	return m
 }
 
 // ReplicaMetrics is replica i's last scrape and when it was taken.

@@ -167,3 +167,27 @@ func TestPrefillDoneFreesTheQueueWithoutAnObservation(t *testing.T) {
 		t.Fatalf("observed %v, want %v (no FirstToken without a first token)", rec.kinds, want)
 	}
 }
+
+// The view carries each replica's KV capacity in the router's blocks (a
+// vLLM with 32-token blocks holds twice as many of the index's 16-token
+// ones) and how many blocks the index believes it holds.
+func TestViewsCapacityInRouterBlocks(t *testing.T) {
+	rt := newRouter(t, "ttft", 2)
+	got := rt.SetMetrics(0, Metrics{NumBlocks: 1000, BlockSize: 32}, time.Unix(0, 0))
+	rt.SetMetrics(1, Metrics{NumBlocks: 1000, BlockSize: 16}, time.Unix(0, 0))
+	if got.NumBlocks != 2000 || got.BlockSize != 16 {
+		t.Fatalf("stored %+v, want 2000 blocks of 16", got)
+	}
+	p := parse(t, strings.Repeat("abcd", 1600)) // 100 blocks
+	req := rt.Prepare(p, "", "")
+	if err := rt.Index().Insert(1, req.Blocks[:30]); err != nil {
+		t.Fatal(err)
+	}
+	vs := rt.Views(req)
+	if vs[0].NumBlocks != 2000 || vs[1].NumBlocks != 1000 {
+		t.Fatalf("capacities %d and %d, want 2000 and 1000", vs[0].NumBlocks, vs[1].NumBlocks)
+	}
+	if vs[0].Cached != 0 || vs[1].Cached != 30 || vs[1].Match != 30 {
+		t.Fatalf("cached %d and %d (match %d), want 0 and 30 (30)", vs[0].Cached, vs[1].Cached, vs[1].Match)
+	}
+}
