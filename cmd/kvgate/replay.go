@@ -9,6 +9,7 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
+	"strconv"
 	"strings"
 	"time"
 
@@ -42,6 +43,7 @@ type replayFlags struct {
 	trace, workload, policies, profile, question, jsonOut, reportDir string
 	params                                                           replayParams
 	policyParams                                                     paramsFlag
+	replicaProfiles                                                  profilesFlag
 	requests, replicas, kvBlocks                                     int
 	rate, speedup                                                    float64
 	staleness, scrape, slo                                           time.Duration
@@ -63,6 +65,8 @@ func runReplay(ctx context.Context, args []string, _ io.Reader, stdout, stderr i
 	f.policyParams = paramsFlag{}
 	fs.Var(f.policyParams, "policy-param", "a policy parameter name=value for every policy, or POLICY.name=value for one (repeatable)")
 	fs.StringVar(&f.profile, "profile", costmodel.Default, "latency profile: "+strings.Join(costmodel.Names(), ", "))
+	f.replicaProfiles = profilesFlag{}
+	fs.Var(f.replicaProfiles, "replica-profile", "replica I runs profile NAME instead (I=NAME, repeatable): a heterogeneous fleet; the policies still assume --profile")
 	fs.IntVar(&f.kvBlocks, "kv-blocks", engine.DefaultNumBlocks, "KV cache blocks per replica (16 tokens each)")
 	fs.Float64Var(&f.speedup, "speedup", 1, "arrival (and think) times are divided by this")
 	fs.DurationVar(&f.staleness, "staleness", 0, "policies see the replicas' scraped metrics (and KV events) this much late")
@@ -89,6 +93,17 @@ func runReplay(ctx context.Context, args []string, _ io.Reader, stdout, stderr i
 	cfg := replay.Config{
 		Replicas: f.replicas, Profile: prof, KVBlocks: f.kvBlocks, Speedup: f.speedup,
 		Staleness: f.staleness, ScrapeInterval: f.scrape, Seed: f.seed,
+	}
+	if len(f.replicaProfiles) > 0 {
+		cfg.ReplicaProfiles = map[int]costmodel.Profile{}
+		for i, name := range f.replicaProfiles {
+			if i >= f.replicas {
+				return fmt.Errorf("%w: --replica-profile %d=%s: there are %d replicas (0 to %d)", errUsage, i, name, f.replicas, f.replicas-1)
+			}
+			if cfg.ReplicaProfiles[i], err = costmodel.Lookup(name); err != nil {
+				return fmt.Errorf("%w: --replica-profile %d=%s: %v", errUsage, i, name, err)
+			}
+		}
 	}
 	specs, err := f.specs()
 	if err != nil {
@@ -335,6 +350,9 @@ func (f *replayFlags) meta(args []string, ws workload.Spec, prof costmodel.Profi
 	if f.capacity {
 		m["slo_ttft_p90"] = f.slo.String()
 	}
+	if pm := f.replicaProfiles.meta(); pm != nil {
+		m["replica_profiles"] = pm
+	}
 	return m
 }
 
@@ -355,4 +373,31 @@ func replayCommand(args []string) string {
 		out = append(out, a)
 	}
 	return strings.Join(out, " ")
+}
+
+// profilesFlag collects repeated --replica-profile I=NAME.
+type profilesFlag map[int]string
+
+func (p profilesFlag) String() string { return "" }
+
+func (p profilesFlag) Set(v string) error {
+	k, name, ok := strings.Cut(v, "=")
+	i, err := strconv.Atoi(strings.TrimSpace(k))
+	if !ok || err != nil || i < 0 || strings.TrimSpace(name) == "" {
+		return fmt.Errorf("want I=NAME with I a replica number from 0, got %q", v)
+	}
+	p[i] = strings.TrimSpace(name)
+	return nil
+}
+
+// meta is the flag in the JSON's meta: replica → profile name (nil if unset).
+func (p profilesFlag) meta() map[string]string {
+	if len(p) == 0 {
+		return nil
+	}
+	m := make(map[string]string, len(p))
+	for i, name := range p {
+		m[strconv.Itoa(i)] = name
+	}
+	return m
 }

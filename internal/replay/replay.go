@@ -61,13 +61,17 @@ const (
 
 // Config describes the fleet and the gateway of a replay.
 type Config struct {
-	Replicas       int               // engines (default 8)
-	Profile        costmodel.Profile // latency profile (default costmodel.Default)
-	KVBlocks       int               // KV blocks per engine (default engine.DefaultNumBlocks)
-	BlockSize      int               // tokens per block (default 16)
-	MaxBatchTokens int               // engine token budget per step (default engine's)
-	MaxSeqs        int               // engine running-sequence cap (default engine's)
-	Model          string            // model name: the root of both hash chains (default sim-llama-8b)
+	Replicas int               // engines (default 8)
+	Profile  costmodel.Profile // latency profile (default costmodel.Default)
+	// ReplicaProfiles overrides the engine profile of some replicas (slot →
+	// profile): a heterogeneous fleet. The policies still assume Profile,
+	// as a gateway configured with one profile would.
+	ReplicaProfiles map[int]costmodel.Profile
+	KVBlocks        int    // KV blocks per engine (default engine.DefaultNumBlocks)
+	BlockSize       int    // tokens per block (default 16)
+	MaxBatchTokens  int    // engine token budget per step (default engine's)
+	MaxSeqs         int    // engine running-sequence cap (default engine's)
+	Model           string // model name: the root of both hash chains (default sim-llama-8b)
 	// Speedup divides arrival and think times: 2 replays the trace twice as fast.
 	Speedup float64
 	// Staleness delays every scrape (and every KV event, for the precise
@@ -136,12 +140,24 @@ func (c Config) validate() error {
 	if err := c.Profile.Validate(); err != nil {
 		return fmt.Errorf("%w: %w", ErrConfig, err)
 	}
+	for i, p := range c.ReplicaProfiles {
+		if i < 0 || i >= c.Replicas {
+			return fmt.Errorf("%w: replica profile for replica %d of %d", ErrConfig, i, c.Replicas)
+		}
+		if err := p.Validate(); err != nil {
+			return fmt.Errorf("%w: replica %d: %w", ErrConfig, i, err)
+		}
+	}
 	return nil
 }
 
 func (c Config) engineConfig(i int, events bool) engine.Config {
+	prof := c.Profile
+	if p, ok := c.ReplicaProfiles[i]; ok {
+		prof = p
+	}
 	return engine.Config{
-		Profile:         c.Profile,
+		Profile:         prof,
 		NumBlocks:       c.KVBlocks,
 		BlockSize:       c.BlockSize,
 		MaxBatchTokens:  c.MaxBatchTokens,

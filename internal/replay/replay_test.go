@@ -16,6 +16,7 @@ import (
 
 	"go.uber.org/goleak"
 
+	"github.com/kvgate/kvgate/internal/costmodel"
 	"github.com/kvgate/kvgate/internal/policy"
 	"github.com/kvgate/kvgate/internal/report"
 	"github.com/kvgate/kvgate/internal/workload"
@@ -96,6 +97,42 @@ func TestCacheAwareBeatRoundRobin(t *testing.T) {
 				t.Errorf("hit rate %.3f, round_robin %.3f: want at least 3 points more", r.HitRate, rr.HitRate)
 			}
 		})
+	}
+}
+
+// A fleet with one replica twice as slow as the profile the gateway assumes
+// (the 70B profile on replica 0, the 8B profile assumed): ttft sends it less
+// than its equal share, the more so with its online correction, and keeps
+// the tail below round robin's.
+func TestSlowReplicaGetsLess(t *testing.T) {
+	reqs, err := workload.Generate(workload.Spec{Name: "random", Seed: 1, Requests: 600})
+	if err != nil {
+		t.Fatal(err)
+	}
+	workload.Arrivals(reqs, 20, 1)
+	cfg := Config{Replicas: 4, Seed: 1, ReplicaProfiles: map[int]costmodel.Profile{0: costmodel.MustLookup("llama3-70b-h100-tp2")}}
+	specs := []PolicySpec{
+		{Name: "round_robin"},
+		{Name: "ttft"},
+		{Name: "ttft", Label: "ttft-uncorrected", Params: map[string]any{"correction_alpha": 0}},
+	}
+	res, err := Compare(context.Background(), cfg, reqs, specs, Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	rr, tt, un := runOf(t, res, "round_robin"), runOf(t, res, "ttft"), runOf(t, res, "ttft-uncorrected")
+	for _, r := range []report.Run{rr, tt, un} {
+		if r.Errors != 0 || r.Requests != len(reqs) || len(r.ReplicaShare) != 4 {
+			t.Fatalf("%s: %d requests, %d errors, shares %v", r.Policy, r.Requests, r.Errors, r.ReplicaShare)
+		}
+	}
+	t.Logf("slow replica's share: ttft %.3f, uncorrected %.3f; p99 TTFT: ttft %.1f, uncorrected %.1f, round_robin %.1f ms",
+		tt.ReplicaShare[0], un.ReplicaShare[0], tt.TTFTms.P99, un.TTFTms.P99, rr.TTFTms.P99)
+	if tt.ReplicaShare[0] >= un.ReplicaShare[0] || un.ReplicaShare[0] >= 0.2 {
+		t.Errorf("slow replica's share: ttft %.3f, uncorrected %.3f: want ttft < uncorrected < 0.2", tt.ReplicaShare[0], un.ReplicaShare[0])
+	}
+	if tt.TTFTms.P99 >= rr.TTFTms.P99 {
+		t.Errorf("p99 TTFT: ttft %.1f ms, round_robin %.1f ms", tt.TTFTms.P99, rr.TTFTms.P99)
 	}
 }
 
@@ -542,6 +579,8 @@ func TestInvalid(t *testing.T) {
 		{"bad param", Config{}, good, PolicySpec{Name: "score", Params: map[string]any{"nope": 1}}, ErrConfig},
 		{"forward dependency", Config{}, []workload.Request{{Prev: 1}, {Prev: -1}}, PolicySpec{Name: "ttft"}, ErrInput},
 		{"self dependency", Config{}, []workload.Request{{Prev: 0}}, PolicySpec{Name: "ttft"}, ErrInput},
+		{"replica profile out of range", Config{Replicas: 2, ReplicaProfiles: map[int]costmodel.Profile{2: costmodel.MustLookup(costmodel.Default)}}, good, PolicySpec{Name: "ttft"}, ErrConfig},
+		{"invalid replica profile", Config{Replicas: 2, ReplicaProfiles: map[int]costmodel.Profile{1: {C1: -1}}}, good, PolicySpec{Name: "ttft"}, ErrConfig},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
