@@ -65,7 +65,7 @@ type ReplicaView struct {
 	Waiting     int
 	Running     int
 	KVUsage     float64 // 0..1
-	NumBlocks   int     // the replica's KV capacity in blocks (0: unknown)
+	NumBlocks   int     // the replica's KV capacity in blocks: scraped, else the router's assumption (0: unknown)
 
 	// Match is the number of leading blocks of the request the router's
 	// index (approximate, or precise when KV events feed it) believes the
@@ -91,6 +91,10 @@ type Decision struct {
 	// Scores holds the policy's per-replica score or cost, indexed like the
 	// replicas passed to Pick (nil if the policy has none).
 	Scores []float64 `json:"scores,omitempty"`
+
+	// estCorr is the correction ttft applied to EstTTFT, so that Observe
+	// learns from the model's own estimate whatever changed since.
+	estCorr float64
 }
 
 // EventKind is the kind of an outcome event.

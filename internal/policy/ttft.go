@@ -43,8 +43,8 @@ type TTFT struct {
 	mu         sync.Mutex
 	fleetLog   float64            // EWMA of log(observed/predicted TTFT), all replicas
 	relLog     map[int]float64    // replica slot → EWMA of its log ratio beyond the fleet's
-	factor     map[int]float64    // replica slot → its correction (fleetFac when absent)
-	fleetFac   float64            // the fleet's correction
+	relFac     map[int]float64    // replica slot → exp(relLog beyond the dead band) (1 when absent)
+	fleetFac   float64            // exp(fleetLog)
 	pending    map[uint64]pendEst // request id → raw estimate at routing
 	meanPrompt float64            // EWMA of uncached tokens per request, for others' queued requests
 	meanOutput float64            // EWMA of output tokens per request, when max_tokens is absent
@@ -56,7 +56,7 @@ type pendEst struct {
 }
 
 type ttftParams struct {
-	// MarginRel and MarginMs: estimates within best×(1+rel)+ms tie.
+	// MarginRel and MarginMs: scores within best×(1+rel)+ms tie.
 	MarginRel float64 `json:"margin_rel"`
 	MarginMs  float64 `json:"margin_ms"`
 	// Alpha is the EWMA weight of a new TTFT observation in the fleet's
@@ -69,9 +69,9 @@ type ttftParams struct {
 	MaxCorrection float64 `json:"max_correction"`
 	// DecodeWeight weighs the decode slowdown of the choice: the request's
 	// own output tokens run in r's decode batch, each step longer by
-	// r's other decodes (c1 + c3·context each). At 1 the score is the
-	// request's estimated time to its last token, less the decode time it
-	// would have alone.
+	// r's other decodes (c1 + c3·context each). At 1 the TTFT plus this
+	// term is the request's estimated time to its last token, less the
+	// decode time it would have alone.
 	DecodeWeight float64 `json:"decode_weight"`
 	// InterferenceWeight weighs what the request's prefill costs r's
 	// running decodes: each of them waits c1 per uncached token.
@@ -86,6 +86,17 @@ var _ Policy = (*TTFT)(nil)
 var _ Observer = (*TTFT)(nil)
 
 func init() {
+	// Defaults, from replays of both Mooncake traces on 8 replicas (the
+	// README's results; p90 TTFT at 3.0–3.5× and 3.5–4.0× speed-up, where
+	// capacity is decided, and at 1×): eviction_weight 2 (1.5 to 3 do
+	// about as well; 0 loses a third of the hit rate at 3.4×);
+	// decode_weight 1 (0.25 to 1 tie on the traces, and at 1 a light
+	// multiturn load no longer piles onto one replica); margin_rel 0.2
+	// (0.1 and 0.3 do worse at 3.3–3.4×); replica_alpha 0.02 with the dead
+	// band (a faster per-replica correction moved prefixes off their
+	// holders); correction_alpha 0.1 and max_correction 4 (a profile off
+	// by up to 4× is 96% learned after 30 first tokens); interference_weight 0
+	// (no gain seen).
 	register("ttft", func(o Options) (Policy, error) {
 		p := ttftParams{MarginRel: 0.2, MarginMs: 2, Alpha: 0.1, ReplicaAlpha: 0.02, MaxCorrection: 4, DecodeWeight: 1, InterferenceWeight: 0, EvictionWeight: 2}
 		if err := decodeParams(o.Params, &p); err != nil {
@@ -94,7 +105,7 @@ func init() {
 		if p.MarginRel < 0 || p.MarginMs < 0 || p.Alpha < 0 || p.Alpha > 1 || p.ReplicaAlpha < 0 || p.ReplicaAlpha > 1 || p.MaxCorrection < 1 || p.DecodeWeight < 0 || p.InterferenceWeight < 0 || p.EvictionWeight < 0 {
 			return nil, fmt.Errorf("need margin_rel ≥ 0, margin_ms ≥ 0, 0 ≤ correction_alpha ≤ 1, 0 ≤ replica_alpha ≤ 1, max_correction ≥ 1, decode_weight ≥ 0, interference_weight ≥ 0, eviction_weight ≥ 0")
 		}
-		return &TTFT{o: o, p: p, g: newRNG(o.Seed), relLog: map[int]float64{}, factor: map[int]float64{}, fleetFac: 1, pending: map[uint64]pendEst{}}, nil
+		return &TTFT{o: o, p: p, g: newRNG(o.Seed), relLog: map[int]float64{}, relFac: map[int]float64{}, fleetFac: 1, pending: map[uint64]pendEst{}}, nil
 	})
 }
 
@@ -157,7 +168,7 @@ func (t *TTFT) estimate(req *Request, v *ReplicaView, meanPrompt, out float64) (
 	if t.p.EvictionWeight > 0 {
 		evict := 1.0
 		if v.NumBlocks > 0 {
-			ownBlocks := float64(own+bs-1) / float64(bs)
+			ownBlocks := math.Ceil(float64(own) / float64(bs))
 			evict = min(max((float64(v.Cached)+ownBlocks-float64(v.NumBlocks))/ownBlocks, 0), 1)
 		}
 		ownMs := prof.C1*float64(own) + prof.C2*float64(own)*float64(cached+own) + math.Ceil(float64(own)/chunk)*stepMs
@@ -180,13 +191,13 @@ func (t *TTFT) Pick(req *Request, rs []ReplicaView) (Decision, error) {
 		}
 	}
 	scores := make([]float64, len(rs)) // estimated TTFT + decode and eviction costs, ms (returned)
-	var tbuf [64]float64
+	var tbuf, cbuf [64]float64
 	var mbuf [64]int
-	ttfts, matched := tbuf[:0], mbuf[:0] // estimated TTFT (ms) and blocks credited
+	ttfts, corrs, matched := tbuf[:0], cbuf[:0], mbuf[:0] // estimated TTFT (ms), its correction, blocks credited
 	if len(rs) > len(tbuf) {
-		ttfts, matched = make([]float64, 0, len(rs)), make([]int, 0, len(rs))
+		ttfts, corrs, matched = make([]float64, 0, len(rs)), make([]float64, 0, len(rs)), make([]int, 0, len(rs))
 	}
-	ttfts, matched = ttfts[:len(rs)], matched[:len(rs)]
+	ttfts, corrs, matched = ttfts[:len(rs)], corrs[:len(rs)], matched[:len(rs)]
 	best := math.Inf(1)
 	for i := range rs {
 		if !rs[i].Healthy {
@@ -194,7 +205,8 @@ func (t *TTFT) Pick(req *Request, rs []ReplicaView) (Decision, error) {
 			continue
 		}
 		raw, m, cost := t.estimate(req, &rs[i], meanPrompt, out)
-		ttfts[i] = raw * t.corr(rs[i].Index)
+		corrs[i] = t.corr(rs[i].Index)
+		ttfts[i] = raw * corrs[i]
 		scores[i], matched[i] = ttfts[i]+cost, m
 		best = min(best, scores[i])
 	}
@@ -221,12 +233,13 @@ func (t *TTFT) Pick(req *Request, rs []ReplicaView) (Decision, error) {
 			}
 		}
 	}
-	reason := "lowest estimated TTFT"
+	reason := "lowest score (estimated TTFT + decode and eviction costs)"
 	if scores[choice] > best {
-		reason = "deepest match within the margin of the lowest estimated TTFT"
+		reason = "deepest match within the margin of the lowest score"
 	}
 	d := decide(rs, choice, reason, matched[choice], float64(rs[choice].PendingPrefill))
 	d.EstTTFT = time.Duration(ttfts[choice] * float64(time.Millisecond))
+	d.estCorr = corrs[choice]
 	for i := range scores {
 		if math.IsInf(scores[i], 1) {
 			scores[i] = -1 // not considered (unhealthy); JSON has no infinity
@@ -236,33 +249,35 @@ func (t *TTFT) Pick(req *Request, rs []ReplicaView) (Decision, error) {
 	return d, nil
 }
 
-// replicaDeadBand is the part of a replica's own deviation (log ratio)
-// ignored: about ±20%. Transient queueing errors move a replica's ratio
-// about that much on identical hardware, and following them moves traffic
-// off replicas that hold its prefixes; a slower GPU or a replica shared
-// with other clients shows a larger, lasting deviation.
+// replicaDeadBand is the part of a replica's own deviation from the
+// fleet's correction (log ratio) that is ignored: +20% / −17%. Transient
+// queueing errors move a replica's ratio about that much on identical
+// hardware, and following them moves traffic off replicas that hold its
+// prefixes; a slower GPU or a replica shared with other clients shows a
+// larger, lasting deviation. The fleet's mean includes the replica itself,
+// so with n replicas a deviation shows at about (n−1)/n of its size.
 var replicaDeadBand = math.Log(1.2)
 
 // corr is replica's correction: the fleet's, times its own deviation
-// beyond the dead band.
+// beyond the dead band, within [1/max, max].
 func (t *TTFT) corr(replica int) float64 {
-	if f, ok := t.factor[replica]; ok {
-		return f
+	c := t.fleetFac
+	if f, ok := t.relFac[replica]; ok {
+		c *= f
 	}
-	return t.fleetFac
+	return min(max(c, 1/t.p.MaxCorrection), t.p.MaxCorrection)
 }
 
 // learn moves the corrections towards an observed log ratio l on replica.
 func (t *TTFT) learn(replica int, l float64) {
 	lim := math.Log(t.p.MaxCorrection)
 	l = min(max(l, -lim), lim)
+	dev := l - t.fleetLog // against the fleet's correction before this observation
 	t.fleetLog += t.p.Alpha * (l - t.fleetLog)
-	t.relLog[replica] += t.p.ReplicaAlpha * (l - t.fleetLog - t.relLog[replica])
 	t.fleetFac = math.Exp(t.fleetLog)
-	for r, rel := range t.relLog {
-		rel = math.Copysign(max(math.Abs(rel)-replicaDeadBand, 0), rel)
-		t.factor[r] = math.Exp(min(max(t.fleetLog+rel, -lim), lim))
-	}
+	rel := t.relLog[replica] + t.p.ReplicaAlpha*(dev-t.relLog[replica])
+	t.relLog[replica] = rel
+	t.relFac[replica] = math.Exp(math.Copysign(max(math.Abs(rel)-replicaDeadBand, 0), rel))
 }
 
 // Observe learns the correction from first tokens and the mean uncached
@@ -275,7 +290,10 @@ func (t *TTFT) Observe(ev Event) {
 	defer t.mu.Unlock()
 	switch ev.Kind {
 	case Routed:
-		c := t.corr(ev.Replica)
+		c := ev.Decision.estCorr // the correction the estimate was made with
+		if c <= 0 {
+			c = t.corr(ev.Replica)
+		}
 		if ev.Decision.EstTTFT > 0 && len(t.pending) < 1<<16 {
 			t.pending[ev.Req.ID] = pendEst{replica: ev.Replica, raw: float64(ev.Decision.EstTTFT) / float64(time.Millisecond) / c}
 		}

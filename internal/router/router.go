@@ -217,6 +217,9 @@ func (rt *Router) Views(req *policy.Request) []policy.ReplicaView {
 			v.MetricsAge = req.Now.Sub(s.at)
 			v.Waiting, v.Running, v.KVUsage, v.NumBlocks = s.m.Waiting, s.m.Running, s.m.KVUsage, s.m.NumBlocks
 		}
+		if v.NumBlocks == 0 {
+			v.NumBlocks = rt.cfg.BlocksPerReplica // the configured assumption until a scrape says
+		}
 		v.Match, v.Cached = approx[i], approxLen[i]
 		if precise != nil && r.preciseOK.Load() {
 			v.Match, v.Cached = precise[i], preciseLen[i]

@@ -173,6 +173,9 @@ func TestPrefillDoneFreesTheQueueWithoutAnObservation(t *testing.T) {
 // ones) and how many blocks the index believes it holds.
 func TestViewsCapacityInRouterBlocks(t *testing.T) {
 	rt := newRouter(t, "ttft", 2)
+	if vs := rt.Views(rt.Prepare(parse(t, "hello"), "", "")); vs[0].NumBlocks != 1<<20 {
+		t.Fatalf("before a scrape: capacity %d, want the configured %d", vs[0].NumBlocks, 1<<20)
+	}
 	got := rt.SetMetrics(0, Metrics{NumBlocks: 1000, BlockSize: 32}, time.Unix(0, 0))
 	rt.SetMetrics(1, Metrics{NumBlocks: 1000, BlockSize: 16}, time.Unix(0, 0))
 	if got.NumBlocks != 2000 || got.BlockSize != 16 {
