@@ -24,10 +24,10 @@ import (
 // observed over predicted TTFT (a mis-specified profile), times r's own
 // lasting deviation from it (a slower or shared replica).
 //
-// The score adds two costs the choice puts on others: its output tokens
-// decoding in r's batch, and, once r's cache is full, the prefill it writes
-// there, which evicts as much of other prefixes (eviction_weight × its own
-// prefill time). The second keeps a prefix with its holders under load,
+// The score adds two more costs of the choice: the request's own output
+// tokens slowed by r's decode batch (decode_weight), and, once r's cache is
+// full, the prefill it writes there, which evicts as much of other
+// prefixes (eviction_weight × its own prefill time). The second keeps a prefix with its holders under load,
 // where recomputing it elsewhere would cost the fleet twice. Among
 // replicas within a margin of the best score the deepest match wins, then
 // the lowest score, then a random one.
