@@ -34,15 +34,11 @@ import (
 // ids instead of its text, which gives the same figures (see traceBounds) in
 // a fraction of the time.
 func Bounds(ctx context.Context, cfg Config, reqs []workload.Request) (report.Bound, error) {
-	cfg = cfg.WithDefaults()
-	if err := cfg.validate(); err != nil {
-		return report.Bound{}, err
-	}
-	pl, err := newPlan(reqs)
+	_, _, b, err := prepareBounded(ctx, cfg, reqs)
 	if err != nil {
 		return report.Bound{}, err
 	}
-	return boundsPlan(ctx, cfg, pl)
+	return b, nil
 }
 
 func boundsPlan(ctx context.Context, cfg Config, pl *plan) (report.Bound, error) {

@@ -22,15 +22,7 @@ type Options struct {
 // and the runs in the order of specs. Each run's Extra carries
 // hit_rate_vs_bound, its hit rate as a share of prefix_reuse.
 func Compare(ctx context.Context, cfg Config, reqs []workload.Request, specs []PolicySpec, opt Options) (report.Result, error) {
-	cfg = cfg.WithDefaults()
-	if err := cfg.validate(); err != nil {
-		return report.Result{}, err
-	}
-	pl, err := newPlan(reqs)
-	if err != nil {
-		return report.Result{}, err
-	}
-	bound, err := boundsPlan(ctx, cfg, pl)
+	cfg, pl, bound, err := prepareBounded(ctx, cfg, reqs)
 	if err != nil {
 		return report.Result{}, err
 	}
@@ -43,9 +35,7 @@ func Compare(ctx context.Context, cfg Config, reqs []workload.Request, specs []P
 		if err != nil {
 			return report.Result{}, err
 		}
-		if bound.PrefixReuse > 0 {
-			run.Extra["hit_rate_vs_bound"] = run.HitRate / bound.PrefixReuse
-		}
+		setVsBound(&run, bound)
 		if bound.MergedLRU > 0 {
 			run.Extra["hit_rate_vs_merged_lru"] = run.HitRate / bound.MergedLRU
 		}

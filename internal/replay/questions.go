@@ -168,20 +168,12 @@ func Sharing(ctx context.Context, cfg Config, base workload.Spec, rate float64, 
 // the chart is the surface seen along the cache-weight axis, one line per
 // load weight. Runs are labelled "score cache=C load=L".
 func ScoreSurface(ctx context.Context, cfg Config, reqs []workload.Request, weights []float64, progress func(PolicySpec, report.Run)) (report.Result, []report.Chart, error) {
-	cfg = cfg.WithDefaults()
-	if err := cfg.validate(); err != nil {
-		return report.Result{}, nil, err
-	}
 	for _, w := range weights {
 		if !(w >= 0) || math.IsInf(w, 0) {
 			return report.Result{}, nil, fmt.Errorf("%w: score weight %v", ErrConfig, w)
 		}
 	}
-	pl, err := newPlan(reqs)
-	if err != nil {
-		return report.Result{}, nil, err
-	}
-	b, err := boundsPlan(ctx, cfg, pl)
+	cfg, pl, b, err := prepareBounded(ctx, cfg, reqs)
 	if err != nil {
 		return report.Result{}, nil, err
 	}
@@ -205,9 +197,7 @@ func ScoreSurface(ctx context.Context, cfg Config, reqs []workload.Request, weig
 				return report.Result{}, nil, err
 			}
 			run.Extra["cache_weight"], run.Extra["load_weight"] = cw, lw
-			if b.PrefixReuse > 0 {
-				run.Extra["hit_rate_vs_bound"] = run.HitRate / b.PrefixReuse
-			}
+			setVsBound(&run, b)
 			if progress != nil {
 				progress(spec, run)
 			}
@@ -251,15 +241,7 @@ func ScoreSurface(ctx context.Context, cfg Config, reqs []workload.Request, weig
 // change; those that read scraped metrics do. Runs are labelled
 // "POLICY staleness=D".
 func Staleness(ctx context.Context, cfg Config, reqs []workload.Request, staleness []time.Duration, specs []PolicySpec, progress func(PolicySpec, report.Run)) (report.Result, []report.Chart, error) {
-	cfg = cfg.WithDefaults()
-	if err := cfg.validate(); err != nil {
-		return report.Result{}, nil, err
-	}
-	pl, err := newPlan(reqs)
-	if err != nil {
-		return report.Result{}, nil, err
-	}
-	b, err := boundsPlan(ctx, cfg, pl)
+	cfg, pl, b, err := prepareBounded(ctx, cfg, reqs)
 	if err != nil {
 		return report.Result{}, nil, err
 	}
@@ -285,9 +267,7 @@ func Staleness(ctx context.Context, cfg Config, reqs []workload.Request, stalene
 				return report.Result{}, nil, err
 			}
 			run.Extra["staleness_ms"] = float64(d) / float64(time.Millisecond)
-			if b.PrefixReuse > 0 {
-				run.Extra["hit_rate_vs_bound"] = run.HitRate / b.PrefixReuse
-			}
+			setVsBound(&run, b)
 			if progress != nil {
 				progress(s, run)
 			}

@@ -221,15 +221,38 @@ func joinNames(ns []string) string {
 // Requests whose prompt can never fit an engine's cache (engine.ErrTooLong)
 // are recorded as errors ("too_long"); so are requests no replica takes.
 func Run(ctx context.Context, cfg Config, reqs []workload.Request, spec PolicySpec) (report.Run, error) {
-	cfg = cfg.WithDefaults()
-	if err := cfg.validate(); err != nil {
-		return report.Run{}, err
-	}
-	pl, err := newPlan(reqs)
+	cfg, pl, err := prepare(cfg, reqs)
 	if err != nil {
 		return report.Run{}, err
 	}
 	return runPlan(ctx, cfg, pl, spec)
+}
+
+// prepare fills cfg's defaults, validates it and plans reqs.
+func prepare(cfg Config, reqs []workload.Request) (Config, *plan, error) {
+	cfg = cfg.WithDefaults()
+	if err := cfg.validate(); err != nil {
+		return cfg, nil, err
+	}
+	pl, err := newPlan(reqs)
+	return cfg, pl, err
+}
+
+// prepareBounded is prepare, and the hit-rate bounds of the plan.
+func prepareBounded(ctx context.Context, cfg Config, reqs []workload.Request) (Config, *plan, report.Bound, error) {
+	cfg, pl, err := prepare(cfg, reqs)
+	if err != nil {
+		return cfg, nil, report.Bound{}, err
+	}
+	b, err := boundsPlan(ctx, cfg, pl)
+	return cfg, pl, b, err
+}
+
+// setVsBound records run's hit rate as a share of the prefix-reuse bound.
+func setVsBound(run *report.Run, b report.Bound) {
+	if b.PrefixReuse > 0 {
+		run.Extra["hit_rate_vs_bound"] = run.HitRate / b.PrefixReuse
+	}
 }
 
 func runPlan(ctx context.Context, cfg Config, pl *plan, spec PolicySpec) (report.Run, error) {
