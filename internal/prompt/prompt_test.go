@@ -203,3 +203,37 @@ func TestChatParsedEqualsParse(t *testing.T) {
 		t.Fatalf("ChatParsed %+v, Parse %+v", got, *want)
 	}
 }
+
+// Keys match exactly, as vLLM's do; integer fields are integers in range.
+func TestParseStrictKeysAndTokenLimits(t *testing.T) {
+	cases := []struct {
+		name, body, param string
+		kind           Kind
+	}{
+		{"MODEL is not model", `{"MODEL":"m","prompt":"x"}`, "model", Completion},
+		{"overflow max_tokens", `{"model":"m","prompt":"x","max_tokens":9223372036854775807}`, "max_tokens", Completion},
+		{"beyond int64", `{"model":"m","prompt":"x","max_tokens":99999999999999999999999}`, "max_tokens", Completion},
+		{"above the limit", `{"model":"m","prompt":"x","max_completion_tokens":16777217}`, "max_completion_tokens", Completion},
+		{"negative", `{"model":"m","prompt":"x","max_tokens":-1}`, "max_tokens", Completion},
+		{"fraction", `{"model":"m","prompt":"x","max_tokens":1.5}`, "max_tokens", Completion},
+		{"string", `{"model":"m","prompt":"x","max_tokens":"10"}`, "max_tokens", Completion},
+		{"Role is not role", `{"model":"m","messages":[{"Role":"user","content":"hi"}]}`, "messages[0].role", Chat},
+		{"stream not a bool", `{"model":"m","prompt":"x","stream":"yes"}`, "stream", Completion},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			_, err := Parse(c.kind, []byte(c.body))
+			var re *RequestError
+			if !errors.As(err, &re) || re.Param != c.param {
+				t.Fatalf("err %v, want a RequestError on %q", err, c.param)
+			}
+		})
+	}
+	p, err := Parse(Completion, []byte(`{"model":"m","prompt":"x","Stream":true,"max_tokens":16777216}`))
+	if err != nil || p.Stream || p.MaxTokens != MaxTokensLimit {
+		t.Fatalf("Stream must not set stream, the limit itself is valid: %+v %v", p, err)
+	}
+	if _, err := Parse(Completion, []byte(`[1,2]`)); err == nil {
+		t.Fatal("a body that is not an object was accepted")
+	}
+}

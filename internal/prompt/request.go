@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"strconv"
 	"strings"
 )
 
@@ -55,6 +56,23 @@ type Message struct {
 	ToolCallID string          `json:"tool_call_id,omitempty"`
 }
 
+// UnmarshalJSON reads a message with exact key matching, as vLLM does.
+func (m *Message) UnmarshalJSON(data []byte) error {
+	var raw map[string]json.RawMessage
+	if err := json.Unmarshal(data, &raw); err != nil {
+		return err
+	}
+	*m = Message{Content: raw["content"], ToolCalls: raw["tool_calls"]}
+	for key, dst := range map[string]*string{"role": &m.Role, "name": &m.Name, "tool_call_id": &m.ToolCallID} {
+		if v, ok := raw[key]; ok && !isNull(v) {
+			if err := json.Unmarshal(v, dst); err != nil {
+				return fmt.Errorf("%s: %s", key, jsonTypeError(err))
+			}
+		}
+	}
+	return nil
+}
+
 // Parsed is what routing needs from a request body.
 type Parsed struct {
 	Kind      Kind
@@ -82,16 +100,106 @@ type Parsed struct {
 // '[' must not cost a million stack frames of anyone's decoder.
 const MaxNesting = 64
 
+// MaxTokensLimit bounds max_tokens and max_completion_tokens before any
+// model's context is known: far above every served context (2^24 tokens),
+// far below where token arithmetic could overflow. The gateway checks the
+// model's own max_model_len on top of it.
+const MaxTokensLimit = 1 << 24
+
+// body is what Parse reads of a request. JSON keys match exactly, as vLLM's
+// (pydantic's) do: "MODEL" or "Stream" are not "model" or "stream".
 type body struct {
-	Model               string          `json:"model"`
-	Prompt              json.RawMessage `json:"prompt"`
-	Messages            []Message       `json:"messages"`
-	Tools               json.RawMessage `json:"tools"`
-	Stream              bool            `json:"stream"`
-	MaxTokens           *int            `json:"max_tokens"`
-	MaxCompletionTokens *int            `json:"max_completion_tokens"`
-	User                string          `json:"user"`
-	CacheSalt           string          `json:"cache_salt"`
+	Model               string
+	Prompt              json.RawMessage
+	Messages            []Message
+	Tools               json.RawMessage
+	Stream              bool
+	MaxTokens           *int
+	MaxCompletionTokens *int
+	User                string
+	CacheSalt           string
+}
+
+// decodeBody decodes the fields routing needs with exact key matching
+// (encoding/json alone matches keys case-insensitively).
+func decodeBody(data []byte) (*body, error) {
+	var raw map[string]json.RawMessage
+	dec := json.NewDecoder(bytes.NewReader(data))
+	if err := dec.Decode(&raw); err != nil {
+		return nil, invalid("", "request body is not valid JSON: %v", err)
+	}
+	if dec.More() {
+		return nil, invalid("", "request body has data after the JSON object")
+	}
+	if raw == nil {
+		return nil, invalid("", "request body must be a JSON object")
+	}
+	b := &body{Prompt: raw["prompt"], Tools: raw["tools"]}
+	fields := []struct {
+		key string
+		dst any
+	}{{"model", &b.Model}, {"messages", &b.Messages}, {"stream", &b.Stream},
+		{"user", &b.User}, {"cache_salt", &b.CacheSalt}}
+	for _, f := range fields {
+		if err := decodeField(raw, f.key, f.dst); err != nil {
+			return nil, err
+		}
+	}
+	var err error
+	if b.MaxTokens, err = tokenLimit(raw, "max_tokens"); err != nil {
+		return nil, err
+	}
+	if b.MaxCompletionTokens, err = tokenLimit(raw, "max_completion_tokens"); err != nil {
+		return nil, err
+	}
+	return b, nil
+}
+
+func decodeField(raw map[string]json.RawMessage, key string, dst any) error {
+	v, ok := raw[key]
+	if !ok || isNull(v) {
+		return nil
+	}
+	if err := json.Unmarshal(v, dst); err != nil {
+		return invalid(key, "%s", jsonTypeError(err))
+	}
+	return nil
+}
+
+// tokenLimit reads an optional token count: an integer in [0, MaxTokensLimit].
+func tokenLimit(raw map[string]json.RawMessage, key string) (*int, error) {
+	v, ok := raw[key]
+	if !ok || isNull(v) {
+		return nil, nil
+	}
+	s := string(bytes.TrimSpace(v))
+	n, err := strconv.ParseInt(s, 10, 64)
+	if err != nil {
+		var ne *strconv.NumError
+		if errors.As(err, &ne) && errors.Is(ne.Err, strconv.ErrRange) {
+			return nil, invalid(key, "must be at most %d, got %s", MaxTokensLimit, s)
+		}
+		return nil, invalid(key, "must be an integer, got %s", s)
+	}
+	if n < 0 {
+		return nil, invalid(key, "must be at least 0, got %d", n)
+	}
+	if n > MaxTokensLimit {
+		return nil, invalid(key, "must be at most %d, got %d", MaxTokensLimit, n)
+	}
+	m := int(n)
+	return &m, nil
+}
+
+func isNull(v json.RawMessage) bool { return string(bytes.TrimSpace(v)) == "null" }
+
+// jsonTypeError words a decoding error of one field without Go type names.
+func jsonTypeError(err error) string {
+	var te *json.UnmarshalTypeError
+	if errors.As(err, &te) {
+		return fmt.Sprintf("has the wrong type (JSON %s)", te.Value)
+	}
+	return err.Error()
 }
 
 // Parse reads a completions or chat request body.
@@ -99,13 +207,9 @@ func Parse(kind Kind, data []byte) (*Parsed, error) {
 	if err := checkNesting(data, MaxNesting); err != nil {
 		return nil, err
 	}
-	var b body
-	dec := json.NewDecoder(bytes.NewReader(data))
-	if err := dec.Decode(&b); err != nil {
-		return nil, invalid("", "request body is not valid JSON: %v", err)
-	}
-	if dec.More() {
-		return nil, invalid("", "request body has data after the JSON object")
+	b, err := decodeBody(data)
+	if err != nil {
+		return nil, err
 	}
 	if b.Model == "" {
 		return nil, invalid("model", "you must provide a model parameter")
@@ -117,10 +221,6 @@ func Parse(kind Kind, data []byte) (*Parsed, error) {
 	case b.MaxCompletionTokens != nil:
 		p.MaxTokens = *b.MaxCompletionTokens
 	}
-	if p.MaxTokens < 0 {
-		return nil, invalid("max_tokens", "must be at least 0, got %d", p.MaxTokens)
-	}
-	var err error
 	if kind == Chat {
 		err = p.fromChat(b.Messages, b.Tools)
 	} else {
