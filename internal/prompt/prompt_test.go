@@ -208,7 +208,7 @@ func TestChatParsedEqualsParse(t *testing.T) {
 func TestParseStrictKeysAndTokenLimits(t *testing.T) {
 	cases := []struct {
 		name, body, param string
-		kind           Kind
+		kind              Kind
 	}{
 		{"MODEL is not model", `{"MODEL":"m","prompt":"x"}`, "model", Completion},
 		{"overflow max_tokens", `{"model":"m","prompt":"x","max_tokens":9223372036854775807}`, "max_tokens", Completion},
