@@ -4,10 +4,8 @@ import (
 	"bytes"
 	"encoding/json"
 	"fmt"
-	"math/rand/v2"
 	"sort"
 	"strings"
-	"sync"
 
 	"github.com/kvgate/kvgate/internal/costmodel"
 )
@@ -89,63 +87,4 @@ func decodeParams(params map[string]any, dst any) error {
 		return fmt.Errorf("parameters: %w", err)
 	}
 	return nil
-}
-
-// rng is a seeded random source safe for concurrent use.
-type rng struct {
-	mu sync.Mutex
-	r  *rand.Rand
-}
-
-func newRNG(seed uint64) *rng {
-	return &rng{r: rand.New(rand.NewPCG(seed, 0x6b766761746521))}
-}
-
-func (g *rng) IntN(n int) int {
-	g.mu.Lock()
-	defer g.mu.Unlock()
-	return g.r.IntN(n)
-}
-
-func (g *rng) Float64() float64 {
-	g.mu.Lock()
-	defer g.mu.Unlock()
-	return g.r.Float64()
-}
-
-// healthy returns the positions (in replicas) of healthy replicas.
-func healthy(replicas []ReplicaView, buf []int) []int {
-	buf = buf[:0]
-	for i := range replicas {
-		if replicas[i].Healthy {
-			buf = append(buf, i)
-		}
-	}
-	return buf
-}
-
-// argBest returns the position of the best value among the candidate
-// positions (better(a, b) says a beats b strictly), ties broken uniformly at
-// random with reservoir sampling.
-func argBest(cands []int, val func(int) float64, lower bool, g *rng) int {
-	best, seen := -1, 0
-	var bv float64
-	for _, i := range cands {
-		v := val(i)
-		switch {
-		case best < 0 || (lower && v < bv) || (!lower && v > bv):
-			best, bv, seen = i, v, 1
-		case v == bv:
-			seen++
-			if g.IntN(seen) == 0 {
-				best = i
-			}
-		}
-	}
-	return best
-}
-
-// decide builds a Decision for position i.
-func decide(replicas []ReplicaView, i int, reason string, matched int, load float64) Decision {
-	return Decision{Replica: replicas[i].Index, Reason: reason, Matched: matched, Load: load}
 }

@@ -1,0 +1,68 @@
+package policy
+
+import (
+	"math/rand/v2"
+	"sync"
+)
+
+// rng is a seeded random source safe for concurrent use.
+type rng struct {
+	mu sync.Mutex
+	r  *rand.Rand
+}
+
+func newRNG(seed uint64) *rng {
+	return &rng{r: rand.New(rand.NewPCG(seed, 0x6b766761746521))}
+}
+
+func (g *rng) IntN(n int) int {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	return g.r.IntN(n)
+}
+
+func (g *rng) Float64() float64 {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	return g.r.Float64()
+}
+
+// healthy returns the positions (in replicas) of healthy replicas.
+func healthy(replicas []ReplicaView, buf []int) []int {
+	buf = buf[:0]
+	for i := range replicas {
+		if replicas[i].Healthy {
+			buf = append(buf, i)
+		}
+	}
+	return buf
+}
+
+// argBest returns the candidate in cands whose val is lowest (lower true)
+// or highest (lower false), or -1 when cands is empty. Candidates with
+// exactly the best value tie, and one of them is taken uniformly at random
+// by reservoir sampling: each tie after the first draws g.IntN(number of
+// ties so far) and takes the candidate on 0, so g is drawn from only on
+// ties. val must not return NaN.
+func argBest(cands []int, val func(int) float64, lower bool, g *rng) int {
+	best, seen := -1, 0
+	var bv float64
+	for _, i := range cands {
+		v := val(i)
+		switch {
+		case best < 0 || (lower && v < bv) || (!lower && v > bv):
+			best, bv, seen = i, v, 1
+		case v == bv:
+			seen++
+			if g.IntN(seen) == 0 {
+				best = i
+			}
+		}
+	}
+	return best
+}
+
+// decide builds a Decision for position i.
+func decide(replicas []ReplicaView, i int, reason string, matched int, load float64) Decision {
+	return Decision{Replica: replicas[i].Index, Reason: reason, Matched: matched, Load: load}
+}
