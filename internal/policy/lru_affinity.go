@@ -140,7 +140,7 @@ func init() {
 			return nil, err
 		}
 		if p.CacheCapacity < 1 || p.PrefixTokens < 1 {
-			return nil, fmt.Errorf("cache_capacity and prefix_tokens must be at least 1")
+			return nil, fmt.Errorf("%w: cache_capacity and prefix_tokens must be at least 1", ErrParam)
 		}
 		return &LRUAffinity{blockSize: o.BlockSize, prefix: max(1, p.PrefixTokens/o.BlockSize), capacity: p.CacheCapacity}, nil
 	})

@@ -107,35 +107,6 @@ func peerText(r *rand.Rand, family, n int) string {
 	return sb.String()[:n]
 }
 
-func TestPeersUnknownAndInvalidParams(t *testing.T) {
-	invalid := map[string]map[string]any{
-		"session":    {"vnodes": 0},
-		"prefix_key": {"key": "user"},
-		"chwbl":      {"load_factor": 0.5},
-		"sglang":     {"balance_rel_threshold": 0.9},
-		"dynamo":     {"temperature": -1},
-		"llmd":       {"block_size_chars": 0},
-		"preble":     {"window_secs": 0},
-		"score":      {"cache_weight": -1},
-		"precise":    {"prefix_weight": -3},
-	}
-	for _, name := range peerPolicies {
-		t.Run(name, func(t *testing.T) {
-			if _, err := New(name, Options{Params: map[string]any{"no_such_param": 1}}); err == nil ||
-				!strings.Contains(err.Error(), "no_such_param") {
-				t.Errorf("unknown parameter: err = %v, want one naming it", err)
-			}
-			if _, err := New(name, Options{Params: invalid[name]}); !errors.Is(err, ErrParam) {
-				t.Errorf("params %v: err = %v, want ErrParam", invalid[name], err)
-			}
-			p, err := New(name, Options{})
-			if err != nil || p.Name() != name {
-				t.Fatalf("New(%s) = %v, %v", name, p, err)
-			}
-		})
-	}
-}
-
 func TestPeersNoReplica(t *testing.T) {
 	down := peerViews(3)
 	for i := range down {

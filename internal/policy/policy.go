@@ -17,6 +17,11 @@ import (
 // ErrNoReplica is returned when no replica can take the request.
 var ErrNoReplica = errors.New("policy: no healthy replica")
 
+// ErrParam is wrapped by every error of a policy's factory about its
+// parameters: an unknown name, a value of the wrong type, or one out of its
+// range.
+var ErrParam = errors.New("invalid parameter")
+
 // Policy picks a replica for one request.
 type Policy interface {
 	Name() string

@@ -72,19 +72,20 @@ func Names() []string {
 const Default = "ttft"
 
 // decodeParams fills dst (a struct with json tags, holding the defaults)
-// from params, rejecting unknown names.
+// from params, rejecting unknown names and values of the wrong type with
+// ErrParam.
 func decodeParams(params map[string]any, dst any) error {
 	if len(params) == 0 {
 		return nil
 	}
 	raw, err := json.Marshal(params)
 	if err != nil {
-		return fmt.Errorf("parameters: %w", err)
+		return fmt.Errorf("%w: %w", ErrParam, err)
 	}
 	dec := json.NewDecoder(bytes.NewReader(raw))
 	dec.DisallowUnknownFields()
 	if err := dec.Decode(dst); err != nil {
-		return fmt.Errorf("parameters: %w", err)
+		return fmt.Errorf("%w: %w", ErrParam, err)
 	}
 	return nil
 }

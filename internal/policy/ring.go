@@ -1,17 +1,12 @@
 package policy
 
 import (
-	"errors"
 	"strconv"
 	"sync/atomic"
 	"unicode/utf8"
 
 	"github.com/cespare/xxhash/v2"
 )
-
-// ErrParam reports a policy parameter out of its range (an unknown name is
-// rejected by decodeParams before).
-var ErrParam = errors.New("invalid parameter")
 
 // defaultVNodes is the number of points per replica on a consistent-hash
 // ring: KubeAI's CHWBL replication (256), used by session and prefix_key too.

@@ -103,7 +103,7 @@ func init() {
 			return nil, err
 		}
 		if p.MarginRel < 0 || p.MarginMs < 0 || p.Alpha < 0 || p.Alpha > 1 || p.ReplicaAlpha < 0 || p.ReplicaAlpha > 1 || p.MaxCorrection < 1 || p.DecodeWeight < 0 || p.InterferenceWeight < 0 || p.EvictionWeight < 0 {
-			return nil, fmt.Errorf("need margin_rel ≥ 0, margin_ms ≥ 0, 0 ≤ correction_alpha ≤ 1, 0 ≤ replica_alpha ≤ 1, max_correction ≥ 1, decode_weight ≥ 0, interference_weight ≥ 0, eviction_weight ≥ 0")
+			return nil, fmt.Errorf("%w: need margin_rel ≥ 0, margin_ms ≥ 0, 0 ≤ correction_alpha ≤ 1, 0 ≤ replica_alpha ≤ 1, max_correction ≥ 1, decode_weight ≥ 0, interference_weight ≥ 0, eviction_weight ≥ 0", ErrParam)
 		}
 		return &TTFT{o: o, p: p, g: newRNG(o.Seed), relLog: map[int]float64{}, relFac: map[int]float64{}, fleetFac: 1, pending: map[uint64]pendEst{}}, nil
 	})
