@@ -60,8 +60,8 @@ func (p *Dynamo) cost(req *Request, v *ReplicaView) float64 {
 
 // Pick fills Scores with the costs (0 at unhealthy positions).
 func (p *Dynamo) Pick(req *Request, rs []ReplicaView) (Decision, error) {
-	var buf [64]int
-	c := healthy(rs, buf[:0])
+	var buf [scratchLen]int
+	c := healthy(rs, &buf)
 	if len(c) == 0 {
 		return Decision{}, ErrNoReplica
 	}

@@ -27,15 +27,30 @@ func (g *rng) Float64() float64 {
 	return g.r.Float64()
 }
 
-// healthy returns the positions (in replicas) of healthy replicas.
-func healthy(replicas []ReplicaView, buf []int) []int {
-	buf = buf[:0]
+// scratchLen is the length of the arrays Picks declare for per-replica
+// scratch slices: up to that many replicas, a decision allocates none.
+const scratchLen = 64
+
+// scratch returns buf[:n] when n ≤ len(buf), else a new slice of length n.
+// Callers declare buf as a local array (zero, so the slice is zero either
+// way); it stays on their stack as long as the slice does not escape.
+func scratch[T any](buf *[scratchLen]T, n int) []T {
+	if n <= len(buf) {
+		return buf[:n]
+	}
+	return make([]T, n)
+}
+
+// healthy returns the positions (in replicas) of healthy replicas, in buf
+// when they fit (see scratch).
+func healthy(replicas []ReplicaView, buf *[scratchLen]int) []int {
+	out := scratch(buf, len(replicas))[:0]
 	for i := range replicas {
 		if replicas[i].Healthy {
-			buf = append(buf, i)
+			out = append(out, i)
 		}
 	}
-	return buf
+	return out
 }
 
 // argBest returns the candidate in cands whose val is lowest (lower true)

@@ -142,8 +142,8 @@ func (l *LLMD) chunkHashes(dst []uint64, req *Request) []uint64 {
 }
 
 func (l *LLMD) Pick(req *Request, rs []ReplicaView) (Decision, error) {
-	var buf [64]int
-	c := healthy(rs, buf[:0])
+	var buf [scratchLen]int
+	c := healthy(rs, &buf)
 	if len(c) == 0 {
 		return Decision{}, ErrNoReplica
 	}

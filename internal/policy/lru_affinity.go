@@ -167,8 +167,8 @@ func (p *LRUAffinity) state(n int) *Affinity {
 }
 
 func (p *LRUAffinity) Pick(req *Request, rs []ReplicaView) (Decision, error) {
-	var buf [64]int
-	c := healthy(rs, buf[:0])
+	var buf [scratchLen]int
+	c := healthy(rs, &buf)
 	if len(c) == 0 {
 		return Decision{}, ErrNoReplica
 	}

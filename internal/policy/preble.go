@@ -178,8 +178,8 @@ func (p *Preble) loadMs(idx int, now int64) float64 {
 }
 
 func (p *Preble) Pick(req *Request, rs []ReplicaView) (Decision, error) {
-	var buf [64]int
-	c := healthy(rs, buf[:0])
+	var buf [scratchLen]int
+	c := healthy(rs, &buf)
 	if len(c) == 0 {
 		return Decision{}, ErrNoReplica
 	}
@@ -203,8 +203,8 @@ func (p *Preble) Pick(req *Request, rs []ReplicaView) (Decision, error) {
 		d.Scores = costs
 		return d, nil
 	}
-	var hbuf [64]int
-	holders := hbuf[:0]
+	var hbuf [scratchLen]int
+	holders := scratch(&hbuf, len(c))[:0]
 	for _, i := range c {
 		if rs[i].Match == best {
 			holders = append(holders, i)

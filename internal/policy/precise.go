@@ -28,17 +28,13 @@ var _ Policy = (*Precise)(nil)
 func (*Precise) Name() string { return "precise" }
 
 func (p *Precise) Pick(req *Request, rs []ReplicaView) (Decision, error) {
-	var buf [64]int
-	c := healthy(rs, buf[:0])
+	var buf [scratchLen]int
+	c := healthy(rs, &buf)
 	if len(c) == 0 {
 		return Decision{}, ErrNoReplica
 	}
-	var pbuf [64]float64
-	prefix := pbuf[:0]
-	if len(rs) > len(pbuf) {
-		prefix = make([]float64, len(rs))
-	}
-	prefix = prefix[:len(rs)]
+	var pbuf [scratchLen]float64
+	prefix := scratch(&pbuf, len(rs))
 	if n := len(req.Blocks); n > 0 {
 		for _, i := range c {
 			prefix[i] = float64(min(rs[i].Match, n)) / float64(n)

@@ -38,8 +38,8 @@ var _ Policy = (*Score)(nil)
 func (*Score) Name() string { return "score" }
 
 func (p *Score) Pick(req *Request, rs []ReplicaView) (Decision, error) {
-	var buf [64]int
-	c := healthy(rs, buf[:0])
+	var buf [scratchLen]int
+	c := healthy(rs, &buf)
 	if len(c) == 0 {
 		return Decision{}, ErrNoReplica
 	}

@@ -229,8 +229,8 @@ func runeBoundary(s string, n int) int {
 }
 
 func (s *SGLang) Pick(req *Request, rs []ReplicaView) (Decision, error) {
-	var buf [64]int
-	c := healthy(rs, buf[:0])
+	var buf [scratchLen]int
+	c := healthy(rs, &buf)
 	if len(c) == 0 {
 		return Decision{}, ErrNoReplica
 	}
@@ -240,12 +240,8 @@ func (s *SGLang) Pick(req *Request, rs []ReplicaView) (Decision, error) {
 	}
 
 	// depth[pos]: bytes of the text's head that replica pos holds.
-	var dbuf [64]int
-	depth := dbuf[:0]
-	if len(rs) > len(dbuf) {
-		depth = make([]int, len(rs))
-	}
-	depth = depth[:len(rs)]
+	var dbuf [scratchLen]int
+	depth := scratch(&dbuf, len(rs))
 	s.mu.RLock()
 	s.matchInto(req, rs, depth)
 	s.mu.RUnlock()

@@ -46,8 +46,8 @@ var _ Policy = (*Random)(nil)
 func (*Random) Name() string { return "random" }
 
 func (p *Random) Pick(_ *Request, rs []ReplicaView) (Decision, error) {
-	var buf [64]int
-	c := healthy(rs, buf[:0])
+	var buf [scratchLen]int
+	c := healthy(rs, &buf)
 	if len(c) == 0 {
 		return Decision{}, ErrNoReplica
 	}
@@ -63,8 +63,8 @@ var _ Policy = (*LeastLoad)(nil)
 func (*LeastLoad) Name() string { return "least_load" }
 
 func (p *LeastLoad) Pick(_ *Request, rs []ReplicaView) (Decision, error) {
-	var buf [64]int
-	c := healthy(rs, buf[:0])
+	var buf [scratchLen]int
+	c := healthy(rs, &buf)
 	if len(c) == 0 {
 		return Decision{}, ErrNoReplica
 	}
@@ -81,8 +81,8 @@ var _ Policy = (*P2C)(nil)
 func (*P2C) Name() string { return "p2c" }
 
 func (p *P2C) Pick(_ *Request, rs []ReplicaView) (Decision, error) {
-	var buf [64]int
-	c := healthy(rs, buf[:0])
+	var buf [scratchLen]int
+	c := healthy(rs, &buf)
 	switch len(c) {
 	case 0:
 		return Decision{}, ErrNoReplica

@@ -191,13 +191,10 @@ func (t *TTFT) Pick(req *Request, rs []ReplicaView) (Decision, error) {
 		}
 	}
 	scores := make([]float64, len(rs)) // estimated TTFT + decode and eviction costs, ms (returned)
-	var tbuf, cbuf [64]float64
-	var mbuf [64]int
-	ttfts, corrs, matched := tbuf[:0], cbuf[:0], mbuf[:0] // estimated TTFT (ms), its correction, blocks credited
-	if len(rs) > len(tbuf) {
-		ttfts, corrs, matched = make([]float64, 0, len(rs)), make([]float64, 0, len(rs)), make([]int, 0, len(rs))
-	}
-	ttfts, corrs, matched = ttfts[:len(rs)], corrs[:len(rs)], matched[:len(rs)]
+	var tbuf, cbuf [scratchLen]float64
+	var mbuf [scratchLen]int
+	// Estimated TTFT (ms), its correction, blocks credited.
+	ttfts, corrs, matched := scratch(&tbuf, len(rs)), scratch(&cbuf, len(rs)), scratch(&mbuf, len(rs))
 	best := math.Inf(1)
 	for i := range rs {
 		if !rs[i].Healthy {
