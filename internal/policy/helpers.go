@@ -3,6 +3,7 @@ package policy
 import (
 	"math/rand/v2"
 	"sync"
+	"unsafe"
 )
 
 // rng is a seeded random source safe for concurrent use.
@@ -81,3 +82,19 @@ func argBest(cands []int, val func(int) float64, lower bool, g *rng) int {
 func decide(replicas []ReplicaView, i int, reason string, matched int, load float64) Decision {
 	return Decision{Replica: replicas[i].Index, Reason: reason, Matched: matched, Load: load}
 }
+
+// posOf returns the position in rs of the replica in slot idx (-1: absent).
+func posOf(rs []ReplicaView, idx int) int {
+	if idx >= 0 && idx < len(rs) && rs[idx].Index == idx {
+		return idx
+	}
+	for i := range rs {
+		if rs[i].Index == idx {
+			return i
+		}
+	}
+	return -1
+}
+
+// strBytes views s as bytes without copying; the bytes must not be written.
+func strBytes(s string) []byte { return unsafe.Slice(unsafe.StringData(s), len(s)) }

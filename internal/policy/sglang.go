@@ -1,15 +1,12 @@
 package policy
 
 import (
-	"container/heap"
 	"encoding/binary"
 	"fmt"
 	"math/bits"
-	"strings"
 	"sync"
 	"time"
 	"unicode/utf8"
-	"unsafe"
 )
 
 func init() {
@@ -26,10 +23,7 @@ func init() {
 			return nil, fmt.Errorf("%w: need 0 ≤ cache_threshold ≤ 1, balance_abs_threshold ≥ 0, "+
 				"balance_rel_threshold ≥ 1, eviction_interval_secs ≥ 0, max_tree_size ≥ 1", ErrParam)
 		}
-		return &SGLang{
-			p: p, blockChars: 4 * o.BlockSize, g: newRNG(o.Seed),
-			roots: map[sgPartition]*sgNode{}, chars: map[int]int{},
-		}, nil
+		return &SGLang{p: p, blockChars: 4 * o.BlockSize, g: newRNG(o.Seed), tree: newSGTree()}, nil
 	})
 }
 
@@ -49,8 +43,9 @@ type sglangParams struct {
 
 // SGLang is the SGLang router's cache_aware policy.
 //
-// It keeps one approximate radix tree (a compressed trie over the
-// characters of the routed texts) shared by all replicas: each node records,
+// It keeps one approximate radix tree (sgTree, in sglang_tree.go: a
+// compressed trie over the characters of the routed texts) shared by all
+// replicas: each node records,
 // per tenant (replica slot) holding it, the last time a request routed there
 // passed through it. Because a routed text is inserted along its whole path,
 // a tenant holding a node holds all its ancestors, and eviction (least
@@ -79,8 +74,7 @@ type SGLang struct {
 	g          *rng
 
 	mu        sync.RWMutex
-	roots     map[sgPartition]*sgNode
-	chars     map[int]int // tenant → characters of the tree it holds
+	tree      sgTree
 	lastEvict time.Time
 	started   bool
 }
@@ -88,105 +82,9 @@ type SGLang struct {
 var _ Policy = (*SGLang)(nil)
 var _ Observer = (*SGLang)(nil)
 
-type sgPartition struct{ model, adapter, salt string }
-
-type sgNode struct {
-	text     string
-	parent   *sgNode
-	children []*sgNode
-	tenants  []sgStamp
-}
-
-// sgStamp is a tenant's last access to a node, in Unix nanoseconds of the
-// router's (possibly virtual) clock.
-type sgStamp struct {
-	tenant int
-	at     int64
-}
-
 func (*SGLang) Name() string { return "sglang" }
 
-func (n *sgNode) child(c byte) *sgNode {
-	for _, ch := range n.children {
-		if ch.text[0] == c {
-			return ch
-		}
-	}
-	return nil
-}
-
-func (n *sgNode) stamp(t int) int {
-	for k := range n.tenants {
-		if n.tenants[k].tenant == t {
-			return k
-		}
-	}
-	return -1
-}
-
-// commonPrefix is the length of the longest common prefix of a and b,
-// compared eight bytes at a time.
-func commonPrefix(a, b string) int {
-	n := min(len(a), len(b))
-	ab, bb := strBytes(a), strBytes(b)
-	i := 0
-	for ; i+8 <= n; i += 8 {
-		if x := binary.LittleEndian.Uint64(ab[i:]) ^ binary.LittleEndian.Uint64(bb[i:]); x != 0 {
-			return i + bits.TrailingZeros64(x)/8
-		}
-	}
-	for i < n && a[i] == b[i] {
-		i++
-	}
-	return i
-}
-
-// posOf returns the position in rs of the replica in slot idx (-1: absent).
-func posOf(rs []ReplicaView, idx int) int {
-	if idx >= 0 && idx < len(rs) && rs[idx].Index == idx {
-		return idx
-	}
-	for i := range rs {
-		if rs[i].Index == idx {
-			return i
-		}
-	}
-	return -1
-}
-
-// matchInto walks text down the tree and sets out[pos] to the number of
-// bytes of text matched by the deepest node that replica pos holds (partial
-// edges count their matched part, as SGLang's prefix_match does).
-func (s *SGLang) matchInto(req *Request, rs []ReplicaView, out []int) {
-	node := s.roots[sgPartition{req.Model, req.Adapter, req.Salt}]
-	if node == nil {
-		return
-	}
-	text, depth := req.Text, 0
-	for depth < len(text) {
-		ch := node.child(text[depth])
-		if ch == nil {
-			return
-		}
-		rest := text[depth:]
-		k := len(ch.text)
-		full := len(rest) >= k && rest[:k] == ch.text
-		if !full {
-			k = commonPrefix(ch.text, rest)
-		}
-		depth += k
-		// Ancestors were credited before; a tenant of ch goes deeper.
-		for _, st := range ch.tenants {
-			if i := posOf(rs, st.tenant); i >= 0 {
-				out[i] = depth
-			}
-		}
-		if !full {
-			return
-		}
-		node = ch
-	}
-}
+func partitionOf(req *Request) sgPartition { return sgPartition{req.Model, req.Adapter, req.Salt} }
 
 // countRunes counts the characters of UTF-8 text: the bytes that are not
 // continuation bytes (10xxxxxx), 32 bytes at a time (SWAR: bit 7 set and
@@ -216,9 +114,6 @@ func countRunes(s string) int {
 	return len(s) - cont
 }
 
-// strBytes views s as bytes without copying; the bytes must not be written.
-func strBytes(s string) []byte { return unsafe.Slice(unsafe.StringData(s), len(s)) }
-
 // runeBoundary backs a byte offset into s off to a character boundary, so
 // that a match ending inside a multi-byte character does not count it.
 func runeBoundary(s string, n int) int {
@@ -243,7 +138,11 @@ func (s *SGLang) Pick(req *Request, rs []ReplicaView) (Decision, error) {
 	var dbuf [scratchLen]int
 	depth := scratch(&dbuf, len(rs))
 	s.mu.RLock()
-	s.matchInto(req, rs, depth)
+	s.tree.match(partitionOf(req), req.Text, func(tenant, d int) {
+		if i := posOf(rs, tenant); i >= 0 {
+			depth[i] = d // deeper than its ancestors, visited before
+		}
+	})
 	s.mu.RUnlock()
 	deepest := 0
 	for _, i := range c {
@@ -314,147 +213,10 @@ func (s *SGLang) Observe(ev Event) {
 	if !s.started {
 		s.started, s.lastEvict = true, ev.At
 	}
-	s.insert(ev.Req, ev.Replica, at)
+	s.tree.insert(partitionOf(ev.Req), ev.Req.Text, ev.Replica, at)
 	interval := time.Duration(s.p.EvictionIntervalSecs * float64(time.Second))
-	if ev.At.Sub(s.lastEvict) >= interval || s.chars[ev.Replica] > s.p.HardCapChars {
-		s.evict()
+	if ev.At.Sub(s.lastEvict) >= interval || s.tree.chars[ev.Replica] > s.p.HardCapChars {
+		s.tree.evict(s.p.MaxTreeSize)
 		s.lastEvict = ev.At
 	}
-}
-
-func (s *SGLang) insert(req *Request, t int, at int64) {
-	part := sgPartition{req.Model, req.Adapter, req.Salt}
-	node := s.roots[part]
-	if node == nil {
-		node = &sgNode{}
-		s.roots[part] = node
-	}
-	text := req.Text
-	for len(text) > 0 {
-		ch := node.child(text[0])
-		if ch == nil {
-			// A new leaf: its own copy of the text, so that the tree never
-			// pins a request's (possibly much longer) prompt in memory.
-			leaf := &sgNode{text: strings.Clone(text), parent: node, tenants: []sgStamp{{t, at}}}
-			node.children = append(node.children, leaf)
-			s.chars[t] += len(text)
-			return
-		}
-		k := commonPrefix(ch.text, text)
-		if k < len(ch.text) {
-			// Split the edge at k: a new inner node takes the common part
-			// and the tenants of ch (they hold all of ch, so all of it).
-			// Both halves are copied so that neither pins the other.
-			mid := &sgNode{
-				text: strings.Clone(ch.text[:k]), parent: node, children: []*sgNode{ch},
-				tenants: append([]sgStamp(nil), ch.tenants...),
-			}
-			for j, x := range node.children {
-				if x == ch {
-					node.children[j] = mid
-				}
-			}
-			ch.text, ch.parent = strings.Clone(ch.text[k:]), mid
-			ch = mid
-		}
-		if j := ch.stamp(t); j >= 0 {
-			ch.tenants[j].at = at
-		} else {
-			ch.tenants = append(ch.tenants, sgStamp{t, at})
-			s.chars[t] += len(ch.text)
-		}
-		text = text[k:]
-		node = ch
-	}
-}
-
-// evict trims every tenant holding more than max_tree_size characters by
-// removing its least recently used leaves (nodes it holds where none of its
-// children is held by it), as SGLang's evict_tenant_by_size does: a node
-// left with no tenant leaves the tree, and a parent becoming the tenant's
-// leaf joins the queue.
-func (s *SGLang) evict() {
-	for t, n := range s.chars {
-		if n <= s.p.MaxTreeSize {
-			continue
-		}
-		var q sgHeap
-		for _, root := range s.roots {
-			collectLeaves(root, t, &q)
-		}
-		heap.Init(&q)
-		for s.chars[t] > s.p.MaxTreeSize && q.Len() > 0 {
-			it := heap.Pop(&q).(sgItem)
-			node := it.node
-			j := node.stamp(t)
-			node.tenants = append(node.tenants[:j], node.tenants[j+1:]...)
-			s.chars[t] -= len(node.text)
-			parent := node.parent
-			if len(node.tenants) == 0 && len(node.children) == 0 {
-				for k, x := range parent.children {
-					if x == node {
-						parent.children = append(parent.children[:k], parent.children[k+1:]...)
-						break
-					}
-				}
-				node.parent = nil
-			}
-			if parent.parent != nil { // not a partition root
-				if k := parent.stamp(t); k >= 0 && !heldBelow(parent, t) {
-					heap.Push(&q, sgItem{parent, parent.tenants[k].at})
-				}
-			}
-		}
-		if s.chars[t] == 0 {
-			delete(s.chars, t)
-		}
-	}
-	for part, root := range s.roots {
-		if len(root.children) == 0 {
-			delete(s.roots, part)
-		}
-	}
-}
-
-func heldBelow(n *sgNode, t int) bool {
-	for _, ch := range n.children {
-		if ch.stamp(t) >= 0 {
-			return true
-		}
-	}
-	return false
-}
-
-// collectLeaves adds t's leaves under n (n itself excluded) to q.
-func collectLeaves(n *sgNode, t int, q *sgHeap) {
-	for _, ch := range n.children {
-		k := ch.stamp(t)
-		if k < 0 {
-			continue // nested sets: nothing of t below either
-		}
-		if heldBelow(ch, t) {
-			collectLeaves(ch, t, q)
-		} else {
-			*q = append(*q, sgItem{ch, ch.tenants[k].at})
-		}
-	}
-}
-
-type sgItem struct {
-	node *sgNode
-	at   int64
-}
-
-// sgHeap is a min-heap of leaves by last access time.
-type sgHeap []sgItem
-
-func (h sgHeap) Len() int           { return len(h) }
-func (h sgHeap) Less(i, j int) bool { return h[i].at < h[j].at }
-func (h sgHeap) Swap(i, j int)      { h[i], h[j] = h[j], h[i] }
-func (h *sgHeap) Push(x any)        { *h = append(*h, x.(sgItem)) }
-func (h *sgHeap) Pop() any {
-	old := *h
-	it := old[len(old)-1]
-	*h = old[:len(old)-1]
-	return it
 }

@@ -196,10 +196,10 @@ func TestSGLangCharCounts(t *testing.T) {
 	sgRouted(p, rs, 0, pre+"yyyyyyyyyy", peerT0)
 	sgRouted(p, rs, 1, pre+"xxxxx", peerT0)
 	sgRouted(p, rs, 0, pre+"xxxxxxxxxx", peerT0) // again: nothing new
-	if got, want := p.chars[rs[0].Index], 50; got != want {
+	if got, want := p.tree.chars[rs[0].Index], 50; got != want {
 		t.Errorf("replica 0: %d chars, want %d", got, want)
 	}
-	if got, want := p.chars[rs[1].Index], 35; got != want {
+	if got, want := p.tree.chars[rs[1].Index], 35; got != want {
 		t.Errorf("replica 1: %d chars, want %d", got, want)
 	}
 }
@@ -241,7 +241,7 @@ func TestSGLangEviction(t *testing.T) {
 			for _, in := range c.ins {
 				sgRouted(p, rs, 0, texts[in.text], sec(in.at))
 			}
-			if got := p.chars[rs[0].Index]; got != c.chars {
+			if got := p.tree.chars[rs[0].Index]; got != c.chars {
 				t.Errorf("chars %d, want %d", got, c.chars)
 			}
 			for i, text := range texts {
@@ -268,7 +268,7 @@ func TestSGLangEvictionKeepsSharedPrefix(t *testing.T) {
 	sgRouted(p, rs, 0, pre+strings.Repeat("x", 20), peerT0)
 	sgRouted(p, rs, 0, pre+strings.Repeat("y", 20), peerT0.Add(time.Second))
 	sgRouted(p, rs, 1, "other", peerT0.Add(11*time.Second)) // runs the eviction
-	if got := p.chars[rs[0].Index]; got != 60 {
+	if got := p.tree.chars[rs[0].Index]; got != 60 {
 		t.Fatalf("chars %d, want 60 (the x leaf evicted)", got)
 	}
 	_, d := peerPick(t, p, peerReq(1, pre+strings.Repeat("y", 20), peerT0), rs)
@@ -282,8 +282,8 @@ func TestSGLangEvictionKeepsSharedPrefix(t *testing.T) {
 
 	q := peerNew(t, "sglang", map[string]any{"max_tree_size": 1, "eviction_interval_secs": 0}).(*SGLang)
 	sgRouted(q, rs, 0, "abcdef", peerT0)
-	if len(q.roots) != 0 || len(q.chars) != 0 {
-		t.Fatalf("after evicting everything: %d roots, chars %v", len(q.roots), q.chars)
+	if len(q.tree.roots) != 0 || len(q.tree.chars) != 0 {
+		t.Fatalf("after evicting everything: %d roots, chars %v", len(q.tree.roots), q.tree.chars)
 	}
 }
 
