@@ -11,6 +11,7 @@ import (
 
 	"github.com/kvgate/kvgate/internal/costmodel"
 	"github.com/kvgate/kvgate/internal/prompt"
+	"github.com/kvgate/kvgate/internal/testutil"
 )
 
 // fast is a fleet config whose requests finish in well under a second.
@@ -53,7 +54,7 @@ func TestCompletionsNonStreamed(t *testing.T) {
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
-			got := decodeCompletion(t, post(t, c, url+tc.path, tc.body))
+			got := decodeCompletion(t, testutil.Post(t, c, url+tc.path, tc.body))
 			if got.Object != tc.wantObject || got.Model != "sim-llama-8b" || len(got.Choices) != 1 {
 				t.Fatalf("object %q model %q choices %d", got.Object, got.Model, len(got.Choices))
 			}
@@ -93,8 +94,8 @@ func TestOutputLengths(t *testing.T) {
 	stops := 0
 	for i := range 60 {
 		body := fmt.Sprintf(`{"model":"sim-llama-8b","prompt":"question %d","max_tokens":300}`, i)
-		a := decodeCompletion(t, post(t, c, f.URLs()[0]+"/v1/completions", body))
-		b := decodeCompletion(t, post(t, c, f.URLs()[1]+"/v1/completions", body))
+		a := decodeCompletion(t, testutil.Post(t, c, f.URLs()[0]+"/v1/completions", body))
+		b := decodeCompletion(t, testutil.Post(t, c, f.URLs()[1]+"/v1/completions", body))
 		if a.Choices[0].Text != b.Choices[0].Text || a.Usage.CompletionTokens != b.Usage.CompletionTokens {
 			t.Fatalf("request %d: replicas answered differently", i)
 		}
@@ -117,7 +118,7 @@ func TestOutputLengths(t *testing.T) {
 	}
 	// Capped: a tiny max_tokens always ends by length.
 	for i := range 10 {
-		got := decodeCompletion(t, post(t, c, f.URLs()[0]+"/v1/completions",
+		got := decodeCompletion(t, testutil.Post(t, c, f.URLs()[0]+"/v1/completions",
 			fmt.Sprintf(`{"model":"sim-llama-8b","prompt":"q%d","max_tokens":2}`, i)))
 		if got.Usage.CompletionTokens != 2 || got.Choices[0].FinishReason != "length" {
 			t.Errorf("max_tokens 2: %d tokens, %q", got.Usage.CompletionTokens, got.Choices[0].FinishReason)
@@ -131,7 +132,7 @@ func TestBatchAndN(t *testing.T) {
 	p0, p1 := words("one", 40), words("two", 70)
 	body := `{"model":"sim-llama-8b","prompt":[` + jsonString(p0) + `,` + jsonString(p1) +
 		`],"n":2,"max_tokens":4,"ignore_eos":true}`
-	got := decodeCompletion(t, post(t, c, f.URLs()[0]+"/v1/completions", body))
+	got := decodeCompletion(t, testutil.Post(t, c, f.URLs()[0]+"/v1/completions", body))
 	if len(got.Choices) != 4 {
 		t.Fatalf("%d choices, want 4", len(got.Choices))
 	}
@@ -144,7 +145,7 @@ func TestBatchAndN(t *testing.T) {
 		t.Errorf("usage %+v, want 110 prompt and 16 completion tokens", got.Usage)
 	}
 	// Token-id prompts are counted as given.
-	got = decodeCompletion(t, post(t, c, f.URLs()[0]+"/v1/completions",
+	got = decodeCompletion(t, testutil.Post(t, c, f.URLs()[0]+"/v1/completions",
 		`{"model":"sim-llama-8b","prompt":[[1,2,3],[4,5]],"max_tokens":1}`))
 	if len(got.Choices) != 2 || got.Usage.PromptTokens != 5 {
 		t.Errorf("token-id batch: %d choices, usage %+v", len(got.Choices), got.Usage)
@@ -186,9 +187,9 @@ func TestRequestErrors(t *testing.T) {
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
-			r := post(t, c, url+tc.path, tc.body)
-			if r.status != tc.status {
-				t.Fatalf("status %d, want %d: %s", r.status, tc.status, r.body)
+			r := testutil.Post(t, c, url+tc.path, tc.body)
+			if r.Status != tc.status {
+				t.Fatalf("status %d, want %d: %s", r.Status, tc.status, r.Body)
 			}
 			var e struct {
 				Error struct {
@@ -198,8 +199,8 @@ func TestRequestErrors(t *testing.T) {
 					Code    *string `json:"code"`
 				} `json:"error"`
 			}
-			if err := json.Unmarshal(r.body, &e); err != nil || e.Error.Message == "" || e.Error.Type == "" {
-				t.Fatalf("not an OpenAI error: %s", r.body)
+			if err := json.Unmarshal([]byte(r.Body), &e); err != nil || e.Error.Message == "" || e.Error.Type == "" {
+				t.Fatalf("not an OpenAI error: %s", r.Body)
 			}
 			if tc.code != "" && (e.Error.Code == nil || *e.Error.Code != tc.code) {
 				t.Errorf("code %v, want %q", e.Error.Code, tc.code)
@@ -212,8 +213,8 @@ func TestRequestErrors(t *testing.T) {
 			}
 		})
 	}
-	if r := get(t, c, url+"/v1/completions"); r.status != http.StatusMethodNotAllowed {
-		t.Errorf("GET /v1/completions: %d", r.status)
+	if r := get(t, c, url+"/v1/completions"); r.Status != http.StatusMethodNotAllowed {
+		t.Errorf("GET /v1/completions: %d", r.Status)
 	}
 }
 
@@ -223,8 +224,8 @@ func TestModelsHealthTokenize(t *testing.T) {
 	f := startFleet(t, cfg)
 	c := testClient(t)
 	url := f.URLs()[0]
-	if r := get(t, c, url+"/health"); r.status != 200 {
-		t.Errorf("/health %d", r.status)
+	if r := get(t, c, url+"/health"); r.Status != 200 {
+		t.Errorf("/health %d", r.Status)
 	}
 	var models struct {
 		Object string `json:"object"`
@@ -235,7 +236,7 @@ func TestModelsHealthTokenize(t *testing.T) {
 			MaxModelLen int     `json:"max_model_len"`
 		} `json:"data"`
 	}
-	if err := json.Unmarshal(get(t, c, url+"/v1/models").body, &models); err != nil {
+	if err := json.Unmarshal([]byte(get(t, c, url+"/v1/models").Body), &models); err != nil {
 		t.Fatal(err)
 	}
 	if models.Object != "list" || len(models.Data) != 2 || models.Data[0].ID != "sim-llama-8b" ||
@@ -244,7 +245,7 @@ func TestModelsHealthTokenize(t *testing.T) {
 	}
 
 	msgs := `[{"role":"system","content":"be brief"},{"role":"user","content":"hello there, how are you?"}]`
-	chat := decodeCompletion(t, post(t, c, url+"/v1/chat/completions",
+	chat := decodeCompletion(t, testutil.Post(t, c, url+"/v1/chat/completions",
 		`{"model":"sim-llama-8b","messages":`+msgs+`,"max_tokens":1}`))
 	tests := []struct {
 		name, body string
@@ -257,22 +258,22 @@ func TestModelsHealthTokenize(t *testing.T) {
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
-			r := post(t, c, url+"/tokenize", tc.body)
+			r := testutil.Post(t, c, url+"/tokenize", tc.body)
 			var tok struct {
 				Count       int      `json:"count"`
 				MaxModelLen int      `json:"max_model_len"`
 				Tokens      []uint32 `json:"tokens"`
 			}
-			if r.status != 200 || json.Unmarshal(r.body, &tok) != nil {
-				t.Fatalf("%d %s", r.status, r.body)
+			if r.Status != 200 || json.Unmarshal([]byte(r.Body), &tok) != nil {
+				t.Fatalf("%d %s", r.Status, r.Body)
 			}
 			if tok.Count != tc.want || len(tok.Tokens) != tc.want || tok.MaxModelLen != DefaultMaxModelLen {
 				t.Errorf("got %+v, want count %d", tok, tc.want)
 			}
 		})
 	}
-	if r := post(t, c, url+"/tokenize", `{"model":"nope","prompt":"x"}`); r.status != 404 {
-		t.Errorf("tokenize unknown model: %d", r.status)
+	if r := testutil.Post(t, c, url+"/tokenize", `{"model":"nope","prompt":"x"}`); r.Status != 404 {
+		t.Errorf("tokenize unknown model: %d", r.Status)
 	}
 }
 
@@ -289,7 +290,7 @@ func TestPrefixCacheHit(t *testing.T) {
 	var ttfts []float64
 	prev := 0.0
 	for i := range 3 {
-		got := decodeCompletion(t, post(t, c, url+"/v1/completions", body))
+		got := decodeCompletion(t, testutil.Post(t, c, url+"/v1/completions", body))
 		cached := got.Usage.PromptTokensDetails.CachedTokens
 		want := 0
 		if i > 0 {
@@ -310,7 +311,7 @@ func TestPrefixCacheHit(t *testing.T) {
 		t.Errorf("TTFT %v: the cached request is not much faster", ttfts)
 	}
 	// Another partition (cache_salt, adapter) never hits.
-	salted := decodeCompletion(t, post(t, c, url+"/v1/completions",
+	salted := decodeCompletion(t, testutil.Post(t, c, url+"/v1/completions",
 		strings.Replace(body, `"max_tokens":1`, `"max_tokens":1,"cache_salt":"s"`, 1)))
 	if salted.Usage.PromptTokensDetails.CachedTokens != 0 {
 		t.Errorf("salted request hit %d tokens", salted.Usage.PromptTokensDetails.CachedTokens)
@@ -329,8 +330,8 @@ func TestMetricsContract(t *testing.T) {
 	f := startFleet(t, cfg)
 	c := testClient(t)
 	url := f.URLs()[0]
-	decodeCompletion(t, post(t, c, url+"/v1/completions", `{"model":"sim-llama-8b","prompt":"hi there","max_tokens":3,"ignore_eos":true}`))
-	decodeCompletion(t, post(t, c, url+"/v1/completions", `{"model":"sim-llama-8b","prompt":"hi there","max_tokens":500}`))
+	decodeCompletion(t, testutil.Post(t, c, url+"/v1/completions", `{"model":"sim-llama-8b","prompt":"hi there","max_tokens":3,"ignore_eos":true}`))
+	decodeCompletion(t, testutil.Post(t, c, url+"/v1/completions", `{"model":"sim-llama-8b","prompt":"hi there","max_tokens":500}`))
 	fams := scrape(t, c, url)
 	for _, name := range ContractMetrics {
 		f := fams[name]
@@ -412,7 +413,7 @@ func TestAdapterPartition(t *testing.T) {
 	c := testClient(t)
 	text := jsonString(words("lor", 300))
 	send := func(model string) completion {
-		return decodeCompletion(t, post(t, c, f.URLs()[0]+"/v1/completions",
+		return decodeCompletion(t, testutil.Post(t, c, f.URLs()[0]+"/v1/completions",
 			`{"model":"`+model+`","prompt":`+text+`,"max_tokens":1}`))
 	}
 	tests := []struct {

@@ -7,6 +7,7 @@ import (
 	"slices"
 	"time"
 
+	"github.com/kvgate/kvgate/internal/clock"
 	"github.com/kvgate/kvgate/internal/costmodel"
 	"github.com/kvgate/kvgate/internal/engine"
 	"github.com/kvgate/kvgate/internal/kvevents"
@@ -90,8 +91,11 @@ type Config struct {
 	// DefaultMaxLag.
 	MaxLag time.Duration
 
-	// Clock is the wall clock of the drivers and faults; default the real one.
-	Clock Clock
+	// Clock is the wall clock of the drivers and faults; default
+	// clock.Real(). The engine never reads one: the driver converts wall
+	// time to virtual time and passes it in, so tests drive a replica with a
+	// clock.Fake.
+	Clock clock.Clock
 }
 
 // Faults injects failures for reliability testing. Every draw comes from a
@@ -161,9 +165,7 @@ func (c Config) withDefaults() Config {
 	if c.MaxLag == 0 {
 		c.MaxLag = DefaultMaxLag
 	}
-	if c.Clock == nil {
-		c.Clock = RealClock{}
-	}
+	c.Clock = clock.OrReal(c.Clock)
 	return c
 }
 

@@ -4,19 +4,20 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvgate/kvgate/internal/clock"
 	"github.com/kvgate/kvgate/internal/costmodel"
+	"github.com/kvgate/kvgate/internal/testutil"
 )
 
-// waitTimer polls until the fake clock has exactly one armed timer and
-// returns its offset from now.
-func waitTimer(t *testing.T, clk *fakeClock) time.Duration {
-	t.Helper()
-	var p []time.Duration
-	eventually(t, 10*time.Second, "an armed timer", func() bool {
-		p = clk.Pending()
-		return len(p) == 1
-	})
-	return p[0]
+// advanceLate moves the clock by d while the replica's driver cannot run:
+// its timer fires at its deadline, and the driver, woken, sees the clock
+// already d on, as a driver whose timer wakes it late does. (clock.Fake
+// fires a timer with Now at the timer's deadline; holding the replica's lock
+// keeps the driver from reading the clock before Advance is over.)
+func advanceLate(r *Replica, clk *clock.Fake, d time.Duration) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	clk.Advance(d)
 }
 
 // The driver paces steps by the (fake) wall clock: a step's outputs are
@@ -32,8 +33,8 @@ func TestDriverPacing(t *testing.T) {
 	prof := costmodel.MustLookup(costmodel.Default)
 	const n = 1000
 	body := `{"model":"sim-llama-8b","prompt":` + jsonString(words("pac", n)) + `,"max_tokens":4,"ignore_eos":true}`
-	done := make(chan resp, 1)
-	go func() { done <- post(t, c, url+"/v1/completions", body) }()
+	done := make(chan testutil.Response, 1)
+	go func() { done <- testutil.Post(t, c, url+"/v1/completions", body) }()
 
 	wall := func(v time.Duration) time.Duration { return v / 2 } // time scale 2
 	d1 := prof.PrefillTime(n, 0, 8192)
@@ -55,7 +56,7 @@ func TestDriverPacing(t *testing.T) {
 		t.Fatal("first token not delivered at the step's end")
 	}
 	late := 3 * time.Millisecond
-	clk.Advance(wall(d2) + late)
+	advanceLate(f.Replicas()[0], clk, wall(d2)+late)
 	// Within MaxLag: step 3 starts at step 2's end, so it waits late less.
 	d3 := prof.StepTime(costmodel.Step{Tokens: 1, DecodeCtx: n + 2})
 	if got := waitTimer(t, clk); got != wall(d3)-late {
@@ -63,7 +64,7 @@ func TestDriverPacing(t *testing.T) {
 	}
 	// Beyond MaxLag (5 ms): step 4 starts at the wall clock minus MaxLag.
 	later := 30 * time.Millisecond
-	clk.Advance(wall(d3) - late + later)
+	advanceLate(f.Replicas()[0], clk, wall(d3)-late+later)
 	d4 := prof.StepTime(costmodel.Step{Tokens: 1, DecodeCtx: n + 3})
 	if got := waitTimer(t, clk); got != wall(d4)-DefaultMaxLag {
 		t.Fatalf("fourth step waits %v, want %v", got, wall(d4)-DefaultMaxLag)
@@ -93,11 +94,11 @@ func TestDriverBatchesArrivals(t *testing.T) {
 	body := func(tag string) string {
 		return `{"model":"sim-llama-8b","prompt":` + jsonString(words(tag, 100)) + `,"max_tokens":2,"ignore_eos":true}`
 	}
-	done := make(chan resp, 2)
-	go func() { done <- post(t, c, url+"/v1/completions", body("aaa")) }()
+	done := make(chan testutil.Response, 2)
+	go func() { done <- testutil.Post(t, c, url+"/v1/completions", body("aaa")) }()
 	d1 := waitTimer(t, clk)
-	go func() { done <- post(t, c, url+"/v1/completions", body("bbb")) }()
-	eventually(t, 10*time.Second, "the second request queued", func() bool {
+	go func() { done <- testutil.Post(t, c, url+"/v1/completions", body("bbb")) }()
+	testutil.Eventually(t, 10*time.Second, "the second request queued", func() bool {
 		return f.Replicas()[0].Stats().Waiting == 1
 	})
 	clk.Advance(d1)

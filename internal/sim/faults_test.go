@@ -9,6 +9,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/kvgate/kvgate/internal/testutil"
 )
 
 const smallBody = `{"model":"sim-llama-8b","prompt":"fault injection","max_tokens":3,"ignore_eos":true}`
@@ -16,15 +18,15 @@ const smallBody = `{"model":"sim-llama-8b","prompt":"fault injection","max_token
 // streamBody is long enough (5000 steps) that the cut always comes first.
 const streamBody = `{"model":"sim-llama-8b","prompt":"fault injection","max_tokens":5000,"ignore_eos":true,"stream":true}`
 
-func errorType(t *testing.T, r resp) string {
+func errorType(t *testing.T, r testutil.Response) string {
 	t.Helper()
 	var e struct {
 		Error struct {
 			Type string `json:"type"`
 		} `json:"error"`
 	}
-	if err := json.Unmarshal(r.body, &e); err != nil {
-		t.Fatalf("not an OpenAI error body: %s", r.body)
+	if err := json.Unmarshal([]byte(r.Body), &e); err != nil {
+		t.Fatalf("not an OpenAI error body: %s", r.Body)
 	}
 	return e.Error.Type
 }
@@ -36,15 +38,15 @@ func TestFaultErrorRateAndReplicas(t *testing.T) {
 	cfg.FaultReplicas = []int{1}
 	f := startFleet(t, cfg)
 	c := testClient(t)
-	if r := post(t, c, f.URLs()[0]+"/v1/completions", smallBody); r.status != 200 {
-		t.Errorf("replica 0 (no faults): %d", r.status)
+	if r := testutil.Post(t, c, f.URLs()[0]+"/v1/completions", smallBody); r.Status != 200 {
+		t.Errorf("replica 0 (no faults): %d", r.Status)
 	}
-	r := post(t, c, f.URLs()[1]+"/v1/completions", smallBody)
-	if r.status != 500 || errorType(t, r) != "server_error" {
-		t.Errorf("replica 1: %d %s", r.status, r.body)
+	r := testutil.Post(t, c, f.URLs()[1]+"/v1/completions", smallBody)
+	if r.Status != 500 || errorType(t, r) != "server_error" {
+		t.Errorf("replica 1: %d %s", r.Status, r.Body)
 	}
-	if r := get(t, c, f.URLs()[1]+"/health"); r.status != 200 {
-		t.Errorf("an error rate does not fail /health: %d", r.status)
+	if r := get(t, c, f.URLs()[1]+"/health"); r.Status != 200 {
+		t.Errorf("an error rate does not fail /health: %d", r.Status)
 	}
 }
 
@@ -58,7 +60,7 @@ func TestFaultErrorRateSeeded(t *testing.T) {
 		c := testClient(t)
 		var out []bool
 		for range 120 {
-			out = append(out, post(t, c, f.URLs()[0]+"/v1/completions", smallBody).status == 500)
+			out = append(out, testutil.Post(t, c, f.URLs()[0]+"/v1/completions", smallBody).Status == 500)
 		}
 		return out
 	}
@@ -84,13 +86,13 @@ func TestFaultFailAfter(t *testing.T) {
 	c := testClient(t)
 	url := f.URLs()[0]
 	for i, want := range []int{200, 200, 503, 503} {
-		if r := post(t, c, url+"/v1/chat/completions",
-			`{"model":"sim-llama-8b","messages":[{"role":"user","content":"x"}],"max_tokens":1}`); r.status != want {
-			t.Errorf("request %d: %d, want %d", i, r.status, want)
+		if r := testutil.Post(t, c, url+"/v1/chat/completions",
+			`{"model":"sim-llama-8b","messages":[{"role":"user","content":"x"}],"max_tokens":1}`); r.Status != want {
+			t.Errorf("request %d: %d, want %d", i, r.Status, want)
 		}
 	}
-	if r := get(t, c, url+"/health"); r.status != 503 {
-		t.Errorf("/health after failing: %d", r.status)
+	if r := get(t, c, url+"/health"); r.Status != 503 {
+		t.Errorf("/health after failing: %d", r.Status)
 	}
 }
 
@@ -101,30 +103,31 @@ func TestFaultStall(t *testing.T) {
 	cfg := Config{Clock: clk, Seed: 1, Faults: Faults{StallRate: 1, Stall: 10 * time.Second}}
 	f := startFleet(t, cfg)
 	c := testClient(t)
-	done := make(chan resp, 1)
-	go func() { done <- post(t, c, f.URLs()[0]+"/v1/completions", smallBody) }()
+	done := make(chan testutil.Response, 1)
+	go func() { done <- testutil.Post(t, c, f.URLs()[0]+"/v1/completions", smallBody) }()
 	if got := waitTimer(t, clk); got != 10*time.Second {
 		t.Fatalf("stall timer %v", got)
 	}
 	clk.Advance(10*time.Second - time.Millisecond)
 	select {
 	case r := <-done:
-		t.Fatalf("answered %d before the stall ended", r.status)
+		t.Fatalf("answered %d before the stall ended", r.Status)
 	default:
 	}
 	clk.Advance(time.Millisecond)
-	for {
+	var r testutil.Response
+	testutil.Eventually(t, 10*time.Second, "the answer", func() bool {
 		select {
-		case r := <-done:
-			decodeCompletion(t, r)
-			return
+		case r = <-done:
+			return true
 		default:
 		}
 		if p := clk.Pending(); len(p) == 1 {
 			clk.Advance(p[0]) // the engine's steps
 		}
-		time.Sleep(time.Millisecond) // polling interval
-	}
+		return false
+	})
+	decodeCompletion(t, r)
 }
 
 func TestFaultDie(t *testing.T) {
@@ -148,7 +151,7 @@ func TestFaultDie(t *testing.T) {
 		strings.Contains(string(body), `"finish_reason":"length"`) {
 		t.Errorf("stream body %q", body)
 	}
-	eventually(t, 10*time.Second, "the abort", func() bool {
+	testutil.Eventually(t, 10*time.Second, "the abort", func() bool {
 		n, _ := metricValue(scrape(t, c, url), MetricRequestSuccess, map[string]string{"finished_reason": "abort"})
 		return n == 1
 	})
@@ -169,14 +172,14 @@ func TestFaultRefuse(t *testing.T) {
 	c := testClient(t)
 	url := f.URLs()[0]
 	addr := strings.TrimPrefix(url, "http://")
-	if r := get(t, c, url+"/health"); r.status != 200 {
-		t.Fatalf("/health %d", r.status)
+	if r := get(t, c, url+"/health"); r.Status != 200 {
+		t.Fatalf("/health %d", r.Status)
 	}
 	if got := waitTimer(t, clk); got != time.Second {
 		t.Fatalf("refuse timer %v", got)
 	}
 	clk.Advance(time.Second)
-	eventually(t, 10*time.Second, "connections refused", func() bool {
+	testutil.Eventually(t, 10*time.Second, "connections refused", func() bool {
 		conn, err := net.Dial("tcp", addr)
 		if err == nil {
 			conn.Close()
@@ -192,7 +195,7 @@ func TestFaultRefuse(t *testing.T) {
 		t.Fatalf("reopen timer %v", got)
 	}
 	clk.Advance(2 * time.Second)
-	eventually(t, 10*time.Second, "the replica back", func() bool {
+	testutil.Eventually(t, 10*time.Second, "the replica back", func() bool {
 		r, err := c.Get(url + "/health")
 		if err != nil {
 			return false

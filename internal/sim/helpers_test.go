@@ -2,13 +2,11 @@ package sim
 
 import (
 	"bufio"
-	"bytes"
 	"context"
 	"encoding/json"
 	"io"
 	"net/http"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -16,6 +14,9 @@ import (
 	"github.com/prometheus/common/expfmt"
 	"github.com/prometheus/common/model"
 	"go.uber.org/goleak"
+
+	"github.com/kvgate/kvgate/internal/clock"
+	"github.com/kvgate/kvgate/internal/testutil"
 )
 
 func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
@@ -45,26 +46,7 @@ func testClient(t testing.TB) *http.Client {
 	return &http.Client{Transport: tr, Timeout: 30 * time.Second}
 }
 
-type resp struct {
-	status int
-	body   []byte
-}
-
-func post(t testing.TB, c *http.Client, url, body string) resp {
-	t.Helper()
-	r, err := c.Post(url, "application/json", strings.NewReader(body))
-	if err != nil {
-		t.Fatalf("POST %s: %v", url, err)
-	}
-	defer r.Body.Close()
-	b, err := io.ReadAll(r.Body)
-	if err != nil {
-		t.Fatalf("POST %s: read: %v", url, err)
-	}
-	return resp{r.StatusCode, b}
-}
-
-func get(t testing.TB, c *http.Client, url string) resp {
+func get(t testing.TB, c *http.Client, url string) testutil.Response {
 	t.Helper()
 	r, err := c.Get(url)
 	if err != nil {
@@ -72,7 +54,7 @@ func get(t testing.TB, c *http.Client, url string) resp {
 	}
 	defer r.Body.Close()
 	b, _ := io.ReadAll(r.Body)
-	return resp{r.StatusCode, b}
+	return testutil.Response{Status: r.StatusCode, Header: r.Header, Body: string(b)}
 }
 
 // completion is the non-streamed answer, both kinds.
@@ -99,23 +81,23 @@ type completion struct {
 	} `json:"usage"`
 }
 
-func decodeCompletion(t testing.TB, r resp) completion {
+func decodeCompletion(t testing.TB, r testutil.Response) completion {
 	t.Helper()
-	if r.status != http.StatusOK {
-		t.Fatalf("status %d: %s", r.status, r.body)
+	if r.Status != http.StatusOK {
+		t.Fatalf("status %d: %s", r.Status, r.Body)
 	}
 	var c completion
-	if err := json.Unmarshal(r.body, &c); err != nil {
-		t.Fatalf("decode %s: %v", r.body, err)
+	if err := json.Unmarshal([]byte(r.Body), &c); err != nil {
+		t.Fatalf("decode %s: %v", r.Body, err)
 	}
 	return c
 }
 
 // sseEvents splits an SSE body into its data payloads.
-func sseEvents(t testing.TB, body []byte) []string {
+func sseEvents(t testing.TB, body string) []string {
 	t.Helper()
 	var out []string
-	sc := bufio.NewScanner(bytes.NewReader(body))
+	sc := bufio.NewScanner(strings.NewReader(body))
 	sc.Buffer(make([]byte, 1<<20), 1<<20)
 	for sc.Scan() {
 		line := sc.Text()
@@ -135,11 +117,11 @@ func sseEvents(t testing.TB, body []byte) []string {
 func scrape(t testing.TB, c *http.Client, url string) map[string]*dto.MetricFamily {
 	t.Helper()
 	r := get(t, c, url+"/metrics")
-	if r.status != http.StatusOK {
-		t.Fatalf("/metrics: %d", r.status)
+	if r.Status != http.StatusOK {
+		t.Fatalf("/metrics: %d", r.Status)
 	}
 	p := expfmt.NewTextParser(model.LegacyValidation)
-	fams, err := p.TextToMetricFamilies(bytes.NewReader(r.body))
+	fams, err := p.TextToMetricFamilies(strings.NewReader(r.Body))
 	if err != nil {
 		t.Fatalf("parse /metrics: %v", err)
 	}
@@ -185,96 +167,17 @@ func histCount(fams map[string]*dto.MetricFamily, name string) uint64 {
 	return f.GetMetric()[0].Histogram.GetSampleCount()
 }
 
-// eventually polls cond until it holds or the deadline passes.
-func eventually(t testing.TB, d time.Duration, what string, cond func() bool) {
+// waitTimer waits until the fake clock has exactly one armed timer and
+// returns its offset from now.
+func waitTimer(t *testing.T, clk *clock.Fake) time.Duration {
 	t.Helper()
-	deadline := time.Now().Add(d)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out waiting for %s", what)
-		}
-		time.Sleep(2 * time.Millisecond) // polling interval, not a wait for an event
-	}
+	var p []time.Duration
+	testutil.Eventually(t, 10*time.Second, "an armed timer", func() bool {
+		p = clk.Pending()
+		return len(p) == 1
+	})
+	return p[0]
 }
 
-// fakeClock is a manual Clock: time moves only by Advance.
-type fakeClock struct {
-	mu     sync.Mutex
-	now    time.Time
-	timers map[*fakeTimer]struct{}
-}
-
-func newFakeClock() *fakeClock {
-	return &fakeClock{now: time.Unix(1_700_000_000, 0), timers: make(map[*fakeTimer]struct{})}
-}
-
-type fakeTimer struct {
-	c  *fakeClock
-	ch chan time.Time
-	at time.Time
-}
-
-func (c *fakeClock) Now() time.Time {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	return c.now
-}
-
-func (c *fakeClock) NewTimer(d time.Duration) Timer {
-	t := &fakeTimer{c: c, ch: make(chan time.Time, 1)}
-	t.Reset(d)
-	return t
-}
-
-func (t *fakeTimer) C() <-chan time.Time { return t.ch }
-
-func (t *fakeTimer) Reset(d time.Duration) {
-	t.c.mu.Lock()
-	defer t.c.mu.Unlock()
-	t.drain()
-	t.at = t.c.now.Add(d)
-	if d <= 0 {
-		t.ch <- t.c.now
-		delete(t.c.timers, t)
-		return
-	}
-	t.c.timers[t] = struct{}{}
-}
-
-func (t *fakeTimer) Stop() {
-	t.c.mu.Lock()
-	defer t.c.mu.Unlock()
-	t.drain()
-	delete(t.c.timers, t)
-}
-
-func (t *fakeTimer) drain() {
-	select {
-	case <-t.ch:
-	default:
-	}
-}
-
-// Advance moves time forward and fires the timers that are due.
-func (c *fakeClock) Advance(d time.Duration) {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	c.now = c.now.Add(d)
-	for t := range c.timers {
-		if !t.at.After(c.now) {
-			t.ch <- c.now
-			delete(c.timers, t)
-		}
-	}
-}
-
-// Pending are the deadlines of the armed timers, as offsets from now.
-func (c *fakeClock) Pending() []time.Duration {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	var out []time.Duration
-	for t := range c.timers {
-		out = append(out, t.at.Sub(c.now))
-	}
-	return out
-}
+// newFakeClock is the fake wall clock of the replicas under test.
+func newFakeClock() *clock.Fake { return clock.NewFake(time.Time{}) }

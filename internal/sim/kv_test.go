@@ -9,6 +9,7 @@ import (
 
 	"github.com/kvgate/kvgate/internal/kvevents"
 	"github.com/kvgate/kvgate/internal/prompt"
+	"github.com/kvgate/kvgate/internal/testutil"
 )
 
 // kvLog collects a replica's KV events from its ZMQ publisher.
@@ -80,7 +81,7 @@ func TestKVEvents(t *testing.T) {
 			rep := f.Replicas()[0]
 			c := testClient(t)
 			send := func(text string) {
-				decodeCompletion(t, post(t, c, rep.URL()+"/v1/completions",
+				decodeCompletion(t, testutil.Post(t, c, rep.URL()+"/v1/completions",
 					`{"model":"sim-llama-8b","prompt":`+jsonString(text)+`,"max_tokens":1}`))
 			}
 			l := subscribeKV(t, rep)

@@ -13,6 +13,7 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 
+	"github.com/kvgate/kvgate/internal/clock"
 	"github.com/kvgate/kvgate/internal/costmodel"
 	"github.com/kvgate/kvgate/internal/engine"
 	"github.com/kvgate/kvgate/internal/kvevents"
@@ -25,7 +26,7 @@ type Replica struct {
 	idx    int
 	cfg    Config // the fleet's, defaults filled
 	faults Faults
-	clock  Clock
+	clock  clock.Clock
 	start  time.Time // wall time of virtual time 0
 	scale  float64
 

@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/kvgate/kvgate/internal/prompt"
+	"github.com/kvgate/kvgate/internal/testutil"
 )
 
 type chunk struct {
@@ -63,11 +64,11 @@ func TestStreamFormat(t *testing.T) {
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
-			r := post(t, c, url+tc.path, tc.body)
-			if r.status != 200 {
-				t.Fatalf("status %d: %s", r.status, r.body)
+			r := testutil.Post(t, c, url+tc.path, tc.body)
+			if r.Status != 200 {
+				t.Fatalf("status %d: %s", r.Status, r.Body)
 			}
-			evs := sseEvents(t, r.body)
+			evs := sseEvents(t, r.Body)
 			if evs[len(evs)-1] != "[DONE]" {
 				t.Fatalf("last event %q", evs[len(evs)-1])
 			}
@@ -174,7 +175,7 @@ func TestAbortOnDisconnect(t *testing.T) {
 	}
 	cancel()
 	r.Body.Close()
-	eventually(t, 10*time.Second, "the abort", func() bool {
+	testutil.Eventually(t, 10*time.Second, "the abort", func() bool {
 		fams := scrape(t, c, url)
 		aborted, _ := metricValue(fams, MetricRequestSuccess, map[string]string{"finished_reason": "abort"})
 		running, _ := metricValue(fams, MetricRunning, nil)
