@@ -1,6 +1,8 @@
 package policy
 
 import (
+	"cmp"
+	"slices"
 	"strconv"
 	"sync/atomic"
 	"unicode/utf8"
@@ -19,7 +21,7 @@ const defaultVNodes = 256
 // immutable once built.
 type hashRing struct {
 	members []ringMember // the replicas it was built over, in Pick's order
-	points  []ringPoint  // sorted by hash, then by position
+	points  []ringPoint  // sorted by comparePoints: hash, then position
 }
 
 type ringMember struct {
@@ -60,38 +62,19 @@ func buildRing(rs []ReplicaView, vnodes int) *hashRing {
 			r.points = append(r.points, ringPoint{hash: d.Sum64(), pos: int32(i)})
 		}
 	}
-	sortPoints(r.points)
+	slices.SortFunc(r.points, comparePoints)
 	return r
 }
 
-// sortPoints sorts by (hash, pos): a heap sort, allocation free and
-// deterministic (equal hashes, astronomically rare, order by position).
-func sortPoints(p []ringPoint) {
-	less := func(a, b ringPoint) bool { return a.hash < b.hash || (a.hash == b.hash && a.pos < b.pos) }
-	n := len(p)
-	sift := func(root, end int) {
-		for {
-			child := 2*root + 1
-			if child >= end {
-				return
-			}
-			if child+1 < end && less(p[child], p[child+1]) {
-				child++
-			}
-			if !less(p[root], p[child]) {
-				return
-			}
-			p[root], p[child] = p[child], p[root]
-			root = child
-		}
+// comparePoints orders ring points by hash, then by position. Equal
+// hashes are astronomically rare; with the position as well, the order is
+// total (two points equal in both are the same value), so the ring does not
+// depend on the sort algorithm.
+func comparePoints(a, b ringPoint) int {
+	if c := cmp.Compare(a.hash, b.hash); c != 0 {
+		return c
 	}
-	for i := n/2 - 1; i >= 0; i-- {
-		sift(i, n)
-	}
-	for end := n - 1; end > 0; end-- {
-		p[0], p[end] = p[end], p[0]
-		sift(0, end)
-	}
+	return cmp.Compare(a.pos, b.pos)
 }
 
 // matches reports whether the ring was built over exactly these replicas.

@@ -2,6 +2,7 @@ package policy
 
 import (
 	"fmt"
+	"slices"
 	"sort"
 	"strconv"
 	"strings"
@@ -210,5 +211,21 @@ func TestPrefixKey(t *testing.T) {
 	}
 	if len(seen) != len(rs) {
 		t.Errorf("60 heads reached %d of %d replicas", len(seen), len(rs))
+	}
+}
+
+// TestRingPointsOrder: a ring's points are sorted by hash, and points of
+// equal hash (forced here) by position, whatever order they were built in.
+func TestRingPointsOrder(t *testing.T) {
+	rs := peerViews(16)
+	r := buildRing(rs, defaultVNodes)
+	if len(r.points) != 16*defaultVNodes || !slices.IsSortedFunc(r.points, comparePoints) {
+		t.Fatalf("%d points, sorted %v", len(r.points), slices.IsSortedFunc(r.points, comparePoints))
+	}
+	pts := []ringPoint{{7, 3}, {5, 2}, {7, 1}, {5, 9}, {7, 2}}
+	slices.SortFunc(pts, comparePoints)
+	want := []ringPoint{{5, 2}, {5, 9}, {7, 1}, {7, 2}, {7, 3}}
+	if !slices.Equal(pts, want) {
+		t.Fatalf("sorted %v, want %v", pts, want)
 	}
 }
