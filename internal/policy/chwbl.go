@@ -4,14 +4,14 @@ import "fmt"
 
 func init() {
 	register("chwbl", func(o Options) (Policy, error) {
-		p := chwblParams{LoadFactor: 1.25, PrefixChars: 100, VNodes: defaultVNodes}
-		if err := decodeParams(o.Params, &p); err != nil {
+		params := chwblParams{LoadFactor: 1.25, PrefixChars: 100, VNodes: defaultVNodes}
+		if err := decodeParams(o.Params, &params); err != nil {
 			return nil, err
 		}
-		if p.LoadFactor < 1 || p.PrefixChars < 1 || p.VNodes < 1 {
+		if params.LoadFactor < 1 || params.PrefixChars < 1 || params.VNodes < 1 {
 			return nil, fmt.Errorf("%w: need load_factor ≥ 1, prefix_chars ≥ 1, vnodes ≥ 1", ErrParam)
 		}
-		return &CHWBL{p: p, ring: ringCache{vnodes: p.VNodes}}, nil
+		return &CHWBL{params: params, ring: ringCache{vnodes: params.VNodes}}, nil
 	})
 }
 
@@ -34,8 +34,8 @@ type chwblParams struct {
 // queueing on one replica; if every replica is over the bound, the first
 // one met takes it.
 type CHWBL struct {
-	p    chwblParams
-	ring ringCache
+	params chwblParams
+	ring   ringCache
 }
 
 var _ Policy = (*CHWBL)(nil)
@@ -53,8 +53,8 @@ func (p *CHWBL) Pick(req *Request, rs []ReplicaView) (Decision, error) {
 	if n == 0 {
 		return Decision{}, ErrNoReplica
 	}
-	bound := float64(total+1) / float64(n) * p.p.LoadFactor
-	first, i := p.ring.get(rs).walk(hashKey(headRunes(req.KeyText, p.p.PrefixChars), req.Adapter), rs,
+	bound := float64(total+1) / float64(n) * p.params.LoadFactor
+	first, i := p.ring.get(rs).walk(hashKey(headRunes(req.KeyText, p.params.PrefixChars), req.Adapter), rs,
 		func(pos int) bool { return float64(rs[pos].InFlight) <= bound })
 	reason := "ring successor within the load bound"
 	switch {

@@ -7,14 +7,14 @@ import (
 
 func init() {
 	register("dynamo", func(o Options) (Policy, error) {
-		p := dynamoParams{OverlapWeight: 1}
-		if err := decodeParams(o.Params, &p); err != nil {
+		params := dynamoParams{OverlapWeight: 1}
+		if err := decodeParams(o.Params, &params); err != nil {
 			return nil, err
 		}
-		if p.OverlapWeight < 0 || p.Temperature < 0 || math.IsNaN(p.OverlapWeight+p.Temperature) {
+		if params.OverlapWeight < 0 || params.Temperature < 0 || math.IsNaN(params.OverlapWeight+params.Temperature) {
 			return nil, fmt.Errorf("%w: overlap_score_weight and temperature must be ≥ 0", ErrParam)
 		}
-		return &Dynamo{p: p, blockSize: float64(o.BlockSize), g: newRNG(o.Seed)}, nil
+		return &Dynamo{params: params, blockSize: float64(o.BlockSize), g: newRNG(o.Seed)}, nil
 	})
 }
 
@@ -41,7 +41,7 @@ type dynamoParams struct {
 // prefix index instead (ReplicaView.Match: approximate from routing, or
 // precise when KV events feed it), so that every policy sees the same index.
 type Dynamo struct {
-	p         dynamoParams
+	params    dynamoParams
 	blockSize float64
 	g         *rng
 }
@@ -53,7 +53,7 @@ func (*Dynamo) Name() string { return "dynamo" }
 // cost is the Dynamo cost of sending req to v, in blocks.
 func (p *Dynamo) cost(req *Request, v *ReplicaView) float64 {
 	prefill := float64(v.PendingPrefill+req.Tokens) / p.blockSize
-	credit := float64(v.Match) * p.p.OverlapWeight
+	credit := float64(v.Match) * p.params.OverlapWeight
 	decode := float64(v.InFlightTokens+req.Tokens) / p.blockSize
 	return max(prefill-credit, 0) + decode
 }
@@ -73,7 +73,7 @@ func (p *Dynamo) Pick(req *Request, rs []ReplicaView) (Decision, error) {
 	}
 	var i int
 	reason := "lowest prefill + decode cost"
-	if p.p.Temperature > 0 {
+	if p.params.Temperature > 0 {
 		i, reason = p.sample(c, costs, lo, hi), "sampled by cost (softmax)"
 	} else {
 		i = argBest(c, func(i int) float64 { return costs[i] }, true, p.g)
@@ -88,7 +88,7 @@ func (p *Dynamo) sample(c []int, costs []float64, lo, hi float64) int {
 	if hi == lo {
 		return c[p.g.IntN(len(c))]
 	}
-	scale := (hi - lo) * p.p.Temperature
+	scale := (hi - lo) * p.params.Temperature
 	sum := 0.0
 	for _, i := range c {
 		sum += math.Exp(-(costs[i] - lo) / scale)

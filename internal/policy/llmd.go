@@ -10,28 +10,28 @@ import (
 
 func init() {
 	register("llmd", func(o Options) (Policy, error) {
-		p := llmdParams{
+		params := llmdParams{
 			scorerWeights:   defaultScorerWeights,
 			BlockSizeChars:  64,
 			MaxPrefixBlocks: 256,
 			LRUCapacity:     31250,
 		}
-		if err := decodeParams(o.Params, &p); err != nil {
+		if err := decodeParams(o.Params, &params); err != nil {
 			return nil, err
 		}
-		if err := p.scorerWeights.validate(); err != nil {
+		if err := params.scorerWeights.validate(); err != nil {
 			return nil, err
 		}
-		if p.BlockSizeChars < 1 || p.MaxPrefixBlocks < 1 || p.LRUCapacity < 1 {
+		if params.BlockSizeChars < 1 || params.MaxPrefixBlocks < 1 || params.LRUCapacity < 1 {
 			return nil, fmt.Errorf("%w: block_size_chars, max_prefix_blocks and lru_capacity_per_server must be at least 1", ErrParam)
 		}
-		ix, err := prefixindex.New(prefixindex.Config{BlocksPerReplica: p.LRUCapacity})
+		ix, err := prefixindex.New(prefixindex.Config{BlocksPerReplica: params.LRUCapacity})
 		if err != nil {
 			return nil, err
 		}
-		l := &LLMD{p: p, blockChars: 4 * o.BlockSize, g: newRNG(o.Seed), ix: ix}
+		l := &LLMD{params: params, blockChars: 4 * o.BlockSize, g: newRNG(o.Seed), ix: ix}
 		l.scratch.New = func() any {
-			return &llmdScratch{hashes: make([]uint64, 0, p.MaxPrefixBlocks)}
+			return &llmdScratch{hashes: make([]uint64, 0, params.MaxPrefixBlocks)}
 		}
 		return l, nil
 	})
@@ -111,7 +111,7 @@ type llmdParams struct {
 // the request's chunks when the request is Routed. Prefix score = leading
 // chunks the replica holds / chunks of the prompt.
 type LLMD struct {
-	p          llmdParams
+	params     llmdParams
 	blockChars int // characters per Request block (approximate tokenizer)
 	g          *rng
 	ix         *prefixindex.Index
@@ -133,8 +133,8 @@ func (*LLMD) Name() string { return "llmd" }
 // max_prefix_blocks of them. The text is hashed in place.
 func (l *LLMD) chunkHashes(dst []uint64, req *Request) []uint64 {
 	h := prompt.RootOf("llmd", prompt.Key{Model: req.Model, Adapter: req.Adapter, Salt: req.Salt})
-	bs, text := l.p.BlockSizeChars, req.Text
-	for off := 0; off+bs <= len(text) && len(dst) < l.p.MaxPrefixBlocks; off += bs {
+	bs, text := l.params.BlockSizeChars, req.Text
+	for off := 0; off+bs <= len(text) && len(dst) < l.params.MaxPrefixBlocks; off += bs {
 		h = prompt.Chain(h, strBytes(text[off:off+bs]))
 		dst = append(dst, h)
 	}
@@ -162,11 +162,11 @@ func (l *LLMD) Pick(req *Request, rs []ReplicaView) (Decision, error) {
 		}
 	}
 	scores := make([]float64, len(rs))
-	i := l.p.weightedScores(rs, c, prefix, scores, l.g)
+	i := l.params.weightedScores(rs, c, prefix, scores, l.g)
 	matched := 0
 	if idx := rs[i].Index; idx >= 0 && idx < len(sc.match) {
 		// Chunks to Request blocks (4 characters per token).
-		matched = sc.match[idx] * l.p.BlockSizeChars / l.blockChars
+		matched = sc.match[idx] * l.params.BlockSizeChars / l.blockChars
 	}
 	d := decide(rs, i, "max weighted queue + kv-cache + prefix score", matched, float64(rs[i].InFlight))
 	d.Scores = scores

@@ -135,14 +135,15 @@ type lruAffinityParams struct {
 
 func init() {
 	register("lru_affinity", func(o Options) (Policy, error) {
-		p := lruAffinityParams{CacheCapacity: 1024, PrefixTokens: 256}
-		if err := decodeParams(o.Params, &p); err != nil {
+		params := lruAffinityParams{CacheCapacity: 1024, PrefixTokens: 256}
+		if err := decodeParams(o.Params, &params); err != nil {
 			return nil, err
 		}
-		if p.CacheCapacity < 1 || p.PrefixTokens < 1 {
+		if params.CacheCapacity < 1 || params.PrefixTokens < 1 {
 			return nil, fmt.Errorf("%w: cache_capacity and prefix_tokens must be at least 1", ErrParam)
 		}
-		return &LRUAffinity{blockSize: o.BlockSize, prefix: max(1, p.PrefixTokens/o.BlockSize), capacity: p.CacheCapacity}, nil
+		prefix := max(1, params.PrefixTokens/o.BlockSize)
+		return &LRUAffinity{blockSize: o.BlockSize, prefix: prefix, capacity: params.CacheCapacity}, nil
 	})
 }
 

@@ -8,19 +8,20 @@ import (
 
 func init() {
 	register("preble", func(o Options) (Policy, error) {
-		p := prebleParams{WindowSecs: 180, RebalanceRatio: 1.5, MaxTracked: 1 << 16, DefaultOutputTokens: 128}
-		if err := decodeParams(o.Params, &p); err != nil {
+		params := prebleParams{WindowSecs: 180, RebalanceRatio: 1.5, MaxTracked: 1 << 16, DefaultOutputTokens: 128}
+		if err := decodeParams(o.Params, &params); err != nil {
 			return nil, err
 		}
-		if !(p.WindowSecs >= 1) || p.WindowSecs > 86400 || !(p.RebalanceRatio >= 1) || p.MaxTracked < 1 || p.DefaultOutputTokens < 1 {
+		if !(params.WindowSecs >= 1) || params.WindowSecs > 86400 || !(params.RebalanceRatio >= 1) ||
+			params.MaxTracked < 1 || params.DefaultOutputTokens < 1 {
 			return nil, fmt.Errorf("%w: need 1 ≤ window_secs ≤ 86400, rebalance_ratio ≥ 1, max_tracked ≥ 1, "+
 				"default_output_tokens ≥ 1", ErrParam)
 		}
 		return &Preble{
-			p: p, blockSize: o.BlockSize, c1: o.Profile.C1, c3: o.Profile.C3,
-			buckets: int(math.Ceil(p.WindowSecs)), g: newRNG(o.Seed),
+			params: params, blockSize: o.BlockSize, c1: o.Profile.C1, c3: o.Profile.C3,
+			buckets: int(math.Ceil(params.WindowSecs)), g: newRNG(o.Seed),
 			replicas: map[int]*prebleReplica{}, inflight: map[uint64]prebleReq{},
-			meanOut: float64(p.DefaultOutputTokens),
+			meanOut: float64(params.DefaultOutputTokens),
 		}, nil
 	})
 }
@@ -61,7 +62,7 @@ type prebleParams struct {
 // without Done (a lost completion). Preble's eviction-cost term is left out:
 // the router's index does not model eviction.
 type Preble struct {
-	p         prebleParams
+	params    prebleParams
 	blockSize int
 	c1, c3    float64 // ms per token, ms per context token (decode attention)
 	buckets   int
@@ -212,7 +213,7 @@ func (p *Preble) Pick(req *Request, rs []ReplicaView) (Decision, error) {
 	}
 	i := argBest(holders, cost, true, p.g)
 	reason := "exploit: least load cost among the longest-prefix holders"
-	if costs[i] > p.p.RebalanceRatio*costs[least] {
+	if costs[i] > p.params.RebalanceRatio*costs[least] {
 		i, reason = least, "rebalance: prefix holder overloaded, least load cost replicates it"
 	}
 	d := decide(rs, i, reason, rs[i].Match, costs[i])
@@ -249,7 +250,7 @@ func (p *Preble) Observe(ev Event) {
 		if old, ok := p.inflight[ev.Req.ID]; ok { // re-routed (retry)
 			p.untrack(ev.Req.ID, old)
 		}
-		if len(p.inflight) < p.p.MaxTracked {
+		if len(p.inflight) < p.params.MaxTracked {
 			p.inflight[ev.Req.ID] = prebleReq{replica: ev.Replica, decodeMs: work, routedS: now}
 			r.decode += work
 			r.n++

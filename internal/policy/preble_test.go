@@ -82,8 +82,8 @@ func TestPrebleLoadCost(t *testing.T) {
 			if math.Abs(d.Scores[1]-c.cost) > 1e-9 || d.Scores[0] != 0 {
 				t.Fatalf("costs %v, want [0 %v]", d.Scores, c.cost)
 			}
-			if pp := p.(*Preble); len(pp.inflight) > pp.p.MaxTracked {
-				t.Fatalf("%d tracked, max %d", len(pp.inflight), pp.p.MaxTracked)
+			if pp := p.(*Preble); len(pp.inflight) > pp.params.MaxTracked {
+				t.Fatalf("%d tracked, max %d", len(pp.inflight), pp.params.MaxTracked)
 			}
 		})
 	}

@@ -4,17 +4,17 @@ import "fmt"
 
 func init() {
 	register("prefix_key", func(o Options) (Policy, error) {
-		p := prefixKeyParams{PrefixChars: 20, Key: "prompt", VNodes: defaultVNodes}
-		if err := decodeParams(o.Params, &p); err != nil {
+		params := prefixKeyParams{PrefixChars: 20, Key: "prompt", VNodes: defaultVNodes}
+		if err := decodeParams(o.Params, &params); err != nil {
 			return nil, err
 		}
-		if p.PrefixChars < 1 || p.VNodes < 1 {
+		if params.PrefixChars < 1 || params.VNodes < 1 {
 			return nil, fmt.Errorf("%w: prefix_chars and vnodes must be at least 1", ErrParam)
 		}
-		if p.Key != "prompt" && p.Key != "system" {
-			return nil, fmt.Errorf("%w: key must be \"prompt\" or \"system\", not %q", ErrParam, p.Key)
+		if params.Key != "prompt" && params.Key != "system" {
+			return nil, fmt.Errorf("%w: key must be \"prompt\" or \"system\", not %q", ErrParam, params.Key)
 		}
-		return &PrefixKey{p: p, ring: ringCache{vnodes: p.VNodes}}, nil
+		return &PrefixKey{params: params, ring: ringCache{vnodes: params.VNodes}}, nil
 	})
 }
 
@@ -33,8 +33,8 @@ type prefixKeyParams struct {
 // prompt). It is the cheapest prefix affinity there is, and blind to load: a
 // hot prefix stays on one replica whatever its queue.
 type PrefixKey struct {
-	p    prefixKeyParams
-	ring ringCache
+	params prefixKeyParams
+	ring   ringCache
 }
 
 var _ Policy = (*PrefixKey)(nil)
@@ -42,8 +42,8 @@ var _ Policy = (*PrefixKey)(nil)
 func (*PrefixKey) Name() string { return "prefix_key" }
 
 func (p *PrefixKey) Pick(req *Request, rs []ReplicaView) (Decision, error) {
-	key, reason := headRunes(req.Text, p.p.PrefixChars), "consistent hash of the prompt's head"
-	if p.p.Key == "system" && req.System != "" {
+	key, reason := headRunes(req.Text, p.params.PrefixChars), "consistent hash of the prompt's head"
+	if p.params.Key == "system" && req.System != "" {
 		key, reason = req.System, "consistent hash of the system prompt"
 	}
 	_, i := p.ring.get(rs).walk(hashKey(key), rs, nil)

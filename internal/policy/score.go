@@ -4,14 +4,14 @@ import "fmt"
 
 func init() {
 	register("score", func(o Options) (Policy, error) {
-		p := scoreParams{CacheWeight: 1, LoadWeight: 1}
-		if err := decodeParams(o.Params, &p); err != nil {
+		params := scoreParams{CacheWeight: 1, LoadWeight: 1}
+		if err := decodeParams(o.Params, &params); err != nil {
 			return nil, err
 		}
-		if !(p.CacheWeight >= 0 && p.LoadWeight >= 0) {
+		if !(params.CacheWeight >= 0 && params.LoadWeight >= 0) {
 			return nil, fmt.Errorf("%w: cache_weight and load_weight must be ≥ 0", ErrParam)
 		}
-		return &Score{p: p, g: newRNG(o.Seed)}, nil
+		return &Score{params: params, g: newRNG(o.Seed)}, nil
 	})
 }
 
@@ -29,8 +29,8 @@ type scoreParams struct {
 // the highest score wins, ties at random. Both terms lie in [0,1], so the
 // weights say directly how many points of load a full cache hit outweighs.
 type Score struct {
-	p scoreParams
-	g *rng
+	params scoreParams
+	g      *rng
 }
 
 var _ Policy = (*Score)(nil)
@@ -57,7 +57,7 @@ func (p *Score) Pick(req *Request, rs []ReplicaView) (Decision, error) {
 		if maxLoad > 0 {
 			load = 1 - float64(rs[i].InFlight)/float64(maxLoad)
 		}
-		scores[i] = p.p.CacheWeight*cache + p.p.LoadWeight*load
+		scores[i] = p.params.CacheWeight*cache + p.params.LoadWeight*load
 	}
 	i := argBest(c, func(i int) float64 { return scores[i] }, false, p.g)
 	d := decide(rs, i, "max weighted cache + load score", min(rs[i].Match, n), float64(rs[i].InFlight))

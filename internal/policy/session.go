@@ -4,14 +4,14 @@ import "fmt"
 
 func init() {
 	register("session", func(o Options) (Policy, error) {
-		p := sessionParams{VNodes: defaultVNodes}
-		if err := decodeParams(o.Params, &p); err != nil {
+		params := sessionParams{VNodes: defaultVNodes}
+		if err := decodeParams(o.Params, &params); err != nil {
 			return nil, err
 		}
-		if p.VNodes < 1 {
+		if params.VNodes < 1 {
 			return nil, fmt.Errorf("%w: vnodes must be at least 1", ErrParam)
 		}
-		return &Session{ring: ringCache{vnodes: p.VNodes}, ll: LeastLoad{g: newRNG(o.Seed)}}, nil
+		return &Session{ring: ringCache{vnodes: params.VNodes}, ll: LeastLoad{g: newRNG(o.Seed)}}, nil
 	})
 }
 

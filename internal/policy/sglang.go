@@ -11,19 +11,19 @@ import (
 
 func init() {
 	register("sglang", func(o Options) (Policy, error) {
-		p := sglangParams{
+		params := sglangParams{
 			CacheThreshold: 0.5, BalanceAbs: 32, BalanceRel: 1.1,
 			EvictionIntervalSecs: 30, MaxTreeSize: 10000, HardCapChars: 1 << 24,
 		}
-		if err := decodeParams(o.Params, &p); err != nil {
+		if err := decodeParams(o.Params, &params); err != nil {
 			return nil, err
 		}
-		if p.CacheThreshold < 0 || p.CacheThreshold > 1 || p.BalanceAbs < 0 || p.BalanceRel < 1 ||
-			p.EvictionIntervalSecs < 0 || p.MaxTreeSize < 1 || p.HardCapChars < p.MaxTreeSize {
+		if params.CacheThreshold < 0 || params.CacheThreshold > 1 || params.BalanceAbs < 0 || params.BalanceRel < 1 ||
+			params.EvictionIntervalSecs < 0 || params.MaxTreeSize < 1 || params.HardCapChars < params.MaxTreeSize {
 			return nil, fmt.Errorf("%w: need 0 ≤ cache_threshold ≤ 1, balance_abs_threshold ≥ 0, "+
 				"balance_rel_threshold ≥ 1, eviction_interval_secs ≥ 0, max_tree_size ≥ 1", ErrParam)
 		}
-		return &SGLang{p: p, blockChars: 4 * o.BlockSize, g: newRNG(o.Seed), tree: newSGTree()}, nil
+		return &SGLang{params: params, blockChars: 4 * o.BlockSize, g: newRNG(o.Seed), tree: newSGTree()}, nil
 	})
 }
 
@@ -69,7 +69,7 @@ type sglangParams struct {
 // Trees are kept per cache partition (model, adapter, salt), as SGLang keeps
 // one per model: a prefix cached under another adapter is no hit.
 type SGLang struct {
-	p          sglangParams
+	params     sglangParams
 	blockChars int
 	g          *rng
 
@@ -159,9 +159,9 @@ func (s *SGLang) Pick(req *Request, rs []ReplicaView) (Decision, error) {
 	var i int
 	var reason string
 	switch {
-	case float64(maxL-minL) > float64(s.p.BalanceAbs) && float64(maxL) > float64(minL)*s.p.BalanceRel:
+	case float64(maxL-minL) > float64(s.params.BalanceAbs) && float64(maxL) > float64(minL)*s.params.BalanceRel:
 		i, reason = s.leastLoaded(rs, c, depth, -1), "imbalanced: least loaded"
-	case rate > s.p.CacheThreshold:
+	case rate > s.params.CacheThreshold:
 		i, reason = s.leastLoaded(rs, c, depth, deepest), "match rate over the threshold: holder of the deepest match"
 	default:
 		i, reason = s.leastLoaded(rs, c, depth, -1), "match rate under the threshold: least loaded"
@@ -192,7 +192,7 @@ func (s *SGLang) leastLoaded(rs []ReplicaView, c []int, depth []int, want int) i
 		switch {
 		case best < 0 || rs[i].InFlight < rs[best].InFlight:
 			best, seen = i, 1
-		case rs[i].InFlight == rs[best].InFlight && s.p.RandomTies:
+		case rs[i].InFlight == rs[best].InFlight && s.params.RandomTies:
 			seen++
 			if s.g.IntN(seen) == 0 {
 				best = i
@@ -214,9 +214,9 @@ func (s *SGLang) Observe(ev Event) {
 		s.started, s.lastEvict = true, ev.At
 	}
 	s.tree.insert(partitionOf(ev.Req), ev.Req.Text, ev.Replica, at)
-	interval := time.Duration(s.p.EvictionIntervalSecs * float64(time.Second))
-	if ev.At.Sub(s.lastEvict) >= interval || s.tree.chars[ev.Replica] > s.p.HardCapChars {
-		s.tree.evict(s.p.MaxTreeSize)
+	interval := time.Duration(s.params.EvictionIntervalSecs * float64(time.Second))
+	if ev.At.Sub(s.lastEvict) >= interval || s.tree.chars[ev.Replica] > s.params.HardCapChars {
+		s.tree.evict(s.params.MaxTreeSize)
 		s.lastEvict = ev.At
 	}
 }

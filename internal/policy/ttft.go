@@ -36,9 +36,9 @@ import (
 // prefill a holder saves, another replica's estimate wins, and that replica
 // becomes a second holder of the prefix.
 type TTFT struct {
-	o Options
-	p ttftParams
-	g *rng
+	o      Options
+	params ttftParams
+	g      *rng
 
 	mu         sync.Mutex
 	fleetLog   float64            // EWMA of log(observed/predicted TTFT), all replicas
@@ -98,14 +98,24 @@ func init() {
 	// by up to 4× is 96% learned after 30 first tokens); interference_weight 0
 	// (no gain seen).
 	register("ttft", func(o Options) (Policy, error) {
-		p := ttftParams{MarginRel: 0.2, MarginMs: 2, Alpha: 0.1, ReplicaAlpha: 0.02, MaxCorrection: 4, DecodeWeight: 1, InterferenceWeight: 0, EvictionWeight: 2}
-		if err := decodeParams(o.Params, &p); err != nil {
+		params := ttftParams{
+			MarginRel: 0.2, MarginMs: 2, Alpha: 0.1, ReplicaAlpha: 0.02, MaxCorrection: 4,
+			DecodeWeight: 1, InterferenceWeight: 0, EvictionWeight: 2,
+		}
+		if err := decodeParams(o.Params, &params); err != nil {
 			return nil, err
 		}
-		if p.MarginRel < 0 || p.MarginMs < 0 || p.Alpha < 0 || p.Alpha > 1 || p.ReplicaAlpha < 0 || p.ReplicaAlpha > 1 || p.MaxCorrection < 1 || p.DecodeWeight < 0 || p.InterferenceWeight < 0 || p.EvictionWeight < 0 {
-			return nil, fmt.Errorf("%w: need margin_rel ≥ 0, margin_ms ≥ 0, 0 ≤ correction_alpha ≤ 1, 0 ≤ replica_alpha ≤ 1, max_correction ≥ 1, decode_weight ≥ 0, interference_weight ≥ 0, eviction_weight ≥ 0", ErrParam)
+		if params.MarginRel < 0 || params.MarginMs < 0 || params.Alpha < 0 || params.Alpha > 1 ||
+			params.ReplicaAlpha < 0 || params.ReplicaAlpha > 1 || params.MaxCorrection < 1 ||
+			params.DecodeWeight < 0 || params.InterferenceWeight < 0 || params.EvictionWeight < 0 {
+			return nil, fmt.Errorf("%w: need margin_rel ≥ 0, margin_ms ≥ 0, 0 ≤ correction_alpha ≤ 1, "+
+				"0 ≤ replica_alpha ≤ 1, max_correction ≥ 1, decode_weight ≥ 0, interference_weight ≥ 0, "+
+				"eviction_weight ≥ 0", ErrParam)
 		}
-		return &TTFT{o: o, p: p, g: newRNG(o.Seed), relLog: map[int]float64{}, relFac: map[int]float64{}, fleetFac: 1, pending: map[uint64]pendEst{}}, nil
+		return &TTFT{
+			o: o, params: params, g: newRNG(o.Seed),
+			relLog: map[int]float64{}, relFac: map[int]float64{}, fleetFac: 1, pending: map[uint64]pendEst{},
+		}, nil
 	})
 }
 
@@ -161,18 +171,18 @@ func (t *TTFT) estimate(req *Request, v *ReplicaView, meanPrompt, out float64) (
 	// The decode cost of the choice: the request's own tokens slowed by r's
 	// batch, and the request's prefill stalling r's running decodes.
 	perStep := prof.C1 + prof.C3*meanCtx
-	cost := t.p.DecodeWeight*out*perStep*float64(decodes) +
-		t.p.InterferenceWeight*float64(decodes)*prof.C1*float64(own)
+	cost := t.params.DecodeWeight*out*perStep*float64(decodes) +
+		t.params.InterferenceWeight*float64(decodes)*prof.C1*float64(own)
 	// The prefill the choice writes into r's cache evicts as much of other
 	// prefixes once the cache is full (unknown size: taken as full).
-	if t.p.EvictionWeight > 0 {
+	if t.params.EvictionWeight > 0 {
 		evict := 1.0
 		if v.NumBlocks > 0 {
 			ownBlocks := math.Ceil(float64(own) / float64(bs))
 			evict = min(max((float64(v.Cached)+ownBlocks-float64(v.NumBlocks))/ownBlocks, 0), 1)
 		}
 		ownMs := prof.C1*float64(own) + prof.C2*float64(own)*float64(cached+own) + math.Ceil(float64(own)/chunk)*stepMs
-		cost += t.p.EvictionWeight * evict * ownMs
+		cost += t.params.EvictionWeight * evict * ownMs
 	}
 	return ms, matched, cost
 }
@@ -212,7 +222,7 @@ func (t *TTFT) Pick(req *Request, rs []ReplicaView) (Decision, error) {
 		return Decision{}, ErrNoReplica
 	}
 	// Within the margin: deepest match, then lowest score, then at random.
-	limit := best*(1+t.p.MarginRel) + t.p.MarginMs
+	limit := best*(1+t.params.MarginRel) + t.params.MarginMs
 	choice, seen := -1, 0
 	for i := range rs {
 		if scores[i] > limit {
@@ -262,17 +272,17 @@ func (t *TTFT) corr(replica int) float64 {
 	if f, ok := t.relFac[replica]; ok {
 		c *= f
 	}
-	return min(max(c, 1/t.p.MaxCorrection), t.p.MaxCorrection)
+	return min(max(c, 1/t.params.MaxCorrection), t.params.MaxCorrection)
 }
 
 // learn moves the corrections towards an observed log ratio l on replica.
 func (t *TTFT) learn(replica int, l float64) {
-	lim := math.Log(t.p.MaxCorrection)
+	lim := math.Log(t.params.MaxCorrection)
 	l = min(max(l, -lim), lim)
 	dev := l - t.fleetLog // against the fleet's correction before this observation
-	t.fleetLog += t.p.Alpha * (l - t.fleetLog)
+	t.fleetLog += t.params.Alpha * (l - t.fleetLog)
 	t.fleetFac = math.Exp(t.fleetLog)
-	rel := t.relLog[replica] + t.p.ReplicaAlpha*(dev-t.relLog[replica])
+	rel := t.relLog[replica] + t.params.ReplicaAlpha*(dev-t.relLog[replica])
 	t.relLog[replica] = rel
 	t.relFac[replica] = math.Exp(math.Copysign(max(math.Abs(rel)-replicaDeadBand, 0), rel))
 }
@@ -313,7 +323,7 @@ func (t *TTFT) Observe(ev Event) {
 			return
 		}
 		delete(t.pending, ev.Req.ID)
-		if ev.Kind != FirstToken || ev.Err != nil || ev.TTFT <= 0 || pe.raw <= 0 || t.p.Alpha == 0 {
+		if ev.Kind != FirstToken || ev.Err != nil || ev.TTFT <= 0 || pe.raw <= 0 || t.params.Alpha == 0 {
 			return
 		}
 		t.learn(pe.replica, math.Log(float64(ev.TTFT)/float64(time.Millisecond)/pe.raw))
