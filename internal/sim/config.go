@@ -202,29 +202,36 @@ func (c Config) validate() error {
 	case slices.Contains(c.Adapters, c.Model) || slices.Contains(c.Adapters, ""):
 		return bad("adapter names must be non-empty and differ from the model %q", c.Model)
 	}
-	f := c.Faults
-	for _, p := range []struct {
-		name string
-		v    float64
-	}{{"error rate", f.ErrorRate}, {"stall rate", f.StallRate}, {"die rate", f.DieRate}} {
-		if !(p.v >= 0 && p.v <= 1) || math.IsNaN(p.v) {
-			return bad("fault %s %v out of [0, 1]", p.name, p.v)
-		}
-	}
-	switch {
-	case f.FailAfter < 0:
-		return bad("fault fail-after %d < 0", f.FailAfter)
-	case f.Stall < 0 || f.RefuseAfter < 0 || f.RefuseFor < 0:
-		return bad("fault durations must be ≥ 0")
-	case f.StallRate > 0 && f.Stall == 0:
-		return bad("fault stall rate %v without a stall duration", f.StallRate)
-	case (f.RefuseAfter > 0) != (f.RefuseFor > 0):
-		return bad("fault refuse-after and refuse-for go together")
+	if err := c.Faults.validate(); err != nil {
+		return bad("%v", err)
 	}
 	for _, i := range c.FaultReplicas {
 		if i < 0 || i >= c.Replicas {
 			return bad("fault replica %d out of [0, %d)", i, c.Replicas)
 		}
+	}
+	return nil
+}
+
+// validate checks the faults' rates and durations.
+func (f Faults) validate() error {
+	for _, p := range []struct {
+		name string
+		v    float64
+	}{{"error rate", f.ErrorRate}, {"stall rate", f.StallRate}, {"die rate", f.DieRate}} {
+		if !(p.v >= 0 && p.v <= 1) || math.IsNaN(p.v) {
+			return fmt.Errorf("fault %s %v out of [0, 1]", p.name, p.v)
+		}
+	}
+	switch {
+	case f.FailAfter < 0:
+		return fmt.Errorf("fault fail-after %d < 0", f.FailAfter)
+	case f.Stall < 0 || f.RefuseAfter < 0 || f.RefuseFor < 0:
+		return errors.New("fault durations must be ≥ 0")
+	case f.StallRate > 0 && f.Stall == 0:
+		return fmt.Errorf("fault stall rate %v without a stall duration", f.StallRate)
+	case (f.RefuseAfter > 0) != (f.RefuseFor > 0):
+		return errors.New("fault refuse-after and refuse-for go together")
 	}
 	return nil
 }

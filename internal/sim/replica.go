@@ -159,21 +159,8 @@ func newReplica(ctx context.Context, cfg Config, idx int, ln net.Listener) (*Rep
 	r.url = "http://" + r.addr
 	r.metrics = newMetrics(cfg.Model, r)
 	if cfg.KVEvents {
-		port := 0
-		if cfg.KVEventsPort > 0 {
-			port = cfg.KVEventsPort + idx
-		}
-		ep := "tcp://" + net.JoinHostPort(cfg.Host, strconv.Itoa(port))
-		// vLLM's topic convention as llm-d uses it: kv@<pod address>@<model>.
-		r.topic = "kv@" + r.addr + "@" + cfg.Model
-		pub, err := kvevents.NewZMQPublisher(ctx, ep, r.topic, cfg.KVEventsForm)
-		if err != nil {
-			return nil, fmt.Errorf("sim: replica %d: kv events: %w", idx, err)
-		}
-		r.pub = pub
-		r.kvAddr = ep
-		if a, ok := pub.(interface{ Addr() net.Addr }); ok {
-			r.kvAddr = "tcp://" + a.Addr().String()
+		if err := r.startKVEvents(ctx); err != nil {
+			return nil, err
 		}
 	}
 	r.handler = r.routes()
@@ -183,6 +170,27 @@ func newReplica(ctx context.Context, cfg Config, idx int, ln net.Listener) (*Rep
 		ConnState:         r.trackConn,
 	}
 	return r, nil
+}
+
+// startKVEvents binds the replica's KV-event publisher.
+func (r *Replica) startKVEvents(ctx context.Context) error {
+	port := 0
+	if r.cfg.KVEventsPort > 0 {
+		port = r.cfg.KVEventsPort + r.idx
+	}
+	ep := "tcp://" + net.JoinHostPort(r.cfg.Host, strconv.Itoa(port))
+	// vLLM's topic convention as llm-d uses it: kv@<pod address>@<model>.
+	r.topic = "kv@" + r.addr + "@" + r.cfg.Model
+	pub, err := kvevents.NewZMQPublisher(ctx, ep, r.topic, r.cfg.KVEventsForm)
+	if err != nil {
+		return fmt.Errorf("sim: replica %d: kv events: %w", r.idx, err)
+	}
+	r.pub = pub
+	r.kvAddr = ep
+	if a, ok := pub.(interface{ Addr() net.Addr }); ok {
+		r.kvAddr = "tcp://" + a.Addr().String()
+	}
+	return nil
 }
 
 // run starts the driver, the server and the fault timers.
@@ -280,13 +288,8 @@ func (r *Replica) drive() {
 				return
 			}
 		}
-		if d := r.wallOf(res.End).Sub(r.clock.Now()); d > 0 {
-			t.Reset(d)
-			select {
-			case <-t.C():
-			case <-r.done:
-				return
-			}
+		if !r.sleepUntil(t, r.wallOf(res.End)) {
+			return
 		}
 		// res.Outputs is only overwritten by the next Step, which this
 		// goroutine alone calls.
@@ -294,6 +297,22 @@ func (r *Replica) drive() {
 		if r.pub != nil && len(res.KV) > 0 {
 			_ = r.pub.Publish(r.batch(res.KV))
 		}
+	}
+}
+
+// sleepUntil waits on t until the wall clock reaches at; false when the
+// replica stops first.
+func (r *Replica) sleepUntil(t clock.Timer, at time.Time) bool {
+	d := at.Sub(r.clock.Now())
+	if d <= 0 {
+		return true
+	}
+	t.Reset(d)
+	select {
+	case <-t.C():
+		return true
+	case <-r.done:
+		return false
 	}
 }
 

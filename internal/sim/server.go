@@ -5,7 +5,6 @@ import (
 	"errors"
 	"net"
 	"net/http"
-	"time"
 )
 
 // serve runs the HTTP server on ln and, after each refuse window, on the
@@ -39,55 +38,6 @@ func (r *Replica) trackConn(c net.Conn, s http.ConnState) {
 		r.conns[c] = struct{}{}
 	case http.StateClosed, http.StateHijacked:
 		delete(r.conns, c)
-	}
-}
-
-// refuseWindow is the --fault-refuse-after/--fault-refuse-for fault: the
-// replica goes away as a crashed process does (listener closed, so new
-// connections are refused, and open connections cut), then comes back on
-// the same port.
-func (r *Replica) refuseWindow() {
-	defer r.wg.Done()
-	t := r.clock.NewTimer(r.faults.RefuseAfter)
-	defer t.Stop()
-	select {
-	case <-t.C():
-	case <-r.done:
-		return
-	}
-	r.refusing.Store(true)
-	_ = r.ln.Close()
-	r.connMu.Lock()
-	for c := range r.conns {
-		_ = c.Close()
-	}
-	r.connMu.Unlock()
-
-	t.Reset(r.faults.RefuseFor)
-	select {
-	case <-t.C():
-	case <-r.done:
-		return
-	}
-	// Listening again can fail briefly if the port is taken by someone
-	// else meanwhile; retry with a capped backoff until closed.
-	delay := 10 * time.Millisecond
-	for {
-		var lc net.ListenConfig
-		ln, err := lc.Listen(context.Background(), "tcp", r.addr)
-		if err == nil {
-			r.refusing.Store(false)
-			r.ln = ln
-			r.reopen <- ln
-			return
-		}
-		t.Reset(delay)
-		select {
-		case <-t.C():
-		case <-r.done:
-			return
-		}
-		delay = min(2*delay, time.Second)
 	}
 }
 
