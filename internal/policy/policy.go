@@ -96,10 +96,6 @@ type Decision struct {
 	// Scores holds the policy's per-replica score or cost, indexed like the
 	// replicas passed to Pick (nil if the policy has none).
 	Scores []float64 `json:"scores,omitempty"`
-
-	// estCorr is the correction ttft applied to EstTTFT, so that Observe
-	// learns from the model's own estimate whatever changed since.
-	estCorr float64
 }
 
 // EventKind is the kind of an outcome event.

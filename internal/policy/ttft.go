@@ -48,12 +48,56 @@ type TTFT struct {
 	pending    map[uint64]pendEst // request id → raw estimate at routing
 	meanPrompt float64            // EWMA of uncached tokens per request, for others' queued requests
 	meanOutput float64            // EWMA of output tokens per request, when max_tokens is absent
+	// picks holds, by request ID modulo its size, the correction each Pick
+	// applied to its chosen replica's estimate, so that Observe learns from
+	// the model's own estimate whatever was learnt between Pick and Routed.
+	// It is a memo for learning and changes no decision: a dry run is still
+	// a dry run.
+	picks [ttftPickSlots]ttftPick
 }
 
 type pendEst struct {
 	replica int
 	raw     float64 // ms, before correction
 }
+
+// ttftPick is what one Pick estimated for the replica it chose.
+type ttftPick struct {
+	id      uint64        // Request.ID
+	replica int           // Decision.Replica
+	est     time.Duration // Decision.EstTTFT (0: no pick recorded)
+	corr    float64       // the correction est was made with
+}
+
+const (
+	// ttftPickSlots is the size of TTFT.picks. Requests take consecutive IDs
+	// (router.Prepare), so a pick is lost only when as many requests are
+	// picked between a Pick and its Routed; Observe then learns with the
+	// correction current at Routed.
+	ttftPickSlots = 1024
+	// ttftMaxPending bounds the estimates waiting for a first token (a
+	// request whose end is never reported would keep its entry): far more
+	// requests than a fleet has in prefill at once. Past it, new requests
+	// are not learnt from until some reach their first token or end.
+	ttftMaxPending = 1 << 16
+	// ttftDefaultOutput is the output expected of a request without
+	// max_tokens until a Done event gives a mean. It matches the output_len
+	// default of kvgate's generated workloads (internal/workload) and
+	// preble's default_output_tokens; not tuned.
+	ttftDefaultOutput = 128
+	// ttftMeanWeight is the EWMA weight of one request in the mean uncached
+	// prompt and the mean output: about the last 20 requests. Chosen with the
+	// first version of the policy, not tuned.
+	ttftMeanWeight = 0.05
+	// ttftMinChunkDiv: a step's prefill chunk is at least 1/ttftMinChunkDiv
+	// of the token budget however many decodes the step runs, so that the
+	// estimate stays finite when the decodes counted fill the budget. With
+	// the engine's defaults (at most 256 running sequences, a budget of 8192
+	// tokens) it applies only where the gateway counts more requests in
+	// flight than the replica can run. Chosen with the first version of the
+	// policy, not tuned.
+	ttftMinChunkDiv = 8
+)
 
 type ttftParams struct {
 	// MarginRel and MarginMs: scores within best×(1+rel)+ms tie.
@@ -124,13 +168,19 @@ func (*TTFT) Name() string { return "ttft" }
 // Estimate returns the uncorrected estimated TTFT on v in milliseconds and
 // the blocks credited.
 func (t *TTFT) Estimate(req *Request, v *ReplicaView, meanPrompt float64) (float64, int) {
-	ms, matched, _ := t.estimate(req, v, meanPrompt, 0)
-	return ms, matched
+	e := t.estimate(req, v, meanPrompt, 0)
+	return e.ms, e.matched
 }
 
-// estimate returns the estimated TTFT (ms), the blocks credited, and the
-// decode and eviction cost of the choice (ms) for out expected output tokens.
-func (t *TTFT) estimate(req *Request, v *ReplicaView, meanPrompt, out float64) (float64, int, float64) {
+// ttftEstimate is the estimate of sending a request to one replica.
+type ttftEstimate struct {
+	ms      float64 // estimated TTFT, uncorrected
+	matched int     // blocks credited
+	cost    float64 // decode and eviction cost of the choice, ms
+}
+
+// estimate estimates sending req to v, for out expected output tokens.
+func (t *TTFT) estimate(req *Request, v *ReplicaView, meanPrompt, out float64) ttftEstimate {
 	prof, bs := t.o.Profile, t.o.BlockSize
 	matched := min(v.Match, len(req.Blocks))
 	cached := min(matched*bs, max(req.Tokens-1, 0))
@@ -149,7 +199,7 @@ func (t *TTFT) estimate(req *Request, v *ReplicaView, meanPrompt, out float64) (
 		meanCtx = float64(v.InFlightTokens) / float64(v.InFlight)
 	}
 	budget := float64(t.o.MaxBatchTokens)
-	chunk := max(budget-float64(decodes), budget/8)
+	chunk := max(budget-float64(decodes), budget/ttftMinChunkDiv)
 	work := queued + float64(own)
 	steps := math.Ceil(work / chunk)
 	stepMs := prof.C0 + prof.C1*float64(decodes) + prof.C3*float64(decodes)*meanCtx
@@ -184,11 +234,42 @@ func (t *TTFT) estimate(req *Request, v *ReplicaView, meanPrompt, out float64) (
 		ownMs := prof.C1*float64(own) + prof.C2*float64(own)*float64(cached+own) + math.Ceil(float64(own)/chunk)*stepMs
 		cost += t.params.EvictionWeight * evict * ownMs
 	}
-	return ms, matched, cost
+	return ttftEstimate{ms: ms, matched: matched, cost: cost}
 }
 
 func (t *TTFT) Pick(req *Request, rs []ReplicaView) (Decision, error) {
+	scores := make([]float64, len(rs)) // estimated TTFT + decode and eviction costs, ms (returned)
+	var tbuf [scratchLen]float64
+	var mbuf [scratchLen]int
+	ttfts, matched := scratch(&tbuf, len(rs)), scratch(&mbuf, len(rs)) // estimated TTFT (ms), blocks credited
 	t.mu.Lock()
+	defer t.mu.Unlock()
+	best := t.estimateAll(req, rs, scores, ttfts, matched)
+	if math.IsInf(best, 1) {
+		return Decision{}, ErrNoReplica
+	}
+	choice := t.choose(scores, matched, best)
+	reason := "lowest score (estimated TTFT + decode and eviction costs)"
+	if scores[choice] > best {
+		reason = "deepest match within the margin of the lowest score"
+	}
+	d := decide(rs, choice, reason, matched[choice], float64(rs[choice].PendingPrefill))
+	d.EstTTFT = time.Duration(ttfts[choice] * float64(time.Millisecond))
+	t.picks[req.ID%ttftPickSlots] = ttftPick{id: req.ID, replica: d.Replica, est: d.EstTTFT, corr: t.corr(d.Replica)}
+	for i := range scores {
+		if math.IsInf(scores[i], 1) {
+			scores[i] = -1 // not considered (unhealthy); JSON has no infinity
+		}
+	}
+	d.Scores = scores
+	return d, nil
+}
+
+// estimateAll fills, for every healthy replica, its corrected estimated
+// TTFT, its score (the TTFT plus the decode and eviction costs) and the
+// blocks credited; unhealthy replicas score +Inf. It returns the lowest
+// score. t.mu must be held.
+func (t *TTFT) estimateAll(req *Request, rs []ReplicaView, scores, ttfts []float64, matched []int) float64 {
 	meanPrompt := t.meanPrompt
 	if meanPrompt == 0 {
 		meanPrompt = float64(req.Tokens)
@@ -197,34 +278,30 @@ func (t *TTFT) Pick(req *Request, rs []ReplicaView) (Decision, error) {
 	if out <= 0 {
 		out = t.meanOutput
 		if out == 0 {
-			out = 128
+			out = ttftDefaultOutput
 		}
 	}
-	scores := make([]float64, len(rs)) // estimated TTFT + decode and eviction costs, ms (returned)
-	var tbuf, cbuf [scratchLen]float64
-	var mbuf [scratchLen]int
-	// Estimated TTFT (ms), its correction, blocks credited.
-	ttfts, corrs, matched := scratch(&tbuf, len(rs)), scratch(&cbuf, len(rs)), scratch(&mbuf, len(rs))
 	best := math.Inf(1)
 	for i := range rs {
 		if !rs[i].Healthy {
 			scores[i] = math.Inf(1)
 			continue
 		}
-		raw, m, cost := t.estimate(req, &rs[i], meanPrompt, out)
-		corrs[i] = t.corr(rs[i].Index)
-		ttfts[i] = raw * corrs[i]
-		scores[i], matched[i] = ttfts[i]+cost, m
+		e := t.estimate(req, &rs[i], meanPrompt, out)
+		ttfts[i] = e.ms * t.corr(rs[i].Index)
+		scores[i], matched[i] = ttfts[i]+e.cost, e.matched
 		best = min(best, scores[i])
 	}
-	t.mu.Unlock()
-	if math.IsInf(best, 1) {
-		return Decision{}, ErrNoReplica
-	}
-	// Within the margin: deepest match, then lowest score, then at random.
+	return best
+}
+
+// choose returns the position to send the request to: among the scores
+// within the margin of best, the deepest match, then the lowest score, then
+// one at random.
+func (t *TTFT) choose(scores []float64, matched []int, best float64) int {
 	limit := best*(1+t.params.MarginRel) + t.params.MarginMs
 	choice, seen := -1, 0
-	for i := range rs {
+	for i := range scores {
 		if scores[i] > limit {
 			continue
 		}
@@ -240,20 +317,7 @@ func (t *TTFT) Pick(req *Request, rs []ReplicaView) (Decision, error) {
 			}
 		}
 	}
-	reason := "lowest score (estimated TTFT + decode and eviction costs)"
-	if scores[choice] > best {
-		reason = "deepest match within the margin of the lowest score"
-	}
-	d := decide(rs, choice, reason, matched[choice], float64(rs[choice].PendingPrefill))
-	d.EstTTFT = time.Duration(ttfts[choice] * float64(time.Millisecond))
-	d.estCorr = corrs[choice]
-	for i := range scores {
-		if math.IsInf(scores[i], 1) {
-			scores[i] = -1 // not considered (unhealthy); JSON has no infinity
-		}
-	}
-	d.Scores = scores
-	return d, nil
+	return choice
 }
 
 // replicaDeadBand is the part of a replica's own deviation from the
@@ -297,25 +361,22 @@ func (t *TTFT) Observe(ev Event) {
 	defer t.mu.Unlock()
 	switch ev.Kind {
 	case Routed:
-		c := ev.Decision.estCorr // the correction the estimate was made with
-		if c <= 0 {
-			c = t.corr(ev.Replica)
-		}
-		if ev.Decision.EstTTFT > 0 && len(t.pending) < 1<<16 {
-			t.pending[ev.Req.ID] = pendEst{replica: ev.Replica, raw: float64(ev.Decision.EstTTFT) / float64(time.Millisecond) / c}
+		if ev.Decision.EstTTFT > 0 && len(t.pending) < ttftMaxPending {
+			raw := float64(ev.Decision.EstTTFT) / float64(time.Millisecond) / t.pickedCorr(ev)
+			t.pending[ev.Req.ID] = pendEst{replica: ev.Replica, raw: raw}
 		}
 		uncached := float64(max(ev.Req.Tokens-ev.Decision.Matched*t.o.BlockSize, 1))
 		if t.meanPrompt == 0 {
 			t.meanPrompt = uncached
 		} else {
-			t.meanPrompt += 0.05 * (uncached - t.meanPrompt)
+			t.meanPrompt += ttftMeanWeight * (uncached - t.meanPrompt)
 		}
 	case FirstToken, Done:
 		if ev.Kind == Done && ev.Err == nil && ev.OutputTokens > 0 {
 			if t.meanOutput == 0 {
 				t.meanOutput = float64(ev.OutputTokens)
 			} else {
-				t.meanOutput += 0.05 * (float64(ev.OutputTokens) - t.meanOutput)
+				t.meanOutput += ttftMeanWeight * (float64(ev.OutputTokens) - t.meanOutput)
 			}
 		}
 		pe, ok := t.pending[ev.Req.ID]
@@ -328,4 +389,15 @@ func (t *TTFT) Observe(ev Event) {
 		}
 		t.learn(pe.replica, math.Log(float64(ev.TTFT)/float64(time.Millisecond)/pe.raw))
 	}
+}
+
+// pickedCorr is the correction the routed decision's estimate was made
+// with, as Pick recorded it, else (a decision not from this Pick, or a pick
+// overwritten since) the routed replica's correction now. t.mu must be held.
+func (t *TTFT) pickedCorr(ev Event) float64 {
+	pk := &t.picks[ev.Req.ID%ttftPickSlots]
+	if pk.id == ev.Req.ID && pk.replica == ev.Decision.Replica && pk.est == ev.Decision.EstTTFT && pk.corr > 0 {
+		return pk.corr
+	}
+	return t.corr(ev.Replica)
 }

@@ -277,3 +277,27 @@ func peerNewSeed(t testing.TB, name string, params map[string]any, seed uint64) 
 	}
 	return p
 }
+
+// Observe learns from a Pick's estimate with the correction that Pick
+// applied, even when a first token moved the correction between the Pick
+// and Routed (requests routed concurrently in a live gateway), and a dry
+// run's Pick in between does not disturb it.
+func TestTTFTRoutedLearnsWithThePicksCorrection(t *testing.T) {
+	p := peerNew(t, "ttft", map[string]any{"correction_alpha": 0.5}).(*TTFT)
+	rs := peerViews(2)
+	a, b, dry := ttftReq(1), ttftReq(2), ttftReq(3)
+	_, da := peerPick(t, p, a, rs)
+	before := p.corr(da.Replica)
+	_, db := peerPick(t, p, b, rs) // b is routed and answers 3× slower than estimated
+	p.Observe(Event{Kind: Routed, At: peerT0, Req: b, Decision: db, Replica: db.Replica})
+	p.Observe(Event{Kind: FirstToken, At: peerT0, Req: b, Decision: db, Replica: db.Replica, TTFT: 3 * db.EstTTFT})
+	if p.corr(da.Replica) == before {
+		t.Fatal("the first token taught no correction")
+	}
+	peerPick(t, p, dry, rs)
+	p.Observe(Event{Kind: Routed, At: peerT0, Req: a, Decision: da, Replica: da.Replica})
+	want := float64(da.EstTTFT) / float64(time.Millisecond) / before
+	if got := p.pending[a.ID].raw; got != want {
+		t.Fatalf("raw estimate learnt from %v ms, want %v ms (the estimate without the correction it was made with)", got, want)
+	}
+}
