@@ -7,6 +7,7 @@ import (
 	"net/http"
 
 	"github.com/kvgate/kvgate/internal/engine"
+	"github.com/kvgate/kvgate/internal/openai"
 	"github.com/kvgate/kvgate/internal/prompt"
 )
 
@@ -78,21 +79,21 @@ func toAPIError(err error) *APIError {
 
 func writeError(w http.ResponseWriter, err error) {
 	ae := toAPIError(err)
-	type body struct {
-		Message string  `json:"message"`
-		Type    string  `json:"type"`
-		Param   *string `json:"param"`
-		Code    any     `json:"code"`
-	}
-	b := body{Message: ae.Message, Type: ae.Type}
-	if ae.Param != "" {
-		b.Param = &ae.Param
-	}
-	if ae.Code != "" {
-		b.Code = ae.Code
-	}
-	data, _ := json.Marshal(map[string]body{"error": b})
 	w.Header().Set("Content-Type", "application/json")
 	w.WriteHeader(ae.Status)
-	_, _ = w.Write(data)
+	_, _ = w.Write(ae.body())
+}
+
+// body is the error's JSON in OpenAI's shape; param and code are null when
+// empty.
+func (e *APIError) body() []byte {
+	b := openai.ErrorBody{Error: openai.Error{Message: e.Message, Type: e.Type}}
+	if e.Param != "" {
+		b.Error.Param = &e.Param
+	}
+	if e.Code != "" {
+		b.Error.Code = e.Code
+	}
+	data, _ := json.Marshal(b)
+	return data
 }

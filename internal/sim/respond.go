@@ -7,6 +7,7 @@ import (
 
 	"github.com/cespare/xxhash/v2"
 
+	"github.com/kvgate/kvgate/internal/openai"
 	"github.com/kvgate/kvgate/internal/prompt"
 )
 
@@ -56,12 +57,12 @@ func (r *Replica) waitFinished(req *http.Request, cl *call) bool {
 // response is a non-streamed completions (C = textChoice) or chat
 // (C = chatChoice) response.
 type response[C any] struct {
-	ID      string    `json:"id"`
-	Object  string    `json:"object"`
-	Created int64     `json:"created"`
-	Model   string    `json:"model"`
-	Choices []C       `json:"choices"`
-	Usage   usageJSON `json:"usage"`
+	ID      string       `json:"id"`
+	Object  string       `json:"object"`
+	Created int64        `json:"created"`
+	Model   string       `json:"model"`
+	Choices []C          `json:"choices"`
+	Usage   openai.Usage `json:"usage"`
 }
 
 func newResponse[C any](j *job, cl *call, id string, created int64, object string,
@@ -97,8 +98,8 @@ type textChoice struct {
 // usage of a finished call: prompt tokens once per prompt, the cached hit
 // of each prompt's first choice (vLLM reports the request's
 // num_cached_tokens), completion tokens over all choices.
-func (j *job) usage(cl *call) usageJSON {
-	u := usageJSON{}
+func (j *job) usage(cl *call) openai.Usage {
+	u := openai.Usage{}
 	cached := 0
 	for pi, in := range j.prompts {
 		u.PromptTokens += in.tokens
@@ -108,19 +109,8 @@ func (j *job) usage(cl *call) usageJSON {
 		u.CompletionTokens += c.total
 	}
 	u.TotalTokens = u.PromptTokens + u.CompletionTokens
-	u.PromptTokensDetails = &promptTokensDetails{CachedTokens: cached}
+	u.PromptTokensDetails = &openai.PromptTokensDetails{CachedTokens: cached}
 	return u
-}
-
-type usageJSON struct {
-	PromptTokens        int                  `json:"prompt_tokens"`
-	TotalTokens         int                  `json:"total_tokens"`
-	CompletionTokens    int                  `json:"completion_tokens"`
-	PromptTokensDetails *promptTokensDetails `json:"prompt_tokens_details"`
-}
-
-type promptTokensDetails struct {
-	CachedTokens int `json:"cached_tokens"`
 }
 
 // responseID is a unique, seed-determined id in vLLM's style.

@@ -1,93 +1,161 @@
 package sim
 
 import (
+	"bytes"
 	"encoding/json"
 	"net/http"
-	"strconv"
 
+	"github.com/kvgate/kvgate/internal/openai"
 	"github.com/kvgate/kvgate/internal/prompt"
 )
 
-// sseWriter formats the chunks of one streamed call as vLLM does, by
-// appending bytes: the token texts are JSON-safe pieces, and the per-call
-// head (id, object, created, model) is encoded once.
-type sseWriter struct {
-	chat bool
-	head []byte // `data: {"id":...,"model":...,"choices":[`
-	buf  []byte
+// streamChoice is one choice of a streamed chunk as vLLM writes it:
+// openai's fields, plus logprobs (null: the sim samples none) and, in a
+// completions chunk, stop_reason (null).
+type streamChoice struct {
+	openai.ChunkChoice
+	Logprobs   *struct{}       `json:"logprobs"`
+	StopReason json.RawMessage `json:"stop_reason,omitempty"`
 }
 
-func newSSEWriter(j *job, id string, created int64) *sseWriter {
-	s := &sseWriter{chat: j.kind == prompt.Chat}
-	obj := "text_completion"
+// tokenMark stands for the token text in a chunk's template: encoded as
+// \u0000, which no output piece contains (see pieces).
+const tokenMark = "\x00"
+
+var (
+	encodedMark = []byte(`\u0000`)
+	jsonNull    = json.RawMessage("null")
+)
+
+// sseWriter formats the chunks of one streamed call as vLLM does. Every
+// byte comes from internal/openai's types through encoding/json, but once
+// per call: the chunk head (id, object, created, model) and each choice's
+// JSON are encoded as templates cut at the token text, and a token's chunk
+// is head + the choice's prefix + the token (a JSON-safe piece) + the
+// suffix of its finish reason.
+type sseWriter struct {
+	chat   bool
+	chunk  openai.Chunk // the call's head fields
+	head   []byte       // `data: {"id":...,"model":...,"choices":[`
+	pre    [][]byte     // per choice position: its JSON up to the token text
+	post   map[string][]byte
+	buf    []byte
+	choice []streamState
+}
+
+// streamState is what a stream has written of one choice.
+type streamState struct {
+	written, take int
+	finished      bool
+}
+
+func newSSEWriter(j *job, choices int, id string, created int64) *sseWriter {
+	s := &sseWriter{chat: j.kind == prompt.Chat, pre: make([][]byte, choices), post: map[string][]byte{},
+		choice: make([]streamState, choices)}
+	s.chunk = openai.Chunk{ID: id, Object: "text_completion", Created: created, Model: j.model,
+		Choices: []openai.ChunkChoice{}}
 	if s.chat {
-		obj = "chat.completion.chunk"
+		s.chunk.Object = "chat.completion.chunk"
 	}
-	model, _ := json.Marshal(j.model)
-	s.head = append(s.head, `data: {"id":"`...)
-	s.head = append(s.head, id...)
-	s.head = append(s.head, `","object":"`...)
-	s.head = append(s.head, obj...)
-	s.head = append(s.head, `","created":`...)
-	s.head = strconv.AppendInt(s.head, created, 10)
-	s.head = append(s.head, `,"model":`...)
-	s.head = append(s.head, model...)
-	s.head = append(s.head, `,"choices":[`...)
+	b, _ := json.Marshal(s.chunk)                      // {..."choices":[]}
+	s.head = append([]byte("data: "), b[:len(b)-2]...) // through "choices":[
 	return s
+}
+
+// template is a choice's JSON with tokenMark as its text, cut around it.
+func (s *sseWriter) template(index int, finish string, role bool) (pre, post []byte) {
+	c := streamChoice{ChunkChoice: openai.ChunkChoice{Index: index}}
+	if finish != "" {
+		c.FinishReason = &finish
+	}
+	if s.chat {
+		c.Delta = &openai.Delta{Content: tokenMark}
+		if role {
+			c.Delta.Role = "assistant"
+		}
+	} else {
+		c.Text, c.StopReason = tokenMark, jsonNull
+	}
+	b, _ := json.Marshal(c)
+	i := bytes.Index(b, encodedMark)
+	return b[:i], b[i+len(encodedMark):]
 }
 
 // role is chat's first chunk of a choice: the assistant role, empty content.
 func (s *sseWriter) role(index int) {
+	pre, post := s.template(index, "", true)
 	s.buf = append(s.buf, s.head...)
-	s.buf = append(s.buf, `{"index":`...)
-	s.buf = strconv.AppendInt(s.buf, int64(index), 10)
-	s.buf = append(s.buf, `,"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}]}`+"\n\n"...)
+	s.buf = append(s.buf, pre...)
+	s.buf = append(s.buf, post...)
+	s.buf = append(s.buf, "]}\n\n"...)
 }
 
 // token is one output token's chunk; finish is "" or the finish reason
 // carried by the last token's chunk.
-func (s *sseWriter) token(index int, text, finish string) {
+func (s *sseWriter) token(pos, index int, text, finish string) {
+	if s.pre[pos] == nil {
+		s.pre[pos], _ = s.template(index, "", false)
+	}
+	post, ok := s.post[finish]
+	if !ok {
+		_, post = s.template(index, finish, false)
+		s.post[finish] = post
+	}
 	s.buf = append(s.buf, s.head...)
-	s.buf = append(s.buf, `{"index":`...)
-	s.buf = strconv.AppendInt(s.buf, int64(index), 10)
-	if s.chat {
-		s.buf = append(s.buf, `,"delta":{"content":"`...)
-		s.buf = append(s.buf, text...)
-		s.buf = append(s.buf, `"},"logprobs":null,"finish_reason":`...)
-	} else {
-		s.buf = append(s.buf, `,"text":"`...)
-		s.buf = append(s.buf, text...)
-		s.buf = append(s.buf, `","logprobs":null,"finish_reason":`...)
-	}
-	if finish == "" {
-		s.buf = append(s.buf, "null"...)
-	} else {
-		s.buf = append(s.buf, '"')
-		s.buf = append(s.buf, finish...)
-		s.buf = append(s.buf, '"')
-	}
-	if !s.chat {
-		s.buf = append(s.buf, `,"stop_reason":null`...)
-	}
-	s.buf = append(s.buf, "}]}\n\n"...)
+	s.buf = append(s.buf, s.pre[pos]...)
+	s.buf = append(s.buf, text...)
+	s.buf = append(s.buf, post...)
+	s.buf = append(s.buf, "]}\n\n"...)
 }
 
 // usage is the chunk stream_options.include_usage adds: no choices.
-func (s *sseWriter) usage(u usageJSON) {
-	data, _ := json.Marshal(u)
-	s.buf = append(s.buf, s.head[:len(s.head)-len(`"choices":[`)]...)
-	s.buf = append(s.buf, `"choices":[],"usage":`...)
-	s.buf = append(s.buf, data...)
-	s.buf = append(s.buf, "}\n\n"...)
+func (s *sseWriter) usage(u openai.Usage) {
+	c := s.chunk
+	c.Usage = &u
+	b, _ := json.Marshal(c)
+	s.buf = append(s.buf, "data: "...)
+	s.buf = append(s.buf, b...)
+	s.buf = append(s.buf, "\n\n"...)
 }
 
-func (s *sseWriter) done() { s.buf = append(s.buf, "data: [DONE]\n\n"...) }
+func (s *sseWriter) done() { s.buf = append(s.buf, "data: "+openai.DoneData+"\n\n"...) }
+
+// take moves the tokens the driver delivered since the last wake-up into
+// chunks, and reports whether every choice has finished. Chat's role chunk
+// goes with a choice's first token; a choice's last token carries its
+// finish reason.
+func (s *sseWriter) take(cl *call) (all bool) {
+	cl.mu.Lock()
+	all = true
+	for i, c := range cl.choices {
+		st := &s.choice[i]
+		st.take, c.pending = c.pending, 0
+		st.finished = c.finished
+		all = all && c.finished
+	}
+	cl.mu.Unlock()
+	s.buf = s.buf[:0]
+	for i, c := range cl.choices {
+		st := &s.choice[i]
+		for k := range st.take {
+			if s.chat && st.written == 0 {
+				s.role(c.index)
+			}
+			finish := ""
+			if st.finished && k == st.take-1 {
+				finish = c.reason
+			}
+			s.token(i, c.index, c.gen.next(), finish)
+			st.written++
+		}
+	}
+	return all
+}
 
 // streamCall answers a streamed request: headers at once (as vLLM's
 // StreamingResponse), then each wake-up's tokens as one chunk per token,
-// flushed together; chat's role chunk goes with the first token, so the
-// first data byte marks the first token. A choice's last token carries
-// finish_reason; then the usage chunk if asked and [DONE].
+// flushed together, so the first data byte marks the first token; then the
+// usage chunk if asked and [DONE].
 func (r *Replica) streamCall(w http.ResponseWriter, req *http.Request, j *job, cl *call, die bool) {
 	rc := http.NewResponseController(w)
 	h := w.Header()
@@ -98,36 +166,12 @@ func (r *Replica) streamCall(w http.ResponseWriter, req *http.Request, j *job, c
 		r.abort(cl)
 		return
 	}
-	s := newSSEWriter(j, r.responseID(idPrefix(j.kind)), r.clock.Now().Unix())
-	written := make([]int, len(cl.choices)) // tokens written per choice
-	take := make([]int, len(cl.choices))
-	fin := make([]bool, len(cl.choices))
+	s := newSSEWriter(j, len(cl.choices), r.responseID(idPrefix(j.kind)), r.clock.Now().Unix())
 	for {
 		if !r.wait(req, cl) {
 			return
 		}
-		cl.mu.Lock()
-		all := true
-		for i, c := range cl.choices {
-			take[i], c.pending = c.pending, 0
-			fin[i] = c.finished
-			all = all && c.finished
-		}
-		cl.mu.Unlock()
-		s.buf = s.buf[:0]
-		for i, c := range cl.choices {
-			for k := range take[i] {
-				if s.chat && written[i] == 0 {
-					s.role(c.index)
-				}
-				finish := ""
-				if fin[i] && k == take[i]-1 {
-					finish = c.reason
-				}
-				s.token(c.index, c.gen.next(), finish)
-				written[i]++
-			}
-		}
+		all := s.take(cl)
 		if all {
 			if j.includeUsage {
 				s.usage(j.usage(cl))
@@ -137,11 +181,7 @@ func (r *Replica) streamCall(w http.ResponseWriter, req *http.Request, j *job, c
 		if len(s.buf) == 0 {
 			continue
 		}
-		if _, err := w.Write(s.buf); err != nil {
-			r.abort(cl)
-			return
-		}
-		if err := rc.Flush(); err != nil {
+		if _, err := w.Write(s.buf); err != nil || rc.Flush() != nil {
 			r.abort(cl)
 			return
 		}

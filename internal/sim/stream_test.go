@@ -9,6 +9,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvgate/kvgate/internal/openai"
 	"github.com/kvgate/kvgate/internal/prompt"
 	"github.com/kvgate/kvgate/internal/testutil"
 )
@@ -83,6 +84,16 @@ func TestStreamFormat(t *testing.T) {
 				if err := json.Unmarshal([]byte(e), &ch); err != nil {
 					t.Fatalf("chunk %d %q: %v", i, e, err)
 				}
+				// The gateway and bench read chunks through internal/openai:
+				// only a chunk with a token has one for them.
+				oc, err := openai.ParseChunk([]byte(e))
+				if err != nil {
+					t.Fatalf("chunk %d: openai.ParseChunk: %v", i, err)
+				}
+				isToken := ch.Usage == nil && !strings.Contains(e, `"role":"assistant"`)
+				if oc.HasToken() != isToken {
+					t.Errorf("chunk %d: HasToken %v: %s", i, oc.HasToken(), e)
+				}
 				if i == 0 {
 					id = ch.ID
 				}
@@ -116,7 +127,9 @@ func TestStreamFormat(t *testing.T) {
 						t.Fatalf("chunk %d: no delta content: %s", i, e)
 					}
 					if cc.Delta.Role != nil {
-						if *cc.Delta.Role != "assistant" || *cc.Delta.Content != "" || tokens[cc.Index] != 0 {
+						// vLLM's bytes: the role with an empty content.
+						if *cc.Delta.Role != "assistant" || *cc.Delta.Content != "" || tokens[cc.Index] != 0 ||
+							!strings.Contains(e, `"delta":{"role":"assistant","content":""}`) {
 							t.Errorf("role chunk %s", e)
 						}
 						roles[cc.Index]++
