@@ -2,6 +2,7 @@ package bench
 
 import (
 	"context"
+	"strings"
 	"testing"
 	"time"
 
@@ -109,5 +110,47 @@ func TestRunRecordsAndDependencies(t *testing.T) {
 			t.Fatalf("turn %d started at %v before its previous turn (start %v, e2e %v) finished",
 				i, rec.Start, res.Records[p].Start, res.Records[p].E2E)
 		}
+	}
+}
+
+// The first token is openai.Chunk.HasToken's: a reasoning or tool-call
+// delta counts, a role-only chunk does not; an error event fails the stream.
+func TestReadStream(t *testing.T) {
+	const (
+		role      = `data: {"choices":[{"index":0,"delta":{"role":"assistant"}}]}` + "\n\n"
+		reasoning = `data: {"choices":[{"index":0,"delta":{"reasoning_content":"hm"}}]}` + "\n\n"
+		tool      = `data: {"choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"function":{"arguments":"{"}}]}}]}` + "\n\n"
+		content   = `data: {"choices":[{"index":0,"delta":{"content":"hi"}}]}` + "\n\n"
+		usage     = `data: {"choices":[],"usage":{"prompt_tokens":9,"completion_tokens":3,"prompt_tokens_details":{"cached_tokens":4}}}` + "\n\n"
+		errEvent  = `data: {"error":{"message":"broken","type":"server_error"}}` + "\n\n"
+		done      = "data: [DONE]\n\n"
+	)
+	tests := []struct {
+		name    string
+		body    string
+		tokens  int
+		done    bool
+		errKind string
+	}{
+		{"reasoning, tool call and content", role + reasoning + tool + content + usage + done, 3, true, ""},
+		{"role only", role + usage + done, 0, true, ""},
+		{"no [DONE]", role + content, 1, false, ""},
+		{"error event", content + errEvent + done, 1, false, "stream_error"},
+		{"malformed chunk", content + "data: {nope\n\n" + done, 1, false, "bad_chunk"},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			s := readStream(strings.NewReader(tc.body), time.Now())
+			if s.tokens != tc.tokens || s.done != tc.done || s.errKind != tc.errKind {
+				t.Fatalf("got %d tokens, done %v, error %q; want %d, %v, %q", s.tokens, s.done, s.errKind, tc.tokens, tc.done, tc.errKind)
+			}
+			if s.tokens > 0 && s.first <= 0 {
+				t.Fatal("no first-token time")
+			}
+		})
+	}
+	s := readStream(strings.NewReader(role+reasoning+usage+done), time.Now())
+	if s.usage == nil || s.usage.Cached() != 4 || s.usage.CompletionTokens != 3 {
+		t.Fatalf("usage %+v", s.usage)
 	}
 }

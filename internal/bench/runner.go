@@ -6,7 +6,6 @@
 package bench
 
 import (
-	"bufio"
 	"bytes"
 	"container/heap"
 	"context"
@@ -19,6 +18,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/kvgate/kvgate/internal/openai"
 	"github.com/kvgate/kvgate/internal/report"
 	"github.com/kvgate/kvgate/internal/workload"
 )
@@ -320,38 +320,26 @@ func (r *runner) replicaIndex(url string) int {
 // do sends one streamed request and times it.
 func (r *runner) do(ctx context.Context, q *workload.Request) report.Record {
 	rec := report.Record{Replica: -1, PromptTokens: q.InputTokens}
-	fail := func(kind string) report.Record {
-		rec.Err, rec.ErrKind = true, kind
-		return rec
-	}
-	body, path := r.body(q)
 	runCtx := ctx
 	ctx, cancel := context.WithTimeout(ctx, r.wall(r.cfg.RequestTimeout))
 	defer cancel()
-	fail = func(kind string) report.Record {
-		if runCtx.Err() != nil {
+	fail := func(kind string) report.Record {
+		switch {
+		case runCtx.Err() != nil:
 			kind = "canceled" // the run ended (deadline or interrupt), not this request's fault
+		case ctx.Err() != nil && (kind == "connect" || kind == "stream_broken"):
+			kind = "timeout"
 		}
 		rec.Err, rec.ErrKind = true, kind
 		return rec
 	}
-	req, err := http.NewRequestWithContext(ctx, http.MethodPost, strings.TrimRight(r.cfg.Target, "/")+path, bytes.NewReader(body))
+	req, err := r.request(ctx, q)
 	if err != nil {
 		return fail("request")
-	}
-	req.Header.Set("Content-Type", "application/json")
-	if q.Session != "" {
-		req.Header.Set("X-Session-Id", q.Session)
-	}
-	for k, vs := range r.cfg.Header {
-		req.Header[k] = vs
 	}
 	t0 := time.Now()
 	resp, err := r.cfg.Client.Do(req)
 	if err != nil {
-		if ctx.Err() != nil {
-			return fail("timeout")
-		}
 		return fail("connect")
 	}
 	defer resp.Body.Close()
@@ -360,76 +348,89 @@ func (r *runner) do(ctx context.Context, q *workload.Request) report.Record {
 		_, _ = io.Copy(io.Discard, io.LimitReader(resp.Body, 1<<20))
 		return fail(fmt.Sprintf("http_%d", resp.StatusCode))
 	}
-	var first time.Duration
-	tokens := 0
-	sawDone := false
-	sc := bufio.NewScanner(resp.Body)
-	sc.Buffer(make([]byte, 64<<10), 16<<20)
-	for sc.Scan() {
-		line := sc.Bytes()
-		data, ok := bytes.CutPrefix(line, []byte("data:"))
-		if !ok {
-			continue
-		}
-		data = bytes.TrimSpace(data)
-		if bytes.Equal(data, []byte("[DONE]")) {
-			sawDone = true
-			break
-		}
-		var c chunk
-		if err := json.Unmarshal(data, &c); err != nil {
-			return fail("bad_chunk")
-		}
-		if c.Error != nil {
-			return fail("stream_error")
-		}
-		for _, ch := range c.Choices {
-			if ch.Text != "" || ch.Delta.Content != "" {
-				if first == 0 {
-					first = time.Since(t0)
-				}
-				tokens++
-			}
-		}
-		if c.Usage != nil {
-			rec.PromptTokens = c.Usage.PromptTokens
-			rec.OutputTokens = c.Usage.CompletionTokens
-			if c.Usage.Details != nil {
-				rec.CachedTokens = c.Usage.Details.CachedTokens
-			}
-		}
-	}
+	s := readStream(resp.Body, t0)
 	e2e := time.Since(t0)
-	if err := sc.Err(); err != nil {
-		if ctx.Err() != nil {
-			return fail("timeout")
-		}
-		return fail("stream_broken")
+	if s.errKind != "" {
+		return fail(s.errKind)
 	}
-	if !sawDone || first == 0 {
+	if !s.done || s.tokens == 0 {
 		return fail("incomplete")
 	}
-	if rec.OutputTokens == 0 {
-		rec.OutputTokens = tokens
+	rec.OutputTokens = s.tokens
+	if u := s.usage; u != nil {
+		rec.PromptTokens, rec.OutputTokens = u.PromptTokens, u.CompletionTokens
+		rec.CachedTokens = max(u.Cached(), 0)
 	}
-	rec.TTFT = time.Duration(float64(first) * r.cfg.TimeScale)
+	rec.TTFT = time.Duration(float64(s.first) * r.cfg.TimeScale)
 	rec.E2E = time.Duration(float64(e2e) * r.cfg.TimeScale)
 	return rec
 }
 
-type chunk struct {
-	Choices []struct {
-		Text  string `json:"text"`
-		Delta struct {
-			Content string `json:"content"`
-		} `json:"delta"`
-	} `json:"choices"`
-	Usage *struct {
-		PromptTokens     int `json:"prompt_tokens"`
-		CompletionTokens int `json:"completion_tokens"`
-		Details          *struct {
-			CachedTokens int `json:"cached_tokens"`
-		} `json:"prompt_tokens_details"`
-	} `json:"usage"`
-	Error *json.RawMessage `json:"error"`
+// request is the HTTP request for q.
+func (r *runner) request(ctx context.Context, q *workload.Request) (*http.Request, error) {
+	body, path := r.body(q)
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, strings.TrimRight(r.cfg.Target, "/")+path, bytes.NewReader(body))
+	if err != nil {
+		return nil, err
+	}
+	req.Header.Set("Content-Type", "application/json")
+	if q.Session != "" {
+		req.Header.Set("X-Session-Id", q.Session)
+	}
+	for k, vs := range r.cfg.Header {
+		req.Header[k] = vs
+	}
+	return req, nil
+}
+
+// streamed is what one SSE answer carried.
+type streamed struct {
+	first   time.Duration // to the first chunk with a token (openai.Chunk.HasToken)
+	tokens  int           // chunks with a token
+	usage   *openai.Usage // the last usage seen
+	done    bool          // data: [DONE] arrived
+	errKind string        // "" or why the stream failed
+}
+
+// readStream reads an SSE answer to [DONE] or its end. The first token is
+// the first chunk openai.Chunk.HasToken says carries one: text, content,
+// reasoning or a tool-call delta, as the gateway counts it.
+func readStream(body io.Reader, t0 time.Time) streamed {
+	var s streamed
+	er := openai.NewEventReader(body, 0)
+	for {
+		ev, err := er.Next()
+		if errors.Is(err, io.EOF) {
+			return s
+		}
+		if err != nil {
+			s.errKind = "stream_broken"
+			return s
+		}
+		if !ev.HasData {
+			continue
+		}
+		if openai.IsDone(ev.Data) {
+			s.done = true
+			return s
+		}
+		if _, isErr := openai.ParseError(ev.Data); isErr {
+			s.errKind = "stream_error"
+			return s
+		}
+		c, err := openai.ParseChunk(ev.Data)
+		if err != nil {
+			s.errKind = "bad_chunk"
+			return s
+		}
+		if c.HasToken() {
+			if s.tokens == 0 {
+				s.first = time.Since(t0)
+			}
+			s.tokens++
+		}
+		if c.Usage != nil {
+			s.usage = c.Usage
+		}
+	}
 }
