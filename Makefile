@@ -22,9 +22,11 @@ fmt-check:
 	@out=$$(gofmt -l $$(git ls-files '*.go' 2>/dev/null || find . -name '*.go')); \
 	if [ -n "$$out" ]; then echo "gofmt would change:"; echo "$$out"; exit 1; fi
 
-# Benchmarks quoted in the README (decision time, index memory, engine speed).
+# Benchmarks quoted in the README (decision time, index memory, engine speed), and the live
+# cache-aware vs round_robin comparison through the gateway (wall clock: figures reported, not asserted).
 bench:
 	$(GO) test -run '^$$' -bench . -benchtime 2s ./internal/prompt ./internal/prefixindex ./internal/router
+	KVGATE_BENCH=1 $(GO) test -run '^TestCacheAwareBeatsRoundRobinLive$$' -v -count=1 ./internal/bench
 
 demo: build
 	$(BIN) demo

@@ -2,6 +2,8 @@ package bench
 
 import (
 	"context"
+	"fmt"
+	"os"
 	"strings"
 	"testing"
 	"time"
@@ -9,6 +11,7 @@ import (
 	"go.uber.org/goleak"
 
 	"github.com/kvgate/kvgate/internal/gateway"
+	"github.com/kvgate/kvgate/internal/replay"
 	"github.com/kvgate/kvgate/internal/report"
 	"github.com/kvgate/kvgate/internal/sim"
 	"github.com/kvgate/kvgate/internal/workload"
@@ -42,29 +45,88 @@ func embedded(replicas int) EmbeddedConfig {
 	}
 }
 
-// Cache-aware policies must show a clearly higher hit rate and a lower
-// TTFT p50 than round_robin, on both workloads the issue names.
+// cacheAwareCases are the two workloads on which a cache-aware policy must
+// beat round_robin clearly.
+var cacheAwareCases = []struct {
+	workload string
+	params   map[string]float64
+}{
+	// 4 prompts per group over 4 replicas: round robin computes a group's
+	// system prompt up to 4 times, a cache-aware policy once.
+	{"shared_prefix", map[string]float64{"groups": 12, "prompts_per_group": 4, "system_prompt_len": 2048,
+		"question_len": 64, "output_len": 16}},
+	// Short system prompt, growing histories: the history is the prefix.
+	{"multiturn", map[string]float64{"conversations": 15, "turns": 6, "system_prompt_len": 32,
+		"user_len_min": 300, "user_len_max": 350, "output_len": 16, "think_ms": 0}},
+}
+
+var cacheAwarePolicies = []string{"round_robin", "ttft", "sglang"}
+
+// Cache-aware policies must show a clearly higher hit rate and a lower TTFT
+// p50 than round_robin, on both workloads the issue names. The claim is
+// about the policies and the engine model, so it is asserted where they run
+// in virtual time (internal/replay: the gateway's router and policies, the
+// sim's engine, no HTTP, no wall clock), where a busy machine cannot change
+// the figures. TestCacheAwareBeatsRoundRobinLive measures the same through
+// the live gateway under make bench.
 func TestCacheAwareBeatsRoundRobin(t *testing.T) {
-	if testing.Short() {
-		t.Skip("embedded fleet run")
+	for _, tc := range cacheAwareCases {
+		t.Run(tc.workload, func(t *testing.T) {
+			reqs := generate(t, tc.workload, tc.params)
+			workload.Arrivals(reqs, cacheAwareRate, 7)
+			specs, err := replay.Specs(cacheAwarePolicies)
+			if err != nil {
+				t.Fatal(err)
+			}
+			res, err := replay.Compare(context.Background(), replay.Config{Replicas: 4, Seed: 7}, reqs, specs, replay.Options{})
+			if err != nil {
+				t.Fatal(err)
+			}
+			runs := map[string]report.Run{}
+			for _, r := range res.Runs {
+				if r.Errors != 0 || r.Requests != len(reqs) {
+					t.Fatalf("%s: %d errors of %d", r.Policy, r.Errors, r.Requests)
+				}
+				runs[r.Policy] = r
+				t.Logf("%-12s hit %.3f ttft p50 %.1f ms imbalance %.2f", r.Policy, r.HitRate, r.TTFTms.P50, r.Imbalance)
+			}
+			for _, pol := range cacheAwarePolicies[1:] {
+				if why := beats(runs[pol], runs["round_robin"]); why != "" {
+					t.Errorf("%s: %s", pol, why)
+				}
+			}
+		})
 	}
-	cases := []struct {
-		workload string
-		params   map[string]float64
-	}{
-		// 4 prompts per group over 4 replicas: round robin computes a group's
-		// system prompt up to 4 times, a cache-aware policy once.
-		{"shared_prefix", map[string]float64{"groups": 12, "prompts_per_group": 4, "system_prompt_len": 2048,
-			"question_len": 64, "output_len": 16}},
-		// Short system prompt, growing histories: the history is the prefix.
-		{"multiturn", map[string]float64{"conversations": 15, "turns": 6, "system_prompt_len": 32,
-			"user_len_min": 300, "user_len_max": 350, "output_len": 16, "think_ms": 0}},
+}
+
+// cacheAwareRate is the replay's Poisson arrival rate: about one request
+// per replica in flight, so prefill time, not queueing, decides TTFT.
+const cacheAwareRate = 8
+
+// beats says how r fails to beat round robin's run rr clearly ("" when it does).
+func beats(r, rr report.Run) string {
+	if r.HitRate < rr.HitRate+0.15 {
+		return fmt.Sprintf("hit rate %.3f not clearly above round_robin's %.3f", r.HitRate, rr.HitRate)
 	}
-	for _, tc := range cases {
+	if r.TTFTms.P50 >= rr.TTFTms.P50 {
+		return fmt.Sprintf("TTFT p50 %.1f ms not below round_robin's %.1f ms", r.TTFTms.P50, rr.TTFTms.P50)
+	}
+	return ""
+}
+
+// TestCacheAwareBeatsRoundRobinLive runs the same comparison through the
+// live gateway and simulated replicas (wall clock, HTTP). It runs under make
+// bench (KVGATE_BENCH=1) and reports its figures; on a busy machine the
+// wall-clock TTFTs may not hold the ordering, so only errors fail it.
+func TestCacheAwareBeatsRoundRobinLive(t *testing.T) {
+	if testing.Short() || os.Getenv("KVGATE_BENCH") == "" {
+		t.Skip("live embedded fleet: set KVGATE_BENCH=1 (make bench)")
+	}
+	for _, tc := range cacheAwareCases {
 		t.Run(tc.workload, func(t *testing.T) {
 			reqs := generate(t, tc.workload, tc.params)
 			runs := map[string]report.Run{}
-			for _, pol := range []string{"round_robin", "ttft", "sglang"} {
+			for _, pol := range cacheAwarePolicies {
 				e := embedded(4)
 				e.Load.Concurrency = 4 // one request per replica: prefill time, not queueing, decides TTFT
 				res, err := RunEmbedded(context.Background(), e, pol, reqs)
@@ -77,14 +139,9 @@ func TestCacheAwareBeatsRoundRobin(t *testing.T) {
 				runs[pol] = res.Run
 				t.Logf("%-12s hit %.3f ttft p50 %.1f ms imbalance %.2f", pol, res.Run.HitRate, res.Run.TTFTms.P50, res.Run.Imbalance)
 			}
-			rr := runs["round_robin"]
-			for _, pol := range []string{"ttft", "sglang"} {
-				r := runs[pol]
-				if r.HitRate < rr.HitRate+0.15 {
-					t.Errorf("%s hit rate %.3f not clearly above round_robin's %.3f", pol, r.HitRate, rr.HitRate)
-				}
-				if r.TTFTms.P50 >= rr.TTFTms.P50 {
-					t.Errorf("%s TTFT p50 %.1f ms not below round_robin's %.1f ms", pol, r.TTFTms.P50, rr.TTFTms.P50)
+			for _, pol := range cacheAwarePolicies[1:] {
+				if why := beats(runs[pol], runs["round_robin"]); why != "" {
+					t.Logf("%s: %s (wall clock; the replay's ordering is what make test asserts)", pol, why)
 				}
 			}
 		})
