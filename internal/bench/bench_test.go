@@ -3,6 +3,9 @@ package bench
 import (
 	"context"
 	"fmt"
+	"io"
+	"net/http"
+	"net/http/httptest"
 	"os"
 	"strings"
 	"testing"
@@ -209,5 +212,41 @@ func TestReadStream(t *testing.T) {
 	s := readStream(strings.NewReader(role+reasoning+usage+done), time.Now())
 	if s.usage == nil || s.usage.Cached() != 4 || s.usage.CompletionTokens != 3 {
 		t.Fatalf("usage %+v", s.usage)
+	}
+}
+
+// TestSoak: rounds of requests against a stand-in target until the
+// duration passes, with the target's process metrics read at the start, at
+// every interval and at the end.
+func TestSoak(t *testing.T) {
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.URL.Path == "/metrics" {
+			_, _ = io.WriteString(w, "go_goroutines 7\ngo_memstats_heap_inuse_bytes 1048576\nprocess_resident_memory_bytes 2097152\n")
+			return
+		}
+		w.Header().Set("Content-Type", "text/event-stream")
+		_, _ = io.WriteString(w, `data: {"choices":[{"index":0,"text":"a"}]}`+"\n\n"+
+			`data: {"choices":[],"usage":{"prompt_tokens":5,"completion_tokens":1}}`+"\n\ndata: [DONE]\n\n")
+	}))
+	defer srv.Close()
+	reqs := generate(t, "multiturn", map[string]float64{"conversations": 2, "turns": 2, "system_prompt_len": 16,
+		"user_len_min": 8, "user_len_max": 8, "output_len": 1, "think_ms": 0})
+	rounds := 0
+	gen := func(int) ([]workload.Request, error) { rounds++; return reqs, nil }
+	samples, recs, err := Soak(context.Background(), Config{Target: srv.URL, Model: "m"}, gen, 300*time.Millisecond, 50*time.Millisecond)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(samples) < 2 || samples[0].Goroutines != 7 || samples[0].HeapBytes != 1<<20 || samples[0].RSSBytes != 2<<20 {
+		t.Fatalf("%d samples, first %+v", len(samples), samples)
+	}
+	last := samples[len(samples)-1]
+	if rounds == 0 || len(recs) == 0 || last.Requests < len(recs) || last.Errors != 0 {
+		t.Fatalf("%d rounds, %d records, last sample %+v", rounds, len(recs), last)
+	}
+	for _, r := range recs {
+		if r.Err || r.OutputTokens != 1 {
+			t.Fatalf("record %+v", r)
+		}
 	}
 }

@@ -1,6 +1,7 @@
 package bench
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -11,6 +12,7 @@ import (
 	"github.com/kvgate/kvgate/internal/gateway"
 	"github.com/kvgate/kvgate/internal/report"
 	"github.com/kvgate/kvgate/internal/sim"
+	"github.com/kvgate/kvgate/internal/testutil"
 	"github.com/kvgate/kvgate/internal/workload"
 )
 
@@ -42,50 +44,17 @@ func RunEmbedded(ctx context.Context, e EmbeddedConfig, policy string, reqs []wo
 		return EmbeddedResult{}, err
 	}
 	defer fl.Close()
-	gcfg := e.Gateway
-	gcfg.Policy = policy
-	gcfg.Replicas = nil
-	urls := make([]string, 0, len(fl.Replicas()))
-	for _, r := range fl.Replicas() {
-		urls = append(urls, r.URL())
-		gcfg.Replicas = append(gcfg.Replicas, gateway.ReplicaConfig{URL: r.URL()})
-	}
-	if gcfg.ScrapeInterval == 0 {
-		gcfg.ScrapeInterval = gateway.Duration(250 * time.Millisecond)
-	}
-	g, err := gateway.New(gcfg, gateway.Options{})
+	urls := fl.URLs()
+	target, stop, err := startGateway(ctx, e.Gateway, policy, urls)
 	if err != nil {
 		return EmbeddedResult{}, err
 	}
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		return EmbeddedResult{}, err
-	}
-	srv := g.Server()
-	var wg sync.WaitGroup
-	wg.Add(2)
-	go func() { defer wg.Done(); g.Run(ctx) }()
-	go func() { defer wg.Done(); _ = srv.Serve(ln) }()
-	defer func() {
-		cancel()
-		sctx, scancel := context.WithTimeout(context.Background(), 5*time.Second)
-		_ = srv.Shutdown(sctx)
-		scancel()
-		wg.Wait()
-	}()
-	if err := waitReady(ctx, g, len(urls)); err != nil {
-		return EmbeddedResult{}, err
-	}
+	defer stop()
 	before := counters(fl)
 	load := e.Load
-	load.Target = "http://" + ln.Addr().String()
-	load.Replicas = urls
-	load.TimeScale = simCfg.TimeScale
+	load.Target, load.Replicas, load.TimeScale = target, urls, simCfg.TimeScale
 	if load.Model == "" {
-		load.Model = simCfg.Model
-		if load.Model == "" {
-			load.Model = sim.DefaultModel
-		}
+		load.Model = cmp.Or(simCfg.Model, sim.DefaultModel)
 	}
 	recs, wall, err := Run(ctx, load, reqs)
 	if err != nil && !errors.Is(err, ErrDeadline) {
@@ -99,6 +68,45 @@ func RunEmbedded(ctx context.Context, e EmbeddedConfig, policy string, reqs []wo
 		res.Run.HitRate = res.HitRate
 	}
 	return res, err
+}
+
+// startGateway starts a gateway routing by policy over the replicas at
+// urls on a loopback port, and waits until it has scraped each of them.
+// It returns the gateway's URL and its stop.
+func startGateway(ctx context.Context, gcfg gateway.Config, policy string, urls []string) (string, func(), error) {
+	gcfg.Policy = policy
+	gcfg.Replicas = nil
+	for _, u := range urls {
+		gcfg.Replicas = append(gcfg.Replicas, gateway.ReplicaConfig{URL: u})
+	}
+	if gcfg.ScrapeInterval == 0 {
+		gcfg.ScrapeInterval = gateway.Duration(250 * time.Millisecond)
+	}
+	g, err := gateway.New(gcfg, gateway.Options{})
+	if err != nil {
+		return "", nil, err
+	}
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return "", nil, err
+	}
+	ctx, cancel := context.WithCancel(ctx)
+	srv := g.Server()
+	var wg sync.WaitGroup
+	wg.Go(func() { g.Run(ctx) })
+	wg.Go(func() { _ = srv.Serve(ln) })
+	stop := func() {
+		cancel()
+		sctx, scancel := context.WithTimeout(context.Background(), 5*time.Second)
+		_ = srv.Shutdown(sctx)
+		scancel()
+		wg.Wait()
+	}
+	if err := waitReady(ctx, g, len(urls)); err != nil {
+		stop()
+		return "", nil, err
+	}
+	return "http://" + ln.Addr().String(), stop, nil
 }
 
 type hitCounters struct{ hits, queries int64 }
@@ -116,25 +124,16 @@ func counters(fl *sim.Fleet) hitCounters {
 // waitReady polls until the gateway has scraped every replica and lists a
 // model, or a deadline passes.
 func waitReady(ctx context.Context, g *gateway.Gateway, n int) error {
-	deadline := time.Now().Add(10 * time.Second)
-	for {
+	err := testutil.Poll(ctx, 10*time.Second, func() bool {
 		ok := len(g.Fleet().Models()) > 0
 		for i := 0; ok && i < n; i++ {
 			_, _, have := g.Router().ReplicaMetrics(i)
 			ok = have && g.Router().Healthy(i)
 		}
-		if ok {
-			return nil
-		}
-		if time.Now().After(deadline) {
-			return fmt.Errorf("bench: the embedded fleet was not ready within 10s")
-		}
-		t := time.NewTimer(5 * time.Millisecond)
-		select {
-		case <-ctx.Done():
-			t.Stop()
-			return ctx.Err()
-		case <-t.C:
-		}
+		return ok
+	})
+	if errors.Is(err, testutil.ErrDeadline) {
+		return fmt.Errorf("bench: the embedded fleet was not ready within 10s")
 	}
+	return err
 }

@@ -40,68 +40,80 @@ func Soak(ctx context.Context, cfg Config, gen func(round int) ([]workload.Reque
 		cfg.Client = NewClient()
 		defer cfg.Client.CloseIdleConnections()
 	}
+	cfg.MaxDuration = duration
 	ctx, cancel := context.WithTimeout(ctx, duration)
 	defer cancel()
-	start := time.Now()
-	var (
-		mu      sync.Mutex
-		samples []Sample
-		all     []report.Record
-		done    atomic.Int64
-		errs    atomic.Int64
-	)
-	sample := func() {
-		s, err := scrape(cfg.Client, cfg.Target)
-		if err != nil {
-			return
-		}
-		s.At, s.Requests, s.Errors = time.Since(start), int(done.Load()), int(errs.Load())
-		mu.Lock()
-		samples = append(samples, s)
-		mu.Unlock()
-	}
-	sample()
+	s := &soaker{cfg: cfg, start: time.Now()}
+	s.sample()
 	stop := make(chan struct{})
 	var wg sync.WaitGroup
-	wg.Add(1)
-	go func() { // the sampler: a reading every interval, whatever the rounds do
-		defer wg.Done()
-		t := time.NewTicker(interval)
-		defer t.Stop()
-		for {
-			select {
-			case <-stop:
-				return
-			case <-t.C:
-				sample()
-			}
+	wg.Go(func() { s.sampleEvery(interval, stop) }) // a reading every interval, whatever the rounds do
+	all, genErr := s.rounds(ctx, gen)
+	close(stop)
+	wg.Wait()
+	s.sample()
+	return s.samples, all, genErr
+}
+
+// soaker is one soak's readings and request counts.
+type soaker struct {
+	cfg        Config
+	start      time.Time
+	done, errs atomic.Int64
+
+	mu      sync.Mutex
+	samples []Sample
+}
+
+// sample takes one reading (none when the target's metrics do not answer).
+func (s *soaker) sample() {
+	x, err := scrape(s.cfg.Client, s.cfg.Target)
+	if err != nil {
+		return
+	}
+	x.At, x.Requests, x.Errors = time.Since(s.start), int(s.done.Load()), int(s.errs.Load())
+	s.mu.Lock()
+	s.samples = append(s.samples, x)
+	s.mu.Unlock()
+}
+
+// sampleEvery takes a reading every interval until stop is closed.
+func (s *soaker) sampleEvery(interval time.Duration, stop <-chan struct{}) {
+	t := time.NewTicker(interval)
+	defer t.Stop()
+	for {
+		select {
+		case <-stop:
+			return
+		case <-t.C:
+			s.sample()
 		}
-	}()
-	cfg.MaxDuration = duration
-	var genErr error
+	}
+}
+
+// rounds runs round after round until ctx ends or gen fails, and returns
+// every record but those cut by the end of the soak.
+func (s *soaker) rounds(ctx context.Context, gen func(round int) ([]workload.Request, error)) ([]report.Record, error) {
+	var all []report.Record
 	for round := 0; ctx.Err() == nil; round++ {
 		reqs, err := gen(round)
 		if err != nil {
-			genErr = err
-			break
+			return all, err
 		}
-		c := cfg
-		c.Progress = func(int, int) { done.Add(1) }
+		c := s.cfg
+		c.Progress = func(int, int) { s.done.Add(1) }
 		recs, _, _ := Run(ctx, c, reqs)
 		for _, r := range recs {
 			if r.Err && (r.ErrKind == "not_sent" || r.ErrKind == "canceled") {
 				continue // cut by the end of the soak
 			}
 			if r.Err {
-				errs.Add(1)
+				s.errs.Add(1)
 			}
 			all = append(all, r)
 		}
 	}
-	close(stop)
-	wg.Wait()
-	sample()
-	return samples, all, genErr
+	return all, nil
 }
 
 func scrape(c *http.Client, target string) (Sample, error) {
