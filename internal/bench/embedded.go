@@ -12,7 +12,6 @@ import (
 	"github.com/kvgate/kvgate/internal/gateway"
 	"github.com/kvgate/kvgate/internal/report"
 	"github.com/kvgate/kvgate/internal/sim"
-	"github.com/kvgate/kvgate/internal/testutil"
 	"github.com/kvgate/kvgate/internal/workload"
 )
 
@@ -124,16 +123,25 @@ func counters(fl *sim.Fleet) hitCounters {
 // waitReady polls until the gateway has scraped every replica and lists a
 // model, or a deadline passes.
 func waitReady(ctx context.Context, g *gateway.Gateway, n int) error {
-	err := testutil.Poll(ctx, 10*time.Second, func() bool {
+	deadline := time.Now().Add(10 * time.Second)
+	for {
 		ok := len(g.Fleet().Models()) > 0
 		for i := 0; ok && i < n; i++ {
 			_, _, have := g.Router().ReplicaMetrics(i)
 			ok = have && g.Router().Healthy(i)
 		}
-		return ok
-	})
-	if errors.Is(err, testutil.ErrDeadline) {
-		return fmt.Errorf("bench: the embedded fleet was not ready within 10s")
+		if ok {
+			return nil
+		}
+		if time.Now().After(deadline) {
+			return fmt.Errorf("bench: the embedded fleet was not ready within 10s")
+		}
+		t := time.NewTimer(5 * time.Millisecond)
+		select {
+		case <-ctx.Done():
+			t.Stop()
+			return ctx.Err()
+		case <-t.C:
+		}
 	}
-	return err
 }
