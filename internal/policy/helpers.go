@@ -29,7 +29,7 @@ func (g *rng) Float64() float64 {
 }
 
 // scratchLen is the length of the arrays Picks declare for per-replica
-// scratch slices: up to that many replicas, a decision allocates none.
+// scratch slices: up to that many replicas, the slices allocate nothing.
 const scratchLen = 64
 
 // scratch returns buf[:n] when n ≤ len(buf), else a new slice of length n.
