@@ -1,6 +1,7 @@
 package replay
 
 import (
+	"cmp"
 	"context"
 	"encoding/binary"
 	"slices"
@@ -143,7 +144,7 @@ func nominalOrder(reqs []workload.Request) []int32 {
 		}
 		order[i] = int32(i)
 	}
-	slices.SortStableFunc(order, func(a, b int32) int { return cmpDur(at[a], at[b]) })
+	slices.SortStableFunc(order, func(a, b int32) int { return cmp.Compare(at[a], at[b]) })
 	return order
 }
 

@@ -8,7 +8,7 @@ import (
 
 	"github.com/kvgate/kvgate/internal/bench"
 	"github.com/kvgate/kvgate/internal/gateway"
-	simfleet "github.com/kvgate/kvgate/internal/sim"
+	"github.com/kvgate/kvgate/internal/sim"
 	"github.com/kvgate/kvgate/internal/workload"
 )
 
@@ -41,7 +41,7 @@ func TestReplayAgreesWithLive(t *testing.T) {
 		g.ScrapeInterval = gateway.Duration(20 * time.Millisecond)
 		g.HealthInterval = gateway.Duration(50 * time.Millisecond)
 		er, err := bench.RunEmbedded(context.Background(), bench.EmbeddedConfig{
-			Sim:     simfleet.Config{Replicas: replicas, TimeScale: 5, Seed: 11},
+			Sim:     sim.Config{Replicas: replicas, TimeScale: 5, Seed: 11},
 			Gateway: g,
 			Load:    bench.Config{MaxDuration: 2 * time.Minute},
 		}, pol, reqs)

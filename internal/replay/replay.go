@@ -26,10 +26,12 @@
 package replay
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
 	"slices"
+	"strings"
 	"time"
 
 	"github.com/kvgate/kvgate/internal/costmodel"
@@ -186,6 +188,14 @@ func (p PolicySpec) RunName() string {
 	return p.Name
 }
 
+// build makes the run's policy: New when set, else the registry's.
+func (p PolicySpec) build(opt policy.Options) (policy.Policy, error) {
+	if p.New != nil {
+		return p.New(opt)
+	}
+	return policy.New(p.Name, opt)
+}
+
 // Specs turns policy names into specs; "all" (alone) is every registered
 // policy. Unknown names are an error listing the known ones.
 func Specs(names []string) ([]PolicySpec, error) {
@@ -196,7 +206,7 @@ func Specs(names []string) ([]PolicySpec, error) {
 	out := make([]PolicySpec, 0, len(names))
 	for _, n := range names {
 		if !slices.Contains(known, n) {
-			return nil, fmt.Errorf("%w: unknown policy %q (known: all, %s)", ErrConfig, n, joinNames(known))
+			return nil, fmt.Errorf("%w: unknown policy %q (known: all, %s)", ErrConfig, n, strings.Join(known, ", "))
 		}
 		out = append(out, PolicySpec{Name: n})
 	}
@@ -204,17 +214,6 @@ func Specs(names []string) ([]PolicySpec, error) {
 		return nil, fmt.Errorf("%w: no policy", ErrConfig)
 	}
 	return out, nil
-}
-
-func joinNames(ns []string) string {
-	s := ""
-	for i, n := range ns {
-		if i > 0 {
-			s += ", "
-		}
-		s += n
-	}
-	return s
 }
 
 // Run replays reqs on a fresh fleet routed by one policy and summarises it.
@@ -256,14 +255,14 @@ func setVsBound(run *report.Run, b report.Bound) {
 }
 
 func runPlan(ctx context.Context, cfg Config, pl *plan, spec PolicySpec) (report.Run, error) {
-	s, err := newSim(cfg, pl, spec)
+	vr, err := newVirtualRun(cfg, pl, spec)
 	if err != nil {
 		return report.Run{}, err
 	}
-	if err := s.loop(ctx); err != nil {
+	if err := vr.loop(ctx); err != nil {
 		return report.Run{}, err
 	}
-	return s.summary(spec.RunName()), nil
+	return vr.summary(spec.RunName()), nil
 }
 
 // epoch is virtual time zero on the router's clock. Any fixed instant would
@@ -300,19 +299,9 @@ func newPlan(reqs []workload.Request) (*plan, error) {
 		}
 	}
 	slices.SortStableFunc(pl.roots, func(a, b int32) int {
-		return cmpDur(reqs[a].At, reqs[b].At)
+		return cmp.Compare(reqs[a].At, reqs[b].At)
 	})
 	return pl, nil
-}
-
-func cmpDur(a, b time.Duration) int {
-	switch {
-	case a < b:
-		return -1
-	case a > b:
-		return 1
-	}
-	return 0
 }
 
 // scale divides a trace duration by the speed-up.

@@ -463,9 +463,9 @@ func TestStalenessDelaysMetrics(t *testing.T) {
 				if !ok {
 					t.Fatalf("at %v replica %d shows a scrape from %v that was never taken", now, s.v.Index, now-age)
 				}
-				if sn.m.Waiting != s.v.Waiting || sn.m.Running != s.v.Running || sn.m.KVUsage != s.v.KVUsage {
+				if sn.metrics.Waiting != s.v.Waiting || sn.metrics.Running != s.v.Running || sn.metrics.KVUsage != s.v.KVUsage {
 					t.Fatalf("at %v replica %d shows %d/%d/%v, the scrape at %v was %+v", now, s.v.Index,
-						s.v.Waiting, s.v.Running, s.v.KVUsage, now-age, sn.m)
+						s.v.Waiting, s.v.Running, s.v.KVUsage, now-age, sn.metrics)
 				}
 				if s.v.Running > 0 {
 					moved++
@@ -490,22 +490,22 @@ func TestDependenciesHonoured(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		s, err := newSim(cfg, pl, PolicySpec{Name: "ttft"})
+		vr, err := newVirtualRun(cfg, pl, PolicySpec{Name: "ttft"})
 		if err != nil {
 			t.Fatal(err)
 		}
-		if err := s.loop(context.Background()); err != nil {
+		if err := vr.loop(context.Background()); err != nil {
 			t.Fatal(err)
 		}
 		deps := 0
 		for i, r := range reqs {
-			rec := s.recs[i]
+			rec := vr.records[i]
 			if rec.Err || rec.OutputTokens != r.MaxTokens {
 				t.Fatalf("request %d: %+v", i, rec)
 			}
 			want := scale(r.At, speedup)
 			if r.Prev >= 0 {
-				p := s.recs[r.Prev]
+				p := vr.records[r.Prev]
 				want = max(want, p.Start+p.E2E+scale(r.Think, speedup))
 				deps++
 			}
@@ -525,24 +525,24 @@ func TestPreciseFollowsKVEvents(t *testing.T) {
 	for _, stale := range []time.Duration{0, 300 * time.Millisecond} {
 		cfg := Config{Replicas: 3, KVBlocks: 600, Staleness: stale}.WithDefaults()
 		pl, _ := newPlan(reqs)
-		s, err := newSim(cfg, pl, PolicySpec{Name: "precise"})
+		vr, err := newVirtualRun(cfg, pl, PolicySpec{Name: "precise"})
 		if err != nil {
 			t.Fatal(err)
 		}
-		if err := s.loop(context.Background()); err != nil {
+		if err := vr.loop(context.Background()); err != nil {
 			t.Fatal(err)
 		}
-		if s.kvErr != 0 {
-			t.Fatalf("staleness %v: %d KV events rejected", stale, s.kvErr)
+		if vr.kvEventErrors != 0 {
+			t.Fatalf("staleness %v: %d KV events rejected", stale, vr.kvEventErrors)
 		}
-		px := s.rt.Precise().Index()
-		for e, eng := range s.engines {
+		px := vr.router.Precise().Index()
+		for e, rep := range vr.replicas {
 			// Replaying Stored/Removed gives exactly the engine's cached blocks.
-			if got, want := px.ReplicaLen(e), eng.Stats().CachedBlocks; got != want {
+			if got, want := px.ReplicaLen(e), rep.engine.Stats().CachedBlocks; got != want {
 				t.Errorf("staleness %v: replica %d: precise index holds %d blocks, the engine %d", stale, e, got, want)
 			}
 		}
-		if eng := s.engines[0].Stats(); eng.EvictedBlocks == 0 {
+		if eng := vr.replicas[0].engine.Stats(); eng.EvictedBlocks == 0 {
 			t.Errorf("staleness %v: no evictions: Removed events untested", stale)
 		}
 	}

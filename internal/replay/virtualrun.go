@@ -1,0 +1,413 @@
+package replay
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/kvgate/kvgate/internal/engine"
+	"github.com/kvgate/kvgate/internal/policy"
+	"github.com/kvgate/kvgate/internal/prompt"
+	"github.com/kvgate/kvgate/internal/report"
+	"github.com/kvgate/kvgate/internal/router"
+)
+
+// Event kinds.
+const (
+	evArrive  uint8 = iota // arg: request index
+	evStepEnd              // arg: engine
+	evScrape               // every engine's metrics are snapshotted
+	evMetrics              // the oldest pending snapshot reaches the router
+	evKV                   // the oldest pending KV-event batch reaches the router
+)
+
+// ctxCheckEvery is how many events pass between two looks at ctx.
+const ctxCheckEvery = 1 << 12
+
+// liveRequest is the state of one request between its arrival and its end.
+type liveRequest struct {
+	ticket *router.Ticket
+	arrive time.Duration
+	first  time.Duration
+	cached int
+	tokens int
+	hashes []uint64 // its engine block hashes (the engine keeps them while live)
+}
+
+// snapshot is one scrape of one engine on its way to the router.
+type snapshot struct {
+	replica int
+	metrics router.Metrics
+	at      time.Duration
+}
+
+// kvBatch is one step's KV events of one engine on their way to the router.
+type kvBatch struct {
+	replica int
+	events  []engine.KVEvent
+}
+
+// replica is one simulated replica: its engine and the step it is taking.
+type replica struct {
+	engine   *engine.Engine
+	stepping bool              // a step is in flight
+	step     engine.StepResult // that step, consumed at its end
+	queued   bool              // in virtualRun.wake
+}
+
+// virtualRun is one policy's run on a fresh fleet in virtual time: a router,
+// its replicas and the event loop.
+type virtualRun struct {
+	cfg        Config
+	plan       *plan
+	router     *router.Router
+	replicas   []replica
+	precise    bool
+	engineRoot uint64 // engine-namespace root of the hash chain
+
+	events   eventHeap
+	now      time.Duration
+	nextRoot int // next root arrival to schedule (index into plan.roots)
+
+	wake            []int           // replicas to step at now, once this instant's events are done
+	requests        []liveRequest   // per request
+	records         []report.Record // per request, filled when it ends
+	metricsInFlight fifo[snapshot]  // scrapes on their way to the router (staleness)
+	kvInFlight      fifo[kvBatch]   // KV events on their way to the router (staleness)
+	spareHashes     [][]uint64      // recycled engine hash buffers
+	kvEventErrors   int             // KV events the precise index rejected
+	failures        map[string]int  // failed requests by kind
+	ended           int             // requests finished or failed
+}
+
+// newVirtualRun builds spec's policy, the router and cfg.Replicas engines
+// for one run of plan.
+func newVirtualRun(cfg Config, p *plan, spec PolicySpec) (*virtualRun, error) {
+	pol, err := spec.build(policy.Options{
+		Seed:           cfg.Seed,
+		BlockSize:      cfg.BlockSize,
+		Profile:        cfg.Profile,
+		MaxBatchTokens: cfg.MaxBatchTokens,
+		Params:         spec.Params,
+	})
+	if err != nil {
+		return nil, fmt.Errorf("%w: %w", ErrConfig, err)
+	}
+	vr := &virtualRun{
+		cfg:        cfg,
+		plan:       p,
+		precise:    spec.Name == "precise",
+		engineRoot: prompt.RootOf("engine", prompt.Key{Model: cfg.Model}),
+		replicas:   make([]replica, cfg.Replicas),
+		requests:   make([]liveRequest, len(p.reqs)),
+		records:    make([]report.Record, len(p.reqs)),
+		failures:   map[string]int{},
+	}
+	names := make([]string, cfg.Replicas)
+	for i := range names {
+		names[i] = fmt.Sprintf("replica-%d", i)
+		if vr.replicas[i].engine, err = engine.New(cfg.engineConfig(i, vr.precise)); err != nil {
+			return nil, fmt.Errorf("%w: %w", ErrConfig, err)
+		}
+	}
+	vr.router, err = router.New(router.Config{
+		Replicas:         names,
+		Policy:           pol,
+		BlockSize:        cfg.BlockSize,
+		BlocksPerReplica: cfg.KVBlocks,
+		Precise:          vr.precise,
+		Model:            cfg.Model,
+		Now:              func() time.Time { return epoch.Add(vr.now) },
+	})
+	if err != nil {
+		return nil, fmt.Errorf("%w: %w", ErrConfig, err)
+	}
+	return vr, nil
+}
+
+// loop runs the simulation to its end.
+func (vr *virtualRun) loop(ctx context.Context) error {
+	// The first scrape precedes the first arrival: the gateway scrapes as it starts.
+	vr.events.push(0, evScrape, 0)
+	vr.pushNextRoot()
+	for n := 0; ; n++ {
+		if n%ctxCheckEvery == 0 {
+			if err := ctx.Err(); err != nil {
+				return err
+			}
+			if vr.cfg.observe != nil {
+				vr.cfg.observe(observation{})
+			}
+		}
+		// Engines woken at this instant step once every event of the instant
+		// is handled, so that simultaneous arrivals share the step.
+		if len(vr.wake) > 0 && (vr.events.len() == 0 || vr.events.top().at > vr.now) {
+			if err := vr.stepWoken(); err != nil {
+				return err
+			}
+			continue
+		}
+		if vr.events.len() == 0 {
+			return nil
+		}
+		ev := vr.events.pop()
+		vr.now = ev.at
+		switch ev.kind {
+		case evArrive:
+			if err := vr.arrive(int(ev.arg)); err != nil {
+				return err
+			}
+		case evStepEnd:
+			vr.stepEnd(int(ev.arg))
+		case evScrape:
+			vr.scrape()
+		case evMetrics:
+			sn := vr.metricsInFlight.pop()
+			vr.router.SetMetrics(sn.replica, sn.metrics, epoch.Add(sn.at))
+		case evKV:
+			b := vr.kvInFlight.pop()
+			vr.deliverKV(b)
+		}
+	}
+}
+
+func (vr *virtualRun) pushNextRoot() {
+	if vr.nextRoot >= len(vr.plan.roots) {
+		return
+	}
+	i := vr.plan.roots[vr.nextRoot]
+	vr.nextRoot++
+	vr.events.push(scale(vr.plan.reqs[i].At, vr.cfg.Speedup), evArrive, i)
+}
+
+// arrive routes request i and hands it to its engine.
+func (vr *virtualRun) arrive(i int) error {
+	r := &vr.plan.reqs[i]
+	if r.Prev < 0 {
+		vr.pushNextRoot()
+	}
+	text := r.Text()
+	p := parsed(r, text, vr.cfg.Model)
+	preq := vr.router.Prepare(&p, r.Session, "")
+	st := &vr.requests[i]
+	st.arrive, st.tokens = vr.now, preq.Tokens
+	tk, err := vr.router.Route(preq)
+	if err != nil {
+		if !errors.Is(err, policy.ErrNoReplica) {
+			return fmt.Errorf("replay: request %d: %w", i, err)
+		}
+		vr.fail(i, -1, "no_replica")
+		return nil
+	}
+	st.ticket = tk
+	er := engine.Request{
+		ID:           uint64(i) + 1,
+		PromptTokens: preq.Tokens,
+		MaxTokens:    max(r.MaxTokens, 1),
+	}
+	er.BlockHashes = prompt.ApproxBlockHashes(vr.hashBuf(), vr.engineRoot, text, vr.cfg.BlockSize)
+	if vr.precise {
+		// KV events carry token ids; the precise index rehashes them.
+		er.TokenIDs = prompt.Approx{}.Encode(make([]uint32, 0, preq.Tokens), text)
+	}
+	st.hashes = er.BlockHashes
+	e := tk.Replica
+	if err := vr.replicas[e].engine.Add(&er, vr.now); err != nil {
+		if !errors.Is(err, engine.ErrTooLong) {
+			return fmt.Errorf("replay: request %d: %w", i, err)
+		}
+		tk.Done(epoch.Add(vr.now), router.Outcome{CachedTokens: -1, Err: err})
+		vr.fail(i, e, "too_long")
+		return nil
+	}
+	if !vr.replicas[e].stepping {
+		vr.queueStep(e)
+	}
+	return nil
+}
+
+// fail records request i as failed at now and releases its dependants.
+func (vr *virtualRun) fail(i, replica int, kind string) {
+	st := &vr.requests[i]
+	vr.records[i] = report.Record{Start: st.arrive, PromptTokens: st.tokens, Replica: replica, Err: true, ErrKind: kind}
+	vr.failures[kind]++
+	vr.release(st)
+	vr.finished(i)
+}
+
+func (vr *virtualRun) hashBuf() []uint64 {
+	if n := len(vr.spareHashes); n > 0 {
+		b := vr.spareHashes[n-1]
+		vr.spareHashes = vr.spareHashes[:n-1]
+		return b[:0]
+	}
+	return nil
+}
+
+// release drops a request's references; its hash buffer is recycled unless
+// KV events (which point into it) may still be in flight.
+func (vr *virtualRun) release(st *liveRequest) {
+	if !vr.precise && st.hashes != nil {
+		vr.spareHashes = append(vr.spareHashes, st.hashes)
+	}
+	st.hashes, st.ticket = nil, nil
+}
+
+// finished schedules the requests that waited for request i.
+func (vr *virtualRun) finished(i int) {
+	vr.ended++
+	for _, k := range vr.plan.kids[i] {
+		r := &vr.plan.reqs[k]
+		at := max(scale(r.At, vr.cfg.Speedup), vr.now+scale(r.Think, vr.cfg.Speedup))
+		vr.events.push(at, evArrive, k)
+	}
+}
+
+// queueStep has replica e step at now, once this instant's events are done.
+func (vr *virtualRun) queueStep(e int) {
+	if rep := &vr.replicas[e]; !rep.queued {
+		rep.queued = true
+		vr.wake = append(vr.wake, e)
+	}
+}
+
+// stepWoken starts a step on every engine woken at now.
+func (vr *virtualRun) stepWoken() error {
+	for _, e := range vr.wake {
+		rep := &vr.replicas[e]
+		rep.queued = false
+		if rep.stepping || !rep.engine.HasWork() {
+			continue
+		}
+		res := rep.engine.Step(vr.now)
+		if res.Seqs == 0 {
+			return fmt.Errorf("%w: replica %d at %v", ErrStalled, e, vr.now)
+		}
+		rep.step, rep.stepping = res, true
+		vr.events.push(res.End, evStepEnd, int32(e))
+	}
+	vr.wake = vr.wake[:0]
+	return nil
+}
+
+// stepEnd makes engine e's step visible: first tokens, finished requests,
+// KV events; the engine is woken again if it has work.
+func (vr *virtualRun) stepEnd(e int) {
+	rep := &vr.replicas[e]
+	res := &rep.step
+	at := epoch.Add(vr.now)
+	for _, o := range res.Outputs {
+		i := int(o.ReqID - 1)
+		st := &vr.requests[i]
+		if o.First {
+			st.first, st.cached = vr.now, o.CachedTokens
+			st.ticket.FirstToken(at)
+		}
+		if o.Finished {
+			out := max(vr.plan.reqs[i].MaxTokens, 1)
+			st.ticket.Done(at, router.Outcome{CachedTokens: st.cached, OutputTokens: out})
+			vr.records[i] = report.Record{
+				Start: st.arrive, TTFT: st.first - st.arrive, E2E: vr.now - st.arrive,
+				PromptTokens: st.tokens, CachedTokens: st.cached, OutputTokens: out, Replica: e,
+			}
+			vr.release(st)
+			vr.finished(i)
+		}
+	}
+	if vr.precise && len(res.KV) > 0 {
+		b := kvBatch{replica: e, events: res.KV}
+		if vr.cfg.Staleness == 0 {
+			vr.deliverKV(b)
+		} else {
+			vr.kvInFlight.push(b)
+			vr.events.push(vr.now+vr.cfg.Staleness, evKV, 0)
+		}
+	}
+	*res = engine.StepResult{}
+	rep.stepping = false
+	if rep.engine.HasWork() {
+		vr.queueStep(e)
+	}
+}
+
+// scrape snapshots every engine's gauges, as the gateway's scraper reads
+// /metrics, and sends them on to the router Staleness later.
+func (vr *virtualRun) scrape() {
+	for e := range vr.replicas {
+		st := vr.replicas[e].engine.Stats()
+		sn := snapshot{replica: e, at: vr.now, metrics: router.Metrics{
+			Waiting: st.Waiting, Running: st.Running, KVUsage: st.KVUsage,
+			NumBlocks: st.NumBlocks, BlockSize: st.BlockSize,
+		}}
+		if vr.cfg.observe != nil {
+			vr.cfg.observe(observation{scrape: &sn})
+		}
+		if vr.cfg.Staleness == 0 {
+			vr.router.SetMetrics(e, sn.metrics, epoch.Add(sn.at))
+			continue
+		}
+		vr.metricsInFlight.push(sn)
+		vr.events.push(vr.now+vr.cfg.Staleness, evMetrics, 0)
+	}
+	// Keep scraping while requests remain (deliveries in flight do not
+	// count: they would keep the scrapes, and so themselves, going forever).
+	if vr.ended < len(vr.plan.reqs) {
+		vr.events.push(vr.now+vr.cfg.ScrapeInterval, evScrape, 0)
+	}
+}
+
+// deliverKV feeds one engine's KV events to the precise index, in order, as
+// the gateway's subscriber does.
+func (vr *virtualRun) deliverKV(b kvBatch) {
+	px := vr.router.Precise()
+	for _, ev := range b.events {
+		var err error
+		switch ev.Kind {
+		case engine.Stored:
+			var parent *uint64
+			if ev.HasParent {
+				p := ev.ParentHash
+				parent = &p
+			}
+			err = px.Stored(b.replica, vr.cfg.Model, ev.BlockHashes, parent, ev.TokenIDs, ev.BlockSize, ev.LoraName)
+		case engine.Removed:
+			err = px.Removed(b.replica, ev.BlockHashes)
+		case engine.Cleared:
+			err = px.Cleared(b.replica)
+		}
+		if err != nil {
+			// A stream the index cannot follow: resync from scratch, as the
+			// gateway does after a sequence gap; the approximate index
+			// answers until the next event.
+			vr.kvEventErrors++
+			_ = px.Cleared(b.replica)
+			vr.router.SetPreciseSynced(b.replica, false)
+			continue
+		}
+		vr.router.SetPreciseSynced(b.replica, true)
+	}
+}
+
+// summary is the run's report entry.
+func (vr *virtualRun) summary(label string) report.Run {
+	run := report.Summarize(label, vr.records, vr.cfg.Replicas, 0)
+	extra := map[string]float64{}
+	var pre, evicted int64
+	for _, rep := range vr.replicas {
+		st := rep.engine.Stats()
+		pre += st.Preemptions
+		evicted += st.EvictedBlocks
+	}
+	extra["preemptions"] = float64(pre)
+	extra["evicted_blocks"] = float64(evicted)
+	extra["virtual_s"] = vr.now.Seconds()
+	for k, n := range vr.failures {
+		extra["errors_"+k] = float64(n)
+	}
+	if vr.kvEventErrors > 0 {
+		extra["kv_event_errors"] = float64(vr.kvEventErrors)
+	}
+	run.Extra = extra
+	return run
+}
