@@ -181,6 +181,39 @@ type legendEntry struct {
 // build turns the chart into a gonum plot (without legend) and its legend entries.
 // reserve is the width kept right of the data area for the legend.
 func (c Chart) build(col colours, reserve vg.Length) (*plot.Plot, []legendEntry, error) {
+	p := c.newPlot()
+	var (
+		legend []legendEntry
+		err    error
+	)
+	if c.Bars {
+		legend, err = c.addBars(p, col, reserve)
+	} else {
+		legend, err = c.addLines(p, col)
+	}
+	if err != nil {
+		return nil, nil, err
+	}
+	for i, r := range c.Refs {
+		ref := refLine{y: r.Y, style: refStyle(i)}
+		p.Add(ref)
+		legend = append(legend, legendEntry{r.Label, []plot.Thumbnailer{lineThumb(ref.style)}})
+	}
+
+	if c.YMax > c.YMin {
+		p.Y.Min, p.Y.Max = c.YMin, c.YMax
+	}
+	if c.LogX {
+		setLog(&p.X)
+	}
+	if c.LogY {
+		setLog(&p.Y)
+	}
+	return p, legend, nil
+}
+
+// newPlot is an empty plot with the chart's title, axis labels, fonts, ticks and grid.
+func (c Chart) newPlot() *plot.Plot {
 	p := plot.New()
 	p.Title.Text = c.Title
 	p.Title.TextStyle.Font = font.From(sansFont, 14)
@@ -201,98 +234,91 @@ func (c Chart) build(col colours, reserve vg.Length) (*plot.Plot, []legendEntry,
 		grid.Vertical.Color = nil
 	}
 	p.Add(grid)
+	return p
+}
 
+// addBars draws the series as grouped bars, one group per category, and names the
+// categories on the x axis.
+func (c Chart) addBars(p *plot.Plot, col colours, reserve vg.Length) ([]legendEntry, error) {
+	nser := max(len(c.Series), 1)
+	ncat := 0
+	for _, s := range c.Series {
+		ncat = max(ncat, len(s.Y))
+	}
+	ncat = max(ncat, len(c.Categories), 1)
+	// Bar widths are in points, not data units: share 80 % of each category's slot of
+	// the approximate data-area width among the series.
+	slot := (chartWidth - reserve - 70) / vg.Length(ncat)
+	w := max(slot*0.8/vg.Length(nser), vg.Points(0.5))
 	var legend []legendEntry
-	if c.Bars {
-		nser := max(len(c.Series), 1)
-		ncat := 0
-		for _, s := range c.Series {
-			ncat = max(ncat, len(s.Y))
+	for k, s := range c.Series {
+		vals := make(plotter.Values, ncat)
+		copy(vals, s.Y)
+		bars, err := plotter.NewBarChart(vals, w)
+		if err != nil {
+			return nil, fmt.Errorf("%w: %s: %w", ErrInvalidChart, c.Name, err)
 		}
-		ncat = max(ncat, len(c.Categories), 1)
-		// Bar widths are in points, not data units: share 80 % of each category's slot of
-		// the approximate data-area width among the series.
-		slot := (chartWidth - reserve - 70) / vg.Length(ncat)
-		w := max(slot*0.8/vg.Length(nser), vg.Points(0.5))
-		for k, s := range c.Series {
-			vals := make(plotter.Values, ncat)
-			copy(vals, s.Y)
-			bars, err := plotter.NewBarChart(vals, w)
+		sty := styleFor(col.index(s.key()), false)
+		bars.Color = sty.Color
+		bars.LineStyle.Width = 0
+		bars.Offset = (vg.Length(k) - vg.Length(nser-1)/2) * w
+		p.Add(bars)
+		legend = append(legend, legendEntry{s.Name, []plot.Thumbnailer{bars}})
+	}
+	labels := make([]string, ncat)
+	for i := range labels {
+		if i < len(c.Categories) {
+			labels[i] = c.Categories[i]
+		} else {
+			labels[i] = strconv.Itoa(i)
+		}
+	}
+	p.NominalX(labels...)
+	// Categories sit at 0…n−1; half a slot of margin each side makes the axis (and the
+	// reference lines across it) span every group fully.
+	p.X.Min, p.X.Max = -0.5, float64(ncat)-0.5
+	return legend, nil
+}
+
+// addLines draws each series as a line over its X (a step function for a CDF), with its
+// points marked when asked.
+func (c Chart) addLines(p *plot.Plot, col colours) ([]legendEntry, error) {
+	var legend []legendEntry
+	for _, s := range c.Series {
+		xys := make(plotter.XYs, len(s.X))
+		for i := range s.X {
+			xys[i] = plotter.XY{X: s.X[i], Y: s.Y[i]}
+		}
+		sty := styleFor(col.index(s.key()), s.Dashed)
+		var thumbs []plot.Thumbnailer
+		if len(xys) > 0 {
+			line, err := plotter.NewLine(xys)
 			if err != nil {
-				return nil, nil, fmt.Errorf("%w: %s: %w", ErrInvalidChart, c.Name, err)
+				return nil, fmt.Errorf("%w: %s: %w", ErrInvalidChart, c.Name, err)
 			}
-			sty := styleFor(col.index(s.key()), false)
-			bars.Color = sty.Color
-			bars.LineStyle.Width = 0
-			bars.Offset = (vg.Length(k) - vg.Length(nser-1)/2) * w
-			p.Add(bars)
-			legend = append(legend, legendEntry{s.Name, []plot.Thumbnailer{bars}})
-		}
-		labels := make([]string, ncat)
-		for i := range labels {
-			if i < len(c.Categories) {
-				labels[i] = c.Categories[i]
-			} else {
-				labels[i] = strconv.Itoa(i)
+			line.LineStyle = sty
+			if s.Step {
+				line.StepStyle = plotter.PostStep
 			}
-		}
-		p.NominalX(labels...)
-		// Categories sit at 0…n−1; half a slot of margin each side makes the axis (and the
-		// reference lines across it) span every group fully.
-		p.X.Min, p.X.Max = -0.5, float64(ncat)-0.5
-	} else {
-		for _, s := range c.Series {
-			xys := make(plotter.XYs, len(s.X))
-			for i := range s.X {
-				xys[i] = plotter.XY{X: s.X[i], Y: s.Y[i]}
-			}
-			idx := col.index(s.key())
-			var thumbs []plot.Thumbnailer
-			if len(xys) > 0 {
-				line, err := plotter.NewLine(xys)
+			p.Add(line)
+			thumbs = append(thumbs, line)
+			if s.Points {
+				sc, err := plotter.NewScatter(xys)
 				if err != nil {
-					return nil, nil, fmt.Errorf("%w: %s: %w", ErrInvalidChart, c.Name, err)
+					return nil, fmt.Errorf("%w: %s: %w", ErrInvalidChart, c.Name, err)
 				}
-				line.LineStyle = styleFor(idx, s.Dashed)
-				if s.Step {
-					line.StepStyle = plotter.PostStep
-				}
-				p.Add(line)
-				thumbs = append(thumbs, line)
-				if s.Points {
-					sc, err := plotter.NewScatter(xys)
-					if err != nil {
-						return nil, nil, fmt.Errorf("%w: %s: %w", ErrInvalidChart, c.Name, err)
-					}
-					sc.GlyphStyle = draw.GlyphStyle{Color: line.Color, Radius: vg.Points(2.5), Shape: draw.CircleGlyph{}}
-					p.Add(sc)
-					thumbs = append(thumbs, sc)
-				}
+				sc.GlyphStyle = draw.GlyphStyle{Color: line.Color, Radius: vg.Points(2.5), Shape: draw.CircleGlyph{}}
+				p.Add(sc)
+				thumbs = append(thumbs, sc)
 			}
-			if len(thumbs) == 0 {
-				// An empty series still gets its legend entry, so a missing policy is visible.
-				thumbs = append(thumbs, lineThumb(styleFor(idx, s.Dashed)))
-			}
-			legend = append(legend, legendEntry{s.Name, thumbs})
 		}
+		if len(thumbs) == 0 {
+			// An empty series still gets its legend entry, so a missing policy is visible.
+			thumbs = append(thumbs, lineThumb(sty))
+		}
+		legend = append(legend, legendEntry{s.Name, thumbs})
 	}
-
-	for i, r := range c.Refs {
-		ref := refLine{y: r.Y, style: refStyle(i)}
-		p.Add(ref)
-		legend = append(legend, legendEntry{r.Label, []plot.Thumbnailer{lineThumb(ref.style)}})
-	}
-
-	if c.YMax > c.YMin {
-		p.Y.Min, p.Y.Max = c.YMin, c.YMax
-	}
-	if c.LogX {
-		setLog(&p.X)
-	}
-	if c.LogY {
-		setLog(&p.Y)
-	}
-	return p, legend, nil
+	return legend, nil
 }
 
 // setLog switches an axis to log scale. gonum widens an empty or one-value range by ±1,

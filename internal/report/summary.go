@@ -99,88 +99,106 @@ const (
 //     largest share / the mean share (1/N), so 1.0 is perfect balance and N is "all on one";
 //     0 when nothing was routed. replicas sets N; a record naming a replica ≥ N widens it.
 func Summarize(policy string, recs []Record, replicas int, wall time.Duration) Run {
-	run := Run{Policy: policy, Requests: len(recs)}
-
 	n := max(replicas, 0)
 	for _, r := range recs {
 		n = max(n, r.Replica+1)
 	}
-	perReplica := make([]int, n)
-
-	var (
-		ttft, itl, e2e  = make([]float64, 0, len(recs)), make([]float64, 0, len(recs)), make([]float64, 0, len(recs))
-		prompt, cached  int64
-		outTokens       int64
-		ok              int
-		first, last     time.Duration
-		seen            bool
-		firstOK, lastOK time.Duration // arrival range of successful requests, for hit-rate buckets
-		seenOK          bool
-	)
+	t := newTally(len(recs), n)
 	for _, r := range recs {
-		if r.Replica >= 0 {
-			perReplica[r.Replica]++
-		}
-		done := r.Start + r.E2E
-		if !seen {
-			first, last, seen = r.Start, done, true
-		}
-		first, last = min(first, r.Start), max(last, done)
-		if r.Err {
-			run.Errors++
-			continue
-		}
-		if !seenOK {
-			firstOK, lastOK, seenOK = r.Start, r.Start, true
-		}
-		firstOK, lastOK = min(firstOK, r.Start), max(lastOK, r.Start)
-		ok++
-		ttft = append(ttft, ms(r.TTFT))
-		e2e = append(e2e, ms(r.E2E))
-		if r.OutputTokens >= 2 {
-			itl = append(itl, ms(r.E2E-r.TTFT)/float64(r.OutputTokens-1))
-		}
-		prompt += int64(r.PromptTokens)
-		cached += int64(r.CachedTokens)
-		outTokens += int64(r.OutputTokens)
+		t.add(r)
 	}
+	run := Run{Policy: policy, Requests: len(recs), Errors: t.errors}
 
-	slices.Sort(ttft)
-	slices.Sort(itl)
-	slices.Sort(e2e)
-	run.TTFTms, run.ITLms, run.E2Ems = distOf(ttft), distOf(itl), distOf(e2e)
+	slices.Sort(t.ttft)
+	slices.Sort(t.itl)
+	slices.Sort(t.e2e)
+	run.TTFTms, run.ITLms, run.E2Ems = distOf(t.ttft), distOf(t.itl), distOf(t.e2e)
 
-	if wall <= 0 && seen {
-		wall = last - first
+	if wall <= 0 && t.seen {
+		wall = t.last - t.first
 	}
 	if wall > 0 {
-		run.ThroughputRPS = float64(ok) / wall.Seconds()
-		run.OutputTokensPerS = float64(outTokens) / wall.Seconds()
+		run.ThroughputRPS = float64(t.ok) / wall.Seconds()
+		run.OutputTokensPerS = float64(t.outTokens) / wall.Seconds()
 	}
-	if prompt > 0 {
-		run.HitRate = float64(cached) / float64(prompt)
+	if t.prompt > 0 {
+		run.HitRate = float64(t.cached) / float64(t.prompt)
 	}
+	run.ReplicaShare, run.Imbalance = shares(t.perReplica)
+	run.Series = &Series{
+		TTFTCDF:         cdfOf(t.ttft),
+		HitRate:         hitRateSeries(recs, t.firstOK, t.lastOK),
+		ReplicaRequests: t.perReplica,
+	}
+	return run
+}
 
-	run.ReplicaShare = make([]float64, n)
+// tally accumulates a run's records in one pass, for Summarize.
+type tally struct {
+	perReplica                []int     // requests routed to each replica, errors included
+	ttft, itl, e2e            []float64 // ms, successful requests
+	prompt, cached, outTokens int64     // tokens of successful requests
+	ok, errors                int
+	first, last               time.Duration // first arrival, last completion
+	seen                      bool
+	firstOK, lastOK           time.Duration // arrival range of successful requests, for hit-rate buckets
+	seenOK                    bool
+}
+
+func newTally(records, replicas int) *tally {
+	return &tally{
+		perReplica: make([]int, replicas),
+		ttft:       make([]float64, 0, records),
+		itl:        make([]float64, 0, records),
+		e2e:        make([]float64, 0, records),
+	}
+}
+
+func (t *tally) add(r Record) {
+	if r.Replica >= 0 {
+		t.perReplica[r.Replica]++
+	}
+	done := r.Start + r.E2E
+	if !t.seen {
+		t.first, t.last, t.seen = r.Start, done, true
+	}
+	t.first, t.last = min(t.first, r.Start), max(t.last, done)
+	if r.Err {
+		t.errors++
+		return
+	}
+	if !t.seenOK {
+		t.firstOK, t.lastOK, t.seenOK = r.Start, r.Start, true
+	}
+	t.firstOK, t.lastOK = min(t.firstOK, r.Start), max(t.lastOK, r.Start)
+	t.ok++
+	t.ttft = append(t.ttft, ms(r.TTFT))
+	t.e2e = append(t.e2e, ms(r.E2E))
+	if r.OutputTokens >= 2 {
+		t.itl = append(t.itl, ms(r.E2E-r.TTFT)/float64(r.OutputTokens-1))
+	}
+	t.prompt += int64(r.PromptTokens)
+	t.cached += int64(r.CachedTokens)
+	t.outTokens += int64(r.OutputTokens)
+}
+
+// shares is each replica's share of the routed requests and the imbalance: the largest
+// share / the mean share; all zero when nothing was routed.
+func shares(perReplica []int) ([]float64, float64) {
+	share := make([]float64, len(perReplica))
 	routed, most := 0, 0
 	for _, c := range perReplica {
 		routed += c
 		most = max(most, c)
 	}
-	if routed > 0 {
-		for i, c := range perReplica {
-			run.ReplicaShare[i] = float64(c) / float64(routed)
-		}
-		// max share / mean share = (most/routed) / (1/n)
-		run.Imbalance = float64(most) * float64(n) / float64(routed)
+	if routed == 0 {
+		return share, 0
 	}
-
-	run.Series = &Series{
-		TTFTCDF:         cdfOf(ttft),
-		HitRate:         hitRateSeries(recs, firstOK, lastOK),
-		ReplicaRequests: perReplica,
+	for i, c := range perReplica {
+		share[i] = float64(c) / float64(routed)
 	}
-	return run
+	// max share / mean share = (most/routed) / (1/n)
+	return share, float64(most) * float64(len(perReplica)) / float64(routed)
 }
 
 func ms(d time.Duration) float64 { return float64(d) / float64(time.Millisecond) }
