@@ -1,23 +1,26 @@
 // Package fleet keeps the gateway's knowledge of its replicas current: it
-// scrapes each replica's /metrics (waiting, running, KV usage, cache size),
-// checks /health, lists /v1/models, and ejects a replica after consecutive
-// failures (passive health) for a cooldown. It writes what it learns into
-// the router, which the policies read.
+// scrapes each replica's /metrics (waiting, running, KV usage, cache size,
+// running LoRA adapters), checks /health, lists /v1/models, and reports each
+// request's verdict to the replica's circuit breaker. Everything it learns
+// goes into the replica's one home, router.Replica, which the policies read.
+// Time comes from an injected clock, so the breaker, scrape backoff and
+// staleness are tested exactly with a fake one.
 package fleet
 
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"log/slog"
 	"net/http"
-	"slices"
 	"sort"
 	"sync"
 	"sync/atomic"
 	"time"
 
+	"github.com/kvgate/kvgate/internal/clock"
 	"github.com/kvgate/kvgate/internal/router"
 )
 
@@ -25,39 +28,28 @@ import (
 type Config struct {
 	ScrapeInterval time.Duration // default 250ms
 	HealthInterval time.Duration // default 1s
-	EjectAfter     int           // consecutive failures; default 3
-	EjectCooldown  time.Duration // default 10s
-	Timeout        time.Duration // per probe; default 2s
-	// APIKeys per replica (optional), sent as bearer tokens.
-	APIKeys []string
-	Logger  *slog.Logger
-	Now     func() time.Time
-	// OnEject is called when a replica is ejected (metrics).
+	// StaleAfter: metrics older than this are not used for routing (the
+	// router's own bound) and the replica is logged as stale; default 8 ×
+	// ScrapeInterval, at least 2 s.
+	StaleAfter time.Duration
+	Timeout    time.Duration // per probe; default 2s
+	// MaxMetricsBytes bounds a /metrics page (default 4 MiB; vLLM's is a few
+	// hundred KiB). A larger page is not parsed, and the replica's scrapes
+	// back off like failed ones.
+	MaxMetricsBytes int64
+	Logger          *slog.Logger
+	Clock           clock.Clock
+	// OnEject is called when a replica's breaker opens (metrics).
 	OnEject func(replica int)
 }
 
 // Fleet watches the router's replicas.
 type Fleet struct {
-	models atomic.Pointer[[]string] // union of the replicas' models
+	models atomic.Pointer[[]router.Model] // union of the replicas' models
 	rt     *router.Router
 	cfg    Config
 	client *http.Client
-	mem    []*member
-}
-
-type member struct {
-	url string
-	mu  sync.Mutex
-	// healthOK: the last active health check passed (true until one fails).
-	healthOK     bool
-	consecFail   int
-	ejectedUntil time.Time
-	// The circuit breaker: open while ejectedUntil is ahead; after it,
-	// half-open (opens > 0) until a probe request succeeds.
-	opens       int  // consecutive openings without a success in between
-	probe       bool // half-open: a trial request is in flight
-	models      []string
-	cacheBlocks int
+	mu     sync.Mutex // serialises refreshModels
 }
 
 // New watches every replica of rt.
@@ -68,62 +60,70 @@ func New(rt *router.Router, client *http.Client, cfg Config) *Fleet {
 	if cfg.HealthInterval <= 0 {
 		cfg.HealthInterval = time.Second
 	}
-	if cfg.EjectAfter <= 0 {
-		cfg.EjectAfter = 3
-	}
-	if cfg.EjectCooldown <= 0 {
-		cfg.EjectCooldown = 10 * time.Second
+	if cfg.StaleAfter <= 0 {
+		cfg.StaleAfter = max(8*cfg.ScrapeInterval, 2*time.Second)
 	}
 	if cfg.Timeout <= 0 {
 		cfg.Timeout = 2 * time.Second
 	}
+	if cfg.MaxMetricsBytes <= 0 {
+		cfg.MaxMetricsBytes = 4 << 20
+	}
 	if cfg.Logger == nil {
 		cfg.Logger = slog.New(slog.DiscardHandler)
 	}
-	if cfg.Now == nil {
-		cfg.Now = time.Now
-	}
-	f := &Fleet{rt: rt, cfg: cfg, client: client}
-	for i := range rt.Replicas() {
-		f.mem = append(f.mem, &member{url: rt.URL(i), healthOK: true})
-	}
-	return f
+	cfg.Clock = clock.OrReal(cfg.Clock)
+	return &Fleet{rt: rt, cfg: cfg, client: client}
 }
+
+// StaleAfter is the age past which a replica's metrics are not used.
+func (f *Fleet) StaleAfter() time.Duration { return f.cfg.StaleAfter }
 
 // Run probes every replica until ctx ends; it returns when all its
 // goroutines have.
 func (f *Fleet) Run(ctx context.Context) {
 	var wg sync.WaitGroup
-	for i := range f.mem {
+	for i := range f.rt.Replicas() {
 		wg.Add(2)
-		go func() { defer wg.Done(); f.loop(ctx, f.cfg.ScrapeInterval, func() { f.scrape(ctx, i) }) }()
-		go func() { defer wg.Done(); f.loop(ctx, f.cfg.HealthInterval, func() { f.health(ctx, i) }) }()
+		go func() { defer wg.Done(); f.loop(ctx, f.cfg.ScrapeInterval, func() bool { return f.Scrape(ctx, i) }) }()
+		go func() { defer wg.Done(); f.loop(ctx, f.cfg.HealthInterval, func() bool { return f.Health(ctx, i) }) }()
 	}
 	wg.Wait()
 }
 
-func (f *Fleet) loop(ctx context.Context, every time.Duration, probe func()) {
-	t := time.NewTicker(every)
-	defer t.Stop()
+// maxBackoff bounds the wait between probes of a replica that keeps failing.
+const maxBackoff = 30 * time.Second
+
+// loop probes every interval; after failures in a row it waits longer
+// (doubling, at most maxBackoff), so a broken replica costs little.
+func (f *Fleet) loop(ctx context.Context, every time.Duration, probe func() bool) {
+	fails := 0
 	for {
-		probe()
-		select {
-		case <-ctx.Done():
+		if probe() {
+			fails = 0
+		} else {
+			fails++
+		}
+		wait := every
+		if fails > 1 {
+			wait = min(every<<min(fails-1, 16), max(maxBackoff, every))
+		}
+		if !clock.Sleep(f.cfg.Clock, wait, ctx.Done()) {
 			return
-		case <-t.C:
 		}
 	}
 }
 
 func (f *Fleet) get(ctx context.Context, i int, path string) (*http.Response, error) {
 	ctx, cancel := context.WithTimeout(ctx, f.cfg.Timeout)
-	req, err := http.NewRequestWithContext(ctx, http.MethodGet, f.mem[i].url+path, nil)
+	r := f.rt.Replica(i)
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, r.URL()+path, nil)
 	if err != nil {
 		cancel()
 		return nil, err
 	}
-	if i < len(f.cfg.APIKeys) && f.cfg.APIKeys[i] != "" {
-		req.Header.Set("Authorization", "Bearer "+f.cfg.APIKeys[i])
+	if k := r.APIKey(); k != "" {
+		req.Header.Set("Authorization", "Bearer "+k)
 	}
 	resp, err := f.client.Do(req)
 	if err != nil {
@@ -146,49 +146,87 @@ type cancelBody struct {
 
 func (b *cancelBody) Close() error { err := b.ReadCloser.Close(); b.cancel(); return err }
 
-// ScrapeOnce scrapes replica i now (tests, and the first scrape at start).
-func (f *Fleet) scrape(ctx context.Context, i int) {
-	resp, err := f.get(ctx, i, "/metrics")
-	if err != nil {
-		return // the health loop judges reachability
+// errTooLarge: a /metrics page over MaxMetricsBytes.
+var errTooLarge = errors.New("metrics page larger than the bound")
+
+// Scrape scrapes replica i's /metrics once and reports whether it worked.
+// A failure keeps the last values, whose age then grows until the router
+// stops using them; the transition to stale (and back) is logged once.
+func (f *Fleet) Scrape(ctx context.Context, i int) bool {
+	r := f.rt.Replica(i)
+	page, err := f.readMetrics(ctx, i)
+	if ctx.Err() != nil {
+		return true
 	}
-	m, err := ParseMetrics(io.LimitReader(resp.Body, 8<<20))
-	resp.Body.Close()
-	if err != nil {
-		f.cfg.Logger.Debug("scrape", "replica", f.mem[i].url, "err", err)
-		return
+	now := f.cfg.Clock.Now()
+	var m router.Metrics
+	if err == nil {
+		m, err = metricsOf(page)
 	}
-	m = f.rt.SetMetrics(i, m, f.cfg.Now())
-	mem := f.mem[i]
-	mem.mu.Lock()
-	changed := m.NumBlocks > 0 && m.NumBlocks != mem.cacheBlocks
-	mem.cacheBlocks = m.NumBlocks
-	mem.mu.Unlock()
-	if changed {
-		// The index forgets about when the replica's cache does.
-		_ = f.rt.Index().SetCapacity(i, m.NumBlocks)
+	if err == nil {
+		m = f.rt.SetMetrics(i, m, now)
+		if m.NumBlocks > 0 && r.SetCapacityBlocks(m.NumBlocks) {
+			// The index forgets about when the replica's cache does.
+			_ = f.rt.Index().SetCapacity(i, m.NumBlocks)
+		}
+		f.noteAdapters(i, ParseAdapters(page))
 	}
+	changed, stale, fails := r.ScrapeResult(now, err, f.cfg.StaleAfter)
+	switch {
+	case changed && stale:
+		f.cfg.Logger.Warn("replica metrics are stale: routing on the gateway's own counts for it",
+			"replica", r.URL(), "failed_scrapes", fails, "err", err)
+	case changed:
+		f.cfg.Logger.Info("replica metrics fresh again", "replica", r.URL())
+	case err != nil && fails == 1:
+		f.cfg.Logger.Debug("scrape failed", "replica", r.URL(), "err", err)
+	}
+	return err == nil
 }
 
-func (f *Fleet) health(ctx context.Context, i int) {
+func (f *Fleet) readMetrics(ctx context.Context, i int) (map[string]*metricFamily, error) {
+	resp, err := f.get(ctx, i, "/metrics")
+	if err != nil {
+		return nil, err
+	}
+	defer resp.Body.Close()
+	if resp.ContentLength > f.cfg.MaxMetricsBytes {
+		return nil, errTooLarge
+	}
+	data, err := io.ReadAll(io.LimitReader(resp.Body, f.cfg.MaxMetricsBytes+1))
+	if err != nil {
+		return nil, err
+	}
+	if int64(len(data)) > f.cfg.MaxMetricsBytes {
+		return nil, errTooLarge
+	}
+	return parseBytes(data)
+}
+
+// Health checks replica i's /health (and lists its models when it passes);
+// it reports whether the check passed.
+func (f *Fleet) Health(ctx context.Context, i int) bool {
 	ok := false
 	if resp, err := f.get(ctx, i, "/health"); err == nil {
 		resp.Body.Close()
 		ok = true
 	}
 	if ctx.Err() != nil {
-		return
+		return true
 	}
-	mem := f.mem[i]
-	mem.mu.Lock()
-	// A passing /health does not reset the passive failure count: a replica
-	// can answer /health and fail every inference request.
-	mem.healthOK = ok
-	mem.mu.Unlock()
+	r := f.rt.Replica(i)
+	was := r.Healthy()
+	// A passing /health does not close the breaker: a replica can answer
+	// /health and fail every inference request.
+	now := r.SetHealthOK(ok, f.cfg.Clock.Now())
+	if was != now {
+		f.cfg.Logger.Info("replica rotation changed", "replica", r.URL(), "in_rotation", now,
+			"health_check", ok, "breaker", r.Breaker.State(f.cfg.Clock.Now()))
+	}
 	if ok {
 		f.fetchModels(ctx, i)
 	}
-	f.update(i)
+	return ok
 }
 
 func (f *Fleet) fetchModels(ctx context.Context, i int) {
@@ -199,147 +237,114 @@ func (f *Fleet) fetchModels(ctx context.Context, i int) {
 	defer resp.Body.Close()
 	var body struct {
 		Data []struct {
-			ID string `json:"id"`
+			ID          string  `json:"id"`
+			Root        string  `json:"root"`
+			Parent      *string `json:"parent"`
+			MaxModelLen int     `json:"max_model_len"`
 		} `json:"data"`
 	}
-	if err := json.NewDecoder(io.LimitReader(resp.Body, 1<<20)).Decode(&body); err != nil {
+	if err := json.NewDecoder(io.LimitReader(resp.Body, 1<<20)).Decode(&body); err != nil || len(body.Data) == 0 {
 		return
 	}
-	ids := make([]string, 0, len(body.Data))
+	ms := make([]router.Model, 0, len(body.Data))
 	for _, d := range body.Data {
-		ids = append(ids, d.ID)
+		m := router.Model{ID: d.ID, Root: d.Root, MaxModelLen: max(d.MaxModelLen, 0)}
+		if d.Parent != nil {
+			m.Parent = *d.Parent
+		}
+		ms = append(ms, m)
 	}
-	f.mem[i].mu.Lock()
-	changed := !slices.Equal(f.mem[i].models, ids)
-	f.mem[i].models = ids
-	f.mem[i].mu.Unlock()
-	if changed {
-		f.refreshModels()
+	r := f.rt.Replica(i)
+	var running []string
+	if old := r.Served(); old != nil {
+		running = old.Running
 	}
+	f.setServed(i, router.NewServed(ms, running))
+}
+
+// noteAdapters adds the adapters a scrape saw running to what replica i
+// serves (vLLM loads adapters on demand; /v1/models may lag).
+func (f *Fleet) noteAdapters(i int, running []string) {
+	r := f.rt.Replica(i)
+	old := r.Served()
+	if old == nil || len(running) == 0 {
+		return
+	}
+	f.setServed(i, router.NewServed(old.Models, append(append([]string(nil), old.Running...), running...)))
+}
+
+func (f *Fleet) setServed(i int, s *router.Served) {
+	r := f.rt.Replica(i)
+	if s.Equal(r.Served()) {
+		return
+	}
+	r.SetServed(s)
+	f.refreshModels()
 }
 
 // refreshModels recomputes the union of the replicas' models, which the
 // gateway reads on every request.
 func (f *Fleet) refreshModels() {
-	set := map[string]bool{}
-	for _, m := range f.mem {
-		m.mu.Lock()
-		for _, id := range m.models {
-			set[id] = true
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	set := map[string]router.Model{}
+	for i := range f.rt.Replicas() {
+		s := f.rt.Replica(i).Served()
+		if s == nil {
+			continue
 		}
-		m.mu.Unlock()
+		for _, m := range s.Models {
+			if _, ok := set[m.ID]; !ok {
+				set[m.ID] = m
+			}
+		}
 	}
-	out := make([]string, 0, len(set))
-	for id := range set {
-		out = append(out, id)
+	out := make([]router.Model, 0, len(set))
+	for _, m := range set {
+		out = append(out, m)
 	}
-	sort.Strings(out)
+	sort.Slice(out, func(a, b int) bool { return out[a].ID < out[b].ID })
 	f.models.Store(&out)
 }
 
-// update sets the router's health flag from the checks and ejection.
-func (f *Fleet) update(i int) {
-	mem := f.mem[i]
-	mem.mu.Lock()
-	ok := mem.healthOK && !f.cfg.Now().Before(mem.ejectedUntil)
-	mem.mu.Unlock()
-	f.rt.SetHealthy(i, ok)
-}
-
-// Allow asks to send a request to replica i: always while its breaker is
-// closed; while half-open (after an ejection's cooldown) only one trial
-// request at a time. The caller then reports the outcome with exactly one
-// of Success, Failure or Neutral.
-func (f *Fleet) Allow(i int) bool {
-	mem := f.mem[i]
-	mem.mu.Lock()
-	defer mem.mu.Unlock()
-	if mem.opens == 0 {
-		return true
-	}
-	if f.cfg.Now().Before(mem.ejectedUntil) || mem.probe {
-		return false
-	}
-	mem.probe = true
-	return true
-}
-
-// Success records a good response from replica i: the failure count
-// restarts and a half-open breaker closes.
-func (f *Fleet) Success(i int) {
-	mem := f.mem[i]
-	mem.mu.Lock()
-	mem.consecFail, mem.opens, mem.probe = 0, 0, false
-	mem.mu.Unlock()
-}
-
-// Neutral ends a request that says nothing of the replica's health (the
-// client went away, a 4xx): it only frees a half-open breaker's trial.
-func (f *Fleet) Neutral(i int) {
-	mem := f.mem[i]
-	mem.mu.Lock()
-	mem.probe = false
-	mem.mu.Unlock()
-}
-
-// Failure records a failed request to replica i (connection refused or
-// reset, 5xx, timeout). The breaker opens after EjectAfter consecutive
-// failures, or at once when a half-open trial fails, for a cooldown that
-// doubles with each opening in a row (at most 32× EjectCooldown); the
-// replica leaves rotation. After the cooldown the replica returns half-open
-// (if its /health passes) and closes on a trial's success.
-func (f *Fleet) Failure(i int) {
-	mem := f.mem[i]
-	mem.mu.Lock()
-	mem.consecFail++
-	trial := mem.probe
-	mem.probe = false
-	now := f.cfg.Now()
-	eject := !now.Before(mem.ejectedUntil) && (trial || mem.consecFail >= f.cfg.EjectAfter)
-	var cooldown time.Duration
-	if eject {
-		mem.opens++
-		cooldown = f.cfg.EjectCooldown << min(mem.opens-1, 5)
-		mem.ejectedUntil = now.Add(cooldown)
-		mem.consecFail = 0
-	}
-	mem.mu.Unlock()
-	if eject {
-		f.cfg.Logger.Warn("replica ejected", "replica", mem.url, "cooldown", cooldown)
-		if f.cfg.OnEject != nil {
-			f.cfg.OnEject(i)
-		}
-		f.rt.SetHealthy(i, false)
-	}
-}
-
-// State is replica i's breaker state: "closed", "open" or "half-open".
-func (f *Fleet) State(i int) string {
-	mem := f.mem[i]
-	mem.mu.Lock()
-	defer mem.mu.Unlock()
-	switch {
-	case mem.opens == 0:
-		return "closed"
-	case f.cfg.Now().Before(mem.ejectedUntil):
-		return "open"
-	}
-	return "half-open"
-}
-
-// Ejected reports whether replica i is in its ejection cooldown.
-func (f *Fleet) Ejected(i int) bool {
-	mem := f.mem[i]
-	mem.mu.Lock()
-	defer mem.mu.Unlock()
-	return f.cfg.Now().Before(mem.ejectedUntil)
-}
-
-// Models is the union of the replicas' served models, sorted (shared: do
-// not modify).
-func (f *Fleet) Models() []string {
+// Models is the union of the replicas' listed models, sorted by ID (shared:
+// do not modify).
+func (f *Fleet) Models() []router.Model {
 	if p := f.models.Load(); p != nil {
 		return *p
 	}
 	return nil
 }
+
+// Allow asks to send a request to replica i (its breaker). The caller then
+// reports exactly one of Success, Failure or Neutral.
+func (f *Fleet) Allow(i int) bool { return f.rt.Replica(i).Breaker.Allow(f.cfg.Clock.Now()) }
+
+// Success records a good exchange with replica i.
+func (f *Fleet) Success(i int) { f.rt.Replica(i).Breaker.Success() }
+
+// Neutral ends an exchange that says nothing of replica i's health.
+func (f *Fleet) Neutral(i int) { f.rt.Replica(i).Breaker.Neutral() }
+
+// Failure records a failure of replica i; when it opens the breaker the
+// replica leaves rotation for the cooldown, and returns half-open after it
+// if its /health passes.
+func (f *Fleet) Failure(i int) {
+	r := f.rt.Replica(i)
+	now := f.cfg.Clock.Now()
+	cooldown := r.Breaker.Failure(now)
+	if cooldown == 0 {
+		return
+	}
+	f.cfg.Logger.Warn("replica ejected", "replica", r.URL(), "cooldown", cooldown)
+	if f.cfg.OnEject != nil {
+		f.cfg.OnEject(i)
+	}
+	r.UpdateHealthy(now)
+}
+
+// State is replica i's breaker state: "closed", "open" or "half-open".
+func (f *Fleet) State(i int) string { return f.rt.Replica(i).Breaker.State(f.cfg.Clock.Now()) }
+
+// Ejected reports whether replica i is in its ejection cooldown.
+func (f *Fleet) Ejected(i int) bool { return f.rt.Replica(i).Breaker.Open(f.cfg.Clock.Now()) }

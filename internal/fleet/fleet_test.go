@@ -1,13 +1,14 @@
 package fleet
 
 import (
+	"net/http"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
 	"go.uber.org/goleak"
 
+	"github.com/kvgate/kvgate/internal/clock"
 	"github.com/kvgate/kvgate/internal/policy"
 	"github.com/kvgate/kvgate/internal/router"
 )
@@ -57,24 +58,28 @@ func FuzzParseMetrics(f *testing.F) {
 	})
 }
 
-type fakeClock struct {
-	mu sync.Mutex
-	t  time.Time
+func newFleet(t *testing.T, n int, ejectAfter int, client *http.Client, cfg Config) (*router.Router, *Fleet, *clock.Fake) {
+	t.Helper()
+	pol, _ := policy.New("least_load", policy.Options{})
+	urls := []string{"http://a", "http://b", "http://c"}[:n]
+	clk := clock.NewFake(time.Unix(100, 0))
+	rt, err := router.New(router.Config{Replicas: urls, Policy: pol, Now: clk.Now,
+		Breaker: router.BreakerConfig{EjectAfter: ejectAfter, Cooldown: 10 * time.Second}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg.Clock = clk
+	return rt, New(rt, client, cfg), clk
 }
 
-func (c *fakeClock) Now() time.Time { c.mu.Lock(); defer c.mu.Unlock(); return c.t }
-func (c *fakeClock) Add(d time.Duration) {
-	c.mu.Lock()
-	c.t = c.t.Add(d)
-	c.mu.Unlock()
+// healthCheck is what the health loop does with a check's result.
+func healthCheck(rt *router.Router, clk *clock.Fake, i int, ok bool) {
+	rt.Replica(i).SetHealthOK(ok, clk.Now())
 }
 
 func TestEjectionAndReturn(t *testing.T) {
-	pol, _ := policy.New("least_load", policy.Options{})
-	rt, _ := router.New(router.Config{Replicas: []string{"http://a", "http://b"}, Policy: pol})
-	clk := &fakeClock{t: time.Unix(100, 0)}
 	var ejected []int
-	f := New(rt, nil, Config{EjectAfter: 3, EjectCooldown: 10 * time.Second, Now: clk.Now, OnEject: func(i int) { ejected = append(ejected, i) }})
+	rt, f, clk := newFleet(t, 2, 3, nil, Config{OnEject: func(i int) { ejected = append(ejected, i) }})
 	f.Failure(1)
 	f.Failure(1)
 	f.Success(1) // a success resets the count
@@ -87,17 +92,16 @@ func TestEjectionAndReturn(t *testing.T) {
 	if rt.Healthy(1) || !f.Ejected(1) || len(ejected) != 1 {
 		t.Fatalf("not ejected after 3: healthy %v ejections %v", rt.Healthy(1), ejected)
 	}
-	f.update(1) // a health check during the cooldown keeps it out
+	healthCheck(rt, clk, 1, true) // a health check during the cooldown keeps it out
 	if rt.Healthy(1) {
 		t.Fatal("back during cooldown")
 	}
-	clk.Add(11 * time.Second)
-	f.update(1) // the health check after the cooldown brings it back
+	clk.Advance(11 * time.Second)
+	healthCheck(rt, clk, 1, true) // the health check after the cooldown brings it back
 	if !rt.Healthy(1) || f.Ejected(1) {
 		t.Fatal("not back after cooldown")
 	}
-	f.mem[1].healthOK = false
-	f.update(1)
+	healthCheck(rt, clk, 1, false)
 	if rt.Healthy(1) {
 		t.Fatal("failing health check kept it in")
 	}
@@ -107,10 +111,7 @@ func TestEjectionAndReturn(t *testing.T) {
 // the cooldown (one trial at a time) → closed on the trial's success, or
 // open again, for twice as long, on its failure.
 func TestBreakerStates(t *testing.T) {
-	pol, _ := policy.New("least_load", policy.Options{})
-	rt, _ := router.New(router.Config{Replicas: []string{"http://a"}, Policy: pol})
-	clk := &fakeClock{t: time.Unix(100, 0)}
-	f := New(rt, nil, Config{EjectAfter: 2, EjectCooldown: 10 * time.Second, Now: clk.Now})
+	rt, f, clk := newFleet(t, 1, 2, nil, Config{})
 	step := func(what, want string) {
 		t.Helper()
 		if got := f.State(0); got != want {
@@ -127,8 +128,8 @@ func TestBreakerStates(t *testing.T) {
 	if f.Allow(0) || rt.Healthy(0) {
 		t.Fatal("open breaker let a request through")
 	}
-	clk.Add(10 * time.Second)
-	f.update(0) // the health check after the cooldown
+	clk.Advance(10 * time.Second)
+	healthCheck(rt, clk, 0, true) // the health check after the cooldown
 	step("cooldown over", "half-open")
 	if !rt.Healthy(0) || !f.Allow(0) {
 		t.Fatal("half-open breaker refused its trial")
@@ -138,10 +139,10 @@ func TestBreakerStates(t *testing.T) {
 	}
 	f.Failure(0) // the trial fails: open again, for 20 s
 	step("trial failed", "open")
-	clk.Add(15 * time.Second)
+	clk.Advance(15 * time.Second)
 	step("15 s into a doubled cooldown", "open")
-	clk.Add(5 * time.Second)
-	f.update(0)
+	clk.Advance(5 * time.Second)
+	healthCheck(rt, clk, 0, true)
 	step("doubled cooldown over", "half-open")
 	if !f.Allow(0) {
 		t.Fatal("no trial")
@@ -158,7 +159,7 @@ func TestBreakerStates(t *testing.T) {
 	}
 	// A passing /health does not reset the passive failure count.
 	f.Failure(0)
-	f.update(0)
+	healthCheck(rt, clk, 0, true)
 	f.Failure(0)
 	step("failures around a health check", "open")
 }

@@ -1,10 +1,13 @@
 package fleet
 
 import (
+	"bytes"
 	"fmt"
 	"io"
 	"math"
+	"slices"
 	"strconv"
+	"strings"
 
 	dto "github.com/prometheus/client_model/go"
 	"github.com/prometheus/common/expfmt"
@@ -22,6 +25,10 @@ func ParseMetrics(r io.Reader) (router.Metrics, error) {
 	if err != nil {
 		return router.Metrics{}, fmt.Errorf("metrics: %w", err)
 	}
+	return metricsOf(fams)
+}
+
+func metricsOf(fams map[string]*dto.MetricFamily) (router.Metrics, error) {
 	var m router.Metrics
 	found := false
 	sum := func(name string) (float64, bool) {
@@ -36,10 +43,10 @@ func ParseMetrics(r io.Reader) (router.Metrics, error) {
 		return t, true
 	}
 	if v, ok := sum("vllm:num_requests_waiting"); ok {
-		m.Waiting, found = int(v), true
+		m.Waiting, found = toCount(v), true
 	}
 	if v, ok := sum("vllm:num_requests_running"); ok {
-		m.Running, found = int(v), true
+		m.Running, found = toCount(v), true
 	}
 	for _, name := range []string{"vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"} {
 		if f, ok := fams[name]; ok {
@@ -69,10 +76,54 @@ func ParseMetrics(r io.Reader) (router.Metrics, error) {
 	if !found {
 		return router.Metrics{}, fmt.Errorf("metrics: no vllm:num_requests_waiting, vllm:num_requests_running or KV usage series")
 	}
-	if math.IsNaN(m.KVUsage) || m.KVUsage < 0 || m.KVUsage > 1.0001 || m.Waiting < 0 || m.Running < 0 {
+	if math.IsNaN(m.KVUsage) || m.KVUsage < 0 || m.KVUsage > 1.0001 || m.Waiting < 0 || m.Running < 0 ||
+		m.Waiting > maxCount || m.Running > maxCount || m.NumBlocks < 0 || m.NumBlocks > maxCount ||
+		m.BlockSize < 0 || m.BlockSize > maxBlockSize {
 		return router.Metrics{}, fmt.Errorf("metrics: values out of range (waiting %d, running %d, kv usage %g)", m.Waiting, m.Running, m.KVUsage)
 	}
 	return m, nil
+}
+
+// maxCount bounds the counts a page may report (requests, blocks): far
+// above any engine's, far below where the router's arithmetic overflows.
+const (
+	maxCount     = 1 << 31
+	maxBlockSize = 1 << 16
+)
+
+// toCount converts a sample to a count; NaN and values out of range become
+// -1, which the range check rejects (a float's conversion to int is not
+// defined out of range).
+func toCount(v float64) int {
+	if math.IsNaN(v) || v < 0 || v > maxCount {
+		return -1
+	}
+	return int(v)
+}
+
+// ParseAdapters is the LoRA adapters a vLLM page reports running or waiting
+// (vllm:lora_requests_info, labels running_lora_adapters and
+// waiting_lora_adapters: comma-separated names), sorted, without duplicates.
+func ParseAdapters(fams map[string]*dto.MetricFamily) []string {
+	f, ok := fams["vllm:lora_requests_info"]
+	if !ok {
+		return nil
+	}
+	var out []string
+	for _, s := range f.GetMetric() {
+		for _, l := range s.GetLabel() {
+			if l.GetName() != "running_lora_adapters" && l.GetName() != "waiting_lora_adapters" {
+				continue
+			}
+			for _, a := range strings.Split(l.GetValue(), ",") {
+				if a = strings.TrimSpace(a); a != "" && !slices.Contains(out, a) {
+					out = append(out, a)
+				}
+			}
+		}
+	}
+	slices.Sort(out)
+	return out
 }
 
 func value(s *dto.Metric) float64 {
@@ -85,6 +136,16 @@ func value(s *dto.Metric) float64 {
 		return s.Untyped.GetValue()
 	}
 	return 0
+}
+
+type metricFamily = dto.MetricFamily
+
+func parseBytes(data []byte) (map[string]*metricFamily, error) {
+	fams, err := ParseText(bytes.NewReader(data))
+	if err != nil {
+		return nil, fmt.Errorf("metrics: %w", err)
+	}
+	return fams, nil
 }
 
 // ParseText runs Prometheus's text parser, turning its panics into errors:

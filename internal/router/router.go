@@ -19,7 +19,10 @@ import (
 
 // Config configures a Router.
 type Config struct {
-	Replicas  []string // replica URLs (or names), in slot order
+	Replicas []string // replica URLs (or names), in slot order (or Specs)
+	// Specs, when set, give each replica's URL, key and KV-event endpoint
+	// (and replace Replicas).
+	Specs     []Spec
 	Policy    policy.Policy
 	Tokenizer prompt.Tokenizer // default prompt.Approx{}
 	BlockSize int              // default 16
@@ -35,7 +38,22 @@ type Config struct {
 	Model string
 	// Now is the clock (default time.Now).
 	Now func() time.Time
+	// StaleAfter: a replica whose last good scrape is older than this is
+	// routed on the gateway's own counts only (0: scrapes never go stale,
+	// as in the replay, where staleness is modelled on purpose).
+	StaleAfter time.Duration
+	// LearnOnAccept: the approximate index learns a routed request only
+	// when its ticket is Accepted (the replica took it: first byte or 2xx),
+	// never when the replica rejects it. Off, the index learns at Route
+	// (the replay, whose replicas accept every request).
+	LearnOnAccept bool
+	// Breaker configures every replica's circuit breaker.
+	Breaker BreakerConfig
 }
+
+// ErrModelNotServed is returned by Route when no replica serves the
+// request's model or adapter.
+var ErrModelNotServed = errors.New("router: no replica serves the model")
 
 // Metrics is what a scrape of a replica's /metrics tells.
 type Metrics struct {
@@ -43,27 +61,6 @@ type Metrics struct {
 	KVUsage          float64
 	NumBlocks        int
 	BlockSize        int
-}
-
-// replica is the router's state of one replica: hot counters in atomics.
-type replica struct {
-	url            string
-	healthy        atomic.Bool
-	inFlight       atomic.Int64
-	inFlightTokens atomic.Int64
-	pendingPrefill atomic.Int64
-	pendingCount   atomic.Int64
-	// preciseOK: the precise index is in sync for this replica.
-	preciseOK atomic.Bool
-
-	// scrape is the last scrape (nil before the first): read on every
-	// routing decision, so an atomic pointer rather than a lock.
-	scrape atomic.Pointer[scrape]
-}
-
-type scrape struct {
-	m  Metrics
-	at time.Time
 }
 
 // Router routes requests.
@@ -74,13 +71,18 @@ type Router struct {
 	tok      prompt.Tokenizer
 	approx   *prefixindex.Index
 	precise  *prefixindex.Precise
-	replicas []*replica
+	replicas []*Replica
 	nextID   atomic.Uint64
 }
 
 // New builds a Router.
 func New(cfg Config) (*Router, error) {
-	if len(cfg.Replicas) == 0 {
+	if len(cfg.Specs) == 0 {
+		for _, u := range cfg.Replicas {
+			cfg.Specs = append(cfg.Specs, Spec{URL: u})
+		}
+	}
+	if len(cfg.Specs) == 0 {
 		return nil, errors.New("router: no replicas")
 	}
 	if cfg.Policy == nil {
@@ -98,22 +100,23 @@ func New(cfg Config) (*Router, error) {
 	if cfg.Now == nil {
 		cfg.Now = time.Now
 	}
-	ix, err := prefixindex.New(prefixindex.Config{Replicas: len(cfg.Replicas), BlocksPerReplica: cfg.BlocksPerReplica, MaxEntries: cfg.MaxEntries})
+	ix, err := prefixindex.New(prefixindex.Config{Replicas: len(cfg.Specs), BlocksPerReplica: cfg.BlocksPerReplica, MaxEntries: cfg.MaxEntries})
 	if err != nil {
 		return nil, err
 	}
 	rt := &Router{cfg: cfg, pol: cfg.Policy, tok: cfg.Tokenizer, approx: ix}
 	rt.obs, _ = cfg.Policy.(policy.Observer)
 	if cfg.Precise {
-		pix, err := prefixindex.New(prefixindex.Config{Replicas: len(cfg.Replicas), MaxEntries: cfg.MaxEntries})
+		pix, err := prefixindex.New(prefixindex.Config{Replicas: len(cfg.Specs), MaxEntries: cfg.MaxEntries})
 		if err != nil {
 			return nil, err
 		}
 		rt.precise = prefixindex.NewPrecise(pix, cfg.Model, cfg.BlockSize)
 	}
-	for _, u := range cfg.Replicas {
-		r := &replica{url: u}
+	for i, sp := range cfg.Specs {
+		r := &Replica{index: i, spec: sp, healthOK: true}
 		r.healthy.Store(true)
+		r.Breaker.Configure(cfg.Breaker)
 		rt.replicas = append(rt.replicas, r)
 	}
 	return rt, nil
@@ -126,7 +129,13 @@ func (rt *Router) Policy() policy.Policy { return rt.pol }
 func (rt *Router) Replicas() int { return len(rt.replicas) }
 
 // URL is replica slot i's URL.
-func (rt *Router) URL(i int) string { return rt.replicas[i].url }
+func (rt *Router) URL(i int) string { return rt.replicas[i].spec.URL }
+
+// Replica is replica slot i's home.
+func (rt *Router) Replica(i int) *Replica { return rt.replicas[i] }
+
+// Now is the router's clock.
+func (rt *Router) Now() time.Time { return rt.cfg.Now() }
 
 // Index is the approximate index.
 func (rt *Router) Index() *prefixindex.Index { return rt.approx }
@@ -197,6 +206,12 @@ func (rt *Router) Prepare(p *prompt.Parsed, session, adapter string) *policy.Req
 // Views returns the router's view of every replica for req, with each
 // replica's match from the index.
 func (rt *Router) Views(req *policy.Request) []policy.ReplicaView {
+	views, _ := rt.views(req)
+	return views
+}
+
+// views is Views and the approximate index's match per replica.
+func (rt *Router) views(req *policy.Request) ([]policy.ReplicaView, []int) {
 	views := make([]policy.ReplicaView, len(rt.replicas))
 	n := len(rt.replicas)
 	var precise, preciseLen []int
@@ -207,15 +222,19 @@ func (rt *Router) Views(req *policy.Request) []policy.ReplicaView {
 	}
 	for i, r := range rt.replicas {
 		v := &views[i]
-		v.Index, v.URL, v.Healthy = i, r.url, r.healthy.Load()
+		v.Index, v.URL, v.Healthy = i, r.spec.URL, r.healthy.Load()
 		v.InFlight = int(r.inFlight.Load())
 		v.InFlightTokens = int(r.inFlightTokens.Load())
 		v.PendingPrefill = int(r.pendingPrefill.Load())
 		v.PendingCount = int(r.pendingCount.Load())
 		if s := r.scrape.Load(); s != nil {
-			v.HaveMetrics = true
 			v.MetricsAge = req.Now.Sub(s.at)
-			v.Waiting, v.Running, v.KVUsage, v.NumBlocks = s.m.Waiting, s.m.Running, s.m.KVUsage, s.m.NumBlocks
+			// Stale metrics are not used: the gateway's own counts decide.
+			if rt.cfg.StaleAfter <= 0 || v.MetricsAge <= rt.cfg.StaleAfter {
+				v.HaveMetrics = true
+				v.Waiting, v.Running, v.KVUsage = s.m.Waiting, s.m.Running, s.m.KVUsage
+			}
+			v.NumBlocks = s.m.NumBlocks
 		}
 		if v.NumBlocks == 0 {
 			v.NumBlocks = rt.cfg.BlocksPerReplica // the configured assumption until a scrape says
@@ -225,14 +244,39 @@ func (rt *Router) Views(req *policy.Request) []policy.ReplicaView {
 			v.Match, v.Cached = precise[i], preciseLen[i]
 		}
 	}
-	return views
+	return views, approx
 }
 
 // DryRun is the decision for req without sending anything or learning.
 func (rt *Router) DryRun(req *policy.Request) (policy.Decision, []policy.ReplicaView, error) {
 	views := rt.Views(req)
+	if err := rt.candidates(req, views, nil); err != nil {
+		return policy.Decision{}, views, err
+	}
 	d, err := rt.pol.Pick(req, views)
 	return d, views, err
+}
+
+// candidates takes out of views (Healthy false) the replicas that do not
+// serve req's model and those excluded; ErrModelNotServed when none serves it.
+func (rt *Router) candidates(req *policy.Request, views []policy.ReplicaView, exclude []int) error {
+	serving := 0
+	for i, r := range rt.replicas {
+		if !r.Serves(req.Model) {
+			views[i].Healthy = false
+			continue
+		}
+		serving++
+	}
+	if serving == 0 {
+		return ErrModelNotServed
+	}
+	for _, x := range exclude {
+		if x >= 0 && x < len(views) {
+			views[x].Healthy = false
+		}
+	}
+	return nil
 }
 
 // Ticket tracks one routed request until it ends.
@@ -244,20 +288,23 @@ type Ticket struct {
 	start    time.Time
 	uncached int64
 	tokens   int64
+	match    int // the approximate index's match on the replica at routing
+	mu       sync.Mutex
 	first    bool
 	done     bool
-	mu       sync.Mutex
+	learned  bool // the approximate index holds this request's blocks for Replica
 }
 
 // Route decides and commits: the replica's counters go up (before the
-// upstream call), the index learns the request's blocks, observers hear
-// Routed. exclude lists replica slots not to use (a retry's failed ones).
+// upstream call) and observers hear Routed. Candidates are the healthy
+// replicas that serve the request's model, less exclude (a retry's failed
+// ones); ErrModelNotServed when no replica serves it at all. The
+// approximate index learns the request at Route, or with LearnOnAccept
+// when the ticket is Accepted.
 func (rt *Router) Route(req *policy.Request, exclude ...int) (*Ticket, error) {
-	views := rt.Views(req)
-	for _, x := range exclude {
-		if x >= 0 && x < len(views) {
-			views[x].Healthy = false
-		}
+	views, approx := rt.views(req)
+	if err := rt.candidates(req, views, exclude); err != nil {
+		return nil, err
 	}
 	d, err := rt.pol.Pick(req, views)
 	if err != nil {
@@ -266,23 +313,76 @@ func (rt *Router) Route(req *policy.Request, exclude ...int) (*Ticket, error) {
 	if d.Replica < 0 || d.Replica >= len(rt.replicas) {
 		return nil, fmt.Errorf("router: policy %s chose replica %d of %d", rt.pol.Name(), d.Replica, len(rt.replicas))
 	}
-	return rt.commit(req, d, views[d.Replica].Match), nil
+	return rt.commit(req, d, views[d.Replica].Match, approx[d.Replica]), nil
 }
 
-func (rt *Router) commit(req *policy.Request, d policy.Decision, match int) *Ticket {
+// Serves reports whether some replica serves model (or has not been listed).
+func (rt *Router) Serves(model string) bool {
+	for _, r := range rt.replicas {
+		if r.Serves(model) {
+			return true
+		}
+	}
+	return false
+}
+
+// ModelInfo is what the replicas list for model (the first listing found).
+func (rt *Router) ModelInfo(model string) (Model, bool) {
+	for _, r := range rt.replicas {
+		if s := r.served.Load(); s != nil {
+			if m, ok := s.Model(model); ok {
+				return m, true
+			}
+		}
+	}
+	return Model{}, false
+}
+
+func (rt *Router) commit(req *policy.Request, d policy.Decision, match, approxMatch int) *Ticket {
 	r := rt.replicas[d.Replica]
 	cached := min(match*rt.cfg.BlockSize, max(req.Tokens-1, 0))
 	t := &Ticket{rt: rt, req: req, Decision: d, Replica: d.Replica, start: req.Now,
 		uncached: int64(req.Tokens - cached), tokens: int64(req.Tokens + req.MaxTokens)}
+	t.match = approxMatch
 	r.inFlight.Add(1)
 	r.inFlightTokens.Add(t.tokens)
 	r.pendingPrefill.Add(t.uncached)
 	r.pendingCount.Add(1)
-	_ = rt.approx.Insert(d.Replica, req.Blocks)
+	if !rt.cfg.LearnOnAccept {
+		t.learn()
+	}
 	if rt.obs != nil {
 		rt.obs.Observe(policy.Event{Kind: policy.Routed, At: req.Now, Req: req, Decision: d, Replica: d.Replica})
 	}
 	return t
+}
+
+// Accept records that the replica took the request (its first response
+// byte, or a 2xx): the approximate index learns its blocks (idempotent).
+func (t *Ticket) Accept() { t.learn() }
+
+func (t *Ticket) learn() {
+	t.mu.Lock()
+	if t.learned || t.done {
+		t.mu.Unlock()
+		return
+	}
+	t.learned = true
+	t.mu.Unlock()
+	_ = t.rt.approx.Insert(t.Replica, t.req.Blocks)
+}
+
+// Reject records that the replica refused the request as the client's
+// fault (a 4xx): if the index already learnt it, the blocks this request
+// added are forgotten (those beyond the match the replica had at routing).
+func (t *Ticket) Reject() {
+	t.mu.Lock()
+	learned := t.learned
+	t.learned = false
+	t.mu.Unlock()
+	if learned && t.match < len(t.req.Blocks) {
+		_ = t.rt.approx.Remove(t.Replica, t.req.Blocks[t.match:])
+	}
 }
 
 // Request is the ticket's request.

@@ -1,6 +1,7 @@
 package router
 
 import (
+	"errors"
 	"math/rand/v2"
 	"sort"
 	"strings"
@@ -192,5 +193,81 @@ func TestViewsCapacityInRouterBlocks(t *testing.T) {
 	}
 	if vs[0].Cached != 0 || vs[1].Cached != 30 || vs[1].Match != 30 {
 		t.Fatalf("cached %d and %d (match %d), want 0 and 30 (30)", vs[0].Cached, vs[1].Cached, vs[1].Match)
+	}
+}
+
+// Finding 8: with LearnOnAccept the index learns a request only once the
+// replica took it, and a rejection forgets what the request added.
+func TestIndexLearnsOnAcceptForgetsOnReject(t *testing.T) {
+	p, _ := policy.New("least_load", policy.Options{Seed: 1})
+	rt, err := New(Config{Replicas: []string{"a", "b"}, Policy: p, LearnOnAccept: true, BlocksPerReplica: 1 << 10})
+	if err != nil {
+		t.Fatal(err)
+	}
+	shared := strings.Repeat("s", 64*16)
+	warm := rt.Prepare(parse(t, shared), "", "")
+	tk, _ := rt.Route(warm)
+	if rt.Index().ReplicaLen(tk.Replica) != 0 {
+		t.Fatal("learned before the replica accepted")
+	}
+	tk.Accept()
+	held := rt.Index().ReplicaLen(tk.Replica)
+	if held != len(warm.Blocks) {
+		t.Fatalf("accepted request: %d blocks held, want %d", held, len(warm.Blocks))
+	}
+	tk.Done(time.Unix(1, 0), Outcome{CachedTokens: -1})
+	// A longer prompt on the same replica is rejected after it was learnt
+	// (a 4xx after the first byte): its own blocks go, the shared ones stay.
+	long := rt.Prepare(parse(t, shared+strings.Repeat("j", 64*16)), "", "")
+	tk2, _ := rt.Route(long, 1-tk.Replica)
+	tk2.Accept()
+	if rt.Index().ReplicaLen(tk.Replica) != len(long.Blocks) {
+		t.Fatalf("second request not learnt: %d", rt.Index().ReplicaLen(tk.Replica))
+	}
+	tk2.Reject()
+	tk2.Done(time.Unix(2, 0), Outcome{CachedTokens: -1})
+	if got := rt.Index().ReplicaLen(tk.Replica); got != held {
+		t.Fatalf("after the rejection %d blocks held, want the %d shared ones", got, held)
+	}
+	// A ticket rejected before it was accepted never touches the index.
+	tk3, _ := rt.Route(rt.Prepare(parse(t, strings.Repeat("z", 64*16)), "", ""))
+	before := rt.Index().Len()
+	tk3.Reject()
+	tk3.Done(time.Unix(3, 0), Outcome{CachedTokens: -1})
+	tk3.Accept() // after Done: ignored
+	if rt.Index().Len() != before {
+		t.Fatalf("index %d entries, %d before a rejected request", rt.Index().Len(), before)
+	}
+}
+
+// Finding 4: candidates are the replicas that serve the request's model
+// or adapter; none → ErrModelNotServed.
+func TestRouteOnlyToReplicasServingTheModel(t *testing.T) {
+	rt := newRouter(t, "round_robin", 3)
+	for i := range 3 {
+		ms := []Model{{ID: "m"}}
+		if i == 2 {
+			ms = append(ms, Model{ID: "sql-lora", Parent: "m"})
+		}
+		rt.Replica(i).SetServed(NewServed(ms, nil))
+	}
+	for range 12 {
+		req := rt.Prepare(&prompt.Parsed{Kind: prompt.Completion, Model: "sql-lora", Text: "q"}, "", "")
+		tk, err := rt.Route(req)
+		if err != nil || tk.Replica != 2 {
+			t.Fatalf("adapter routed to %v (%v)", tk, err)
+		}
+		tk.Done(time.Unix(1, 0), Outcome{CachedTokens: -1})
+	}
+	_, err := rt.Route(rt.Prepare(&prompt.Parsed{Kind: prompt.Completion, Model: "nope", Text: "q"}, "", ""))
+	if !errors.Is(err, ErrModelNotServed) {
+		t.Fatalf("unserved model: %v", err)
+	}
+	// The only replica serving the adapter is out of rotation: no healthy
+	// replica, not "not served".
+	rt.SetHealthy(2, false)
+	_, err = rt.Route(rt.Prepare(&prompt.Parsed{Kind: prompt.Completion, Model: "sql-lora", Text: "q"}, "", ""))
+	if !errors.Is(err, policy.ErrNoReplica) {
+		t.Fatalf("adapter with its replica down: %v", err)
 	}
 }
