@@ -91,8 +91,8 @@ func (c Config) validate() error {
 	switch {
 	case c.NumBlocks < 1 || c.NumBlocks >= math.MaxInt32:
 		return fmt.Errorf("%w: num_blocks %d out of [1, %d)", ErrInvalidConfig, c.NumBlocks, math.MaxInt32)
-	case c.BlockSize < 1:
-		return fmt.Errorf("%w: block_size %d < 1", ErrInvalidConfig, c.BlockSize)
+	case c.BlockSize < 1 || c.BlockSize > math.MaxInt32:
+		return fmt.Errorf("%w: block_size %d out of [1, %d]", ErrInvalidConfig, c.BlockSize, math.MaxInt32)
 	case c.MaxSeqs < 1:
 		return fmt.Errorf("%w: max_seqs %d < 1", ErrInvalidConfig, c.MaxSeqs)
 	case c.MaxBatchTokens < c.MaxSeqs:
@@ -309,10 +309,12 @@ func (e *Engine) Add(r *Request, now time.Duration) error {
 			r.ID, len(r.TokenIDs), r.PromptTokens)
 	}
 	// KV slots needed at the end: the prompt and every output but the last,
-	// which is sampled and never fed back.
-	if need := e.blocksFor(r.PromptTokens + r.MaxTokens - 1); need > e.cfg.NumBlocks {
-		return fmt.Errorf("%w: id %d: prompt %d + max_tokens %d need %d blocks, the cache has %d",
-			ErrTooLong, r.ID, r.PromptTokens, r.MaxTokens, need, e.cfg.NumBlocks)
+	// which is sampled and never fed back. Compared against the room the
+	// prompt leaves, so that no caller's number is added to another: a
+	// max_tokens near MaxInt must not wrap around.
+	if capacity := e.cfg.NumBlocks * e.bs; r.PromptTokens > capacity || r.MaxTokens-1 > capacity-r.PromptTokens {
+		return fmt.Errorf("%w: id %d: prompt %d + max_tokens %d exceed the cache's %d tokens (%d blocks)",
+			ErrTooLong, r.ID, r.PromptTokens, r.MaxTokens, capacity, e.cfg.NumBlocks)
 	}
 	if _, dup := e.seqs[r.ID]; dup {
 		return fmt.Errorf("%w: %d", ErrDuplicateID, r.ID)

@@ -736,6 +736,11 @@ func TestAddErrors(t *testing.T) {
 		{"prompt too long", &Request{ID: 1, PromptTokens: 1601, MaxTokens: 1}, ErrTooLong},
 		{"output too long", &Request{ID: 1, PromptTokens: 1000, MaxTokens: 602}, ErrTooLong},
 		{"exactly fits", &Request{ID: 1, PromptTokens: 1000, MaxTokens: 601}, nil},
+		// No client number is added to another: these must not wrap around.
+		{"max_tokens MaxInt", &Request{ID: 3, PromptTokens: 10, MaxTokens: math.MaxInt}, ErrTooLong},
+		{"prompt MaxInt", &Request{ID: 3, PromptTokens: math.MaxInt, MaxTokens: 1}, ErrTooLong},
+		{"both MaxInt", &Request{ID: 3, PromptTokens: math.MaxInt, MaxTokens: math.MaxInt}, ErrTooLong},
+		{"max_tokens MaxInt−prompt+2", &Request{ID: 3, PromptTokens: 10, MaxTokens: math.MaxInt - 8}, ErrTooLong},
 		{"fewer hashes than blocks", &Request{ID: 2, PromptTokens: 100, MaxTokens: 1, BlockHashes: chain(seg{1, 2})}, nil},
 		{"duplicate id", &Request{ID: 7, PromptTokens: 10, MaxTokens: 1}, ErrDuplicateID},
 	}
@@ -758,6 +763,7 @@ func TestNewConfig(t *testing.T) {
 		{"zero value", Config{}, true},
 		{"negative blocks", Config{NumBlocks: -1}, false},
 		{"negative block size", Config{BlockSize: -16}, false},
+		{"block size beyond int32", Config{BlockSize: math.MaxInt32 + 1}, false},
 		{"budget below seq cap", Config{MaxBatchTokens: 100}, false},
 		{"budget equals seq cap", Config{MaxBatchTokens: 32, MaxSeqs: 32}, true},
 		{"negative seqs", Config{MaxSeqs: -1}, false},

@@ -36,17 +36,23 @@ func modelNotFound(model string) *APIError {
 		Param: "model", Message: fmt.Sprintf("The model `%s` does not exist.", model)}
 }
 
-// contextTooLong is vLLM's wording of a request that cannot fit the context.
-func contextTooLong(maxLen, promptTokens, maxTokens int, chat bool) *APIError {
-	where := "prompt"
-	if chat {
-		where = "messages"
-	}
+// contextTooLong: the prompt and the completion asked for do not fit the
+// context together (vLLM's check, in the sim's words). The total is summed
+// in uint64: both terms are at most MaxInt64.
+func contextTooLong(maxLen, promptTokens int, completion int64, where, param string) *APIError {
 	return &APIError{Status: http.StatusBadRequest, Type: "invalid_request_error", Code: "context_length_exceeded",
-		Param: "max_tokens",
-		Message: fmt.Sprintf("This model's maximum context length is %d tokens. However, you requested %d tokens "+
-			"(%d in the %s, %d in the completion). Please reduce the length of the %s or completion.",
-			maxLen, promptTokens+maxTokens, promptTokens, where, maxTokens, where)}
+		Param: param,
+		Message: fmt.Sprintf("This model's context holds %d tokens, and this request needs %d: %d in the %s "+
+			"and %d for the completion. Shorten the %s or ask for fewer completion tokens.",
+			maxLen, uint64(promptTokens)+uint64(completion), promptTokens, where, completion, where)}
+}
+
+// promptTooLong: the prompt alone leaves no room for a completion token.
+func promptTooLong(maxLen, promptTokens int, where string) *APIError {
+	return &APIError{Status: http.StatusBadRequest, Type: "invalid_request_error", Code: "context_length_exceeded",
+		Param: where,
+		Message: fmt.Sprintf("This model's context holds %d tokens, and the %s alone take %d, leaving no room "+
+			"for the completion. Shorten the %s.", maxLen, where, promptTokens, where)}
 }
 
 var (

@@ -88,39 +88,20 @@ func (r *Replica) adapterOf(model string) (string, error) {
 	return "", modelNotFound(model)
 }
 
+// tokenizeKeys are the fields /tokenize reads.
+var tokenizeKeys = keys{"model": nil, "prompt": nil, "messages": messageKeys}
+
 // tokenize is vLLM's POST /tokenize: a completions prompt or chat messages
 // in, {"count", "max_model_len", "tokens"} out, under the Approx tokenizer.
+// It renders through prompt.Parse so that the count is the one the chat and
+// completions endpoints (and the router) compute.
 func (r *Replica) tokenize(w http.ResponseWriter, req *http.Request) {
 	data, err := io.ReadAll(http.MaxBytesReader(w, req.Body, maxBody))
 	if err != nil {
 		writeError(w, err)
 		return
 	}
-	var b struct {
-		Model    string          `json:"model"`
-		Prompt   json.RawMessage `json:"prompt"`
-		Messages json.RawMessage `json:"messages"`
-	}
-	if err := json.Unmarshal(data, &b); err != nil {
-		writeError(w, badRequest("", "request body is not valid JSON: %v", err))
-		return
-	}
-	if b.Model == "" {
-		b.Model = r.cfg.Model // optional in vLLM's tokenize
-	} else if _, err := r.adapterOf(b.Model); err != nil {
-		writeError(w, err)
-		return
-	}
-	// Render through prompt.Parse so that the count is the one the chat and
-	// completions endpoints (and the router) compute.
-	kind, body := prompt.Completion, map[string]json.RawMessage{"prompt": b.Prompt}
-	if len(b.Messages) > 0 {
-		kind, body = prompt.Chat, map[string]json.RawMessage{"messages": b.Messages}
-	}
-	model, _ := json.Marshal(b.Model)
-	body["model"] = model
-	raw, _ := json.Marshal(body)
-	p, err := prompt.Parse(kind, raw)
+	p, err := r.parseTokenize(data)
 	if err != nil {
 		writeError(w, err)
 		return
@@ -135,6 +116,28 @@ func (r *Replica) tokenize(w http.ResponseWriter, req *http.Request) {
 		Tokens      []uint32 `json:"tokens"`
 		TokenStrs   []string `json:"token_strs"`
 	}{len(ids), r.cfg.MaxModelLen, ids, nil})
+}
+
+func (r *Replica) parseTokenize(data []byte) (*prompt.Parsed, error) {
+	b, err := decodeBody(data)
+	if err != nil {
+		return nil, err
+	}
+	if b.get("model") == nil {
+		b["model"], _ = json.Marshal(r.cfg.Model) // optional in vLLM's tokenize
+	}
+	kind := prompt.Completion
+	if b.get("messages") != nil {
+		kind = prompt.Chat
+	}
+	p, err := b.parse(kind, tokenizeKeys)
+	if err != nil {
+		return nil, err
+	}
+	if _, err := r.adapterOf(p.Model); err != nil {
+		return nil, err
+	}
+	return p, nil
 }
 
 // inference serves /v1/completions and /v1/chat/completions.
@@ -157,7 +160,9 @@ func (r *Replica) inference(kind prompt.Kind) http.HandlerFunc {
 		cl, reqs := r.newCall(j)
 		if err := r.submit(cl, reqs); err != nil {
 			if errors.Is(err, engine.ErrTooLong) {
-				err = contextTooLong(r.cfg.MaxModelLen, j.prompts[0].tokens, j.maxTokens, kind == prompt.Chat)
+				// Not reached: MaxModelLen fits the cache, and limits checked it.
+				err = contextTooLong(r.cfg.MaxModelLen, j.prompts[0].tokens, int64(j.maxTokens),
+					promptField(kind), "max_tokens")
 			}
 			writeError(w, err)
 			return

@@ -12,21 +12,6 @@ import (
 // maxN bounds the choices of one request (n × prompts).
 const maxN = 128
 
-// extraParams are the request fields the sim honours beyond what
-// prompt.Parse reads.
-type extraParams struct {
-	Prompt              json.RawMessage `json:"prompt"`
-	MaxTokens           *int            `json:"max_tokens"`
-	MaxCompletionTokens *int            `json:"max_completion_tokens"`
-	N                   *int            `json:"n"`
-	IgnoreEOS           bool            `json:"ignore_eos"`
-	MinTokens           int             `json:"min_tokens"`
-	Seed                *int64          `json:"seed"`
-	StreamOptions       *struct {
-		IncludeUsage bool `json:"include_usage"`
-	} `json:"stream_options"`
-}
-
 // promptIn is one prompt as the engine sees it.
 type promptIn struct {
 	tokens   int
@@ -50,9 +35,21 @@ type job struct {
 	seed         int64
 }
 
-// parseJob validates a completions or chat body.
+// parseJob validates a completions or chat body as vLLM does, reading
+// every field by its exact key (see body).
 func (r *Replica) parseJob(kind prompt.Kind, data []byte) (*job, error) {
-	p, err := prompt.Parse(kind, data)
+	b, err := decodeBody(data)
+	if err != nil {
+		return nil, err
+	}
+	x, err := readParams(kind, b)
+	if err != nil {
+		return nil, err
+	}
+	if m := b.get("model"); m != nil && m[0] != '"' {
+		return nil, badRequest("model", "model must be a string.")
+	}
+	p, err := b.parse(kind, parseKeys)
 	if err != nil {
 		return nil, err
 	}
@@ -60,36 +57,15 @@ func (r *Replica) parseJob(kind prompt.Kind, data []byte) (*job, error) {
 	if err != nil {
 		return nil, err
 	}
-	var x extraParams
-	if err := json.Unmarshal(data, &x); err != nil {
-		return nil, badRequest("", "request body: %v", err)
+	if choices := x.n * max(p.Prompts, 1); choices > maxN { // x.n ≤ maxN: no overflow
+		return nil, badRequest("n", "at most %d choices per request (n × prompts), got %d.", maxN, choices)
 	}
-	j := &job{kind: kind, model: p.Model, adapter: adapter, stream: p.Stream, n: 1,
-		ignoreEOS: x.IgnoreEOS, minTokens: x.MinTokens}
-	if x.N != nil {
-		j.n = *x.N
-	}
-	if x.Seed != nil {
-		j.seed = *x.Seed
-	}
-	if x.StreamOptions != nil {
-		if !p.Stream {
-			return nil, badRequest("stream_options", "Stream options can only be defined when `stream=True`.")
-		}
-		j.includeUsage = x.StreamOptions.IncludeUsage
-	}
-	switch {
-	case j.n < 1:
-		return nil, badRequest("n", "n must be at least 1, got %d.", j.n)
-	case j.n*max(p.Prompts, 1) > maxN:
-		return nil, badRequest("n", "at most %d choices per request, got %d.", maxN, j.n*p.Prompts)
-	case j.minTokens < 0:
-		return nil, badRequest("min_tokens", "min_tokens must be greater than or equal to 0, got %d.", j.minTokens)
-	}
-	if j.prompts, err = r.prompts(p, x.Prompt, adapter); err != nil {
+	j := &job{kind: kind, model: p.Model, adapter: adapter, stream: x.stream, includeUsage: x.includeUsage,
+		n: x.n, ignoreEOS: x.ignoreEOS, seed: x.seed}
+	if j.prompts, err = r.prompts(p, b.get("prompt"), adapter); err != nil {
 		return nil, err
 	}
-	return j, r.limits(j, p, &x)
+	return j, r.limits(j, x)
 }
 
 // prompts tokenizes and hashes the request's prompts.
@@ -125,31 +101,47 @@ func (r *Replica) prompts(p *prompt.Parsed, raw json.RawMessage, adapter string)
 	return out, nil
 }
 
-// limits sets the job's max_tokens and checks it against the context.
-func (r *Replica) limits(j *job, p *prompt.Parsed, x *extraParams) error {
+// limits sets the job's max_tokens and checks prompt + max_tokens against
+// the context, as vLLM does before it queues a request: the longest prompt
+// must leave room for one token, and a max_tokens the client set must fit
+// beside it. Compared as room = MaxModelLen − prompt, so that no client
+// number is added to another.
+func (r *Replica) limits(j *job, x params) error {
 	longest := 0
 	for _, in := range j.prompts {
 		longest = max(longest, in.tokens)
 	}
+	maxLen, where := r.cfg.MaxModelLen, promptField(j.kind)
+	if longest >= maxLen {
+		return promptTooLong(maxLen, longest, where)
+	}
+	room := maxLen - longest
 	switch {
-	case p.MaxTokens > 0:
-		j.maxTokens = p.MaxTokens
-	case x.MaxTokens != nil || x.MaxCompletionTokens != nil:
-		// Present and 0 (prompt.Parse rejects negatives).
-		return badRequest("max_tokens", "max_tokens must be at least 1, got 0.")
+	case x.maxTokens.set:
+		if x.maxTokens.v > int64(room) {
+			return contextTooLong(maxLen, longest, x.maxTokens.v, where, x.maxField)
+		}
+		j.maxTokens = int(x.maxTokens.v)
 	case j.kind == prompt.Chat:
-		j.maxTokens = min(DefaultChatMaxTokens, r.cfg.MaxModelLen-longest)
+		j.maxTokens = min(DefaultChatMaxTokens, room)
+	case DefaultCompletionMaxTokens > room:
+		return contextTooLong(maxLen, longest, DefaultCompletionMaxTokens, where, where)
 	default:
 		j.maxTokens = DefaultCompletionMaxTokens
 	}
-	if j.maxTokens < 1 || longest+j.maxTokens > r.cfg.MaxModelLen {
-		return contextTooLong(r.cfg.MaxModelLen, longest, max(j.maxTokens, 1), j.kind == prompt.Chat)
-	}
-	if j.minTokens > j.maxTokens {
+	if x.minTokens > int64(j.maxTokens) {
 		return badRequest("min_tokens", "min_tokens must be less than or equal to max_tokens=%d, got %d.",
-			j.maxTokens, j.minTokens)
+			j.maxTokens, x.minTokens)
 	}
+	j.minTokens = int(x.minTokens)
 	return nil
+}
+
+func promptField(k prompt.Kind) string {
+	if k == prompt.Chat {
+		return "messages"
+	}
+	return "prompt"
 }
 
 // promptOf tokenizes one prompt (text, or token ids when ids != nil) and
