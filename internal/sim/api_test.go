@@ -8,6 +8,7 @@ import (
 	"slices"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/kvgate/kvgate/internal/costmodel"
 	"github.com/kvgate/kvgate/internal/prompt"
@@ -378,6 +379,8 @@ func TestConfigErrors(t *testing.T) {
 		{"rate", Config{Replicas: 1, Faults: Faults{ErrorRate: 1.5}}},
 		{"stall without duration", Config{Replicas: 1, Faults: Faults{StallRate: 0.5}}},
 		{"refuse half", Config{Replicas: 1, Faults: Faults{RefuseAfter: 1}}},
+		{"crash-on without crash-for", Config{Replicas: 1, Faults: Faults{CrashOn: "x"}}},
+		{"crash-for without crash-on", Config{Replicas: 1, Faults: Faults{CrashFor: time.Second}}},
 		{"fault replica", Config{Replicas: 2, FaultReplicas: []int{2}}},
 		{"adapter is model", Config{Replicas: 1, Adapters: []string{DefaultModel}}},
 		{"kv ports overlap", Config{Replicas: 2, Port: 9000, KVEvents: true, KVEventsPort: 9001}},

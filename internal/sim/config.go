@@ -120,11 +120,19 @@ type Faults struct {
 	// connections are refused), and RefuseFor later listens again on the
 	// same port. The engine and its cache survive.
 	RefuseAfter, RefuseFor time.Duration
+	// CrashOn, when not empty, is a query of death: an inference request
+	// whose prompt (a completions prompt, or the text of the chat messages
+	// as rendered) contains it crashes the replica, which closes its
+	// listener and every open connection at once (as a refuse window
+	// does: the crashing request gets no answer) and listens again CrashFor
+	// later. The engine and its cache survive, as with RefuseAfter.
+	CrashOn  string
+	CrashFor time.Duration
 }
 
 func (f Faults) any() bool {
 	return f.ErrorRate > 0 || f.FailAfter > 0 || f.StallRate > 0 || f.DieRate > 0 ||
-		(f.RefuseAfter > 0 && f.RefuseFor > 0)
+		(f.RefuseAfter > 0 && f.RefuseFor > 0) || f.CrashOn != ""
 }
 
 // withDefaults fills the zero fields.
@@ -226,8 +234,10 @@ func (f Faults) validate() error {
 	switch {
 	case f.FailAfter < 0:
 		return fmt.Errorf("fault fail-after %d < 0", f.FailAfter)
-	case f.Stall < 0 || f.RefuseAfter < 0 || f.RefuseFor < 0:
+	case f.Stall < 0 || f.RefuseAfter < 0 || f.RefuseFor < 0 || f.CrashFor < 0:
 		return errors.New("fault durations must be ≥ 0")
+	case (f.CrashOn != "") != (f.CrashFor > 0):
+		return errors.New("fault crash-on and crash-for go together")
 	case f.StallRate > 0 && f.Stall == 0:
 		return fmt.Errorf("fault stall rate %v without a stall duration", f.StallRate)
 	case (f.RefuseAfter > 0) != (f.RefuseFor > 0):

@@ -5,6 +5,8 @@ import (
 	"net"
 	"net/http"
 	"time"
+
+	"github.com/kvgate/kvgate/internal/clock"
 )
 
 // beforeRequest applies the faults decided before a request is read:
@@ -54,9 +56,8 @@ func (r *Replica) stall(ctx context.Context) bool {
 }
 
 // refuseWindow is the --fault-refuse-after/--fault-refuse-for fault: the
-// replica goes away as a crashed process does (listener closed, so new
-// connections are refused, and open connections cut), then comes back on
-// the same port.
+// replica goes away as a crashed process does, then comes back on the same
+// port.
 func (r *Replica) refuseWindow() {
 	defer r.wg.Done()
 	t := r.clock.NewTimer(r.faults.RefuseAfter)
@@ -66,38 +67,75 @@ func (r *Replica) refuseWindow() {
 	case <-r.done:
 		return
 	}
-	r.refusing.Store(true)
+	if r.goDown() {
+		r.comeBack(t, r.faults.RefuseFor)
+	}
+}
+
+// crash is the query-of-death fault (Faults.CrashOn): the replica goes away
+// at once and comes back CrashFor later. It is called by the handler of the
+// request that crashes it, inside the gate, so that shutdown, which waits
+// for the gate before the WaitGroup, cannot miss the goroutine it adds.
+func (r *Replica) crash() {
+	if !r.goDown() {
+		return // already down
+	}
+	r.wg.Add(1)
+	go func() {
+		defer r.wg.Done()
+		t := r.clock.NewTimer(r.faults.CrashFor)
+		defer t.Stop()
+		r.comeBack(t, r.faults.CrashFor)
+	}()
+}
+
+// goDown takes the replica off the network as a crashed process goes: its
+// listener closes, so new connections are refused, and every open
+// connection is cut. The engine and its cache survive. False when the
+// replica is down already.
+func (r *Replica) goDown() bool {
+	r.lnMu.Lock()
+	defer r.lnMu.Unlock()
+	if r.down.Load() {
+		return false
+	}
+	r.down.Store(true)
 	_ = r.ln.Close()
 	r.connMu.Lock()
 	for c := range r.conns {
 		_ = c.Close()
 	}
 	r.connMu.Unlock()
+	return true
+}
 
-	t.Reset(r.faults.RefuseFor)
-	select {
-	case <-t.C():
-	case <-r.done:
-		return
-	}
-	// Listening again can fail briefly if the port is taken by someone
-	// else meanwhile; retry with a capped backoff until closed.
-	delay := 10 * time.Millisecond
-	for {
-		var lc net.ListenConfig
-		ln, err := lc.Listen(context.Background(), "tcp", r.addr)
-		if err == nil {
-			r.refusing.Store(false)
-			r.ln = ln
-			r.reopen <- ln
-			return
-		}
-		t.Reset(delay)
+// comeBack waits d on t, then listens on the same address again and hands
+// the listener to serve. Listening can fail briefly if the port is taken by
+// someone else meanwhile: it retries with a capped backoff until the
+// replica stops.
+func (r *Replica) comeBack(t clock.Timer, d time.Duration) {
+	for delay := 10 * time.Millisecond; ; delay = min(2*delay, time.Second) {
+		t.Reset(d)
 		select {
 		case <-t.C():
 		case <-r.done:
 			return
 		}
-		delay = min(2*delay, time.Second)
+		var lc net.ListenConfig
+		ln, err := lc.Listen(context.Background(), "tcp", r.addr)
+		if err != nil {
+			d = delay
+			continue
+		}
+		r.lnMu.Lock()
+		r.ln = ln
+		r.down.Store(false)
+		r.lnMu.Unlock()
+		select {
+		case r.reopen <- ln:
+		case <-r.done:
+			_ = ln.Close()
+		}
+		return
 	}
 }

@@ -6,10 +6,13 @@ import (
 	"io"
 	"net"
 	"net/http"
+	"slices"
 	"strings"
 	"testing"
 	"time"
 
+	"github.com/kvgate/kvgate/internal/clock"
+	"github.com/kvgate/kvgate/internal/prompt"
 	"github.com/kvgate/kvgate/internal/testutil"
 )
 
@@ -115,6 +118,13 @@ func TestFaultStall(t *testing.T) {
 	default:
 	}
 	clk.Advance(time.Millisecond)
+	decodeCompletion(t, finish(t, clk, done))
+}
+
+// finish runs the engine's steps on the fake clock (advancing to each
+// armed timer) until the answer arrives.
+func finish(t *testing.T, clk *clock.Fake, done <-chan testutil.Response) testutil.Response {
+	t.Helper()
 	var r testutil.Response
 	testutil.Eventually(t, 10*time.Second, "the answer", func() bool {
 		select {
@@ -122,12 +132,12 @@ func TestFaultStall(t *testing.T) {
 			return true
 		default:
 		}
-		if p := clk.Pending(); len(p) == 1 {
-			clk.Advance(p[0]) // the engine's steps
+		if p := clk.Pending(); len(p) > 0 {
+			clk.Advance(p[0])
 		}
 		return false
 	})
-	decodeCompletion(t, r)
+	return r
 }
 
 func TestFaultDie(t *testing.T) {
@@ -179,14 +189,7 @@ func TestFaultRefuse(t *testing.T) {
 		t.Fatalf("refuse timer %v", got)
 	}
 	clk.Advance(time.Second)
-	testutil.Eventually(t, 10*time.Second, "connections refused", func() bool {
-		conn, err := net.Dial("tcp", addr)
-		if err == nil {
-			conn.Close()
-			return false
-		}
-		return true
-	})
+	testutil.Eventually(t, 10*time.Second, "connections refused", func() bool { return refused(addr) })
 	// The client's kept-alive connection was cut too.
 	if _, err := c.Get(url + "/health"); err == nil {
 		t.Error("request served while refusing")
@@ -195,6 +198,12 @@ func TestFaultRefuse(t *testing.T) {
 		t.Fatalf("reopen timer %v", got)
 	}
 	clk.Advance(2 * time.Second)
+	waitHealthy(t, c, url)
+}
+
+// waitHealthy waits until the replica's /health answers 200.
+func waitHealthy(t *testing.T, c *http.Client, url string) {
+	t.Helper()
 	testutil.Eventually(t, 10*time.Second, "the replica back", func() bool {
 		r, err := c.Get(url + "/health")
 		if err != nil {
@@ -203,4 +212,103 @@ func TestFaultRefuse(t *testing.T) {
 		r.Body.Close()
 		return r.StatusCode == http.StatusOK
 	})
+}
+
+// refused reports whether a TCP connection to the replica is refused.
+func refused(addr string) bool {
+	conn, err := net.Dial("tcp", addr)
+	if err == nil {
+		conn.Close()
+		return false
+	}
+	return true
+}
+
+// A query of death crashes the replica it reaches: no answer to it, open
+// connections cut (an in-flight stream too), new ones refused, until
+// CrashFor has passed on the replica's clock; replicas without the fault
+// answer it as any request.
+func TestFaultCrash(t *testing.T) {
+	clk := newFakeClock()
+	const mark = "<<kill-the-replica>>"
+	cfg := Config{Clock: clk, Seed: 1, Replicas: 2, FaultReplicas: []int{0},
+		Faults: Faults{CrashOn: mark, CrashFor: 5 * time.Second}}
+	f := startFleet(t, cfg)
+	c := testClient(t)
+	url := f.URLs()[0]
+	addr := strings.TrimPrefix(url, "http://")
+	poison := `{"model":"sim-llama-8b","messages":[{"role":"system","content":"be brief"},` +
+		`{"role":"user","content":"please ` + mark + ` now"}],"max_tokens":2}`
+	// A replica without the fault answers the query of death as any request.
+	done := make(chan testutil.Response, 1)
+	go func() { done <- testutil.Post(t, c, f.URLs()[1]+"/v1/chat/completions", poison) }()
+	if got := decodeCompletion(t, finish(t, clk, done)); got.Usage.CompletionTokens < 1 {
+		t.Errorf("replica 1: %+v", got.Usage)
+	}
+
+	if r := get(t, c, url+"/health"); r.Status != 200 { // a kept-alive connection
+		t.Fatalf("/health %d", r.Status)
+	}
+	stream, err := c.Post(url+"/v1/completions", "application/json", strings.NewReader(streamBody))
+	if err != nil || stream.StatusCode != 200 {
+		t.Fatalf("stream: %v", err)
+	}
+	defer stream.Body.Close()
+
+	if r, err := c.Post(url+"/v1/chat/completions", "application/json", strings.NewReader(poison)); err == nil {
+		r.Body.Close()
+		t.Fatalf("the query of death was answered %d", r.StatusCode)
+	}
+	if !refused(addr) {
+		t.Fatal("connections accepted after the crash")
+	}
+	if _, err := io.ReadAll(stream.Body); err == nil {
+		t.Error("the in-flight stream was not cut")
+	}
+	if _, err := c.Get(url + "/health"); err == nil {
+		t.Error("a kept-alive connection survived the crash")
+	}
+
+	testutil.Eventually(t, 10*time.Second, "the restart timer", func() bool {
+		return slices.Contains(clk.Pending(), 5*time.Second)
+	})
+	clk.Advance(5*time.Second - time.Millisecond)
+	if !refused(addr) {
+		t.Fatal("back before CrashFor")
+	}
+	clk.Advance(time.Millisecond)
+	waitHealthy(t, c, url)
+	// And it crashes again on the next one.
+	if r, err := c.Post(url+"/v1/chat/completions", "application/json", strings.NewReader(poison)); err == nil {
+		r.Body.Close()
+		t.Fatalf("the second query of death was answered %d", r.StatusCode)
+	}
+	if !refused(addr) {
+		t.Fatal("connections accepted after the second crash")
+	}
+}
+
+// The mark is looked for in every prompt of a batch and in the rendered
+// chat; token-id prompts have no text.
+func TestCrashMark(t *testing.T) {
+	r := fuzzReplica(t)
+	r.faults = Faults{CrashOn: "QOD", CrashFor: time.Second}
+	tests := []struct {
+		kind  prompt.Kind
+		body  string
+		crash bool
+	}{
+		{prompt.Completion, `{"model":"sim-llama-8b","prompt":"fine"}`, false},
+		{prompt.Completion, `{"model":"sim-llama-8b","prompt":"a QOD b"}`, true},
+		{prompt.Completion, `{"model":"sim-llama-8b","prompt":["fine","a QOD"]}`, true},
+		{prompt.Completion, `{"model":"sim-llama-8b","prompt":[1,2,3]}`, false},
+		{prompt.Chat, `{"model":"sim-llama-8b","messages":[{"role":"user","content":[{"type":"text","text":"QOD"}]}]}`, true},
+		{prompt.Chat, `{"model":"sim-llama-8b","messages":[{"role":"user","content":"qod"}]}`, false},
+	}
+	for _, tc := range tests {
+		j, err := r.parseJob(tc.kind, []byte(tc.body))
+		if err != nil || j.crash != tc.crash {
+			t.Errorf("%s: crash %v, %v; want %v", tc.body, j != nil && j.crash, err, tc.crash)
+		}
+	}
 }

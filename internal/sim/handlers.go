@@ -157,6 +157,10 @@ func (r *Replica) inference(kind prompt.Kind) http.HandlerFunc {
 			writeError(w, err)
 			return
 		}
+		if j.crash {
+			r.crash()
+			panic(http.ErrAbortHandler) // the connection is gone with the rest
+		}
 		cl, reqs := r.newCall(j)
 		if err := r.submit(cl, reqs); err != nil {
 			if errors.Is(err, engine.ErrTooLong) {

@@ -2,6 +2,7 @@ package sim
 
 import (
 	"encoding/json"
+	"strings"
 
 	"github.com/cespare/xxhash/v2"
 
@@ -33,6 +34,8 @@ type job struct {
 	ignoreEOS    bool
 	minTokens    int
 	seed         int64
+	// crash: a prompt contains the query of death (Faults.CrashOn).
+	crash bool
 }
 
 // parseJob validates a completions or chat body as vLLM does, reading
@@ -62,43 +65,46 @@ func (r *Replica) parseJob(kind prompt.Kind, data []byte) (*job, error) {
 	}
 	j := &job{kind: kind, model: p.Model, adapter: adapter, stream: x.stream, includeUsage: x.includeUsage,
 		n: x.n, ignoreEOS: x.ignoreEOS, seed: x.seed}
-	if j.prompts, err = r.prompts(p, b.get("prompt"), adapter); err != nil {
+	if err := r.readPrompts(j, p, b.get("prompt")); err != nil {
 		return nil, err
 	}
 	return j, r.limits(j, x)
 }
 
-// prompts tokenizes and hashes the request's prompts.
-func (r *Replica) prompts(p *prompt.Parsed, raw json.RawMessage, adapter string) ([]promptIn, error) {
-	root := prompt.RootOf("engine", prompt.Key{Model: r.cfg.Model, Adapter: adapter, Salt: p.CacheSalt})
-	var out []promptIn
+// readPrompts tokenizes and hashes the request's prompts into j, and
+// looks for the query of death in their text.
+func (r *Replica) readPrompts(j *job, p *prompt.Parsed, raw json.RawMessage) error {
+	root := prompt.RootOf("engine", prompt.Key{Model: r.cfg.Model, Adapter: j.adapter, Salt: p.CacheSalt})
+	mark := r.faults.CrashOn
 	if p.Prompts > 1 {
 		// A batch of prompts: prompt.Parse kept only the first for routing.
 		var texts []string
 		var ids [][]uint32
 		if p.TokenIDs == nil {
 			if err := json.Unmarshal(raw, &texts); err != nil {
-				return nil, badRequest("prompt", "%v", err)
+				return badRequest("prompt", "%v", err)
 			}
 		} else if err := json.Unmarshal(raw, &ids); err != nil {
-			return nil, badRequest("prompt", "%v", err)
+			return badRequest("prompt", "%v", err)
 		}
 		for i := range p.Prompts {
 			if p.TokenIDs == nil {
-				out = append(out, r.promptOf(texts[i], nil, root))
+				j.prompts = append(j.prompts, r.promptOf(texts[i], nil, root))
+				j.crash = j.crash || (mark != "" && strings.Contains(texts[i], mark))
 			} else {
-				out = append(out, r.promptOf("", ids[i], root))
+				j.prompts = append(j.prompts, r.promptOf("", ids[i], root))
 			}
 		}
 	} else {
-		out = append(out, r.promptOf(p.Text, p.TokenIDs, root))
+		j.prompts = append(j.prompts, r.promptOf(p.Text, p.TokenIDs, root))
+		j.crash = mark != "" && strings.Contains(p.Text, mark)
 	}
-	for _, in := range out {
+	for _, in := range j.prompts {
 		if in.tokens == 0 {
-			return nil, badRequest("prompt", "The prompt cannot be empty.")
+			return badRequest("prompt", "The prompt cannot be empty.")
 		}
 	}
-	return out, nil
+	return nil
 }
 
 // limits sets the job's max_tokens and checks prompt + max_tokens against

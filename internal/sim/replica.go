@@ -51,18 +51,22 @@ type Replica struct {
 	addr    string // host:port
 	srv     *http.Server
 	handler http.Handler
-	ln      net.Listener // the first listener (refuse windows replace it)
-	reopen  chan net.Listener
+	reopen  chan net.Listener // the listener after an outage, for serve
+
+	// lnMu guards ln and the changes of down: an outage (a refuse window
+	// or a crash) closes ln, and the listener it opens again replaces it.
+	lnMu sync.Mutex
+	ln   net.Listener
+	down atomic.Bool // off the network: new connections are cut at once
 
 	connMu sync.Mutex
 	conns  map[net.Conn]struct{}
 
-	frng     *rand.Rand // fault draws, guarded by frngMu
-	frngMu   sync.Mutex
-	served   atomic.Int64 // inference requests received (for FailAfter)
-	failed   atomic.Bool
-	calls    atomic.Uint64 // response id counter
-	refusing atomic.Bool
+	frng   *rand.Rand // fault draws, guarded by frngMu
+	frngMu sync.Mutex
+	served atomic.Int64 // inference requests received (for FailAfter)
+	failed atomic.Bool
+	calls  atomic.Uint64 // response id counter
 
 	gate gate
 	done chan struct{} // closed when the replica stops

@@ -7,8 +7,8 @@ import (
 	"net/http"
 )
 
-// serve runs the HTTP server on ln and, after each refuse window, on the
-// listener that replaces it, until the server is closed.
+// serve runs the HTTP server on ln and, after each outage (refuse window
+// or crash), on the listener that replaces it, until the server is closed.
 func (r *Replica) serve(ln net.Listener) {
 	defer r.wg.Done()
 	for {
@@ -16,7 +16,7 @@ func (r *Replica) serve(ln net.Listener) {
 		if errors.Is(err, http.ErrServerClosed) {
 			return
 		}
-		// The listener was closed by a refuse window: wait for the next one.
+		// The listener was closed by an outage: wait for the next one.
 		select {
 		case ln = <-r.reopen:
 		case <-r.done:
@@ -25,13 +25,13 @@ func (r *Replica) serve(ln net.Listener) {
 	}
 }
 
-// trackConn keeps the open connections so that a refuse window can cut them.
+// trackConn keeps the open connections so that an outage can cut them.
 func (r *Replica) trackConn(c net.Conn, s http.ConnState) {
 	r.connMu.Lock()
 	defer r.connMu.Unlock()
 	switch s {
 	case http.StateNew:
-		if r.refusing.Load() {
+		if r.down.Load() {
 			_ = c.Close() // accepted just before the listener closed
 			return
 		}
@@ -53,7 +53,7 @@ func (r *Replica) shutdown(ctx context.Context) error {
 	close(r.done) // ends the driver, waiting handlers and the fault timer
 	<-handlersGone
 	r.wg.Wait()
-	// A refuse window may have opened a listener Serve never took.
+	// An outage may have opened a listener Serve never took.
 	select {
 	case ln := <-r.reopen:
 		_ = ln.Close()
