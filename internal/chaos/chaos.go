@@ -2,10 +2,13 @@
 // with one kind of fault injected (internal/sim's fault injection, or a
 // stand-in frontend for what the sim cannot do), a gateway in front of
 // them, all in-process on loopback, sends a bounded load through the
-// gateway and accounts for every request.
+// gateway and accounts for every request. The client-side scenarios keep
+// the replicas healthy and make the clients misbehave instead: hanging up,
+// reading slowly, asking for absurd lengths, sending an input that crashes
+// a replica, asking for an adapter only one replica serves.
 //
 // Each request ends in exactly one class (see Class): succeeded,
-// failed with a clear error, or lost. A request is also counted as retried
+// failed with a clear error, hung up by its client on purpose, or lost. A request is also counted as retried
 // when the gateway sent it to more than one replica. The suite checks the
 // gateway's retry rule per request — another replica may receive a request
 // only after the previous one refused it before any response byte — from
@@ -64,10 +67,46 @@ const (
 	Truncate Kind = "truncate"
 )
 
+// The client-side scenarios: healthy replicas, misbehaving clients. Their
+// checks do not depend on timing, and no client may get a replica ejected.
+const (
+	// HangUp10 and HangUp50: 10 % and 50 % of the clients close their
+	// stream at its first token.
+	HangUp10 Kind = "hangup10"
+	HangUp50 Kind = "hangup50"
+	// SlowReader: a few clients stream a long answer and stop reading it at
+	// its first token, with a small receive buffer, until everyone else's
+	// requests are done; then they hang up.
+	SlowReader Kind = "slowreader"
+	// Overflow: every 20th request asks for max_tokens 2^63−1; it must get a
+	// clear 400, and every ordinary request beside it must succeed.
+	Overflow Kind = "overflow"
+	// QueryOfDeath: one request's input crashes the replica that reads it.
+	// It must not be retried on each replica in turn: at most one crashes.
+	QueryOfDeath Kind = "querydeath"
+	// Hetero: one replica of three also serves a LoRA adapter; every
+	// request for the adapter must reach that replica, none answered 404.
+	Hetero Kind = "hetero"
+	// Defaults: clients hanging up (10 %), two slow readers and overflow
+	// requests against a gateway on its default settings (timeouts,
+	// cooldowns, retries), not the suite's tight ones.
+	Defaults Kind = "defaults"
+)
+
 // Kinds lists every scenario the suite asserts on, in the order Report
-// prints them.
+// prints them: the replica faults, then the client-side scenarios.
 func Kinds() []Kind {
+	return append(ReplicaKinds(), ClientKinds()...)
+}
+
+// ReplicaKinds are the scenarios that inject a fault into the replicas.
+func ReplicaKinds() []Kind {
 	return []Kind{Refuse, Die, Stall, Error500, Fail503, Limit429, Flap, Timeout, Truncate, Overload}
+}
+
+// ClientKinds are the client-side scenarios.
+func ClientKinds() []Kind {
+	return []Kind{HangUp10, HangUp50, SlowReader, Overflow, QueryOfDeath, Hetero, Defaults}
 }
 
 // Options bound a run. The zero value of every field takes its default.
@@ -157,8 +196,12 @@ func ParseKinds(s string) ([]Kind, error) {
 // Result is one scenario's account.
 type Result struct {
 	Kind Kind
-	// Sent = Succeeded + FailedClear + Lost.
-	Sent, Succeeded, FailedClear, Lost int
+	// ClientCaused: a client-side scenario whose replicas stay healthy, so
+	// every ejection, and every ordinary request that failed, was caused
+	// by the misbehaving clients.
+	ClientCaused bool
+	// Sent = Succeeded + FailedClear + HungUp + Lost.
+	Sent, Succeeded, FailedClear, HungUp, Lost int
 	// Retried requests reached more than one replica (any class).
 	Retried int
 	// StreamErrors: streams that ended with an SSE error event (part of FailedClear).
@@ -187,8 +230,12 @@ type Result struct {
 	// request (a 500, a 503, a 429, a shed), so Wasted must be 0.
 	PreEngine bool
 	// Mismatches: replicas whose engine count is outside [seen, seen+ambiguous],
-	// and answers whose X-Kvgate-Replica is not the replica last tried.
+	// answers whose X-Kvgate-Replica is not the replica last tried, and
+	// answers no attempt upstream produced.
 	Mismatches []string
+	// Aborted: generations the engines cut short (a client or the gateway
+	// went away mid-way).
+	Aborted int
 
 	// Ejections: kvgate_ejections_total's increase over all replicas.
 	Ejections int
@@ -210,17 +257,24 @@ type Result struct {
 	OfferedRate           float64
 	Admitted, Shed, QTime int // 200s, 429s, 503 queue timeouts
 
-	// LostReasons and FailReasons sample the first few of each.
-	LostReasons, FailReasons []string
+	// The client-side scenarios' requests by what their client did:
+	// Ordinary requests (and those of them that did not succeed),
+	// Overflow requests (and those answered a clear 400), PoisonReplicas
+	// (the replicas the query of death reached), Adapter requests (those
+	// that reached a replica not serving the adapter, and those answered 404).
+	Ordinary, OrdinaryFailed    int
+	Overflow, Overflow400       int
+	Poison, PoisonReplicas      int
+	Adapter, AdapterElsewhere   int
+	Adapter404                  int
+	LostReasons, FailReasons    []string // samples of the first few of each
+	OrdinaryReasons, OddReasons []string // ordinary requests that failed; overflow/adapter ones answered wrong
 }
 
-// Clear reports whether the scenario kept the suite's invariants: nothing
-// lost, the retry rule kept, the replicas' counts reconciled, no generation
-// wasted by a fault that strikes before the engine, in-flight back to zero,
-// replicas back in (or out of) rotation as their health says.
+// Clear reports whether the scenario kept the suite's invariants and met
+// its fault: Invariants and FaultMet found nothing.
 func (r *Result) Clear() bool {
-	return r.Lost == 0 && r.RuleViolations == 0 && len(r.Mismatches) == 0 && !(r.PreEngine && r.Wasted != 0) &&
-		r.InFlightZero && r.Back && r.StayedOut && r.Sent == r.Succeeded+r.FailedClear+r.Lost
+	return len(r.Invariants()) == 0 && len(r.FaultMet()) == 0
 }
 
 // Run runs each scenario of opts in turn on a fresh fleet and gateway.

@@ -1,8 +1,6 @@
 package chaos
 
 import (
-	"bufio"
-	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
@@ -10,6 +8,8 @@ import (
 	"io"
 	"net"
 	"net/http"
+
+	"github.com/kvgate/kvgate/internal/openai"
 )
 
 // Class is what a client made of one request's answer.
@@ -23,6 +23,10 @@ const (
 	// error body with a 4xx/5xx status, or, for a stream that had started,
 	// an SSE event `data: {"error": {...}}`.
 	FailedClear
+	// HungUp: the client closed the stream on purpose after its first
+	// token (the client-side scenarios: a client hanging up, a slow reader
+	// giving up). Neither the gateway's success nor its failure.
+	HungUp
 	// Lost: anything else — no answer by the client's deadline, a
 	// connection cut without an error body, a stream that stops without an
 	// error event, a short or malformed answer, or a generation the gateway
@@ -36,6 +40,8 @@ func (c Class) String() string {
 		return "succeeded"
 	case FailedClear:
 		return "failed-clear"
+	case HungUp:
+		return "hung-up"
 	default:
 		return "lost"
 	}
@@ -51,32 +57,34 @@ type verdict struct {
 	reason    string // for FailedClear and Lost: what was seen
 }
 
-// openAIError is the error shape kvgate and vLLM answer with.
-type openAIError struct {
-	Error *struct {
-		Message string `json:"message"`
-		Type    string `json:"type"`
-	} `json:"error"`
-}
-
-// clearError reports whether data is an OpenAI-shaped error with a message
-// and a type: something a client library turns into a typed exception.
+// clearError reports whether data is an OpenAI-shaped error body
+// ({"error": {...}}) with a message and a type: something a client library
+// turns into a typed exception. vLLM's older flat shape does not count: the
+// gateway must answer in OpenAI's.
 func clearError(data []byte) (string, bool) {
-	var e openAIError
-	if json.Unmarshal(bytes.TrimSpace(data), &e) != nil || e.Error == nil {
-		return "", false
-	}
-	if e.Error.Message == "" || e.Error.Type == "" {
+	var e openai.ErrorBody
+	if json.Unmarshal(data, &e) != nil || e.Error.Message == "" || e.Error.Type == "" {
 		return "", false
 	}
 	return e.Error.Type + ": " + e.Error.Message, true
 }
 
+// isErrorEvent reports whether a stream event's data is an error (an
+// "error" member, or vLLM's flat {"object": "error"}), clear or not.
+func isErrorEvent(data []byte) bool {
+	var probe struct {
+		Error  json.RawMessage `json:"error"`
+		Object string          `json:"object"`
+	}
+	return json.Unmarshal(data, &probe) == nil && (len(probe.Error) > 0 || probe.Object == "error")
+}
+
 // classify reads resp to its end and judges it. wantTokens is the number of
 // tokens every complete generation carries (the load sets ignore_eos and
 // max_tokens, so a complete answer has exactly that many). The caller
-// closes resp.Body.
-func classify(resp *http.Response, stream bool, wantTokens int) verdict {
+// closes resp.Body. onFirst, when set, is called at a stream's first token:
+// true means the client hangs up there (the answer is then HungUp).
+func classify(resp *http.Response, stream bool, wantTokens int, onFirst func() bool) verdict {
 	if resp.StatusCode != http.StatusOK {
 		data, err := io.ReadAll(io.LimitReader(resp.Body, maxAnswer))
 		if err != nil {
@@ -92,7 +100,7 @@ func classify(resp *http.Response, stream bool, wantTokens int) verdict {
 		return verdict{class: FailedClear, reason: fmt.Sprintf("%d %s", resp.StatusCode, msg)}
 	}
 	if stream {
-		return classifyStream(resp.Body, wantTokens)
+		return classifyStream(resp.Body, wantTokens, onFirst)
 	}
 	return classifyBody(resp.Body, wantTokens)
 }
@@ -110,9 +118,7 @@ func classifyBody(body io.Reader, wantTokens int) verdict {
 				Content string `json:"content"`
 			} `json:"message"`
 		} `json:"choices"`
-		Usage *struct {
-			CompletionTokens int `json:"completion_tokens"`
-		} `json:"usage"`
+		Usage *openai.Usage `json:"usage"`
 	}
 	if err := json.Unmarshal(data, &v); err != nil {
 		return verdict{class: Lost, reason: fmt.Sprintf("200 with a malformed body: %v", err)}
@@ -133,44 +139,39 @@ func classifyBody(body io.Reader, wantTokens int) verdict {
 	return verdict{class: Succeeded}
 }
 
-// classifyStream judges an SSE stream: it counts the token chunks, notes
-// [DONE] and any error event.
-func classifyStream(body io.Reader, wantTokens int) verdict {
-	br := bufio.NewReaderSize(body, 64<<10)
-	tokens, done := 0, false
-	read := 0
+// classifyStream judges an SSE stream: it counts the chunks carrying a
+// token (openai.Chunk.HasToken), notes [DONE] and any error event.
+func classifyStream(body io.Reader, wantTokens int, onFirst func() bool) verdict {
+	er := openai.NewEventReader(body, 0)
+	tokens, done, read := 0, false, 0
 	for {
-		line, err := br.ReadBytes('\n')
-		read += len(line)
-		if read > maxAnswer {
-			return verdict{class: Lost, reason: "stream longer than the client's bound"}
-		}
-		if data, ok := bytes.CutPrefix(bytes.TrimRight(line, "\r\n"), []byte("data:")); ok {
-			data = bytes.TrimSpace(data)
-			switch {
-			case bytes.Equal(data, []byte("[DONE]")):
-				done = true
-			case bytes.HasPrefix(data, []byte(`{"error"`)):
-				msg, clear := clearError(data)
-				if !clear {
-					return verdict{class: Lost, reason: fmt.Sprintf("stream error event not OpenAI-shaped: %.120q", data)}
-				}
-				// The error event ends the stream for the client whatever follows.
-				_, _ = io.Copy(io.Discard, io.LimitReader(br, maxAnswer))
-				return verdict{class: FailedClear, streamErr: true, reason: fmt.Sprintf("stream error after %d tokens: %s", tokens, msg)}
-			default:
-				n, perr := tokenChunk(data)
-				if perr != nil {
-					return verdict{class: Lost, reason: perr.Error()}
-				}
-				tokens += n
-			}
-		}
+		ev, err := er.Next()
 		if errors.Is(err, io.EOF) {
 			break
 		}
 		if err != nil {
 			return verdict{class: Lost, reason: fmt.Sprintf("stream cut after %d tokens without an error event: %v", tokens, err)}
+		}
+		if read += len(ev.Raw); read > maxAnswer {
+			return verdict{class: Lost, reason: "stream longer than the client's bound"}
+		}
+		switch {
+		case !ev.HasData:
+		case openai.IsDone(ev.Data):
+			done = true
+		case isErrorEvent(ev.Data):
+			return streamError(ev.Data, tokens)
+		default:
+			c, perr := openai.ParseChunk(ev.Data)
+			if perr != nil {
+				return verdict{class: Lost, reason: fmt.Sprintf("malformed stream chunk %.80q: %v", ev.Data, perr)}
+			}
+			if c.HasToken() {
+				tokens++
+				if tokens == 1 && onFirst != nil && onFirst() {
+					return verdict{class: HungUp, reason: "the client hung up after the first token"}
+				}
+			}
 		}
 	}
 	switch {
@@ -182,28 +183,14 @@ func classifyStream(body io.Reader, wantTokens int) verdict {
 	return verdict{class: Succeeded}
 }
 
-// tokenChunk counts the output tokens of one chunk: a completions chunk's
-// non-empty text or a chat chunk's non-empty delta content (chat's first,
-// role-only chunk carries none).
-func tokenChunk(data []byte) (int, error) {
-	var c struct {
-		Choices []struct {
-			Text  string `json:"text"`
-			Delta struct {
-				Content string `json:"content"`
-			} `json:"delta"`
-		} `json:"choices"`
+// streamError judges a stream's error event: it ends the stream for the
+// client whatever follows, clearly if OpenAI-shaped.
+func streamError(data []byte, tokens int) verdict {
+	msg, clear := clearError(data)
+	if !clear {
+		return verdict{class: Lost, reason: fmt.Sprintf("stream error event not OpenAI-shaped: %.120q", data)}
 	}
-	if err := json.Unmarshal(data, &c); err != nil {
-		return 0, fmt.Errorf("malformed stream chunk %.80q: %v", data, err)
-	}
-	n := 0
-	for _, ch := range c.Choices {
-		if ch.Text != "" || ch.Delta.Content != "" {
-			n++
-		}
-	}
-	return n, nil
+	return verdict{class: FailedClear, streamErr: true, reason: fmt.Sprintf("stream error after %d tokens: %s", tokens, msg)}
 }
 
 // lostNetErr names a client-side failure: no status at all.

@@ -32,6 +32,8 @@ func TestClassify(t *testing.T) {
 	const role = `data: {"id":"x","object":"chat.completion.chunk","choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}` + "\n\n"
 	const chatChunk = `data: {"id":"x","object":"chat.completion.chunk","choices":[{"index":0,"delta":{"content":" and"}}]}` + "\n\n"
 	const done = "data: [DONE]\n\n"
+	const reasoning = `data: {"choices":[{"index":0,"delta":{"reasoning_content":"hm"}}]}` + "\n\n"
+	const tool = `data: {"choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"function":{"arguments":"{"}}]}}]}` + "\n\n"
 	const errEvent = `data: {"error":{"message":"the replica's stream broke","type":"server_error","code":"upstream_stream_error"}}` + "\n\n"
 	tests := []struct {
 		name      string
@@ -61,10 +63,13 @@ func TestClassify(t *testing.T) {
 		{"stream cut", 200, &cutReader{strings.NewReader(chunk)}, true, Lost, false},
 		{"stream short with [DONE]", 200, strings.NewReader(chunk + done), true, Lost, false},
 		{"stream with a malformed chunk", 200, strings.NewReader(chunk + "data: {nope\n\n" + chunk + done), true, Lost, false},
+		// openai.Chunk.HasToken: reasoning and tool-call deltas are tokens.
+		{"reasoning and tool-call chunks", 200, strings.NewReader(role + reasoning + tool + done), true, Succeeded, false},
+		{"vLLM's flat error event", 200, strings.NewReader(chunk + `data: {"object":"error","message":"x","type":"y"}` + "\n\n"), true, Lost, false},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
-			v := classify(response(tc.status, tc.body), tc.stream, 2)
+			v := classify(response(tc.status, tc.body), tc.stream, 2, nil)
 			if v.class != tc.want || v.streamErr != tc.streamErr {
 				t.Fatalf("got %v (stream error %v, %q), want %v (stream error %v)", v.class, v.streamErr, v.reason, tc.want, tc.streamErr)
 			}
@@ -73,6 +78,66 @@ func TestClassify(t *testing.T) {
 			}
 		})
 	}
+}
+
+// TestClassifyHangUp: a client that hangs up does so at the first chunk
+// with a token (not at a role-only chunk); before any token, the answer is
+// judged as usual.
+func TestClassifyHangUp(t *testing.T) {
+	const role = `data: {"choices":[{"index":0,"delta":{"role":"assistant"}}]}` + "\n\n"
+	const chunk = `data: {"choices":[{"index":0,"text":" the"}]}` + "\n\n"
+	calls := 0
+	hang := func() bool { calls++; return true }
+	v := classify(response(200, strings.NewReader(role+chunk+chunk+"data: [DONE]\n\n")), true, 2, hang)
+	if v.class != HungUp || calls != 1 {
+		t.Fatalf("got %v after %d calls, want hung-up after 1", v.class, calls)
+	}
+	v = classify(response(502, strings.NewReader(`{"error":{"message":"m","type":"server_error"}}`)), true, 2, hang)
+	if v.class != FailedClear || calls != 1 {
+		t.Fatalf("got %v after %d calls, want failed-clear with no hang-up", v.class, calls)
+	}
+}
+
+// TestClientPlan: the misbehaving requests are where the plan puts them,
+// the hang-up draws are seeded per request and near their share.
+func TestClientPlan(t *testing.T) {
+	p := clientPlan{hangUp: 0.5, slow: 2, overflowEvery: 20, poison: true, poisonAt: 60, adapterEvery: 3}
+	want := map[int]behaviour{0: slowRead, 1: slowRead, 10: overflow, 30: overflow, 60: poison, 3: onAdapter, 99: onAdapter}
+	for i, b := range want {
+		if got := p.behaviour(i, 1); got != b {
+			t.Errorf("request %d: behaviour %d, want %d", i, got, b)
+		}
+	}
+	hung := 0
+	for i := range 1000 {
+		b := p.behaviour(i, 1)
+		if b != p.behaviour(i, 1) {
+			t.Fatalf("request %d: behaviour not deterministic", i)
+		}
+		if b == hangUp {
+			hung++
+		}
+	}
+	// 1000 − 2 slow − 50 overflow − 1 poison − 316 adapter leave 631 draws at 0.5.
+	if hung < 260 || hung > 370 {
+		t.Fatalf("%d hang-ups of 631 draws at 0.5", hung)
+	}
+	if (clientPlan{}).behaviour(0, 1) != ordinary {
+		t.Fatal("the zero plan misbehaves")
+	}
+}
+
+func TestCountdown(t *testing.T) {
+	c := newCountdown(2)
+	c.done()
+	select {
+	case <-c.open:
+		t.Fatal("open after 1 of 2")
+	default:
+	}
+	c.done()
+	<-c.open
+	<-newCountdown(0).open
 }
 
 func TestLostNetErr(t *testing.T) {

@@ -5,6 +5,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"math"
 	"math/rand/v2"
 	"net/http"
 	"strings"
@@ -28,35 +29,47 @@ type loadSpec struct {
 // runLoad calls send(ctx, i) for each request index and returns when every
 // call has returned; requests not yet started when ctx ends are not sent.
 func runLoad(ctx context.Context, s loadSpec, send func(ctx context.Context, i int)) {
-	var wg sync.WaitGroup
 	if s.concurrency > 0 {
-		next := make(chan int)
-		for range s.concurrency {
-			wg.Go(func() {
-				for i := range next {
-					send(ctx, i)
-				}
-			})
-		}
-	feed:
-		for i := s.first; i < s.first+s.n; i++ {
-			select {
-			case next <- i:
-			case <-ctx.Done():
-				break feed
-			}
-		}
-		close(next)
-		wg.Wait()
-		return
+		closedLoop(ctx, s, send)
+	} else {
+		openLoop(ctx, s, send)
 	}
+}
+
+// closedLoop: s.concurrency clients, each sending its next request when its
+// last one has returned.
+func closedLoop(ctx context.Context, s loadSpec, send func(ctx context.Context, i int)) {
+	var wg sync.WaitGroup
+	next := make(chan int)
+	for range s.concurrency {
+		wg.Go(func() {
+			for i := range next {
+				send(ctx, i)
+			}
+		})
+	}
+feed:
+	for i := s.first; i < s.first+s.n; i++ {
+		select {
+		case next <- i:
+		case <-ctx.Done():
+			break feed
+		}
+	}
+	close(next)
+	wg.Wait()
+}
+
+// openLoop: Poisson arrivals at s.rate, at most s.maxInFlight outstanding.
+func openLoop(ctx context.Context, s loadSpec, send func(ctx context.Context, i int)) {
+	var wg sync.WaitGroup
+	defer wg.Wait()
 	rng := rand.New(rand.NewPCG(s.seed, 0xa77))
 	slots := make(chan struct{}, max(s.maxInFlight, 1))
 	t := time.NewTimer(0)
 	defer t.Stop()
 	<-t.C
 	at := time.Now()
-arrivals:
 	for i := s.first; i < s.first+s.n; i++ {
 		if i > s.first {
 			at = at.Add(time.Duration(rng.ExpFloat64() / s.rate * float64(time.Second)))
@@ -65,26 +78,26 @@ arrivals:
 				select {
 				case <-t.C:
 				case <-ctx.Done():
-					break arrivals
+					return
 				}
 			}
 		}
 		select {
 		case slots <- struct{}{}:
 		case <-ctx.Done():
-			break arrivals
+			return
 		}
 		wg.Go(func() {
 			defer func() { <-slots }()
 			send(ctx, i)
 		})
 	}
-	wg.Wait()
 }
 
 // result is one request as the client saw it.
 type result struct {
 	id        string
+	as        behaviour
 	stream    bool
 	status    int
 	verdict   verdict
@@ -96,11 +109,17 @@ type result struct {
 // client sends the suite's requests to the gateway.
 type client struct {
 	http      *http.Client
-	base      string // gateway base URL
+	slowHTTP  *http.Client // slow readers' client: a small receive buffer
+	base      string       // gateway base URL
 	model     string
 	maxTokens int
 	timeout   time.Duration // per request: past it the request is lost (hung)
 	prefix    string        // "chaos-<kind>-" for X-Request-Id
+	plan      clientPlan
+	seed      uint64
+	// ordinaryDone opens when every request but the slow readers' has
+	// ended: the slow readers stop reading until then.
+	ordinaryDone *countdown
 }
 
 // systemPrompt is shared by every request, as an application's system
@@ -109,28 +128,45 @@ var systemPrompt = strings.Repeat("You are the reliability suite's assistant; an
 
 // body is request i: completions and chat alternate, and so do streamed
 // and non-streamed ones, so that each fault meets every response path.
-// ignore_eos with max_tokens makes every complete answer exactly maxTokens
+// ignore_eos with max_tokens makes every complete answer exactly wantTokens
 // long, which is how the client tells a complete answer from a short one.
-func (c *client) body(i int) ([]byte, string, bool) {
+func (c *client) body(i int, as behaviour) (data []byte, path string, stream bool, wantTokens int) {
 	chat := i%2 == 1
-	stream := (i/2)%2 == 1
+	stream = (i/2)%2 == 1 || as == hangUp || as == slowRead
 	user := fmt.Sprintf("Request %d of the chaos run: summarise the numbers %d, %d and %d in one line.", i, i*7, i*13, i*31)
-	m := map[string]any{"model": c.model, "max_tokens": c.maxTokens, "ignore_eos": true, "stream": stream}
-	path := "/v1/completions"
+	wantTokens = c.maxTokens
+	m := map[string]any{"model": c.model, "max_tokens": wantTokens, "ignore_eos": true, "stream": stream}
+	switch as {
+	case slowRead:
+		wantTokens = slowTokens
+		m["max_tokens"] = wantTokens
+	case overflow:
+		// No ignore_eos: a replica that wrongly accepts it still ends.
+		m["max_tokens"], m["ignore_eos"] = int64(math.MaxInt64), false
+	case poison:
+		user = queryOfDeath + " " + user
+	case onAdapter:
+		m["model"] = chaosAdapter
+	}
+	path = "/v1/completions"
 	if chat {
 		path = "/v1/chat/completions"
 		m["messages"] = []map[string]string{{"role": "system", "content": systemPrompt}, {"role": "user", "content": user}}
 	} else {
 		m["prompt"] = systemPrompt + user
 	}
-	data, _ := json.Marshal(m)
-	return data, path, stream
+	data, _ = json.Marshal(m)
+	return data, path, stream, wantTokens
 }
 
 // do sends request i and classifies the answer.
 func (c *client) do(ctx context.Context, i int) result {
-	data, path, stream := c.body(i)
-	res := result{id: fmt.Sprintf("%s%d", c.prefix, i), stream: stream}
+	as := c.plan.behaviour(i, c.seed)
+	if as != slowRead && c.ordinaryDone != nil {
+		defer c.ordinaryDone.done()
+	}
+	data, path, stream, want := c.body(i, as)
+	res := result{id: fmt.Sprintf("%s%d", c.prefix, i), as: as, stream: stream}
 	ctx, cancel := context.WithTimeout(ctx, c.timeout)
 	defer cancel()
 	req, err := http.NewRequestWithContext(ctx, http.MethodPost, c.base+path, bytes.NewReader(data))
@@ -140,8 +176,12 @@ func (c *client) do(ctx context.Context, i int) result {
 	}
 	req.Header.Set("Content-Type", "application/json")
 	req.Header.Set("X-Request-Id", res.id)
+	hc := c.http
+	if as == slowRead {
+		hc = c.slowHTTP
+	}
 	start := time.Now()
-	resp, err := c.http.Do(req)
+	resp, err := hc.Do(req)
 	if err != nil {
 		res.verdict = lostNetErr(err)
 		res.latency = time.Since(start)
@@ -153,8 +193,29 @@ func (c *client) do(ctx context.Context, i int) result {
 		resp.Header.Get("Retry-After") == "" {
 		res.noRetryAt = true
 	}
-	res.verdict = classify(resp, stream, c.maxTokens)
+	res.verdict = classify(resp, stream, want, c.onFirst(ctx, as))
 	_ = resp.Body.Close()
 	res.latency = time.Since(start)
 	return res
+}
+
+// onFirst is what the client does at a stream's first token: a client
+// hanging up closes the stream at once; a slow reader stops reading until
+// every ordinary request has ended (or its deadline), then closes it.
+func (c *client) onFirst(ctx context.Context, as behaviour) func() bool {
+	switch as {
+	case hangUp:
+		return func() bool { return true }
+	case slowRead:
+		return func() bool {
+			if c.ordinaryDone != nil {
+				select {
+				case <-c.ordinaryDone.open:
+				case <-ctx.Done():
+				}
+			}
+			return true
+		}
+	}
+	return nil
 }

@@ -13,8 +13,9 @@ import (
 
 // ErrNotClear is returned by Report when a scenario broke an invariant
 // (a lost request, a retry-rule violation, counts that do not reconcile,
-// in-flight counts stuck, a replica not back in rotation); the table is
-// printed first.
+// in-flight counts stuck, a client-side scenario's rule) or its fault was
+// not met (no ejection, a replica not back in rotation, …); the table and
+// every problem are printed first.
 var ErrNotClear = errors.New("chaos: a scenario broke the suite's invariants")
 
 // Report runs the scenarios of opts and prints one table row per fault
@@ -31,10 +32,14 @@ func Report(ctx context.Context, w io.Writer, opts Options) error {
 	if err != nil {
 		return err
 	}
+	var bad []string
 	for _, r := range results {
 		if !r.Clear() {
-			return fmt.Errorf("%w: %s", ErrNotClear, r.Kind)
+			bad = append(bad, string(r.Kind))
 		}
+	}
+	if len(bad) > 0 {
+		return fmt.Errorf("%w: %s", ErrNotClear, strings.Join(bad, ", "))
 	}
 	return nil
 }
@@ -48,54 +53,104 @@ func yesNo(b bool) string {
 	return "NO"
 }
 
-// WriteTable prints results as Report does.
+// WriteTable prints results as Report does: a row per scenario, the
+// overload comparison, then per scenario its counts and every problem.
 func WriteTable(w io.Writer, results []*Result) error {
+	if err := writeRows(w, results); err != nil {
+		return err
+	}
+	var b strings.Builder
+	for _, r := range results {
+		writeOverload(&b, r)
+	}
+	for _, r := range results {
+		writeDetails(&b, r)
+	}
+	_, err := io.WriteString(w, b.String())
+	return err
+}
+
+func writeRows(w io.Writer, results []*Result) error {
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
-	fmt.Fprintln(tw, "kind\tsent\tsucceeded\tretried\tfailed-clear\t(stream err)\tlost\twasted gen\trule viol\tejections\tback\tin-flight 0\tp50 ms\tp99 ms\t")
-	row := func(name string, r *Result) {
-		fmt.Fprintf(tw, "%s\t%d\t%d\t%d\t%d\t%d\t%d\t%d\t%d\t%d\t%s\t%s\t%s\t%s\t\n", name, r.Sent, r.Succeeded, r.Retried,
-			r.FailedClear, r.StreamErrors, r.Lost, r.Wasted, r.RuleViolations, r.Ejections,
-			yesNo(r.Back && r.StayedOut), yesNo(r.InFlightZero), ms(r.P50), ms(r.P99))
+	fmt.Fprintln(tw, "kind\tsent\tsucceeded\tretried\tfailed-clear\t(stream err)\thung up\tlost\twasted gen\trule viol\t"+
+		"ejections\tby clients\tback\tin-flight 0\tp50 ms\tp99 ms\tchecks\t")
+	row := func(name string, r *Result, verdict string) {
+		byClients := "-"
+		if r.ClientCaused {
+			byClients = fmt.Sprint(r.Ejections)
+		}
+		fmt.Fprintf(tw, "%s\t%d\t%d\t%d\t%d\t%d\t%d\t%d\t%d\t%d\t%d\t%s\t%s\t%s\t%s\t%s\t%s\t\n", name, r.Sent, r.Succeeded,
+			r.Retried, r.FailedClear, r.StreamErrors, r.HungUp, r.Lost, r.Wasted, r.RuleViolations, r.Ejections, byClients,
+			yesNo(r.Back && r.StayedOut), yesNo(r.InFlightZero), ms(r.P50), ms(r.P99), verdict)
 	}
 	for _, r := range results {
 		if r.Baseline != nil {
 			b := *r.Baseline
 			b.Back, b.StayedOut, b.InFlightZero = r.Back, r.StayedOut, r.InFlightZero
-			row(string(r.Kind)+" baseline", &b)
+			row(string(r.Kind)+" baseline", &b, "-")
 		}
-		row(string(r.Kind), r)
+		row(string(r.Kind), r, checks(r))
 	}
-	if err := tw.Flush(); err != nil {
-		return err
+	return tw.Flush()
+}
+
+// writeOverload prints the overload scenario's comparison with its baseline.
+func writeOverload(b *strings.Builder, r *Result) {
+	if r.Baseline == nil {
+		return
 	}
-	var b strings.Builder
-	for _, r := range results {
-		if r.Baseline != nil {
-			ratio := 0.0
-			if r.Baseline.P99 > 0 {
-				ratio = float64(r.P99) / float64(r.Baseline.P99)
-			}
-			fmt.Fprintf(&b, "\n%s: baseline at the concurrency limit p50 %s ms p99 %s ms; offered %.0f req/s (10× the admitted capacity) for %s:"+
-				" %d admitted (p50 %s ms, p99 %s ms = %.2f× baseline), %d shed with 429, %d queue timeouts (503), %d 429/503 without Retry-After\n",
-				r.Kind, ms(r.Baseline.P50), ms(r.Baseline.P99), r.OfferedRate, r.Wall.Round(time.Millisecond), r.Admitted,
-				ms(r.P50), ms(r.P99), ratio, r.Shed, r.QTime, r.NoRetryAfter)
-		}
+	ratio := 0.0
+	if r.Baseline.P99 > 0 {
+		ratio = float64(r.P99) / float64(r.Baseline.P99)
 	}
-	for _, r := range results {
-		fmt.Fprintf(&b, "\n%s: attempts %d (retries %d), kvgate_retries_total +%d, engine generations %d (answered %d, broken after sending %d), windows %d, statuses %s\n",
-			r.Kind, r.Attempts, r.RecordedRetries, r.RetriesMetric, r.Generations, r.Seen, r.Ambiguous, r.FaultWindows, statuses(r.Status))
-		for _, m := range r.Mismatches {
-			fmt.Fprintf(&b, "  MISMATCH %s\n", m)
-		}
-		for _, s := range r.LostReasons {
-			fmt.Fprintf(&b, "  lost: %s\n", s)
-		}
-		for _, s := range r.FailReasons {
-			fmt.Fprintf(&b, "  failed: %s\n", s)
-		}
+	fmt.Fprintf(b, "\n%s: baseline at the concurrency limit p50 %s ms p99 %s ms; offered %.0f req/s (10× the admitted capacity) for %s:"+
+		" %d admitted (p50 %s ms, p99 %s ms = %.2f× baseline), %d shed with 429, %d queue timeouts (503), %d 429/503 without Retry-After\n",
+		r.Kind, ms(r.Baseline.P50), ms(r.Baseline.P99), r.OfferedRate, r.Wall.Round(time.Millisecond), r.Admitted,
+		ms(r.P50), ms(r.P99), ratio, r.Shed, r.QTime, r.NoRetryAfter)
+}
+
+// writeDetails prints a scenario's counts, its problems (broken invariants
+// with their samples, missing fault evidence) and a sample of its clear
+// failures.
+func writeDetails(b *strings.Builder, r *Result) {
+	fmt.Fprintf(b, "\n%s: attempts %d (retries %d), kvgate_retries_total +%d, engine generations %d (answered %d, broken after sending %d, aborted %d), windows %d, statuses %s\n",
+		r.Kind, r.Attempts, r.RecordedRetries, r.RetriesMetric, r.Generations, r.Seen, r.Ambiguous, r.Aborted, r.FaultWindows, statuses(r.Status))
+	writeClientLine(b, r)
+	for _, p := range r.Invariants() {
+		fmt.Fprintf(b, "  BROKEN %s\n", p)
 	}
-	_, err := io.WriteString(w, b.String())
-	return err
+	for _, p := range r.FaultMet() {
+		fmt.Fprintf(b, "  NOT MET %s\n", p)
+	}
+	for _, s := range r.FailReasons {
+		fmt.Fprintf(b, "  failed: %s\n", s)
+	}
+}
+
+// checks is a row's verdict: ok, or how many invariants it broke and
+// how many pieces of its fault's evidence are missing.
+func checks(r *Result) string {
+	inv, met := len(r.Invariants()), len(r.FaultMet())
+	switch {
+	case inv == 0 && met == 0:
+		return "ok"
+	case met == 0:
+		return fmt.Sprintf("BROKEN %d", inv)
+	case inv == 0:
+		return fmt.Sprintf("NOT MET %d", met)
+	}
+	return fmt.Sprintf("BROKEN %d, NOT MET %d", inv, met)
+}
+
+// writeClientLine prints what a client-side scenario's clients did and met.
+func writeClientLine(b *strings.Builder, r *Result) {
+	if !r.ClientCaused && r.Poison == 0 {
+		return // a replica fault's scenario: every client ordinary
+	}
+	fmt.Fprintf(b, "  clients: %d ordinary (%d not succeeded), %d hung up, %d overflow (%d answered 400), "+
+		"%d query of death (reached %d replicas), %d adapter (%d elsewhere, %d 404)\n",
+		r.Ordinary, r.OrdinaryFailed, r.HungUp, r.Overflow, r.Overflow400, r.Poison, r.PoisonReplicas,
+		r.Adapter, r.AdapterElsewhere, r.Adapter404)
 }
 
 func statuses(m map[int]int) string {

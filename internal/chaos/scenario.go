@@ -2,7 +2,6 @@ package chaos
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"net"
 	"net/http"
@@ -15,6 +14,7 @@ import (
 
 	"github.com/kvgate/kvgate/internal/gateway"
 	"github.com/kvgate/kvgate/internal/sim"
+	"github.com/kvgate/kvgate/internal/testutil"
 )
 
 // scenario is one fault kind's setup.
@@ -32,7 +32,18 @@ type scenario struct {
 	// every flapUp, for as long as the load runs.
 	flap             bool
 	flapUp, flapDown time.Duration
-	gateway          func(*gateway.Config)
+	// crashFor > 0 puts every replica behind a frontend that crashes (goes
+	// down for crashFor) on reading the query of death.
+	crashFor time.Duration
+	// adapter: replica 0 also serves the LoRA adapter chaosAdapter.
+	adapter bool
+	// clients: the client-side scenarios' mix; clientCaused: the replicas
+	// stay healthy, so ejections and ordinary failures are the clients' doing.
+	clients      clientPlan
+	clientCaused bool
+	// defaults: the gateway keeps its default settings, not the suite's.
+	defaults bool
+	gateway  func(*gateway.Config)
 	// out: replicas that fail for good and must be out of rotation at the end.
 	out []int
 	// preEngine: the fault strikes before the replica's engine admits the
@@ -70,9 +81,23 @@ const (
 )
 
 func scenarioFor(k Kind, o Options) (scenario, error) {
-	d := time.Duration(float64(o.Requests) / o.Rate * float64(time.Second)) // the load's expected length
 	sc := scenario{kind: k, replicas: o.Replicas, timeScale: o.TimeScale, faultReplicas: []int{0}}
-	switch k {
+	if slices.Contains(ClientKinds(), k) {
+		return clientScenario(sc, o), nil
+	}
+	if k == Overload {
+		return overloadScenario(sc), nil
+	}
+	if !slices.Contains(ReplicaKinds(), k) {
+		return sc, fmt.Errorf("%w %q", ErrUnknownKind, k)
+	}
+	return replicaScenario(sc, o), nil
+}
+
+// replicaScenario sets up a replica fault but overload.
+func replicaScenario(sc scenario, o Options) scenario {
+	d := time.Duration(float64(o.Requests) / o.Rate * float64(time.Second)) // the load's expected length
+	switch sc.kind {
 	case Refuse:
 		sc.faults = sim.Faults{RefuseAfter: readyMargin + d/5, RefuseFor: 2 * d / 5}
 		sc.backAfter = sc.faults.RefuseAfter + sc.faults.RefuseFor
@@ -106,36 +131,71 @@ func scenarioFor(k Kind, o Options) (scenario, error) {
 		sc.gateway = func(c *gateway.Config) { c.RequestTimeout = gateway.Duration(300 * time.Millisecond) }
 	case Truncate:
 		sc.truncate = 0.5
-	case Overload:
-		sc.replicas = 2
-		// Real time: a request's service time (a quarter second) dwarfs the
-		// gateway's and the load generator's CPU time, so that the 10×
-		// offered rate measures the limiter, not a starved test machine.
-		sc.timeScale = 1
-		sc.faultReplicas = nil
-		sc.overload = &overloadSpec{concurrency: 4, queue: 2, queueTimeout: 2 * time.Second, factor: 10}
-		sc.gateway = func(c *gateway.Config) {
-			c.MaxConcurrency, c.MaxQueue = sc.overload.concurrency, sc.overload.queue
-			c.QueueTimeout = gateway.Duration(sc.overload.queueTimeout)
-		}
-		sc.preEngine = true
-	default:
-		return sc, fmt.Errorf("%w %q", ErrUnknownKind, k)
 	}
-	return sc, nil
+	return sc
+}
+
+// overloadScenario: no fault; the gateway's concurrency limit and bounded
+// queue meet 10× the load they admit.
+func overloadScenario(sc scenario) scenario {
+	sc.replicas = 2
+	// Real time: a request's service time (a quarter second) dwarfs the
+	// gateway's and the load generator's CPU time, so that the 10×
+	// offered rate measures the limiter, not a starved test machine.
+	sc.timeScale = 1
+	sc.faultReplicas = nil
+	sc.overload = &overloadSpec{concurrency: 4, queue: 2, queueTimeout: 2 * time.Second, factor: 10}
+	sc.gateway = func(c *gateway.Config) {
+		c.MaxConcurrency, c.MaxQueue = sc.overload.concurrency, sc.overload.queue
+		c.QueueTimeout = gateway.Duration(sc.overload.queueTimeout)
+	}
+	sc.preEngine = true
+	return sc
+}
+
+// clientScenario sets up a client-side scenario: healthy replicas (but for
+// the query of death), misbehaving clients.
+func clientScenario(sc scenario, o Options) scenario {
+	sc.faultReplicas = nil
+	sc.clientCaused = true
+	switch sc.kind {
+	case HangUp10:
+		sc.clients.hangUp = 0.1
+	case HangUp50:
+		sc.clients.hangUp = 0.5
+	case SlowReader:
+		sc.clients.slow = 4
+	case Overflow:
+		sc.clients.overflowEvery = 20
+	case QueryOfDeath:
+		// The replica that reads it crashes: ejecting it and failing the
+		// requests it held are right, not the clients' doing.
+		sc.clientCaused = false
+		sc.clients.poison, sc.clients.poisonAt = true, o.Requests/2
+		sc.crashFor = 500 * time.Millisecond
+		sc.backAfter = readyMargin + 2*time.Duration(float64(o.Requests)/o.Rate*float64(time.Second))
+	case Hetero:
+		sc.adapter = true
+		sc.clients.adapterEvery = 3
+	case Defaults:
+		sc.defaults = true
+		sc.clients = clientPlan{hangUp: 0.1, slow: 2, overflowEvery: 20}
+	}
+	return sc
 }
 
 // env is one scenario's running system.
 type env struct {
-	fleet     *sim.Fleet
-	fronts    []*frontend // by replica index; nil where the gateway talks to the sim directly
-	urls      []string    // what the gateway is configured with, by replica index
+	sims      []*sim.Replica // by replica index
+	fronts    []*frontend    // by replica index; nil where the gateway talks to the sim directly
+	urls      []string       // what the gateway is configured with, by replica index
 	gw        *gateway.Gateway
 	cfg       gateway.Config
 	reg       *prometheus.Registry
 	rec       *recorder
 	base      string // the gateway's URL
 	clientTr  *http.Transport
+	slowTr    *http.Transport // slow readers' transport
 	stopOnce  sync.Once
 	stopFuncs []func()
 }
@@ -157,23 +217,63 @@ func start(ctx context.Context, sc scenario, o Options) (_ *env, err error) {
 			e.stop()
 		}
 	}()
-	fl, err := sim.Start(ctx, sim.Config{Replicas: sc.replicas, Seed: o.Seed, TimeScale: sc.timeScale,
-		KVBlocks: 4096, Faults: sc.faults, FaultReplicas: sc.faultReplicas})
-	if err != nil {
+	if err := e.startFleet(ctx, sc, o); err != nil {
 		return nil, err
 	}
-	e.fleet = fl
-	e.stopFuncs = append(e.stopFuncs, func() { _ = fl.Close() })
-	e.fronts = make([]*frontend, sc.replicas)
-	for i, r := range fl.Replicas() {
-		var h http.Handler
+	if err := e.startFronts(sc, o); err != nil {
+		return nil, err
+	}
+	if err := e.startGateway(ctx, sc, o); err != nil {
+		return nil, err
+	}
+	e.clientTr = &http.Transport{Proxy: nil, MaxIdleConns: 1024, MaxIdleConnsPerHost: 1024, DisableCompression: true}
+	e.slowTr = slowTransport()
+	e.stopFuncs = append(e.stopFuncs, e.clientTr.CloseIdleConnections, e.slowTr.CloseIdleConnections)
+	if err := e.waitReady(ctx); err != nil {
+		return nil, fmt.Errorf("the gateway did not see its replicas ready: %w", err)
+	}
+	return e, nil
+}
+
+// startFleet starts the simulated replicas: one fleet, or for a fleet
+// serving an adapter on replica 0 only, a fleet of one serving it and a
+// fleet of the others.
+func (e *env) startFleet(ctx context.Context, sc scenario, o Options) error {
+	base := sim.Config{Replicas: sc.replicas, Seed: o.Seed, TimeScale: sc.timeScale,
+		KVBlocks: 4096, Faults: sc.faults, FaultReplicas: sc.faultReplicas}
+	cfgs := []sim.Config{base}
+	if sc.adapter {
+		with, without := base, base
+		with.Replicas, with.Adapters = 1, []string{chaosAdapter}
+		without.Replicas, without.Seed = sc.replicas-1, o.Seed+1
+		cfgs = []sim.Config{with, without}
+	}
+	for _, c := range cfgs {
+		fl, err := sim.Start(ctx, c)
+		if err != nil {
+			return err
+		}
+		e.stopFuncs = append(e.stopFuncs, func() { _ = fl.Close() })
+		e.sims = append(e.sims, fl.Replicas()...)
+	}
+	return nil
+}
+
+// startFronts puts a frontend before the replicas whose fault the sim
+// cannot inject, and lists the URLs the gateway is given.
+func (e *env) startFronts(sc scenario, o Options) error {
+	e.fronts = make([]*frontend, len(e.sims))
+	for i, r := range e.sims {
+		var h func(*frontend) http.Handler
 		switch {
 		case sc.limit429 > 0:
-			h = limit429(r.Handler(), sc.limit429, o.Seed+uint64(i))
+			h = same(limit429(r.Handler(), sc.limit429, o.Seed+uint64(i)))
 		case sc.flap && i == 0:
-			h = r.Handler()
+			h = same(r.Handler())
 		case sc.truncate > 0 && i == 0:
-			h = truncateStreams(r.Handler(), sc.truncate, o.Seed)
+			h = same(truncateStreams(r.Handler(), sc.truncate, o.Seed))
+		case sc.crashFor > 0:
+			h = func(f *frontend) http.Handler { return crashOn(f, r.Handler(), queryOfDeath, sc.crashFor) }
 		}
 		if h == nil {
 			e.urls = append(e.urls, r.URL())
@@ -181,40 +281,53 @@ func start(ctx context.Context, sc scenario, o Options) (_ *env, err error) {
 		}
 		f, err := startFrontend(h)
 		if err != nil {
-			return nil, err
+			return err
 		}
 		e.fronts[i] = f
 		e.stopFuncs = append(e.stopFuncs, f.close)
 		e.urls = append(e.urls, f.URL())
 	}
+	return nil
+}
 
+// gatewayConfig is the scenario's gateway configuration: the suite's tight
+// settings over the defaults, or the defaults untouched.
+func gatewayConfig(sc scenario, o Options, urls []string) gateway.Config {
 	cfg := gateway.Defaults()
 	cfg.Policy, cfg.Seed = o.Policy, o.Seed
-	for _, u := range e.urls {
+	for _, u := range urls {
 		cfg.Replicas = append(cfg.Replicas, gateway.ReplicaConfig{URL: u})
 	}
-	cfg.ScrapeInterval, cfg.HealthInterval = gateway.Duration(suiteScrape), gateway.Duration(suiteHealth)
-	cfg.EjectAfter, cfg.EjectCooldown = 3, gateway.Duration(suiteCooldown)
-	cfg.Retries = suiteRetries
-	cfg.RetryBackoff, cfg.RetryBackoffMax = gateway.Duration(5*time.Millisecond), gateway.Duration(50*time.Millisecond)
-	cfg.ConnectTimeout = gateway.Duration(time.Second)
-	cfg.RequestTimeout = gateway.Duration(o.ClientTimeout / 2)
+	if !sc.defaults {
+		cfg.ScrapeInterval, cfg.HealthInterval = gateway.Duration(suiteScrape), gateway.Duration(suiteHealth)
+		cfg.EjectAfter, cfg.EjectCooldown = 3, gateway.Duration(suiteCooldown)
+		cfg.Retries = suiteRetries
+		cfg.RetryBackoff, cfg.RetryBackoffMax = gateway.Duration(5*time.Millisecond), gateway.Duration(50*time.Millisecond)
+		cfg.ConnectTimeout = gateway.Duration(time.Second)
+		cfg.RequestTimeout = gateway.Duration(o.ClientTimeout / 2)
+	}
 	if sc.gateway != nil {
 		sc.gateway(&cfg)
 	}
-	e.cfg = cfg
-	e.rec = newRecorder(cfg)
+	return cfg
+}
+
+// startGateway starts the gateway on a loopback port, its upstream
+// transport wrapped by the recorder.
+func (e *env) startGateway(ctx context.Context, sc scenario, o Options) error {
+	e.cfg = gatewayConfig(sc, o, e.urls)
+	e.rec = newRecorder(e.cfg)
 	e.stopFuncs = append(e.stopFuncs, e.rec.close)
 	e.reg = prometheus.NewRegistry()
-	g, err := gateway.New(cfg, gateway.Options{Registry: e.reg, Logger: o.Logger, Transport: e.rec})
+	g, err := gateway.New(e.cfg, gateway.Options{Registry: e.reg, Logger: o.Logger, Transport: e.rec})
 	if err != nil {
-		return nil, err
+		return err
 	}
 	e.gw = g
 	var lc net.ListenConfig
 	ln, err := lc.Listen(ctx, "tcp", "127.0.0.1:0")
 	if err != nil {
-		return nil, err
+		return err
 	}
 	e.base = "http://" + ln.Addr().String()
 	srv := g.Server()
@@ -233,10 +346,14 @@ func start(ctx context.Context, sc scenario, o Options) (_ *env, err error) {
 		cancel()
 		wg.Wait()
 	})
-	e.clientTr = &http.Transport{Proxy: nil, MaxIdleConns: 1024, MaxIdleConnsPerHost: 1024, DisableCompression: true}
-	e.stopFuncs = append(e.stopFuncs, e.clientTr.CloseIdleConnections)
+	return nil
+}
 
-	err = poll(ctx, 10*time.Second, func() bool {
+// waitReady polls until the gateway lists a model and has scraped every
+// replica and found it healthy.
+func (e *env) waitReady(ctx context.Context) error {
+	g := e.gw
+	return testutil.Poll(ctx, 10*time.Second, func() bool {
 		if len(g.Fleet().Models()) == 0 {
 			return false
 		}
@@ -247,36 +364,13 @@ func start(ctx context.Context, sc scenario, o Options) (_ *env, err error) {
 		}
 		return true
 	})
-	if err != nil {
-		return nil, fmt.Errorf("the gateway did not see its replicas ready: %w", err)
-	}
-	return e, nil
 }
 
-// errPollDeadline: a condition polled for did not come true in time.
-var errPollDeadline = errors.New("condition not met before the deadline")
-
-// poll checks cond every few milliseconds until it holds, the deadline
-// passes or ctx ends.
-func poll(ctx context.Context, within time.Duration, cond func() bool) error {
-	deadline := time.Now().Add(within)
-	t := time.NewTimer(0)
-	defer t.Stop()
-	<-t.C
-	for {
-		if cond() {
-			return nil
-		}
-		if time.Now().After(deadline) {
-			return errPollDeadline
-		}
-		t.Reset(5 * time.Millisecond)
-		select {
-		case <-ctx.Done():
-			return ctx.Err()
-		case <-t.C:
-		}
-	}
+// newClient is the scenario's client of the gateway.
+func (e *env) newClient(sc scenario, o Options) *client {
+	return &client{http: &http.Client{Transport: e.clientTr}, slowHTTP: &http.Client{Transport: e.slowTr},
+		base: e.base, model: sim.DefaultModel, maxTokens: o.MaxTokens, timeout: o.ClientTimeout,
+		prefix: fmt.Sprintf("chaos-%s-%d-", sc.kind, o.Seed), plan: sc.clients, seed: o.Seed}
 }
 
 // admitted is the number of requests replica i's engine has taken in.
@@ -308,6 +402,21 @@ func metricSum(reg *prometheus.Registry, name string) float64 {
 	return t
 }
 
+// run is one scenario's load and its account.
+type run struct {
+	sc scenario
+	o  Options
+	e  *env
+	cl *client
+	// before: each replica's admitted count before the (current phase's)
+	// load; retries0, ejections0: the gateway's counters then.
+	before                         []int
+	retries0, ejections0, aborted0 float64
+
+	mu      sync.Mutex
+	results []result
+}
+
 func runScenario(ctx context.Context, sc scenario, o Options) (*Result, error) {
 	ctx, cancel := context.WithTimeout(ctx, o.ScenarioTimeout)
 	defer cancel()
@@ -317,77 +426,115 @@ func runScenario(ctx context.Context, sc scenario, o Options) (*Result, error) {
 		return nil, err
 	}
 	defer e.stop()
-	cl := &client{http: &http.Client{Transport: e.clientTr}, base: e.base, model: sim.DefaultModel,
-		maxTokens: o.MaxTokens, timeout: o.ClientTimeout, prefix: fmt.Sprintf("chaos-%s-%d-", sc.kind, o.Seed)}
-	before := make([]int, len(e.urls))
-	for i, r := range e.fleet.Replicas() {
-		before[i] = admitted(r)
+	r := &run{sc: sc, o: o, e: e, cl: e.newClient(sc, o)}
+	r.mark()
+	res := &Result{Kind: sc.kind, Status: map[int]int{}, PreEngine: sc.preEngine, ClientCaused: sc.clientCaused}
+	if err := r.load(ctx, res); err != nil {
+		return nil, err
 	}
-	retries0 := metricSum(e.reg, "kvgate_retries_total")
-	ejections0 := metricSum(e.reg, "kvgate_ejections_total")
+	if err := r.settle(ctx, res, started); err != nil {
+		return nil, err
+	}
+	r.account(res, r.take())
+	return res, nil
+}
 
-	// The fault controller of a flapping replica runs as long as the load.
-	// It must end before the frontend closes (deferred earlier, so later).
+// mark notes the replicas' and the gateway's counts before a load.
+func (r *run) mark() {
+	r.before = make([]int, len(r.e.sims))
+	aborted := 0
+	for i, s := range r.e.sims {
+		r.before[i] = admitted(s)
+		aborted += int(s.Stats().RequestsAborted)
+	}
+	r.retries0 = metricSum(r.e.reg, "kvgate_retries_total")
+	r.ejections0 = metricSum(r.e.reg, "kvgate_ejections_total")
+	r.aborted0 = float64(aborted)
+}
+
+// send sends request i and keeps its result.
+func (r *run) send(ctx context.Context, i int) {
+	res := r.cl.do(ctx, i)
+	r.mu.Lock()
+	r.results = append(r.results, res)
+	r.mu.Unlock()
+}
+
+// take returns the results so far and forgets them.
+func (r *run) take() []result {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	out := r.results
+	r.results = nil
+	return out
+}
+
+// load runs the scenario's load (overload: its baseline, then the
+// overload), with a flapping replica's fault controller running beside it.
+func (r *run) load(ctx context.Context, res *Result) error {
+	// The fault controller must end before the frontend closes (deferred
+	// earlier by start, so later).
 	fctx, fcancel := context.WithCancel(ctx)
 	var fwg sync.WaitGroup
 	defer func() { fcancel(); fwg.Wait() }()
-	windows := 0
 	var flapErr error
-	if sc.flap {
-		fwg.Go(func() { windows, flapErr = e.fronts[0].flap(fctx, sc.flapUp, sc.flapDown) })
+	if r.sc.flap {
+		fwg.Go(func() { res.FaultWindows, flapErr = r.e.fronts[0].flap(fctx, r.sc.flapUp, r.sc.flapDown) })
 	}
-
-	var results []result
-	var mu sync.Mutex
-	send := func(ctx context.Context, i int) {
-		r := cl.do(ctx, i)
-		mu.Lock()
-		results = append(results, r)
-		mu.Unlock()
+	if r.sc.clients.slow > 0 {
+		r.cl.ordinaryDone = newCountdown(r.o.Requests - min(r.sc.clients.slow, r.o.Requests))
 	}
-	res := &Result{Kind: sc.kind, Status: map[int]int{}, PreEngine: sc.preEngine}
 	loadStart := time.Now()
-	if ov := sc.overload; ov != nil {
-		// Baseline: closed loop at the concurrency limit — the replicas as
-		// busy as the gateway lets them be, nobody queued or shed.
-		nb := min(max(o.Requests/2, 2*ov.concurrency), 200)
-		runLoad(ctx, loadSpec{first: 0, n: nb, concurrency: ov.concurrency}, send)
-		if err := quiet(ctx, e); err != nil {
-			return nil, err
+	if ov := r.sc.overload; ov != nil {
+		first, err := r.baseline(ctx, res)
+		if err != nil {
+			return err
 		}
-		base := &Result{Kind: sc.kind, Status: map[int]int{}}
-		tally(base, results, e)
-		reconcile(base, results, e, before)
-		base.RetriesMetric = int(metricSum(e.reg, "kvgate_retries_total") - retries0)
-		retries0 += float64(base.RetriesMetric)
-		for i, r := range e.fleet.Replicas() {
-			before[i] = admitted(r)
-		}
-		res.Baseline = base
-		mean := meanLatency(results)
-		results = nil
-		if base.Succeeded == 0 || mean <= 0 {
-			return nil, fmt.Errorf("overload baseline: %d of %d succeeded", base.Succeeded, nb)
-		}
-		// Overload: open loop at factor × the admitted capacity (limit / mean latency).
-		res.OfferedRate = ov.factor * float64(ov.concurrency) / mean.Seconds()
 		loadStart = time.Now()
-		runLoad(ctx, loadSpec{first: nb, n: 3 * o.Requests, rate: res.OfferedRate,
-			maxInFlight: int(ov.factor) * (ov.concurrency + ov.queue) * 4, seed: o.Seed}, send)
+		runLoad(ctx, loadSpec{first: first, n: 3 * r.o.Requests, rate: res.OfferedRate,
+			maxInFlight: int(ov.factor) * (ov.concurrency + ov.queue) * 4, seed: r.o.Seed}, r.send)
 	} else {
-		runLoad(ctx, loadSpec{first: 0, n: o.Requests, rate: o.Rate, maxInFlight: 256, seed: o.Seed}, send)
+		runLoad(ctx, loadSpec{first: 0, n: r.o.Requests, rate: r.o.Rate, maxInFlight: 256, seed: r.o.Seed}, r.send)
 	}
 	res.Wall = time.Since(loadStart)
 	fcancel()
 	fwg.Wait()
 	if flapErr != nil {
-		return nil, fmt.Errorf("%w: flap: %v", errFrontend, flapErr)
+		return fmt.Errorf("%w: flap: %v", errFrontend, flapErr)
 	}
-	res.FaultWindows = windows
+	return nil
+}
 
-	// In flight back to zero: the router's per-replica counts and the limiter's.
-	rt := e.gw.Router()
-	res.InFlightZero = poll(ctx, 5*time.Second, func() bool {
+// baseline runs the overload scenario's first phase: a closed loop at the
+// concurrency limit — the replicas as busy as the gateway lets them be,
+// nobody queued or shed — and sets the overload's offered rate to factor ×
+// the admitted capacity (limit / mean latency). It returns the index of the
+// overload's first request.
+func (r *run) baseline(ctx context.Context, res *Result) (int, error) {
+	ov := r.sc.overload
+	nb := min(max(r.o.Requests/2, 2*ov.concurrency), 200)
+	runLoad(ctx, loadSpec{first: 0, n: nb, concurrency: ov.concurrency}, r.send)
+	if err := quiet(ctx, r.e); err != nil {
+		return 0, err
+	}
+	results := r.take()
+	base := &Result{Kind: r.sc.kind, Status: map[int]int{}}
+	r.account(base, results)
+	r.mark()
+	res.Baseline = base
+	mean := meanLatency(results)
+	if base.Succeeded == 0 || mean <= 0 {
+		return 0, fmt.Errorf("overload baseline: %d of %d succeeded", base.Succeeded, nb)
+	}
+	res.OfferedRate = ov.factor * float64(ov.concurrency) / mean.Seconds()
+	return nb, nil
+}
+
+// settle waits for the gateway's in-flight counts to return to zero, the
+// replicas to go idle and the replicas expected back to be in rotation.
+func (r *run) settle(ctx context.Context, res *Result, started time.Time) error {
+	rt, e := r.e.gw.Router(), r.e
+	res.InFlightZero = testutil.Poll(ctx, 5*time.Second, func() bool {
 		for i := range e.urls {
 			if rt.InFlight(i) != 0 {
 				return false
@@ -396,40 +543,51 @@ func runScenario(ctx context.Context, sc scenario, o Options) (*Result, error) {
 		return metricSum(e.reg, "kvgate_admitted_requests") == 0 && metricSum(e.reg, "kvgate_queued_requests") == 0
 	}) == nil
 	if err := quiet(ctx, e); err != nil {
-		return nil, err
+		return err
 	}
 	// Back in rotation: every replica not failed for good, once the fault
-	// window is over, within a few cooldowns and health intervals.
-	backBy := max(time.Until(started.Add(sc.backAfter)), 0) + 4*suiteCooldown + 10*suiteHealth + 2*time.Second
-	res.Back = poll(ctx, backBy, func() bool {
+	// window is over, within a breaker's re-opening (twice the cooldown) and
+	// a few health intervals.
+	backBy := max(time.Until(started.Add(r.sc.backAfter)), 0) + 2*e.cfg.EjectCooldown.D() + 3*e.cfg.HealthInterval.D() + 2*time.Second
+	res.Back = testutil.Poll(ctx, backBy, func() bool {
 		for i := range e.urls {
-			if !slices.Contains(sc.out, i) && !rt.Healthy(i) {
+			if !slices.Contains(r.sc.out, i) && !rt.Healthy(i) {
 				return false
 			}
 		}
 		return true
 	}) == nil
 	res.StayedOut = true
-	for _, i := range sc.out {
+	for _, i := range r.sc.out {
 		res.StayedOut = res.StayedOut && !rt.Healthy(i)
 	}
+	return nil
+}
 
-	tally(res, results, e)
-	reconcile(res, results, e, before)
-	res.RetriesMetric = int(metricSum(e.reg, "kvgate_retries_total") - retries0)
-	res.Ejections = int(metricSum(e.reg, "kvgate_ejections_total") - ejections0)
+// account counts results into res, reconciles them with the replicas'
+// engines and reads the gateway's counters.
+func (r *run) account(res *Result, results []result) {
+	tally(res, results, r.e)
+	reconcile(res, results, r.e, r.before)
+	res.RetriesMetric = int(metricSum(r.e.reg, "kvgate_retries_total") - r.retries0)
+	res.Ejections = int(metricSum(r.e.reg, "kvgate_ejections_total") - r.ejections0)
+	aborted := 0
+	for _, s := range r.e.sims {
+		aborted += int(s.Stats().RequestsAborted)
+	}
+	res.Aborted = aborted - int(r.aborted0)
 	if res.Baseline != nil {
 		res.Admitted, res.Shed, res.QTime = res.Succeeded, res.Status[http.StatusTooManyRequests], 0
-		for _, r := range results {
-			if r.status == http.StatusServiceUnavailable && r.verdict.class == FailedClear {
+		for _, x := range results {
+			if x.status == http.StatusServiceUnavailable && x.verdict.class == FailedClear {
 				res.QTime++
 			}
 		}
 	}
-	return res, nil
 }
 
-// tally counts results into res: classes, statuses, retries, latency.
+// tally counts results into res: classes, statuses, retries, latency, and
+// what each client-side behaviour met.
 func tally(res *Result, results []result, e *env) {
 	var lat []time.Duration
 	for _, r := range results {
@@ -441,9 +599,7 @@ func tally(res *Result, results []result, e *env) {
 			res.NoRetryAfter++
 		}
 		as := e.rec.attempts(r.id)
-		if r.replica != "" && (len(as) == 0 || as[len(as)-1].target != r.replica) {
-			res.Mismatches = append(res.Mismatches, fmt.Sprintf("%s: answered with X-Kvgate-Replica %s, not its last attempt's replica", r.id, r.replica))
-		}
+		checkAnswer(res, r, as)
 		res.Attempts += len(as)
 		if len(as) > 1 {
 			res.Retried++
@@ -454,33 +610,105 @@ func tally(res *Result, results []result, e *env) {
 			res.RuleViolations++
 			v = verdict{class: Lost, reason: "duplicate generation: " + why}
 		}
-		switch v.class {
-		case Succeeded:
-			res.Succeeded++
+		if count(res, r.id, v) {
 			lat = append(lat, r.latency)
-		case FailedClear:
-			res.FailedClear++
-			if v.streamErr {
-				res.StreamErrors++
-			}
-			if len(res.FailReasons) < 5 {
-				res.FailReasons = append(res.FailReasons, r.id+": "+v.reason)
-			}
-		default:
-			res.Lost++
-			if len(res.LostReasons) < 5 {
-				res.LostReasons = append(res.LostReasons, r.id+": "+v.reason)
-			}
 		}
+		tallyBehaviour(res, r, v, as, e)
 	}
 	res.P50, res.P99 = quantile(lat, 0.50), quantile(lat, 0.99)
+}
+
+// checkAnswer notes an answer that no attempt upstream explains.
+func checkAnswer(res *Result, r result, as []attempt) {
+	switch {
+	case r.replica != "" && (len(as) == 0 || as[len(as)-1].target != r.replica):
+		res.Mismatches = append(res.Mismatches, fmt.Sprintf("%s: answered with X-Kvgate-Replica %s, not its last attempt's replica", r.id, r.replica))
+	case len(as) == 0 && (r.verdict.class == Succeeded || r.verdict.class == HungUp):
+		res.Mismatches = append(res.Mismatches, fmt.Sprintf("%s: a %s answer without any attempt upstream", r.id, r.verdict.class))
+	}
+}
+
+// count adds one request's class to res; true when it succeeded.
+func count(res *Result, id string, v verdict) bool {
+	switch v.class {
+	case Succeeded:
+		res.Succeeded++
+		return true
+	case FailedClear:
+		res.FailedClear++
+		if v.streamErr {
+			res.StreamErrors++
+		}
+		res.FailReasons = sample(res.FailReasons, id+": "+v.reason)
+	case HungUp:
+		res.HungUp++
+	default:
+		res.Lost++
+		res.LostReasons = sample(res.LostReasons, id+": "+v.reason)
+	}
+	return false
+}
+
+// sample appends s to a sample of at most five.
+func sample(ss []string, s string) []string {
+	if len(ss) < 5 {
+		ss = append(ss, s)
+	}
+	return ss
+}
+
+// tallyBehaviour counts what the client-side behaviours met.
+func tallyBehaviour(res *Result, r result, v verdict, as []attempt, e *env) {
+	switch r.as {
+	case ordinary:
+		res.Ordinary++
+		if v.class != Succeeded {
+			res.OrdinaryFailed++
+			res.OrdinaryReasons = sample(res.OrdinaryReasons, r.id+": "+v.class.String()+" "+v.reason)
+		}
+	case overflow:
+		res.Overflow++
+		if r.status == http.StatusBadRequest && v.class == FailedClear {
+			res.Overflow400++
+		} else {
+			res.OddReasons = sample(res.OddReasons, fmt.Sprintf("%s: max_tokens 2^63−1 answered %d, %s %s", r.id, r.status, v.class, v.reason))
+		}
+	case poison:
+		res.Poison++
+		targets := map[string]bool{}
+		for _, a := range as {
+			targets[a.target] = true
+		}
+		res.PoisonReplicas += len(targets)
+	case onAdapter:
+		tallyAdapter(res, r, v, as, e)
+	}
+}
+
+// tallyAdapter counts an adapter request: every attempt must go to replica
+// 0 (the only one serving the adapter) and it must not be answered 404.
+func tallyAdapter(res *Result, r result, v verdict, as []attempt, e *env) {
+	res.Adapter++
+	elsewhere := false
+	for _, a := range as {
+		elsewhere = elsewhere || a.target != e.urls[0]
+	}
+	if elsewhere {
+		res.AdapterElsewhere++
+	}
+	if r.status == http.StatusNotFound {
+		res.Adapter404++
+	}
+	if elsewhere || r.status == http.StatusNotFound {
+		res.OddReasons = sample(res.OddReasons, fmt.Sprintf("%s: adapter request answered %d after %d attempts, %s %s", r.id, r.status, len(as), v.class, v.reason))
+	}
 }
 
 // quiet waits until every replica's engine is idle: each generation
 // finished or aborted.
 func quiet(ctx context.Context, e *env) error {
-	err := poll(ctx, 10*time.Second, func() bool {
-		for _, r := range e.fleet.Replicas() {
+	err := testutil.Poll(ctx, 10*time.Second, func() bool {
+		for _, r := range e.sims {
 			if s := r.Stats(); s.Running+s.Waiting != 0 {
 				return false
 			}
@@ -517,7 +745,7 @@ func reconcile(res *Result, results []result, e *env, before []int) {
 			}
 		}
 	}
-	for i, r := range e.fleet.Replicas() {
+	for i, r := range e.sims {
 		gen := admitted(r) - before[i]
 		res.Generations += gen
 		res.Seen += seen[i]
