@@ -69,14 +69,40 @@ type Config struct {
 	EjectAfter    int      `json:"eject_after"`
 	EjectCooldown Duration `json:"eject_cooldown"`
 
-	// Retries is how many other replicas a request may try before its first byte.
-	Retries          int      `json:"retries"`
-	RetryBackoff     Duration `json:"retry_backoff"`
-	RetryBackoffMax  Duration `json:"retry_backoff_max"`
-	ConnectTimeout   Duration `json:"connect_timeout"`
+	// ScrapeStaleAfter: a replica's metrics older than this are not used
+	// for routing (the gateway's own counts decide), and it is logged.
+	ScrapeStaleAfter Duration `json:"scrape_stale_after"`
+
+	// Retries is how many other replicas a request may try when one refused
+	// it before any work (connection refused, 503, 429).
+	Retries         int      `json:"retries"`
+	RetryBackoff    Duration `json:"retry_backoff"`
+	RetryBackoffMax Duration `json:"retry_backoff_max"`
+	ConnectTimeout  Duration `json:"connect_timeout"`
+	// FirstByteTimeout bounds the wait for a streamed answer's header (vLLM
+	// sends it on admission); non-streamed answers are never cut by it.
 	FirstByteTimeout Duration `json:"first_byte_timeout"`
-	RequestTimeout   Duration `json:"request_timeout"`
-	MaxBodyBytes     int64    `json:"max_body_bytes"`
+	// StreamIdleTimeout bounds the silence between two events of a stream
+	// (and between the header and the first event).
+	StreamIdleTimeout Duration `json:"stream_idle_timeout"`
+	// WriteTimeout bounds each write to a client: one that stops reading
+	// loses its request, and its slot is freed.
+	WriteTimeout   Duration `json:"write_timeout"`
+	RequestTimeout Duration `json:"request_timeout"`
+	// DrainTimeout is how long in-flight requests may run after SIGTERM
+	// before they are cut (with an SSE error event).
+	DrainTimeout Duration `json:"drain_timeout"`
+	MaxBodyBytes int64    `json:"max_body_bytes"`
+	// MaxBodyMemory bounds the bytes of request bodies held at once.
+	MaxBodyMemory int64 `json:"max_body_memory"`
+	// MaxStreamLineBytes bounds one line of a replica's SSE stream.
+	MaxStreamLineBytes int `json:"max_stream_line_bytes"`
+	// MaxConnections caps client connections (0: half the process's
+	// file-descriptor limit, so upstream connections always have room).
+	MaxConnections int `json:"max_connections"`
+	// TokenizeTimeout bounds a remote /tokenize call; past it the
+	// approximate tokenizer routes the request.
+	TokenizeTimeout Duration `json:"tokenize_timeout"`
 	// ReadHeaderTimeout and BodyReadTimeout cut slow clients (slowloris).
 	ReadHeaderTimeout Duration `json:"read_header_timeout"`
 	BodyReadTimeout   Duration `json:"body_read_timeout"`
@@ -102,30 +128,37 @@ type Config struct {
 // Defaults returns the configuration with every default set.
 func Defaults() Config {
 	return Config{
-		Listen:            "127.0.0.1:8080",
-		Policy:            policy.Default,
-		Seed:              1,
-		Tokenizer:         "approx",
-		BlockSize:         16,
-		Profile:           costmodel.Default,
-		MaxBatchTokens:    8192,
-		ScrapeInterval:    Duration(250 * time.Millisecond),
-		HealthInterval:    Duration(time.Second),
-		EjectAfter:        3,
-		EjectCooldown:     Duration(10 * time.Second),
-		Retries:           2,
-		RetryBackoff:      Duration(25 * time.Millisecond),
-		RetryBackoffMax:   Duration(time.Second),
-		ConnectTimeout:    Duration(5 * time.Second),
-		FirstByteTimeout:  0,
-		RequestTimeout:    Duration(10 * time.Minute),
-		MaxBodyBytes:      8 << 20,
-		ReadHeaderTimeout: Duration(10 * time.Second),
-		BodyReadTimeout:   Duration(30 * time.Second),
-		MaxQueue:          1024,
-		QueueTimeout:      Duration(30 * time.Second),
-		IndexMaxEntries:   4 << 20,
-		BlocksPerReplica:  30000,
+		Listen:             "127.0.0.1:8080",
+		Policy:             policy.Default,
+		Seed:               1,
+		Tokenizer:          "approx",
+		BlockSize:          16,
+		Profile:            costmodel.Default,
+		MaxBatchTokens:     8192,
+		ScrapeInterval:     Duration(250 * time.Millisecond),
+		HealthInterval:     Duration(time.Second),
+		ScrapeStaleAfter:   Duration(2 * time.Second),
+		EjectAfter:         3,
+		EjectCooldown:      Duration(10 * time.Second),
+		Retries:            2,
+		RetryBackoff:       Duration(25 * time.Millisecond),
+		RetryBackoffMax:    Duration(time.Second),
+		ConnectTimeout:     Duration(5 * time.Second),
+		FirstByteTimeout:   Duration(30 * time.Second),
+		StreamIdleTimeout:  Duration(2 * time.Minute),
+		WriteTimeout:       Duration(30 * time.Second),
+		RequestTimeout:     Duration(10 * time.Minute),
+		DrainTimeout:       Duration(30 * time.Second),
+		MaxBodyBytes:       8 << 20,
+		MaxBodyMemory:      256 << 20,
+		MaxStreamLineBytes: 1 << 20,
+		TokenizeTimeout:    Duration(500 * time.Millisecond),
+		ReadHeaderTimeout:  Duration(10 * time.Second),
+		BodyReadTimeout:    Duration(30 * time.Second),
+		MaxQueue:           1024,
+		QueueTimeout:       Duration(30 * time.Second),
+		IndexMaxEntries:    4 << 20,
+		BlocksPerReplica:   30000,
 	}
 }
 
@@ -209,6 +242,15 @@ func (c *Config) Validate() error {
 	}
 	if c.BlockSize <= 0 || c.MaxBatchTokens <= 0 || c.EjectAfter <= 0 || c.MaxBodyBytes <= 0 || c.Retries < 0 {
 		errs = append(errs, errors.New("block_size, max_batch_tokens, eject_after and max_body_bytes must be positive, retries ≥ 0"))
+	}
+	if c.MaxBodyMemory < c.MaxBodyBytes {
+		errs = append(errs, fmt.Errorf("max_body_memory (%d) must be at least max_body_bytes (%d)", c.MaxBodyMemory, c.MaxBodyBytes))
+	}
+	if c.MaxStreamLineBytes < 4096 || c.MaxConnections < 0 {
+		errs = append(errs, errors.New("max_stream_line_bytes must be at least 4096, max_connections ≥ 0"))
+	}
+	if c.QueueTimeout <= 0 || c.TokenizeTimeout <= 0 {
+		errs = append(errs, errors.New("queue_timeout and tokenize_timeout must be positive"))
 	}
 	if c.MaxConcurrency < 0 || c.MaxQueue < 0 {
 		errs = append(errs, errors.New("max_concurrency and max_queue must be ≥ 0"))

@@ -73,11 +73,12 @@ func (g *Gateway) debug(w http.ResponseWriter, r *http.Request) {
 		writeError(w, errMethod.with("use POST with a completions or chat request body"))
 		return
 	}
-	body, err := g.readBody(w, r)
+	body, release, err := g.readBody(w, r)
 	if err != nil {
 		writeError(w, err)
 		return
 	}
+	defer release()
 	kind := prompt.Completion
 	var probe struct {
 		Messages json.RawMessage `json:"messages"`
@@ -119,7 +120,7 @@ func (g *Gateway) adminReplicas(w http.ResponseWriter, r *http.Request) {
 		writeError(w, errNotFound)
 		return
 	}
-	views := g.rt.Views(&policy.Request{Now: g.now()})
+	views := g.rt.Views(&policy.Request{Now: g.clock.Now()})
 	w.Header().Set("Content-Type", "application/json")
 	enc := json.NewEncoder(w)
 	enc.SetIndent("", "  ")
@@ -127,22 +128,35 @@ func (g *Gateway) adminReplicas(w http.ResponseWriter, r *http.Request) {
 		"index_entries": g.rt.Index().Len()})
 }
 
-// models serves GET /v1/models: the union of the replicas' models.
+// models serves GET /v1/models: the union of what the replicas list, with
+// their root, parent and context length (as vLLM lists them), behind the
+// API keys when keys are configured.
 func (g *Gateway) models(w http.ResponseWriter, r *http.Request) {
 	if r.Method != http.MethodGet {
 		writeError(w, errMethod.with("use GET"))
 		return
 	}
-	ids := g.fleet.Models()
-	type model struct {
-		ID      string `json:"id"`
-		Object  string `json:"object"`
-		Created int64  `json:"created"`
-		OwnedBy string `json:"owned_by"`
+	if !g.authorized(r) {
+		writeError(w, errUnauth)
+		return
 	}
-	data := make([]model, 0, len(ids))
-	for _, id := range ids {
-		data = append(data, model{ID: id, Object: "model", Created: 0, OwnedBy: "kvgate"})
+	type card struct {
+		ID          string  `json:"id"`
+		Object      string  `json:"object"`
+		Created     int64   `json:"created"`
+		OwnedBy     string  `json:"owned_by"`
+		Root        string  `json:"root,omitempty"`
+		Parent      *string `json:"parent"`
+		MaxModelLen int     `json:"max_model_len,omitempty"`
+	}
+	ms := g.fleet.Models()
+	data := make([]card, 0, len(ms))
+	for _, m := range ms {
+		c := card{ID: m.ID, Object: "model", OwnedBy: "kvgate", Root: m.Root, MaxModelLen: m.MaxModelLen}
+		if m.Parent != "" {
+			c.Parent = &m.Parent
+		}
+		data = append(data, c)
 	}
 	w.Header().Set("Content-Type", "application/json")
 	_ = json.NewEncoder(w).Encode(map[string]any{"object": "list", "data": data})

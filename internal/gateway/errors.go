@@ -9,6 +9,7 @@ import (
 
 	"github.com/kvgate/kvgate/internal/policy"
 	"github.com/kvgate/kvgate/internal/prompt"
+	"github.com/kvgate/kvgate/internal/router"
 )
 
 // apiError is an error in OpenAI's shape, with its HTTP status.
@@ -32,6 +33,9 @@ var (
 	errNotFound    = &apiError{Status: http.StatusNotFound, Type: "invalid_request_error", Code: "not_found", Message: "no such endpoint"}
 	errModel       = &apiError{Status: http.StatusNotFound, Type: "invalid_request_error", Code: "model_not_found"}
 	errBreaker     = &apiError{Status: http.StatusServiceUnavailable, Type: "server_error", Code: "breaker_open", Message: "the replica's circuit breaker is half-open with a trial request in flight"}
+	errDraining    = &apiError{Status: http.StatusServiceUnavailable, Type: "server_error", Code: "shutting_down", Message: "the gateway is shutting down; send the request to another instance"}
+	errBodyMemory  = &apiError{Status: http.StatusServiceUnavailable, Type: "server_error", Code: "overloaded", Message: "the gateway holds as many request bodies as its max_body_memory allows; retry later"}
+	errTimeout     = &apiError{Status: http.StatusGatewayTimeout, Type: "server_error", Code: "request_timeout"}
 	errContentType = &apiError{Status: http.StatusUnsupportedMediaType, Type: "invalid_request_error", Code: "unsupported_media_type", Message: "send the request body as application/json"}
 )
 
@@ -42,7 +46,14 @@ func (e *apiError) with(msg string) *apiError {
 	return &c
 }
 
-// toAPIError maps an error to its HTTP form: the one place that does.
+// isAPIError reports whether err is (a message variant of) the API error e.
+func isAPIError(err error, e *apiError) bool {
+	var ae *apiError
+	return errors.As(err, &ae) && ae.Status == e.Status && ae.Code == e.Code
+}
+
+// toAPIError maps an error to its HTTP form: the one place that does. An
+// upstream error's own text (addresses, syscalls) stays in the logs.
 func toAPIError(err error) *apiError {
 	var ae *apiError
 	var re *prompt.RequestError
@@ -54,10 +65,16 @@ func toAPIError(err error) *apiError {
 		return &apiError{Status: http.StatusBadRequest, Type: "invalid_request_error", Param: re.Param, Message: re.Error()}
 	case errors.Is(err, policy.ErrNoReplica):
 		return errNoReplica
+	case errors.Is(err, router.ErrModelNotServed):
+		return errModel.with("The model does not exist.")
+	case errors.Is(err, errRequestTimeout):
+		return errTimeout.with("the request took longer than the gateway's request_timeout")
+	case errors.Is(err, errDrained):
+		return errDraining
 	case errors.Is(err, context.DeadlineExceeded), errors.As(err, &ne) && ne.Timeout():
 		return errUpstreamTO.with("the replica did not answer in time")
 	default:
-		return errUpstream.with("upstream: " + err.Error())
+		return errUpstream.with("the replica failed before answering")
 	}
 }
 

@@ -16,6 +16,8 @@ import (
 	"time"
 
 	"go.uber.org/goleak"
+
+	"github.com/kvgate/kvgate/internal/testutil"
 )
 
 func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
@@ -122,32 +124,18 @@ func baseConfig(urls ...string) Config {
 	return cfg
 }
 
+// post sends a JSON body through testutil.Post and returns the status and
+// header as a response, with the body read.
 func post(t *testing.T, url, body string, hdr ...string) (*http.Response, string) {
 	t.Helper()
-	req, _ := http.NewRequest(http.MethodPost, url, strings.NewReader(body))
-	req.Header.Set("Content-Type", "application/json")
-	for i := 0; i+1 < len(hdr); i += 2 {
-		req.Header.Set(hdr[i], hdr[i+1])
-	}
-	resp, err := http.DefaultClient.Do(req)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer resp.Body.Close()
-	b, _ := io.ReadAll(resp.Body)
-	return resp, string(b)
+	r := testutil.Post(t, nil, url, body, hdr...)
+	return &http.Response{StatusCode: r.Status, Header: r.Header}, r.Body
 }
 
-// eventually polls cond until it holds or the deadline passes.
+// eventually polls cond until it holds or 5 s pass.
 func eventually(t *testing.T, what string, cond func() bool) {
 	t.Helper()
-	deadline := time.Now().Add(5 * time.Second)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out waiting for %s", what)
-		}
-		time.Sleep(2 * time.Millisecond) // polling interval of a deadline-bounded wait, not a wait for an event
-	}
+	testutil.Eventually(t, 5*time.Second, what, cond)
 }
 
 func TestProxyNonStreamAndStream(t *testing.T) {
@@ -169,12 +157,22 @@ func TestProxyNonStreamAndStream(t *testing.T) {
 	if resp.StatusCode != 200 || resp.Header.Get("X-Kvgate-Replica") == "" {
 		t.Fatalf("chat %d", resp.StatusCode)
 	}
+	waitIdle(t, gw)
+}
+
+// waitIdle waits for every replica's in-flight count to return to zero: a
+// client may have read its whole answer a moment before the handler ends.
+func waitIdle(t *testing.T, gw *testGW) {
+	t.Helper()
 	rt := gw.g.Router()
-	for i := range rt.Replicas() {
-		if rt.InFlight(i) != 0 {
-			t.Fatalf("replica %d in flight %d", i, rt.InFlight(i))
+	eventually(t, "in-flight counts back to zero", func() bool {
+		for i := range rt.Replicas() {
+			if rt.InFlight(i) != 0 {
+				return false
+			}
 		}
-	}
+		return true
+	})
 }
 
 func TestStreamFlushesEachEvent(t *testing.T) {
@@ -289,11 +287,7 @@ func TestRetryBeforeFirstByte(t *testing.T) {
 	if resp.StatusCode != 503 {
 		t.Fatalf("all refusing: %d %s", resp.StatusCode, body)
 	}
-	for i := range gw.g.Router().Replicas() {
-		if n := gw.g.Router().InFlight(i); n != 0 {
-			t.Fatalf("replica %d in flight %d", i, n)
-		}
-	}
+	waitIdle(t, gw)
 }
 
 func TestNoRetryAfterFirstByte(t *testing.T) {

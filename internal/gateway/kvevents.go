@@ -32,7 +32,7 @@ func (g *Gateway) runKVEvents(ctx context.Context) {
 		if rc.KVEvents == "" {
 			continue
 		}
-		st := &kvSync{since: g.now()}
+		st := &kvSync{since: g.clock.Now()}
 		sub, err := kvevents.SubscribeWithOptions(ctx, rc.KVEvents, "",
 			func(m kvevents.Message) { g.onKVMessage(i, st, m) },
 			func(expected, got uint64) { g.onKVGap(i, st, expected, got) },
@@ -56,7 +56,7 @@ func (g *Gateway) onKVGap(i int, st *kvSync, expected, got uint64) {
 	g.log.Warn("kv events: sequence gap; replica falls back to the approximate index until resynchronised",
 		"replica", g.rt.URL(i), "expected", expected, "got", got)
 	st.mu.Lock()
-	st.storedSince, st.since = 0, g.now()
+	st.storedSince, st.since = 0, g.clock.Now()
 	st.mu.Unlock()
 	g.rt.SetPreciseSynced(i, false)
 	_ = g.rt.Precise().Cleared(i)
@@ -99,7 +99,7 @@ func (g *Gateway) onKVMessage(i int, st *kvSync, m kvevents.Message) {
 	if m, _, ok := g.rt.ReplicaMetrics(i); ok && m.NumBlocks > 0 {
 		capacity = m.NumBlocks
 	}
-	synced := (first && m.Seq == 0) || st.storedSince >= capacity || g.now().Sub(st.since) >= resyncAfter
+	synced := (first && m.Seq == 0) || st.storedSince >= capacity || g.clock.Now().Sub(st.since) >= resyncAfter
 	if first && m.Seq == 0 {
 		st.storedSince = capacity // followed from the start
 	}

@@ -5,6 +5,8 @@ import (
 	"net/http"
 	"sync/atomic"
 	"time"
+
+	"github.com/kvgate/kvgate/internal/clock"
 )
 
 // limiter bounds the requests the gateway proxies at once. Past the limit a
@@ -35,7 +37,7 @@ func newLimiter(concurrency, queue int, timeout time.Duration) *limiter {
 }
 
 // acquire takes a slot, or returns the error to answer with.
-func (l *limiter) acquire(ctx context.Context) error {
+func (l *limiter) acquire(ctx context.Context, clk clock.Clock) error {
 	if l == nil {
 		return nil
 	}
@@ -51,9 +53,9 @@ func (l *limiter) acquire(ctx context.Context) error {
 	defer l.waiting.Add(-1)
 	var timeout <-chan time.Time
 	if l.timeout > 0 {
-		t := time.NewTimer(l.timeout)
+		t := clk.NewTimer(l.timeout)
 		defer t.Stop()
-		timeout = t.C
+		timeout = t.C()
 	}
 	select {
 	case l.slots <- struct{}{}:
@@ -61,7 +63,7 @@ func (l *limiter) acquire(ctx context.Context) error {
 	case <-timeout:
 		return errQueueTimeout
 	case <-ctx.Done():
-		return ctx.Err()
+		return context.Cause(ctx)
 	}
 }
 

@@ -5,6 +5,7 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 
+	"github.com/kvgate/kvgate/internal/clock"
 	"github.com/kvgate/kvgate/internal/router"
 )
 
@@ -18,11 +19,13 @@ type metrics struct {
 	matchRatio prometheus.Histogram
 	retries    prometheus.Counter
 	ejections  *prometheus.CounterVec // replica
+	attempts   *prometheus.CounterVec // replica, verdict
+	tokenize   *prometheus.CounterVec // result
 }
 
 var latencyBuckets = []float64{.005, .01, .025, .05, .075, .1, .15, .2, .3, .5, .75, 1, 1.5, 2, 3, 5, 7.5, 10, 20, 40, 80}
 
-func newMetrics(reg prometheus.Registerer, rt *router.Router) *metrics {
+func newMetrics(reg prometheus.Registerer, rt *router.Router, clk clock.Clock) *metrics {
 	m := &metrics{
 		requests: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvgate_requests_total",
 			Help: "Requests proxied, by policy, replica and HTTP status."}, []string{"policy", "replica", "code"}),
@@ -41,8 +44,13 @@ func newMetrics(reg prometheus.Registerer, rt *router.Router) *metrics {
 			Help: "Requests sent again to another replica before their first byte."}),
 		ejections: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvgate_ejections_total",
 			Help: "Replicas taken out of rotation after consecutive failures."}, []string{"replica"}),
+		attempts: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvgate_attempts_total",
+			Help: "Attempts at a replica by verdict: served, refused, busy, failed (these two count against the replica), " +
+				"rejected (the client's fault), client_gone, gateway_limit."}, []string{"replica", "verdict"}),
+		tokenize: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvgate_remote_tokenize_total",
+			Help: "Remote /tokenize lookups by result: cache, remote, fallback (the approximate tokenizer routed)."}, []string{"result"}),
 	}
-	reg.MustRegister(m.requests, m.errors, m.ttft, m.e2e, m.decision, m.matchRatio, m.retries, m.ejections)
+	reg.MustRegister(m.requests, m.errors, m.ttft, m.e2e, m.decision, m.matchRatio, m.retries, m.ejections, m.attempts, m.tokenize)
 	reg.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "kvgate_index_entries",
 		Help: "(block, replica) entries in the approximate prefix index."}, func() float64 { return float64(rt.Index().Len()) }))
 	for i := range rt.Replicas() {
@@ -56,6 +64,16 @@ func newMetrics(reg prometheus.Registerer, rt *router.Router) *metrics {
 			}
 			return 0
 		}))
+		reg.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "kvgate_scrape_age_seconds",
+			Help: "Age of the replica's last good /metrics scrape (-1: never scraped). Past scrape_stale_after " +
+				"the replica is routed on the gateway's own counts.", ConstLabels: lbl},
+			func() float64 {
+				age := rt.Replica(i).MetricsAge(clk.Now())
+				if age < 0 {
+					return -1
+				}
+				return age.Seconds()
+			}))
 	}
 	return m
 }

@@ -4,11 +4,10 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
-	"errors"
 	"fmt"
 	"io"
 	"net/http"
-	"time"
+	"sync/atomic"
 
 	"github.com/cespare/xxhash/v2"
 	lru "github.com/hashicorp/golang-lru/v2"
@@ -19,11 +18,15 @@ import (
 // remoteTokenizer asks a replica for the engine's own token ids (vLLM's
 // POST /tokenize, which takes a prompt or chat messages and applies the chat
 // template), so that in precise mode the gateway hashes exactly the tokens
-// the engine's KV events carry. Answers are cached (bounded LRU, keyed by a
-// hash of the request's model and text).
+// the engine's KV events carry. Calls are spread over the healthy replicas
+// (round robin), each bounded by tokenize_timeout, at most two replicas per
+// request; when none answers in time the approximate tokenizer routes the
+// request. Answers are cached (bounded LRU, keyed by a hash of the request's
+// kind, model and text).
 type remoteTokenizer struct {
 	g     *Gateway
 	cache *lru.Cache[uint64, []uint32]
+	next  atomic.Uint64
 }
 
 func newRemoteTokenizer(g *Gateway, entries int) *remoteTokenizer {
@@ -31,11 +34,47 @@ func newRemoteTokenizer(g *Gateway, entries int) *remoteTokenizer {
 	return &remoteTokenizer{g: g, cache: c}
 }
 
-func (t *remoteTokenizer) tokenize(ctx context.Context, kind prompt.Kind, p *prompt.Parsed, body []byte) ([]uint32, error) {
+// tokenizeTries bounds the replicas one request asks.
+const tokenizeTries = 2
+
+// tokenize returns the engine's token ids, or false to route on the
+// approximate tokenizer.
+func (t *remoteTokenizer) tokenize(ctx context.Context, kind prompt.Kind, p *prompt.Parsed, body []byte) ([]uint32, bool) {
 	key := xxhash.Sum64String(kind.String() + "\x00" + p.Model + "\x00" + p.Text)
 	if ids, ok := t.cache.Get(key); ok {
-		return ids, nil
+		t.g.met.tokenize.WithLabelValues("cache").Inc()
+		return ids, true
 	}
+	data, err := tokenizeBody(kind, p, body)
+	if err != nil {
+		return nil, false
+	}
+	n := t.g.rt.Replicas()
+	start := int(t.next.Add(1) % uint64(n))
+	tries := 0
+	var lastErr error
+	for k := range n {
+		i := (start + k) % n
+		if !t.g.rt.Healthy(i) || !t.g.rt.Replica(i).Serves(p.Model) {
+			continue
+		}
+		ids, err := t.call(ctx, i, data)
+		if err == nil {
+			t.cache.Add(key, ids)
+			t.g.met.tokenize.WithLabelValues("remote").Inc()
+			return ids, true
+		}
+		lastErr = err
+		if tries++; tries == tokenizeTries || ctx.Err() != nil {
+			break
+		}
+	}
+	t.g.met.tokenize.WithLabelValues("fallback").Inc()
+	t.g.log.Debug("remote tokenizer unavailable; routing on the approximate tokenizer", "err", lastErr)
+	return nil, false
+}
+
+func tokenizeBody(kind prompt.Kind, p *prompt.Parsed, body []byte) ([]byte, error) {
 	req := map[string]any{"model": p.Model}
 	if kind == prompt.Chat {
 		var b struct {
@@ -48,31 +87,19 @@ func (t *remoteTokenizer) tokenize(ctx context.Context, kind prompt.Kind, p *pro
 	} else {
 		req["prompt"] = p.Text
 	}
-	data, _ := json.Marshal(req)
-	var lastErr error = errors.New("no healthy replica to tokenize with")
-	for i := range t.g.rt.Replicas() {
-		if !t.g.rt.Healthy(i) {
-			continue
-		}
-		ids, err := t.call(ctx, i, data)
-		if err == nil {
-			t.cache.Add(key, ids)
-			return ids, nil
-		}
-		lastErr = err
-	}
-	return nil, lastErr
+	return json.Marshal(req)
 }
 
 func (t *remoteTokenizer) call(ctx context.Context, i int, data []byte) ([]uint32, error) {
-	ctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	ctx, cancel := context.WithTimeout(ctx, t.g.cfg.TokenizeTimeout.D())
 	defer cancel()
-	req, err := http.NewRequestWithContext(ctx, http.MethodPost, t.g.rt.URL(i)+"/tokenize", bytes.NewReader(data))
+	rep := t.g.rt.Replica(i)
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, rep.URL()+"/tokenize", bytes.NewReader(data))
 	if err != nil {
 		return nil, err
 	}
 	req.Header.Set("Content-Type", "application/json")
-	if k := t.g.cfg.Replicas[i].APIKey; k != "" {
+	if k := rep.APIKey(); k != "" {
 		req.Header.Set("Authorization", "Bearer "+k)
 	}
 	resp, err := t.g.client.Do(req)

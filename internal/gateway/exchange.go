@@ -1,0 +1,233 @@
+package gateway
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net/http"
+	"time"
+
+	"github.com/kvgate/kvgate/internal/clock"
+	"github.com/kvgate/kvgate/internal/policy"
+	"github.com/kvgate/kvgate/internal/prompt"
+	"github.com/kvgate/kvgate/internal/router"
+)
+
+// exchange is one client request in flight through the gateway: what it
+// asked, where it has been tried, and the context every attempt runs in.
+type exchange struct {
+	w      http.ResponseWriter
+	r      *http.Request
+	rc     *http.ResponseController
+	id     string
+	log    *slog.Logger
+	start  time.Time
+	kind   prompt.Kind
+	body   []byte
+	parsed *prompt.Parsed
+	req    *policy.Request
+	// ctx ends when the client leaves, request_timeout passes, or a drain
+	// cuts the request (context.Cause says which).
+	ctx     context.Context
+	exclude []int
+	refusal *bufferedResponse // the last 503/429, passed on if no replica takes it
+}
+
+// serveInference handles POST /v1/completions and /v1/chat/completions:
+// admit, then route and attempt until one attempt is final.
+func (g *Gateway) serveInference(w http.ResponseWriter, r *http.Request, kind prompt.Kind) {
+	x, release, err := g.admit(w, r, kind)
+	if err != nil {
+		g.fail(w, r, err)
+		return
+	}
+	defer release()
+	for tries := 0; ; {
+		a, err := g.routeAttempt(x)
+		if err != nil {
+			g.endUnrouted(x, err)
+			return
+		}
+		if !a.v.retryable() {
+			return
+		}
+		x.exclude = append(x.exclude, a.tk.Replica)
+		if a.v == skipped {
+			continue // no attempt spent
+		}
+		if tries++; tries > g.cfg.Retries {
+			g.endUnrouted(x, errUpstream.with("every replica tried refused the request"))
+			return
+		}
+		g.met.retries.Inc()
+		x.log.Info("retrying on another replica", "replica", g.rt.URL(a.tk.Replica), "verdict", a.v.String(), "err", a.err)
+		if !clock.Sleep(g.clock, g.backoff(tries), x.ctx.Done()) {
+			g.endUnrouted(x, context.Cause(x.ctx))
+			return
+		}
+	}
+}
+
+// routeAttempt routes the exchange (less the replicas already tried),
+// attempts the chosen replica and settles the attempt.
+func (g *Gateway) routeAttempt(x *exchange) (*attempt, error) {
+	t0 := g.clock.Now()
+	x.req.Now = t0
+	tk, err := g.rt.Route(x.req, x.exclude...)
+	if len(x.exclude) == 0 {
+		g.met.decision.Observe(g.clock.Since(t0).Seconds())
+	}
+	if err != nil {
+		return nil, err
+	}
+	if n := len(x.req.Blocks); n > 0 && len(x.exclude) == 0 {
+		g.met.matchRatio.Observe(float64(tk.Decision.Matched) / float64(n))
+	}
+	a := g.try(x, tk)
+	g.settle(x, a)
+	if a.refusal != nil {
+		x.refusal = a.refusal
+	}
+	return a, nil
+}
+
+// endUnrouted answers a request no attempt answered: the last replica's
+// refusal if there was one, else the error.
+func (g *Gateway) endUnrouted(x *exchange, err error) {
+	if x.r.Context().Err() != nil {
+		return // the client is gone: nobody to answer
+	}
+	if x.refusal != nil && (errors.Is(err, policy.ErrNoReplica) || isAPIError(err, errUpstream)) {
+		x.refusal.write(x.w)
+		g.met.errors.WithLabelValues("exhausted").Inc()
+		return
+	}
+	if c := context.Cause(x.ctx); c != nil {
+		err = c
+	}
+	g.fail(x.w, x.r, err)
+}
+
+// fail answers an error the gateway decided (never a replica's answer).
+func (g *Gateway) fail(w http.ResponseWriter, r *http.Request, err error) {
+	ae := writeError(w, err)
+	g.met.errors.WithLabelValues(ae.Code).Inc()
+	g.log.Info("request failed", "request_id", w.Header().Get("X-Request-Id"), "path", r.URL.Path,
+		"status", ae.Status, "code", ae.Code, "err", ae.Message)
+}
+
+// admit checks, reads and parses a request and gives it a slot. The
+// returned release frees what admission took; it runs when the exchange ends.
+func (g *Gateway) admit(w http.ResponseWriter, r *http.Request, kind prompt.Kind) (*exchange, func(), error) {
+	x := &exchange{w: w, r: r, rc: http.NewResponseController(w), id: requestID(r), start: g.clock.Now(), kind: kind}
+	w.Header().Set("X-Request-Id", x.id)
+	x.log = g.log.With("request_id", x.id)
+	if r.Method != http.MethodPost {
+		w.Header().Set("Allow", http.MethodPost)
+		return nil, nil, errMethod.with("use POST")
+	}
+	if !g.authorized(r) {
+		return nil, nil, errUnauth
+	}
+	if g.cut.Err() != nil {
+		return nil, nil, errDraining // past the drain: the process is stopping
+	}
+	body, releaseBody, err := g.readBody(w, r)
+	if err != nil {
+		return nil, nil, err
+	}
+	x.body = body
+	ctx, endCtx := g.requestContext(r.Context())
+	releaseAll := func() { endCtx(); releaseBody() }
+	x.ctx = ctx
+	if x.parsed, x.req, err = g.prepare(ctx, kind, body, r.Header.Get("X-Session-Id")); err != nil {
+		releaseAll()
+		return nil, nil, err
+	}
+	if err := g.lim.acquire(ctx, g.clock); err != nil {
+		releaseAll()
+		return nil, nil, err
+	}
+	g.inFlight.Add(1)
+	return x, func() { g.lim.release(); releaseAll(); g.inFlight.Add(-1) }, nil
+}
+
+// requestContext derives a request's context: cancelled when the client
+// leaves, when request_timeout passes (on the gateway's clock), and when a
+// drain cuts in-flight requests; context.Cause tells which.
+func (g *Gateway) requestContext(parent context.Context) (context.Context, func()) {
+	ctx, cancel := context.WithCancelCause(parent)
+	var timer clock.Timer
+	if d := g.cfg.RequestTimeout.D(); d > 0 {
+		timer = g.clock.AfterFunc(d, func() { cancel(errRequestTimeout) })
+	}
+	stop := context.AfterFunc(g.cut, func() { cancel(errDrained) })
+	return ctx, func() {
+		if timer != nil {
+			timer.Stop()
+		}
+		stop()
+		cancel(context.Canceled)
+	}
+}
+
+// prepare parses a request body into a routing key and checks it against
+// what the replicas serve.
+func (g *Gateway) prepare(ctx context.Context, kind prompt.Kind, body []byte, session string) (*prompt.Parsed, *policy.Request, error) {
+	p, err := prompt.Parse(kind, body)
+	if err != nil {
+		return nil, nil, err
+	}
+	if !g.rt.Serves(p.Model) {
+		return nil, nil, errModel.with(fmt.Sprintf("The model `%s` does not exist.", p.Model))
+	}
+	if err := g.checkLength(p, 0); err != nil {
+		return nil, nil, err
+	}
+	if g.tok != nil && p.TokenIDs == nil {
+		if ids, ok := g.tok.tokenize(ctx, kind, p, body); ok {
+			p.TokenIDs = ids
+		}
+	}
+	req := g.rt.Prepare(p, session, "")
+	if p.TokenIDs != nil {
+		// Token counts are exact: check the whole request against the context.
+		if err := g.checkLength(p, req.Tokens); err != nil {
+			return nil, nil, err
+		}
+	}
+	return p, req, nil
+}
+
+// checkLength rejects a request the model's context cannot hold, when the
+// replicas list the model's max_model_len: max_tokens alone, or with the
+// prompt's tokens when they are known exactly (promptTokens > 0).
+func (g *Gateway) checkLength(p *prompt.Parsed, promptTokens int) error {
+	m, ok := g.rt.ModelInfo(p.Model)
+	if !ok || m.MaxModelLen <= 0 {
+		return nil
+	}
+	switch {
+	case p.MaxTokens > m.MaxModelLen:
+		return &prompt.RequestError{Param: "max_tokens", Msg: fmt.Sprintf(
+			"%d is more than the model's context of %d tokens", p.MaxTokens, m.MaxModelLen)}
+	case promptTokens > 0 && promptTokens+p.MaxTokens > m.MaxModelLen:
+		return &prompt.RequestError{Param: "messages", Msg: fmt.Sprintf(
+			"the model's context is %d tokens; this request has %d in the prompt and asks for %d more",
+			m.MaxModelLen, promptTokens, p.MaxTokens)}
+	}
+	return nil
+}
+
+// prefillBound is how long a request's prefill may take on its replica:
+// twice the policy's TTFT estimate, or twice the cost model's prefill time
+// of its uncached tokens behind the queued ones (at least 10 ms).
+func (g *Gateway) prefillBound(tk *router.Ticket) time.Duration {
+	est := tk.Decision.EstTTFT
+	if est <= 0 {
+		v := g.rt.Pending(tk.Replica)
+		est = g.prof.PrefillTime(tk.UncachedTokens()+v, 0, g.cfg.MaxBatchTokens)
+	}
+	return max(2*est, 10*time.Millisecond)
+}

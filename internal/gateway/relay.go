@@ -1,0 +1,231 @@
+package gateway
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"io"
+	"net/http"
+	"time"
+
+	"github.com/kvgate/kvgate/internal/clock"
+	"github.com/kvgate/kvgate/internal/openai"
+)
+
+// relay passes the replica's answer to the client: the header at once, then
+// an SSE stream event by event (flushed, as httputil does with
+// FlushInterval -1) or any other body as it comes, in bounded memory. It
+// sets the attempt's verdict: served, rejected (4xx), failed (5xx, or the
+// stream broke, went idle or overran its bounds), clientGone (the client
+// left or stopped reading) or gatewayLimit.
+func (g *Gateway) relay(x *exchange, a *attempt, ctx context.Context, cancel context.CancelCauseFunc, resp *http.Response) {
+	copyHeaders(x.w.Header(), resp.Header)
+	x.w.Header().Set("X-Kvgate-Replica", g.rt.URL(a.tk.Replica))
+	x.w.Header().Set("X-Request-Id", x.id)
+	a.started = true
+	x.w.WriteHeader(resp.StatusCode)
+	var rerr, werr error
+	if openai.IsEventStream(resp.Header) {
+		rerr, werr = g.relayStream(x, a, ctx, cancel, resp.Body)
+	} else {
+		rerr, werr = g.relayBody(x, a, resp.Body)
+	}
+	switch {
+	case werr != nil || x.r.Context().Err() != nil:
+		a.v, a.err = clientGone, errors.Join(errClientWrite, werr)
+	case rerr != nil:
+		a.v, a.err = g.brokenVerdict(ctx, rerr)
+	case resp.StatusCode >= 500:
+		a.v, a.err = failed, errors.New("replica answered "+resp.Status)
+	case resp.StatusCode >= 400:
+		a.v, a.err = rejected, errors.New("replica answered "+resp.Status)
+	default:
+		a.v = served
+	}
+	if !x.parsed.Stream || a.v != served {
+		a.tk.PrefillDone() // an answer is over: its prefill is, at the latest
+	}
+}
+
+// brokenVerdict classifies a response that broke after it started.
+func (g *Gateway) brokenVerdict(ctx context.Context, err error) (verdict, error) {
+	if c := context.Cause(ctx); errors.Is(c, errRequestTimeout) || errors.Is(c, errDrained) {
+		return gatewayLimit, c
+	} else if c != nil && !errors.Is(c, context.Canceled) {
+		return failed, c
+	}
+	return failed, err
+}
+
+// errStreamIncomplete: the replica closed a stream cleanly before [DONE].
+var errStreamIncomplete = errors.New("the replica's stream ended without data: [DONE]")
+
+// relayStream copies SSE events to the client, noting the first token and
+// the usage. Between events the replica may be silent at most
+// stream_idle_timeout. A stream that breaks, ends early or overruns the
+// line bound ends with an SSE error event: never a retry, tokens were sent.
+func (g *Gateway) relayStream(x *exchange, a *attempt, ctx context.Context, cancel context.CancelCauseFunc,
+	body io.Reader) (rerr, werr error) {
+	idle := g.idleTimer(cancel)
+	defer idle.stop()
+	er := openai.NewEventReader(body, g.cfg.MaxStreamLineBytes)
+	sawDone := false
+	for {
+		ev, err := er.Next()
+		idle.reset()
+		if err == nil {
+			if werr := x.write(g, ev.Raw); werr != nil {
+				return nil, werr
+			}
+			if ev.HasData {
+				g.inspect(ev.Data, a, &sawDone)
+			}
+			continue
+		}
+		if errors.Is(err, io.EOF) && sawDone {
+			return nil, nil
+		}
+		if errors.Is(err, io.EOF) {
+			err = errStreamIncomplete
+		}
+		if x.r.Context().Err() == nil {
+			_ = x.write(g, streamErrorEvent(ctx, err))
+		}
+		return err, nil
+	}
+}
+
+// streamErrorEvent is the SSE error event that ends a stream cut short.
+func streamErrorEvent(ctx context.Context, err error) []byte {
+	switch c := context.Cause(ctx); {
+	case errors.Is(c, errRequestTimeout):
+		return openai.SSEErrorEvent("the request took longer than the gateway's request_timeout; the response is incomplete",
+			"server_error", "request_timeout")
+	case errors.Is(c, errDrained):
+		return openai.SSEErrorEvent("the gateway is shutting down; the response is incomplete", "server_error", "gateway_shutdown")
+	case errors.Is(c, errIdleTimeout):
+		return openai.SSEErrorEvent("the replica's stream stalled; the response is incomplete", "server_error", "upstream_stream_idle")
+	case errors.Is(err, errStreamIncomplete):
+		return openai.SSEErrorEvent("the replica's stream ended before it was complete; the response is incomplete",
+			"server_error", "upstream_stream_error")
+	}
+	return openai.SSEErrorEvent("the replica's stream broke after it started; the response is incomplete",
+		"server_error", "upstream_stream_error")
+}
+
+// write sends bytes to the client and flushes them, within write_timeout.
+func (x *exchange) write(g *Gateway, p []byte) error {
+	if d := g.cfg.WriteTimeout.D(); d > 0 {
+		_ = x.rc.SetWriteDeadline(time.Now().Add(d)) // the socket's own deadline: wall time
+	}
+	if _, err := x.w.Write(p); err != nil {
+		return err
+	}
+	return x.rc.Flush()
+}
+
+// inspect reads one event's data for the first token and the usage.
+func (g *Gateway) inspect(data []byte, a *attempt, sawDone *bool) {
+	if openai.IsDone(data) {
+		*sawDone = true
+		return
+	}
+	if !a.firstAt.IsZero() && !bytes.Contains(data, []byte(`"usage"`)) {
+		return // past the first token only the usage is of interest: skip the decoding
+	}
+	c, err := openai.ParseChunk(data)
+	if err != nil {
+		return
+	}
+	if a.firstAt.IsZero() && c.HasToken() {
+		a.firstAt = g.clock.Now()
+		a.tk.FirstToken(a.firstAt)
+	}
+	if c.Usage != nil {
+		a.cached, a.output = c.Usage.Cached(), c.Usage.CompletionTokens
+	}
+}
+
+// usageTail bounds what relayBody keeps of a body to read its usage: the
+// usage object closes vLLM's answers, so the last bytes hold it.
+const usageTail = 64 << 10
+
+// relayBody copies a non-streamed body to the client as it comes, keeping
+// only its last usageTail bytes to read the usage from.
+func (g *Gateway) relayBody(x *exchange, a *attempt, body io.Reader) (rerr, werr error) {
+	buf := make([]byte, 32<<10)
+	var tail []byte
+	for {
+		n, err := body.Read(buf)
+		if n > 0 {
+			if werr := x.write(g, buf[:n]); werr != nil {
+				return nil, werr
+			}
+			tail = append(tail, buf[:n]...)
+			if len(tail) > 2*usageTail {
+				tail = append(tail[:0], tail[len(tail)-usageTail:]...)
+			}
+		}
+		if errors.Is(err, io.EOF) {
+			if u := usageOf(tail); u != nil {
+				a.cached, a.output = u.Cached(), u.CompletionTokens
+			}
+			return nil, nil
+		}
+		if err != nil {
+			return err, nil
+		}
+	}
+}
+
+// usageOf reads the usage from the end of a JSON answer: the whole answer
+// when it fits, else the object after the last "usage" key (a key in
+// quotes cannot occur unescaped inside a JSON string).
+func usageOf(tail []byte) *openai.Usage {
+	if u := openai.ParseUsage(tail); u != nil {
+		return u
+	}
+	i := bytes.LastIndex(tail, []byte(`"usage"`))
+	if i < 0 {
+		return nil
+	}
+	rest := bytes.TrimLeft(tail[i+len(`"usage"`):], " \t\r\n")
+	rest, ok := bytes.CutPrefix(rest, []byte(":"))
+	if !ok {
+		return nil
+	}
+	var u openai.Usage
+	if json.NewDecoder(bytes.NewReader(rest)).Decode(&u) != nil {
+		return nil
+	}
+	return &u
+}
+
+// idleWatch ends a stream whose replica stays silent longer than
+// stream_idle_timeout: it cancels the attempt (cause errIdleTimeout),
+// which unblocks the read.
+type idleWatch struct {
+	t clock.Timer
+	d time.Duration
+}
+
+func (g *Gateway) idleTimer(cancel context.CancelCauseFunc) *idleWatch {
+	d := g.cfg.StreamIdleTimeout.D()
+	if d <= 0 {
+		return &idleWatch{}
+	}
+	return &idleWatch{t: g.clock.AfterFunc(d, func() { cancel(errIdleTimeout) }), d: d}
+}
+
+func (w *idleWatch) reset() {
+	if w.t != nil {
+		w.t.Reset(w.d)
+	}
+}
+
+func (w *idleWatch) stop() {
+	if w.t != nil {
+		w.t.Stop()
+	}
+}

@@ -1,0 +1,118 @@
+package gateway
+
+import (
+	"errors"
+	"time"
+
+	"github.com/kvgate/kvgate/internal/router"
+)
+
+// verdict is how one attempt at a replica ended, from the replica's point
+// of view. It alone decides what the attempt means for the replica's
+// breaker, the router's ticket, the prefix index and the metrics, in
+// settle: only the replica's own failures count against it.
+type verdict int
+
+const (
+	// served: the replica answered 2xx and the answer was relayed whole.
+	served verdict = iota
+	// skipped: the replica's breaker was half-open with a trial in flight;
+	// nothing was sent (route again, no attempt spent).
+	skipped
+	// refused: the replica refused before any work — the connection was
+	// refused or broke before the request was written, or it answered 503.
+	// Counts against it; the request may go elsewhere.
+	refused
+	// busy: the replica answered 429. Busy is not broken: it does not count;
+	// the request may go elsewhere.
+	busy
+	// failed: the replica failed after the request was written — a reset or
+	// timeout before the first byte, a 5xx, or a stream broken midway. Counts
+	// against it; never retried (it may have started the work, or the input
+	// may be what breaks it).
+	failed
+	// rejected: the replica answered 4xx: the client's fault. Does not count;
+	// the index forgets the request.
+	rejected
+	// clientGone: the client went away or stopped reading. Does not count.
+	clientGone
+	// gatewayLimit: the gateway's own limit ended it (request_timeout, a
+	// drain at shutdown). Does not count.
+	gatewayLimit
+)
+
+func (v verdict) String() string {
+	return [...]string{"served", "skipped", "refused", "busy", "failed", "rejected", "client_gone", "gateway_limit"}[v]
+}
+
+// retryable reports whether the request surely did not start on the replica,
+// so that another replica may take it.
+func (v verdict) retryable() bool { return v == refused || v == busy || v == skipped }
+
+// Causes an attempt's context is cancelled with: each maps to a verdict.
+var (
+	errFirstByteTimeout = errors.New("the replica sent no response header within first_byte_timeout")
+	errIdleTimeout      = errors.New("the replica's stream was idle longer than stream_idle_timeout")
+	errRequestTimeout   = errors.New("the request took longer than request_timeout")
+	errDrained          = errors.New("the gateway is shutting down and its drain_timeout has passed")
+	errClientWrite      = errors.New("writing to the client failed or timed out")
+)
+
+// attempt is one try of an exchange at one replica.
+type attempt struct {
+	tk      *router.Ticket
+	v       verdict
+	err     error // what went wrong, for logs (nil when served)
+	status  int   // the replica's HTTP status (0: none)
+	started bool  // the response header went to the client: no retry, no error page
+	// refusal is a 503/429 kept to pass on if no other replica takes it.
+	refusal *bufferedResponse
+	cached  int // the replica's usage.prompt_tokens_details.cached_tokens (-1: none)
+	output  int
+	firstAt time.Time
+}
+
+// settle reports an attempt's verdict to everything that learns from it,
+// together and once: the replica's breaker, the router's ticket (counters,
+// observers), the prefix index, and the metrics.
+func (g *Gateway) settle(x *exchange, a *attempt) {
+	i := a.tk.Replica
+	switch a.v {
+	case served:
+		g.fleet.Success(i)
+	case refused, failed:
+		g.fleet.Failure(i)
+	case skipped:
+		// Allow said no: no trial was taken, nothing to release.
+	default:
+		g.fleet.Neutral(i)
+	}
+	if a.v == rejected {
+		a.tk.Reject()
+	}
+	end := g.clock.Now()
+	var err error
+	if a.v != served {
+		err = a.err
+		if err == nil {
+			err = errors.New(a.v.String())
+		}
+	}
+	a.tk.Done(end, router.Outcome{CachedTokens: a.cached, OutputTokens: a.output, Err: err})
+	url := g.rt.URL(i)
+	if a.v != skipped {
+		g.met.attempts.WithLabelValues(url, a.v.String()).Inc()
+	}
+	if a.status != 0 {
+		g.met.requests.WithLabelValues(g.cfg.Policy, url, codeLabel(a.status)).Inc()
+	}
+	if a.started {
+		g.met.e2e.WithLabelValues(g.cfg.Policy).Observe(end.Sub(x.start).Seconds())
+	}
+	if !a.firstAt.IsZero() {
+		g.met.ttft.WithLabelValues(g.cfg.Policy).Observe(a.firstAt.Sub(x.start).Seconds())
+	}
+	x.log.Debug("attempt", "replica", url, "verdict", a.v.String(), "status", a.status,
+		"matched_blocks", a.tk.Decision.Matched, "blocks", len(a.tk.Request().Blocks), "reason", a.tk.Decision.Reason,
+		"cached_tokens", a.cached, "e2e", end.Sub(x.start), "err", a.err)
+}
