@@ -3,14 +3,12 @@ package main
 import (
 	"context"
 	"errors"
+	"flag"
 	"fmt"
 	"io"
-	"os"
+	"slices"
 	"strings"
-	"sync"
 	"time"
-
-	"github.com/schollz/progressbar/v3"
 
 	"github.com/kvgate/kvgate/internal/bench"
 	"github.com/kvgate/kvgate/internal/costmodel"
@@ -21,108 +19,173 @@ import (
 	"github.com/kvgate/kvgate/internal/workload"
 )
 
-// listFlag collects repeated string flags.
-type listFlag []string
-
-func (l *listFlag) String() string     { return strings.Join(*l, ",") }
-func (l *listFlag) Set(s string) error { *l = append(*l, s); return nil }
-
-// benchOptions are the flags shared by bench and demo.
-type benchOptions struct {
-	target      string
-	embedded    bool
-	replicas    int
-	workload    string
-	params      listFlag
-	requests    int
-	rate        float64
-	concurrency int
-	policies    string
-	model       string
-	timeScale   float64
-	profile     string
-	kvBlocks    int
-	seed        uint64
-	jsonPath    string
-	reportDir   string
-	timeout     time.Duration
-	maxDuration time.Duration
-	duration    time.Duration
-	soakEvery   time.Duration
+// loadDefaults are the defaults in which demo differs from bench.
+type loadDefaults struct {
+	rate, timeScale float64
+	maxDuration     time.Duration
+	report          string
 }
 
-func runBench(ctx context.Context, args []string, _ io.Reader, stdout, stderr io.Writer) error {
-	o := benchOptions{}
-	fs := newFlags("bench", "(--target URL | --embedded [--replicas N]) [--workload NAME] [--policies a,b,...]", stderr)
-	fs.StringVar(&o.target, "target", "", "base URL of a running gateway (or any OpenAI-compatible server)")
-	fs.BoolVar(&o.embedded, "embedded", false, "run simulated replicas and a gateway in-process, fresh for each policy")
-	fs.IntVar(&o.replicas, "replicas", 4, "simulated replicas (--embedded)")
-	fs.StringVar(&o.workload, "workload", "multiturn", "workload: "+strings.Join(workload.Names(), ", ")+", or trace:FILE")
-	fs.Var(&o.params, "workload-param", "a workload parameter name=value (repeatable)")
-	fs.IntVar(&o.requests, "requests", 0, "number of requests (0: the workload's default)")
-	fs.Float64Var(&o.rate, "rate", 0, "open loop: Poisson arrivals at this many requests/s (model time); 0: closed loop")
-	fs.IntVar(&o.concurrency, "concurrency", 16, "closed loop: concurrent clients (ignored with --rate or a trace)")
-	fs.StringVar(&o.policies, "policies", "round_robin,least_load,prefix_key,sglang,ttft", "policies to compare (--embedded), comma-separated, or all")
-	fs.StringVar(&o.model, "model", sim.DefaultModel, "model name sent in requests")
-	fs.Float64Var(&o.timeScale, "time-scale", 0, "the replicas run this many times faster than real time: latencies are multiplied by it (default 20 with --embedded, 1 with --target)")
-	fs.StringVar(&o.profile, "profile", costmodel.Default, "latency profile of the simulated replicas: "+strings.Join(costmodel.Names(), ", "))
-	fs.IntVar(&o.kvBlocks, "kv-blocks", 30000, "KV cache blocks per simulated replica")
-	fs.Uint64Var(&o.seed, "seed", 1, "seed of the workload, the replicas and the policies")
-	fs.StringVar(&o.jsonPath, "json", "", "write the results as JSON to this file")
-	fs.StringVar(&o.reportDir, "report", "", "write charts and an HTML report into this directory")
-	fs.DurationVar(&o.timeout, "timeout", 10*time.Minute, "per-request timeout (model time)")
-	fs.DurationVar(&o.maxDuration, "max-duration", 30*time.Minute, "bound on each run's wall time")
-	fs.DurationVar(&o.duration, "duration", 0, "soak: repeat the workload (new prompts each round) against --target for this long, reading the gateway's goroutines and heap")
-	fs.DurationVar(&o.soakEvery, "soak-interval", 10*time.Second, "soak: how often the gateway's /metrics is read")
-	if err := parseFlags(fs, args); err != nil {
-		return err
+var (
+	benchDefaults = loadDefaults{maxDuration: 30 * time.Minute}
+	// demoDefaults make `kvgate demo` what the README says it is:
+	// `kvgate bench --embedded --rate 6 --time-scale 5 --max-duration 5m --report kvgate-demo-report`.
+	demoDefaults = loadDefaults{rate: 6, timeScale: 5, maxDuration: 5 * time.Minute, report: "kvgate-demo-report"}
+)
+
+// benchFlags are the flags of `kvgate bench` (and, with demoDefaults, of demo).
+type benchFlags struct {
+	target         string
+	embedded       bool
+	replicas       int
+	workload       string
+	workloadParams listFlag
+	policyParams   listFlag
+	requests       int
+	rate           float64
+	concurrency    int
+	policies       string
+	model          string
+	timeScale      float64
+	profile        string
+	kvBlocks       int
+	seed           uint64
+	out            outputFlags
+	timeout        time.Duration
+	maxDuration    time.Duration
+	duration       time.Duration
+	soakEvery      time.Duration
+}
+
+func (f *benchFlags) register(fs *flag.FlagSet) {
+	fs.StringVar(&f.target, "target", "", "base URL of a running gateway (or any OpenAI-compatible server)")
+	fs.BoolVar(&f.embedded, "embedded", false, "run simulated replicas and a gateway in-process, fresh for each policy")
+	f.registerLoad(fs, benchDefaults)
+	fs.DurationVar(&f.duration, "duration", 0, "soak: repeat the workload (new prompts each round) against --target for this long, reading the gateway's goroutines and heap")
+	fs.DurationVar(&f.soakEvery, "soak-interval", 10*time.Second, "soak: how often the gateway's /metrics is read")
+}
+
+// registerLoad registers the flags bench and demo share, with d's defaults.
+func (f *benchFlags) registerLoad(fs *flag.FlagSet, d loadDefaults) {
+	fs.IntVar(&f.replicas, "replicas", 4, "simulated replicas (--embedded)")
+	fs.StringVar(&f.workload, "workload", "multiturn", "workload: "+strings.Join(workload.Names(), ", ")+", or trace:FILE")
+	fs.Var(&f.workloadParams, "workload-param", "a workload parameter name=value (repeatable)")
+	fs.IntVar(&f.requests, "requests", 0, "number of requests (0: the workload's default)")
+	fs.Float64Var(&f.rate, "rate", d.rate, "open loop: Poisson arrivals at this many requests/s (model time); 0: closed loop")
+	fs.IntVar(&f.concurrency, "concurrency", 16, "closed loop: concurrent clients (ignored with --rate or a trace)")
+	fs.StringVar(&f.policies, "policies", "round_robin,least_load,prefix_key,sglang,ttft", "policies to compare (--embedded), comma-separated, or all")
+	fs.Var(&f.policyParams, "policy-param", "a policy parameter name=value for every policy, or POLICY.name=value for one (repeatable; --embedded)")
+	fs.StringVar(&f.model, "model", sim.DefaultModel, "model name sent in requests")
+	fs.Float64Var(&f.timeScale, "time-scale", d.timeScale, "the replicas run this many times faster than real time: latencies are multiplied by it (0: 20 with --embedded, 1 with --target)")
+	fs.StringVar(&f.profile, "profile", costmodel.Default, "latency profile of the simulated replicas: "+strings.Join(costmodel.Names(), ", "))
+	fs.IntVar(&f.kvBlocks, "kv-blocks", 30000, "KV cache blocks per simulated replica")
+	fs.Uint64Var(&f.seed, "seed", 1, "seed of the workload, the replicas and the policies")
+	f.out.register(fs, d.report)
+	fs.DurationVar(&f.timeout, "timeout", 10*time.Minute, "per-request timeout (model time)")
+	fs.DurationVar(&f.maxDuration, "max-duration", d.maxDuration, "bound on each run's wall time")
+}
+
+func (f *benchFlags) run(ctx context.Context, inv invocation) error {
+	if f.duration > 0 {
+		return f.soak(ctx, inv)
 	}
-	if o.duration > 0 {
-		return o.soak(ctx, stdout)
-	}
-	res, err := o.run(ctx, stderr)
+	c, err := f.config(inv, "kvgate bench")
 	if err != nil {
 		return err
 	}
-	return o.output(res, stdout, "kvgate bench")
+	res, err := c.run(ctx, inv.stderr)
+	if err != nil {
+		return err
+	}
+	return c.out.Write(inv.stdout, inv.stderr, res)
 }
 
-func (o *benchOptions) validate() error {
-	if o.timeScale == 0 {
-		o.timeScale = 1
-		if o.embedded {
-			o.timeScale = 20
+// benchConfig is a validated bench: the request sequence, the load, and
+// with --embedded the fleet each policy runs on.
+type benchConfig struct {
+	policies []string // "target" alone with --target
+	params   policyParams
+	embedded bool
+	target   string
+	reqs     []workload.Request
+	load     bench.Config
+	sim      sim.Config
+	gateway  gateway.Config // without replicas, policy and its parameters
+	meta     map[string]any
+	out      report.Outputs
+}
+
+func (f *benchFlags) config(inv invocation, title string) (benchConfig, error) {
+	if err := f.validate(); err != nil {
+		return benchConfig{}, err
+	}
+	c := benchConfig{policies: []string{"target"}, embedded: f.embedded, target: f.target, out: f.out.outputs(title)}
+	var err error
+	if f.embedded {
+		if c.policies, err = f.policyList(); err != nil {
+			return c, err
+		}
+	}
+	if _, err := costmodel.Lookup(f.profile); err != nil {
+		return c, fmt.Errorf("%w: %v", errUsage, err)
+	}
+	if c.params, err = parsePolicyParams(f.policyParams, c.policies); err != nil {
+		return c, err
+	}
+	reqs, spec, err := f.requestsFor(f.seed)
+	if err != nil {
+		return c, err
+	}
+	c.reqs = reqs
+	c.load = f.loadConfig()
+	c.load.MaxDuration = f.maxDuration
+	c.sim = sim.Config{Replicas: f.replicas, Profile: f.profile, KVBlocks: f.kvBlocks, TimeScale: f.timeScale,
+		Seed: f.seed, Model: f.model}
+	c.gateway = gateway.Defaults()
+	c.gateway.Seed, c.gateway.Profile = f.seed, f.profile
+	c.meta = map[string]any{
+		"command": inv.commandLine(), "workload": spec.String(), "requests": len(reqs),
+		"seed": f.seed, "replicas": f.replicas, "profile": f.profile, "time_scale": f.timeScale,
+	}
+	return c, nil
+}
+
+// validate rejects flags that cannot run and sets the time scale's default.
+func (f *benchFlags) validate() error {
+	if f.timeScale == 0 {
+		f.timeScale = 1
+		if f.embedded {
+			f.timeScale = 20
 		}
 	}
 	switch {
-	case o.embedded == (o.target != ""):
+	case f.embedded == (f.target != ""):
 		return fmt.Errorf("%w: give exactly one of --target URL and --embedded", errUsage)
-	case o.replicas < 1:
+	case f.replicas < 1:
 		return fmt.Errorf("%w: --replicas must be at least 1", errUsage)
-	case o.rate < 0 || o.concurrency < 1 || o.requests < 0:
+	case f.rate < 0 || f.concurrency < 1 || f.requests < 0:
 		return fmt.Errorf("%w: --rate ≥ 0, --concurrency ≥ 1, --requests ≥ 0", errUsage)
-	case o.timeScale <= 0:
+	case f.timeScale <= 0:
 		return fmt.Errorf("%w: --time-scale must be > 0", errUsage)
+	case len(f.policyParams) > 0 && !f.embedded:
+		return fmt.Errorf("%w: --policy-param needs --embedded: a --target gateway routes with its own policy", errUsage)
 	}
 	return nil
 }
 
-func (o *benchOptions) policyList() ([]string, error) {
-	if o.policies == "all" {
+func (f *benchFlags) policyList() ([]string, error) {
+	if f.policies == "all" {
 		return policy.Names(), nil
 	}
 	var out []string
-	known := map[string]bool{}
-	for _, n := range policy.Names() {
-		known[n] = true
-	}
-	for _, p := range strings.Split(o.policies, ",") {
+	known := policy.Names()
+	for _, p := range strings.Split(f.policies, ",") {
 		p = strings.TrimSpace(p)
 		if p == "" {
 			continue
 		}
-		if !known[p] {
-			return nil, fmt.Errorf("%w: unknown policy %q (known: %s)", errUsage, p, strings.Join(policy.Names(), ", "))
+		if !slices.Contains(known, p) {
+			return nil, fmt.Errorf("%w: unknown policy %q (known: %s)", errUsage, p, strings.Join(known, ", "))
 		}
 		out = append(out, p)
 	}
@@ -132,82 +195,53 @@ func (o *benchOptions) policyList() ([]string, error) {
 	return out, nil
 }
 
-// requests generates the workload's request sequence (the same for every policy).
-func (o *benchOptions) requestsFor() ([]workload.Request, workload.Spec, error) {
-	spec, err := workload.Parse(o.workload)
+// open reports an open loop: arrivals at --rate or at a trace's timestamps.
+func (f *benchFlags) open() bool {
+	return f.rate > 0 || strings.HasPrefix(f.workload, "trace:")
+}
+
+// loadConfig is the load generator's configuration without target and bound.
+func (f *benchFlags) loadConfig() bench.Config {
+	load := bench.Config{Model: f.model, RequestTimeout: f.timeout, TimeScale: f.timeScale}
+	if !f.open() {
+		load.Concurrency = f.concurrency
+	}
+	return load
+}
+
+// requestsFor generates the workload's request sequence for seed (the same
+// for every policy).
+func (f *benchFlags) requestsFor(seed uint64) ([]workload.Request, workload.Spec, error) {
+	spec, err := workload.Parse(f.workload)
 	if err != nil {
 		return nil, spec, fmt.Errorf("%w: %v", errUsage, err)
 	}
-	for _, kv := range o.params {
+	for _, kv := range f.workloadParams {
 		if err := spec.SetParam(kv); err != nil {
 			return nil, spec, fmt.Errorf("%w: %v", errUsage, err)
 		}
 	}
-	spec.Seed = o.seed
-	if o.requests > 0 {
-		spec.Requests = o.requests
+	spec.Seed = seed
+	if f.requests > 0 {
+		spec.Requests = f.requests
 	}
 	reqs, err := workload.Generate(spec)
 	if err != nil {
 		return nil, spec, err
 	}
-	if o.rate > 0 {
-		workload.Arrivals(reqs, o.rate, o.seed)
+	if f.rate > 0 {
+		workload.Arrivals(reqs, f.rate, seed)
 	}
 	return reqs, spec, nil
 }
 
-func (o *benchOptions) run(ctx context.Context, stderr io.Writer) (report.Result, error) {
-	if err := o.validate(); err != nil {
-		return report.Result{}, err
-	}
-	pols := []string{"target"}
-	if o.embedded {
-		var err error
-		if pols, err = o.policyList(); err != nil {
-			return report.Result{}, err
-		}
-	}
-	if _, err := costmodel.Lookup(o.profile); err != nil {
-		return report.Result{}, fmt.Errorf("%w: %v", errUsage, err)
-	}
-	reqs, spec, err := o.requestsFor()
-	if err != nil {
-		return report.Result{}, err
-	}
-	open := o.rate > 0 || strings.HasPrefix(o.workload, "trace:")
-	load := bench.Config{Model: o.model, RequestTimeout: o.timeout, MaxDuration: o.maxDuration, TimeScale: o.timeScale}
-	if !open {
-		load.Concurrency = o.concurrency
-	}
-	res := report.Result{Meta: map[string]any{
-		"command": "kvgate " + strings.Join(os.Args[1:], " "), "workload": spec.String(), "requests": len(reqs),
-		"seed": o.seed, "replicas": o.replicas, "profile": o.profile, "time_scale": o.timeScale,
-	}}
-	for _, p := range pols {
-		bar := newProgress(stderr, len(reqs), p)
-		load.Progress = bar.add
-		var run report.Run
-		if o.embedded {
-			gcfg := gateway.Defaults()
-			gcfg.Seed, gcfg.Profile = o.seed, o.profile
-			er, err := bench.RunEmbedded(ctx, bench.EmbeddedConfig{
-				Sim: sim.Config{Replicas: o.replicas, Profile: o.profile, KVBlocks: o.kvBlocks, TimeScale: o.timeScale,
-					Seed: o.seed, Model: o.model},
-				Gateway: gcfg, Load: load}, p, reqs)
-			bar.finish()
-			if err != nil && !errors.Is(err, bench.ErrDeadline) {
-				return res, fmt.Errorf("policy %s: %w", p, err)
-			}
-			run = er.Run
-		} else {
-			load.Target = o.target
-			recs, wall, err := bench.Run(ctx, load, reqs)
-			bar.finish()
-			if err != nil && !errors.Is(err, bench.ErrDeadline) {
-				return res, err
-			}
-			run = report.Summarize(p, recs, maxReplica(recs)+1, wall)
+// run runs every policy, one after another.
+func (c benchConfig) run(ctx context.Context, stderr io.Writer) (report.Result, error) {
+	res := report.Result{Meta: c.meta}
+	for _, p := range c.policies {
+		run, err := c.runPolicy(ctx, p, stderr)
+		if err != nil {
+			return res, err
 		}
 		res.Runs = append(res.Runs, run)
 		if ctx.Err() != nil {
@@ -215,6 +249,30 @@ func (o *benchOptions) run(ctx context.Context, stderr io.Writer) (report.Result
 		}
 	}
 	return res, nil
+}
+
+// runPolicy sends the requests through a fresh embedded fleet routed by p,
+// or to the target.
+func (c benchConfig) runPolicy(ctx context.Context, p string, stderr io.Writer) (report.Run, error) {
+	bar := newProgress(stderr, len(c.reqs), p)
+	defer bar.finish()
+	load := c.load
+	load.Progress = bar.add
+	if !c.embedded {
+		load.Target = c.target
+		recs, wall, err := bench.Run(ctx, load, c.reqs)
+		if err != nil && !errors.Is(err, bench.ErrDeadline) {
+			return report.Run{}, err
+		}
+		return report.Summarize(p, recs, maxReplica(recs)+1, wall), nil
+	}
+	gcfg := c.gateway
+	gcfg.PolicyParams = c.params.of(p)
+	er, err := bench.RunEmbedded(ctx, bench.EmbeddedConfig{Sim: c.sim, Gateway: gcfg, Load: load}, p, c.reqs)
+	if err != nil && !errors.Is(err, bench.ErrDeadline) {
+		return report.Run{}, fmt.Errorf("policy %s: %w", p, err)
+	}
+	return er.Run, nil
 }
 
 func maxReplica(recs []report.Record) int {
@@ -225,105 +283,29 @@ func maxReplica(recs []report.Record) int {
 	return m
 }
 
-func (o *benchOptions) output(res report.Result, stdout io.Writer, title string) error {
-	report.WriteTable(stdout, res)
-	if o.jsonPath != "" {
-		f, err := os.Create(o.jsonPath)
-		if err != nil {
-			return err
-		}
-		if err := report.WriteJSON(f, res); err != nil {
-			f.Close()
-			return err
-		}
-		if err := f.Close(); err != nil {
-			return err
-		}
-		fmt.Fprintf(stdout, "JSON: %s\n", o.jsonPath)
-	}
-	if o.reportDir != "" {
-		if err := report.WriteReport(o.reportDir, res, title); err != nil {
-			return err
-		}
-		fmt.Fprintf(stdout, "Report: %s\n", o.reportDir+"/index.html")
-	}
-	return nil
-}
-
-// progress shows a bar on a terminal and a line every 10% otherwise.
-type progress struct {
-	mu    sync.Mutex
-	bar   *progressbar.ProgressBar
-	w     io.Writer
-	label string
-	total int
-	last  int
-}
-
-func isTerminal(w io.Writer) bool {
-	f, ok := w.(*os.File)
-	if !ok {
-		return false
-	}
-	st, err := f.Stat()
-	return err == nil && st.Mode()&os.ModeCharDevice != 0
-}
-
-func newProgress(w io.Writer, total int, label string) *progress {
-	p := &progress{w: w, label: label, total: total}
-	if isTerminal(w) {
-		p.bar = progressbar.NewOptions(total, progressbar.OptionSetWriter(w), progressbar.OptionSetDescription(fmt.Sprintf("%-14s", label)),
-			progressbar.OptionShowCount(), progressbar.OptionClearOnFinish(), progressbar.OptionThrottle(100*time.Millisecond))
-	}
-	return p
-}
-
-func (p *progress) add(done, total int) {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	if p.bar != nil {
-		_ = p.bar.Set(done)
-		return
-	}
-	if step := max(total/10, 1); done-p.last >= step || done == total {
-		p.last = done
-		fmt.Fprintf(p.w, "%s: %d/%d requests\n", p.label, done, total)
-	}
-}
-
-func (p *progress) finish() {
-	if p.bar != nil {
-		_ = p.bar.Finish()
-	}
-}
-
 // soak runs the workload round after round against --target for --duration
 // and prints the gateway's goroutines and heap over time.
-func (o *benchOptions) soak(ctx context.Context, stdout io.Writer) error {
-	if o.target == "" || o.embedded {
+func (f *benchFlags) soak(ctx context.Context, inv invocation) error {
+	if f.target == "" || f.embedded {
 		return fmt.Errorf("%w: --duration soaks a running gateway: give --target URL (kvgate serve registers go_goroutines and heap metrics)", errUsage)
 	}
-	if err := o.validate(); err != nil {
+	if err := f.validate(); err != nil {
 		return err
 	}
-	load := bench.Config{Target: o.target, Model: o.model, RequestTimeout: o.timeout, Concurrency: o.concurrency, TimeScale: o.timeScale}
-	if o.rate > 0 || strings.HasPrefix(o.workload, "trace:") {
-		load.Concurrency = 0
-	}
-	seed := o.seed
+	load := f.loadConfig()
+	load.Target = f.target
 	gen := func(round int) ([]workload.Request, error) {
-		o.seed = seed + uint64(round)
-		reqs, _, err := o.requestsFor()
+		reqs, _, err := f.requestsFor(f.seed + uint64(round))
 		return reqs, err
 	}
 	start := time.Now()
-	samples, recs, err := bench.Soak(ctx, load, gen, o.duration, o.soakEvery)
+	samples, recs, err := bench.Soak(ctx, load, gen, f.duration, f.soakEvery)
 	if err != nil {
 		return err
 	}
-	bench.WriteSoak(stdout, samples)
+	bench.WriteSoak(inv.stdout, samples)
 	run := report.Summarize("soak", recs, maxReplica(recs)+1, time.Since(start))
-	res := report.Result{Runs: []report.Run{run}, Meta: map[string]any{"soak": samples, "workload": o.workload,
-		"duration": o.duration.String(), "target": o.target}}
-	return o.output(res, stdout, "kvgate bench soak")
+	res := report.Result{Runs: []report.Run{run}, Meta: map[string]any{"soak": samples, "workload": f.workload,
+		"duration": f.duration.String(), "target": f.target}}
+	return f.out.outputs("kvgate bench soak").Write(inv.stdout, inv.stderr, res)
 }

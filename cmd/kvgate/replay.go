@@ -1,21 +1,18 @@
 package main
 
 import (
-	"bytes"
 	"context"
 	"flag"
 	"fmt"
 	"io"
 	"os"
 	"path/filepath"
-	"slices"
 	"strconv"
 	"strings"
 	"time"
 
 	"github.com/kvgate/kvgate/internal/costmodel"
 	"github.com/kvgate/kvgate/internal/engine"
-	"github.com/kvgate/kvgate/internal/policy"
 	"github.com/kvgate/kvgate/internal/replay"
 	"github.com/kvgate/kvgate/internal/report"
 	"github.com/kvgate/kvgate/internal/workload"
@@ -26,6 +23,10 @@ import (
 // to show, not so much that every policy drowns.
 const replayDefaultRate = 20
 
+// replayDefaultWorkload is what the sharing question replays without
+// --workload.
+const replayDefaultWorkload = "shared_prefix"
+
 // Questions of --question.
 const (
 	questionSharing   = "sharing"
@@ -33,155 +34,142 @@ const (
 	questionStaleness = "staleness"
 )
 
-// replayParams collects repeated --workload-param flags.
-type replayParams []string
-
-func (p *replayParams) String() string     { return strings.Join(*p, ",") }
-func (p *replayParams) Set(v string) error { *p = append(*p, v); return nil }
-
+// replayFlags are the flags of `kvgate replay`.
 type replayFlags struct {
-	trace, workload, policies, profile, question, jsonOut, reportDir string
-	params                                                           replayParams
-	policyParams                                                     paramsFlag
-	replicaProfiles                                                  profilesFlag
-	requests, replicas, kvBlocks                                     int
-	rate, speedup                                                    float64
-	staleness, scrape, slo                                           time.Duration
-	capacity                                                         bool
-	seed                                                             uint64
-	set                                                              map[string]bool
+	trace, workload, policies, profile, question  string
+	workloadParams, policyParams, replicaProfiles listFlag
+	requests, replicas, kvBlocks                  int
+	rate, speedup                                 float64
+	staleness, scrape, slo                        time.Duration
+	capacity                                      bool
+	seed                                          uint64
+	out                                           outputFlags
+	set                                           map[string]bool
 }
 
-func runReplay(ctx context.Context, args []string, _ io.Reader, stdout, stderr io.Writer) error {
-	fs := newFlags("replay", "(--trace FILE | --workload NAME) [flags]", stderr)
-	var f replayFlags
+func (f *replayFlags) register(fs *flag.FlagSet) {
 	fs.StringVar(&f.trace, "trace", "", "Mooncake trace (JSON lines) to replay")
 	fs.StringVar(&f.workload, "workload", "", "a generated workload instead of a trace: "+strings.Join(workload.Names(), ", ")+" (or trace:FILE)")
-	fs.Var(&f.params, "workload-param", "a workload parameter, name=value (repeatable)")
+	fs.Var(&f.workloadParams, "workload-param", "a workload parameter, name=value (repeatable)")
 	fs.IntVar(&f.requests, "requests", 0, "requests to make (a trace: its first N records; 0: the workload's default, the whole trace)")
 	fs.Float64Var(&f.rate, "rate", replayDefaultRate, "Poisson arrival rate of a generated workload, requests/s (0: all at once)")
 	fs.IntVar(&f.replicas, "replicas", replay.DefaultReplicas, "simulated replicas")
 	fs.StringVar(&f.policies, "policies", "all", "comma-separated policies, or all")
-	f.policyParams = paramsFlag{}
-	fs.Var(f.policyParams, "policy-param", "a policy parameter name=value for every policy, or POLICY.name=value for one (repeatable)")
+	fs.Var(&f.policyParams, "policy-param", "a policy parameter name=value for every policy, or POLICY.name=value for one (repeatable)")
 	fs.StringVar(&f.profile, "profile", costmodel.Default, "latency profile: "+strings.Join(costmodel.Names(), ", "))
-	f.replicaProfiles = profilesFlag{}
-	fs.Var(f.replicaProfiles, "replica-profile", "replica I runs profile NAME instead (I=NAME, repeatable): a heterogeneous fleet; the policies still assume --profile")
+	fs.Var(&f.replicaProfiles, "replica-profile", "replica I runs profile NAME instead (I=NAME, repeatable): a heterogeneous fleet; the policies still assume --profile")
 	fs.IntVar(&f.kvBlocks, "kv-blocks", engine.DefaultNumBlocks, "KV cache blocks per replica (16 tokens each)")
 	fs.Float64Var(&f.speedup, "speedup", 1, "arrival (and think) times are divided by this")
 	fs.DurationVar(&f.staleness, "staleness", 0, "policies see the replicas' scraped metrics (and KV events) this much late")
 	fs.DurationVar(&f.scrape, "scrape-interval", replay.DefaultScrapeInterval, "period of the metric scrapes")
 	fs.BoolVar(&f.capacity, "capacity", false, "search each policy's largest speed-up meeting --slo-ttft-p90")
 	fs.DurationVar(&f.slo, "slo-ttft-p90", 2*time.Second, "the p90 TTFT objective of --capacity")
-	fs.StringVar(&f.jsonOut, "json", "", "write the result as JSON to this file")
-	fs.StringVar(&f.reportDir, "report", "", "write an HTML report (with charts) to this directory")
+	f.out.register(fs, "")
 	fs.Uint64Var(&f.seed, "seed", 1, "seed of the workload and the policies")
 	fs.StringVar(&f.question, "question", "", "answer one question instead: sharing (TTFT and hit rate against the sharing ratio), "+
 		"score-surface (score's cache weight against load weight), staleness (p90 TTFT against staleness)")
-	if err := parseFlags(fs, args); err != nil {
-		return err
-	}
-	f.set = map[string]bool{}
-	fs.Visit(func(fl *flag.Flag) { f.set[fl.Name] = true })
-	if err := f.check(); err != nil {
-		return err
-	}
-	prof, err := costmodel.Lookup(f.profile)
-	if err != nil {
-		return fmt.Errorf("%w: --profile: %v", errUsage, err)
-	}
-	cfg := replay.Config{
-		Replicas: f.replicas, Profile: prof, KVBlocks: f.kvBlocks, Speedup: f.speedup,
-		Staleness: f.staleness, ScrapeInterval: f.scrape, Seed: f.seed,
-	}
-	if len(f.replicaProfiles) > 0 {
-		cfg.ReplicaProfiles = map[int]costmodel.Profile{}
-		for i, name := range f.replicaProfiles {
-			if i >= f.replicas {
-				return fmt.Errorf("%w: --replica-profile %d=%s: there are %d replicas (0 to %d)", errUsage, i, name, f.replicas, f.replicas-1)
-			}
-			if cfg.ReplicaProfiles[i], err = costmodel.Lookup(name); err != nil {
-				return fmt.Errorf("%w: --replica-profile %d=%s: %v", errUsage, i, name, err)
-			}
-		}
-	}
-	specs, err := f.specs()
-	if err != nil {
-		return err
-	}
-	wspec, err := f.workloadSpec()
-	if err != nil {
-		return err
-	}
+}
 
+func (f *replayFlags) run(ctx context.Context, inv invocation) error {
+	c, err := f.config(inv)
+	if err != nil {
+		return err
+	}
 	start := time.Now()
-	last := start
-	progress := func(spec replay.PolicySpec, run report.Run) {
+	res, charts, err := c.execute(ctx, replayProgress(inv.stderr))
+	if err != nil {
+		return err
+	}
+	res.Meta = c.meta
+	fmt.Fprintf(inv.stderr, "replay: done in %.1f s\n", time.Since(start).Seconds())
+	c.out.Charts = charts
+	return c.out.Write(inv.stdout, inv.stderr, res)
+}
+
+// replayProgress prints a line per policy run, with its wall time.
+func replayProgress(w io.Writer) func(replay.PolicySpec, report.Run) {
+	last := time.Now()
+	return func(spec replay.PolicySpec, run report.Run) {
 		now := time.Now()
 		line := fmt.Sprintf("replay: %-24s %6d requests  hit %5.1f%%  ttft p90 %8.1f ms  errors %d",
 			spec.RunName(), run.Requests, 100*run.HitRate, run.TTFTms.P90, run.Errors)
 		if run.CapacitySpeedup != nil {
 			line += fmt.Sprintf("  capacity %.2fx", *run.CapacitySpeedup)
 		}
-		fmt.Fprintf(stderr, "%s  (%.1f s)\n", line, now.Sub(last).Seconds())
+		fmt.Fprintf(w, "%s  (%.1f s)\n", line, now.Sub(last).Seconds())
 		last = now
 	}
+}
 
-	var (
-		res    report.Result
-		charts []report.Chart
-	)
-	if f.question == questionSharing {
-		res, charts, err = replay.Sharing(ctx, cfg, wspec, f.rate, replay.DefaultSharingRatios(), specs, progress)
-	} else {
-		var reqs []workload.Request
-		reqs, err = workload.Generate(wspec)
-		if err != nil {
-			return err
-		}
-		if wspec.Name != workload.TraceName {
-			workload.Arrivals(reqs, f.rate, f.seed)
-		}
-		switch f.question {
-		case questionScore:
-			res, charts, err = replay.ScoreSurface(ctx, cfg, reqs, replay.DefaultScoreWeights(), progress)
-		case questionStaleness:
-			res, charts, err = replay.Staleness(ctx, cfg, reqs, replay.DefaultStaleness(), specs, progress)
-		default:
-			opt := replay.Options{Progress: progress}
-			if f.capacity {
-				opt.Capacity = &replay.SLO{TTFTP90: f.slo}
-			}
-			res, err = replay.Compare(ctx, cfg, reqs, specs, opt)
-		}
+// replayConfig is a validated replay: the fleet, the policies, the request
+// sequence and what to answer.
+type replayConfig struct {
+	replay   replay.Config
+	specs    []replay.PolicySpec
+	workload workload.Spec
+	rate     float64
+	question string
+	capacity *replay.SLO
+	meta     map[string]any
+	out      report.Outputs
+}
+
+func (f *replayFlags) config(inv invocation) (replayConfig, error) {
+	f.set = inv.set
+	if err := f.check(); err != nil {
+		return replayConfig{}, err
 	}
+	prof, err := costmodel.Lookup(f.profile)
 	if err != nil {
-		return err
+		return replayConfig{}, fmt.Errorf("%w: --profile: %v", errUsage, err)
 	}
-	res.Meta = f.meta(args, wspec, prof)
-	fmt.Fprintf(stderr, "replay: done in %.1f s\n", time.Since(start).Seconds())
+	c := replayConfig{rate: f.rate, question: f.question}
+	c.replay = replay.Config{
+		Replicas: f.replicas, Profile: prof, KVBlocks: f.kvBlocks, Speedup: f.speedup,
+		Staleness: f.staleness, ScrapeInterval: f.scrape, Seed: f.seed,
+	}
+	profiles, err := f.replicaProfileMap()
+	if err != nil {
+		return c, err
+	}
+	for i, name := range profiles {
+		if c.replay.ReplicaProfiles == nil {
+			c.replay.ReplicaProfiles = map[int]costmodel.Profile{}
+		}
+		if c.replay.ReplicaProfiles[i], err = costmodel.Lookup(name); err != nil {
+			return c, fmt.Errorf("%w: --replica-profile %d=%s: %v", errUsage, i, name, err)
+		}
+	}
+	if c.specs, err = f.specs(); err != nil {
+		return c, err
+	}
+	if c.workload, err = f.workloadSpec(); err != nil {
+		return c, err
+	}
+	if f.capacity {
+		c.capacity = &replay.SLO{TTFTP90: f.slo}
+	}
+	c.meta = f.meta(inv, c.workload, prof, profiles)
+	title := "kvgate replay: " + source(c.workload)
+	if f.question != "" {
+		title += " — question " + f.question
+	}
+	c.out = f.out.outputs(title)
+	return c, nil
+}
 
-	report.WriteTable(stdout, res)
-	if f.jsonOut != "" {
-		var b bytes.Buffer
-		if err := report.WriteJSON(&b, res); err != nil {
-			return err
-		}
-		if err := os.WriteFile(f.jsonOut, b.Bytes(), 0o644); err != nil {
-			return err
+// replayProfileMap is --replica-profile, each replica checked against --replicas.
+func (f *replayFlags) replicaProfileMap() (map[int]string, error) {
+	profiles, err := parseReplicaProfiles(f.replicaProfiles)
+	if err != nil {
+		return nil, err
+	}
+	for i, name := range profiles {
+		if i >= f.replicas {
+			return nil, fmt.Errorf("%w: --replica-profile %d=%s: there are %d replicas (0 to %d)", errUsage, i, name, f.replicas, f.replicas-1)
 		}
 	}
-	if f.reportDir != "" {
-		title := "kvgate replay: " + f.source(wspec)
-		if f.question != "" {
-			title += " — question " + f.question
-		}
-		if err := report.WriteReport(f.reportDir, res, title, charts...); err != nil {
-			return err
-		}
-		fmt.Fprintf(stderr, "replay: report in %s\n", filepath.Join(f.reportDir, "index.html"))
-	}
-	return nil
+	return profiles, nil
 }
 
 // check rejects flag values that cannot run, as usage errors.
@@ -214,6 +202,18 @@ func (f *replayFlags) check() error {
 		return bad("--capacity and --question do not combine")
 	case f.set["slo-ttft-p90"] && !f.capacity:
 		return bad("--slo-ttft-p90 needs --capacity")
+	}
+	return f.checkQuestion(bad)
+}
+
+// checkQuestion rejects --question values and the flags a question sweeps.
+func (f *replayFlags) checkQuestion(bad func(format string, a ...any) error) error {
+	switch f.question {
+	case "", questionSharing, questionScore, questionStaleness:
+	default:
+		return bad("--question %q: want %s, %s or %s", f.question, questionSharing, questionScore, questionStaleness)
+	}
+	switch {
 	case f.question == questionScore && (f.set["policies"] || len(f.policyParams) > 0):
 		return bad("--question score-surface sweeps the score policy's weights: drop --policies and --policy-param")
 	case f.question == questionSharing && f.trace != "":
@@ -221,15 +221,11 @@ func (f *replayFlags) check() error {
 	case f.question == questionStaleness && f.set["staleness"]:
 		return bad("--question staleness sweeps the staleness: drop --staleness")
 	}
-	switch f.question {
-	case "", questionSharing, questionScore, questionStaleness:
-	default:
-		return bad("--question %q: want %s, %s or %s", f.question, questionSharing, questionScore, questionStaleness)
-	}
 	return nil
 }
 
-// specs are the policies to run: --policies, or the question's default.
+// specs are the policies to run: --policies, or the question's default,
+// with their --policy-param.
 func (f *replayFlags) specs() ([]replay.PolicySpec, error) {
 	names := strings.Split(f.policies, ",")
 	if !f.set["policies"] {
@@ -247,38 +243,16 @@ func (f *replayFlags) specs() ([]replay.PolicySpec, error) {
 	if err != nil {
 		return nil, fmt.Errorf("%w: --policies: %v", errUsage, err)
 	}
-	// name=value goes to every policy, POLICY.name=value to that one.
-	scoped := map[string]map[string]any{}
-	common := map[string]any{}
-	for k, v := range f.policyParams {
-		if pol, name, ok := strings.Cut(k, "."); ok {
-			if !slices.ContainsFunc(specs, func(sp replay.PolicySpec) bool { return sp.Name == pol }) {
-				return nil, fmt.Errorf("%w: --policy-param %s: policy %q is not in --policies", errUsage, k, pol)
-			}
-			if scoped[pol] == nil {
-				scoped[pol] = map[string]any{}
-			}
-			scoped[pol][name] = v
-			continue
-		}
-		common[k] = v
+	runNames := make([]string, len(specs))
+	for i, sp := range specs {
+		runNames[i] = sp.Name
+	}
+	params, err := parsePolicyParams(f.policyParams, runNames)
+	if err != nil {
+		return nil, err
 	}
 	for i := range specs {
-		if len(common)+len(scoped[specs[i].Name]) == 0 {
-			continue
-		}
-		ps := map[string]any{}
-		for k, v := range common {
-			ps[k] = v
-		}
-		for k, v := range scoped[specs[i].Name] {
-			ps[k] = v
-		}
-		specs[i].Params = ps
-		// Fail now, with the flag named, rather than after other policies ran.
-		if _, err := policy.New(specs[i].Name, policy.Options{Params: ps}); err != nil {
-			return nil, fmt.Errorf("%w: --policy-param: %v", errUsage, err)
-		}
+		specs[i].Params = params.of(specs[i].Name)
 	}
 	return specs, nil
 }
@@ -299,10 +273,10 @@ func (f *replayFlags) workloadSpec() (workload.Spec, error) {
 			return ws, fmt.Errorf("%w: --workload: %v", errUsage, err)
 		}
 	default:
-		ws = workload.Spec{Name: "shared_prefix"}
+		ws = workload.Spec{Name: replayDefaultWorkload}
 	}
 	ws.Requests, ws.Seed = f.requests, f.seed
-	for _, kv := range f.params {
+	for _, kv := range f.workloadParams {
 		if err := ws.SetParam(kv); err != nil {
 			return ws, fmt.Errorf("%w: --workload-param: %v", errUsage, err)
 		}
@@ -315,7 +289,8 @@ func (f *replayFlags) workloadSpec() (workload.Spec, error) {
 	return ws, nil
 }
 
-func (f *replayFlags) source(ws workload.Spec) string {
+// source names the request sequence in the report's title.
+func source(ws workload.Spec) string {
 	if ws.Name == workload.TraceName {
 		return filepath.Base(ws.Path)
 	}
@@ -323,9 +298,11 @@ func (f *replayFlags) source(ws workload.Spec) string {
 }
 
 // meta describes the run in the result and the report.
-func (f *replayFlags) meta(args []string, ws workload.Spec, prof costmodel.Profile) map[string]any {
+func (f *replayFlags) meta(inv invocation, ws workload.Spec, prof costmodel.Profile, profiles map[int]string) map[string]any {
 	m := map[string]any{
-		"command":         replayCommand(args),
+		// Where a result is written is not part of the experiment, and
+		// the same experiment must give the same JSON.
+		"command":         inv.commandLine("json", "report"),
 		"seed":            f.seed,
 		"replicas":        f.replicas,
 		"profile":         prof.Name,
@@ -350,54 +327,34 @@ func (f *replayFlags) meta(args []string, ws workload.Spec, prof costmodel.Profi
 	if f.capacity {
 		m["slo_ttft_p90"] = f.slo.String()
 	}
-	if pm := f.replicaProfiles.meta(); pm != nil {
+	if len(profiles) > 0 {
+		pm := make(map[string]string, len(profiles))
+		for i, name := range profiles {
+			pm[strconv.Itoa(i)] = name
+		}
 		m["replica_profiles"] = pm
 	}
 	return m
 }
 
-// replayCommand is the command line in the result, without the output
-// flags: where a result is written is not part of the experiment, and the
-// same experiment must give the same JSON.
-func replayCommand(args []string) string {
-	out := []string{"kvgate", "replay"}
-	for i := 0; i < len(args); i++ {
-		a := args[i]
-		name, _, hasValue := strings.Cut(strings.TrimLeft(a, "-"), "=")
-		if strings.HasPrefix(a, "-") && (name == "json" || name == "report") {
-			if !hasValue {
-				i++ // the value is the next argument
-			}
-			continue
-		}
-		out = append(out, a)
+// execute runs the question, or compares the policies.
+func (c replayConfig) execute(ctx context.Context, progress func(replay.PolicySpec, report.Run)) (report.Result, []report.Chart, error) {
+	if c.question == questionSharing {
+		return replay.Sharing(ctx, c.replay, c.workload, c.rate, replay.DefaultSharingRatios(), c.specs, progress)
 	}
-	return strings.Join(out, " ")
-}
-
-// profilesFlag collects repeated --replica-profile I=NAME.
-type profilesFlag map[int]string
-
-func (p profilesFlag) String() string { return "" }
-
-func (p profilesFlag) Set(v string) error {
-	k, name, ok := strings.Cut(v, "=")
-	i, err := strconv.Atoi(strings.TrimSpace(k))
-	if !ok || err != nil || i < 0 || strings.TrimSpace(name) == "" {
-		return fmt.Errorf("want I=NAME with I a replica number from 0, got %q", v)
+	reqs, err := workload.Generate(c.workload)
+	if err != nil {
+		return report.Result{}, nil, err
 	}
-	p[i] = strings.TrimSpace(name)
-	return nil
-}
-
-// meta is the flag in the JSON's meta: replica → profile name (nil if unset).
-func (p profilesFlag) meta() map[string]string {
-	if len(p) == 0 {
-		return nil
+	if c.workload.Name != workload.TraceName {
+		workload.Arrivals(reqs, c.rate, c.workload.Seed)
 	}
-	m := make(map[string]string, len(p))
-	for i, name := range p {
-		m[strconv.Itoa(i)] = name
+	switch c.question {
+	case questionScore:
+		return replay.ScoreSurface(ctx, c.replay, reqs, replay.DefaultScoreWeights(), progress)
+	case questionStaleness:
+		return replay.Staleness(ctx, c.replay, reqs, replay.DefaultStaleness(), c.specs, progress)
 	}
-	return m
+	res, err := replay.Compare(ctx, c.replay, reqs, c.specs, replay.Options{Progress: progress, Capacity: c.capacity})
+	return res, nil, err
 }

@@ -106,14 +106,7 @@ func TestReplayPolicyParams(t *testing.T) {
 		if code != 0 {
 			t.Fatalf("exit %d: %s", code, stderr)
 		}
-		b, err := os.ReadFile(path)
-		if err != nil {
-			t.Fatal(err)
-		}
-		res, err := report.ReadJSON(bytes.NewReader(b))
-		if err != nil {
-			t.Fatal(err)
-		}
+		res := readResult(t, path)
 		return res.Runs[0].HitRate
 	}
 	def, cacheOnly := hit(), hit("--policy-param", "score.load_weight=0")
@@ -138,14 +131,7 @@ func TestReplayCapacityAndTrace(t *testing.T) {
 	if code != 0 {
 		t.Fatalf("exit %d: %s", code, stderr)
 	}
-	b, err := os.ReadFile(path)
-	if err != nil {
-		t.Fatal(err)
-	}
-	res, err := report.ReadJSON(bytes.NewReader(b))
-	if err != nil {
-		t.Fatal(err)
-	}
+	res := readResult(t, path)
 	r := res.Runs[0]
 	if r.Requests != 3 || r.CapacitySpeedup == nil || *r.CapacitySpeedup <= 1 {
 		t.Fatalf("run %+v", r)
@@ -179,4 +165,18 @@ func TestReplayCancelled(t *testing.T) {
 		!strings.Contains(errb.String(), "context canceled") {
 		t.Fatalf("exit %d: %s", code, errb.String())
 	}
+}
+
+// readResult reads a result JSON file.
+func readResult(t *testing.T, path string) report.Result {
+	t.Helper()
+	b, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	res, err := report.ReadJSON(bytes.NewReader(b))
+	if err != nil {
+		t.Fatal(err)
+	}
+	return res
 }

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"flag"
 	"fmt"
 	"io"
 	"strconv"
@@ -25,10 +26,12 @@ type routeRequest struct {
 
 const maxRouteInput = 256 << 20
 
-func runRoute(_ context.Context, args []string, stdin io.Reader, stdout, stderr io.Writer) error {
-	fs := newFlags("route", "< input.json", stderr)
+// routeFlags is `kvgate route`, which has no flags: its input is JSON on stdin.
+type routeFlags struct{}
+
+func (routeFlags) register(fs *flag.FlagSet) {
 	fs.Usage = func() {
-		fmt.Fprint(stderr, `Usage: kvgate route < input.json
+		fmt.Fprint(fs.Output(), `Usage: kvgate route < input.json
 
 Reads {"requests": [{"prefix_hash": "a"}, ...], "num_replicas": N, "cache_capacity": C}
 and writes {"assignments": [...], "cache_hits": H, "hit_ratio": R}.
@@ -40,9 +43,10 @@ recent hash when full). Ties go to the lowest index. hit_ratio = hits / requests
 rounded to 4 decimals.
 `)
 	}
-	if err := parseFlags(fs, args); err != nil {
-		return err
-	}
+}
+
+func (routeFlags) run(_ context.Context, inv invocation) error {
+	stdin, stdout := inv.stdin, inv.stdout
 	data, err := io.ReadAll(io.LimitReader(stdin, maxRouteInput+1))
 	if err != nil {
 		return fmt.Errorf("reading stdin: %w", err)

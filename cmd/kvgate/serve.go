@@ -5,12 +5,10 @@ import (
 	"errors"
 	"flag"
 	"fmt"
-	"io"
 	"log/slog"
 	"net"
 	"net/http"
 	"os"
-	"strconv"
 	"strings"
 	"sync"
 	"time"
@@ -22,108 +20,41 @@ import (
 	"github.com/kvgate/kvgate/internal/policy"
 )
 
-// paramsFlag collects repeated --policy-param name=value.
-type paramsFlag map[string]any
-
-func (p paramsFlag) String() string { return "" }
-
-func (p paramsFlag) Set(s string) error {
-	k, v, ok := strings.Cut(s, "=")
-	if !ok || k == "" {
-		return fmt.Errorf("want name=value, got %q", s)
-	}
-	if f, err := strconv.ParseFloat(v, 64); err == nil {
-		p[k] = f
-	} else if b, err := strconv.ParseBool(v); err == nil {
-		p[k] = b
-	} else {
-		p[k] = v
-	}
-	return nil
+// serveFlags are the flags of `kvgate serve`. Flags given explicitly
+// override the --config file; see config.
+type serveFlags struct {
+	configPath, listen, replicas, policy, kvEvents, tokenizer string
+	adminToken, apiKeys, profile, logLevel                    string
+	params                                                    listFlag
+	seed                                                      uint64
+	blockSize, retries                                        int
+	scrape                                                    time.Duration
 }
 
-func runServe(ctx context.Context, args []string, _ io.Reader, stdout, stderr io.Writer) error {
-	fs := newFlags("serve", "--replicas URL,URL,... [--policy NAME] | --config FILE", stderr)
-	configPath := fs.String("config", "", "YAML configuration file (flags given explicitly override it)")
-	listen := fs.String("listen", "127.0.0.1:8080", "address to serve the API on")
-	replicas := fs.String("replicas", "", "comma-separated replica base URLs, e.g. http://127.0.0.1:8001,http://127.0.0.1:8002")
-	pol := fs.String("policy", policy.Default, "routing policy: "+strings.Join(policy.Names(), ", "))
-	params := paramsFlag{}
-	fs.Var(params, "policy-param", "a policy parameter name=value (repeatable), e.g. cache_threshold=0.3")
-	kvEvents := fs.String("kv-events", "", "precise mode: each replica's KV-event endpoint, in --replicas order (tcp://127.0.0.1:5557,...)")
-	tokenizer := fs.String("tokenizer", "approx", "approx (kvgate's own) or remote (the replicas' POST /tokenize)")
-	adminToken := fs.String("admin-token", "", "enables /debug/* and /admin/* behind this bearer token (or $KVGATE_ADMIN_TOKEN)")
-	apiKeys := fs.String("api-keys", "", "comma-separated client API keys; when set, clients must send one as a bearer token")
-	seed := fs.Uint64("seed", 1, "seed of the policy's random tie breaks")
-	profile := fs.String("profile", "llama3-8b-h100", "replicas' latency profile (ttft policy's estimate)")
-	blockSize := fs.Int("block-size", 16, "tokens per KV block of the replicas")
-	scrape := fs.Duration("scrape-interval", 250*time.Millisecond, "how often each replica's /metrics is scraped")
-	retries := fs.Int("retries", 2, "other replicas a request may try before its first response byte")
-	logLevel := fs.String("log-level", "info", "debug, info, warn or error")
-	if err := parseFlags(fs, args); err != nil {
+func (f *serveFlags) register(fs *flag.FlagSet) {
+	fs.StringVar(&f.configPath, "config", "", "YAML configuration file (flags given explicitly override it)")
+	fs.StringVar(&f.listen, "listen", "127.0.0.1:8080", "address to serve the API on")
+	fs.StringVar(&f.replicas, "replicas", "", "comma-separated replica base URLs, e.g. http://127.0.0.1:8001,http://127.0.0.1:8002")
+	fs.StringVar(&f.policy, "policy", policy.Default, "routing policy: "+strings.Join(policy.Names(), ", "))
+	fs.Var(&f.params, "policy-param", "a policy parameter name=value (repeatable), e.g. cache_threshold=0.3")
+	fs.StringVar(&f.kvEvents, "kv-events", "", "precise mode: each replica's KV-event endpoint, in --replicas order (tcp://127.0.0.1:5557,...)")
+	fs.StringVar(&f.tokenizer, "tokenizer", "approx", "approx (kvgate's own) or remote (the replicas' POST /tokenize)")
+	fs.StringVar(&f.adminToken, "admin-token", "", "enables /debug/* and /admin/* behind this bearer token (or $KVGATE_ADMIN_TOKEN)")
+	fs.StringVar(&f.apiKeys, "api-keys", "", "comma-separated client API keys; when set, clients must send one as a bearer token")
+	fs.Uint64Var(&f.seed, "seed", 1, "seed of the policy's random tie breaks")
+	fs.StringVar(&f.profile, "profile", "llama3-8b-h100", "replicas' latency profile (ttft policy's estimate)")
+	fs.IntVar(&f.blockSize, "block-size", 16, "tokens per KV block of the replicas")
+	fs.DurationVar(&f.scrape, "scrape-interval", 250*time.Millisecond, "how often each replica's /metrics is scraped")
+	fs.IntVar(&f.retries, "retries", 2, "other replicas a request may try before its first response byte")
+	fs.StringVar(&f.logLevel, "log-level", "info", "debug, info, warn or error")
+}
+
+func (f *serveFlags) run(ctx context.Context, inv invocation) error {
+	cfg, level, err := f.config(inv.set)
+	if err != nil {
 		return err
 	}
-	cfg := gateway.Defaults()
-	if *configPath != "" {
-		var err error
-		if cfg, err = gateway.LoadConfig(*configPath); err != nil {
-			return err
-		}
-	}
-	set := map[string]bool{}
-	fs.Visit(func(f *flag.Flag) { set[f.Name] = true })
-	if set["listen"] || *configPath == "" {
-		cfg.Listen = *listen
-	}
-	if set["replicas"] || set["kv-events"] {
-		rs, err := gateway.ParseReplicaList(*replicas, *kvEvents)
-		if err != nil {
-			return fmt.Errorf("%w: %v", errUsage, err)
-		}
-		cfg.Replicas = rs
-	}
-	if set["policy"] || *configPath == "" {
-		cfg.Policy = *pol
-	}
-	if len(params) > 0 {
-		if cfg.PolicyParams == nil {
-			cfg.PolicyParams = map[string]any{}
-		}
-		for k, v := range params {
-			cfg.PolicyParams[k] = v
-		}
-	}
-	if set["tokenizer"] || *configPath == "" {
-		cfg.Tokenizer = *tokenizer
-	}
-	if set["seed"] {
-		cfg.Seed = *seed
-	}
-	if set["profile"] {
-		cfg.Profile = *profile
-	}
-	if set["block-size"] {
-		cfg.BlockSize = *blockSize
-	}
-	if set["scrape-interval"] {
-		cfg.ScrapeInterval = gateway.Duration(*scrape)
-	}
-	if set["retries"] {
-		cfg.Retries = *retries
-	}
-	if *adminToken != "" {
-		cfg.AdminToken = *adminToken
-	} else if cfg.AdminToken == "" {
-		cfg.AdminToken = os.Getenv("KVGATE_ADMIN_TOKEN")
-	}
-	if *apiKeys != "" {
-		cfg.APIKeys = strings.Split(*apiKeys, ",")
-	}
-	var level slog.Level
-	if err := level.UnmarshalText([]byte(*logLevel)); err != nil {
-		return fmt.Errorf("%w: --log-level: %v", errUsage, err)
-	}
-	log := slog.New(slog.NewJSONHandler(stderr, &slog.HandlerOptions{Level: level}))
+	log := slog.New(slog.NewJSONHandler(inv.stderr, &slog.HandlerOptions{Level: level}))
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	g, err := gateway.New(cfg, gateway.Options{Registry: reg, Logger: log})
@@ -134,8 +65,98 @@ func runServe(ctx context.Context, args []string, _ io.Reader, stdout, stderr io
 	if err != nil {
 		return err
 	}
-	fmt.Fprintf(stdout, "kvgate serving http://%s → %d replicas, policy %s\n", ln.Addr(), len(cfg.Replicas), cfg.Policy)
+	fmt.Fprintf(inv.stdout, "kvgate serving http://%s → %d replicas, policy %s\n", ln.Addr(), len(cfg.Replicas), cfg.Policy)
 	return serveUntil(ctx, ln, g, log)
+}
+
+// config is the gateway's configuration: the --config file (or the
+// defaults), with the flags given explicitly (set) on top; and the log level.
+func (f *serveFlags) config(set map[string]bool) (gateway.Config, slog.Level, error) {
+	var level slog.Level
+	cfg := gateway.Defaults()
+	if f.configPath != "" {
+		var err error
+		if cfg, err = gateway.LoadConfig(f.configPath); err != nil {
+			return cfg, level, err
+		}
+	}
+	if err := f.override(&cfg, set); err != nil {
+		return cfg, level, err
+	}
+	if err := level.UnmarshalText([]byte(f.logLevel)); err != nil {
+		return cfg, level, fmt.Errorf("%w: --log-level: %v", errUsage, err)
+	}
+	return cfg, level, nil
+}
+
+// override sets in cfg the flags given explicitly, and without a file the
+// listen address, policy and tokenizer.
+func (f *serveFlags) override(cfg *gateway.Config, set map[string]bool) error {
+	noFile := f.configPath == ""
+	if set["listen"] || noFile {
+		cfg.Listen = f.listen
+	}
+	if set["replicas"] || set["kv-events"] {
+		rs, err := gateway.ParseReplicaList(f.replicas, f.kvEvents)
+		if err != nil {
+			return fmt.Errorf("%w: %v", errUsage, err)
+		}
+		cfg.Replicas = rs
+	}
+	if set["policy"] || noFile {
+		cfg.Policy = f.policy
+	}
+	if err := f.overrideParams(cfg); err != nil {
+		return err
+	}
+	if set["tokenizer"] || noFile {
+		cfg.Tokenizer = f.tokenizer
+	}
+	if set["seed"] {
+		cfg.Seed = f.seed
+	}
+	if set["profile"] {
+		cfg.Profile = f.profile
+	}
+	if set["block-size"] {
+		cfg.BlockSize = f.blockSize
+	}
+	if set["scrape-interval"] {
+		cfg.ScrapeInterval = gateway.Duration(f.scrape)
+	}
+	if set["retries"] {
+		cfg.Retries = f.retries
+	}
+	f.overrideSecrets(cfg)
+	return nil
+}
+
+// overrideParams adds each --policy-param to the file's policy_params.
+func (f *serveFlags) overrideParams(cfg *gateway.Config) error {
+	for _, s := range f.params {
+		k, v, err := parseParam(s)
+		if err != nil {
+			return fmt.Errorf("%w: --policy-param: %v", errUsage, err)
+		}
+		if cfg.PolicyParams == nil {
+			cfg.PolicyParams = map[string]any{}
+		}
+		cfg.PolicyParams[k] = v
+	}
+	return nil
+}
+
+// overrideSecrets sets the admin token (flag, else file, else environment)
+// and the client API keys.
+func (f *serveFlags) overrideSecrets(cfg *gateway.Config) {
+	if f.adminToken != "" {
+		cfg.AdminToken = f.adminToken
+	} else if cfg.AdminToken == "" {
+		cfg.AdminToken = os.Getenv("KVGATE_ADMIN_TOKEN")
+	}
+	if f.apiKeys != "" {
+		cfg.APIKeys = strings.Split(f.apiKeys, ",")
+	}
 }
 
 // serveUntil serves g on ln until ctx ends, then shuts down gracefully.

@@ -3,8 +3,8 @@ package main
 import (
 	"context"
 	"errors"
+	"flag"
 	"fmt"
-	"io"
 	"strconv"
 	"strings"
 	"time"
@@ -18,21 +18,21 @@ import (
 // simShutdownGrace is how long in-flight requests may finish after SIGINT.
 const simShutdownGrace = 5 * time.Second
 
-// runSim is `kvgate sim`: N simulated vLLM replicas on consecutive ports,
-// until ctx is cancelled.
-func runSim(ctx context.Context, args []string, _ io.Reader, stdout, stderr io.Writer) error {
-	fs := newFlags("sim", "--replicas N --port P [flags]", stderr)
-	var (
-		cfg           sim.Config
-		seed          uint64
-		form          string
-		adapters      string
-		faultReplicas string
-	)
+// simFlags are the flags of `kvgate sim`: sim.Config's fields, and the
+// strings config parses into the others.
+type simFlags struct {
+	cfg           sim.Config
+	form          string
+	adapters      string
+	faultReplicas string
+}
+
+func (f *simFlags) register(fs *flag.FlagSet) {
+	cfg := &f.cfg
 	fs.IntVar(&cfg.Replicas, "replicas", 1, "number of replicas; replica i serves on 127.0.0.1:(port+i)")
 	fs.IntVar(&cfg.Port, "port", 8000, "port of replica 0 (0: ephemeral ports, printed)")
 	fs.StringVar(&cfg.Model, "model", sim.DefaultModel, "served model name")
-	fs.StringVar(&adapters, "lora-adapters", "", "comma-separated LoRA adapter names served beside the model")
+	fs.StringVar(&f.adapters, "lora-adapters", "", "comma-separated LoRA adapter names served beside the model")
 	fs.StringVar(&cfg.Profile, "profile", costmodel.Default,
 		"latency profile: "+strings.Join(costmodel.Names(), ", "))
 	fs.IntVar(&cfg.KVBlocks, "kv-blocks", engine.DefaultNumBlocks, "KV cache blocks per replica")
@@ -42,7 +42,7 @@ func runSim(ctx context.Context, args []string, _ io.Reader, stdout, stderr io.W
 	fs.IntVar(&cfg.MaxModelLen, "max-model-len", 0,
 		fmt.Sprintf("longest prompt + max_tokens (default min(%d, kv-blocks × block-size))", sim.DefaultMaxModelLen))
 	fs.Float64Var(&cfg.Jitter, "jitter", 0, "relative step-time noise in [0, 1)")
-	fs.Uint64Var(&seed, "seed", 1, "seed of every random draw (output lengths and words, faults, jitter)")
+	fs.Uint64Var(&cfg.Seed, "seed", 1, "seed of every random draw (output lengths and words, faults, jitter)")
 	fs.Float64Var(&cfg.TimeScale, "time-scale", 1,
 		fmt.Sprintf("virtual seconds per wall second (> 1 runs faster than real time, at most %g)", float64(sim.MaxTimeScale)))
 	fs.IntVar(&cfg.OutputMedian, "output-median", sim.DefaultOutputMedian,
@@ -50,55 +50,70 @@ func runSim(ctx context.Context, args []string, _ io.Reader, stdout, stderr io.W
 	fs.Float64Var(&cfg.OutputSigma, "output-sigma", sim.DefaultOutputSigma, "log-normal sigma of that length")
 	fs.IntVar(&cfg.KVEventsPort, "kv-events-port", 0,
 		"publish KV events: replica i binds tcp://127.0.0.1:(Q+i), topic kv@127.0.0.1:(port+i)@MODEL (0: off)")
-	fs.StringVar(&form, "kv-events-form", "map", "KV event encoding: map (vLLM > 0.23) or array (older positional)")
-	fs.StringVar(&faultReplicas, "fault-replicas", "", "comma-separated replica indexes the faults apply to (default all)")
-	fs.Float64Var(&cfg.Faults.ErrorRate, "fault-error-rate", 0, "probability of a 500 answer")
-	fs.IntVar(&cfg.Faults.FailAfter, "fault-fail-after", 0, "every request after the N-th gets 503, /health too (0: never)")
-	fs.Float64Var(&cfg.Faults.StallRate, "fault-stall-rate", 0, "probability of holding a request before its first byte")
-	fs.DurationVar(&cfg.Faults.Stall, "fault-stall", 0, "how long a stalled request is held (wall time)")
-	fs.Float64Var(&cfg.Faults.DieRate, "fault-die-rate", 0,
+	fs.StringVar(&f.form, "kv-events-form", "map", "KV event encoding: map (vLLM > 0.23) or array (older positional)")
+	f.registerFaults(fs)
+}
+
+func (f *simFlags) registerFaults(fs *flag.FlagSet) {
+	faults := &f.cfg.Faults
+	fs.StringVar(&f.faultReplicas, "fault-replicas", "", "comma-separated replica indexes the faults apply to (default all)")
+	fs.Float64Var(&faults.ErrorRate, "fault-error-rate", 0, "probability of a 500 answer")
+	fs.IntVar(&faults.FailAfter, "fault-fail-after", 0, "every request after the N-th gets 503, /health too (0: never)")
+	fs.Float64Var(&faults.StallRate, "fault-stall-rate", 0, "probability of holding a request before its first byte")
+	fs.DurationVar(&faults.Stall, "fault-stall", 0, "how long a stalled request is held (wall time)")
+	fs.Float64Var(&faults.DieRate, "fault-die-rate", 0,
 		"probability of cutting the connection after the first streamed chunk (non-streamed: before any byte)")
-	fs.DurationVar(&cfg.Faults.RefuseAfter, "fault-refuse-after", 0, "close the listener this long after start")
-	fs.DurationVar(&cfg.Faults.RefuseFor, "fault-refuse-for", 0, "and listen again on the same port after this window")
-	if err := parseFlags(fs, args); err != nil {
-		return err
-	}
-	cfg.Seed = seed
+	fs.DurationVar(&faults.RefuseAfter, "fault-refuse-after", 0, "close the listener this long after start")
+	fs.DurationVar(&faults.RefuseFor, "fault-refuse-for", 0, "and listen again on the same port after this window")
+}
+
+// config validates the flags and completes sim.Config.
+func (f *simFlags) config() (sim.Config, error) {
+	cfg := f.cfg
 	usageErr := func(format string, a ...any) error {
 		return fmt.Errorf("%w: kvgate sim: %s", errUsage, fmt.Sprintf(format, a...))
 	}
 	switch {
 	case cfg.Replicas < 1:
-		return usageErr("--replicas %d: want at least 1", cfg.Replicas)
+		return cfg, usageErr("--replicas %d: want at least 1", cfg.Replicas)
 	case cfg.Port < 0 || cfg.Port+cfg.Replicas-1 > 65535:
-		return usageErr("--port %d: ports %d..%d out of range", cfg.Port, cfg.Port, cfg.Port+cfg.Replicas-1)
+		return cfg, usageErr("--port %d: ports %d..%d out of range", cfg.Port, cfg.Port, cfg.Port+cfg.Replicas-1)
 	case cfg.KVEventsPort < 0 || cfg.KVEventsPort+cfg.Replicas-1 > 65535:
-		return usageErr("--kv-events-port %d: ports out of range", cfg.KVEventsPort)
+		return cfg, usageErr("--kv-events-port %d: ports out of range", cfg.KVEventsPort)
 	case !(cfg.TimeScale > 0):
-		return usageErr("--time-scale %v: want > 0", cfg.TimeScale)
+		return cfg, usageErr("--time-scale %v: want > 0", cfg.TimeScale)
 	}
 	if _, err := costmodel.Lookup(cfg.Profile); err != nil {
-		return usageErr("--profile: %v", err)
+		return cfg, usageErr("--profile: %v", err)
 	}
-	f, err := kvevents.ParseForm(form)
+	form, err := kvevents.ParseForm(f.form)
 	if err != nil {
-		return usageErr("--kv-events-form: %v", err)
+		return cfg, usageErr("--kv-events-form: %v", err)
 	}
-	cfg.KVEventsForm = f
+	cfg.KVEventsForm = form
 	cfg.KVEvents = cfg.KVEventsPort > 0
-	if adapters != "" {
-		cfg.Adapters = strings.Split(adapters, ",")
+	if f.adapters != "" {
+		cfg.Adapters = strings.Split(f.adapters, ",")
 	}
-	if faultReplicas != "" {
-		for _, s := range strings.Split(faultReplicas, ",") {
+	if f.faultReplicas != "" {
+		for _, s := range strings.Split(f.faultReplicas, ",") {
 			i, err := strconv.Atoi(strings.TrimSpace(s))
 			if err != nil {
-				return usageErr("--fault-replicas %q: %v", faultReplicas, err)
+				return cfg, usageErr("--fault-replicas %q: %v", f.faultReplicas, err)
 			}
 			cfg.FaultReplicas = append(cfg.FaultReplicas, i)
 		}
 	}
+	return cfg, nil
+}
 
+// run serves N simulated vLLM replicas on consecutive ports until ctx is
+// cancelled.
+func (f *simFlags) run(ctx context.Context, inv invocation) error {
+	cfg, err := f.config()
+	if err != nil {
+		return err
+	}
 	// The fleet outlives ctx by the grace period: Shutdown below ends it.
 	fleet, err := sim.Start(context.WithoutCancel(ctx), cfg)
 	if err != nil {
@@ -112,7 +127,7 @@ func runSim(ctx context.Context, args []string, _ io.Reader, stdout, stderr io.W
 		if r.KVEndpoint() != "" {
 			line += fmt.Sprintf(" kv-events %s topic %s", r.KVEndpoint(), r.KVTopic())
 		}
-		fmt.Fprintln(stdout, line)
+		fmt.Fprintln(inv.stdout, line)
 	}
 	<-ctx.Done()
 	sctx, cancel := context.WithTimeout(context.Background(), simShutdownGrace)

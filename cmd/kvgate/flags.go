@@ -1,0 +1,123 @@
+package main
+
+import (
+	"flag"
+	"fmt"
+	"maps"
+	"slices"
+	"strconv"
+	"strings"
+
+	"github.com/kvgate/kvgate/internal/policy"
+	"github.com/kvgate/kvgate/internal/report"
+)
+
+// listFlag is the one repeatable flag of every verb: each use appends its
+// value (--workload-param, --policy-param, --replica-profile). The verb's
+// config parses the values.
+type listFlag []string
+
+func (l *listFlag) String() string     { return strings.Join(*l, ",") }
+func (l *listFlag) Set(s string) error { *l = append(*l, s); return nil }
+
+// paramValue types a parameter's value as the policies take it: a number,
+// else a boolean, else the string.
+func paramValue(v string) any {
+	if f, err := strconv.ParseFloat(v, 64); err == nil {
+		return f
+	}
+	if b, err := strconv.ParseBool(v); err == nil {
+		return b
+	}
+	return v
+}
+
+// parseParam splits one name=value.
+func parseParam(s string) (string, any, error) {
+	k, v, ok := strings.Cut(s, "=")
+	if !ok || k == "" {
+		return "", nil, fmt.Errorf("want name=value, got %q", s)
+	}
+	return k, paramValue(v), nil
+}
+
+// policyParams is --policy-param as bench and replay take it: name=value
+// for every policy, POLICY.name=value for that one (which wins).
+type policyParams struct {
+	common map[string]any
+	scoped map[string]map[string]any
+}
+
+// parsePolicyParams parses the flag's values for a run of policies: a
+// scoped parameter must name one of them, and each policy must accept its
+// parameters (checked now, with the flag named, rather than after other
+// policies ran).
+func parsePolicyParams(values []string, policies []string) (policyParams, error) {
+	p := policyParams{common: map[string]any{}, scoped: map[string]map[string]any{}}
+	for _, s := range values {
+		k, v, err := parseParam(s)
+		if err != nil {
+			return p, fmt.Errorf("%w: --policy-param: %v", errUsage, err)
+		}
+		pol, name, ok := strings.Cut(k, ".")
+		if !ok {
+			p.common[k] = v
+			continue
+		}
+		if !slices.Contains(policies, pol) {
+			return p, fmt.Errorf("%w: --policy-param %s: policy %q is not in --policies", errUsage, k, pol)
+		}
+		if p.scoped[pol] == nil {
+			p.scoped[pol] = map[string]any{}
+		}
+		p.scoped[pol][name] = v
+	}
+	for _, pol := range policies {
+		if ps := p.of(pol); ps != nil {
+			if _, err := policy.New(pol, policy.Options{Params: ps}); err != nil {
+				return p, fmt.Errorf("%w: --policy-param: %v", errUsage, err)
+			}
+		}
+	}
+	return p, nil
+}
+
+// of is the parameters of one policy, nil when none apply.
+func (p policyParams) of(pol string) map[string]any {
+	if len(p.common)+len(p.scoped[pol]) == 0 {
+		return nil
+	}
+	ps := maps.Clone(p.common)
+	maps.Copy(ps, p.scoped[pol])
+	return ps
+}
+
+// parseReplicaProfiles parses --replica-profile I=NAME values: replica →
+// profile name.
+func parseReplicaProfiles(values []string) (map[int]string, error) {
+	m := map[int]string{}
+	for _, v := range values {
+		k, name, ok := strings.Cut(v, "=")
+		i, err := strconv.Atoi(strings.TrimSpace(k))
+		if !ok || err != nil || i < 0 || strings.TrimSpace(name) == "" {
+			return nil, fmt.Errorf("%w: --replica-profile: want I=NAME with I a replica number from 0, got %q", errUsage, v)
+		}
+		m[i] = strings.TrimSpace(name)
+	}
+	return m, nil
+}
+
+// outputFlags are --json and --report, shared by bench, demo and replay.
+type outputFlags struct {
+	json, report string
+}
+
+func (o *outputFlags) register(fs *flag.FlagSet, reportDefault string) {
+	fs.StringVar(&o.json, "json", "", "write the result as JSON to this file")
+	fs.StringVar(&o.report, "report", reportDefault, "write an HTML report (with charts) into this directory")
+}
+
+// outputs is where a verb's result goes besides the table.
+func (o outputFlags) outputs(title string) report.Outputs {
+	return report.Outputs{JSON: o.json, ReportDir: o.report, Title: title}
+}
