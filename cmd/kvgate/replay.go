@@ -23,8 +23,9 @@ import (
 // to show, not so much that every policy drowns.
 const replayDefaultRate = 20
 
-// replayDefaultWorkload is what the sharing question replays without
-// --workload.
+// replayDefaultWorkload is what the questions replay without --trace or
+// --workload: the sharing question needs a workload with a shared prefix,
+// and the other two use the same one.
 const replayDefaultWorkload = "shared_prefix"
 
 // Questions of --question.
@@ -67,7 +68,8 @@ func (f *replayFlags) register(fs *flag.FlagSet) {
 	f.out.register(fs, "")
 	fs.Uint64Var(&f.seed, "seed", 1, "seed of the workload and the policies")
 	fs.StringVar(&f.question, "question", "", "answer one question instead: sharing (TTFT and hit rate against the sharing ratio), "+
-		"score-surface (score's cache weight against load weight), staleness (p90 TTFT against staleness)")
+		"score-surface (score's cache weight against load weight), staleness (p90 TTFT against staleness); "+
+		"without --trace or --workload, on the "+replayDefaultWorkload+" workload at --rate")
 }
 
 func (f *replayFlags) run(ctx context.Context, inv invocation) error {
@@ -180,8 +182,8 @@ func (f *replayFlags) check() error {
 	switch {
 	case f.trace != "" && f.workload != "":
 		return bad("give --trace or --workload, not both")
-	case f.trace == "" && f.workload == "" && f.question != questionSharing:
-		return bad("give --trace FILE or --workload NAME")
+	case f.trace == "" && f.workload == "" && f.question == "":
+		return bad("give --trace FILE or --workload NAME (or --question %s|%s|%s)", questionSharing, questionScore, questionStaleness)
 	case f.replicas < 1:
 		return bad("--replicas %d: need at least 1", f.replicas)
 	case f.kvBlocks < 1:
@@ -258,7 +260,7 @@ func (f *replayFlags) specs() ([]replay.PolicySpec, error) {
 }
 
 // workloadSpec is the request sequence: --trace, or --workload with its
-// parameters (shared_prefix for the sharing question by default).
+// parameters (shared_prefix for the questions by default).
 func (f *replayFlags) workloadSpec() (workload.Spec, error) {
 	var ws workload.Spec
 	switch {

@@ -167,6 +167,27 @@ func TestReplayCancelled(t *testing.T) {
 	}
 }
 
+// A question needs no --trace: it replays the default workload.
+func TestReplayQuestionDefaultWorkload(t *testing.T) {
+	for _, q := range []string{"sharing", "score-surface", "staleness"} {
+		t.Run(q, func(t *testing.T) {
+			path := filepath.Join(t.TempDir(), "q.json")
+			args := []string{"replay", "--question", q, "--requests", "16", "--replicas", "2", "--json", path}
+			if q != "score-surface" {
+				args = append(args, "--policies", "ttft")
+			}
+			code, _, stderr := runCmd(t, "", args...)
+			if code != 0 {
+				t.Fatalf("exit %d: %s", code, stderr)
+			}
+			res := readResult(t, path)
+			if w, _ := res.Meta["workload"].(string); !strings.HasPrefix(w, replayDefaultWorkload) || len(res.Runs) == 0 {
+				t.Errorf("meta %v, %d runs", res.Meta, len(res.Runs))
+			}
+		})
+	}
+}
+
 // readResult reads a result JSON file.
 func readResult(t *testing.T, path string) report.Result {
 	t.Helper()
