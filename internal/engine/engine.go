@@ -397,6 +397,24 @@ func (e *Engine) Stats() Stats {
 	return s
 }
 
+// LoraRequests counts the live requests of each LoRA adapter, running and
+// waiting (preempted ones wait), as vLLM's scheduler stats report them for
+// vllm:lora_requests_info. Requests without an adapter are not counted.
+func (e *Engine) LoraRequests() (running, waiting map[string]int) {
+	running, waiting = map[string]int{}, map[string]int{}
+	for _, s := range e.running {
+		if s.state == stRunning && s.lora != "" {
+			running[s.lora]++
+		}
+	}
+	for i := range e.waiting.len() {
+		if s := e.waiting.at(i); s.lora != "" {
+			waiting[s.lora]++
+		}
+	}
+	return running, waiting
+}
+
 // PeekCached is the prefix-cache hit, in tokens, that a request with these
 // block hashes and prompt length would get if it were scheduled now: the
 // longest run of its leading blocks cached, block-aligned and at most

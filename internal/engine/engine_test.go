@@ -1169,3 +1169,34 @@ func TestPreemptingStepAdmitsNothing(t *testing.T) {
 		t.Errorf("preempted %v, tokens %v", preempted, tokens)
 	}
 }
+
+// LoraRequests follows requests from waiting to running to gone; the base
+// model's are not counted.
+func TestLoraRequests(t *testing.T) {
+	e := newEngine(t, Config{NumBlocks: 100, BlockSize: 16, MaxSeqs: 2, MaxBatchTokens: 512})
+	add := func(id uint64, lora string, maxTokens int) {
+		r := req(id, 16, 3, maxTokens, seg{id, 1})
+		r.LoraName = lora
+		if err := e.Add(r, 0); err != nil {
+			t.Fatal(err)
+		}
+	}
+	add(1, "sql", 1)
+	add(2, "", 1)
+	add(3, "chat", 2)
+	add(4, "sql", 2)
+	check := func(when string, wantRun, wantWait map[string]int) {
+		t.Helper()
+		run, wait := e.LoraRequests()
+		if fmt.Sprint(run) != fmt.Sprint(wantRun) || fmt.Sprint(wait) != fmt.Sprint(wantWait) {
+			t.Errorf("%s: running %v waiting %v, want %v and %v", when, run, wait, wantRun, wantWait)
+		}
+	}
+	check("queued", map[string]int{}, map[string]int{"sql": 2, "chat": 1})
+	e.Step(0) // 1 and 2 run (MaxSeqs 2) and finish after one token
+	check("after step 1", map[string]int{}, map[string]int{"sql": 1, "chat": 1})
+	e.Step(0) // 3 and 4 admitted
+	check("after step 2", map[string]int{"sql": 1, "chat": 1}, map[string]int{})
+	e.Step(0)
+	check("done", map[string]int{}, map[string]int{})
+}

@@ -220,21 +220,12 @@ func TestModelsHealthTokenize(t *testing.T) {
 	if r := get(t, c, url+"/health"); r.Status != 200 {
 		t.Errorf("/health %d", r.Status)
 	}
-	var models struct {
-		Object string `json:"object"`
-		Data   []struct {
-			ID          string  `json:"id"`
-			Object      string  `json:"object"`
-			Parent      *string `json:"parent"`
-			MaxModelLen int     `json:"max_model_len"`
-		} `json:"data"`
+	want := []modelCard{
+		{ID: "sim-llama-8b", Object: "model", Root: "sim-llama-8b", MaxModelLen: DefaultMaxModelLen},
+		{ID: "sql-lora", Object: "model", Root: "sql-lora", Parent: "sim-llama-8b", MaxModelLen: DefaultMaxModelLen},
 	}
-	if err := json.Unmarshal([]byte(get(t, c, url+"/v1/models").Body), &models); err != nil {
-		t.Fatal(err)
-	}
-	if models.Object != "list" || len(models.Data) != 2 || models.Data[0].ID != "sim-llama-8b" ||
-		models.Data[1].ID != "sql-lora" || models.Data[1].Parent == nil || models.Data[0].MaxModelLen != DefaultMaxModelLen {
-		t.Errorf("models %+v", models)
+	if got := listModels(t, c, url); !slices.Equal(got, want) {
+		t.Errorf("models %+v, want %+v", got, want)
 	}
 
 	msgs := `[{"role":"system","content":"be brief"},{"role":"user","content":"hello there, how are you?"}]`
@@ -384,6 +375,12 @@ func TestConfigErrors(t *testing.T) {
 		{"fault replica", Config{Replicas: 2, FaultReplicas: []int{2}}},
 		{"adapter is model", Config{Replicas: 1, Adapters: []string{DefaultModel}}},
 		{"kv ports overlap", Config{Replicas: 2, Port: 9000, KVEvents: true, KVEventsPort: 9001}},
+		{"served name twice", Config{Replicas: 1, ServedModelNames: []string{"a", "a"}}},
+		{"adapter is a served name", Config{Replicas: 1, ServedModelNames: []string{"a"}, Adapters: []string{"a"}}},
+		{"empty adapter", Config{Replicas: 1, Adapters: []string{""}}},
+		{"override for no replica", Config{Replicas: 1, PerReplica: make([]ReplicaOverride, 2)}},
+		{"override's adapter is its model", Config{Replicas: 2,
+			PerReplica: []ReplicaOverride{{}, {Model: "m", Adapters: []string{"m"}}}}},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {

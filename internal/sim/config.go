@@ -56,12 +56,24 @@ type Config struct {
 	KVEventsPort int
 	KVEventsForm kvevents.Form // FormMap (default) or FormArray
 
-	Model string // served model name, default DefaultModel
-	// Adapters are LoRA adapter names served beside Model: a request naming
-	// one is accepted, its blocks are partitioned by it and its KV events
-	// carry it as lora_name.
+	// Model is the model the replicas run (vLLM's --model, a path or a
+	// hub name), default DefaultModel; it is also the name requests use
+	// unless ServedModelNames is set.
+	Model string
+	// ServedModelNames are vLLM's --served-model-name: the names requests
+	// use for the base model instead of Model. /v1/models lists each with
+	// root = Model; the first names the model in metrics (model_name), in
+	// KV-event topics and as the LoRA adapters' parent. Default [Model].
+	ServedModelNames []string
+	// Adapters are LoRA adapter names served beside the model: a request
+	// naming one is accepted, its blocks are partitioned by it, its KV
+	// events carry it as lora_name, and vllm:lora_requests_info reports it.
 	Adapters []string
 	Profile  string // costmodel profile name, default costmodel.Default
+
+	// PerReplica[i] changes what replica i serves, for a heterogeneous
+	// fleet; replicas beyond its length serve the fleet's.
+	PerReplica []ReplicaOverride
 
 	KVBlocks       int // KV cache blocks per replica, default engine.DefaultNumBlocks
 	BlockSize      int // tokens per block, default engine.DefaultBlockSize
@@ -96,6 +108,16 @@ type Config struct {
 	// time to virtual time and passes it in, so tests drive a replica with a
 	// clock.Fake.
 	Clock clock.Clock
+}
+
+// ReplicaOverride is what one replica serves when it differs from its
+// siblings. Zero fields keep the fleet's, except that a Model without
+// ServedModelNames is served under its own name.
+type ReplicaOverride struct {
+	Model            string
+	ServedModelNames []string
+	// Adapters: nil keeps the fleet's; an empty non-nil slice serves none.
+	Adapters []string
 }
 
 // Faults injects failures for reliability testing. Every draw comes from a
@@ -142,6 +164,9 @@ func (c Config) withDefaults() Config {
 	}
 	if c.Model == "" {
 		c.Model = DefaultModel
+	}
+	if len(c.ServedModelNames) == 0 {
+		c.ServedModelNames = []string{c.Model}
 	}
 	if c.Profile == "" {
 		c.Profile = costmodel.Default
@@ -207,8 +232,13 @@ func (c Config) validate() error {
 		return bad("max model len %d exceeds the KV cache (%d blocks × %d tokens)", c.MaxModelLen, c.KVBlocks, c.BlockSize)
 	case c.OutputMedian < 1 || !(c.OutputSigma >= 0 && c.OutputSigma <= 5):
 		return bad("output median %d must be ≥ 1 and sigma %v in [0, 5]", c.OutputMedian, c.OutputSigma)
-	case slices.Contains(c.Adapters, c.Model) || slices.Contains(c.Adapters, ""):
-		return bad("adapter names must be non-empty and differ from the model %q", c.Model)
+	case len(c.PerReplica) > c.Replicas:
+		return bad("%d per-replica overrides for %d replicas", len(c.PerReplica), c.Replicas)
+	}
+	for i := range c.Replicas {
+		if err := c.forReplica(i).validateNames(); err != nil {
+			return bad("replica %d: %v", i, err)
+		}
 	}
 	if err := c.Faults.validate(); err != nil {
 		return bad("%v", err)
@@ -245,6 +275,43 @@ func (f Faults) validate() error {
 	}
 	return nil
 }
+
+// forReplica is the configuration replica i runs with: the fleet's with
+// its override applied.
+func (c Config) forReplica(i int) Config {
+	if i >= len(c.PerReplica) {
+		return c
+	}
+	o := c.PerReplica[i]
+	if o.Model != "" {
+		c.Model, c.ServedModelNames = o.Model, []string{o.Model}
+	}
+	if len(o.ServedModelNames) > 0 {
+		c.ServedModelNames = o.ServedModelNames
+	}
+	if o.Adapters != nil {
+		c.Adapters = o.Adapters
+	}
+	return c
+}
+
+// validateNames checks that every name a replica serves is non-empty and
+// names one thing.
+func (c Config) validateNames() error {
+	seen := map[string]bool{}
+	for _, n := range slices.Concat(c.ServedModelNames, c.Adapters) {
+		if n == "" || seen[n] {
+			return fmt.Errorf("served model and adapter names must be non-empty and distinct, got %q",
+				slices.Concat(c.ServedModelNames, c.Adapters))
+		}
+		seen[n] = true
+	}
+	return nil
+}
+
+// servedName is the model's first served name: the one in metrics, topics
+// and adapter cards.
+func (c Config) servedName() string { return c.ServedModelNames[0] }
 
 // faultsFor returns the faults replica i runs with.
 func (c Config) faultsFor(i int) Faults {

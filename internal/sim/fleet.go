@@ -49,7 +49,7 @@ func Start(ctx context.Context, cfg Config) (*Fleet, error) {
 			f.closeStarted()
 			return nil, fmt.Errorf("sim: replica %d: %w", i, err)
 		}
-		r, err := newReplica(ctx, cfg, i, ln)
+		r, err := newReplica(ctx, cfg.forReplica(i), i, ln)
 		if err != nil {
 			_ = ln.Close()
 			f.closeStarted()
@@ -96,7 +96,8 @@ func (f *Fleet) KVEndpoints() []string {
 	return out
 }
 
-// Config is the fleet's effective configuration (defaults filled).
+// Config is the fleet's effective configuration (defaults filled); a
+// replica's own, with its PerReplica override, is Replica.Config.
 func (f *Fleet) Config() Config { return f.cfg }
 
 // Shutdown stops the fleet gracefully: listeners close at once, in-flight

@@ -56,6 +56,9 @@ func (r *Replica) health(w http.ResponseWriter, _ *http.Request) {
 	w.WriteHeader(http.StatusOK) // vLLM answers an empty 200
 }
 
+// models is vLLM's GET /v1/models: a card per served name of the base
+// model (root: the model it runs) and one per LoRA adapter (root: its name,
+// the sim having no adapter path; parent: the first served name).
 func (r *Replica) models(w http.ResponseWriter, _ *http.Request) {
 	type card struct {
 		ID          string  `json:"id"`
@@ -66,21 +69,25 @@ func (r *Replica) models(w http.ResponseWriter, _ *http.Request) {
 		Parent      *string `json:"parent"`
 		MaxModelLen int     `json:"max_model_len"`
 	}
-	created := r.start.Unix()
-	data := []card{{ID: r.cfg.Model, Object: "model", Created: created, OwnedBy: "vllm", Root: r.cfg.Model,
-		MaxModelLen: r.cfg.MaxModelLen}}
+	created, base := r.start.Unix(), r.cfg.servedName()
+	data := make([]card, 0, len(r.cfg.ServedModelNames)+len(r.cfg.Adapters))
+	for _, name := range r.cfg.ServedModelNames {
+		data = append(data, card{ID: name, Object: "model", Created: created, OwnedBy: "vllm", Root: r.cfg.Model,
+			MaxModelLen: r.cfg.MaxModelLen})
+	}
 	for _, a := range r.cfg.Adapters {
 		data = append(data, card{ID: a, Object: "model", Created: created, OwnedBy: "vllm", Root: a,
-			Parent: &r.cfg.Model, MaxModelLen: r.cfg.MaxModelLen})
+			Parent: &base, MaxModelLen: r.cfg.MaxModelLen})
 	}
 	writeJSON(w, map[string]any{"object": "list", "data": data})
 }
 
-// adapterOf resolves a requested model name: the base model ("" adapter),
-// one of the LoRA adapters, or not served.
+// adapterOf resolves a requested model name: a served name of the base
+// model ("" adapter), one of the LoRA adapters, or not served (the model
+// path itself is not a name once ServedModelNames are set, as in vLLM).
 func (r *Replica) adapterOf(model string) (string, error) {
 	switch {
-	case model == r.cfg.Model:
+	case slices.Contains(r.cfg.ServedModelNames, model):
 		return "", nil
 	case slices.Contains(r.cfg.Adapters, model):
 		return model, nil
@@ -124,7 +131,7 @@ func (r *Replica) parseTokenize(data []byte) (*prompt.Parsed, error) {
 		return nil, err
 	}
 	if b.get("model") == nil {
-		b["model"], _ = json.Marshal(r.cfg.Model) // optional in vLLM's tokenize
+		b["model"], _ = json.Marshal(r.cfg.servedName()) // optional in vLLM's tokenize
 	}
 	kind := prompt.Completion
 	if b.get("messages") != nil {

@@ -1,7 +1,11 @@
 package sim
 
 import (
+	"maps"
+	"slices"
 	"strconv"
+	"strings"
+	"sync"
 
 	"github.com/prometheus/client_golang/prometheus"
 
@@ -25,6 +29,7 @@ const (
 	MetricTTFT           = "vllm:time_to_first_token_seconds"
 	MetricE2E            = "vllm:e2e_request_latency_seconds"
 	MetricCacheConfig    = "vllm:cache_config_info"
+	MetricLoRAInfo       = "vllm:lora_requests_info"
 )
 
 // ContractMetrics are the metrics DESIGN.md's sim contract requires.
@@ -60,10 +65,10 @@ type metrics struct {
 	success map[string]prometheus.Counter
 }
 
-func newMetrics(model string, r *Replica) *metrics {
-	// vLLM labels every series with the served model name and the engine
-	// index (one engine core per replica here).
-	labels := prometheus.Labels{"model_name": model, "engine": "0"}
+func newMetrics(r *Replica) *metrics {
+	// vLLM labels every series with the (first) served model name and the
+	// engine index (one engine core per replica here).
+	labels := prometheus.Labels{"model_name": r.cfg.servedName(), "engine": "0"}
 	m := &metrics{
 		reg: prometheus.NewRegistry(),
 		ttft: prometheus.NewHistogram(prometheus.HistogramOpts{
@@ -98,6 +103,9 @@ func newMetrics(model string, r *Replica) *metrics {
 	})
 	cc.Set(1)
 	m.reg.MustRegister(m.ttft, m.e2e, sv, cc, newEngineCollector(labels, r))
+	if len(r.cfg.Adapters) > 0 { // vLLM has it with LoRA enabled only
+		m.reg.MustRegister(newLoRACollector(r))
+	}
 	return m
 }
 
@@ -151,4 +159,66 @@ func (r *Replica) stats() engine.Stats {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	return r.eng.Stats()
+}
+
+// maxLoRASeries bounds the label sets loraCollector remembers.
+const maxLoRASeries = 64
+
+// loraCollector is vLLM's vllm:lora_requests_info: a gauge whose labels
+// are max_lora and the comma-separated adapters of the running and the
+// waiting requests, and whose value is the Unix time the label set was
+// last seen. vLLM sets the gauge of the current label set to the current
+// time and never removes the others, so consumers take the series with
+// the largest value; the sim does the same at each scrape, remembering
+// the last maxLoRASeries label sets. max_lora is the number of adapters
+// served: the sim batches them all at once (vLLM's --max-loras).
+type loraCollector struct {
+	r       *Replica
+	desc    *prometheus.Desc
+	maxLora string
+
+	mu   sync.Mutex
+	seen map[[2]string]float64 // (running, waiting) → last time
+}
+
+func newLoRACollector(r *Replica) *loraCollector {
+	return &loraCollector{
+		r: r,
+		desc: prometheus.NewDesc(MetricLoRAInfo, "Running stats on lora requests.",
+			[]string{"max_lora", "running_lora_adapters", "waiting_lora_adapters"}, nil),
+		maxLora: strconv.Itoa(len(r.cfg.Adapters)),
+		seen:    map[[2]string]float64{},
+	}
+}
+
+func (c *loraCollector) Describe(ch chan<- *prometheus.Desc) { ch <- c.desc }
+
+func (c *loraCollector) Collect(ch chan<- prometheus.Metric) {
+	c.r.mu.Lock()
+	running, waiting := c.r.eng.LoraRequests()
+	c.r.mu.Unlock()
+	key := [2]string{adapterList(running), adapterList(waiting)}
+	now := float64(c.r.clock.Now().UnixNano()) / 1e9
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.seen[key] = now
+	if len(c.seen) > maxLoRASeries {
+		oldest := key
+		for k, t := range c.seen {
+			if t < c.seen[oldest] {
+				oldest = k
+			}
+		}
+		delete(c.seen, oldest)
+	}
+	for k, t := range c.seen {
+		ch <- prometheus.MustNewConstMetric(c.desc, prometheus.GaugeValue, t, c.maxLora, k[0], k[1])
+	}
+}
+
+// adapterList is the sorted, comma-separated names of the adapters with
+// requests.
+func adapterList(counts map[string]int) string {
+	names := slices.Sorted(maps.Keys(counts))
+	return strings.Join(names, ",")
 }

@@ -24,7 +24,7 @@ import (
 // optionally a KV-event publisher.
 type Replica struct {
 	idx    int
-	cfg    Config // the fleet's, defaults filled
+	cfg    Config // the fleet's with this replica's override, defaults filled
 	faults Faults
 	clock  clock.Clock
 	start  time.Time // wall time of virtual time 0
@@ -120,10 +120,15 @@ func (r *Replica) Registry() *prometheus.Registry { return r.metrics.reg }
 // Handler is the replica's HTTP API, usable without its listener.
 func (r *Replica) Handler() http.Handler { return r.handler }
 
+// Config is the replica's configuration: the fleet's with its PerReplica
+// override applied.
+func (r *Replica) Config() Config { return r.cfg }
+
 // Stats is a snapshot of the replica's engine.
 func (r *Replica) Stats() engine.Stats { return r.stats() }
 
-func newReplica(ctx context.Context, cfg Config, idx int, ln net.Listener) (*Replica, error) {
+// newEngine is replica idx's engine model.
+func newEngine(cfg Config, idx int) (*engine.Engine, error) {
 	prof, err := costmodel.Lookup(cfg.Profile)
 	if err != nil {
 		return nil, fmt.Errorf("%w: %w", ErrInvalidConfig, err)
@@ -140,6 +145,16 @@ func newReplica(ctx context.Context, cfg Config, idx int, ln net.Listener) (*Rep
 	})
 	if err != nil {
 		return nil, fmt.Errorf("%w: %w", ErrInvalidConfig, err)
+	}
+	return eng, nil
+}
+
+// newReplica builds replica idx on ln with its own configuration (the
+// fleet's with its override).
+func newReplica(ctx context.Context, cfg Config, idx int, ln net.Listener) (*Replica, error) {
+	eng, err := newEngine(cfg, idx)
+	if err != nil {
+		return nil, err
 	}
 	r := &Replica{
 		idx:    idx,
@@ -161,7 +176,7 @@ func newReplica(ctx context.Context, cfg Config, idx int, ln net.Listener) (*Rep
 	}
 	r.gate.init()
 	r.url = "http://" + r.addr
-	r.metrics = newMetrics(cfg.Model, r)
+	r.metrics = newMetrics(r)
 	if cfg.KVEvents {
 		if err := r.startKVEvents(ctx); err != nil {
 			return nil, err
@@ -184,7 +199,7 @@ func (r *Replica) startKVEvents(ctx context.Context) error {
 	}
 	ep := "tcp://" + net.JoinHostPort(r.cfg.Host, strconv.Itoa(port))
 	// vLLM's topic convention as llm-d uses it: kv@<pod address>@<model>.
-	r.topic = "kv@" + r.addr + "@" + r.cfg.Model
+	r.topic = "kv@" + r.addr + "@" + r.cfg.servedName()
 	pub, err := kvevents.NewZMQPublisher(ctx, ep, r.topic, r.cfg.KVEventsForm)
 	if err != nil {
 		return fmt.Errorf("sim: replica %d: kv events: %w", r.idx, err)
