@@ -12,6 +12,7 @@ import (
 	"go.uber.org/goleak"
 
 	"github.com/kvgate/kvgate/internal/costmodel"
+	"github.com/kvgate/kvgate/internal/testutil"
 )
 
 func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
@@ -25,26 +26,17 @@ type seg struct {
 	blocks  int
 }
 
-func mix(x uint64) uint64 { // splitmix64 finaliser
-	x ^= x >> 30
-	x *= 0xbf58476d1ce4e5b9
-	x ^= x >> 27
-	x *= 0x94d049bb133111eb
-	return x ^ x>>31
-}
-
-// chain computes chained block hashes h_i = mix(h_{i-1} ⊕ mix(content, i)),
-// as internal/prompt does with real tokens.
+// chain is the chained block hashes of the segments' blocks
+// (testutil.Chain: a block's hash depends on its content, its position and
+// every block before it, as internal/prompt's hashes of real tokens do).
 func chain(segs ...seg) []uint64 {
-	var out []uint64
-	h := uint64(0x5eed)
+	var ids []uint64
 	for _, s := range segs {
 		for range s.blocks {
-			h = mix(h ^ mix(s.content*1_000_003+uint64(len(out))))
-			out = append(out, h)
+			ids = append(ids, s.content)
 		}
 	}
-	return out
+	return testutil.Chain(0x5eed, ids...)
 }
 
 // req builds a request whose prompt is the given segments plus extra tokens

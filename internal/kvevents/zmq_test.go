@@ -11,6 +11,8 @@ import (
 	"time"
 
 	"github.com/go-zeromq/zmq4"
+
+	"github.com/kvgate/kvgate/internal/testutil"
 )
 
 // waitTimeout bounds every wait in these tests; they finish in milliseconds
@@ -77,21 +79,6 @@ func (s *sink) waitUntil(t *testing.T, what string, cond func(msgs []Message, ga
 			msgs, gaps, errs := s.snapshot()
 			t.Fatalf("timed out waiting for %s: %d messages, gaps %v, errors %v", what, len(msgs), gaps, errs)
 		}
-	}
-}
-
-// eventually polls cond every 2 ms until it holds, failing after waitTimeout.
-// For states no callback announces (a connection the publisher accepted).
-func eventually(t *testing.T, what string, cond func() bool) {
-	t.Helper()
-	tick := time.NewTicker(2 * time.Millisecond)
-	defer tick.Stop()
-	deadline := time.Now().Add(waitTimeout)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out waiting for %s", what)
-		}
-		<-tick.C
 	}
 }
 
@@ -313,7 +300,7 @@ func TestSubscriberReconnectsAfterPublisherRestart(t *testing.T) {
 
 	// A restarted replica binds the same port and counts from 0 again.
 	p2 := startPublisher(t, ctx, ep, "kv", FormMap)
-	eventually(t, "the subscriber to reconnect", func() bool { return p2.subscribedPeers() == 1 })
+	testutil.Eventually(t, waitTimeout, "the subscriber to reconnect", func() bool { return p2.subscribedPeers() == 1 })
 	if err := p2.Publish(testBatch(100)); err != nil {
 		t.Fatal(err)
 	}
@@ -368,7 +355,7 @@ func TestTopicPrefixFiltering(t *testing.T) {
 	startSubscriber(t, ctx, endpointOf(p), "kv@127.0.0.1:8000", match)
 	otherSub := startSubscriber(t, ctx, endpointOf(p), "kv@127.0.0.1:8001", other)
 	startSubscriber(t, ctx, endpointOf(p), "", all)
-	eventually(t, "three subscriptions", func() bool { return p.subscribedPeers() == 3 })
+	testutil.Eventually(t, waitTimeout, "three subscriptions", func() bool { return p.subscribedPeers() == 3 })
 	const n = 10
 	for i := range n {
 		if err := p.Publish(testBatch(i)); err != nil {
@@ -473,7 +460,7 @@ func TestPublisherClose(t *testing.T) {
 	}
 	// Ending the context closes the publisher.
 	cancel()
-	eventually(t, "publisher closed by its context", func() bool {
+	testutil.Eventually(t, waitTimeout, "publisher closed by its context", func() bool {
 		return errors.Is(p.Publish(testBatch(1)), ErrClosed)
 	})
 	if err := p.Close(); err != nil {

@@ -7,6 +7,7 @@ import (
 	"testing"
 
 	"github.com/kvgate/kvgate/internal/prompt"
+	"github.com/kvgate/kvgate/internal/testutil"
 	"pgregory.net/rapid"
 )
 
@@ -26,17 +27,11 @@ func linearMatch(ix *Index, hashes []uint64) []int {
 
 // chain makes block hashes for a path of a random tree: prompts share prefixes.
 func chain(ids []int) []uint64 {
-	out := make([]uint64, len(ids))
-	h := uint64(7)
+	u := make([]uint64, len(ids))
 	for i, id := range ids {
-		var b [8]byte
-		for j := range b {
-			b[j] = byte(id >> (8 * j))
-		}
-		h = prompt.Chain(h, b[:])
-		out[i] = h
+		u[i] = uint64(id)
 	}
-	return out
+	return testutil.Chain(7, u...)
 }
 
 func TestMatchAgreesWithLinearScan(t *testing.T) {
