@@ -258,18 +258,27 @@ func (rt *Router) DryRun(req *policy.Request) (policy.Decision, []policy.Replica
 }
 
 // candidates takes out of views (Healthy false) the replicas that do not
-// serve req's model and those excluded; ErrModelNotServed when none serves it.
+// serve req's model and those excluded: the replicas listed as serving it,
+// or while none is, those not listed yet (they judge for themselves);
+// ErrModelNotServed when no replica serves it at all.
 func (rt *Router) candidates(req *policy.Request, views []policy.ReplicaView, exclude []int) error {
-	serving := 0
-	for i, r := range rt.replicas {
-		if !r.Serves(req.Model) {
-			views[i].Healthy = false
-			continue
+	listed, unlisted := 0, 0
+	for _, r := range rt.replicas {
+		switch s := r.served.Load(); {
+		case s == nil:
+			unlisted++
+		case s.Has(req.Model):
+			listed++
 		}
-		serving++
 	}
-	if serving == 0 {
+	if listed+unlisted == 0 {
 		return ErrModelNotServed
+	}
+	for i, r := range rt.replicas {
+		s := r.served.Load()
+		if (s == nil && listed > 0) || (s != nil && !s.Has(req.Model)) {
+			views[i].Healthy = false
+		}
 	}
 	for _, x := range exclude {
 		if x >= 0 && x < len(views) {
