@@ -11,7 +11,8 @@
 // failed with a clear error, hung up by its client on purpose, or lost. A request is also counted as retried
 // when the gateway sent it to more than one replica. The suite checks the
 // gateway's retry rule per request — another replica may receive a request
-// only after the previous one refused it before any response byte — from
+// only when the previous one surely did not start it: the connection failed
+// before the request was sent, or the replica refused it (503, 429) — from
 // a recording transport under the gateway (keyed by X-Request-Id), and
 // reconciles those records with the replicas' own engine counters: a
 // replica never generated more requests than the gateway saw answered plus
@@ -42,7 +43,8 @@ const (
 	// before any byte of a non-streamed answer (sim DieRate).
 	Die Kind = "die"
 	// Stall: a replica holds some requests before any byte; the gateway's
-	// first-byte timeout sends them elsewhere (sim StallRate/Stall).
+	// first-byte timeout answers them 504 (sim StallRate/Stall). It does
+	// not resend them: the replica may have started.
 	Stall Kind = "stall"
 	// Error500: a replica answers some requests 500 (sim ErrorRate).
 	Error500 Kind = "error500"

@@ -159,7 +159,11 @@ func TestRuleViolation(t *testing.T) {
 		{"one attempt", []attempt{{target: a, status: 200}}, true},
 		{"refused, then elsewhere", []attempt{{target: a, err: "connection refused"}, {target: b, status: 200}}, true},
 		{"503 then 429 then elsewhere", []attempt{{target: a, status: 503}, {target: b, status: 429}, {target: c, status: 200}}, true},
-		{"cut before any byte, then elsewhere", []attempt{{target: a, wrote: true, err: "EOF"}, {target: b, status: 200}}, true},
+		{"failed before sending, then elsewhere", []attempt{{target: a, err: "broken pipe"}, {target: b, status: 200}}, true},
+		// Sent, then cut before any byte: the replica may be generating it,
+		// or it may be a query of death.
+		{"cut after sending, then elsewhere", []attempt{{target: a, wrote: true, err: "EOF"}, {target: b, status: 200}}, false},
+		{"first-byte timeout, then elsewhere", []attempt{{target: a, wrote: true, err: "timeout awaiting response headers"}, {target: b, status: 200}}, false},
 		{"again after a 200", []attempt{{target: a, status: 200}, {target: b, status: 200}}, false},
 		{"again after a 500", []attempt{{target: a, status: 500}, {target: b, status: 200}}, false},
 		{"same replica twice", []attempt{{target: a, status: 503}, {target: a, status: 200}}, false},

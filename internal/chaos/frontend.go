@@ -15,39 +15,27 @@ import (
 
 // frontend serves a simulated replica's handler on a listener of its own,
 // for the faults the sim cannot inject by itself: answering 429 to some
-// requests (rate limiting in front of a replica), flapping (the replica's
-// address going away and coming back repeatedly, as a process that crashes
-// and is restarted by its supervisor does), cutting streams, and crashing
-// on a query of death. The replica's engine and cache survive a flap or a
-// crash, as with the sim's own refuse window.
+// requests (rate limiting in front of a replica), and flapping (the
+// replica's address going away and coming back repeatedly, as a process
+// that crashes and is restarted by its supervisor does). The replica's
+// engine and cache survive a flap, as with the sim's own refuse window.
 type frontend struct {
 	addr    string // host:port, kept across restarts
 	handler http.Handler
-	done    chan struct{} // closed by close: restarts stop
 
-	mu      sync.Mutex
-	srv     *http.Server // nil while down
-	closed  bool
-	crashes int
-	wg      sync.WaitGroup
+	mu  sync.Mutex
+	srv *http.Server // nil while down
+	wg  sync.WaitGroup
 }
 
-// startFrontend serves the handler h builds; h is given the frontend, so
-// that a fault may take its own frontend down.
-func startFrontend(h func(*frontend) http.Handler) (*frontend, error) {
+func startFrontend(h http.Handler) (*frontend, error) {
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		return nil, err
 	}
-	f := &frontend{addr: ln.Addr().String(), done: make(chan struct{})}
-	f.handler = h(f)
+	f := &frontend{addr: ln.Addr().String(), handler: h}
 	f.serve(ln)
 	return f, nil
-}
-
-// same is a frontend handler that does not need its frontend.
-func same(h http.Handler) func(*frontend) http.Handler {
-	return func(*frontend) http.Handler { return h }
 }
 
 func (f *frontend) URL() string { return "http://" + f.addr }
@@ -74,11 +62,11 @@ func (f *frontend) down() {
 	}
 }
 
-// up listens again on the same address (not after close).
+// up listens again on the same address.
 func (f *frontend) up() error {
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	if f.srv != nil || f.closed {
+	if f.srv != nil {
 		return nil
 	}
 	ln, err := net.Listen("tcp", f.addr)
@@ -89,62 +77,10 @@ func (f *frontend) up() error {
 	return nil
 }
 
-// close stops the frontend and waits for its goroutines.
+// close stops the frontend and waits for its server goroutines.
 func (f *frontend) close() {
-	f.mu.Lock()
-	if !f.closed {
-		f.closed = true
-		close(f.done)
-	}
-	f.mu.Unlock()
 	f.down()
 	f.wg.Wait()
-}
-
-// crash takes the frontend down (every connection cut) and brings it back
-// downFor later, unless it is down already or closed.
-func (f *frontend) crash(downFor time.Duration) {
-	f.mu.Lock()
-	if f.closed || f.srv == nil {
-		f.mu.Unlock()
-		return
-	}
-	f.crashes++
-	f.wg.Add(1) // under mu, before close can wait
-	f.mu.Unlock()
-	f.down()
-	go func() {
-		defer f.wg.Done()
-		t := time.NewTimer(downFor)
-		defer t.Stop()
-		select {
-		case <-t.C:
-			_ = f.up() // a port taken meanwhile leaves the replica down: seen as not back
-		case <-f.done:
-		}
-	}()
-}
-
-// crashOn wraps a replica's handler: an inference request whose body holds
-// marker crashes the replica's process — its frontend goes down, every
-// connection cut, this request's before any answer byte — and the process
-// is back crashFor later, as a supervisor restarts a replica killed by a
-// query of death. (A stand-in until internal/sim injects the fault.)
-func crashOn(f *frontend, h http.Handler, marker string, crashFor time.Duration) http.Handler {
-	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		if r.Method == http.MethodPost && strings.HasPrefix(r.URL.Path, "/v1/") {
-			body, err := io.ReadAll(io.LimitReader(r.Body, 32<<20))
-			if err != nil {
-				return
-			}
-			if bytes.Contains(body, []byte(marker)) {
-				f.crash(crashFor)
-				return
-			}
-			r.Body = io.NopCloser(bytes.NewReader(body))
-		}
-		h.ServeHTTP(w, r)
-	})
 }
 
 // flap alternates the frontend down for downFor and up for upFor, starting

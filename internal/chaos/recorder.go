@@ -21,11 +21,16 @@ type attempt struct {
 	err   string
 }
 
-// refusal reports whether the attempt ended before any response byte, or
-// with a refusal the gateway retries (503, 429): the only attempts after
-// which the retry rule allows another replica to receive the request.
-func (a attempt) refusal() bool {
-	return a.status == 0 || a.status == http.StatusServiceUnavailable || a.status == http.StatusTooManyRequests
+// notStarted reports whether the replica surely did not start the request:
+// the attempt failed before the request was written (a refused or failed
+// connection), or the replica refused it (503, 429). These are the only
+// attempts after which the retry rule lets another replica receive the
+// request; after anything else (a connection cut once the request was
+// sent, a first-byte timeout, any other answer) the replica may be
+// generating it — or it may be a query of death — so a retry could
+// duplicate the work or crash replica after replica.
+func (a attempt) notStarted() bool {
+	return (a.status == 0 && !a.wrote) || a.status == http.StatusServiceUnavailable || a.status == http.StatusTooManyRequests
 }
 
 // recorder is the gateway's upstream transport, wrapped: it notes every
@@ -92,9 +97,20 @@ func (r *recorder) attempts(id string) []attempt {
 
 func (r *recorder) close() { r.inner.CloseIdleConnections() }
 
+// outcome says how an attempt ended.
+func (a attempt) outcome() string {
+	if a.status != 0 {
+		return http.StatusText(a.status)
+	}
+	if a.wrote {
+		return "cut after the request was sent: " + a.err
+	}
+	return "failed before the request was sent: " + a.err
+}
+
 // ruleViolation checks one request's attempts against the gateway's retry
 // rule: at most retries+1 attempts, each on a replica not tried before, and
-// a further attempt only after a refusal before any response byte. It
+// a further attempt only after one the replica surely did not start. It
 // returns "" when the attempts keep the rule.
 func ruleViolation(as []attempt, retries int) string {
 	if len(as) > retries+1 {
@@ -106,8 +122,8 @@ func ruleViolation(as []attempt, retries int) string {
 			return "the same replica tried twice: " + a.target
 		}
 		seen[a.target] = true
-		if k < len(as)-1 && !a.refusal() {
-			return "sent again after a response began (" + http.StatusText(a.status) + " from " + a.target + ")"
+		if k < len(as)-1 && !a.notStarted() {
+			return "sent again after " + a.target + " may have started it (" + a.outcome() + ")"
 		}
 	}
 	return ""

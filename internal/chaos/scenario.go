@@ -32,9 +32,6 @@ type scenario struct {
 	// every flapUp, for as long as the load runs.
 	flap             bool
 	flapUp, flapDown time.Duration
-	// crashFor > 0 puts every replica behind a frontend that crashes (goes
-	// down for crashFor) on reading the query of death.
-	crashFor time.Duration
 	// adapter: replica 0 also serves the LoRA adapter chaosAdapter.
 	adapter bool
 	// clients: the client-side scenarios' mix; clientCaused: the replicas
@@ -105,10 +102,10 @@ func replicaScenario(sc scenario, o Options) scenario {
 		sc.faults = sim.Faults{DieRate: 0.5}
 	case Stall:
 		// Not before the engine: a stalled replica that has not read the
-		// body yet does not notice the gateway hanging up (Go's server, like
+		// body yet may not notice the gateway hanging up (Go's server, like
 		// most, watches the connection only once the body is read), so after
-		// the stall it generates the request the gateway already sent
-		// elsewhere — a duplicate within the retry rule, counted as wasted.
+		// the stall it may generate the request the gateway gave up on:
+		// wasted, though never duplicated (the gateway does not resend it).
 		sc.faults = sim.Faults{StallRate: 0.5, Stall: 5 * time.Second}
 		sc.gateway = func(c *gateway.Config) { c.FirstByteTimeout = gateway.Duration(250 * time.Millisecond) }
 	case Error500:
@@ -172,7 +169,7 @@ func clientScenario(sc scenario, o Options) scenario {
 		// requests it held are right, not the clients' doing.
 		sc.clientCaused = false
 		sc.clients.poison, sc.clients.poisonAt = true, o.Requests/2
-		sc.crashFor = 500 * time.Millisecond
+		sc.faults = sim.Faults{CrashOn: queryOfDeath, CrashFor: 500 * time.Millisecond} // on every replica
 		sc.backAfter = readyMargin + 2*time.Duration(float64(o.Requests)/o.Rate*float64(time.Second))
 	case Hetero:
 		sc.adapter = true
@@ -235,27 +232,20 @@ func start(ctx context.Context, sc scenario, o Options) (_ *env, err error) {
 	return e, nil
 }
 
-// startFleet starts the simulated replicas: one fleet, or for a fleet
-// serving an adapter on replica 0 only, a fleet of one serving it and a
-// fleet of the others.
+// startFleet starts the simulated replicas; for a heterogeneous fleet,
+// replica 0 also serves the adapter.
 func (e *env) startFleet(ctx context.Context, sc scenario, o Options) error {
-	base := sim.Config{Replicas: sc.replicas, Seed: o.Seed, TimeScale: sc.timeScale,
+	cfg := sim.Config{Replicas: sc.replicas, Seed: o.Seed, TimeScale: sc.timeScale,
 		KVBlocks: 4096, Faults: sc.faults, FaultReplicas: sc.faultReplicas}
-	cfgs := []sim.Config{base}
 	if sc.adapter {
-		with, without := base, base
-		with.Replicas, with.Adapters = 1, []string{chaosAdapter}
-		without.Replicas, without.Seed = sc.replicas-1, o.Seed+1
-		cfgs = []sim.Config{with, without}
+		cfg.PerReplica = []sim.ReplicaOverride{{Adapters: []string{chaosAdapter}}}
 	}
-	for _, c := range cfgs {
-		fl, err := sim.Start(ctx, c)
-		if err != nil {
-			return err
-		}
-		e.stopFuncs = append(e.stopFuncs, func() { _ = fl.Close() })
-		e.sims = append(e.sims, fl.Replicas()...)
+	fl, err := sim.Start(ctx, cfg)
+	if err != nil {
+		return err
 	}
+	e.stopFuncs = append(e.stopFuncs, func() { _ = fl.Close() })
+	e.sims = fl.Replicas()
 	return nil
 }
 
@@ -264,16 +254,14 @@ func (e *env) startFleet(ctx context.Context, sc scenario, o Options) error {
 func (e *env) startFronts(sc scenario, o Options) error {
 	e.fronts = make([]*frontend, len(e.sims))
 	for i, r := range e.sims {
-		var h func(*frontend) http.Handler
+		var h http.Handler
 		switch {
 		case sc.limit429 > 0:
-			h = same(limit429(r.Handler(), sc.limit429, o.Seed+uint64(i)))
+			h = limit429(r.Handler(), sc.limit429, o.Seed+uint64(i))
 		case sc.flap && i == 0:
-			h = same(r.Handler())
+			h = r.Handler()
 		case sc.truncate > 0 && i == 0:
-			h = same(truncateStreams(r.Handler(), sc.truncate, o.Seed))
-		case sc.crashFor > 0:
-			h = func(f *frontend) http.Handler { return crashOn(f, r.Handler(), queryOfDeath, sc.crashFor) }
+			h = truncateStreams(r.Handler(), sc.truncate, o.Seed)
 		}
 		if h == nil {
 			e.urls = append(e.urls, r.URL())
