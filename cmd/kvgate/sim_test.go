@@ -111,15 +111,18 @@ func freePorts(t *testing.T, n int, skip ...int) int {
 	return 0
 }
 
-// waitFor polls cond until it holds or the deadline passes.
+// waitFor checks cond every 5 ms until it holds; after d it fails the test.
 func waitFor(t *testing.T, d time.Duration, what string, cond func() bool) {
 	t.Helper()
-	deadline := time.Now().Add(d)
+	tick := time.NewTicker(5 * time.Millisecond)
+	defer tick.Stop()
+	deadline := time.After(d)
 	for !cond() {
-		if time.Now().After(deadline) {
+		select {
+		case <-tick.C:
+		case <-deadline:
 			t.Fatalf("timed out waiting for %s", what)
 		}
-		time.Sleep(5 * time.Millisecond) // polling interval
 	}
 }
 
