@@ -39,19 +39,20 @@ import (
 
 // Gateway is the proxy.
 type Gateway struct {
-	cfg    Config
-	rt     *router.Router
-	fleet  *fleet.Fleet
-	client *http.Client
-	log    *slog.Logger
-	met    *metrics
-	reg    *prometheus.Registry
-	mux    *http.ServeMux
-	clock  clock.Clock
-	tok    *remoteTokenizer
-	lim    *limiter
-	bodies *semaphore.Weighted // request-body bytes held at once
-	prof   costmodel.Profile
+	cfg       Config
+	rt        *router.Router
+	fleet     *fleet.Fleet
+	client    *http.Client
+	log       *slog.Logger
+	met       *metrics
+	reg       *prometheus.Registry
+	mux       *http.ServeMux
+	clock     clock.Clock
+	tok       *remoteTokenizer
+	lim       *limiter
+	bodies    *semaphore.Weighted // request-body bytes held at once
+	bodyBytes atomic.Int64        // what bodies holds (a metric)
+	prof      costmodel.Profile
 
 	// draining: SIGTERM was received; /ready answers 503 and new requests
 	// are refused while in-flight ones finish. cut ends when drain_timeout
@@ -258,6 +259,7 @@ func (g *Gateway) readBody(w http.ResponseWriter, r *http.Request) ([]byte, func
 		}
 		return nil, nil, errBodyMemory
 	}
+	g.bodyBytes.Add(held)
 	// A slow client gets body_read_timeout to send its body; then the
 	// deadline is lifted so that the client's disconnect is still noticed
 	// during a stream.
@@ -267,9 +269,10 @@ func (g *Gateway) readBody(w http.ResponseWriter, r *http.Request) ([]byte, func
 	_ = rc.SetReadDeadline(time.Time{})
 	if n := int64(len(body)); err == nil && n < held {
 		g.bodies.Release(held - n) // keep what the body holds
+		g.bodyBytes.Add(n - held)
 		held = n
 	}
-	release := func() { g.bodies.Release(held) }
+	release := func() { g.bodies.Release(held); g.bodyBytes.Add(-held) }
 	var mbe *http.MaxBytesError
 	if errors.As(err, &mbe) {
 		release()

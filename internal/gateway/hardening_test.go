@@ -238,7 +238,7 @@ func startStream(t *testing.T, base, body string) (*http.Response, *bufio.Reader
 func TestFirstByteAndIdleTimeouts(t *testing.T) {
 	release := make(chan struct{})
 	var once sync.Once
-	stuck := newStub(t, "", func(w http.ResponseWriter, r *http.Request) {
+	handler := func(w http.ResponseWriter, r *http.Request) {
 		body, _ := io.ReadAll(r.Body)
 		switch {
 		case strings.Contains(string(body), "stall-before"):
@@ -257,47 +257,42 @@ func TestFirstByteAndIdleTimeouts(t *testing.T) {
 			w.Header().Set("Content-Type", "application/json")
 			_, _ = io.WriteString(w, `{"choices":[{"index":0,"text":"long"}],"usage":{"prompt_tokens":1,"completion_tokens":900}}`)
 		}
-	})
-	other := newStub(t, "", okStream(1))
-	cfg := baseConfig(stuck.srv.URL, other.srv.URL)
-	cfg.Policy = "round_robin"
+	}
+	a, b := newStub(t, "", handler), newStub(t, "", handler)
+	calls := func() int64 { return a.calls.Load() + b.calls.Load() }
+	cfg := baseConfig(a.srv.URL, b.srv.URL)
 	cfg.Retries = 2
 	d := Defaults()
 	if d.FirstByteTimeout <= 0 || d.StreamIdleTimeout <= 0 || d.WriteTimeout <= 0 || d.DrainTimeout <= 0 {
 		t.Fatal("the defaults must bound first byte, stream idleness, client writes and drains")
 	}
 	gw, clk := gwWithClock(t, cfg)
-	ask := func(body string) chan testutil.Response {
+	inFlight := func() int { return gw.g.Router().InFlight(0) + gw.g.Router().InFlight(1) }
+	ask := func(body string, upstreamCalls int64) chan testutil.Response {
+		t.Helper()
 		c := make(chan testutil.Response, 1)
 		go func() { c <- testutil.Post(t, nil, gw.srv.URL+"/v1/completions", body) }()
+		eventually(t, "the request at its replica", func() bool { return calls() == upstreamCalls })
 		return c
 	}
-	pin := func(want int) { // round robin: make the next request go to the stuck replica
-		t.Helper()
-		eventually(t, "in flight", func() bool { return gw.g.Router().InFlight(0) == want })
-	}
-	r0 := ask(`{"model":"m","prompt":"stall-before","stream":true}`)
-	pin(1)
+	r0 := ask(`{"model":"m","prompt":"stall-before","stream":true}`, 1)
 	clk.Advance(d.FirstByteTimeout.D())
-	r := <-r0
-	if r.Status != 504 || stuck.calls.Load() != 1 || other.calls.Load() != 0 {
-		t.Fatalf("first-byte timeout: %d %s; stuck %d other %d calls", r.Status, r.Body, stuck.calls.Load(), other.calls.Load())
+	if r := <-r0; r.Status != 504 || calls() != 1 {
+		t.Fatalf("first-byte timeout: %d %s; %d upstream calls (must not be retried)", r.Status, r.Body, calls())
 	}
-	_ = testutil.Post(t, nil, gw.srv.URL+"/v1/completions", `{"model":"m","prompt":"x"}`) // to the other: rotation back
-	long := ask(`{"model":"m","prompt":"long answer"}`)
-	pin(1)
+	long := ask(`{"model":"m","prompt":"long answer"}`, 2)
 	clk.Advance(3 * d.FirstByteTimeout.D())
 	once.Do(func() { close(release) })
 	if r := <-long; r.Status != 200 || !strings.Contains(r.Body, "long") {
 		t.Fatalf("a long non-streamed answer was cut: %d %s", r.Status, r.Body)
 	}
-	_ = testutil.Post(t, nil, gw.srv.URL+"/v1/completions", `{"model":"m","prompt":"x"}`)
-	idle := ask(`{"model":"m","prompt":"stall-after","stream":true}`)
-	pin(1)
+	resp, br := startStream(t, gw.srv.URL, `{"model":"m","prompt":"stall-after","stream":true}`)
+	defer resp.Body.Close()
 	clk.Advance(d.StreamIdleTimeout.D())
-	if r := <-idle; r.Status != 200 || !strings.Contains(r.Body, "upstream_stream_idle") {
-		t.Fatalf("stalled stream: %d %q", r.Status, r.Body)
+	if rest, _ := io.ReadAll(br); !strings.Contains(string(rest), "upstream_stream_idle") {
+		t.Fatalf("stalled stream: %q", rest)
 	}
+	eventually(t, "idle", func() bool { return inFlight() == 0 })
 	if n := counterValue(t, gw.g.reg, "kvgate_attempts_total", map[string]string{"verdict": "failed"}); n != 2 {
 		t.Fatalf("%v failed verdicts, want 2 (first byte, idle)", n)
 	}
@@ -361,6 +356,7 @@ func TestSlowReaderFreesItsSlot(t *testing.T) {
 	if r.Status != 200 {
 		t.Fatalf("after two slow readers: %d %s", r.Status, r.Body)
 	}
+	waitIdle(t, gw)
 	if st := gw.g.Fleet().State(0); st != "closed" {
 		t.Fatalf("slow readers counted against the replica: %s", st)
 	}

@@ -79,6 +79,9 @@ func newMetrics(reg prometheus.Registerer, rt *router.Router, clk clock.Clock) *
 }
 
 func (g *Gateway) registerLimiterMetrics(reg prometheus.Registerer) {
+	reg.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "kvgate_request_body_bytes",
+		Help: "Bytes of request bodies the gateway holds (bounded by max_body_memory)."},
+		func() float64 { return float64(g.bodyBytes.Load()) }))
 	if g.lim == nil {
 		return
 	}

@@ -257,32 +257,38 @@ func (rt *Router) DryRun(req *policy.Request) (policy.Decision, []policy.Replica
 	return d, views, err
 }
 
-// candidates takes out of views (Healthy false) the replicas that do not
-// serve req's model and those excluded: the replicas listed as serving it,
-// or while none is, those not listed yet (they judge for themselves);
-// ErrModelNotServed when no replica serves it at all.
+// candidates takes out of views (Healthy false) the replicas excluded and
+// those that do not serve req's model: the replicas listed as serving it,
+// or, while none of those can take it, also those not listed yet (they judge
+// for themselves); ErrModelNotServed when no replica serves it at all.
 func (rt *Router) candidates(req *policy.Request, views []policy.ReplicaView, exclude []int) error {
-	listed, unlisted := 0, 0
-	for _, r := range rt.replicas {
+	for _, x := range exclude {
+		if x >= 0 && x < len(views) {
+			views[x].Healthy = false
+		}
+	}
+	known, unlisted, available := 0, 0, 0
+	for i, r := range rt.replicas {
 		switch s := r.served.Load(); {
 		case s == nil:
 			unlisted++
 		case s.Has(req.Model):
-			listed++
-		}
-	}
-	if listed+unlisted == 0 {
-		return ErrModelNotServed
-	}
-	for i, r := range rt.replicas {
-		s := r.served.Load()
-		if (s == nil && listed > 0) || (s != nil && !s.Has(req.Model)) {
+			known++
+			if views[i].Healthy {
+				available++
+			}
+		default:
 			views[i].Healthy = false
 		}
 	}
-	for _, x := range exclude {
-		if x >= 0 && x < len(views) {
-			views[x].Healthy = false
+	if known+unlisted == 0 {
+		return ErrModelNotServed
+	}
+	if available > 0 && unlisted > 0 {
+		for i, r := range rt.replicas {
+			if r.served.Load() == nil {
+				views[i].Healthy = false
+			}
 		}
 	}
 	return nil
