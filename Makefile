@@ -39,6 +39,8 @@ fuzz:
 	$(GO) test -run '^$$' -fuzz '^FuzzParseMetrics$$' -fuzztime $(FUZZTIME) ./internal/fleet
 	$(GO) test -run '^$$' -fuzz '^FuzzReadTrace$$' -fuzztime $(FUZZTIME) ./internal/workload
 	$(GO) test -run '^$$' -fuzz '^FuzzParseConfig$$' -fuzztime $(FUZZTIME) ./internal/gateway
+	$(GO) test -run '^$$' -fuzz '^FuzzBodyToDecision$$' -fuzztime $(FUZZTIME) ./internal/router
+	$(GO) test -run '^$$' -fuzz '^FuzzParseJob$$' -fuzztime $(FUZZTIME) ./internal/sim
 
 # Fault injection report: per scenario (replica faults and client-side ones), requests sent, succeeded,
 # retried, failed clearly, hung up, lost; asserts the invariants and that each fault was met (wall clock),
