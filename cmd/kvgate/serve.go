@@ -2,12 +2,10 @@ package main
 
 import (
 	"context"
-	"errors"
 	"flag"
 	"fmt"
 	"log/slog"
 	"net"
-	"net/http"
 	"os"
 	"strings"
 	"sync"
@@ -27,8 +25,8 @@ type serveFlags struct {
 	adminToken, apiKeys, profile, logLevel                    string
 	params                                                    listFlag
 	seed                                                      uint64
-	blockSize, retries                                        int
-	scrape                                                    time.Duration
+	blockSize, retries, maxConns                              int
+	scrape, firstByte, idle, write, request, drain            time.Duration
 }
 
 func (f *serveFlags) register(fs *flag.FlagSet) {
@@ -45,7 +43,14 @@ func (f *serveFlags) register(fs *flag.FlagSet) {
 	fs.StringVar(&f.profile, "profile", "llama3-8b-h100", "replicas' latency profile (ttft policy's estimate)")
 	fs.IntVar(&f.blockSize, "block-size", 16, "tokens per KV block of the replicas")
 	fs.DurationVar(&f.scrape, "scrape-interval", 250*time.Millisecond, "how often each replica's /metrics is scraped")
-	fs.IntVar(&f.retries, "retries", 2, "other replicas a request may try before its first response byte")
+	fs.IntVar(&f.retries, "retries", 2, "other replicas a request may try when one refused it before any work (connection refused, 503, 429)")
+	d := gateway.Defaults()
+	fs.DurationVar(&f.firstByte, "first-byte-timeout", d.FirstByteTimeout.D(), "streamed requests: the longest wait for the replica's response header (0: none)")
+	fs.DurationVar(&f.idle, "stream-idle-timeout", d.StreamIdleTimeout.D(), "the longest silence between two events of a stream (0: none)")
+	fs.DurationVar(&f.write, "write-timeout", d.WriteTimeout.D(), "the longest a write to a client may block: a client that stops reading loses its request")
+	fs.DurationVar(&f.request, "request-timeout", d.RequestTimeout.D(), "the longest a request may take in all")
+	fs.DurationVar(&f.drain, "drain-timeout", d.DrainTimeout.D(), "on SIGTERM, how long requests in flight may finish before they are cut")
+	fs.IntVar(&f.maxConns, "max-connections", 0, "cap on client connections (0: half the process's open-file limit)")
 	fs.StringVar(&f.logLevel, "log-level", "info", "debug, info, warn or error")
 }
 
@@ -127,8 +132,27 @@ func (f *serveFlags) override(cfg *gateway.Config, set map[string]bool) error {
 	if set["retries"] {
 		cfg.Retries = f.retries
 	}
+	f.overrideLimits(cfg, set)
 	f.overrideSecrets(cfg)
 	return nil
+}
+
+// overrideLimits sets the timeouts and caps given explicitly.
+func (f *serveFlags) overrideLimits(cfg *gateway.Config, set map[string]bool) {
+	for _, d := range []struct {
+		flag string
+		val  time.Duration
+		dst  *gateway.Duration
+	}{{"first-byte-timeout", f.firstByte, &cfg.FirstByteTimeout}, {"stream-idle-timeout", f.idle, &cfg.StreamIdleTimeout},
+		{"write-timeout", f.write, &cfg.WriteTimeout}, {"request-timeout", f.request, &cfg.RequestTimeout},
+		{"drain-timeout", f.drain, &cfg.DrainTimeout}} {
+		if set[d.flag] {
+			*d.dst = gateway.Duration(d.val)
+		}
+	}
+	if set["max-connections"] {
+		cfg.MaxConnections = f.maxConns
+	}
 }
 
 // overrideParams adds each --policy-param to the file's policy_params.
@@ -159,30 +183,15 @@ func (f *serveFlags) overrideSecrets(cfg *gateway.Config) {
 	}
 }
 
-// serveUntil serves g on ln until ctx ends, then shuts down gracefully.
+// serveUntil serves g on ln until ctx ends (SIGINT, SIGTERM), then drains
+// (gateway.Serve): /ready answers 503, requests in flight get drain_timeout.
 func serveUntil(ctx context.Context, ln net.Listener, g *gateway.Gateway, log *slog.Logger) error {
-	srv := g.Server()
-	runCtx, cancel := context.WithCancel(ctx)
-	defer cancel()
+	runCtx, cancel := context.WithCancel(context.Background())
 	var wg sync.WaitGroup
 	wg.Add(1)
 	go func() { defer wg.Done(); g.Run(runCtx) }()
-	errc := make(chan error, 1)
-	go func() { errc <- srv.Serve(ln) }()
-	var err error
-	select {
-	case <-ctx.Done():
-		sctx, scancel := context.WithTimeout(context.Background(), 10*time.Second)
-		err = srv.Shutdown(sctx)
-		scancel()
-		<-errc
-	case err = <-errc:
-	}
-	cancel()
+	err := g.Serve(ctx, ln)
+	cancel() // the replicas are watched until the last request is done
 	wg.Wait()
-	if errors.Is(err, http.ErrServerClosed) {
-		err = nil
-	}
-	log.Info("gateway stopped")
 	return err
 }

@@ -3,6 +3,8 @@ package gateway
 import (
 	"bytes"
 	"encoding/json"
+	"os"
+	"strings"
 	"testing"
 
 	"sigs.k8s.io/yaml"
@@ -63,4 +65,31 @@ func FuzzParseConfig(f *testing.F) {
 			t.Fatalf("save and reload changed the configuration:\nfirst  %s\nsecond %s", first, second)
 		}
 	})
+}
+
+// The README's example configuration loads, and its values are the defaults
+// where it says so (the README must not drift from the code).
+func TestREADMEConfigLoads(t *testing.T) {
+	data, err := os.ReadFile("../../README.md")
+	if err != nil {
+		t.Skip("README.md not found beside the module")
+	}
+	text := string(data)
+	i := strings.Index(text, "```yaml\nlisten: 127.0.0.1:8080")
+	if i < 0 {
+		t.Fatal("the README's gateway configuration block is missing")
+	}
+	block := text[i+len("```yaml\n"):]
+	block = block[:strings.Index(block, "```")]
+	cfg, err := ParseConfig([]byte(block))
+	if err != nil {
+		t.Fatalf("README configuration: %v", err)
+	}
+	d := Defaults()
+	if cfg.FirstByteTimeout != d.FirstByteTimeout || cfg.StreamIdleTimeout != d.StreamIdleTimeout ||
+		cfg.WriteTimeout != d.WriteTimeout || cfg.DrainTimeout != d.DrainTimeout || cfg.MaxBodyMemory != d.MaxBodyMemory ||
+		cfg.MaxStreamLineBytes != d.MaxStreamLineBytes || cfg.TokenizeTimeout != d.TokenizeTimeout ||
+		cfg.ScrapeStaleAfter != d.ScrapeStaleAfter || cfg.RequestTimeout != d.RequestTimeout {
+		t.Fatalf("the README's example differs from the defaults it shows:\n%+v\n%+v", cfg, d)
+	}
 }

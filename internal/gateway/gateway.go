@@ -192,15 +192,16 @@ func (g *Gateway) routes() {
 	g.mux = m
 }
 
-// ready answers 200 while some replica is in rotation and the gateway is
-// not draining, else 503: a load balancer stops sending at once on SIGTERM.
+// ready answers 200 while some replica has passed a health check and is in
+// rotation and the gateway is not draining, else 503: a load balancer
+// sends nothing before the fleet is known, and stops at once on SIGTERM.
 func (g *Gateway) ready(w http.ResponseWriter, r *http.Request) {
 	if g.draining.Load() {
 		writeError(w, errDraining)
 		return
 	}
 	for i := range g.rt.Replicas() {
-		if g.rt.Healthy(i) {
+		if g.rt.Replica(i).Ready() {
 			w.Header().Set("Content-Type", "text/plain")
 			_, _ = io.WriteString(w, "ready\n")
 			return

@@ -26,6 +26,7 @@ type Replica struct {
 	spec  Spec
 
 	healthy        atomic.Bool // in rotation: health checks pass and the breaker is not open
+	checked        atomic.Bool // a health check has passed at least once
 	inFlight       atomic.Int64
 	inFlightTokens atomic.Int64
 	pendingPrefill atomic.Int64
@@ -77,6 +78,10 @@ func (r *Replica) APIKey() string { return r.spec.APIKey }
 
 // KVEvents is the replica's KV-event endpoint ("" for none).
 func (r *Replica) KVEvents() string { return r.spec.KVEvents }
+
+// Ready reports whether the replica is in rotation and has passed a health
+// check (a replica starts in rotation, before its first check).
+func (r *Replica) Ready() bool { return r.checked.Load() && r.healthy.Load() }
 
 // Healthy reports whether the replica is in rotation.
 func (r *Replica) Healthy() bool { return r.healthy.Load() }
@@ -199,6 +204,9 @@ func (r *Replica) ScrapeResult(at time.Time, err error, staleAfter time.Duration
 // SetHealthOK records the last active health check and returns whether the
 // replica is now in rotation (health passes and the breaker is not open).
 func (r *Replica) SetHealthOK(ok bool, now time.Time) bool {
+	if ok {
+		r.checked.Store(true)
+	}
 	r.probeMu.Lock()
 	r.healthOK = ok
 	r.probeMu.Unlock()
