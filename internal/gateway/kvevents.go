@@ -4,27 +4,10 @@ import (
 	"context"
 	"errors"
 	"strings"
-	"sync"
-	"time"
 
 	"github.com/kvgate/kvgate/internal/kvevents"
 	"github.com/kvgate/kvgate/internal/prefixindex"
 )
-
-// kvSync is the precise index's state for one replica. The index only
-// knows what was stored since kvgate subscribed: it is trusted (synced)
-// when the stream was followed from the publisher's first message, or once
-// the replica has stored as many blocks as its cache holds since the last
-// gap (everything older has been evicted by then), or after resyncAfter.
-// Until then the approximate index answers for the replica.
-type kvSync struct {
-	mu          sync.Mutex
-	seen        bool
-	storedSince int
-	since       time.Time
-}
-
-const resyncAfter = 2 * time.Minute
 
 func (g *Gateway) runKVEvents(ctx context.Context) {
 	var subs []*kvevents.Subscriber
@@ -32,10 +15,10 @@ func (g *Gateway) runKVEvents(ctx context.Context) {
 		if rc.KVEvents == "" {
 			continue
 		}
-		st := &kvSync{since: g.clock.Now()}
+		g.rt.Replica(i).KVStart(g.clock.Now())
 		sub, err := kvevents.SubscribeWithOptions(ctx, rc.KVEvents, "",
-			func(m kvevents.Message) { g.onKVMessage(i, st, m) },
-			func(expected, got uint64) { g.onKVGap(i, st, expected, got) },
+			func(m kvevents.Message) { g.onKVMessage(i, m) },
+			func(expected, got uint64) { g.onKVGap(i, expected, got) },
 			kvevents.SubscribeOptions{OnError: func(err error) {
 				g.log.Debug("kv events", "replica", rc.URL, "endpoint", rc.KVEvents, "err", err)
 			}})
@@ -52,17 +35,14 @@ func (g *Gateway) runKVEvents(ctx context.Context) {
 	}
 }
 
-func (g *Gateway) onKVGap(i int, st *kvSync, expected, got uint64) {
+func (g *Gateway) onKVGap(i int, expected, got uint64) {
 	g.log.Warn("kv events: sequence gap; replica falls back to the approximate index until resynchronised",
 		"replica", g.rt.URL(i), "expected", expected, "got", got)
-	st.mu.Lock()
-	st.storedSince, st.since = 0, g.clock.Now()
-	st.mu.Unlock()
-	g.rt.SetPreciseSynced(i, false)
+	g.rt.Replica(i).KVGap(g.clock.Now())
 	_ = g.rt.Precise().Cleared(i)
 }
 
-func (g *Gateway) onKVMessage(i int, st *kvSync, m kvevents.Message) {
+func (g *Gateway) onKVMessage(i int, m kvevents.Message) {
 	p := g.rt.Precise()
 	stored := 0
 	for _, ev := range m.Batch.Events {
@@ -91,22 +71,11 @@ func (g *Gateway) onKVMessage(i int, st *kvSync, m kvevents.Message) {
 			_ = p.Cleared(i)
 		}
 	}
-	st.mu.Lock()
-	first := !st.seen
-	st.seen = true
-	st.storedSince += stored
 	capacity := g.cfg.BlocksPerReplica
 	if m, _, ok := g.rt.ReplicaMetrics(i); ok && m.NumBlocks > 0 {
 		capacity = m.NumBlocks
 	}
-	synced := (first && m.Seq == 0) || st.storedSince >= capacity || g.clock.Now().Sub(st.since) >= resyncAfter
-	if first && m.Seq == 0 {
-		st.storedSince = capacity // followed from the start
-	}
-	st.mu.Unlock()
-	if synced {
-		g.rt.SetPreciseSynced(i, true)
-	}
+	g.rt.Replica(i).KVBatch(m.Seq, stored, capacity, g.clock.Now())
 }
 
 // topicModel is the model of a vLLM KV-event topic "kv@HOST:PORT@MODEL"

@@ -42,6 +42,8 @@ type Replica struct {
 
 	// Breaker is the replica's circuit breaker (passive health).
 	Breaker Breaker
+	// kv is the replica's KV-event sync state (precise mode).
+	kv kvSync
 
 	// probe is the fleet's record of its probes.
 	probeMu     sync.Mutex
@@ -230,4 +232,56 @@ func (r *Replica) MetricsAge(now time.Time) time.Duration {
 		return -1
 	}
 	return now.Sub(s.at)
+}
+
+// kvSync is how far the precise index can be trusted for a replica. The
+// index only knows what was stored since kvgate subscribed: it is trusted
+// when the stream was followed from the publisher's first message, or once
+// the replica has stored as many blocks as its cache holds since the last
+// gap (everything older has been evicted by then), or after ResyncAfter.
+// Until then the approximate index answers for the replica.
+type kvSync struct {
+	mu          sync.Mutex
+	seen        bool
+	storedSince int
+	since       time.Time
+}
+
+// ResyncAfter bounds how long a replica whose event stream was joined late
+// (or had a gap) stays on the approximate index.
+const ResyncAfter = 2 * time.Minute
+
+// KVStart starts following the replica's KV events at now.
+func (r *Replica) KVStart(now time.Time) {
+	r.kv.mu.Lock()
+	r.kv.since = now
+	r.kv.mu.Unlock()
+}
+
+// KVGap records a gap in the replica's KV-event stream at now: the precise
+// index is not trusted for it until resynchronised.
+func (r *Replica) KVGap(now time.Time) {
+	r.kv.mu.Lock()
+	r.kv.storedSince, r.kv.since = 0, now
+	r.kv.mu.Unlock()
+	r.preciseOK.Store(false)
+}
+
+// KVBatch records a batch of the replica's KV events (its sequence number
+// and the blocks it stored) at now, against the replica's cache capacity in
+// blocks, and reports whether the precise index is now in sync.
+func (r *Replica) KVBatch(seq uint64, stored, capacity int, now time.Time) bool {
+	r.kv.mu.Lock()
+	first := !r.kv.seen
+	r.kv.seen = true
+	r.kv.storedSince += stored
+	if first && seq == 0 {
+		r.kv.storedSince = max(r.kv.storedSince, capacity) // followed from the start
+	}
+	synced := r.kv.storedSince >= capacity || now.Sub(r.kv.since) >= ResyncAfter
+	r.kv.mu.Unlock()
+	if synced {
+		r.preciseOK.Store(true)
+	}
+	return synced
 }
