@@ -24,6 +24,7 @@ type simFlags struct {
 	cfg           sim.Config
 	form          string
 	adapters      string
+	servedNames   string
 	faultReplicas string
 }
 
@@ -33,6 +34,8 @@ func (f *simFlags) register(fs *flag.FlagSet) {
 	fs.IntVar(&cfg.Port, "port", 8000, "port of replica 0 (0: ephemeral ports, printed)")
 	fs.StringVar(&cfg.Model, "model", sim.DefaultModel, "served model name")
 	fs.StringVar(&f.adapters, "lora-adapters", "", "comma-separated LoRA adapter names served beside the model")
+	fs.StringVar(&f.servedNames, "served-model-name", "",
+		"comma-separated names requests use for the model (vLLM's --served-model-name); /v1/models gives --model as their root")
 	fs.StringVar(&cfg.Profile, "profile", costmodel.Default,
 		"latency profile: "+strings.Join(costmodel.Names(), ", "))
 	fs.IntVar(&cfg.KVBlocks, "kv-blocks", engine.DefaultNumBlocks, "KV cache blocks per replica")
@@ -65,6 +68,9 @@ func (f *simFlags) registerFaults(fs *flag.FlagSet) {
 		"probability of cutting the connection after the first streamed chunk (non-streamed: before any byte)")
 	fs.DurationVar(&faults.RefuseAfter, "fault-refuse-after", 0, "close the listener this long after start")
 	fs.DurationVar(&faults.RefuseFor, "fault-refuse-for", 0, "and listen again on the same port after this window")
+	fs.StringVar(&faults.CrashOn, "fault-crash-on", "",
+		"a query of death: a request whose prompt contains this text crashes the replica (listener and connections closed)")
+	fs.DurationVar(&faults.CrashFor, "fault-crash-for", 0, "how long a crashed replica stays down before it listens again")
 }
 
 // config validates the flags and completes sim.Config.
@@ -94,6 +100,9 @@ func (f *simFlags) config() (sim.Config, error) {
 	cfg.KVEvents = cfg.KVEventsPort > 0
 	if f.adapters != "" {
 		cfg.Adapters = strings.Split(f.adapters, ",")
+	}
+	if f.servedNames != "" {
+		cfg.ServedModelNames = strings.Split(f.servedNames, ",")
 	}
 	if f.faultReplicas != "" {
 		for _, s := range strings.Split(f.faultReplicas, ",") {
