@@ -45,16 +45,10 @@ func TestScrapeAgeMetric(t *testing.T) {
 	}
 }
 
-// Finding 10: connections are capped (past the cap clients wait in the
-// backlog, nobody is refused), and request bodies held at once are
-// bounded by max_body_memory.
-func TestConnectionCapAndBodyMemory(t *testing.T) {
-	a := newStub(t, "", okStream(1))
-	cfg := baseConfig(a.srv.URL)
-	cfg.MaxConnections = 2
-	cfg.MaxBodyBytes = 1 << 20
-	cfg.MaxBodyMemory = 1 << 20
-	cfg.QueueTimeout = Duration(200 * time.Millisecond)
+// serveOnLoopback runs a gateway's Serve on a loopback port; cancel starts
+// its drain, and served yields Serve's result.
+func serveOnLoopback(t *testing.T, cfg Config) (*Gateway, net.Listener, context.CancelFunc, chan error) {
+	t.Helper()
 	g, err := New(cfg, Options{})
 	if err != nil {
 		t.Fatal(err)
@@ -66,6 +60,20 @@ func TestConnectionCapAndBodyMemory(t *testing.T) {
 	ctx, cancel := context.WithCancel(context.Background())
 	served := make(chan error, 1)
 	go func() { served <- g.Serve(ctx, ln) }()
+	return g, ln, cancel, served
+}
+
+// Finding 10: connections are capped (past the cap clients wait in the
+// backlog, nobody is refused), and request bodies held at once are
+// bounded by max_body_memory.
+func TestConnectionCapAndBodyMemory(t *testing.T) {
+	a := newStub(t, "", okStream(1))
+	cfg := baseConfig(a.srv.URL)
+	cfg.MaxConnections = 2
+	cfg.MaxBodyBytes = 1 << 20
+	cfg.MaxBodyMemory = 1 << 20
+	cfg.QueueTimeout = Duration(200 * time.Millisecond)
+	g, ln, cancel, served := serveOnLoopback(t, cfg)
 	defer func() { cancel(); <-served }()
 	base := "http://" + ln.Addr().String()
 	// Two idle connections take the cap.
@@ -186,17 +194,7 @@ func TestDrainOnShutdown(t *testing.T) {
 	})
 	cfg := baseConfig(a.srv.URL)
 	cfg.DrainTimeout = Duration(300 * time.Millisecond)
-	g, err := New(cfg, Options{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	ctx, cancel := context.WithCancel(context.Background())
-	served := make(chan error, 1)
-	go func() { served <- g.Serve(ctx, ln) }()
+	_, ln, cancel, served := serveOnLoopback(t, cfg)
 	base := "http://" + ln.Addr().String()
 	resp, br := startStream(t, base, `{"model":"m","prompt":"long","stream":true}`)
 	defer resp.Body.Close()
