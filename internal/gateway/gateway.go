@@ -251,8 +251,10 @@ func (g *Gateway) readBody(w http.ResponseWriter, r *http.Request) ([]byte, func
 	if r.ContentLength >= 0 {
 		held = max(r.ContentLength, 1)
 	}
-	ctx, cancel := context.WithTimeout(r.Context(), g.cfg.QueueTimeout.D())
+	ctx, cancel := context.WithCancel(r.Context())
+	wait := g.clock.AfterFunc(g.cfg.QueueTimeout.D(), cancel)
 	err := g.bodies.Acquire(ctx, held)
+	wait.Stop()
 	cancel()
 	if err != nil {
 		if r.Context().Err() != nil {
