@@ -38,7 +38,9 @@ func (f *simFlags) register(fs *flag.FlagSet) {
 		"comma-separated names requests use for the model (vLLM's --served-model-name); /v1/models gives --model as their root")
 	fs.StringVar(&cfg.Profile, "profile", costmodel.Default,
 		"latency profile: "+strings.Join(costmodel.Names(), ", "))
-	fs.IntVar(&cfg.KVBlocks, "kv-blocks", engine.DefaultNumBlocks, "KV cache blocks per replica")
+	fs.IntVar(&cfg.DataParallelSize, "data-parallel-size", 1,
+		"engine cores per replica, as vLLM's --data-parallel-size: each its own KV cache; header X-Data-Parallel-Rank picks one")
+	fs.IntVar(&cfg.KVBlocks, "kv-blocks", engine.DefaultNumBlocks, "KV cache blocks per replica (per engine core)")
 	fs.IntVar(&cfg.BlockSize, "block-size", engine.DefaultBlockSize, "tokens per KV block")
 	fs.IntVar(&cfg.MaxBatchTokens, "max-batch-tokens", engine.DefaultMaxBatchTokens, "token budget of one scheduler step")
 	fs.IntVar(&cfg.MaxSeqs, "max-seqs", engine.DefaultMaxSeqs, "running sequences cap")
@@ -82,6 +84,8 @@ func (f *simFlags) config() (sim.Config, error) {
 	switch {
 	case cfg.Replicas < 1:
 		return cfg, usageErr("--replicas %d: want at least 1", cfg.Replicas)
+	case cfg.DataParallelSize < 1:
+		return cfg, usageErr("--data-parallel-size %d: want at least 1", cfg.DataParallelSize)
 	case cfg.Port < 0 || cfg.Port+cfg.Replicas-1 > 65535:
 		return cfg, usageErr("--port %d: ports %d..%d out of range", cfg.Port, cfg.Port, cfg.Port+cfg.Replicas-1)
 	case cfg.KVEventsPort < 0 || cfg.KVEventsPort+cfg.Replicas-1 > 65535:

@@ -75,7 +75,16 @@ type Config struct {
 	// fleet; replicas beyond its length serve the fleet's.
 	PerReplica []ReplicaOverride
 
-	KVBlocks       int // KV cache blocks per replica, default engine.DefaultNumBlocks
+	// DataParallelSize is vLLM's --data-parallel-size: the engine cores
+	// (data-parallel ranks) of each replica, default 1. Each core has its
+	// own KV cache of KVBlocks, scheduler and step loop on the same
+	// profile; a request's X-Data-Parallel-Rank header picks one, and
+	// without it the replica takes the least loaded. Metrics carry one
+	// series per core (label engine), KV-event batches their core's
+	// data_parallel_rank. At most MaxDataParallelSize.
+	DataParallelSize int
+
+	KVBlocks       int // KV cache blocks per replica (per core), default engine.DefaultNumBlocks
 	BlockSize      int // tokens per block, default engine.DefaultBlockSize
 	MaxBatchTokens int // default engine.DefaultMaxBatchTokens
 	MaxSeqs        int // default engine.DefaultMaxSeqs
@@ -99,7 +108,7 @@ type Config struct {
 	FaultReplicas []int
 
 	// MaxLag is how far (wall time) a busy driver's virtual time may trail
-	// the wall clock before it jumps forward; see Replica.drive. Default
+	// the wall clock before it jumps forward; see core.drive. Default
 	// DefaultMaxLag.
 	MaxLag time.Duration
 
@@ -171,6 +180,9 @@ func (c Config) withDefaults() Config {
 	if c.Profile == "" {
 		c.Profile = costmodel.Default
 	}
+	if c.DataParallelSize == 0 {
+		c.DataParallelSize = 1
+	}
 	if c.KVBlocks == 0 {
 		c.KVBlocks = engine.DefaultNumBlocks
 	}
@@ -222,6 +234,8 @@ func (c Config) validate() error {
 		return bad("time scale %v out of (0, %g]", c.TimeScale, float64(MaxTimeScale))
 	case c.MaxLag < 0:
 		return bad("max lag %v < 0", c.MaxLag)
+	case c.DataParallelSize < 1 || c.DataParallelSize > MaxDataParallelSize:
+		return bad("data parallel size %d out of [1, %d]", c.DataParallelSize, MaxDataParallelSize)
 	case c.KVBlocks < 1 || c.BlockSize < 1:
 		return bad("kv blocks %d and block size %d must be ≥ 1", c.KVBlocks, c.BlockSize)
 	case c.MaxModelLen < 1:

@@ -5,8 +5,9 @@
 // real replica does. It is what `kvgate sim` serves and what tests and
 // `kvgate bench --embedded` start in-process.
 //
-// Each replica's driver goroutine steps its engine in virtual time, which
-// runs TimeScale times faster than the wall clock; see Replica.drive.
+// Each engine core's driver goroutine steps its engine in virtual time, which
+// runs TimeScale times faster than the wall clock; see core.drive. A replica
+// has one core, or one per data-parallel rank (Config.DataParallelSize).
 package sim
 
 import (

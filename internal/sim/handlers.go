@@ -6,6 +6,7 @@ import (
 	"io"
 	"net/http"
 	"slices"
+	"strconv"
 
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
@@ -164,12 +165,19 @@ func (r *Replica) inference(kind prompt.Kind) http.HandlerFunc {
 			writeError(w, err)
 			return
 		}
+		// vLLM checks the rank after the body, before the engine sees the
+		// request (so an out-of-range rank saves a query of death).
+		rank, err := r.requestedRank(req)
+		if err != nil {
+			writeError(w, err)
+			return
+		}
 		if j.crash {
 			r.crash()
 			panic(http.ErrAbortHandler) // the connection is gone with the rest
 		}
 		cl, reqs := r.newCall(j)
-		if err := r.submit(cl, reqs); err != nil {
+		if err := r.submit(cl, reqs, rank); err != nil {
 			if errors.Is(err, engine.ErrTooLong) {
 				// Not reached: MaxModelLen fits the cache, and limits checked it.
 				err = contextTooLong(r.cfg.MaxModelLen, j.prompts[0].tokens, int64(j.maxTokens),
@@ -177,6 +185,10 @@ func (r *Replica) inference(kind prompt.Kind) http.HandlerFunc {
 			}
 			writeError(w, err)
 			return
+		}
+		if len(r.cores) > 1 {
+			// The sim's own aid: vLLM does not say which rank served.
+			w.Header().Set(HeaderDataParallelRank, strconv.Itoa(cl.core.rank))
 		}
 		if j.stream {
 			r.streamCall(w, req, j, cl, die)
@@ -193,7 +205,7 @@ func (r *Replica) wait(req *http.Request, cl *call) bool {
 	case <-cl.notify:
 		return true
 	case <-req.Context().Done():
-		r.abort(cl)
+		cl.core.abort(cl)
 		return false
 	case <-r.done:
 		return false

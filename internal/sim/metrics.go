@@ -8,8 +8,6 @@ import (
 	"sync"
 
 	"github.com/prometheus/client_golang/prometheus"
-
-	"github.com/kvgate/kvgate/internal/engine"
 )
 
 // Metric names, exactly as vLLM (v1 engine, ≥ 0.9) exposes them. vLLM
@@ -55,22 +53,55 @@ const (
 )
 
 // metrics is one replica's registry. Gauges and engine counters are read
-// from the engine at scrape time (engineCollector); latency histograms and
-// finish reasons, which the engine does not know, are observed by the driver.
-// Latencies are in virtual seconds: what the simulated GPU would report.
+// from each core's engine at scrape time (engineCollector); latency
+// histograms and finish reasons, which the engine does not know, are
+// observed by each core's driver (coreMetrics). Latencies are in virtual
+// seconds: what the simulated GPU would report.
 type metrics struct {
-	reg     *prometheus.Registry
+	reg *prometheus.Registry
+}
+
+// coreMetrics are the series one engine core observes.
+type coreMetrics struct {
 	ttft    prometheus.Histogram
 	e2e     prometheus.Histogram
 	success map[string]prometheus.Counter
 }
 
 func newMetrics(r *Replica) *metrics {
-	// vLLM labels every series with the (first) served model name and the
-	// engine index (one engine core per replica here).
-	labels := prometheus.Labels{"model_name": r.cfg.servedName(), "engine": "0"}
-	m := &metrics{
-		reg: prometheus.NewRegistry(),
+	m := &metrics{reg: prometheus.NewRegistry()}
+	for _, c := range r.cores {
+		// vLLM labels every series with the (first) served model name and
+		// the engine index: one series per engine core, as a server
+		// started with --data-parallel-size has.
+		labels := prometheus.Labels{"model_name": r.cfg.servedName(), "engine": strconv.Itoa(c.rank)}
+		c.metrics = newCoreMetrics(m.reg, labels)
+		m.reg.MustRegister(newEngineCollector(labels, c))
+	}
+	// vLLM's cache_config_info carries the CacheConfig fields as labels
+	// (plus "engine") and no model_name; one per server.
+	cc := prometheus.NewGauge(prometheus.GaugeOpts{
+		Name: MetricCacheConfig, Help: "Information of the LLMEngine CacheConfig",
+		ConstLabels: prometheus.Labels{
+			"block_size":            strconv.Itoa(r.cfg.BlockSize),
+			"num_gpu_blocks":        strconv.Itoa(r.cfg.KVBlocks),
+			"enable_prefix_caching": "True",
+			"cache_dtype":           "auto",
+			"engine":                "0",
+		},
+	})
+	cc.Set(1)
+	m.reg.MustRegister(cc)
+	if len(r.cfg.Adapters) > 0 { // vLLM has it with LoRA enabled only
+		m.reg.MustRegister(newLoRACollector(r))
+	}
+	return m
+}
+
+// newCoreMetrics registers one core's histograms and finish-reason
+// counters in reg under labels.
+func newCoreMetrics(reg *prometheus.Registry, labels prometheus.Labels) *coreMetrics {
+	m := &coreMetrics{
 		ttft: prometheus.NewHistogram(prometheus.HistogramOpts{
 			Name: MetricTTFT, Help: "Histogram of time to first token in seconds.",
 			Buckets: ttftBuckets, ConstLabels: labels,
@@ -89,36 +120,20 @@ func newMetrics(r *Replica) *metrics {
 	for _, reason := range []string{finishStop, finishLength, finishAbort} {
 		m.success[reason] = sv.WithLabelValues(reason)
 	}
-	// vLLM's cache_config_info carries the CacheConfig fields as labels
-	// (plus "engine") and no model_name.
-	cc := prometheus.NewGauge(prometheus.GaugeOpts{
-		Name: MetricCacheConfig, Help: "Information of the LLMEngine CacheConfig",
-		ConstLabels: prometheus.Labels{
-			"block_size":            strconv.Itoa(r.cfg.BlockSize),
-			"num_gpu_blocks":        strconv.Itoa(r.cfg.KVBlocks),
-			"enable_prefix_caching": "True",
-			"cache_dtype":           "auto",
-			"engine":                "0",
-		},
-	})
-	cc.Set(1)
-	m.reg.MustRegister(m.ttft, m.e2e, sv, cc, newEngineCollector(labels, r))
-	if len(r.cfg.Adapters) > 0 { // vLLM has it with LoRA enabled only
-		m.reg.MustRegister(newLoRACollector(r))
-	}
+	reg.MustRegister(m.ttft, m.e2e, sv)
 	return m
 }
 
-// engineCollector reads the engine's gauges and counters at scrape time.
+// engineCollector reads one core's engine gauges and counters at scrape time.
 type engineCollector struct {
-	r                                                          *Replica
+	c                                                          *core
 	running, waiting, kvUsage, queries, hits, preempt, pt, gen *prometheus.Desc
 }
 
-func newEngineCollector(labels prometheus.Labels, r *Replica) *engineCollector {
+func newEngineCollector(labels prometheus.Labels, c *core) *engineCollector {
 	d := func(name, help string) *prometheus.Desc { return prometheus.NewDesc(name, help, nil, labels) }
 	return &engineCollector{
-		r:       r,
+		c:       c,
 		running: d(MetricRunning, "Number of requests in model execution batches."),
 		waiting: d(MetricWaiting, "Number of requests waiting to be processed."),
 		kvUsage: d(MetricKVUsage, "KV-cache usage. 1 means 100 percent usage."),
@@ -137,7 +152,7 @@ func (c *engineCollector) Describe(ch chan<- *prometheus.Desc) {
 }
 
 func (c *engineCollector) Collect(ch chan<- prometheus.Metric) {
-	s := c.r.stats()
+	s := c.c.stats()
 	g := func(d *prometheus.Desc, v float64) { ch <- prometheus.MustNewConstMetric(d, prometheus.GaugeValue, v) }
 	k := func(d *prometheus.Desc, v int64) {
 		ch <- prometheus.MustNewConstMetric(d, prometheus.CounterValue, float64(v))
@@ -153,13 +168,6 @@ func (c *engineCollector) Collect(ch chan<- prometheus.Metric) {
 }
 
 var _ prometheus.Collector = (*engineCollector)(nil)
-
-// stats is a snapshot of the engine's counters.
-func (r *Replica) stats() engine.Stats {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	return r.eng.Stats()
-}
 
 // maxLoRASeries bounds the label sets loraCollector remembers.
 const maxLoRASeries = 64
@@ -194,9 +202,7 @@ func newLoRACollector(r *Replica) *loraCollector {
 func (c *loraCollector) Describe(ch chan<- *prometheus.Desc) { ch <- c.desc }
 
 func (c *loraCollector) Collect(ch chan<- prometheus.Metric) {
-	c.r.mu.Lock()
-	running, waiting := c.r.eng.LoraRequests()
-	c.r.mu.Unlock()
+	running, waiting := c.r.loraRequests()
 	key := [2]string{adapterList(running), adapterList(waiting)}
 	now := float64(c.r.clock.Now().UnixNano()) / 1e9
 	c.mu.Lock()
@@ -214,6 +220,25 @@ func (c *loraCollector) Collect(ch chan<- prometheus.Metric) {
 	for k, t := range c.seen {
 		ch <- prometheus.MustNewConstMetric(c.desc, prometheus.GaugeValue, t, c.maxLora, k[0], k[1])
 	}
+}
+
+// loraRequests counts the live requests of each adapter, running and
+// waiting, over the replica's cores: vLLM's lora_requests_info has no engine
+// label.
+func (r *Replica) loraRequests() (running, waiting map[string]int) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	running, waiting = r.cores[0].eng.LoraRequests()
+	for _, c := range r.cores[1:] {
+		run, wait := c.eng.LoraRequests()
+		for a, n := range run {
+			running[a] += n
+		}
+		for a, n := range wait {
+			waiting[a] += n
+		}
+	}
+	return running, waiting
 }
 
 // adapterList is the sorted, comma-separated names of the adapters with

@@ -163,7 +163,7 @@ func (r *Replica) streamCall(w http.ResponseWriter, req *http.Request, j *job, c
 	h.Set("Cache-Control", "no-cache")
 	w.WriteHeader(http.StatusOK)
 	if rc.Flush() != nil {
-		r.abort(cl)
+		cl.core.abort(cl)
 		return
 	}
 	s := newSSEWriter(j, len(cl.choices), r.responseID(idPrefix(j.kind)), r.clock.Now().Unix())
@@ -182,7 +182,7 @@ func (r *Replica) streamCall(w http.ResponseWriter, req *http.Request, j *job, c
 			continue
 		}
 		if _, err := w.Write(s.buf); err != nil || rc.Flush() != nil {
-			r.abort(cl)
+			cl.core.abort(cl)
 			return
 		}
 		if all {
@@ -191,7 +191,7 @@ func (r *Replica) streamCall(w http.ResponseWriter, req *http.Request, j *job, c
 		if die {
 			// The replica dies mid-stream: the client has its first chunk
 			// and then a cut connection (no terminating chunk, no [DONE]).
-			r.abort(cl)
+			cl.core.abort(cl)
 			panic(http.ErrAbortHandler)
 		}
 	}

@@ -1,0 +1,331 @@
+package sim
+
+import (
+	"fmt"
+	"time"
+
+	"github.com/kvgate/kvgate/internal/clock"
+	"github.com/kvgate/kvgate/internal/costmodel"
+	"github.com/kvgate/kvgate/internal/engine"
+	"github.com/kvgate/kvgate/internal/kvevents"
+)
+
+// core is one engine core of a replica. vLLM started with
+// --data-parallel-size N runs N of them behind one API server, each with its
+// own KV cache, scheduler and busy loop; a replica here has
+// Config.DataParallelSize cores, rank 0 to N−1, each stepped by its own
+// driver goroutine. They share the replica's lock (Replica.mu), clock,
+// registry and KV-event publisher.
+type core struct {
+	r    *Replica
+	rank int
+
+	// Guarded by r.mu.
+	eng     *engine.Engine
+	live    map[uint64]*choice // engine request id → its choice, until finished or aborted
+	nextID  uint64
+	idle    bool          // the driver found no work and waits
+	wokeAt  time.Duration // while idle: arrival of the first request since
+	planEnd time.Duration // end of the last planned step
+
+	wake    chan struct{} // cap 1: work was added or freed
+	metrics *coreMetrics
+	// dpRank is the data_parallel_rank of its KV-event batches: nil
+	// without data parallelism, as the sim sent before it had any.
+	dpRank *int
+}
+
+// newEngine is the engine model of replica idx's core of the given rank.
+// Rank 0 keeps the seed a replica had before data parallelism.
+func newEngine(cfg Config, idx, rank int) (*engine.Engine, error) {
+	prof, err := costmodel.Lookup(cfg.Profile)
+	if err != nil {
+		return nil, fmt.Errorf("%w: %w", ErrInvalidConfig, err)
+	}
+	eng, err := engine.New(engine.Config{
+		Profile:         prof,
+		NumBlocks:       cfg.KVBlocks,
+		BlockSize:       cfg.BlockSize,
+		MaxBatchTokens:  cfg.MaxBatchTokens,
+		MaxSeqs:         cfg.MaxSeqs,
+		Seed:            cfg.Seed + uint64(idx) + uint64(rank)*0x9e37_79b9_7f4a_7c15,
+		Jitter:          cfg.Jitter,
+		DisableKVEvents: !cfg.KVEvents,
+	})
+	if err != nil {
+		return nil, fmt.Errorf("%w: %w", ErrInvalidConfig, err)
+	}
+	return eng, nil
+}
+
+// newCores builds the replica's engine cores.
+func newCores(r *Replica) error {
+	n := r.cfg.DataParallelSize
+	for rank := range n {
+		eng, err := newEngine(r.cfg, r.idx, rank)
+		if err != nil {
+			return err
+		}
+		c := &core{r: r, rank: rank, eng: eng, live: make(map[uint64]*choice), idle: true,
+			wake: make(chan struct{}, 1)}
+		if n > 1 {
+			c.dpRank = &c.rank
+		}
+		r.cores = append(r.cores, c)
+	}
+	return nil
+}
+
+// presentLocked is the engine's present: the virtual time of the wall
+// clock, except while the driver is busy and behind it by less than MaxLag,
+// when it is the end of the planned step (the driver is catching up, and
+// whatever arrives now is in the engine's present at that step's end). r.mu
+// is held.
+func (c *core) presentLocked() time.Duration {
+	vw := c.r.virtualNow()
+	if c.idle || vw <= c.planEnd {
+		return vw
+	}
+	return max(c.planEnd, vw-c.r.maxLag)
+}
+
+func (c *core) poke() {
+	select {
+	case c.wake <- struct{}{}:
+	default:
+	}
+}
+
+// drive is the core's engine loop, vLLM's busy loop in virtual time:
+// while there is work, plan a step at the engine's present, wait until the
+// wall time of its end, then deliver its outputs and publish its KV events.
+// With no work it sleeps until a request arrives, and the next step starts
+// at the wall clock's virtual time.
+//
+// Pacing is catch-up pacing, as in discrete-event simulators run against a
+// wall clock: a step starts where the previous one ended as long as that is
+// less than MaxLag (wall) behind the wall clock, so a timer that wakes late
+// (Go's timers have about a millisecond of granularity here) delays the
+// following deliveries a little but never stretches virtual time; the steps
+// after it run back to back until the chain has caught up. Virtual time
+// never goes backwards, never lags the wall clock by more than MaxLag (it
+// jumps forward when the driver falls further behind, e.g. CPU-starved), and
+// outputs are never delivered before the wall time of their step's end.
+// Without the slack, at --time-scale 1000 every 10 ms step would cost a
+// timer's millisecond of wall time, a second of virtual time.
+func (c *core) drive() {
+	r := c.r
+	defer r.wg.Done()
+	t := r.clock.NewTimer(time.Hour)
+	t.Stop()
+	defer t.Stop()
+	for {
+		res, ok := c.plan()
+		if !ok {
+			return
+		}
+		if res == nil {
+			continue // woken: look for work again
+		}
+		if !r.sleepUntil(t, r.wallOf(res.End)) {
+			return
+		}
+		// res.Outputs is only overwritten by the next Step, which this
+		// goroutine alone calls.
+		c.deliver(res.Outputs, res.End)
+		if r.pub != nil && len(res.KV) > 0 {
+			_ = r.pub.Publish(c.batch(res.KV))
+		}
+	}
+}
+
+// plan runs the next step, or waits for work when there is none or none
+// can be scheduled: then it returns a nil result once woken. ok is false
+// when the replica stops.
+func (c *core) plan() (res *engine.StepResult, ok bool) {
+	r := c.r
+	r.mu.Lock()
+	if !c.eng.HasWork() {
+		c.idle = true
+		r.mu.Unlock()
+		return nil, c.waitWake()
+	}
+	now := c.presentLocked()
+	if c.idle {
+		// Start at the arrival that woke the driver: the wake-up's
+		// scheduling delay is not the engine's time.
+		now = max(c.wokeAt, now-r.maxLag)
+	}
+	step := c.eng.Step(now)
+	c.idle = false
+	c.planEnd = step.End
+	r.mu.Unlock()
+	if step.Seqs == 0 {
+		// Nothing could be scheduled; only a new request or an abort changes that.
+		return nil, c.waitWake()
+	}
+	return &step, true
+}
+
+// waitWake waits for a poke; false when the replica stops first.
+func (c *core) waitWake() bool {
+	select {
+	case <-c.wake:
+		return true
+	case <-c.r.done:
+		return false
+	}
+}
+
+// sleepUntil waits on t until the wall clock reaches at; false when the
+// replica stops first.
+func (r *Replica) sleepUntil(t clock.Timer, at time.Time) bool {
+	d := at.Sub(r.clock.Now())
+	if d <= 0 {
+		return true
+	}
+	t.Reset(d)
+	select {
+	case <-t.C():
+		return true
+	case <-r.done:
+		return false
+	}
+}
+
+// deliver hands one step's outputs, visible at end, to their calls.
+func (c *core) deliver(outs []engine.Output, end time.Duration) {
+	c.r.mu.Lock()
+	defer c.r.mu.Unlock()
+	for _, o := range outs {
+		ch := c.live[o.ReqID]
+		if ch == nil {
+			continue // aborted
+		}
+		cl := ch.call
+		if o.First {
+			c.metrics.ttft.Observe((end - ch.arrival).Seconds())
+		}
+		if o.Finished {
+			delete(c.live, o.ReqID)
+			c.metrics.e2e.Observe((end - ch.arrival).Seconds())
+			c.metrics.success[ch.reason].Inc()
+			cl.left--
+		}
+		cl.mu.Lock()
+		ch.pending += o.NewTokens
+		ch.total += o.NewTokens
+		if o.First {
+			ch.cached = o.CachedTokens
+		}
+		ch.finished = o.Finished
+		cl.mu.Unlock()
+		// A non-streamed call only needs waking when it is complete.
+		if cl.stream || cl.left == 0 {
+			select {
+			case cl.notify <- struct{}{}:
+			default:
+			}
+		}
+	}
+}
+
+// submit adds a call's engine requests (reqs[i] belongs to cl.choices[i])
+// to the core of the given rank, or with rank < 0 to the least loaded one,
+// chosen under the same lock as the requests are added so that a burst of
+// requests spreads over the cores. It sets cl.core.
+func (r *Replica) submit(cl *call, reqs []engine.Request, rank int) error {
+	r.mu.Lock()
+	c := r.leastLoadedLocked()
+	if rank >= 0 {
+		c = r.cores[rank]
+	}
+	cl.core = c
+	err := c.addLocked(cl, reqs)
+	r.mu.Unlock()
+	if err == nil {
+		c.poke()
+	}
+	return err
+}
+
+// addLocked adds the call's engine requests, all or none. r.mu is held.
+func (c *core) addLocked(cl *call, reqs []engine.Request) error {
+	now := c.presentLocked()
+	if c.idle && !c.eng.HasWork() {
+		c.wokeAt = now
+	}
+	for i := range reqs {
+		c.nextID++
+		reqs[i].ID = c.nextID
+		if err := c.eng.Add(&reqs[i], now); err != nil {
+			for _, ch := range cl.choices[:i] {
+				c.eng.Abort(ch.id)
+				delete(c.live, ch.id)
+			}
+			return err
+		}
+		ch := cl.choices[i]
+		ch.id, ch.arrival = reqs[i].ID, now
+		c.live[ch.id] = ch
+	}
+	cl.left = len(reqs)
+	return nil
+}
+
+// abort drops the call's unfinished choices (the client went away). A
+// choice the engine already finished in the step being waited on stays in
+// live: the driver delivers and counts it.
+func (c *core) abort(cl *call) {
+	c.r.mu.Lock()
+	n := 0
+	for _, ch := range cl.choices {
+		if c.live[ch.id] != ch {
+			continue
+		}
+		if c.eng.Abort(ch.id) {
+			delete(c.live, ch.id)
+			c.metrics.success[finishAbort].Inc()
+			n++
+		}
+	}
+	c.r.mu.Unlock()
+	if n > 0 {
+		c.poke() // freed blocks may let a waiting request in
+	}
+}
+
+// batch converts one step's engine events to a vLLM event batch.
+func (c *core) batch(evs []engine.KVEvent) kvevents.Batch {
+	out := make([]kvevents.Event, 0, len(evs))
+	for _, ev := range evs {
+		switch ev.Kind {
+		case engine.Stored:
+			s := &kvevents.BlockStored{
+				BlockHashes: ev.BlockHashes,
+				TokenIDs:    ev.TokenIDs,
+				BlockSize:   ev.BlockSize,
+				Medium:      "GPU",
+				LoraName:    ev.LoraName,
+			}
+			if ev.HasParent {
+				p := ev.ParentHash
+				s.ParentBlockHash = &p
+			}
+			out = append(out, s)
+		case engine.Removed:
+			out = append(out, &kvevents.BlockRemoved{BlockHashes: ev.BlockHashes, Medium: "GPU"})
+		case engine.Cleared:
+			out = append(out, &kvevents.AllBlocksCleared{})
+		}
+	}
+	now := c.r.clock.Now()
+	return kvevents.Batch{Timestamp: float64(now.UnixNano()) / 1e9, Events: out, DataParallelRank: c.dpRank}
+}
+
+// stats is a snapshot of the core's engine.
+func (c *core) stats() engine.Stats {
+	c.r.mu.Lock()
+	defer c.r.mu.Unlock()
+	return c.eng.Stats()
+}
