@@ -4,7 +4,7 @@ export PATH := /usr/local/go/bin:$(HOME)/go/bin:$(PATH)
 GO ?= go
 BIN := bin/kvgate
 
-.PHONY: all build test vet fmt-check bench demo fuzz chaos results clean
+.PHONY: all build test check vet fmt-check bench demo fuzz chaos results clean
 
 all: build
 
@@ -15,6 +15,12 @@ build:
 test: fmt-check vet
 	$(GO) test -race -count=1 -timeout 20m ./...
 
+# The fast inner loop, for use between edits: formatting, vet, and every test in -short mode
+# without the race detector (slow scenarios skip or shrink; results are cached per package).
+# Not a substitute for make test, which CI runs.
+check: fmt-check vet
+	$(GO) test -short ./...
+
 vet:
 	$(GO) vet ./...
 
@@ -22,11 +28,15 @@ fmt-check:
 	@out=$$(gofmt -l $$(git ls-files '*.go' 2>/dev/null || find . -name '*.go')); \
 	if [ -n "$$out" ]; then echo "gofmt would change:"; echo "$$out"; exit 1; fi
 
-# Benchmarks quoted in the README (decision time, index memory, engine speed), and the live
-# cache-aware vs round_robin comparison through the gateway (wall clock: figures reported, not asserted).
+# Benchmarks quoted in the README (decision time, index memory, engine speed), and the wall-clock
+# comparisons (figures reported, not asserted; make test asserts what no timing can change):
+# cache-aware vs round_robin through the gateway, the replay's hit rates against a live fleet's,
+# and the sim's cold vs cached TTFT. One package at a time, so that they do not share the CPU.
 bench:
 	$(GO) test -run '^$$' -bench . -benchtime 2s ./internal/prompt ./internal/prefixindex ./internal/router
 	KVGATE_BENCH=1 $(GO) test -run '^TestCacheAwareBeatsRoundRobinLive$$' -v -count=1 ./internal/bench
+	KVGATE_BENCH=1 $(GO) test -run '^TestReplayAgreesWithLive$$' -v -count=1 ./internal/replay
+	KVGATE_BENCH=1 $(GO) test -run '^TestSimCachedTTFTLive$$' -v -count=1 ./cmd/kvgate
 
 demo: build
 	$(BIN) demo

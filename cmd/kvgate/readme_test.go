@@ -46,6 +46,9 @@ import (
 // (/health for sim, /ready for serve: a replica is healthy); at the end of
 // the block they get SIGINT and must exit 0.
 func TestREADMECommands(t *testing.T) {
+	if testing.Short() {
+		t.Skip("builds kvgate and runs every README command (make test runs it)")
+	}
 	root, err := filepath.Abs(filepath.Join("..", ".."))
 	if err != nil {
 		t.Fatal(err)

@@ -264,10 +264,14 @@ func TestTraceBoundsMatchBlocks(t *testing.T) {
 		reqs []workload.Request
 	}{{"handmade", handmade}}
 	if _, err := os.Stat(conversationTrace); err == nil {
+		traceHead := 600
+		if testing.Short() {
+			traceHead = 150
+		}
 		cases = append(cases, struct {
 			name string
 			reqs []workload.Request
-		}{"conversation head", traceReqs(t, conversationTrace, 600)})
+		}{"conversation head", traceReqs(t, conversationTrace, traceHead)})
 	}
 	for _, c := range cases {
 		for _, cfg := range []Config{{Replicas: 1, KVBlocks: 40}, {Replicas: 2, KVBlocks: 1500}, {Replicas: 8}} {
@@ -682,6 +686,9 @@ func TestQuestions(t *testing.T) {
 }
 
 func TestConversationTraceHead(t *testing.T) {
+	if testing.Short() {
+		t.Skip("replays 2,000 trace requests twice")
+	}
 	reqs := traceReqs(t, conversationTrace, 2000)
 	res, err := Compare(context.Background(), Config{Replicas: 8}, reqs, specsOf(t, "round_robin", "ttft"), Options{})
 	if err != nil {
