@@ -125,10 +125,13 @@ func counters(fl *sim.Fleet) hitCounters {
 func waitReady(ctx context.Context, g *gateway.Gateway, n int) error {
 	deadline := time.Now().Add(10 * time.Second)
 	for {
-		ok := len(g.Fleet().Models()) > 0
+		// Every replica scraped, checked healthy and listing its models: a
+		// first request is routed over the whole fleet.
+		ok := true
 		for i := 0; ok && i < n; i++ {
 			_, _, have := g.Router().ReplicaMetrics(i)
-			ok = have && g.Router().Healthy(i)
+			r := g.Router().Replica(i)
+			ok = have && r.Ready() && r.Served() != nil
 		}
 		if ok {
 			return nil
