@@ -256,8 +256,7 @@ type span struct {
 // event reads one event. It returns (nil, nil) for an event of an unknown
 // type, which is skipped.
 func (r *reader) event() (Event, error) {
-	c := &r.cur
-	code, err := c.peek()
+	code, err := r.cur.peek()
 	if err != nil {
 		return nil, err
 	}
@@ -265,79 +264,17 @@ func (r *reader) event() (Event, error) {
 		tag    string
 		fields [numFields]span
 	)
-	// locate records the bytes of the value under the cursor as field f
-	// (f < 0: not a field we read) and steps over them.
-	locate := func(f int) error {
-		start := c.pos
-		if err := c.skip(); err != nil {
-			return err
-		}
-		if f >= 0 {
-			fields[f] = span{start: start, end: c.pos, ok: true}
-		}
-		return nil
-	}
 	switch {
 	case isArray(code):
-		n, err := c.arrayLen("event")
-		if err != nil {
-			return nil, err
-		}
-		if n == 0 {
-			return nil, &valueErr{msg: "empty event array: no tag"}
-		}
-		r.push(seg{idx: 0})
-		if tag, err = c.str("event tag str"); err != nil {
-			return nil, r.wrap(err)
-		}
-		r.pop()
-		var layout []int
-		switch tag {
-		case TagBlockStored:
-			layout = storedLayout
-		case TagBlockRemoved:
-			layout = removedLayout
-		}
-		for i := 1; i < n; i++ {
-			f := -1
-			if i-1 < len(layout) {
-				f = layout[i-1]
-			}
-			if err := locate(f); err != nil {
-				return nil, err
-			}
-		}
+		tag, err = r.arrayEvent(&fields)
 	case isMap(code):
-		n, err := c.mapLen("event")
-		if err != nil {
-			return nil, err
-		}
-		haveTag := false
-		for range n {
-			key, err := r.mapKey()
-			if err != nil {
-				return nil, err
-			}
-			if key == "type" {
-				r.push(seg{name: "type"})
-				if tag, err = c.str("event tag str"); err != nil {
-					return nil, r.wrap(err)
-				}
-				r.pop()
-				haveTag = true
-				continue
-			}
-			if err := locate(fieldByName(key)); err != nil {
-				return nil, err
-			}
-		}
-		if !haveTag {
-			return nil, &valueErr{msg: `event map has no "type" key`}
-		}
+		tag, err = r.mapEvent(&fields)
 	default:
 		return nil, &valueErr{msg: "expected event array or map, got " + kindOf(code)}
 	}
-
+	if err != nil {
+		return nil, err
+	}
 	switch tag {
 	case TagBlockStored:
 		return r.blockStored(&fields)
@@ -347,6 +284,100 @@ func (r *reader) event() (Event, error) {
 		return &AllBlocksCleared{}, nil
 	}
 	return nil, nil // unknown event type: forward compatible, skip it
+}
+
+// arrayEvent reads the tag of an event in array form and locates its fields,
+// which follow in the positions of the tag's layout.
+func (r *reader) arrayEvent(fields *[numFields]span) (tag string, err error) {
+	n, err := r.cur.arrayLen("event")
+	if err != nil {
+		return "", err
+	}
+	if n == 0 {
+		return "", &valueErr{msg: "empty event array: no tag"}
+	}
+	if tag, err = r.tag(seg{idx: 0}); err != nil {
+		return "", err
+	}
+	layout := layoutOf(tag)
+	for i := 1; i < n; i++ {
+		f := -1
+		if i-1 < len(layout) {
+			f = layout[i-1]
+		}
+		if err := r.locate(fields, f); err != nil {
+			return "", err
+		}
+	}
+	return tag, nil
+}
+
+// layoutOf returns the positional layout of an event type. An unknown type
+// has none: all its fields are skipped.
+func layoutOf(tag string) []int {
+	switch tag {
+	case TagBlockStored:
+		return storedLayout
+	case TagBlockRemoved:
+		return removedLayout
+	}
+	return nil
+}
+
+// mapEvent reads the tag of an event in map form, under the key "type", and
+// locates its fields. Keys may come in any order, so the fields can only be
+// interpreted once the whole map has been read.
+func (r *reader) mapEvent(fields *[numFields]span) (tag string, err error) {
+	n, err := r.cur.mapLen("event")
+	if err != nil {
+		return "", err
+	}
+	haveTag := false
+	for range n {
+		key, err := r.mapKey()
+		if err != nil {
+			return "", err
+		}
+		if key == "type" {
+			if tag, err = r.tag(seg{name: "type"}); err != nil {
+				return "", err
+			}
+			haveTag = true
+			continue
+		}
+		if err := r.locate(fields, fieldByName(key)); err != nil {
+			return "", err
+		}
+	}
+	if !haveTag {
+		return "", &valueErr{msg: `event map has no "type" key`}
+	}
+	return tag, nil
+}
+
+// tag reads an event's tag; s is where the tag stands in the event, for the
+// path of an error.
+func (r *reader) tag(s seg) (string, error) {
+	r.push(s)
+	defer r.pop()
+	tag, err := r.cur.str("event tag str")
+	if err != nil {
+		return "", r.wrap(err)
+	}
+	return tag, nil
+}
+
+// locate records the bytes of the value under the cursor as field f (f < 0:
+// not a field we read) and steps over them.
+func (r *reader) locate(fields *[numFields]span, f int) error {
+	start := r.cur.pos
+	if err := r.cur.skip(); err != nil {
+		return err
+	}
+	if f >= 0 {
+		fields[f] = span{start: start, end: r.cur.pos, ok: true}
+	}
+	return nil
 }
 
 // field runs read on the bytes of field f, with the path extended by the

@@ -101,9 +101,7 @@ func (w *writer) optInt(p *int) {
 	w.int(int64(*p))
 }
 
-// event writes one event. In map form the tag comes first under "type" and
-// the fields follow in declaration order, as msgspec writes a tagged struct;
-// in array form the same values are written positionally.
+// event writes one event, after checking that vLLM could have sent it.
 func (w *writer) event(ev Event, f Form) error {
 	asMap := f == FormMap
 	switch e := ev.(type) {
@@ -114,77 +112,17 @@ func (w *writer) event(ev Event, f Form) error {
 		if e.BlockSize < 0 {
 			return fmt.Errorf("negative block size %d", e.BlockSize)
 		}
-		// Field order of vLLM's BlockStored: block_hashes, parent_block_hash,
-		// token_ids, block_size, lora_id, medium, lora_name.
-		if asMap {
-			w.mapLen(8)
-			w.key("type")
-		} else {
-			w.arrayLen(8)
-		}
-		w.str(TagBlockStored)
-		if asMap {
-			w.key("block_hashes")
-		}
-		w.hashes(e.BlockHashes)
-		if asMap {
-			w.key("parent_block_hash")
-		}
-		w.optUint(e.ParentBlockHash)
-		if asMap {
-			w.key("token_ids")
-		}
-		w.arrayLen(len(e.TokenIDs))
-		for _, t := range e.TokenIDs {
-			w.uint(uint64(t))
-		}
-		if asMap {
-			w.key("block_size")
-		}
-		w.int(int64(e.BlockSize))
-		if asMap {
-			w.key("lora_id")
-		}
-		w.optInt(e.LoraID)
-		if asMap {
-			w.key("medium")
-		}
-		w.optStr(e.Medium)
-		if asMap {
-			w.key("lora_name")
-		}
-		w.optStr(e.LoraName)
+		w.blockStored(e, asMap)
 	case *BlockRemoved:
 		if e == nil {
 			return errors.New("nil *BlockRemoved")
 		}
-		// Field order of vLLM's BlockRemoved: block_hashes, medium.
-		if asMap {
-			w.mapLen(3)
-			w.key("type")
-		} else {
-			w.arrayLen(3)
-		}
-		w.str(TagBlockRemoved)
-		if asMap {
-			w.key("block_hashes")
-		}
-		w.hashes(e.BlockHashes)
-		if asMap {
-			w.key("medium")
-		}
-		w.optStr(e.Medium)
+		w.blockRemoved(e, asMap)
 	case *AllBlocksCleared:
 		if e == nil {
 			return errors.New("nil *AllBlocksCleared")
 		}
-		if asMap {
-			w.mapLen(1)
-			w.key("type")
-		} else {
-			w.arrayLen(1)
-		}
-		w.str(TagAllBlocksCleared)
+		w.eventHeader(TagAllBlocksCleared, 0, asMap)
 	case nil:
 		return errors.New("nil event")
 	default:
@@ -192,4 +130,60 @@ func (w *writer) event(ev Event, f Form) error {
 		return fmt.Errorf("unsupported event type %T", ev)
 	}
 	return nil
+}
+
+// eventHeader starts an event of nFields fields after its tag. In map form
+// the tag comes first under "type" and the fields follow in declaration
+// order, as msgspec writes a tagged struct; in array form the same values
+// are written positionally, the tag first.
+func (w *writer) eventHeader(tag string, nFields int, asMap bool) {
+	if asMap {
+		w.mapLen(1 + nFields)
+		w.key("type")
+	} else {
+		w.arrayLen(1 + nFields)
+	}
+	w.str(tag)
+}
+
+// fieldKey writes the key of the next field in map form, and nothing in
+// array form, where the position says which field it is.
+func (w *writer) fieldKey(name string, asMap bool) {
+	if asMap {
+		w.key(name)
+	}
+}
+
+// blockStored writes the fields in the order of vLLM's BlockStored:
+// block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium,
+// lora_name.
+func (w *writer) blockStored(e *BlockStored, asMap bool) {
+	w.eventHeader(TagBlockStored, 7, asMap)
+	w.fieldKey("block_hashes", asMap)
+	w.hashes(e.BlockHashes)
+	w.fieldKey("parent_block_hash", asMap)
+	w.optUint(e.ParentBlockHash)
+	w.fieldKey("token_ids", asMap)
+	w.arrayLen(len(e.TokenIDs))
+	for _, t := range e.TokenIDs {
+		w.uint(uint64(t))
+	}
+	w.fieldKey("block_size", asMap)
+	w.int(int64(e.BlockSize))
+	w.fieldKey("lora_id", asMap)
+	w.optInt(e.LoraID)
+	w.fieldKey("medium", asMap)
+	w.optStr(e.Medium)
+	w.fieldKey("lora_name", asMap)
+	w.optStr(e.LoraName)
+}
+
+// blockRemoved writes the fields in the order of vLLM's BlockRemoved:
+// block_hashes, medium.
+func (w *writer) blockRemoved(e *BlockRemoved, asMap bool) {
+	w.eventHeader(TagBlockRemoved, 2, asMap)
+	w.fieldKey("block_hashes", asMap)
+	w.hashes(e.BlockHashes)
+	w.fieldKey("medium", asMap)
+	w.optStr(e.Medium)
 }

@@ -48,11 +48,7 @@ func (c *rawCursor) uintN(n uint64) (uint64, error) {
 	if err != nil {
 		return 0, err
 	}
-	var v uint64
-	for _, x := range p {
-		v = v<<8 | uint64(x)
-	}
-	return v, nil
+	return bigEndian(p), nil
 }
 
 // skip steps over one value of any type.
@@ -247,8 +243,13 @@ func hashFromBytes(b []byte) uint64 {
 	if len(b) >= 8 {
 		return binary.BigEndian.Uint64(b[len(b)-8:])
 	}
+	return bigEndian(b)
+}
+
+// bigEndian reads a big-endian unsigned integer of len(p) <= 8 bytes.
+func bigEndian(p []byte) uint64 {
 	var v uint64
-	for _, x := range b {
+	for _, x := range p {
 		v = v<<8 | uint64(x)
 	}
 	return v
