@@ -22,6 +22,7 @@ import (
 	"time"
 
 	"github.com/kvgate/kvgate/internal/report"
+	"github.com/kvgate/kvgate/internal/testutil"
 )
 
 // TestREADMECommands runs the commands of README.md's code blocks, so that a
@@ -485,7 +486,7 @@ func (env readmeEnv) start(t *testing.T, where string, args []string) {
 		}
 	})
 	probe := map[string]string{"sim": "/health", "serve": "/ready"}[args[0]]
-	waitFor(t, 30*time.Second, where+": ready", func() bool {
+	testutil.Eventually(t, 30*time.Second, where+": ready", func() bool {
 		select {
 		case err := <-done:
 			if err != nil {

@@ -115,21 +115,6 @@ func freePorts(t *testing.T, n int, skip ...int) int {
 	return 0
 }
 
-// waitFor checks cond every 5 ms until it holds; after d it fails the test.
-func waitFor(t *testing.T, d time.Duration, what string, cond func() bool) {
-	t.Helper()
-	tick := time.NewTicker(5 * time.Millisecond)
-	defer tick.Stop()
-	deadline := time.After(d)
-	for !cond() {
-		select {
-		case <-tick.C:
-		case <-deadline:
-			t.Fatalf("timed out waiting for %s", what)
-		}
-	}
-}
-
 // startSim runs `kvgate sim` with args plus --port and --kv-events-port on
 // free ports, until the test ends.
 func startSim(t *testing.T, replicas int, args ...string) (port, kvPort int, out *syncBuffer) {
@@ -145,7 +130,7 @@ func startSim(t *testing.T, replicas int, args ...string) (port, kvPort int, out
 			"--kv-events-port", strconv.Itoa(kvPort)}, args...)
 		go func() { done <- run(ctx, full, strings.NewReader(""), out, errOut) }()
 		started := false
-		waitFor(t, 10*time.Second, "the sim to start", func() bool {
+		testutil.Eventually(t, 10*time.Second, "the sim to start", func() bool {
 			select {
 			case code := <-done:
 				done <- code
@@ -393,7 +378,7 @@ func TestSimEndToEnd(t *testing.T) {
 	defer sub.Close()
 
 	// Warm up until the subscription is live (ZMQ joins asynchronously).
-	waitFor(t, 20*time.Second, "KV events", func() bool {
+	testutil.Eventually(t, 20*time.Second, "KV events", func() bool {
 		simPost(t, hc, completions, simBody(t, "sim-llama-8b", "prompt", strings.Repeat("warm", 16), "max_tokens", 1))
 		mu.Lock()
 		defer mu.Unlock()
@@ -484,7 +469,7 @@ func TestSimEndToEnd(t *testing.T) {
 	// overfills the 160-block cache and evicts some of them.
 	aHashes := prompt.ApproxBlockHashes(nil, root, a, 16)
 	simPost(t, hc, completions, simBody(t, "sim-llama-8b", "prompt", simText("bb", 2000), "max_tokens", 1))
-	waitFor(t, 10*time.Second, "stored and removed events of prompt a", func() bool {
+	testutil.Eventually(t, 10*time.Second, "stored and removed events of prompt a", func() bool {
 		mu.Lock()
 		defer mu.Unlock()
 		for _, h := range aHashes {
