@@ -243,3 +243,32 @@ func TestSetCapacity(t *testing.T) {
 		t.Fatal(err)
 	}
 }
+
+// llm-d's positional events write parent_block_hash 0 for "no parent": the
+// blocks start a prompt, unless the replica really stored a block hashed 0.
+func TestPreciseParentZeroIsNoParent(t *testing.T) {
+	ix, _ := New(Config{Replicas: 1})
+	p := NewPrecise(ix, "m", 4)
+	text := "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ!@#$"
+	ids := prompt.Approx{}.Encode(nil, text)
+	want := prompt.ApproxBlockHashes(nil, prompt.Key{Model: "m"}.Root(), text, 4)
+	zero := uint64(0)
+	if err := p.Stored(0, "", []uint64{11, 12}, &zero, ids[:8], 4, ""); err != nil {
+		t.Fatalf("parent 0: %v", err)
+	}
+	if m := ix.Match(want, nil); m[0] != 2 {
+		t.Fatalf("blocks after parent 0 not rooted at the prompt's start: match %v", m)
+	}
+	// A replica whose engine did hash a block to 0 chains from it.
+	ix2, _ := New(Config{Replicas: 1})
+	p2 := NewPrecise(ix2, "m", 4)
+	if err := p2.Stored(0, "", []uint64{0}, nil, ids[:4], 4, ""); err != nil {
+		t.Fatal(err)
+	}
+	if err := p2.Stored(0, "", []uint64{21}, &zero, ids[4:8], 4, ""); err != nil {
+		t.Fatal(err)
+	}
+	if m := ix2.Match(want, nil); m[0] != 2 {
+		t.Fatalf("a known block 0 is a parent: match %v", m)
+	}
+}

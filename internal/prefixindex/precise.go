@@ -51,7 +51,8 @@ func (p *Precise) replicaMap(r int) map[uint64]uint64 {
 
 // Stored handles BlockStored: engineHashes are the new blocks in order,
 // parent the engine hash of the block before the first (nil: they start a
-// prompt), tokenIDs their tokens (len = blocks × blockSize). model names the
+// prompt; 0 too, as llm-d writes it, unless 0 is a block the replica
+// stored), tokenIDs their tokens (len = blocks × blockSize). model names the
 // served model the events are about (vLLM's topic "kv@HOST:PORT@MODEL"
 // carries it; "" means the model given to NewPrecise).
 func (p *Precise) Stored(r int, model string, engineHashes []uint64, parent *uint64, tokenIDs []uint32, blockSize int, lora string) error {
@@ -71,6 +72,13 @@ func (p *Precise) Stored(r int, model string, engineHashes []uint64, parent *uin
 		model = p.model
 	}
 	h := prompt.Key{Model: model, Adapter: lora}.Root()
+	if parent != nil && *parent == 0 {
+		// llm-d's positional events (and its vLLM simulator) write 0 for
+		// "no parent"; an engine hash of 0 is read as one only when known.
+		if _, known := m[0]; !known {
+			parent = nil
+		}
+	}
 	if parent != nil {
 		ph, ok := m[*parent]
 		if !ok {
