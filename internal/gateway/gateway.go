@@ -64,6 +64,8 @@ type Gateway struct {
 
 	jmu    sync.Mutex
 	jitter *rand.Rand
+
+	kvLogged sync.Map // replica URL + drop reason already logged
 }
 
 // Options are a Gateway's injected parts.

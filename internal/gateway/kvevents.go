@@ -3,6 +3,7 @@ package gateway
 import (
 	"context"
 	"errors"
+	"log/slog"
 	"strings"
 
 	"github.com/kvgate/kvgate/internal/kvevents"
@@ -36,6 +37,7 @@ func (g *Gateway) runKVEvents(ctx context.Context) {
 }
 
 func (g *Gateway) onKVGap(i int, expected, got uint64) {
+	g.met.kvGaps.WithLabelValues(g.rt.URL(i)).Inc()
 	g.log.Warn("kv events: sequence gap; replica falls back to the approximate index until resynchronised",
 		"replica", g.rt.URL(i), "expected", expected, "got", got)
 	g.rt.Replica(i).KVGap(g.clock.Now())
@@ -43,6 +45,7 @@ func (g *Gateway) onKVGap(i int, expected, got uint64) {
 }
 
 func (g *Gateway) onKVMessage(i int, m kvevents.Message) {
+	g.met.kvBatches.WithLabelValues(g.rt.URL(i)).Inc()
 	p := g.rt.Precise()
 	stored := 0
 	for _, ev := range m.Batch.Events {
@@ -52,13 +55,10 @@ func (g *Gateway) onKVMessage(i int, m kvevents.Message) {
 				continue // offloaded tiers are not what the engine hits first
 			}
 			err := p.Stored(i, topicModel(m.Topic), e.BlockHashes, e.ParentBlockHash, e.TokenIDs, e.BlockSize, e.LoraName)
-			if errors.Is(err, prefixindex.ErrUnknownParent) {
-				// A child of a block stored before we subscribed (or lost):
-				// the chain cannot be rebuilt; the approximate index covers it.
-				continue
-			}
 			if err != nil {
-				g.log.Debug("kv events: stored", "replica", g.rt.URL(i), "err", err)
+				// A child of a block stored before we subscribed (or lost)
+				// cannot be chained; the approximate index covers it.
+				g.kvDropped(i, err)
 				continue
 			}
 			stored += len(e.BlockHashes)
@@ -76,6 +76,30 @@ func (g *Gateway) onKVMessage(i int, m kvevents.Message) {
 		capacity = m.NumBlocks
 	}
 	g.rt.Replica(i).KVBatch(m.Seq, stored, capacity, g.clock.Now())
+}
+
+// kvDropped counts a stored event the precise index could not take, by
+// reason, and logs each replica's first drop of each reason at warn level
+// (a misconfiguration shows at once; the counter shows how often).
+func (g *Gateway) kvDropped(i int, err error) {
+	reason := "other"
+	switch {
+	case errors.Is(err, prefixindex.ErrUnknownParent):
+		reason = "unknown_parent"
+	case errors.Is(err, prefixindex.ErrBlockSize):
+		reason = "block_size"
+	}
+	c := g.met.kvDropped.WithLabelValues(g.rt.URL(i), reason)
+	c.Inc()
+	if _, logged := g.kvLogged.LoadOrStore(g.rt.URL(i)+"\x00"+reason, true); logged {
+		return
+	}
+	level := slog.LevelWarn
+	if reason == "unknown_parent" {
+		level = slog.LevelInfo // expected after a late join: the parent was stored before we listened
+	}
+	g.log.Log(context.Background(), level, "kv events: stored blocks dropped from the precise index (logged once per cause)",
+		"replica", g.rt.URL(i), "reason", reason, "err", err)
 }
 
 // topicModel is the model of a vLLM KV-event topic "kv@HOST:PORT@MODEL"

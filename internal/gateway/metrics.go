@@ -21,6 +21,9 @@ type metrics struct {
 	ejections  *prometheus.CounterVec // replica
 	attempts   *prometheus.CounterVec // replica, verdict
 	tokenize   *prometheus.CounterVec // result
+	kvBatches  *prometheus.CounterVec // replica
+	kvDropped  *prometheus.CounterVec // replica, reason
+	kvGaps     *prometheus.CounterVec // replica
 }
 
 var latencyBuckets = []float64{.005, .01, .025, .05, .075, .1, .15, .2, .3, .5, .75, 1, 1.5, 2, 3, 5, 7.5, 10, 20, 40, 80}
@@ -50,7 +53,15 @@ func newMetrics(reg prometheus.Registerer, rt *router.Router, clk clock.Clock) *
 		tokenize: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvgate_remote_tokenize_total",
 			Help: "Remote /tokenize lookups by result: cache, remote, fallback (the approximate tokenizer routed)."}, []string{"result"}),
 	}
-	reg.MustRegister(m.requests, m.errors, m.ttft, m.e2e, m.decision, m.matchRatio, m.retries, m.ejections, m.attempts, m.tokenize)
+	m.kvBatches = prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvgate_kv_events_batches_total",
+		Help: "KV-event batches received from the replica (precise mode)."}, []string{"replica"})
+	m.kvDropped = prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvgate_kv_events_dropped_total",
+		Help: "Stored-block events the precise index could not take, by reason: unknown_parent (stored before " +
+			"kvgate listened), block_size (the replica's blocks differ from --block-size), other."}, []string{"replica", "reason"})
+	m.kvGaps = prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvgate_kv_events_gaps_total",
+		Help: "Sequence gaps in the replica's KV-event stream (the replica falls back to the approximate index)."}, []string{"replica"})
+	reg.MustRegister(m.requests, m.errors, m.ttft, m.e2e, m.decision, m.matchRatio, m.retries, m.ejections, m.attempts, m.tokenize,
+		m.kvBatches, m.kvDropped, m.kvGaps)
 	reg.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "kvgate_index_entries",
 		Help: "(block, replica) entries in the approximate prefix index."}, func() float64 { return float64(rt.Index().Len()) }))
 	for i := range rt.Replicas() {
@@ -64,6 +75,9 @@ func newMetrics(reg prometheus.Registerer, rt *router.Router, clk clock.Clock) *
 			}
 			return 0
 		}))
+		if rt.Precise() != nil {
+			registerPreciseGauges(reg, rt, i, lbl)
+		}
 		reg.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "kvgate_scrape_age_seconds",
 			Help: "Age of the replica's last good /metrics scrape (-1: never scraped). Past scrape_stale_after " +
 				"the replica is routed on the gateway's own counts.", ConstLabels: lbl},
@@ -76,6 +90,21 @@ func newMetrics(reg prometheus.Registerer, rt *router.Router, clk clock.Clock) *
 			}))
 	}
 	return m
+}
+
+// registerPreciseGauges exposes replica i's precise-index state.
+func registerPreciseGauges(reg prometheus.Registerer, rt *router.Router, i int, lbl prometheus.Labels) {
+	reg.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "kvgate_kv_events_synced",
+		Help: "1 when the replica's precise index is trusted (its KV events followed in sync), else 0: " +
+			"the approximate index answers for it.", ConstLabels: lbl}, func() float64 {
+		if rt.Replica(i).PreciseSynced() {
+			return 1
+		}
+		return 0
+	}))
+	reg.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "kvgate_precise_index_blocks",
+		Help: "Blocks the precise index holds for the replica, from its KV events.", ConstLabels: lbl},
+		func() float64 { return float64(rt.Precise().Index().ReplicaLen(i)) }))
 }
 
 func (g *Gateway) registerLimiterMetrics(reg prometheus.Registerer) {

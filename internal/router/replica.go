@@ -251,6 +251,9 @@ type kvSync struct {
 // (or had a gap) stays on the approximate index.
 const ResyncAfter = 2 * time.Minute
 
+// PreciseSynced reports whether the precise index is trusted for the replica.
+func (r *Replica) PreciseSynced() bool { return r.preciseOK.Load() }
+
 // KVStart starts following the replica's KV events at now.
 func (r *Replica) KVStart(now time.Time) {
 	r.kv.mu.Lock()

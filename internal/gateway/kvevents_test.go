@@ -1,0 +1,60 @@
+package gateway
+
+import (
+	"bytes"
+	"log/slog"
+	"strings"
+	"testing"
+
+	"github.com/kvgate/kvgate/internal/kvevents"
+	"github.com/kvgate/kvgate/internal/prompt"
+)
+
+// The precise index's state is observable: batches, drops by reason (each
+// cause logged once), gaps, sync and size, per replica.
+func TestKVEventMetrics(t *testing.T) {
+	cfg := baseConfig("http://127.0.0.1:1")
+	cfg.Replicas[0].KVEvents = "tcp://127.0.0.1:2"
+	var logs bytes.Buffer
+	g, err := New(cfg, Options{Logger: slog.New(slog.NewTextHandler(&logs, nil))})
+	if err != nil {
+		t.Fatal(err)
+	}
+	url := g.rt.URL(0)
+	ids := prompt.Approx{}.Encode(nil, strings.Repeat("abcd", 32)) // 32 tokens: 2 blocks of 16
+	stored := func(bs int, parent *uint64) kvevents.Message {
+		return kvevents.Message{Seq: 0, Batch: kvevents.Batch{Events: []kvevents.Event{
+			&kvevents.BlockStored{BlockHashes: []uint64{1, 2}[:32/bs], ParentBlockHash: parent, TokenIDs: ids, BlockSize: bs}}}}
+	}
+	g.onKVMessage(0, stored(16, nil)) // from the start: in sync
+	if counterValue(t, g.reg, "kvgate_kv_events_synced", nil) != 1 || counterValue(t, g.reg, "kvgate_precise_index_blocks", nil) != 2 {
+		t.Fatal("a stream followed from its first batch must be in sync, with its 2 blocks indexed")
+	}
+	unknown := uint64(99)
+	for range 3 {
+		g.onKVMessage(0, stored(32, nil))      // a replica with 32-token blocks
+		g.onKVMessage(0, stored(16, &unknown)) // a child of a block stored before we listened
+	}
+	g.onKVGap(0, 5, 9)
+	reg := g.reg
+	if n := counterValue(t, reg, "kvgate_kv_events_batches_total", map[string]string{"replica": url}); n != 7 {
+		t.Fatalf("%v batches, want 7", n)
+	}
+	for reason, want := range map[string]float64{"block_size": 3, "unknown_parent": 3} {
+		if n := counterValue(t, reg, "kvgate_kv_events_dropped_total", map[string]string{"replica": url, "reason": reason}); n != want {
+			t.Fatalf("%v drops for %s, want %v", n, reason, want)
+		}
+		if c := strings.Count(logs.String(), "reason="+reason); c != 1 {
+			t.Fatalf("%s logged %d times, want once:\n%s", reason, c, logs.String())
+		}
+	}
+	if n := counterValue(t, reg, "kvgate_kv_events_gaps_total", nil); n != 1 {
+		t.Fatalf("%v gaps", n)
+	}
+	if n := counterValue(t, reg, "kvgate_kv_events_synced", nil); n != 0 {
+		t.Fatalf("synced %v after a gap, want 0", n)
+	}
+	if n := counterValue(t, reg, "kvgate_precise_index_blocks", nil); n != 0 {
+		t.Fatalf("%v precise blocks after the gap cleared them", n)
+	}
+}
