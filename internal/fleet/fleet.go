@@ -317,22 +317,24 @@ func (f *Fleet) Models() []router.Model {
 }
 
 // Allow asks to send a request to replica i (its breaker). The caller then
-// reports exactly one of Success, Failure or Neutral.
-func (f *Fleet) Allow(i int) bool { return f.rt.Replica(i).Breaker.Allow(f.cfg.Clock.Now()) }
+// reports exactly one of Success, Failure or Neutral with the pass.
+func (f *Fleet) Allow(i int) (bool, router.Pass) {
+	return f.rt.Replica(i).Breaker.Allow(f.cfg.Clock.Now())
+}
 
 // Success records a good exchange with replica i.
-func (f *Fleet) Success(i int) { f.rt.Replica(i).Breaker.Success() }
+func (f *Fleet) Success(i int, p router.Pass) { f.rt.Replica(i).Breaker.Success(p) }
 
 // Neutral ends an exchange that says nothing of replica i's health.
-func (f *Fleet) Neutral(i int) { f.rt.Replica(i).Breaker.Neutral() }
+func (f *Fleet) Neutral(i int, p router.Pass) { f.rt.Replica(i).Breaker.Neutral(p) }
 
 // Failure records a failure of replica i; when it opens the breaker the
 // replica leaves rotation for the cooldown, and returns half-open after it
 // if its /health passes.
-func (f *Fleet) Failure(i int) {
+func (f *Fleet) Failure(i int, p router.Pass) {
 	r := f.rt.Replica(i)
 	now := f.cfg.Clock.Now()
-	cooldown := r.Breaker.Failure(now)
+	cooldown := r.Breaker.Failure(now, p)
 	if cooldown == 0 {
 		return
 	}

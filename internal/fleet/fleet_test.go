@@ -77,18 +77,22 @@ func healthCheck(rt *router.Router, clk *clock.Fake, i int, ok bool) {
 	rt.Replica(i).SetHealthOK(ok, clk.Now())
 }
 
+// fail and succeed admit one request to replica i and report it.
+func fail(f *Fleet, i int)    { _, p := f.Allow(i); f.Failure(i, p) }
+func succeed(f *Fleet, i int) { _, p := f.Allow(i); f.Success(i, p) }
+
 func TestEjectionAndReturn(t *testing.T) {
 	var ejected []int
 	rt, f, clk := newFleet(t, 2, 3, nil, Config{OnEject: func(i int) { ejected = append(ejected, i) }})
-	f.Failure(1)
-	f.Failure(1)
-	f.Success(1) // a success resets the count
-	f.Failure(1)
-	f.Failure(1)
+	fail(f, 1)
+	fail(f, 1)
+	succeed(f, 1) // a success resets the count
+	fail(f, 1)
+	fail(f, 1)
 	if !rt.Healthy(1) || f.Ejected(1) {
 		t.Fatal("ejected before 3 consecutive failures")
 	}
-	f.Failure(1)
+	fail(f, 1)
 	if rt.Healthy(1) || !f.Ejected(1) || len(ejected) != 1 {
 		t.Fatalf("not ejected after 3: healthy %v ejections %v", rt.Healthy(1), ejected)
 	}
@@ -118,48 +122,84 @@ func TestBreakerStates(t *testing.T) {
 			t.Fatalf("%s: state %s, want %s", what, got, want)
 		}
 	}
+	allow := func() (bool, router.Pass) { return f.Allow(0) }
 	step("start", "closed")
-	if !f.Allow(0) || !f.Allow(0) {
+	if ok, _ := allow(); !ok {
 		t.Fatal("closed breaker refused")
 	}
-	f.Failure(0)
-	f.Failure(0)
+	fail(f, 0)
+	fail(f, 0)
 	step("2 failures", "open")
-	if f.Allow(0) || rt.Healthy(0) {
+	if ok, _ := allow(); ok || rt.Healthy(0) {
 		t.Fatal("open breaker let a request through")
 	}
 	clk.Advance(10 * time.Second)
 	healthCheck(rt, clk, 0, true) // the health check after the cooldown
 	step("cooldown over", "half-open")
-	if !rt.Healthy(0) || !f.Allow(0) {
+	ok, trial := allow()
+	if !rt.Healthy(0) || !ok || !trial.Trial {
 		t.Fatal("half-open breaker refused its trial")
 	}
-	if f.Allow(0) {
+	if ok, _ := allow(); ok {
 		t.Fatal("half-open breaker let a second request through beside the trial")
 	}
-	f.Failure(0) // the trial fails: open again, for 20 s
+	f.Failure(0, trial) // the trial fails: open again, for 20 s
 	step("trial failed", "open")
 	clk.Advance(15 * time.Second)
 	step("15 s into a doubled cooldown", "open")
 	clk.Advance(5 * time.Second)
 	healthCheck(rt, clk, 0, true)
 	step("doubled cooldown over", "half-open")
-	if !f.Allow(0) {
+	ok, trial = allow()
+	if !ok {
 		t.Fatal("no trial")
 	}
-	f.Neutral(0) // the client left: the trial slot is free again, still half-open
+	f.Neutral(0, trial) // the client left: the trial slot is free again, still half-open
 	step("neutral trial", "half-open")
-	if !f.Allow(0) {
+	ok, trial = allow()
+	if !ok {
 		t.Fatal("no second trial")
 	}
-	f.Success(0)
+	f.Success(0, trial)
 	step("trial succeeded", "closed")
-	if !f.Allow(0) || !f.Allow(0) {
+	if ok, _ := allow(); !ok {
 		t.Fatal("closed breaker refused")
 	}
 	// A passing /health does not reset the passive failure count.
-	f.Failure(0)
+	fail(f, 0)
 	healthCheck(rt, clk, 0, true)
-	f.Failure(0)
+	fail(f, 0)
 	step("failures around a health check", "open")
+}
+
+// Reports from requests admitted before an opening are stale: they cannot
+// release or use up the trial, reopen, or close the breaker early.
+func TestBreakerIgnoresStalePasses(t *testing.T) {
+	rt, f, clk := newFleet(t, 1, 2, nil, Config{})
+	_, long := f.Allow(0) // a long stream admitted while closed
+	_, long2 := f.Allow(0)
+	fail(f, 0)
+	fail(f, 0) // opens
+	f.Success(0, long2)
+	if f.State(0) != "open" {
+		t.Fatal("a success admitted before the opening closed the breaker in its cooldown")
+	}
+	clk.Advance(10 * time.Second)
+	healthCheck(rt, clk, 0, true)
+	ok, trial := f.Allow(0)
+	if !ok || !trial.Trial {
+		t.Fatal("no trial")
+	}
+	f.Neutral(0, long) // the long stream's client hangs up
+	if ok, _ := f.Allow(0); ok {
+		t.Fatal("a stale neutral freed the trial slot: two trials at once")
+	}
+	f.Failure(0, long) // or it fails
+	if f.State(0) != "half-open" {
+		t.Fatalf("a stale failure reopened the breaker: %s", f.State(0))
+	}
+	f.Success(0, trial)
+	if f.State(0) != "closed" {
+		t.Fatalf("the trial's success did not close it: %s", f.State(0))
+	}
 }

@@ -22,10 +22,12 @@ import (
 // nothing was written to the client.
 func (g *Gateway) try(x *exchange, tk *router.Ticket) *attempt {
 	a := &attempt{tk: tk, cached: -1}
-	if !g.fleet.Allow(tk.Replica) {
+	ok, pass := g.fleet.Allow(tk.Replica)
+	if !ok {
 		a.v, a.err = skipped, errBreaker
 		return a
 	}
+	a.pass = pass
 	ctx, cancel := context.WithCancelCause(x.ctx)
 	defer cancel(context.Canceled)
 	var firstByte clock.Timer

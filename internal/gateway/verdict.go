@@ -61,6 +61,7 @@ var (
 // attempt is one try of an exchange at one replica.
 type attempt struct {
 	tk      *router.Ticket
+	pass    router.Pass // the breaker's admission, reported back in settle
 	v       verdict
 	err     error // what went wrong, for logs (nil when served)
 	status  int   // the replica's HTTP status (0: none)
@@ -79,13 +80,13 @@ func (g *Gateway) settle(x *exchange, a *attempt) {
 	i := a.tk.Replica
 	switch a.v {
 	case served:
-		g.fleet.Success(i)
+		g.fleet.Success(i, a.pass)
 	case refused, failed:
-		g.fleet.Failure(i)
+		g.fleet.Failure(i, a.pass)
 	case skipped:
 		// Allow said no: no trial was taken, nothing to release.
 	default:
-		g.fleet.Neutral(i)
+		g.fleet.Neutral(i, a.pass)
 	}
 	if a.v == rejected {
 		a.tk.Reject()

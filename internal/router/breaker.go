@@ -17,15 +17,26 @@ type BreakerConfig struct {
 // fails, the cooldown doubling with each opening in a row (at most 32×);
 // after the cooldown half-open, letting one trial request through at a
 // time, and closed again by the trial's success. Only failures of the
-// replica count: a client going away or a 4xx is Neutral. Times are passed
-// in, so tests drive it with a fake clock.
+// replica count: a client going away or a 4xx is Neutral. Each admitted
+// request carries a Pass from Allow and reports with it, so that only the
+// trial's own outcome closes or reopens a half-open breaker, and a request
+// admitted before the breaker opened cannot close it or count again. Times
+// are passed in, so tests drive it with a fake clock.
 type Breaker struct {
 	mu           sync.Mutex
 	cfg          BreakerConfig
 	consecFail   int
 	ejectedUntil time.Time
-	opens        int  // consecutive openings without a success in between
-	trial        bool // half-open: a trial request is in flight
+	opens        int    // consecutive openings without a success in between
+	epoch        uint64 // openings so far: a Pass from an older epoch is stale
+	trial        bool   // half-open: a trial request is in flight
+}
+
+// Pass is what Allow gave one request: whether it is the half-open trial,
+// and the breaker's epoch when it was admitted.
+type Pass struct {
+	Trial bool
+	epoch uint64
 }
 
 // Configure sets the breaker's thresholds.
@@ -42,51 +53,70 @@ func (b *Breaker) Configure(c BreakerConfig) {
 }
 
 // Allow asks to send a request: always while closed; while half-open only
-// one trial at a time; never while open. Every allowed request is then
-// reported with exactly one of Success, Failure or Neutral.
-func (b *Breaker) Allow(now time.Time) bool {
+// one trial at a time; never while open. Every admitted request is then
+// reported with its Pass through exactly one of Success, Failure or Neutral.
+func (b *Breaker) Allow(now time.Time) (bool, Pass) {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	if b.opens == 0 {
-		return true
+		return true, Pass{epoch: b.epoch}
 	}
 	if now.Before(b.ejectedUntil) || b.trial {
-		return false
+		return false, Pass{}
 	}
 	b.trial = true
-	return true
+	return true, Pass{Trial: true, epoch: b.epoch}
 }
 
-// Success closes the breaker and restarts the failure count.
-func (b *Breaker) Success() {
+// current reports whether a non-trial pass was admitted in the present
+// closed period (not before an opening since).
+func (b *Breaker) current(p Pass) bool { return !p.Trial && p.epoch == b.epoch && b.opens == 0 }
+
+// Success records a good exchange: the trial's closes the breaker; one
+// admitted while closed restarts the failure count.
+func (b *Breaker) Success(p Pass) {
 	b.mu.Lock()
-	b.consecFail, b.opens, b.trial = 0, 0, false
-	b.mu.Unlock()
+	defer b.mu.Unlock()
+	switch {
+	case p.Trial && b.trial && p.epoch == b.epoch:
+		b.consecFail, b.opens, b.trial = 0, 0, false
+	case b.current(p):
+		b.consecFail = 0
+	}
 }
 
-// Neutral ends a request that says nothing of the replica's health: it only
-// frees a half-open breaker's trial.
-func (b *Breaker) Neutral() {
+// Neutral ends an exchange that says nothing of the replica's health: the
+// trial's frees the trial slot.
+func (b *Breaker) Neutral(p Pass) {
 	b.mu.Lock()
-	b.trial = false
+	if p.Trial && p.epoch == b.epoch {
+		b.trial = false
+	}
 	b.mu.Unlock()
 }
 
 // Failure records a failure of the replica at now; it returns the cooldown
-// when this failure opened the breaker (0 otherwise).
-func (b *Breaker) Failure(now time.Time) time.Duration {
+// when this failure opened the breaker (0 otherwise). A failed trial reopens
+// it at once; EjectAfter consecutive failures of requests admitted while
+// closed open it; a stale pass counts for nothing.
+func (b *Breaker) Failure(now time.Time, p Pass) time.Duration {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	if b.cfg.EjectAfter == 0 {
 		b.cfg.EjectAfter, b.cfg.Cooldown = 3, 10*time.Second
 	}
-	b.consecFail++
-	trial := b.trial
-	b.trial = false
-	if now.Before(b.ejectedUntil) || (!trial && b.consecFail < b.cfg.EjectAfter) {
+	switch {
+	case p.Trial && b.trial && p.epoch == b.epoch:
+		b.trial = false
+	case b.current(p):
+		if b.consecFail++; b.consecFail < b.cfg.EjectAfter {
+			return 0
+		}
+	default:
 		return 0
 	}
 	b.opens++
+	b.epoch++
 	cooldown := b.cfg.Cooldown << min(b.opens-1, 5)
 	b.ejectedUntil = now.Add(cooldown)
 	b.consecFail = 0
