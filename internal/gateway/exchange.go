@@ -49,6 +49,9 @@ func (g *Gateway) serveInference(w http.ResponseWriter, r *http.Request, kind pr
 			g.endUnrouted(x, err)
 			return
 		}
+		if a.abort {
+			panic(http.ErrAbortHandler) // after settle; release runs as the panic unwinds
+		}
 		if !a.v.retryable() {
 			return
 		}
@@ -109,8 +112,13 @@ func (g *Gateway) endUnrouted(x *exchange, err error) {
 	g.fail(x.w, x.r, err)
 }
 
-// fail answers an error the gateway decided (never a replica's answer).
+// fail answers an error the gateway decided (never a replica's answer);
+// a client already gone gets nothing and is counted as such.
 func (g *Gateway) fail(w http.ResponseWriter, r *http.Request, err error) {
+	if r.Context().Err() != nil {
+		g.met.errors.WithLabelValues("client_gone").Inc()
+		return
+	}
 	ae := writeError(w, err)
 	g.met.errors.WithLabelValues(ae.Code).Inc()
 	g.log.Info("request failed", "request_id", w.Header().Get("X-Request-Id"), "path", r.URL.Path,
@@ -141,11 +149,17 @@ func (g *Gateway) admit(w http.ResponseWriter, r *http.Request, kind prompt.Kind
 	ctx, endCtx := g.requestContext(r.Context())
 	releaseAll := func() { endCtx(); releaseBody() }
 	x.ctx = ctx
-	if x.parsed, x.req, err = g.prepare(ctx, kind, body, r.Header.Get("X-Session-Id")); err != nil {
+	if x.parsed, err = g.parse(kind, body); err != nil {
 		releaseAll()
 		return nil, nil, err
 	}
 	if err := g.lim.acquire(ctx, g.clock); err != nil {
+		releaseAll()
+		return nil, nil, err
+	}
+	// Remote tokenization costs the replicas work: only admitted requests.
+	if x.req, err = g.routingKey(ctx, kind, x.parsed, body, r.Header.Get("X-Session-Id")); err != nil {
+		g.lim.release()
 		releaseAll()
 		return nil, nil, err
 	}
@@ -172,19 +186,30 @@ func (g *Gateway) requestContext(parent context.Context) (context.Context, func(
 	}
 }
 
-// prepare parses a request body into a routing key and checks it against
-// what the replicas serve.
+// prepare parses a request body into a routing key (/debug/route).
 func (g *Gateway) prepare(ctx context.Context, kind prompt.Kind, body []byte, session string) (*prompt.Parsed, *policy.Request, error) {
-	p, err := prompt.Parse(kind, body)
+	p, err := g.parse(kind, body)
 	if err != nil {
 		return nil, nil, err
 	}
+	req, err := g.routingKey(ctx, kind, p, body, session)
+	return p, req, err
+}
+
+// parse reads a request body and checks it against what the replicas serve.
+func (g *Gateway) parse(kind prompt.Kind, body []byte) (*prompt.Parsed, error) {
+	p, err := prompt.Parse(kind, body)
+	if err != nil {
+		return nil, err
+	}
 	if !g.rt.Serves(p.Model) {
-		return nil, nil, errModel.with(fmt.Sprintf("The model `%s` does not exist.", p.Model))
+		return nil, errModel.with(fmt.Sprintf("The model `%s` does not exist.", p.Model))
 	}
-	if err := g.checkLength(p, 0); err != nil {
-		return nil, nil, err
-	}
+	return p, g.checkLength(p, 0)
+}
+
+// routingKey tokenizes (remotely when configured) and hashes the prompt.
+func (g *Gateway) routingKey(ctx context.Context, kind prompt.Kind, p *prompt.Parsed, body []byte, session string) (*policy.Request, error) {
 	if g.tok != nil && p.TokenIDs == nil {
 		if ids, ok := g.tok.tokenize(ctx, kind, p, body); ok {
 			p.TokenIDs = ids
@@ -194,10 +219,10 @@ func (g *Gateway) prepare(ctx context.Context, kind prompt.Kind, body []byte, se
 	if p.TokenIDs != nil {
 		// Token counts are exact: check the whole request against the context.
 		if err := g.checkLength(p, req.Tokens); err != nil {
-			return nil, nil, err
+			return nil, err
 		}
 	}
-	return p, req, nil
+	return req, nil
 }
 
 // checkLength rejects a request the model's context cannot hold, when the

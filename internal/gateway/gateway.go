@@ -146,9 +146,12 @@ func newTransport(cfg Config) *http.Transport {
 		DialContext:         (&net.Dialer{Timeout: cfg.ConnectTimeout.D(), KeepAlive: 30 * time.Second}).DialContext,
 		MaxIdleConns:        4096,
 		MaxIdleConnsPerHost: 1024,
-		IdleConnTimeout:     90 * time.Second,
-		ForceAttemptHTTP2:   false,
-		DisableCompression:  true,
+		// Below vLLM's keep-alive (uvicorn's 5 s, VLLM_HTTP_TIMEOUT_KEEP_ALIVE):
+		// a request written on a connection the replica is closing would
+		// fail after it was sent, and could not be retried.
+		IdleConnTimeout:    4 * time.Second,
+		ForceAttemptHTTP2:  false,
+		DisableCompression: true,
 	}
 }
 

@@ -32,10 +32,15 @@ func (g *Gateway) relay(x *exchange, a *attempt, ctx context.Context, cancel con
 		rerr, werr = g.relayBody(x, a, resp.Body)
 	}
 	switch {
-	case werr != nil || x.r.Context().Err() != nil:
+	case werr != nil:
 		a.v, a.err = clientGone, errors.Join(errClientWrite, werr)
+	case rerr != nil && x.r.Context().Err() != nil:
+		a.v, a.err = clientGone, x.r.Context().Err() // the read broke because the client left
 	case rerr != nil:
 		a.v, a.err = g.brokenVerdict(ctx, rerr)
+		// A body cut midway must not reach the client as a whole one: abort
+		// the connection (streams ended with an SSE error event already).
+		a.abort = !openai.IsEventStream(resp.Header)
 	case resp.StatusCode >= 500:
 		a.v, a.err = failed, errors.New("replica answered "+resp.Status)
 	case resp.StatusCode >= 400:
@@ -69,11 +74,15 @@ func (g *Gateway) relayStream(x *exchange, a *attempt, ctx context.Context, canc
 	body io.Reader) (rerr, werr error) {
 	idle := g.idleTimer(cancel)
 	defer idle.stop()
+	idle.stop() // armed by the first reset below
 	er := openai.NewEventReader(body, g.cfg.MaxStreamLineBytes)
 	sawDone := false
 	for {
-		ev, err := er.Next()
+		// Only the wait for the replica counts as its silence, never the
+		// time a slow client takes to read (write_timeout bounds that).
 		idle.reset()
+		ev, err := er.Next()
+		idle.stop()
 		if err == nil {
 			if werr := x.write(g, ev.Raw); werr != nil {
 				return nil, werr

@@ -127,6 +127,16 @@ type limitConn struct {
 	release func()
 }
 
+// CloseWrite half-closes the connection when the underlying one can, as
+// net/http does before closing after an error answer (so a client still
+// sending its body reads the answer rather than a reset).
+func (c *limitConn) CloseWrite() error {
+	if cw, ok := c.Conn.(interface{ CloseWrite() error }); ok {
+		return cw.CloseWrite()
+	}
+	return nil
+}
+
 func (c *limitConn) Close() error {
 	err := c.Conn.Close()
 	c.once.Do(c.release)

@@ -11,6 +11,7 @@ import (
 	"net/http/httptrace"
 	"strings"
 	"sync/atomic"
+	"time"
 
 	"github.com/kvgate/kvgate/internal/clock"
 	"github.com/kvgate/kvgate/internal/router"
@@ -56,7 +57,11 @@ func (g *Gateway) try(x *exchange, tk *router.Ticket) *attempt {
 	defer resp.Body.Close()
 	a.status = resp.StatusCode
 	if resp.StatusCode == http.StatusServiceUnavailable || resp.StatusCode == http.StatusTooManyRequests {
-		g.refusal(x, a, resp) // refused before any work: safe to send elsewhere
+		// Refused before any work: safe to send elsewhere. Its body is read
+		// within a short bound, so a stalled refusal cannot hold the request.
+		t := g.clock.AfterFunc(refusalReadTimeout, func() { cancel(errIdleTimeout) })
+		g.refusal(x, a, resp)
+		t.Stop()
 		return a
 	}
 	if resp.StatusCode < 400 {
@@ -156,6 +161,9 @@ func upstreamError(err error) error {
 	}
 	return errUpstream.with("the replica failed before answering")
 }
+
+// refusalReadTimeout bounds the read of a 503 or 429 body.
+const refusalReadTimeout = 2 * time.Second
 
 // refusal reads a 503 or 429 (bounded) to pass on if no other replica
 // takes the request.

@@ -66,6 +66,7 @@ type attempt struct {
 	err     error // what went wrong, for logs (nil when served)
 	status  int   // the replica's HTTP status (0: none)
 	started bool  // the response header went to the client: no retry, no error page
+	abort   bool  // a non-streamed body broke midway: abort the client's connection
 	// refusal is a 503/429 kept to pass on if no other replica takes it.
 	refusal *bufferedResponse
 	cached  int // the replica's usage.prompt_tokens_details.cached_tokens (-1: none)
@@ -88,8 +89,8 @@ func (g *Gateway) settle(x *exchange, a *attempt) {
 	default:
 		g.fleet.Neutral(i, a.pass)
 	}
-	if a.v == rejected {
-		a.tk.Reject()
+	if a.v == rejected || a.v == refused || (a.v == failed && !a.started) {
+		a.tk.Reject() // the replica did not take it: the index forgets
 	}
 	end := g.clock.Now()
 	var err error

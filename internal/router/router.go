@@ -308,6 +308,7 @@ type Ticket struct {
 	first    bool
 	done     bool
 	learned  bool // the approximate index holds this request's blocks for Replica
+	rejected bool // the replica did not take it: never learnt
 }
 
 // Route decides and commits: the replica's counters go up (before the
@@ -378,12 +379,11 @@ func (t *Ticket) Accept() { t.learn() }
 
 func (t *Ticket) learn() {
 	t.mu.Lock()
-	if t.learned || t.done {
-		t.mu.Unlock()
+	defer t.mu.Unlock() // held across the insert: a Reject cannot run between
+	if t.learned || t.done || t.rejected {
 		return
 	}
 	t.learned = true
-	t.mu.Unlock()
 	_ = t.rt.approx.Insert(t.Replica, t.req.Blocks)
 }
 
@@ -392,9 +392,9 @@ func (t *Ticket) learn() {
 // added are forgotten (those beyond the match the replica had at routing).
 func (t *Ticket) Reject() {
 	t.mu.Lock()
+	defer t.mu.Unlock()
 	learned := t.learned
-	t.learned = false
-	t.mu.Unlock()
+	t.learned, t.rejected = false, true
 	if learned && t.match < len(t.req.Blocks) {
 		_ = t.rt.approx.Remove(t.Replica, t.req.Blocks[t.match:])
 	}
