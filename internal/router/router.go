@@ -240,8 +240,15 @@ func (rt *Router) views(req *policy.Request) ([]policy.ReplicaView, []int) {
 			v.NumBlocks = rt.cfg.BlocksPerReplica // the configured assumption until a scrape says
 		}
 		v.Match, v.Cached = approx[i], approxLen[i]
-		if precise != nil && r.preciseOK.Load() {
+		switch {
+		case precise == nil:
+		case r.preciseOK.Load():
 			v.Match, v.Cached = precise[i], preciseLen[i]
+		case precise[i] > v.Match:
+			// Not in sync (a late join, a gap): what the events did report
+			// is true at once; only absence is uncertain, so the larger
+			// match of the two indexes stands.
+			v.Match, v.Cached = precise[i], max(v.Cached, preciseLen[i])
 		}
 	}
 	return views, approx

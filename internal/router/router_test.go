@@ -271,3 +271,32 @@ func TestRouteOnlyToReplicasServingTheModel(t *testing.T) {
 		t.Fatalf("adapter with its replica down: %v", err)
 	}
 }
+
+// A replica whose KV events are not in sync (joined late, or after a gap)
+// is credited with what its events did report, when that is more than the
+// approximate index knows: positive knowledge is true at once.
+func TestUnsyncedPreciseCreditsReportedBlocks(t *testing.T) {
+	p, _ := policy.New("least_load", policy.Options{Seed: 1})
+	rt, err := New(Config{Replicas: []string{"a", "b"}, Policy: p, Precise: true, BlocksPerReplica: 1 << 10})
+	if err != nil {
+		t.Fatal(err)
+	}
+	req := rt.Prepare(parse(t, strings.Repeat("w", 64*16)), "", "")
+	if err := rt.Precise().Index().Insert(1, req.Blocks[:10]); err != nil {
+		t.Fatal(err)
+	}
+	v := rt.Views(req)
+	if v[1].Match != 10 || v[0].Match != 0 {
+		t.Fatalf("unsynced replica's reported blocks not credited: %d %d", v[0].Match, v[1].Match)
+	}
+	if err := rt.Index().Insert(1, req.Blocks); err != nil { // the approximate index knows more
+		t.Fatal(err)
+	}
+	if v := rt.Views(req); v[1].Match != len(req.Blocks) {
+		t.Fatalf("the larger match must stand: %d", v[1].Match)
+	}
+	rt.SetPreciseSynced(1, true) // in sync: the precise index alone
+	if v := rt.Views(req); v[1].Match != 10 {
+		t.Fatalf("synced replica: %d, want the precise 10", v[1].Match)
+	}
+}
