@@ -5,6 +5,7 @@ import (
 	"errors"
 	"log/slog"
 	"strings"
+	"time"
 
 	"github.com/kvgate/kvgate/internal/kvevents"
 	"github.com/kvgate/kvgate/internal/prefixindex"
@@ -30,9 +31,43 @@ func (g *Gateway) runKVEvents(ctx context.Context) {
 		}
 		subs = append(subs, sub)
 	}
-	<-ctx.Done()
+	g.watchKVSilence(ctx)
 	for _, s := range subs {
 		_ = s.Close()
+	}
+}
+
+// kvSilence is how long a replica configured for KV events may send none
+// before kvgate warns: vLLM publishes a batch for every step that stores or
+// evicts a block, so a minute of silence under traffic is a misconfigured
+// publisher (endpoint, topic, --kv-events-config), not a quiet engine.
+const kvSilence = time.Minute
+
+// watchKVSilence warns once when a replica's KV events stop for kvSilence,
+// and notes once when they come back, until ctx ends.
+func (g *Gateway) watchKVSilence(ctx context.Context) {
+	tick := g.clock.NewTicker(kvSilence / 4)
+	defer tick.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-tick.C():
+		}
+		for i, rc := range g.cfg.Replicas {
+			if rc.KVEvents == "" {
+				continue
+			}
+			changed, silent := g.rt.Replica(i).KVSilence(g.clock.Now(), kvSilence)
+			switch {
+			case changed && silent:
+				g.log.Warn("kv events: none received for a minute; the replica is routed on the approximate index. "+
+					"Check the replica's KV-event publisher (vLLM --kv-events-config) and this endpoint",
+					"replica", rc.URL, "endpoint", rc.KVEvents)
+			case changed:
+				g.log.Info("kv events: arriving again", "replica", rc.URL)
+			}
+		}
 	}
 }
 

@@ -2,12 +2,17 @@ package gateway
 
 import (
 	"bytes"
+	"context"
 	"log/slog"
 	"strings"
+	"sync"
 	"testing"
+	"time"
 
+	"github.com/kvgate/kvgate/internal/clock"
 	"github.com/kvgate/kvgate/internal/kvevents"
 	"github.com/kvgate/kvgate/internal/prompt"
+	"github.com/kvgate/kvgate/internal/testutil"
 )
 
 // The precise index's state is observable: batches, drops by reason (each
@@ -58,3 +63,51 @@ func TestKVEventMetrics(t *testing.T) {
 		t.Fatalf("%v precise blocks after the gap cleared them", n)
 	}
 }
+
+// A replica configured for KV events that sends none for a minute is
+// warned about once; when its events come back, that is noted once.
+func TestKVSilenceWarnedOnce(t *testing.T) {
+	cfg := baseConfig("http://127.0.0.1:1")
+	cfg.Replicas[0].KVEvents = "tcp://127.0.0.1:2"
+	var logs syncLog
+	clk := clock.NewFake(time.Time{})
+	g, err := New(cfg, Options{Clock: clk, Logger: slog.New(slog.NewTextHandler(&logs, nil))})
+	if err != nil {
+		t.Fatal(err)
+	}
+	g.rt.Replica(0).KVStart(clk.Now())
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { defer close(done); g.watchKVSilence(ctx) }()
+	defer func() { cancel(); <-done }()
+	step := func(d time.Duration) { // the watcher has armed its ticker: advance
+		t.Helper()
+		if !clk.WaitTimers(1, 5*time.Second) {
+			t.Fatal("watcher not waiting")
+		}
+		clk.Advance(d)
+	}
+	step(45 * time.Second)
+	if strings.Contains(logs.String(), "none received") {
+		t.Fatal("warned before a minute of silence")
+	}
+	for range 8 { // two minutes more: one warning only
+		step(15 * time.Second)
+	}
+	testutil.Eventually(t, 5*time.Second, "the warning", func() bool { return strings.Contains(logs.String(), "none received") })
+	g.onKVMessage(0, kvevents.Message{Seq: 7})
+	step(15 * time.Second)
+	testutil.Eventually(t, 5*time.Second, "the note", func() bool { return strings.Contains(logs.String(), "arriving again") })
+	if n := strings.Count(logs.String(), "none received"); n != 1 {
+		t.Fatalf("warned %d times", n)
+	}
+}
+
+// syncLog is a log sink safe for the watcher's goroutine and the test.
+type syncLog struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (l *syncLog) Write(p []byte) (int, error) { l.mu.Lock(); defer l.mu.Unlock(); return l.b.Write(p) }
+func (l *syncLog) String() string              { l.mu.Lock(); defer l.mu.Unlock(); return l.b.String() }

@@ -245,6 +245,8 @@ type kvSync struct {
 	seen        bool
 	storedSince int
 	since       time.Time
+	last        time.Time // the last batch (or the start of following)
+	silent      bool      // reported silent, not heard from since
 }
 
 // ResyncAfter bounds how long a replica whose event stream was joined late
@@ -257,8 +259,20 @@ func (r *Replica) PreciseSynced() bool { return r.preciseOK.Load() }
 // KVStart starts following the replica's KV events at now.
 func (r *Replica) KVStart(now time.Time) {
 	r.kv.mu.Lock()
-	r.kv.since = now
+	r.kv.since, r.kv.last = now, now
 	r.kv.mu.Unlock()
+}
+
+// KVSilence reports a change in whether the replica's event stream has been
+// silent for at least d at now: silent true the first time it is, false the
+// first time it speaks again; changed false otherwise.
+func (r *Replica) KVSilence(now time.Time, d time.Duration) (changed, silent bool) {
+	r.kv.mu.Lock()
+	defer r.kv.mu.Unlock()
+	silent = now.Sub(r.kv.last) >= d
+	changed = silent != r.kv.silent
+	r.kv.silent = silent
+	return changed, silent
 }
 
 // KVGap records a gap in the replica's KV-event stream at now: the precise
@@ -277,6 +291,7 @@ func (r *Replica) KVBatch(seq uint64, stored, capacity int, now time.Time) bool 
 	r.kv.mu.Lock()
 	first := !r.kv.seen
 	r.kv.seen = true
+	r.kv.last = now
 	r.kv.storedSince += stored
 	if first && seq == 0 {
 		r.kv.storedSince = max(r.kv.storedSince, capacity) // followed from the start
