@@ -53,13 +53,7 @@ func newMetrics(reg prometheus.Registerer, rt *router.Router, clk clock.Clock) *
 		tokenize: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvgate_remote_tokenize_total",
 			Help: "Remote /tokenize lookups by result: cache, remote, fallback (the approximate tokenizer routed)."}, []string{"result"}),
 	}
-	m.kvBatches = prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvgate_kv_events_batches_total",
-		Help: "KV-event batches received from the replica (precise mode)."}, []string{"replica"})
-	m.kvDropped = prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvgate_kv_events_dropped_total",
-		Help: "Stored-block events the precise index could not take, by reason: unknown_parent (stored before " +
-			"kvgate listened), block_size (the replica's blocks differ from --block-size), other."}, []string{"replica", "reason"})
-	m.kvGaps = prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvgate_kv_events_gaps_total",
-		Help: "Sequence gaps in the replica's KV-event stream (the replica falls back to the approximate index)."}, []string{"replica"})
+	m.newKVMetrics()
 	reg.MustRegister(m.requests, m.errors, m.ttft, m.e2e, m.decision, m.matchRatio, m.retries, m.ejections, m.attempts, m.tokenize,
 		m.kvBatches, m.kvDropped, m.kvGaps)
 	reg.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "kvgate_index_entries",
@@ -90,6 +84,17 @@ func newMetrics(reg prometheus.Registerer, rt *router.Router, clk clock.Clock) *
 			}))
 	}
 	return m
+}
+
+// newKVMetrics makes the KV-event counters (precise mode).
+func (m *metrics) newKVMetrics() {
+	m.kvBatches = prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvgate_kv_events_batches_total",
+		Help: "KV-event batches received from the replica (precise mode)."}, []string{"replica"})
+	m.kvDropped = prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvgate_kv_events_dropped_total",
+		Help: "Stored-block events the precise index could not take, by reason: unknown_parent (stored before " +
+			"kvgate listened), block_size (the replica's blocks differ from --block-size), other."}, []string{"replica", "reason"})
+	m.kvGaps = prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvgate_kv_events_gaps_total",
+		Help: "Sequence gaps in the replica's KV-event stream (the replica falls back to the approximate index)."}, []string{"replica"})
 }
 
 // registerPreciseGauges exposes replica i's precise-index state.
