@@ -262,15 +262,16 @@ func (f *Fleet) fetchModels(ctx context.Context, i int) {
 	f.setServed(i, router.NewServed(ms, running))
 }
 
-// noteAdapters adds the adapters a scrape saw running to what replica i
-// serves (vLLM loads adapters on demand; /v1/models may lag).
+// noteAdapters records the adapters a scrape saw running or waiting as
+// served by replica i (vLLM loads adapters on demand; /v1/models may lag).
+// The page itself is the history (vLLM keeps every label set it exported
+// while the process lives), so a restarted replica forgets them.
 func (f *Fleet) noteAdapters(i int, running []string) {
-	r := f.rt.Replica(i)
-	old := r.Served()
-	if old == nil || len(running) == 0 {
+	old := f.rt.Replica(i).Served()
+	if old == nil {
 		return
 	}
-	f.setServed(i, router.NewServed(old.Models, append(append([]string(nil), old.Running...), running...)))
+	f.setServed(i, router.NewServed(old.Models, running))
 }
 
 func (f *Fleet) setServed(i int, s *router.Served) {

@@ -175,6 +175,10 @@ func TestModelsAndRunningAdapters(t *testing.T) {
 	if s == nil || !s.Has("base") || !s.Has("sql-lora") || !s.Has("late-lora") || s.Has("other") {
 		t.Fatalf("served %+v", s)
 	}
+	a.setMetrics(page(0)) // the replica restarted: no adapter running any more
+	if !f.Scrape(ctx, 0) || rt.Replica(0).Served().Has("late-lora") || !rt.Replica(0).Served().Has("sql-lora") {
+		t.Fatalf("after a restart: %+v", rt.Replica(0).Served())
+	}
 	got := f.Models()
 	if len(got) != 2 || got[0] != (router.Model{ID: "base", Root: "/models/base", MaxModelLen: 4096}) ||
 		got[1] != (router.Model{ID: "sql-lora", Root: "/adapters/sql", Parent: "base", MaxModelLen: 4096}) {

@@ -1,6 +1,7 @@
 package router
 
 import (
+	"cmp"
 	"slices"
 	"sync"
 	"sync/atomic"
@@ -124,15 +125,7 @@ type Served struct {
 // NewServed builds a Served from a listing and the running adapters.
 func NewServed(models []Model, running []string) *Served {
 	ms := slices.Clone(models)
-	slices.SortFunc(ms, func(a, b Model) int {
-		switch {
-		case a.ID < b.ID:
-			return -1
-		case a.ID > b.ID:
-			return 1
-		}
-		return 0
-	})
+	slices.SortFunc(ms, func(a, b Model) int { return cmp.Compare(a.ID, b.ID) })
 	ms = slices.CompactFunc(ms, func(a, b Model) bool { return a.ID == b.ID })
 	var extra []string
 	for _, a := range running {
@@ -145,15 +138,7 @@ func NewServed(models []Model, running []string) *Served {
 }
 
 func findModel(ms []Model, id string) (int, bool) {
-	return slices.BinarySearchFunc(ms, id, func(m Model, id string) int {
-		switch {
-		case m.ID < id:
-			return -1
-		case m.ID > id:
-			return 1
-		}
-		return 0
-	})
+	return slices.BinarySearchFunc(ms, id, func(m Model, id string) int { return cmp.Compare(m.ID, id) })
 }
 
 // Has reports whether the set holds model.
