@@ -272,3 +272,33 @@ func TestPreciseParentZeroIsNoParent(t *testing.T) {
 		t.Fatalf("a known block 0 is a parent: match %v", m)
 	}
 }
+
+// A replica with larger blocks than the index (vLLM --block-size 32 under an
+// index of 16): each engine block is two index blocks, chained, removed
+// together; a size that is not a multiple is refused.
+func TestPreciseLargerEngineBlocks(t *testing.T) {
+	ix, _ := New(Config{Replicas: 1})
+	p := NewPrecise(ix, "m", 4)
+	text := "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ!@#$"
+	ids := prompt.Approx{}.Encode(nil, text)
+	want := prompt.ApproxBlockHashes(nil, prompt.Key{Model: "m"}.Root(), text, 4)
+	if err := p.Stored(0, "", []uint64{501}, nil, ids[:8], 8, ""); err != nil {
+		t.Fatal(err)
+	}
+	parent := uint64(501)
+	if err := p.Stored(0, "", []uint64{502}, &parent, ids[8:16], 8, ""); err != nil {
+		t.Fatal(err)
+	}
+	if m := ix.Match(want, nil); m[0] != 4 {
+		t.Fatalf("8-token engine blocks under a 4-token index: match %v, want 4", m)
+	}
+	if err := p.Removed(0, []uint64{502}); err != nil {
+		t.Fatal(err)
+	}
+	if m := ix.Match(want, nil); m[0] != 2 || ix.ReplicaLen(0) != 2 {
+		t.Fatalf("after removing the second engine block: match %v, %d entries", m, ix.ReplicaLen(0))
+	}
+	if err := p.Stored(0, "", []uint64{503}, nil, ids[:6], 6, ""); !errors.Is(err, ErrBlockSize) {
+		t.Fatalf("6-token blocks under a 4-token index: %v", err)
+	}
+}

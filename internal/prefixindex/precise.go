@@ -12,8 +12,9 @@ import (
 // the event stream lost something, and the replica's view must be resynced.
 var ErrUnknownParent = errors.New("prefixindex: stored block's parent is unknown")
 
-// ErrBlockSize reports a stored event whose token ids do not fill its blocks.
-var ErrBlockSize = errors.New("prefixindex: token ids do not match block hashes × block size")
+// ErrBlockSize reports a stored event whose token ids do not fill its
+// blocks, or whose block size is not a multiple of the index's.
+var ErrBlockSize = errors.New("prefixindex: stored blocks do not fit the index's block size")
 
 // Precise feeds an Index from replicas' KV events. An engine's block hashes
 // are its own (vLLM: sha256 or its builtin hash, seeded per process); kvgate
@@ -21,13 +22,19 @@ var ErrBlockSize = errors.New("prefixindex: token ids do not match block hashes 
 // carries with its own chained hash, from the same root a request's blocks
 // use, and keeps a per-replica map engine hash → kvgate hash so that
 // BlockRemoved can be resolved.
+//
+// A replica's blocks may be larger than the index's (vLLM's --block-size 32
+// or 64 under an index of 16): each engine block of m index blocks becomes m
+// index blocks, the engine hash standing for the last of them (the parent of
+// the next) and the others kept aside for its removal.
 type Precise struct {
 	ix        *Index
 	model     string
 	blockSize int
 
 	mu     sync.Mutex
-	engine []map[uint64]uint64 // per replica: engine hash → kvgate hash
+	engine []map[uint64]uint64   // per replica: engine hash → kvgate hash of its last index block
+	inner  []map[uint64][]uint64 // per replica: engine hash → its other index blocks (engine blocks > index blocks)
 }
 
 // NewPrecise wraps ix. Requests must be hashed with prompt.Key{Model: model,
@@ -45,19 +52,23 @@ func (p *Precise) Index() *Index { return p.ix }
 func (p *Precise) replicaMap(r int) map[uint64]uint64 {
 	for len(p.engine) <= r {
 		p.engine = append(p.engine, make(map[uint64]uint64))
+		p.inner = append(p.inner, make(map[uint64][]uint64))
 	}
 	return p.engine[r]
 }
 
+// BlockSize is the index's block size.
+func (p *Precise) BlockSize() int { return p.blockSize }
+
 // Stored handles BlockStored: engineHashes are the new blocks in order,
 // parent the engine hash of the block before the first (nil: they start a
 // prompt; 0 too, as llm-d writes it, unless 0 is a block the replica
-// stored), tokenIDs their tokens (len = blocks × blockSize). model names the
-// served model the events are about (vLLM's topic "kv@HOST:PORT@MODEL"
-// carries it; "" means the model given to NewPrecise).
+// stored), tokenIDs their tokens (len = blocks × blockSize, blockSize a
+// multiple of the index's). model names the partition the events are
+// about ("" means the model given to NewPrecise); lora the adapter.
 func (p *Precise) Stored(r int, model string, engineHashes []uint64, parent *uint64, tokenIDs []uint32, blockSize int, lora string) error {
-	if blockSize != p.blockSize {
-		return fmt.Errorf("%w: replica block size %d, index block size %d", ErrBlockSize, blockSize, p.blockSize)
+	if blockSize <= 0 || blockSize%p.blockSize != 0 {
+		return fmt.Errorf("%w: replica block size %d is not a multiple of the index's %d", ErrBlockSize, blockSize, p.blockSize)
 	}
 	if len(tokenIDs) != len(engineHashes)*blockSize {
 		return fmt.Errorf("%w: %d token ids for %d blocks of %d", ErrBlockSize, len(tokenIDs), len(engineHashes), blockSize)
@@ -86,27 +97,48 @@ func (p *Precise) Stored(r int, model string, engineHashes []uint64, parent *uin
 		}
 		h = ph
 	}
-	ours := make([]uint64, len(engineHashes))
-	buf := prompt.TokenBytes(make([]byte, 0, len(tokenIDs)*prompt.TokenBytesPer), tokenIDs)
-	step := blockSize * prompt.TokenBytesPer
-	for i, eh := range engineHashes {
-		h = prompt.Chain(h, buf[i*step:(i+1)*step])
-		ours[i] = h
-		m[eh] = h
-	}
+	ours := p.rehash(r, h, engineHashes, tokenIDs, blockSize/p.blockSize)
 	if err := p.ix.Insert(r, ours); err != nil {
 		return err
 	}
-	// The index may have evicted entries under its memory cap; keep the
-	// engine map from outgrowing it.
-	if len(m) > 2*p.ix.ReplicaLen(r)+1024 {
-		for eh, h := range m {
-			if !p.ix.Holds(r, h) {
-				delete(m, eh)
-			}
+	p.trim(r)
+	return nil
+}
+
+// rehash chains tokenIDs from h in index blocks, records each engine block's
+// index blocks, and returns them all in order.
+func (p *Precise) rehash(r int, h uint64, engineHashes []uint64, tokenIDs []uint32, per int) []uint64 {
+	m, inner := p.engine[r], p.inner[r]
+	ours := make([]uint64, 0, len(engineHashes)*per)
+	buf := prompt.TokenBytes(make([]byte, 0, len(tokenIDs)*prompt.TokenBytesPer), tokenIDs)
+	step := p.blockSize * prompt.TokenBytesPer
+	for i, eh := range engineHashes {
+		for j := range per {
+			k := i*per + j
+			h = prompt.Chain(h, buf[k*step:(k+1)*step])
+			ours = append(ours, h)
+		}
+		m[eh] = h
+		if per > 1 {
+			inner[eh] = ours[len(ours)-per : len(ours)-1 : len(ours)-1]
 		}
 	}
-	return nil
+	return ours
+}
+
+// trim keeps replica r's engine map from outgrowing the index, which may
+// have evicted entries under its memory cap.
+func (p *Precise) trim(r int) {
+	m, inner := p.engine[r], p.inner[r]
+	if len(m) <= 2*p.ix.ReplicaLen(r)+1024 {
+		return
+	}
+	for eh, h := range m {
+		if !p.ix.Holds(r, h) {
+			delete(m, eh)
+			delete(inner, eh)
+		}
+	}
 }
 
 // Removed handles BlockRemoved. Unknown hashes are ignored (already evicted
@@ -118,11 +150,14 @@ func (p *Precise) Removed(r int, engineHashes []uint64) error {
 		return fmt.Errorf("%w: %d", ErrReplica, r)
 	}
 	m := p.replicaMap(r)
+	inner := p.inner[r]
 	ours := make([]uint64, 0, len(engineHashes))
 	for _, eh := range engineHashes {
 		if h, ok := m[eh]; ok {
+			ours = append(ours, inner[eh]...)
 			ours = append(ours, h)
 			delete(m, eh)
+			delete(inner, eh)
 		}
 	}
 	return p.ix.Remove(r, ours)
@@ -136,5 +171,6 @@ func (p *Precise) Cleared(r int) error {
 		return fmt.Errorf("%w: %d", ErrReplica, r)
 	}
 	clear(p.replicaMap(r))
+	clear(p.inner[r])
 	return p.ix.Clear(r)
 }
