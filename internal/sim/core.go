@@ -297,30 +297,8 @@ func (c *core) abort(cl *call) {
 
 // batch converts one step's engine events to a vLLM event batch.
 func (c *core) batch(evs []engine.KVEvent) kvevents.Batch {
-	out := make([]kvevents.Event, 0, len(evs))
-	for _, ev := range evs {
-		switch ev.Kind {
-		case engine.Stored:
-			s := &kvevents.BlockStored{
-				BlockHashes: ev.BlockHashes,
-				TokenIDs:    ev.TokenIDs,
-				BlockSize:   ev.BlockSize,
-				Medium:      "GPU",
-				LoraName:    ev.LoraName,
-			}
-			if ev.HasParent {
-				p := ev.ParentHash
-				s.ParentBlockHash = &p
-			}
-			out = append(out, s)
-		case engine.Removed:
-			out = append(out, &kvevents.BlockRemoved{BlockHashes: ev.BlockHashes, Medium: "GPU"})
-		case engine.Cleared:
-			out = append(out, &kvevents.AllBlocksCleared{})
-		}
-	}
 	now := c.r.clock.Now()
-	return kvevents.Batch{Timestamp: float64(now.UnixNano()) / 1e9, Events: out, DataParallelRank: c.dpRank}
+	return kvevents.Batch{Timestamp: float64(now.UnixNano()) / 1e9, Events: kvevents.FromEngine(evs), DataParallelRank: c.dpRank}
 }
 
 // stats is a snapshot of the core's engine.
