@@ -38,6 +38,8 @@ const (
 // replayFlags are the flags of `kvgate replay`.
 type replayFlags struct {
 	trace, workload, policies, profile, question  string
+	kvEvents                                      string
+	dataParallel                                  int
 	workloadParams, policyParams, replicaProfiles listFlag
 	requests, replicas, kvBlocks                  int
 	rate, speedup                                 float64
@@ -60,6 +62,8 @@ func (f *replayFlags) register(fs *flag.FlagSet) {
 	fs.StringVar(&f.profile, "profile", costmodel.Default, "latency profile: "+strings.Join(costmodel.Names(), ", "))
 	fs.Var(&f.replicaProfiles, "replica-profile", "replica I runs profile NAME instead (I=NAME, repeatable): a heterogeneous fleet; the policies still assume --profile")
 	fs.IntVar(&f.kvBlocks, "kv-blocks", engine.DefaultNumBlocks, "KV cache blocks per replica (16 tokens each)")
+	fs.IntVar(&f.dataParallel, "data-parallel-size", 1, "data-parallel ranks per replica: each rank an engine and a routing target, as the gateway routes a DP server")
+	fs.StringVar(&f.kvEvents, "kv-events", string(replay.KVAuto), "precise mode, the router following the engines' KV events: auto (for policies defined on them, e.g. precise), on (every policy), off")
 	fs.Float64Var(&f.speedup, "speedup", 1, "arrival (and think) times are divided by this")
 	fs.DurationVar(&f.staleness, "staleness", 0, "policies see the replicas' scraped metrics (and KV events) this much late")
 	fs.DurationVar(&f.scrape, "scrape-interval", replay.DefaultScrapeInterval, "period of the metric scrapes")
@@ -129,6 +133,7 @@ func (f *replayFlags) config(inv invocation) (replayConfig, error) {
 	c.replay = replay.Config{
 		Replicas: f.replicas, Profile: prof, KVBlocks: f.kvBlocks, Speedup: f.speedup,
 		Staleness: f.staleness, ScrapeInterval: f.scrape, Seed: f.seed,
+		KVEvents: replay.KVMode(f.kvEvents), DataParallelSize: f.dataParallel,
 	}
 	profiles, err := f.replicaProfileMap()
 	if err != nil {
@@ -196,6 +201,10 @@ func (f *replayFlags) check() error {
 		return bad("--speedup %v: must be in (0, 1e9]", f.speedup)
 	case f.staleness < 0:
 		return bad("--staleness %v: must be ≥ 0", f.staleness)
+	case f.dataParallel < 1 || f.dataParallel > 1024:
+		return bad("--data-parallel-size %d: want 1 to 1024", f.dataParallel)
+	case f.kvEvents != string(replay.KVAuto) && f.kvEvents != string(replay.KVOn) && f.kvEvents != string(replay.KVOff):
+		return bad("--kv-events %q: want auto, on or off", f.kvEvents)
 	case f.scrape <= 0:
 		return bad("--scrape-interval %v: must be > 0", f.scrape)
 	case f.capacity && f.slo <= 0:
@@ -313,6 +322,12 @@ func (f *replayFlags) meta(inv invocation, ws workload.Spec, prof costmodel.Prof
 		"staleness":       f.staleness.String(),
 		"scrape_interval": f.scrape.String(),
 		"virtual_time":    "yes: engines and router on one simulated clock",
+	}
+	if f.dataParallel > 1 {
+		m["data_parallel_size"] = f.dataParallel
+	}
+	if f.kvEvents != string(replay.KVAuto) {
+		m["kv_events"] = f.kvEvents
 	}
 	if ws.Name == workload.TraceName {
 		m["trace"] = filepath.Base(ws.Path)

@@ -121,3 +121,17 @@ type Event struct {
 	OutputTokens int
 	Err          error
 }
+
+// KVEventsPolicy is implemented by a policy defined on the replicas' KV
+// events (llm-d's precise prefix scorer): the replay follows the events for
+// its runs unless told otherwise, and the gateway warns when it runs
+// without them.
+type KVEventsPolicy interface {
+	WantsKVEvents() bool
+}
+
+// WantsKVEvents reports whether p is defined on KV events.
+func WantsKVEvents(p Policy) bool {
+	k, ok := p.(KVEventsPolicy)
+	return ok && k.WantsKVEvents()
+}

@@ -27,6 +27,9 @@ var _ Policy = (*Precise)(nil)
 
 func (*Precise) Name() string { return "precise" }
 
+// WantsKVEvents: the scorer is defined on the replicas' KV events.
+func (*Precise) WantsKVEvents() bool { return true }
+
 func (p *Precise) Pick(req *Request, rs []ReplicaView) (Decision, error) {
 	var buf [scratchLen]int
 	c := healthy(rs, &buf)

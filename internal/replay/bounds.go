@@ -87,7 +87,7 @@ func hitLimit(blocks, tokens, blockSize int) int {
 func blockBounds(ctx context.Context, cfg Config, reqs []workload.Request, order []int32) (report.Bound, error) {
 	root := prompt.RootOf("engine", prompt.Key{Model: cfg.Model})
 	seen := make(map[uint64]struct{}, 1<<16)
-	lru := newBlockLRU(cfg.Replicas * cfg.KVBlocks)
+	lru := newBlockLRU(cfg.engines() * cfg.KVBlocks)
 	var t tally
 	var hashes []uint64
 	for k, i := range order {
@@ -241,7 +241,7 @@ func (l *blockLRU) trim() {
 // O(blocks) hash-map operations; the tests check that both agree.
 func traceBounds(ctx context.Context, cfg Config, reqs []workload.Request, order []int32) (report.Bound, error) {
 	perID := workload.BlockTokens / cfg.BlockSize
-	tr := newTrie(cfg.Replicas * cfg.KVBlocks)
+	tr := newTrie(cfg.engines() * cfg.KVBlocks)
 	root := prompt.RootOf("engine", prompt.Key{Model: cfg.Model})
 	var t tally
 	var path []int32

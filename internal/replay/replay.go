@@ -61,6 +61,21 @@ const (
 	DefaultModel          = "sim-llama-8b"
 )
 
+// KVMode is when a replay follows the engines' KV events.
+type KVMode string
+
+// KV modes.
+const (
+	KVAuto KVMode = "auto"
+	KVOn   KVMode = "on"
+	KVOff  KVMode = "off"
+)
+
+// follows reports whether a run of pol follows KV events.
+func (m KVMode) follows(pol policy.Policy) bool {
+	return m == KVOn || (m != KVOff && policy.WantsKVEvents(pol))
+}
+
 // Config describes the fleet and the gateway of a replay.
 type Config struct {
 	Replicas int               // engines (default 8)
@@ -76,8 +91,15 @@ type Config struct {
 	Model           string // model name: the root of both hash chains (default sim-llama-8b)
 	// Speedup divides arrival and think times: 2 replays the trace twice as fast.
 	Speedup float64
-	// Staleness delays every scrape (and every KV event, for the precise
-	// policy) by this much before the router sees it.
+	// KVEvents is precise mode: whether the router follows the engines' KV
+	// events (KVAuto, the default: for policies defined on them, such as
+	// precise; KVOn: for every policy; KVOff: never).
+	KVEvents KVMode
+	// DataParallelSize is each replica's data-parallel ranks: Replicas ×
+	// DataParallelSize engines, each a routing target (default 1).
+	DataParallelSize int
+	// Staleness delays every scrape (and every KV event, in precise mode)
+	// by this much before the router sees it.
 	Staleness time.Duration
 	// ScrapeInterval is the period of the metric scrapes (default 250 ms).
 	ScrapeInterval time.Duration
@@ -123,6 +145,12 @@ func (c Config) WithDefaults() Config {
 	if c.ScrapeInterval == 0 {
 		c.ScrapeInterval = DefaultScrapeInterval
 	}
+	if c.KVEvents == "" {
+		c.KVEvents = KVAuto
+	}
+	if c.DataParallelSize == 0 {
+		c.DataParallelSize = 1
+	}
 	return c
 }
 
@@ -138,6 +166,10 @@ func (c Config) validate() error {
 		return fmt.Errorf("%w: scrape interval %v ≤ 0", ErrConfig, c.ScrapeInterval)
 	case c.KVBlocks < 1 || c.BlockSize < 1:
 		return fmt.Errorf("%w: kv blocks %d and block size %d must be ≥ 1", ErrConfig, c.KVBlocks, c.BlockSize)
+	case c.KVEvents != KVAuto && c.KVEvents != KVOn && c.KVEvents != KVOff:
+		return fmt.Errorf("%w: kv events %q: want auto, on or off", ErrConfig, c.KVEvents)
+	case c.DataParallelSize < 1 || c.Replicas*c.DataParallelSize > 1<<16:
+		return fmt.Errorf("%w: data parallel size %d out of [1, %d]", ErrConfig, c.DataParallelSize, (1<<16)/max(c.Replicas, 1))
 	}
 	if err := c.Profile.Validate(); err != nil {
 		return fmt.Errorf("%w: %w", ErrConfig, err)
@@ -153,9 +185,22 @@ func (c Config) validate() error {
 	return nil
 }
 
+// engines is the number of engines: each replica's data-parallel ranks.
+func (c Config) engines() int { return c.Replicas * c.DataParallelSize }
+
+// engineName is engine i's name: replica-R, or replica-R#K for rank K of a
+// data-parallel replica (as the gateway names a rank).
+func (c Config) engineName(i int) string {
+	if c.DataParallelSize == 1 {
+		return fmt.Sprintf("replica-%d", i)
+	}
+	return fmt.Sprintf("replica-%d#%d", i/c.DataParallelSize, i%c.DataParallelSize)
+}
+
+// engineConfig is engine i's: its replica's profile, its own seed.
 func (c Config) engineConfig(i int, events bool) engine.Config {
 	prof := c.Profile
-	if p, ok := c.ReplicaProfiles[i]; ok {
+	if p, ok := c.ReplicaProfiles[i/c.DataParallelSize]; ok {
 		prof = p
 	}
 	return engine.Config{

@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/kvgate/kvgate/internal/engine"
+	"github.com/kvgate/kvgate/internal/kvevents"
 	"github.com/kvgate/kvgate/internal/policy"
 	"github.com/kvgate/kvgate/internal/prompt"
 	"github.com/kvgate/kvgate/internal/report"
@@ -45,6 +46,7 @@ type snapshot struct {
 // kvBatch is one step's KV events of one engine on their way to the router.
 type kvBatch struct {
 	replica int
+	seq     uint64 // the engine's publisher's sequence number
 	events  []engine.KVEvent
 }
 
@@ -64,7 +66,8 @@ type virtualRun struct {
 	router     *router.Router
 	replicas   []replica
 	precise    bool
-	engineRoot uint64 // engine-namespace root of the hash chain
+	kvSeq      []uint64 // per engine: its next KV batch's sequence number
+	engineRoot uint64   // engine-namespace root of the hash chain
 
 	events   eventHeap
 	now      time.Duration
@@ -97,16 +100,17 @@ func newVirtualRun(cfg Config, p *plan, spec PolicySpec) (*virtualRun, error) {
 	vr := &virtualRun{
 		cfg:        cfg,
 		plan:       p,
-		precise:    spec.Name == "precise",
+		precise:    cfg.KVEvents.follows(pol),
 		engineRoot: prompt.RootOf("engine", prompt.Key{Model: cfg.Model}),
-		replicas:   make([]replica, cfg.Replicas),
+		replicas:   make([]replica, cfg.engines()),
+		kvSeq:      make([]uint64, cfg.engines()),
 		requests:   make([]liveRequest, len(p.reqs)),
 		records:    make([]report.Record, len(p.reqs)),
 		failures:   map[string]int{},
 	}
-	names := make([]string, cfg.Replicas)
+	names := make([]string, cfg.engines())
 	for i := range names {
-		names[i] = fmt.Sprintf("replica-%d", i)
+		names[i] = cfg.engineName(i)
 		if vr.replicas[i].engine, err = engine.New(cfg.engineConfig(i, vr.precise)); err != nil {
 			return nil, fmt.Errorf("%w: %w", ErrConfig, err)
 		}
@@ -316,7 +320,8 @@ func (vr *virtualRun) stepEnd(e int) {
 		}
 	}
 	if vr.precise && len(res.KV) > 0 {
-		b := kvBatch{replica: e, events: res.KV}
+		b := kvBatch{replica: e, seq: vr.kvSeq[e], events: res.KV}
+		vr.kvSeq[e]++
 		if vr.cfg.Staleness == 0 {
 			vr.deliverKV(b)
 		} else {
@@ -357,41 +362,18 @@ func (vr *virtualRun) scrape() {
 	}
 }
 
-// deliverKV feeds one engine's KV events to the precise index, in order, as
-// the gateway's subscriber does.
+// deliverKV hands one engine's KV-event batch to the router's follower,
+// numbered as its publisher would number it: the gateway's rules, the
+// gateway's code.
 func (vr *virtualRun) deliverKV(b kvBatch) {
-	px := vr.router.Precise()
-	for _, ev := range b.events {
-		var err error
-		switch ev.Kind {
-		case engine.Stored:
-			var parent *uint64
-			if ev.HasParent {
-				p := ev.ParentHash
-				parent = &p
-			}
-			err = px.Stored(b.replica, vr.cfg.Model, ev.BlockHashes, parent, ev.TokenIDs, ev.BlockSize, ev.LoraName)
-		case engine.Removed:
-			err = px.Removed(b.replica, ev.BlockHashes)
-		case engine.Cleared:
-			err = px.Cleared(b.replica)
-		}
-		if err != nil {
-			// A stream the index cannot follow: resync from scratch, as the
-			// gateway does after a sequence gap; the approximate index
-			// answers until the next event.
-			vr.kvEventErrors++
-			_ = px.Cleared(b.replica)
-			vr.router.SetPreciseSynced(b.replica, false)
-			continue
-		}
-		vr.router.SetPreciseSynced(b.replica, true)
-	}
+	m := router.KVMessage{Seq: b.seq, Model: vr.cfg.Model, Events: kvevents.FromEngine(b.events)}
+	rep := vr.router.FollowKV(b.replica, m, epoch.Add(vr.now), nil)
+	vr.kvEventErrors += len(rep.Drops)
 }
 
 // summary is the run's report entry.
 func (vr *virtualRun) summary(label string) report.Run {
-	run := report.Summarize(label, vr.records, vr.cfg.Replicas, 0)
+	run := report.Summarize(label, vr.records, vr.cfg.engines(), 0)
 	extra := map[string]float64{}
 	var pre, evicted int64
 	for _, rep := range vr.replicas {

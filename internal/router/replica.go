@@ -9,11 +9,18 @@ import (
 )
 
 // Spec is how a replica is reached: its URL (or name, in the replay), the
-// bearer key it wants, and its KV-event publisher for precise mode.
+// bearer key it wants, its KV-event publisher and replay endpoint for
+// precise mode, and, for one data-parallel rank of a server, the rank.
 type Spec struct {
 	URL      string
 	APIKey   string
 	KVEvents string
+	KVReplay string
+	// Ranked: the target is data-parallel rank Rank of the server at URL
+	// (sent as X-Data-Parallel-Rank); several targets share the URL, one
+	// per rank. Not ranked: the whole server.
+	Ranked bool
+	Rank   int
 }
 
 // Replica is kvgate's one home for what it knows of one replica: where it
@@ -25,6 +32,7 @@ type Spec struct {
 type Replica struct {
 	index int
 	spec  Spec
+	name  string
 
 	healthy        atomic.Bool // in rotation: health checks pass and the breaker is not open
 	checked        atomic.Bool // a health check has passed at least once
@@ -44,7 +52,7 @@ type Replica struct {
 	// Breaker is the replica's circuit breaker (passive health).
 	Breaker Breaker
 	// kv is the replica's KV-event sync state (precise mode).
-	kv kvSync
+	kv kvFollow
 
 	// probe is the fleet's record of its probes.
 	probeMu     sync.Mutex
@@ -81,6 +89,16 @@ func (r *Replica) APIKey() string { return r.spec.APIKey }
 
 // KVEvents is the replica's KV-event endpoint ("" for none).
 func (r *Replica) KVEvents() string { return r.spec.KVEvents }
+
+// KVReplay is the replica's KV-event replay endpoint ("" for none).
+func (r *Replica) KVReplay() string { return r.spec.KVReplay }
+
+// Rank is the data-parallel rank the target is (ok false: the whole server).
+func (r *Replica) Rank() (rank int, ok bool) { return r.spec.Rank, r.spec.Ranked }
+
+// Name is the target's name in metrics, logs and headers: its URL, and
+// for a data-parallel rank k, URL#k.
+func (r *Replica) Name() string { return r.name }
 
 // Ready reports whether the replica is in rotation and has passed a health
 // check (a replica starts in rotation, before its first check).
@@ -217,74 +235,4 @@ func (r *Replica) MetricsAge(now time.Time) time.Duration {
 		return -1
 	}
 	return now.Sub(s.at)
-}
-
-// kvSync is how far the precise index can be trusted for a replica. The
-// index only knows what was stored since kvgate subscribed: it is trusted
-// when the stream was followed from the publisher's first message, or once
-// the replica has stored as many blocks as its cache holds since the last
-// gap (everything older has been evicted by then), or after ResyncAfter.
-// Until then the approximate index answers for the replica.
-type kvSync struct {
-	mu          sync.Mutex
-	seen        bool
-	storedSince int
-	since       time.Time
-	last        time.Time // the last batch (or the start of following)
-	silent      bool      // reported silent, not heard from since
-}
-
-// ResyncAfter bounds how long a replica whose event stream was joined late
-// (or had a gap) stays on the approximate index.
-const ResyncAfter = 2 * time.Minute
-
-// PreciseSynced reports whether the precise index is trusted for the replica.
-func (r *Replica) PreciseSynced() bool { return r.preciseOK.Load() }
-
-// KVStart starts following the replica's KV events at now.
-func (r *Replica) KVStart(now time.Time) {
-	r.kv.mu.Lock()
-	r.kv.since, r.kv.last = now, now
-	r.kv.mu.Unlock()
-}
-
-// KVSilence reports a change in whether the replica's event stream has been
-// silent for at least d at now: silent true the first time it is, false the
-// first time it speaks again; changed false otherwise.
-func (r *Replica) KVSilence(now time.Time, d time.Duration) (changed, silent bool) {
-	r.kv.mu.Lock()
-	defer r.kv.mu.Unlock()
-	silent = now.Sub(r.kv.last) >= d
-	changed = silent != r.kv.silent
-	r.kv.silent = silent
-	return changed, silent
-}
-
-// KVGap records a gap in the replica's KV-event stream at now: the precise
-// index is not trusted for it until resynchronised.
-func (r *Replica) KVGap(now time.Time) {
-	r.kv.mu.Lock()
-	r.kv.storedSince, r.kv.since = 0, now
-	r.kv.mu.Unlock()
-	r.preciseOK.Store(false)
-}
-
-// KVBatch records a batch of the replica's KV events (its sequence number
-// and the blocks it stored) at now, against the replica's cache capacity in
-// blocks, and reports whether the precise index is now in sync.
-func (r *Replica) KVBatch(seq uint64, stored, capacity int, now time.Time) bool {
-	r.kv.mu.Lock()
-	first := !r.kv.seen
-	r.kv.seen = true
-	r.kv.last = now
-	r.kv.storedSince += stored
-	if first && seq == 0 {
-		r.kv.storedSince = max(r.kv.storedSince, capacity) // followed from the start
-	}
-	synced := r.kv.storedSince >= capacity || now.Sub(r.kv.since) >= ResyncAfter
-	r.kv.mu.Unlock()
-	if synced {
-		r.preciseOK.Store(true)
-	}
-	return synced
 }

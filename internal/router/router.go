@@ -114,7 +114,10 @@ func New(cfg Config) (*Router, error) {
 		rt.precise = prefixindex.NewPrecise(pix, cfg.Model, cfg.BlockSize)
 	}
 	for i, sp := range cfg.Specs {
-		r := &Replica{index: i, spec: sp, healthOK: true}
+		r := &Replica{index: i, spec: sp, name: sp.URL, healthOK: true}
+		if sp.Ranked {
+			r.name = fmt.Sprintf("%s#%d", sp.URL, sp.Rank)
+		}
 		r.healthy.Store(true)
 		r.Breaker.Configure(cfg.Breaker)
 		rt.replicas = append(rt.replicas, r)
@@ -131,6 +134,10 @@ func (rt *Router) Replicas() int { return len(rt.replicas) }
 // URL is replica slot i's URL.
 func (rt *Router) URL(i int) string { return rt.replicas[i].spec.URL }
 
+// Name is replica slot i's name: its URL, or URL#k for rank k of a
+// data-parallel server.
+func (rt *Router) Name(i int) string { return rt.replicas[i].name }
+
 // Replica is replica slot i's home.
 func (rt *Router) Replica(i int) *Replica { return rt.replicas[i] }
 
@@ -142,11 +149,6 @@ func (rt *Router) Index() *prefixindex.Index { return rt.approx }
 
 // Precise is the KV-event index (nil unless Config.Precise).
 func (rt *Router) Precise() *prefixindex.Precise { return rt.precise }
-
-// SetPreciseSynced marks whether replica i's precise index is in sync with
-// its KV events; while it is not (before the first event, after a sequence
-// gap) the approximate index answers for it.
-func (rt *Router) SetPreciseSynced(i int, ok bool) { rt.replicas[i].preciseOK.Store(ok) }
 
 // SetHealthy marks replica i in or out of rotation.
 func (rt *Router) SetHealthy(i int, ok bool) { rt.replicas[i].healthy.Store(ok) }
@@ -198,7 +200,11 @@ func (rt *Router) Prepare(p *prompt.Parsed, session, adapter string) *policy.Req
 	if req.Session == "" {
 		req.Session = p.User
 	}
-	root := prompt.Key{Model: p.Model, Adapter: adapter, Salt: p.CacheSalt}.Root()
+	model := p.Model
+	if adapter == "" {
+		model, adapter = rt.keyOf(p.Model)
+	}
+	root := prompt.Key{Model: model, Adapter: adapter, Salt: p.CacheSalt}.Root()
 	req.Tokens, req.Blocks = p.Blocks(nil, rt.tok, root, rt.cfg.BlockSize)
 	return req
 }
@@ -222,7 +228,7 @@ func (rt *Router) views(req *policy.Request) ([]policy.ReplicaView, []int) {
 	}
 	for i, r := range rt.replicas {
 		v := &views[i]
-		v.Index, v.URL, v.Healthy = i, r.spec.URL, r.healthy.Load()
+		v.Index, v.URL, v.Healthy = i, r.name, r.healthy.Load()
 		v.InFlight = int(r.inFlight.Load())
 		v.InFlightTokens = int(r.inFlightTokens.Load())
 		v.PendingPrefill = int(r.pendingPrefill.Load())
@@ -242,7 +248,7 @@ func (rt *Router) views(req *policy.Request) ([]policy.ReplicaView, []int) {
 		v.Match, v.Cached = approx[i], approxLen[i]
 		switch {
 		case precise == nil:
-		case r.preciseOK.Load():
+		case r.preciseTrusted(req.Now):
 			v.Match, v.Cached = precise[i], preciseLen[i]
 		case precise[i] > v.Match:
 			// Not in sync (a late join, a gap): what the events did report
@@ -473,4 +479,48 @@ func (t *Ticket) Done(at time.Time, o Outcome) {
 		t.rt.obs.Observe(policy.Event{Kind: policy.Done, At: at, Req: t.req, Decision: t.Decision,
 			Replica: t.Replica, CachedTokens: o.CachedTokens, OutputTokens: o.OutputTokens, Err: o.Err})
 	}
+}
+
+// keyOf is the partition a request for model is hashed under, the one its
+// replicas' KV events name: an alias (vLLM --served-model-name) is its base
+// model's root, as /v1/models lists it, so both names share the engine's
+// cache; a LoRA adapter is its base model's partition with the adapter.
+func (rt *Router) keyOf(model string) (base, adapter string) {
+	m, ok := rt.ModelInfo(model)
+	switch {
+	case !ok:
+		return model, ""
+	case m.Parent != "":
+		if pm, ok := rt.ModelInfo(m.Parent); ok && pm.Parent == "" && pm.Root != "" {
+			return pm.Root, m.ID
+		}
+		return m.Parent, m.ID
+	case m.Root != "":
+		return m.Root, ""
+	}
+	return model, ""
+}
+
+// replicaKey is the partition replica i's KV events about model are
+// hashed under: model as keyOf maps it, or, when the topic names none,
+// the replica's base model.
+func (rt *Router) replicaKey(i int, model string) (base, adapter string) {
+	s := rt.replicas[i].served.Load()
+	if model == "" && s != nil {
+		for _, m := range s.Models {
+			if m.Parent == "" {
+				model = m.ID
+				break
+			}
+		}
+	}
+	if model == "" {
+		return rt.cfg.Model, ""
+	}
+	if s != nil {
+		if m, ok := s.Model(model); ok && m.Parent == "" && m.Root != "" {
+			return m.Root, ""
+		}
+	}
+	return rt.keyOf(model)
 }

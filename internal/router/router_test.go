@@ -295,7 +295,7 @@ func TestUnsyncedPreciseCreditsReportedBlocks(t *testing.T) {
 	if v := rt.Views(req); v[1].Match != len(req.Blocks) {
 		t.Fatalf("the larger match must stand: %d", v[1].Match)
 	}
-	rt.SetPreciseSynced(1, true) // in sync: the precise index alone
+	rt.FollowKV(1, KVMessage{Seq: 0}, time.Unix(0, 0), nil) // followed from the start: in sync, the precise index alone
 	if v := rt.Views(req); v[1].Match != 10 {
 		t.Fatalf("synced replica: %d, want the precise 10", v[1].Match)
 	}
