@@ -50,6 +50,11 @@ type Fleet struct {
 	cfg    Config
 	client *http.Client
 	mu     sync.Mutex // serialises refreshModels
+	// servers are the targets of each server (URL), in slot order: the
+	// ranks of a data-parallel server share its probes.
+	servers [][]int
+	server  []int    // slot → its index in servers
+	warned  sync.Map // server index → engines count already warned about
 }
 
 // New watches every replica of rt.
@@ -73,7 +78,20 @@ func New(rt *router.Router, client *http.Client, cfg Config) *Fleet {
 		cfg.Logger = slog.New(slog.DiscardHandler)
 	}
 	cfg.Clock = clock.OrReal(cfg.Clock)
-	return &Fleet{rt: rt, cfg: cfg, client: client}
+	f := &Fleet{rt: rt, cfg: cfg, client: client, server: make([]int, rt.Replicas())}
+	byURL := map[string]int{}
+	for i := range rt.Replicas() {
+		u := rt.URL(i)
+		g, ok := byURL[u]
+		if !ok {
+			g = len(f.servers)
+			byURL[u] = g
+			f.servers = append(f.servers, nil)
+		}
+		f.servers[g] = append(f.servers[g], i)
+		f.server[i] = g
+	}
+	return f
 }
 
 // StaleAfter is the age past which a replica's metrics are not used.
@@ -83,7 +101,8 @@ func (f *Fleet) StaleAfter() time.Duration { return f.cfg.StaleAfter }
 // goroutines have.
 func (f *Fleet) Run(ctx context.Context) {
 	var wg sync.WaitGroup
-	for i := range f.rt.Replicas() {
+	for _, g := range f.servers {
+		i := g[0]
 		wg.Add(2)
 		go func() { defer wg.Done(); f.loop(ctx, f.cfg.ScrapeInterval, func() bool { return f.Scrape(ctx, i) }) }()
 		go func() { defer wg.Done(); f.loop(ctx, f.cfg.HealthInterval, func() bool { return f.Health(ctx, i) }) }()
@@ -149,19 +168,37 @@ func (b *cancelBody) Close() error { err := b.ReadCloser.Close(); b.cancel(); re
 // errTooLarge: a /metrics page over MaxMetricsBytes.
 var errTooLarge = errors.New("metrics page larger than the bound")
 
-// Scrape scrapes replica i's /metrics once and reports whether it worked.
-// A failure keeps the last values, whose age then grows until the router
+// Scrape scrapes the /metrics of replica i's server once (every rank of a
+// data-parallel server from one page) and reports whether it worked. A
+// failure keeps the last values, whose age then grows until the router
 // stops using them; the transition to stale (and back) is logged once.
 func (f *Fleet) Scrape(ctx context.Context, i int) bool {
-	r := f.rt.Replica(i)
 	page, err := f.readMetrics(ctx, i)
 	if ctx.Err() != nil {
 		return true
 	}
+	slots := f.servers[f.server[i]]
+	if err == nil {
+		f.checkEngines(i, Engines(page))
+	}
+	ok := true
+	for _, s := range slots {
+		ok = f.scrapeResult(s, page, err) && ok
+	}
+	return ok
+}
+
+// scrapeResult applies one scrape (page, or err) to target i.
+func (f *Fleet) scrapeResult(i int, page map[string]*metricFamily, err error) bool {
+	r := f.rt.Replica(i)
 	now := f.cfg.Clock.Now()
 	var m router.Metrics
 	if err == nil {
-		m, err = metricsOf(page)
+		engine := allEngines
+		if k, ranked := r.Rank(); ranked {
+			engine = k
+		}
+		m, err = metricsOf(page, engine)
 	}
 	if err == nil {
 		m = f.rt.SetMetrics(i, m, now)
@@ -175,13 +212,30 @@ func (f *Fleet) Scrape(ctx context.Context, i int) bool {
 	switch {
 	case changed && stale:
 		f.cfg.Logger.Warn("replica metrics are stale: routing on the gateway's own counts for it",
-			"replica", r.URL(), "failed_scrapes", fails, "err", err)
+			"replica", r.Name(), "failed_scrapes", fails, "err", err)
 	case changed:
-		f.cfg.Logger.Info("replica metrics fresh again", "replica", r.URL())
+		f.cfg.Logger.Info("replica metrics fresh again", "replica", r.Name())
 	case err != nil && fails == 1:
-		f.cfg.Logger.Debug("scrape failed", "replica", r.URL(), "err", err)
+		f.cfg.Logger.Debug("scrape failed", "replica", r.Name(), "err", err)
 	}
 	return err == nil
+}
+
+// checkEngines warns once (per count) when replica i's server runs more
+// data-parallel engines than kvgate routes it as: the ranks beyond are
+// never chosen by the cache, only by the server.
+func (f *Fleet) checkEngines(i, engines int) {
+	g := f.server[i]
+	targets := len(f.servers[g])
+	if engines <= 1 || engines == targets {
+		return
+	}
+	if old, loaded := f.warned.Swap(g, engines); loaded && old.(int) == engines {
+		return
+	}
+	f.cfg.Logger.Warn("replica runs data-parallel engines kvgate does not route to one by one: set data_parallel_size "+
+		"(or restart kvgate, which counts them at start)",
+		"replica", f.rt.URL(i), "engines", engines, "routed_as", targets)
 }
 
 func (f *Fleet) readMetrics(ctx context.Context, i int) (map[string]*metricFamily, error) {
@@ -203,8 +257,9 @@ func (f *Fleet) readMetrics(ctx context.Context, i int) (map[string]*metricFamil
 	return parseBytes(data)
 }
 
-// Health checks replica i's /health (and lists its models when it passes);
-// it reports whether the check passed.
+// Health checks the /health of replica i's server (and lists its models
+// when it passes) for every target of the server; it reports whether the
+// check passed.
 func (f *Fleet) Health(ctx context.Context, i int) bool {
 	ok := false
 	if resp, err := f.get(ctx, i, "/health"); err == nil {
@@ -214,14 +269,16 @@ func (f *Fleet) Health(ctx context.Context, i int) bool {
 	if ctx.Err() != nil {
 		return true
 	}
-	r := f.rt.Replica(i)
-	was := r.Healthy()
-	// A passing /health does not close the breaker: a replica can answer
-	// /health and fail every inference request.
-	now := r.SetHealthOK(ok, f.cfg.Clock.Now())
-	if was != now {
-		f.cfg.Logger.Info("replica rotation changed", "replica", r.URL(), "in_rotation", now,
-			"health_check", ok, "breaker", r.Breaker.State(f.cfg.Clock.Now()))
+	for _, s := range f.servers[f.server[i]] {
+		r := f.rt.Replica(s)
+		was := r.Healthy()
+		// A passing /health does not close the breaker: a replica can answer
+		// /health and fail every inference request.
+		now := r.SetHealthOK(ok, f.cfg.Clock.Now())
+		if was != now {
+			f.cfg.Logger.Info("replica rotation changed", "replica", r.Name(), "in_rotation", now,
+				"health_check", ok, "breaker", r.Breaker.State(f.cfg.Clock.Now()))
+		}
 	}
 	if ok {
 		f.fetchModels(ctx, i)
@@ -254,12 +311,13 @@ func (f *Fleet) fetchModels(ctx context.Context, i int) {
 		}
 		ms = append(ms, m)
 	}
-	r := f.rt.Replica(i)
-	var running []string
-	if old := r.Served(); old != nil {
-		running = old.Running
+	for _, s := range f.servers[f.server[i]] {
+		var running []string
+		if old := f.rt.Replica(s).Served(); old != nil {
+			running = old.Running
+		}
+		f.setServed(s, router.NewServed(ms, running))
 	}
-	f.setServed(i, router.NewServed(ms, running))
 }
 
 // noteAdapters records the adapters a scrape saw running or waiting as
@@ -339,7 +397,7 @@ func (f *Fleet) Failure(i int, p router.Pass) {
 	if cooldown == 0 {
 		return
 	}
-	f.cfg.Logger.Warn("replica ejected", "replica", r.URL(), "cooldown", cooldown)
+	f.cfg.Logger.Warn("replica ejected", "replica", r.Name(), "cooldown", cooldown)
 	if f.cfg.OnEject != nil {
 		f.cfg.OnEject(i)
 	}

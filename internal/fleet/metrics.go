@@ -25,10 +25,42 @@ func ParseMetrics(r io.Reader) (router.Metrics, error) {
 	if err != nil {
 		return router.Metrics{}, fmt.Errorf("metrics: %w", err)
 	}
-	return metricsOf(fams)
+	return metricsOf(fams, allEngines)
 }
 
-func metricsOf(fams map[string]*dto.MetricFamily) (router.Metrics, error) {
+// allEngines selects every series of a page; a rank k ≥ 0 only those of
+// data-parallel engine k (label engine="k": vLLM exports one series per
+// engine core).
+const allEngines = -1
+
+// ofEngine reports whether series s belongs to engine (allEngines: any).
+func ofEngine(s *dto.Metric, engine int) bool {
+	if engine == allEngines {
+		return true
+	}
+	for _, l := range s.GetLabel() {
+		if l.GetName() == "engine" {
+			return l.GetValue() == strconv.Itoa(engine)
+		}
+	}
+	return false
+}
+
+// Engines is the number of data-parallel engines a page reports: the
+// distinct engine labels of vllm:num_requests_running (0: none labelled).
+func Engines(fams map[string]*dto.MetricFamily) int {
+	seen := map[string]bool{}
+	for _, s := range fams["vllm:num_requests_running"].GetMetric() {
+		for _, l := range s.GetLabel() {
+			if l.GetName() == "engine" {
+				seen[l.GetValue()] = true
+			}
+		}
+	}
+	return len(seen)
+}
+
+func metricsOf(fams map[string]*dto.MetricFamily, engine int) (router.Metrics, error) {
 	var m router.Metrics
 	found := false
 	sum := func(name string) (float64, bool) {
@@ -36,11 +68,14 @@ func metricsOf(fams map[string]*dto.MetricFamily) (router.Metrics, error) {
 		if !ok {
 			return 0, false
 		}
-		t := 0.0
+		t, any := 0.0, false
 		for _, s := range f.GetMetric() {
-			t += value(s)
+			if ofEngine(s, engine) {
+				t += value(s)
+				any = true
+			}
 		}
-		return t, true
+		return t, any
 	}
 	if v, ok := sum("vllm:num_requests_waiting"); ok {
 		m.Waiting, found = toCount(v), true
@@ -51,14 +86,19 @@ func metricsOf(fams map[string]*dto.MetricFamily) (router.Metrics, error) {
 	for _, name := range []string{"vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"} {
 		if f, ok := fams[name]; ok {
 			for _, s := range f.GetMetric() {
-				m.KVUsage = max(m.KVUsage, value(s))
+				if ofEngine(s, engine) {
+					m.KVUsage = max(m.KVUsage, value(s))
+					found = true
+				}
 			}
-			found = true
 			break
 		}
 	}
 	if f, ok := fams["vllm:cache_config_info"]; ok {
 		for _, s := range f.GetMetric() {
+			if engine != allEngines && !ofEngine(s, engine) && len(f.GetMetric()) > 1 {
+				continue // one series per engine: this engine's
+			}
 			for _, l := range s.GetLabel() {
 				n, err := strconv.Atoi(l.GetValue())
 				if err != nil {
@@ -72,6 +112,9 @@ func metricsOf(fams map[string]*dto.MetricFamily) (router.Metrics, error) {
 				}
 			}
 		}
+	}
+	if !found && engine != allEngines {
+		return router.Metrics{}, fmt.Errorf("metrics: no series of data-parallel engine %d (label engine=%q)", engine, strconv.Itoa(engine))
 	}
 	if !found {
 		return router.Metrics{}, fmt.Errorf("metrics: no vllm:num_requests_waiting, vllm:num_requests_running or KV usage series")

@@ -3,6 +3,7 @@ package fleet
 import (
 	"context"
 	"fmt"
+	"log/slog"
 	"net/http"
 	"net/http/httptest"
 	"strings"
@@ -183,5 +184,57 @@ func TestModelsAndRunningAdapters(t *testing.T) {
 	if len(got) != 2 || got[0] != (router.Model{ID: "base", Root: "/models/base", MaxModelLen: 4096}) ||
 		got[1] != (router.Model{ID: "sql-lora", Root: "/adapters/sql", Parent: "base", MaxModelLen: 4096}) {
 		t.Fatalf("models %+v", got)
+	}
+}
+
+// A data-parallel server's ranks are targets sharing one scrape: each gets
+// its own engine's series; a server with more engines than targets is
+// warned about.
+func TestDataParallelRanksShareOneScrape(t *testing.T) {
+	s := newStub(t)
+	s.setMetrics(`vllm:num_requests_waiting{engine="0",model_name="m"} 3
+vllm:num_requests_waiting{engine="1",model_name="m"} 7
+vllm:num_requests_running{engine="0",model_name="m"} 1
+vllm:num_requests_running{engine="1",model_name="m"} 2
+vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25
+vllm:kv_cache_usage_perc{engine="1",model_name="m"} 0.5
+vllm:cache_config_info{block_size="16",engine="0",num_gpu_blocks="1000"} 1
+vllm:cache_config_info{block_size="16",engine="1",num_gpu_blocks="2000"} 1
+`)
+	pol, _ := policy.New("least_load", policy.Options{})
+	clk := clock.NewFake(time.Unix(100, 0))
+	specs := []router.Spec{{URL: s.srv.URL, Ranked: true, Rank: 0}, {URL: s.srv.URL, Ranked: true, Rank: 1}}
+	rt, err := router.New(router.Config{Specs: specs, Policy: pol, Now: clk.Now})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var logs strings.Builder
+	f := New(rt, s.srv.Client(), Config{Clock: clk, Logger: slog.New(slog.NewTextHandler(&logs, nil))})
+	if !f.Scrape(context.Background(), 1) {
+		t.Fatal("scrape failed")
+	}
+	if n := s.hits.Load(); n != 1 {
+		t.Fatalf("%d requests for two ranks of one server, want 1", n)
+	}
+	for k, want := range []router.Metrics{{Waiting: 3, Running: 1, KVUsage: 0.25, NumBlocks: 1000, BlockSize: 16},
+		{Waiting: 7, Running: 2, KVUsage: 0.5, NumBlocks: 2000, BlockSize: 16}} {
+		got, _, ok := rt.ReplicaMetrics(k)
+		if !ok || got != want {
+			t.Fatalf("rank %d: %+v, want %+v", k, got, want)
+		}
+	}
+	if rt.Name(1) != s.srv.URL+"#1" {
+		t.Fatalf("name %q", rt.Name(1))
+	}
+	if strings.Contains(logs.String(), "data-parallel") {
+		t.Fatalf("warned with as many targets as engines: %s", logs.String())
+	}
+	// The server grows to 3 engines: warned once.
+	s.setMetrics(strings.Replace(*s.metrics.Load(), `vllm:num_requests_running{engine="1",model_name="m"} 2`,
+		"vllm:num_requests_running{engine=\"1\",model_name=\"m\"} 2\nvllm:num_requests_running{engine=\"2\",model_name=\"m\"} 0", 1))
+	f.Scrape(context.Background(), 0)
+	f.Scrape(context.Background(), 0)
+	if n := strings.Count(logs.String(), "data_parallel_size"); n != 1 {
+		t.Fatalf("warned %d times about 3 engines as 2 targets, want 1:\n%s", n, logs.String())
 	}
 }
