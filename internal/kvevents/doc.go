@@ -3,17 +3,64 @@
 //
 // # Transport
 //
-// Each replica binds one ZMQ PUB socket (vLLM: --kv-events-config endpoint,
-// default tcp://*:5557) and sends every batch as a three-frame message
+// A vLLM engine publishes on one ZMQ PUB socket (--kv-events-config
+// endpoint, default tcp://*:5557) and sends every batch as a three-frame
+// message
 //
 //	[topic, seq, payload]
 //
 // where topic is the configured topic (vLLM's default is ""), seq is the
 // batch's sequence number as 8 bytes big-endian, counting 0, 1, 2, ... per
-// publisher (it restarts at 0 when the publisher restarts), and payload is
-// one msgpack-encoded batch. A subscriber that sees seq != last+1 has lost
-// batches (ZMQ PUB drops when a subscriber is slow or disconnected) and must
-// resynchronise its view of that replica.
+// publisher (it restarts when the publisher restarts; llm-d's vLLM
+// simulator counts from 1), and payload is one msgpack-encoded batch. A
+// subscriber that sees seq != last+1 has lost batches (ZMQ PUB drops when a
+// subscriber is slow or disconnected, and while nobody is connected) and
+// must resynchronise its view of that publisher.
+//
+// The PUB socket is used in either of two topologies, and vLLM picks by
+// the endpoint (BindsEndpoint: "bind stable, connect volatile"):
+//
+//   - bound (a wildcard host such as tcp://*:5557, or ipc://): every
+//     subscriber connects to each engine. NewZMQPublisher and NewPublisher
+//     bind; Subscribe connects, one subscriber per engine.
+//   - connected (any other tcp:// endpoint): every engine connects to one
+//     SUB socket bound by the consumer (llm-d's router). NewPublisher with
+//     Connect dials, and redials after a failure; Listen binds the SUB
+//     socket and accepts any number of publishers. Batches of different
+//     engines then share one socket, so sequence numbers must be tracked
+//     per publisher: per (topic, data_parallel_rank).
+//
+// In both the ZMTP roles are ZMQ's: the SUB side sends a subscription
+// message (0x01 + topic prefix) after the handshake, whichever side dialed.
+//
+// # Replay
+//
+// An engine may also bind a ZMQ ROUTER socket (replay_endpoint) serving the
+// latest batches it published (buffer_steps, 10_000 by default), whether or
+// not anyone was subscribed. A client (DEALER or REQ) sends
+//
+//	["", start_seq]	(start_seq as 8 bytes big-endian)
+//
+// and gets, for every buffered batch with seq >= start_seq in order,
+//
+//	["", seq, payload]
+//
+// and then the end marker ["", END, ""], END being the 8 bytes of -1
+// (0xFF...FF). Some vLLM versions put the topic in as well: ["", topic,
+// seq, payload] and ["", "", END, ""]. A malformed request gets no answer.
+// NewPublisher serves the 3-frame form when given ReplayEndpoint; Replay is
+// the client and reads both forms. A subscriber that finds a gap asks the
+// replay socket for the missing batches; those older than the buffer are
+// gone for good.
+//
+// # Data parallelism
+//
+// A vLLM server with data-parallel size N runs N engines, each with its own
+// KV cache and publisher: rank k publishes on the configured endpoint's
+// port + k (tcp://*:5557 gives 5557, 5558, ...; in the connected topology
+// each rank dials port + k of the consumer), its replay socket likewise on
+// the replay endpoint's port + k, and its batches carry
+// data_parallel_rank k.
 //
 // # Payload
 //

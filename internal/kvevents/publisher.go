@@ -11,11 +11,10 @@ import (
 	"time"
 
 	"github.com/go-zeromq/zmq4"
-	"github.com/go-zeromq/zmq4/security/null"
 )
 
 // Publisher sends batches to subscribers. Sequence numbers are assigned per
-// publisher: 0, 1, 2, ... in Publish order.
+// publisher in Publish order: 0, 1, 2, ... (from PublisherOptions.FirstSeq).
 type Publisher interface {
 	Publish(b Batch) error
 	Close() error
@@ -32,8 +31,37 @@ const (
 	flushTimeout = time.Second
 )
 
+// PublisherOptions configures NewPublisher. The zero value binds the
+// endpoint with vLLM's defaults: topic "", FormMap, no replay socket.
+type PublisherOptions struct {
+	Topic string
+	Form  Form
+	// Connect dials the endpoint, and redials with capped backoff (50 ms to 2 s)
+	// whenever the connection fails or drops while the publisher lives,
+	// instead of binding it: llm-d's topology, where every engine connects
+	// to one bound SUB socket (see Listen). Batches published while not
+	// connected are dropped, as a ZMQ PUB socket drops them.
+	Connect bool
+	// ReplayEndpoint, when set, is bound as vLLM's replay socket (a ZMQ
+	// ROUTER): a client sends a start sequence number and gets the buffered
+	// batches from there on (see Replay).
+	ReplayEndpoint string
+	// Buffer is how many of the latest batches the replay socket keeps.
+	// Default 10_000 (vLLM's buffer_steps).
+	Buffer int
+	// FirstSeq is the sequence number of the first batch. vLLM counts from
+	// 0 (the default); llm-d's vLLM simulator counts from 1.
+	FirstSeq uint64
+	// HWM bounds the messages queued per subscriber. Default 10_000.
+	HWM int
+}
+
+// defaultBuffer is vLLM's buffer_steps default.
+const defaultBuffer = 10_000
+
 // zmqPublisher is a ZMQ PUB socket built on zmq4's ZMTP 3.0 connection layer
-// (greeting, NULL-security handshake, framing).
+// (greeting, NULL-security handshake, framing), with vLLM's optional replay
+// socket beside it.
 //
 // It does not use zmq4's PUB socket type because that socket cannot be shut
 // down cleanly: zmq4 v0.17's NewPub starts a writer goroutine
@@ -43,17 +71,25 @@ const (
 // subscription messages (0x01 + prefix, 0x00 + prefix to cancel), a message
 // goes to every peer subscribed to a prefix of its topic, and a peer whose
 // queue is full (HWM) misses messages rather than blocking the publisher.
+// The peers are the connections the bound socket accepts or, in connect
+// mode, the one connection the publisher dials.
 type zmqPublisher struct {
 	topic []byte
 	form  Form
 	hwm   int
-	ln    net.Listener
+
+	ln      net.Listener // the bound PUB socket; nil in connect mode
+	network string       // connect mode: what to dial
+	addr    string
+	rln     net.Listener // the replay socket; nil without one
+	cancel  context.CancelFunc
 
 	mu      sync.Mutex
 	seq     uint64
 	closed  bool
-	conns   map[net.Conn]struct{} // every accepted connection, handshaking or not
-	peers   map[*pubPeer]struct{} // connections that completed the handshake
+	ring    *replayRing           // nil without a replay socket
+	conns   map[net.Conn]connKind // every live connection, handshaking or not
+	peers   map[*pubPeer]struct{} // subscriber connections that completed the handshake
 	dropped atomic.Uint64         // messages not queued because a peer was at its HWM
 
 	done     chan struct{} // closed by shutdown
@@ -61,6 +97,14 @@ type zmqPublisher struct {
 	shutOnce sync.Once
 	closeErr error
 }
+
+// connKind tells shutdown how to stop a connection.
+type connKind int
+
+const (
+	connPeer   connKind = iota // unblock its reads; its writer flushes, then closes it
+	connReplay                 // close it outright
+)
 
 var _ Publisher = (*zmqPublisher)(nil)
 
@@ -93,15 +137,88 @@ func (pp *pubPeer) subscribed(topic []byte) bool {
 // NewZMQPublisher binds a PUB socket on endpoint (tcp://HOST:PORT, with * for
 // all interfaces, or ipc://PATH) and publishes every batch under topic with
 // events in form f. It stops when ctx ends or Close is called; Close waits
-// for its goroutines either way.
+// for its goroutines either way. It is NewPublisher with only Topic and Form
+// set.
 func NewZMQPublisher(ctx context.Context, endpoint, topic string, f Form) (Publisher, error) {
-	return newZMQPublisher(ctx, endpoint, topic, f, defaultHWM)
+	return NewPublisher(ctx, endpoint, PublisherOptions{Topic: topic, Form: f})
 }
 
-func newZMQPublisher(ctx context.Context, endpoint, topic string, f Form, hwm int) (*zmqPublisher, error) {
-	if f != FormMap && f != FormArray {
-		return nil, fmt.Errorf("%w: %s", ErrUnknownForm, f)
+// NewPublisher starts a PUB socket on endpoint: bound (tcp://HOST:PORT, with
+// * for all interfaces, or ipc://PATH), or dialed when o.Connect is set
+// (tcp://HOST:PORT or ipc://PATH); BindsEndpoint tells which vLLM would do.
+// With o.ReplayEndpoint it also binds a replay socket. It stops when ctx
+// ends or Close is called; Close waits for its goroutines either way.
+//
+// The returned value also has Addr() net.Addr (the bound address, nil in
+// connect mode), ReplayAddr() net.Addr (nil without a replay socket) and
+// Dropped() uint64.
+func NewPublisher(ctx context.Context, endpoint string, o PublisherOptions) (Publisher, error) {
+	p, err := newPublisher(ctx, endpoint, o)
+	if err != nil {
+		return nil, err
 	}
+	return p, nil
+}
+
+func newPublisher(ctx context.Context, endpoint string, o PublisherOptions) (*zmqPublisher, error) {
+	if o.Form != FormMap && o.Form != FormArray {
+		return nil, fmt.Errorf("%w: %s", ErrUnknownForm, o.Form)
+	}
+	if o.HWM <= 0 {
+		o.HWM = defaultHWM
+	}
+	if o.Buffer <= 0 {
+		o.Buffer = defaultBuffer
+	}
+	network, addr, err := parseEndpoint(endpoint, !o.Connect)
+	if err != nil {
+		return nil, err
+	}
+	p := &zmqPublisher{
+		topic:   []byte(o.Topic),
+		form:    o.Form,
+		hwm:     o.HWM,
+		network: network,
+		addr:    addr,
+		seq:     o.FirstSeq,
+		conns:   make(map[net.Conn]connKind),
+		peers:   make(map[*pubPeer]struct{}),
+		done:    make(chan struct{}),
+	}
+	if err := p.bind(ctx, endpoint, o); err != nil {
+		return nil, err
+	}
+	p.start(ctx)
+	return p, nil
+}
+
+// bind binds the PUB socket (unless in connect mode) and the replay socket.
+func (p *zmqPublisher) bind(ctx context.Context, endpoint string, o PublisherOptions) error {
+	var lc net.ListenConfig
+	if !o.Connect {
+		ln, err := lc.Listen(ctx, p.network, p.addr)
+		if err != nil {
+			return fmt.Errorf("kvevents: bind %s: %w", endpoint, err)
+		}
+		p.ln = ln
+	}
+	if o.ReplayEndpoint == "" {
+		return nil
+	}
+	rln, err := listenEndpoint(ctx, o.ReplayEndpoint)
+	if err != nil {
+		if p.ln != nil {
+			_ = p.ln.Close()
+		}
+		return err
+	}
+	p.rln = rln
+	p.ring = newReplayRing(o.Buffer)
+	return nil
+}
+
+// listenEndpoint binds a ZMQ endpoint.
+func listenEndpoint(ctx context.Context, endpoint string) (net.Listener, error) {
 	network, addr, err := parseEndpoint(endpoint, true)
 	if err != nil {
 		return nil, err
@@ -111,110 +228,163 @@ func newZMQPublisher(ctx context.Context, endpoint, topic string, f Form, hwm in
 	if err != nil {
 		return nil, fmt.Errorf("kvevents: bind %s: %w", endpoint, err)
 	}
-	p := &zmqPublisher{
-		topic: []byte(topic),
-		form:  f,
-		hwm:   hwm,
-		ln:    ln,
-		conns: make(map[net.Conn]struct{}),
-		peers: make(map[*pubPeer]struct{}),
-		done:  make(chan struct{}),
-	}
-	p.wg.Add(2)
-	go p.accept()
-	go func() {
-		defer p.wg.Done()
-		select {
-		case <-ctx.Done():
-			p.shutdown()
-		case <-p.done:
-		}
-	}()
-	return p, nil
+	return ln, nil
 }
 
-// Addr is the bound address (useful after binding port 0).
-func (p *zmqPublisher) Addr() net.Addr { return p.ln.Addr() }
+// start runs the publisher's goroutines: the accept loop or the connect
+// loop, the replay socket's accept loop, and the watcher of ctx.
+func (p *zmqPublisher) start(ctx context.Context) {
+	runCtx, cancel := context.WithCancel(ctx)
+	p.cancel = cancel
+	p.wg.Add(1)
+	go func() {
+		defer p.wg.Done()
+		<-runCtx.Done() // ctx ended, or shutdown cancelled it
+		p.shutdown()
+	}()
+	p.wg.Add(1)
+	if p.ln != nil {
+		go func() {
+			defer p.wg.Done()
+			acceptLoop(p.ln, p.done, p.acceptPeer)
+		}()
+	} else {
+		go p.connectLoop(runCtx)
+	}
+	if p.rln != nil {
+		p.wg.Add(1)
+		go func() {
+			defer p.wg.Done()
+			acceptLoop(p.rln, p.done, p.acceptReplay)
+		}()
+	}
+}
+
+// Addr is the bound address (useful after binding port 0); nil in connect
+// mode.
+func (p *zmqPublisher) Addr() net.Addr {
+	if p.ln == nil {
+		return nil
+	}
+	return p.ln.Addr()
+}
+
+// ReplayAddr is the replay socket's bound address; nil without one.
+func (p *zmqPublisher) ReplayAddr() net.Addr {
+	if p.rln == nil {
+		return nil
+	}
+	return p.rln.Addr()
+}
 
 // Dropped counts messages a subscriber missed because its queue was full.
 func (p *zmqPublisher) Dropped() uint64 { return p.dropped.Load() }
 
-func (p *zmqPublisher) accept() {
+// track registers a new connection so that shutdown can stop it, and starts
+// its handshake deadline; false (and the connection closed) when the
+// publisher is closed. Under p.mu, so that shutdown's deadline wins.
+func (p *zmqPublisher) track(conn net.Conn, kind connKind) bool {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.closed {
+		_ = conn.Close()
+		return false
+	}
+	_ = conn.SetDeadline(time.Now().Add(handshakeTimeout))
+	p.conns[conn] = kind
+	return true
+}
+
+func (p *zmqPublisher) untrack(conn net.Conn) {
+	p.mu.Lock()
+	delete(p.conns, conn)
+	p.mu.Unlock()
+}
+
+func (p *zmqPublisher) acceptPeer(conn net.Conn) {
+	if !p.track(conn, connPeer) {
+		return
+	}
+	p.wg.Add(1)
+	go func() {
+		defer p.wg.Done()
+		p.session(conn, true)
+	}()
+}
+
+// connectLoop dials the endpoint and runs each connection until it drops,
+// then redials, with capped exponential backoff, until ctx ends.
+func (p *zmqPublisher) connectLoop(ctx context.Context) {
 	defer p.wg.Done()
-	delay := 5 * time.Millisecond
+	backoff := minBackoff
 	for {
-		conn, err := p.ln.Accept()
-		if err != nil {
-			select {
-			case <-p.done:
-				return
-			default:
-			}
-			// A transient failure (out of file descriptors, ...): back off as
-			// net/http's server does rather than spin.
-			t := time.NewTimer(delay)
-			select {
-			case <-p.done:
-				t.Stop()
-				return
-			case <-t.C:
-			}
-			delay = min(2*delay, time.Second)
-			continue
+		if p.connectOnce(ctx) {
+			backoff = minBackoff
 		}
-		delay = 5 * time.Millisecond
-		p.mu.Lock()
-		if p.closed {
-			p.mu.Unlock()
-			_ = conn.Close()
-			continue
+		if !sleep(ctx.Done(), backoff) {
+			return
 		}
-		p.conns[conn] = struct{}{}
-		p.wg.Add(1)
-		p.mu.Unlock()
-		go p.serve(conn)
+		backoff = min(2*backoff, maxBackoff)
 	}
 }
 
-// serve runs one subscriber connection: handshake, then read its
-// subscriptions until it goes away. Its writer runs beside it.
-func (p *zmqPublisher) serve(conn net.Conn) {
-	defer p.wg.Done()
-	// Until the peer is registered serve owns the connection; after that the
-	// writer does, so that Close can flush what is queued.
+// connectOnce makes one connection and serves it until it drops; true when
+// its handshake succeeded.
+func (p *zmqPublisher) connectOnce(ctx context.Context) bool {
+	d := net.Dialer{Timeout: handshakeTimeout}
+	conn, err := d.DialContext(ctx, p.network, p.addr)
+	if err != nil || !p.track(conn, connPeer) {
+		return false
+	}
+	return p.session(conn, false)
+}
+
+// session runs one subscriber connection: handshake (as the ZMTP server
+// when the connection was accepted), then read its subscriptions until it
+// goes away. Its writer runs beside it. connected reports whether the
+// handshake succeeded.
+func (p *zmqPublisher) session(conn net.Conn, server bool) (connected bool) {
+	// Until the peer is registered session owns the connection; after that
+	// the writer does, so that Close can flush what is queued.
 	ownsConn := true
 	defer func() {
-		p.mu.Lock()
-		delete(p.conns, conn)
-		p.mu.Unlock()
+		p.untrack(conn)
 		if ownsConn {
 			_ = conn.Close()
 		}
 	}()
-
-	_ = conn.SetDeadline(time.Now().Add(handshakeTimeout))
-	zc, err := zmq4.Open(conn, null.Security(), zmq4.Pub, nil, true, nil)
+	zc, err := openZMTP(conn, zmq4.Pub, server)
 	if err != nil {
-		return
+		return false
 	}
-	_ = conn.SetDeadline(time.Time{})
-
 	pp := &pubPeer{conn: conn, zc: zc, out: make(chan zmq4.Msg, p.hwm), subs: make(map[string]int)}
 	p.mu.Lock()
 	if p.closed {
 		p.mu.Unlock()
-		return
+		return true
 	}
+	_ = conn.SetDeadline(time.Time{}) // under p.mu: shutdown's read deadline wins
 	p.peers[pp] = struct{}{}
 	p.wg.Add(1)
 	p.mu.Unlock()
 	ownsConn = false
 	go p.write(pp)
 
+	p.readSubscriptions(pp)
+	p.mu.Lock()
+	delete(p.peers, pp)
+	pp.closeOut() // under p.mu: Publish never sends on a closed channel
+	p.mu.Unlock()
+	return true
+}
+
+// readSubscriptions applies a peer's subscription messages until its
+// connection fails.
+func (p *zmqPublisher) readSubscriptions(pp *pubPeer) {
 	for {
-		msg, err := zc.RecvMsg()
+		msg, err := pp.zc.RecvMsg()
 		if err != nil {
-			break
+			return
 		}
 		if msg.Type == zmq4.CmdMsg || len(msg.Frames) != 1 || len(msg.Frames[0]) == 0 {
 			continue // commands are answered by zmq4; PUB ignores other input
@@ -234,10 +404,6 @@ func (p *zmqPublisher) serve(conn net.Conn) {
 		}
 		pp.mu.Unlock()
 	}
-	p.mu.Lock()
-	delete(p.peers, pp)
-	pp.closeOut() // under p.mu: Publish never sends on a closed channel
-	p.mu.Unlock()
 }
 
 // write drains one peer's queue onto its connection. After a write error it
@@ -259,8 +425,9 @@ func (p *zmqPublisher) write(pp *pubPeer) {
 	_ = pp.conn.Close()
 }
 
-// Publish encodes b, assigns it the next sequence number and queues it for
-// every subscribed peer. It does not wait for the network.
+// Publish encodes b, assigns it the next sequence number, keeps it for the
+// replay socket (if any) and queues it for every subscribed peer. It does
+// not wait for the network; with no peer connected the batch is dropped.
 func (p *zmqPublisher) Publish(b Batch) error {
 	payload, err := Encode(b, p.form)
 	if err != nil {
@@ -273,6 +440,9 @@ func (p *zmqPublisher) Publish(b Batch) error {
 	}
 	seq := p.seq
 	p.seq++
+	if p.ring != nil {
+		p.ring.add(seq, payload)
+	}
 	p.sendLocked(seq, payload)
 	return nil
 }
@@ -321,19 +491,29 @@ func (p *zmqPublisher) shutdown() {
 		p.mu.Lock()
 		p.closed = true
 		close(p.done)
+		p.cancel() // stops a dial in progress
 		deadline := time.Now().Add(flushTimeout)
 		for pp := range p.peers {
 			_ = pp.conn.SetWriteDeadline(deadline)
 			pp.closeOut() // the writer flushes what is queued, then closes the conn
 		}
-		for conn := range p.conns {
+		for conn, kind := range p.conns {
+			if kind == connReplay {
+				_ = conn.Close()
+				continue
+			}
 			// Unblock handshakes and subscription reads; writes keep their
 			// deadline.
 			_ = conn.SetReadDeadline(time.Now())
 		}
 		p.mu.Unlock()
-		if err := p.ln.Close(); err != nil && !errors.Is(err, net.ErrClosed) {
-			p.closeErr = err
+		for _, ln := range []net.Listener{p.ln, p.rln} {
+			if ln == nil {
+				continue
+			}
+			if err := ln.Close(); err != nil && !errors.Is(err, net.ErrClosed) && p.closeErr == nil {
+				p.closeErr = err
+			}
 		}
 	})
 }

@@ -11,7 +11,6 @@ import (
 	"time"
 
 	"github.com/go-zeromq/zmq4"
-	"github.com/go-zeromq/zmq4/security/null"
 )
 
 var (
@@ -224,7 +223,7 @@ func (s *Subscriber) session(ctx context.Context, seqs *seqTracker) (connected b
 	}()
 
 	_ = conn.SetDeadline(time.Now().Add(s.opts.HandshakeTimeout))
-	zc, err := zmq4.Open(conn, null.Security(), zmq4.Sub, nil, false, nil)
+	zc, err := openZMTP(conn, zmq4.Sub, false)
 	if err != nil {
 		return false, err
 	}

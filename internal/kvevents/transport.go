@@ -47,6 +47,20 @@ func parseEndpoint(ep string, bind bool) (network, addr string, err error) {
 	return "", "", fmt.Errorf("%w %q: unsupported transport %q", ErrEndpoint, ep, scheme)
 }
 
+// BindsEndpoint reports whether vLLM binds its PUB socket on endpoint rather
+// than connecting it: when the endpoint holds a wildcard host ("*", "::",
+// "0.0.0.0"; vLLM tests substrings, so any IPv6 address written with "::"
+// counts) or is ipc:// or inproc://. vLLM connects to any other endpoint
+// ("bind stable, connect volatile"), which is how engines reach one bound
+// SUB socket (see Listen and PublisherOptions.Connect).
+func BindsEndpoint(endpoint string) bool {
+	return strings.Contains(endpoint, "*") ||
+		strings.Contains(endpoint, "::") ||
+		strings.Contains(endpoint, "0.0.0.0") ||
+		strings.HasPrefix(endpoint, "ipc://") ||
+		strings.HasPrefix(endpoint, "inproc://")
+}
+
 // seqFrame is the 8-byte big-endian sequence frame.
 func seqFrame(seq uint64) []byte {
 	var b [8]byte

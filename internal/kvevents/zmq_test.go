@@ -155,7 +155,7 @@ func (p *zmqPublisher) sendRaw(frames ...[]byte) {
 
 func startPublisher(t *testing.T, ctx context.Context, endpoint, topic string, f Form) *zmqPublisher {
 	t.Helper()
-	p, err := newZMQPublisher(ctx, endpoint, topic, f, defaultHWM)
+	p, err := newPublisher(ctx, endpoint, PublisherOptions{Topic: topic, Form: f})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -413,7 +413,7 @@ func TestSubscriberDropsUndecodableMessages(t *testing.T) {
 }
 
 func TestPublisherHighWaterMark(t *testing.T) {
-	p, err := newZMQPublisher(t.Context(), "tcp://127.0.0.1:0", "", FormMap, 2)
+	p, err := newPublisher(t.Context(), "tcp://127.0.0.1:0", PublisherOptions{HWM: 2})
 	if err != nil {
 		t.Fatal(err)
 	}
