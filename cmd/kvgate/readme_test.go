@@ -490,6 +490,8 @@ func (env readmeEnv) start(t *testing.T, where string, args []string) {
 		select {
 		case err := <-done:
 			if err != nil {
+				ended = true
+				done <- err // for the cleanup, which must not wait for ever
 				t.Fatalf("%s\n  ran: kvgate %s\n  %v; stderr:\n%s", where, strings.Join(args, " "), err, errb.String())
 			}
 			ended = true

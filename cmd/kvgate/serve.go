@@ -22,6 +22,8 @@ import (
 // override the --config file; see config.
 type serveFlags struct {
 	configPath, listen, replicas, policy, kvEvents, tokenizer string
+	kvReplay, kvListen                                        string
+	dataParallel                                              int
 	adminToken, apiKeys, profile, logLevel                    string
 	params                                                    listFlag
 	seed                                                      uint64
@@ -36,7 +38,12 @@ func (f *serveFlags) register(fs *flag.FlagSet) {
 	fs.StringVar(&f.policy, "policy", policy.Default, "routing policy: "+strings.Join(policy.Names(), ", "))
 	fs.Var(&f.params, "policy-param", "a policy parameter name=value (repeatable), e.g. cache_threshold=0.3")
 	fs.StringVar(&f.kvEvents, "kv-events", "", "precise mode: each replica's KV-event endpoint, in --replicas order (tcp://127.0.0.1:5557,...)")
-	fs.StringVar(&f.tokenizer, "tokenizer", "approx", "approx (kvgate's own) or remote (the replicas' POST /tokenize)")
+	fs.StringVar(&f.kvReplay, "kv-events-replay", "", "precise mode: each replica's KV-event replay endpoint (vLLM's replay_endpoint), in --replicas order: "+
+		"missed batches are fetched from it at start and after a gap")
+	fs.StringVar(&f.kvListen, "kv-events-listen", "", "precise mode: bind this SUB socket (tcp://HOST:PORT) for replicas that connect their KV-event "+
+		"publishers (vLLM with a host in its --kv-events-config endpoint); the topic kv@HOST:PORT@MODEL names the replica")
+	fs.IntVar(&f.dataParallel, "data-parallel-size", 0, "data-parallel ranks of every replica, each a routing target (0: counted from each replica's metrics at start)")
+	fs.StringVar(&f.tokenizer, "tokenizer", "approx", "approx (kvgate's own) or remote (the replicas' POST /tokenize; precise mode needs it)")
 	fs.StringVar(&f.adminToken, "admin-token", "", "enables /debug/* and /admin/* behind this bearer token (or $KVGATE_ADMIN_TOKEN)")
 	fs.StringVar(&f.apiKeys, "api-keys", "", "comma-separated client API keys; when set, clients must send one as a bearer token")
 	fs.Uint64Var(&f.seed, "seed", 1, "seed of the policy's random tie breaks")
@@ -101,12 +108,21 @@ func (f *serveFlags) override(cfg *gateway.Config, set map[string]bool) error {
 	if set["listen"] || noFile {
 		cfg.Listen = f.listen
 	}
-	if set["replicas"] || set["kv-events"] {
-		rs, err := gateway.ParseReplicaList(f.replicas, f.kvEvents)
+	if set["kv-events-listen"] {
+		cfg.KVEventsListen = f.kvListen
+	}
+	if set["replicas"] || set["kv-events"] || set["kv-events-replay"] {
+		rs, err := gateway.ParseReplicaList(f.replicas, gateway.ReplicaLists{KVEvents: f.kvEvents,
+			KVEventsReplay: f.kvReplay, DataParallelSize: f.dataParallel})
 		if err != nil {
 			return fmt.Errorf("%w: %v", errUsage, err)
 		}
 		cfg.Replicas = rs
+	}
+	if set["data-parallel-size"] {
+		for k := range cfg.Replicas {
+			cfg.Replicas[k].DataParallelSize = f.dataParallel
+		}
 	}
 	if set["policy"] || noFile {
 		cfg.Policy = f.policy

@@ -409,3 +409,33 @@ func (f *Fleet) State(i int) string { return f.rt.Replica(i).Breaker.State(f.cfg
 
 // Ejected reports whether replica i is in its ejection cooldown.
 func (f *Fleet) Ejected(i int) bool { return f.rt.Replica(i).Breaker.Open(f.cfg.Clock.Now()) }
+
+// CountEngines reads a server's /metrics once and returns how many
+// data-parallel engines it runs (distinct engine labels; 1 when none are
+// labelled): how the gateway learns, at start, how many targets a server is.
+func CountEngines(ctx context.Context, client *http.Client, url, apiKey string) (int, error) {
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, url+"/metrics", nil)
+	if err != nil {
+		return 0, err
+	}
+	if apiKey != "" {
+		req.Header.Set("Authorization", "Bearer "+apiKey)
+	}
+	resp, err := client.Do(req)
+	if err != nil {
+		return 0, err
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		return 0, fmt.Errorf("GET /metrics: %s", resp.Status)
+	}
+	data, err := io.ReadAll(io.LimitReader(resp.Body, 4<<20))
+	if err != nil {
+		return 0, err
+	}
+	fams, err := parseBytes(data)
+	if err != nil {
+		return 0, err
+	}
+	return max(Engines(fams), 1), nil
+}

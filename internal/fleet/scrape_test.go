@@ -216,8 +216,8 @@ vllm:cache_config_info{block_size="16",engine="1",num_gpu_blocks="2000"} 1
 	if n := s.hits.Load(); n != 1 {
 		t.Fatalf("%d requests for two ranks of one server, want 1", n)
 	}
-	for k, want := range []router.Metrics{{Waiting: 3, Running: 1, KVUsage: 0.25, NumBlocks: 1000, BlockSize: 16},
-		{Waiting: 7, Running: 2, KVUsage: 0.5, NumBlocks: 2000, BlockSize: 16}} {
+	for k, want := range []router.Metrics{{Waiting: 3, Running: 1, KVUsage: 0.25, NumBlocks: 1000, BlockSize: 16, EngineBlockSize: 16},
+		{Waiting: 7, Running: 2, KVUsage: 0.5, NumBlocks: 2000, BlockSize: 16, EngineBlockSize: 16}} {
 		got, _, ok := rt.ReplicaMetrics(k)
 		if !ok || got != want {
 			t.Fatalf("rank %d: %+v, want %+v", k, got, want)

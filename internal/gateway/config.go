@@ -43,8 +43,15 @@ func (d Duration) D() time.Duration { return time.Duration(d) }
 // ReplicaConfig is one upstream replica.
 type ReplicaConfig struct {
 	URL string `json:"url"`
-	// KVEvents is the replica's KV-event publisher (tcp://host:port), for precise mode.
+	// KVEvents is the replica's KV-event publisher (tcp://host:port), for
+	// precise mode: kvgate connects to it (vLLM binds tcp://*:PORT).
 	KVEvents string `json:"kv_events,omitempty"`
+	// KVEventsReplay is its replay endpoint (vLLM's replay_endpoint),
+	// asked for missed batches at start and after a gap.
+	KVEventsReplay string `json:"kv_events_replay,omitempty"`
+	// DataParallelSize is the server's data-parallel ranks, each a routing
+	// target (0: counted from its metrics at start; 1: none).
+	DataParallelSize int `json:"data_parallel_size,omitempty"`
 	// APIKey is sent upstream as a bearer token (replicas started with --api-key).
 	APIKey string `json:"api_key,omitempty"`
 }
@@ -59,6 +66,11 @@ type Config struct {
 	// Tokenizer: "approx" (default) or "remote" (the replica's POST /tokenize).
 	Tokenizer string `json:"tokenizer"`
 	BlockSize int    `json:"block_size"`
+	// KVEventsListen binds one SUB socket (tcp://HOST:PORT) that replicas
+	// connect their KV-event publishers to (vLLM with a host in its
+	// --kv-events-config endpoint, llm-d's topology); the topic
+	// kv@HOST:PORT@MODEL names the replica. Precise mode.
+	KVEventsListen string `json:"kv_events_listen,omitempty"`
 	// Profile is the replicas' latency profile, for the ttft estimate.
 	Profile        string `json:"profile"`
 	MaxBatchTokens int    `json:"max_batch_tokens"`
@@ -194,21 +206,37 @@ func ParseConfig(data []byte) (Config, error) {
 	return cfg, nil
 }
 
-// ParseReplicaList parses the --replicas and --kv-events flags.
-func ParseReplicaList(urls, kvEvents string) ([]ReplicaConfig, error) {
+// ReplicaLists are the per-replica flags beside --replicas: comma lists
+// in the replicas' order, and one data-parallel size for all.
+type ReplicaLists struct {
+	KVEvents, KVEventsReplay string
+	DataParallelSize         int
+}
+
+// ParseReplicaList builds the replica list of the flags.
+func ParseReplicaList(urls string, l ReplicaLists) ([]ReplicaConfig, error) {
 	var out []ReplicaConfig
 	for _, u := range strings.Split(urls, ",") {
 		if u = strings.TrimSpace(u); u != "" {
-			out = append(out, ReplicaConfig{URL: u})
+			out = append(out, ReplicaConfig{URL: u, DataParallelSize: l.DataParallelSize})
 		}
 	}
-	if kvEvents != "" {
-		eps := strings.Split(kvEvents, ",")
+	for _, list := range []struct {
+		flag, eps string
+		set       func(r *ReplicaConfig, ep string)
+	}{
+		{"--kv-events", l.KVEvents, func(r *ReplicaConfig, ep string) { r.KVEvents = ep }},
+		{"--kv-events-replay", l.KVEventsReplay, func(r *ReplicaConfig, ep string) { r.KVEventsReplay = ep }},
+	} {
+		if list.eps == "" {
+			continue
+		}
+		eps := strings.Split(list.eps, ",")
 		if len(eps) != len(out) {
-			return nil, fmt.Errorf("--kv-events has %d endpoints for %d replicas: give one per replica, in order", len(eps), len(out))
+			return nil, fmt.Errorf("%s has %d endpoints for %d replicas: give one per replica, in order", list.flag, len(eps), len(out))
 		}
 		for i, e := range eps {
-			out[i].KVEvents = strings.TrimSpace(e)
+			list.set(&out[i], strings.TrimSpace(e))
 		}
 	}
 	return out, nil
@@ -233,6 +261,15 @@ func (c *Config) Validate() error {
 		if r.KVEvents != "" && !strings.HasPrefix(r.KVEvents, "tcp://") && !strings.HasPrefix(r.KVEvents, "ipc://") {
 			errs = append(errs, fmt.Errorf("replicas[%d].kv_events: %q is not a tcp:// or ipc:// endpoint", i, r.KVEvents))
 		}
+		if r.KVEventsReplay != "" && !strings.HasPrefix(r.KVEventsReplay, "tcp://") && !strings.HasPrefix(r.KVEventsReplay, "ipc://") {
+			errs = append(errs, fmt.Errorf("replicas[%d].kv_events_replay: %q is not a tcp:// or ipc:// endpoint", i, r.KVEventsReplay))
+		}
+		if r.DataParallelSize < 0 || r.DataParallelSize > maxDataParallel {
+			errs = append(errs, fmt.Errorf("replicas[%d].data_parallel_size %d: want 0 (count at start) to %d", i, r.DataParallelSize, maxDataParallel))
+		}
+	}
+	if c.KVEventsListen != "" && !strings.HasPrefix(c.KVEventsListen, "tcp://") {
+		errs = append(errs, fmt.Errorf("kv_events_listen: %q is not a tcp://HOST:PORT endpoint", c.KVEventsListen))
 	}
 	if c.Tokenizer != "approx" && c.Tokenizer != "remote" {
 		errs = append(errs, fmt.Errorf("tokenizer %q: want approx or remote", c.Tokenizer))
@@ -261,18 +298,39 @@ func (c *Config) Validate() error {
 	if c.ScrapeInterval <= 0 || c.HealthInterval <= 0 {
 		errs = append(errs, errors.New("scrape_interval and health_interval must be positive"))
 	}
-	if c.Precise() {
-		for i, r := range c.Replicas {
-			if r.KVEvents == "" {
-				errs = append(errs, fmt.Errorf("replicas[%d]: precise mode needs kv_events for every replica", i))
-			}
+	errs = append(errs, c.validatePrecise()...)
+	return errors.Join(errs...)
+}
+
+// maxDataParallel bounds a server's data-parallel ranks (targets).
+const maxDataParallel = 1024
+
+func (c *Config) validatePrecise() []error {
+	if !c.Precise() {
+		return nil
+	}
+	var errs []error
+	if c.Tokenizer == "approx" {
+		errs = append(errs, errors.New("precise mode (kv_events, kv_events_listen) matches the token ids the replicas' "+
+			"KV events carry, which the approximate tokenizer never reproduces: set tokenizer: remote (--tokenizer remote, "+
+			"the replicas' own /tokenize)"))
+	}
+	if c.KVEventsListen != "" {
+		return errs
+	}
+	for i, r := range c.Replicas {
+		if r.KVEvents == "" {
+			errs = append(errs, fmt.Errorf("replicas[%d]: precise mode needs kv_events for every replica (or kv_events_listen)", i))
 		}
 	}
-	return errors.Join(errs...)
+	return errs
 }
 
 // Precise reports whether KV events feed the index.
 func (c *Config) Precise() bool {
+	if c.KVEventsListen != "" {
+		return true
+	}
 	for _, r := range c.Replicas {
 		if r.KVEvents != "" {
 			return true

@@ -106,6 +106,9 @@ func (g *Gateway) debug(w http.ResponseWriter, r *http.Request) {
 		d.Scores = nil
 		resp["decision"] = d
 		resp["replica_url"] = g.rt.URL(d.Replica)
+		if k, ranked := g.rt.Replica(d.Replica).Rank(); ranked {
+			resp["replica_rank"] = k
+		}
 		resp["est_ttft_ms"] = float64(d.EstTTFT.Microseconds()) / 1000
 	}
 	w.Header().Set("Content-Type", "application/json")

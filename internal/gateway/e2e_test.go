@@ -124,6 +124,7 @@ func TestConversationAffinity(t *testing.T) {
 			fl := startSim(t, sim.Config{Replicas: 4, KVEvents: pol == "precise"})
 			cfg := simConfig(pol, fl.URLs()...)
 			if pol == "precise" {
+				cfg.Tokenizer = "remote"
 				for i, ep := range fl.KVEndpoints() {
 					cfg.Replicas[i].KVEvents = ep
 				}
@@ -172,6 +173,7 @@ func TestPreciseIndexFollowsKVEvents(t *testing.T) {
 	const kvBlocks = 96
 	fl := startSim(t, sim.Config{Replicas: 2, KVEvents: true, KVBlocks: kvBlocks})
 	cfg := simConfig("precise", fl.URLs()...)
+	cfg.Tokenizer = "remote"
 	for i, ep := range fl.KVEndpoints() {
 		cfg.Replicas[i].KVEvents = ep
 	}

@@ -64,7 +64,7 @@ func (g *Gateway) serveInference(w http.ResponseWriter, r *http.Request, kind pr
 			return
 		}
 		g.met.retries.Inc()
-		x.log.Info("retrying on another replica", "replica", g.rt.URL(a.tk.Replica), "verdict", a.v.String(), "err", a.err)
+		x.log.Info("retrying on another replica", "replica", g.rt.Name(a.tk.Replica), "verdict", a.v.String(), "err", a.err)
 		if !clock.Sleep(g.clock, g.backoff(tries), x.ctx.Done()) {
 			g.endUnrouted(x, context.Cause(x.ctx))
 			return

@@ -32,6 +32,7 @@ import (
 	"github.com/kvgate/kvgate/internal/clock"
 	"github.com/kvgate/kvgate/internal/costmodel"
 	"github.com/kvgate/kvgate/internal/fleet"
+	"github.com/kvgate/kvgate/internal/kvevents"
 	"github.com/kvgate/kvgate/internal/policy"
 	"github.com/kvgate/kvgate/internal/prompt"
 	"github.com/kvgate/kvgate/internal/router"
@@ -65,7 +66,8 @@ type Gateway struct {
 	jmu    sync.Mutex
 	jitter *rand.Rand
 
-	kvLogged sync.Map // replica URL + drop reason already logged
+	kvLogged      sync.Map     // replica name + cause already logged
+	unknownTopics atomic.Int64 // batches with an unknown topic (logging bound)
 }
 
 // Options are a Gateway's injected parts.
@@ -93,13 +95,14 @@ func New(cfg Config, o Options) (*Gateway, error) {
 	if err != nil {
 		return nil, err
 	}
-	rt, err := newRouter(cfg, prof, o.Clock)
-	if err != nil {
-		return nil, err
-	}
 	tr := o.Transport
 	if tr == nil {
 		tr = newTransport(cfg)
+	}
+	ranks := dataParallelSizes(cfg, &http.Client{Transport: tr}, o.Logger)
+	rt, err := newRouter(cfg, prof, o.Clock, ranks)
+	if err != nil {
+		return nil, err
 	}
 	g := &Gateway{cfg: cfg, rt: rt, client: &http.Client{Transport: tr}, log: o.Logger, reg: o.Registry,
 		clock: o.Clock, prof: prof, jitter: rand.New(rand.NewPCG(cfg.Seed, 99)),
@@ -109,7 +112,7 @@ func New(cfg Config, o Options) (*Gateway, error) {
 	g.fleet = fleet.New(rt, &http.Client{Transport: tr}, fleet.Config{
 		ScrapeInterval: cfg.ScrapeInterval.D(), HealthInterval: cfg.HealthInterval.D(),
 		StaleAfter: cfg.ScrapeStaleAfter.D(), Logger: o.Logger, Clock: o.Clock,
-		OnEject: func(i int) { g.met.ejections.WithLabelValues(rt.URL(i)).Inc() },
+		OnEject: func(i int) { g.met.ejections.WithLabelValues(rt.Name(i)).Inc() },
 	})
 	g.met = newMetrics(o.Registry, rt, o.Clock)
 	g.registerLimiterMetrics(o.Registry)
@@ -120,16 +123,65 @@ func New(cfg Config, o Options) (*Gateway, error) {
 	return g, nil
 }
 
-func newRouter(cfg Config, prof costmodel.Profile, clk clock.Clock) (*router.Router, error) {
+// probeTimeout bounds counting the replicas' data-parallel engines at start.
+const probeTimeout = 2 * time.Second
+
+// dataParallelSizes is each replica's data-parallel ranks: configured, or
+// counted from its metrics at start (1 when it cannot be reached: the
+// fleet warns if it later shows more engines).
+func dataParallelSizes(cfg Config, client *http.Client, log *slog.Logger) []int {
+	out := make([]int, len(cfg.Replicas))
+	ctx, cancel := context.WithTimeout(context.Background(), probeTimeout)
+	defer cancel()
+	var wg sync.WaitGroup
+	for i, r := range cfg.Replicas {
+		out[i] = r.DataParallelSize
+		if out[i] > 0 {
+			continue
+		}
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			n, err := fleet.CountEngines(ctx, client, strings.TrimRight(r.URL, "/"), r.APIKey)
+			if err != nil {
+				log.Debug("cannot count the replica's data-parallel engines; routing it as one", "replica", r.URL, "err", err)
+				n = 1
+			}
+			out[i] = min(n, maxDataParallel)
+		}()
+	}
+	wg.Wait()
+	return out
+}
+
+// targets are the router's targets: one per replica, or one per rank of a
+// data-parallel replica (its KV events on the endpoint's port + rank, as
+// vLLM publishes them).
+func targets(cfg Config, ranks []int) []router.Spec {
+	var specs []router.Spec
+	for i, r := range cfg.Replicas {
+		sp := router.Spec{URL: strings.TrimRight(r.URL, "/"), APIKey: r.APIKey, KVEvents: r.KVEvents, KVReplay: r.KVEventsReplay}
+		if ranks[i] <= 1 {
+			specs = append(specs, sp)
+			continue
+		}
+		for k := range ranks[i] {
+			rs := sp
+			rs.Ranked, rs.Rank = true, k
+			rs.KVEvents, rs.KVReplay = kvevents.OffsetPort(sp.KVEvents, k), kvevents.OffsetPort(sp.KVReplay, k)
+			specs = append(specs, rs)
+		}
+	}
+	return specs
+}
+
+func newRouter(cfg Config, prof costmodel.Profile, clk clock.Clock, ranks []int) (*router.Router, error) {
 	pol, err := policy.New(cfg.Policy, policy.Options{Seed: cfg.Seed, BlockSize: cfg.BlockSize, Profile: prof,
 		MaxBatchTokens: cfg.MaxBatchTokens, Params: cfg.PolicyParams})
 	if err != nil {
 		return nil, err
 	}
-	specs := make([]router.Spec, len(cfg.Replicas))
-	for i, r := range cfg.Replicas {
-		specs[i] = router.Spec{URL: strings.TrimRight(r.URL, "/"), APIKey: r.APIKey, KVEvents: r.KVEvents}
-	}
+	specs := targets(cfg, ranks)
 	return router.New(router.Config{Specs: specs, Policy: pol, BlockSize: cfg.BlockSize,
 		BlocksPerReplica: cfg.BlocksPerReplica, MaxEntries: cfg.IndexMaxEntries, Precise: cfg.Precise(), Now: clk.Now,
 		StaleAfter: cfg.ScrapeStaleAfter.D(), LearnOnAccept: true,

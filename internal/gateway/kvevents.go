@@ -2,39 +2,151 @@ package gateway
 
 import (
 	"context"
-	"errors"
 	"log/slog"
+	"net"
+	"net/url"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/kvgate/kvgate/internal/kvevents"
-	"github.com/kvgate/kvgate/internal/prefixindex"
+	"github.com/kvgate/kvgate/internal/router"
 )
 
+// replayTimeout bounds one exchange with a replica's replay endpoint.
+const replayTimeout = 2 * time.Second
+
+// runKVEvents follows every replica's KV events until ctx ends: it dials
+// the endpoints configured per replica (each rank of a data-parallel one on
+// its own port) and, with kv_events_listen, binds the socket replicas
+// connect to. Every batch goes through the router's one follower.
 func (g *Gateway) runKVEvents(ctx context.Context) {
-	var subs []*kvevents.Subscriber
-	for i, rc := range g.cfg.Replicas {
-		if rc.KVEvents == "" {
+	now := g.clock.Now()
+	for i := range g.rt.Replicas() {
+		if r := g.rt.Replica(i); r.KVEvents() != "" || g.cfg.KVEventsListen != "" {
+			r.KVStart(now)
+		}
+	}
+	var closers []func() error
+	var wg sync.WaitGroup
+	for i := range g.rt.Replicas() {
+		r := g.rt.Replica(i)
+		if r.KVEvents() == "" {
+			if r.KVReplay() != "" { // listen mode: what it buffered, without waiting for its first batch
+				wg.Add(1)
+				go func() { defer wg.Done(); g.reportKV(i, g.rt.ResyncKV(i, g.clock.Now(), g.resyncFor(ctx, i))) }()
+			}
 			continue
 		}
-		g.rt.Replica(i).KVStart(g.clock.Now())
-		sub, err := kvevents.SubscribeWithOptions(ctx, rc.KVEvents, "",
-			func(m kvevents.Message) { g.onKVMessage(i, m) },
-			func(expected, got uint64) { g.onKVGap(i, expected, got) },
-			kvevents.SubscribeOptions{OnError: func(err error) {
-				g.log.Debug("kv events", "replica", rc.URL, "endpoint", rc.KVEvents, "err", err)
-			}})
-		if err != nil {
-			g.log.Error("kv events: cannot subscribe; the replica stays on the approximate index",
-				"replica", rc.URL, "endpoint", rc.KVEvents, "err", err)
-			continue
+		if sub := g.subscribeKV(ctx, i); sub != nil {
+			closers = append(closers, sub.Close)
 		}
-		subs = append(subs, sub)
+	}
+	if g.cfg.KVEventsListen != "" {
+		closers = append(closers, g.listenKV(ctx)...)
 	}
 	g.watchKVSilence(ctx)
-	for _, s := range subs {
-		_ = s.Close()
+	wg.Wait()
+	for _, c := range closers {
+		_ = c()
 	}
+}
+
+// subscribeKV dials replica i's publisher; on each connection it first asks
+// the replay endpoint (if any) for what was published before.
+func (g *Gateway) subscribeKV(ctx context.Context, i int) *kvevents.Subscriber {
+	r := g.rt.Replica(i)
+	sub, err := kvevents.SubscribeWithOptions(ctx, r.KVEvents(), "",
+		func(m kvevents.Message) { g.onKVMessage(ctx, i, m) }, nil,
+		kvevents.SubscribeOptions{
+			OnConnect: func() { g.reportKV(i, g.rt.ResyncKV(i, g.clock.Now(), g.resyncFor(ctx, i))) },
+			OnError: func(err error) {
+				g.log.Debug("kv events", "replica", r.Name(), "endpoint", r.KVEvents(), "err", err)
+			}})
+	if err != nil {
+		g.log.Error("kv events: cannot subscribe; the replica stays on the approximate index",
+			"replica", r.Name(), "endpoint", r.KVEvents(), "err", err)
+		return nil
+	}
+	return sub
+}
+
+// onKVMessage follows one batch of replica i.
+func (g *Gateway) onKVMessage(ctx context.Context, i int, m kvevents.Message) {
+	km := router.KVMessage{Seq: m.Seq, Model: topicModel(m.Topic), Events: m.Batch.Events}
+	g.reportKV(i, g.rt.FollowKV(i, km, g.clock.Now(), g.resyncFor(ctx, i)))
+	g.met.kvBatches.WithLabelValues(g.rt.Name(i)).Inc()
+}
+
+// resyncFor is replica i's replay endpoint as the follower asks it (nil
+// without one).
+func (g *Gateway) resyncFor(ctx context.Context, i int) router.Resync {
+	ep := g.rt.Replica(i).KVReplay()
+	if ep == "" {
+		return nil
+	}
+	return func(from uint64) ([]router.KVMessage, error) {
+		ctx, cancel := context.WithTimeout(ctx, replayTimeout)
+		defer cancel()
+		var out []router.KVMessage
+		_, err := kvevents.Replay(ctx, ep, from, func(m kvevents.Message) {
+			out = append(out, router.KVMessage{Seq: m.Seq, Model: topicModel(m.Topic), Events: m.Batch.Events})
+		})
+		return out, err
+	}
+}
+
+// reportKV turns what following a batch did into metrics and logs.
+func (g *Gateway) reportKV(i int, rep router.KVReport) {
+	name := g.rt.Name(i)
+	if rep.Replayed > 0 {
+		g.met.kvReplayed.WithLabelValues(name).Add(float64(rep.Replayed))
+	}
+	if rep.ResyncErr != nil {
+		g.logOnce(i, "replay_error", slog.LevelWarn, "kv events: the replay endpoint failed; the replica follows the fallback rule "+
+			"(its reported blocks count, their absence does not) until resynchronised", "err", rep.ResyncErr)
+	}
+	switch {
+	case rep.Gap:
+		g.met.kvGaps.WithLabelValues(name).Inc()
+		g.log.Warn("kv events: sequence gap", "replica", name, "expected", rep.Expected,
+			"filled_from_replay", rep.Replayed, "in_sync", rep.Synced)
+	case rep.Restart:
+		g.log.Info("kv events: the replica's publisher restarted; its precise index starts over", "replica", name, "in_sync", rep.Synced)
+	case rep.SyncChanged:
+		g.log.Info("kv events: sync changed", "replica", name, "in_sync", rep.Synced, "replayed", rep.Replayed)
+	}
+	for _, d := range rep.Drops {
+		g.met.kvDropped.WithLabelValues(name, d.Reason).Inc()
+		level := slog.LevelWarn
+		if d.Reason == "unknown_parent" {
+			level = slog.LevelInfo // expected after a late join: the parent was stored before we listened
+		}
+		g.logOnce(i, d.Reason, level, "kv events: stored blocks dropped from the precise index (logged once per cause)",
+			"reason", d.Reason, "err", d.Err)
+	}
+	g.checkBlockSize(i, rep.BlockSize)
+}
+
+// checkBlockSize counts (and logs once) events whose block size is not the
+// one the replica's cache_config_info reports: the events are used, but a
+// replica and its publisher disagreeing is a misconfiguration to look at.
+func (g *Gateway) checkBlockSize(i, events int) {
+	m, _, ok := g.rt.ReplicaMetrics(i)
+	if events == 0 || !ok || m.EngineBlockSize == 0 || m.EngineBlockSize == events {
+		return
+	}
+	g.met.kvBlockSizeMismatch.WithLabelValues(g.rt.Name(i)).Inc()
+	g.logOnce(i, "block_size_mismatch", slog.LevelWarn, "kv events: the events' block size differs from the replica's "+
+		"vllm:cache_config_info", "events_block_size", events, "metrics_block_size", m.EngineBlockSize)
+}
+
+// logOnce logs one message per replica and cause.
+func (g *Gateway) logOnce(i int, cause string, level slog.Level, msg string, args ...any) {
+	if _, logged := g.kvLogged.LoadOrStore(g.rt.Name(i)+"\x00"+cause, true); logged {
+		return
+	}
+	g.log.Log(context.Background(), level, msg, append([]any{"replica", g.rt.Name(i)}, args...)...)
 }
 
 // kvSilence is how long a replica configured for KV events may send none
@@ -54,87 +166,30 @@ func (g *Gateway) watchKVSilence(ctx context.Context) {
 			return
 		case <-tick.C():
 		}
-		for i, rc := range g.cfg.Replicas {
-			if rc.KVEvents == "" {
+		for i := range g.rt.Replicas() {
+			r := g.rt.Replica(i)
+			if r.KVEvents() == "" && g.cfg.KVEventsListen == "" {
 				continue
 			}
-			changed, silent := g.rt.Replica(i).KVSilence(g.clock.Now(), kvSilence)
+			changed, silent := r.KVSilence(g.clock.Now(), kvSilence)
 			switch {
 			case changed && silent:
 				g.log.Warn("kv events: none received for a minute; the replica is routed on the approximate index. "+
 					"Check the replica's KV-event publisher (vLLM --kv-events-config) and this endpoint",
-					"replica", rc.URL, "endpoint", rc.KVEvents)
+					"replica", r.Name(), "endpoint", kvEndpointOf(r, g.cfg.KVEventsListen))
 			case changed:
-				g.log.Info("kv events: arriving again", "replica", rc.URL)
+				g.log.Info("kv events: arriving again", "replica", r.Name())
 			}
 		}
 	}
 }
 
-func (g *Gateway) onKVGap(i int, expected, got uint64) {
-	g.met.kvGaps.WithLabelValues(g.rt.URL(i)).Inc()
-	g.log.Warn("kv events: sequence gap; replica falls back to the approximate index until resynchronised",
-		"replica", g.rt.URL(i), "expected", expected, "got", got)
-	g.rt.Replica(i).KVGap(g.clock.Now())
-	_ = g.rt.Precise().Cleared(i)
-}
-
-func (g *Gateway) onKVMessage(i int, m kvevents.Message) {
-	g.met.kvBatches.WithLabelValues(g.rt.URL(i)).Inc()
-	p := g.rt.Precise()
-	stored := 0
-	for _, ev := range m.Batch.Events {
-		switch e := ev.(type) {
-		case *kvevents.BlockStored:
-			if e.Medium != "" && e.Medium != "GPU" {
-				continue // offloaded tiers are not what the engine hits first
-			}
-			err := p.Stored(i, topicModel(m.Topic), e.BlockHashes, e.ParentBlockHash, e.TokenIDs, e.BlockSize, e.LoraName)
-			if err != nil {
-				// A child of a block stored before we subscribed (or lost)
-				// cannot be chained; the approximate index covers it.
-				g.kvDropped(i, err)
-				continue
-			}
-			stored += len(e.BlockHashes)
-		case *kvevents.BlockRemoved:
-			if e.Medium != "" && e.Medium != "GPU" {
-				continue
-			}
-			_ = p.Removed(i, e.BlockHashes)
-		case *kvevents.AllBlocksCleared:
-			_ = p.Cleared(i)
-		}
+// kvEndpointOf is where replica r's events should come from.
+func kvEndpointOf(r *router.Replica, listen string) string {
+	if r.KVEvents() != "" {
+		return r.KVEvents()
 	}
-	capacity := g.cfg.BlocksPerReplica
-	if m, _, ok := g.rt.ReplicaMetrics(i); ok && m.NumBlocks > 0 {
-		capacity = m.NumBlocks
-	}
-	g.rt.Replica(i).KVBatch(m.Seq, stored, capacity, g.clock.Now())
-}
-
-// kvDropped counts a stored event the precise index could not take, by
-// reason, and logs each replica's first drop of each reason at warn level
-// (a misconfiguration shows at once; the counter shows how often).
-func (g *Gateway) kvDropped(i int, err error) {
-	reason := "other"
-	switch {
-	case errors.Is(err, prefixindex.ErrUnknownParent):
-		reason = "unknown_parent"
-	case errors.Is(err, prefixindex.ErrBlockSize):
-		reason = "block_size"
-	}
-	c := g.met.kvDropped.WithLabelValues(g.rt.URL(i), reason)
-	c.Inc()
-	if _, logged := g.kvLogged.LoadOrStore(g.rt.URL(i)+"\x00"+reason, true); logged {
-		return
-	}
-	level := slog.LevelWarn
-	if reason == "unknown_parent" {
-		level = slog.LevelInfo // expected after a late join: the parent was stored before we listened
-	}
-	g.log.Log(context.Background(), level, "kv events: stored blocks dropped from the precise index (logged once per cause)",
-		"replica", g.rt.URL(i), "reason", reason, "err", err)
+	return listen + " (listening)"
 }
 
 // topicModel is the model of a vLLM KV-event topic "kv@HOST:PORT@MODEL"
@@ -144,4 +199,28 @@ func topicModel(topic string) string {
 		return topic[i+1:]
 	}
 	return ""
+}
+
+// topicHost is the HOST:PORT (or HOST) of a topic "kv@HOST:PORT@MODEL"
+// ("" when the topic does not have that form).
+func topicHost(topic string) string {
+	parts := strings.Split(topic, "@")
+	if len(parts) < 3 {
+		return ""
+	}
+	return strings.Join(parts[1:len(parts)-1], "@")
+}
+
+// hostPort is a replica URL's host:port (the scheme's default port when
+// it names none), lowercased.
+func hostPort(u string) string {
+	p, err := url.Parse(u)
+	if err != nil {
+		return ""
+	}
+	port := p.Port()
+	if port == "" {
+		port = map[string]string{"http": "80", "https": "443"}[p.Scheme]
+	}
+	return strings.ToLower(net.JoinHostPort(p.Hostname(), port))
 }

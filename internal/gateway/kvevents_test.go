@@ -20,6 +20,7 @@ import (
 func TestKVEventMetrics(t *testing.T) {
 	cfg := baseConfig("http://127.0.0.1:1")
 	cfg.Replicas[0].KVEvents = "tcp://127.0.0.1:2"
+	cfg.Tokenizer = "remote"
 	var logs bytes.Buffer
 	g, err := New(cfg, Options{Logger: slog.New(slog.NewTextHandler(&logs, nil))})
 	if err != nil {
@@ -27,23 +28,27 @@ func TestKVEventMetrics(t *testing.T) {
 	}
 	url := g.rt.URL(0)
 	ids := prompt.Approx{}.Encode(nil, strings.Repeat("abcd", 32)) // 32 tokens: 2 blocks of 16
+	seq := uint64(0)
 	stored := func(bs int, parent *uint64) kvevents.Message {
-		return kvevents.Message{Seq: 0, Batch: kvevents.Batch{Events: []kvevents.Event{
-			&kvevents.BlockStored{BlockHashes: []uint64{1, 2}[:32/bs], ParentBlockHash: parent, TokenIDs: ids, BlockSize: bs}}}}
+		defer func() { seq++ }()
+		return kvevents.Message{Seq: seq, Batch: kvevents.Batch{Events: []kvevents.Event{
+			&kvevents.BlockStored{BlockHashes: []uint64{1, 2}[:max(32/bs, 1)], ParentBlockHash: parent, TokenIDs: ids, BlockSize: bs}}}}
 	}
-	g.onKVMessage(0, stored(16, nil)) // from the start: in sync
+	ctx := context.Background()
+	g.onKVMessage(ctx, 0, stored(16, nil)) // from the start: in sync
 	if counterValue(t, g.reg, "kvgate_kv_events_synced", nil) != 1 || counterValue(t, g.reg, "kvgate_precise_index_blocks", nil) != 2 {
 		t.Fatal("a stream followed from its first batch must be in sync, with its 2 blocks indexed")
 	}
 	unknown := uint64(99)
 	for range 3 {
-		g.onKVMessage(0, stored(32, nil))      // a replica with 32-token blocks
-		g.onKVMessage(0, stored(16, &unknown)) // a child of a block stored before we listened
+		g.onKVMessage(ctx, 0, stored(24, nil))      // 24-token blocks under an index of 16
+		g.onKVMessage(ctx, 0, stored(16, &unknown)) // a child of a block stored before we listened
 	}
-	g.onKVGap(0, 5, 9)
+	seq += 3 // three batches lost
+	g.onKVMessage(ctx, 0, kvevents.Message{Seq: seq})
 	reg := g.reg
-	if n := counterValue(t, reg, "kvgate_kv_events_batches_total", map[string]string{"replica": url}); n != 7 {
-		t.Fatalf("%v batches, want 7", n)
+	if n := counterValue(t, reg, "kvgate_kv_events_batches_total", map[string]string{"replica": url}); n != 8 {
+		t.Fatalf("%v batches, want 8", n)
 	}
 	for reason, want := range map[string]float64{"block_size": 3, "unknown_parent": 3} {
 		if n := counterValue(t, reg, "kvgate_kv_events_dropped_total", map[string]string{"replica": url, "reason": reason}); n != want {
@@ -59,8 +64,8 @@ func TestKVEventMetrics(t *testing.T) {
 	if n := counterValue(t, reg, "kvgate_kv_events_synced", nil); n != 0 {
 		t.Fatalf("synced %v after a gap, want 0", n)
 	}
-	if n := counterValue(t, reg, "kvgate_precise_index_blocks", nil); n != 0 {
-		t.Fatalf("%v precise blocks after the gap cleared them", n)
+	if n := counterValue(t, reg, "kvgate_precise_index_blocks", nil); n != 2 {
+		t.Fatalf("%v precise blocks after the gap, want the 2 reported before it", n)
 	}
 }
 
@@ -69,6 +74,7 @@ func TestKVEventMetrics(t *testing.T) {
 func TestKVSilenceWarnedOnce(t *testing.T) {
 	cfg := baseConfig("http://127.0.0.1:1")
 	cfg.Replicas[0].KVEvents = "tcp://127.0.0.1:2"
+	cfg.Tokenizer = "remote"
 	var logs syncLog
 	clk := clock.NewFake(time.Time{})
 	g, err := New(cfg, Options{Clock: clk, Logger: slog.New(slog.NewTextHandler(&logs, nil))})
@@ -95,7 +101,7 @@ func TestKVSilenceWarnedOnce(t *testing.T) {
 		step(15 * time.Second)
 	}
 	testutil.Eventually(t, 5*time.Second, "the warning", func() bool { return strings.Contains(logs.String(), "none received") })
-	g.onKVMessage(0, kvevents.Message{Seq: 7})
+	g.onKVMessage(ctx, 0, kvevents.Message{Seq: 7})
 	step(15 * time.Second)
 	testutil.Eventually(t, 5*time.Second, "the note", func() bool { return strings.Contains(logs.String(), "arriving again") })
 	if n := strings.Count(logs.String(), "none received"); n != 1 {

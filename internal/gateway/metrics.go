@@ -11,19 +11,21 @@ import (
 
 // metrics are the gateway's Prometheus series, on a registry passed in.
 type metrics struct {
-	requests   *prometheus.CounterVec   // policy, replica, code
-	errors     *prometheus.CounterVec   // kind
-	ttft       *prometheus.HistogramVec // policy
-	e2e        *prometheus.HistogramVec // policy
-	decision   prometheus.Histogram
-	matchRatio prometheus.Histogram
-	retries    prometheus.Counter
-	ejections  *prometheus.CounterVec // replica
-	attempts   *prometheus.CounterVec // replica, verdict
-	tokenize   *prometheus.CounterVec // result
-	kvBatches  *prometheus.CounterVec // replica
-	kvDropped  *prometheus.CounterVec // replica, reason
-	kvGaps     *prometheus.CounterVec // replica
+	requests                                        *prometheus.CounterVec   // policy, replica, code
+	errors                                          *prometheus.CounterVec   // kind
+	ttft                                            *prometheus.HistogramVec // policy
+	e2e                                             *prometheus.HistogramVec // policy
+	decision                                        prometheus.Histogram
+	matchRatio                                      prometheus.Histogram
+	retries                                         prometheus.Counter
+	ejections                                       *prometheus.CounterVec // replica
+	attempts                                        *prometheus.CounterVec // replica, verdict
+	tokenize                                        *prometheus.CounterVec // result
+	kvBatches                                       *prometheus.CounterVec // replica
+	kvDropped                                       *prometheus.CounterVec // replica, reason
+	kvGaps                                          *prometheus.CounterVec // replica
+	kvReplayed, kvBlockSizeMismatch, underpredicted *prometheus.CounterVec // replica
+	kvUnknownTopic                                  prometheus.Counter
 }
 
 var latencyBuckets = []float64{.005, .01, .025, .05, .075, .1, .15, .2, .3, .5, .75, 1, 1.5, 2, 3, 5, 7.5, 10, 20, 40, 80}
@@ -55,11 +57,11 @@ func newMetrics(reg prometheus.Registerer, rt *router.Router, clk clock.Clock) *
 	}
 	m.newKVMetrics()
 	reg.MustRegister(m.requests, m.errors, m.ttft, m.e2e, m.decision, m.matchRatio, m.retries, m.ejections, m.attempts, m.tokenize,
-		m.kvBatches, m.kvDropped, m.kvGaps)
+		m.kvBatches, m.kvDropped, m.kvGaps, m.kvReplayed, m.kvBlockSizeMismatch, m.kvUnknownTopic, m.underpredicted)
 	reg.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "kvgate_index_entries",
 		Help: "(block, replica) entries in the approximate prefix index."}, func() float64 { return float64(rt.Index().Len()) }))
 	for i := range rt.Replicas() {
-		lbl := prometheus.Labels{"replica": rt.URL(i)}
+		lbl := prometheus.Labels{"replica": rt.Name(i)}
 		reg.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "kvgate_replica_in_flight",
 			Help: "Requests in flight to the replica.", ConstLabels: lbl}, func() float64 { return float64(rt.InFlight(i)) }))
 		reg.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "kvgate_replica_healthy",
@@ -92,9 +94,20 @@ func (m *metrics) newKVMetrics() {
 		Help: "KV-event batches received from the replica (precise mode)."}, []string{"replica"})
 	m.kvDropped = prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvgate_kv_events_dropped_total",
 		Help: "Stored-block events the precise index could not take, by reason: unknown_parent (stored before " +
-			"kvgate listened), block_size (the replica's blocks differ from --block-size), other."}, []string{"replica", "reason"})
+			"kvgate listened), block_size (the replica's block size is not a multiple of block_size, or the " +
+			"token ids do not fill the blocks), other."}, []string{"replica", "reason"})
 	m.kvGaps = prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvgate_kv_events_gaps_total",
-		Help: "Sequence gaps in the replica's KV-event stream (the replica falls back to the approximate index)."}, []string{"replica"})
+		Help: "Sequence gaps in the replica's KV-event stream (filled from its replay endpoint when it has one; " +
+			"otherwise the replica is out of sync until resynchronised)."}, []string{"replica"})
+	m.kvReplayed = prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvgate_kv_events_replayed_total",
+		Help: "KV-event batches fetched from the replica's replay endpoint (at start, after a late join or a gap)."}, []string{"replica"})
+	m.kvBlockSizeMismatch = prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvgate_kv_events_block_size_mismatch_total",
+		Help: "Batches whose block size differs from the replica's vllm:cache_config_info (the events are used)."}, []string{"replica"})
+	m.kvUnknownTopic = prometheus.NewCounter(prometheus.CounterOpts{Name: "kvgate_kv_events_unknown_topic_total",
+		Help: "Batches received on kv_events_listen whose topic (kv@HOST:PORT@MODEL) names no configured replica."})
+	m.underpredicted = prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvgate_precise_underpredicted_total",
+		Help: "Requests whose engine reported more cached prompt tokens than the trusted precise index predicted " +
+			"(by over two blocks): events that do not match requests (tokenizer, model name, block size)."}, []string{"replica"})
 }
 
 // registerPreciseGauges exposes replica i's precise-index state.

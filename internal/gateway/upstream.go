@@ -9,6 +9,7 @@ import (
 	"net"
 	"net/http"
 	"net/http/httptrace"
+	"strconv"
 	"strings"
 	"sync/atomic"
 	"time"
@@ -96,10 +97,28 @@ func (g *Gateway) upstreamRequest(ctx context.Context, x *exchange, i int, gotHe
 		up.Header.Set("Authorization", x.r.Header.Get("Authorization"))
 	}
 	up.Header.Del("Accept-Encoding")
+	// The gateway picks the rank: a client's pin would bypass its accounting.
+	up.Header.Del(headerDataParallelRank)
+	if k, ranked := rep.Rank(); ranked {
+		up.Header.Set(headerDataParallelRank, strconv.Itoa(k))
+	}
 	up.Header.Set("X-Request-Id", x.id)
 	setForwarded(up.Header, x.r)
 	up.ContentLength = int64(len(x.body))
 	return up, wrote
+}
+
+// headerDataParallelRank pins a request to one data-parallel engine of a
+// vLLM or SGLang server.
+const headerDataParallelRank = "X-Data-Parallel-Rank"
+
+// setTarget names the target that answered: X-Kvgate-Replica (its URL)
+// and, for a data-parallel rank, X-Kvgate-Rank.
+func setTarget(h http.Header, r *router.Replica) {
+	h.Set("X-Kvgate-Replica", r.URL())
+	if k, ranked := r.Rank(); ranked {
+		h.Set("X-Kvgate-Rank", strconv.Itoa(k))
+	}
 }
 
 // setForwarded appends the client's address to X-Forwarded-For (as
@@ -175,7 +194,7 @@ func (g *Gateway) refusal(x *exchange, a *attempt, resp *http.Response) {
 	}
 	a.err = fmt.Errorf("replica answered %s", resp.Status)
 	a.refusal = &bufferedResponse{status: resp.StatusCode, header: resp.Header.Clone(), body: b,
-		replica: g.rt.URL(a.tk.Replica), id: x.id}
+		replica: g.rt.Replica(a.tk.Replica), id: x.id}
 }
 
 // bufferedResponse is an upstream refusal kept to pass on if no retry works.
@@ -183,13 +202,13 @@ type bufferedResponse struct {
 	status  int
 	header  http.Header
 	body    []byte
-	replica string
+	replica *router.Replica
 	id      string
 }
 
 func (b *bufferedResponse) write(w http.ResponseWriter) {
 	copyHeaders(w.Header(), b.header)
-	w.Header().Set("X-Kvgate-Replica", b.replica)
+	setTarget(w.Header(), b.replica)
 	w.Header().Set("X-Request-Id", b.id)
 	w.Header().Del("Content-Length")
 	if w.Header().Get("Retry-After") == "" {

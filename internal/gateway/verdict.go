@@ -2,6 +2,7 @@ package gateway
 
 import (
 	"errors"
+	"log/slog"
 	"time"
 
 	"github.com/kvgate/kvgate/internal/router"
@@ -101,7 +102,10 @@ func (g *Gateway) settle(x *exchange, a *attempt) {
 		}
 	}
 	a.tk.Done(end, router.Outcome{CachedTokens: a.cached, OutputTokens: a.output, Err: err})
-	url := g.rt.URL(i)
+	if a.v == served && a.tk.Underpredicted(a.cached) {
+		g.underpredicted(i)
+	}
+	url := g.rt.Name(i)
 	if a.v != skipped {
 		g.met.attempts.WithLabelValues(url, a.v.String()).Inc()
 	}
@@ -117,4 +121,22 @@ func (g *Gateway) settle(x *exchange, a *attempt) {
 	x.log.Debug("attempt", "replica", url, "verdict", a.v.String(), "status", a.status,
 		"matched_blocks", a.tk.Decision.Matched, "blocks", len(a.tk.Request().Blocks), "reason", a.tk.Decision.Reason,
 		"cached_tokens", a.cached, "e2e", end.Sub(x.start), "err", a.err)
+}
+
+// underpredictedWarnAt is how many underpredictions, and at least half of
+// the checks, make the misconfiguration warning.
+const underpredictedWarnAt = 10
+
+// underpredicted counts a request whose engine hit more of the prompt than
+// the trusted precise index predicted, and warns once when it keeps
+// happening: the classic silent 0 % hit rate of events that never match.
+func (g *Gateway) underpredicted(i int) {
+	g.met.underpredicted.WithLabelValues(g.rt.Name(i)).Inc()
+	under, checks := g.rt.Replica(i).Underpredicted()
+	if under < underpredictedWarnAt || 2*under < checks {
+		return
+	}
+	g.logOnce(i, "underpredicted", slog.LevelWarn, "kv events: the replica keeps reporting more cached prompt tokens "+
+		"than its KV events predicted: the events do not match requests. Check that kvgate tokenizes as the replica "+
+		"(--tokenizer remote), the model name of the events' topic, and the block size", "underpredicted", under, "checked", checks)
 }

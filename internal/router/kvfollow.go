@@ -52,6 +52,7 @@ type KVDrop struct {
 // KVReport is what following one batch did.
 type KVReport struct {
 	Stored, Removed int      // blocks
+	BlockSize       int      // the block size of the batch's stored events (0: none)
 	Drops           []KVDrop // stored events not taken
 	Gap             bool     // the sequence jumped from Expected to the batch's
 	Expected        uint64
@@ -241,6 +242,7 @@ func (rt *Router) applyEvents(i int, m KVMessage, rep *KVReport) int {
 				continue
 			}
 			stored += len(e.BlockHashes) * e.BlockSize / p.BlockSize()
+			rep.BlockSize = e.BlockSize
 			rep.Stored += len(e.BlockHashes)
 		case *kvevents.BlockRemoved:
 			if e.Medium != "" && e.Medium != "GPU" {

@@ -42,6 +42,8 @@ type Replica struct {
 	pendingCount   atomic.Int64
 	// preciseOK: the precise index is in sync for this replica.
 	preciseOK atomic.Bool
+	// preciseChecks and preciseUnder tally Ticket.Underpredicted.
+	preciseChecks, preciseUnder atomic.Int64
 
 	// scrape is the last good scrape (nil before the first): read on every
 	// routing decision, so an atomic pointer rather than a lock.
@@ -235,4 +237,11 @@ func (r *Replica) MetricsAge(now time.Time) time.Duration {
 		return -1
 	}
 	return now.Sub(s.at)
+}
+
+// Underpredicted is how many requests the precise index was checked on
+// (the engine reported its cache hit) and how many of them hit more than
+// it predicted.
+func (r *Replica) Underpredicted() (under, checks int64) {
+	return r.preciseUnder.Load(), r.preciseChecks.Load()
 }

@@ -61,6 +61,9 @@ type Metrics struct {
 	KVUsage          float64
 	NumBlocks        int
 	BlockSize        int
+	// EngineBlockSize is the replica's own block size (vLLM's
+	// cache_config_info), before NumBlocks is counted in the router's.
+	EngineBlockSize int
 }
 
 // Router routes requests.
@@ -160,6 +163,7 @@ func (rt *Router) Healthy(i int) bool { return rt.replicas[i].healthy.Load() }
 func (rt *Router) SetMetrics(i int, m Metrics, at time.Time) Metrics {
 	// The replica's KV capacity in the router's blocks: vLLM's block size
 	// (its cache_config_info) need not be the index's.
+	m.EngineBlockSize = m.BlockSize
 	if m.BlockSize > 0 && m.BlockSize != rt.cfg.BlockSize && m.NumBlocks > 0 {
 		m.NumBlocks = int(int64(m.NumBlocks) * int64(m.BlockSize) / int64(rt.cfg.BlockSize))
 		m.BlockSize = rt.cfg.BlockSize
@@ -317,11 +321,14 @@ type Ticket struct {
 	uncached int64
 	tokens   int64
 	match    int // the approximate index's match on the replica at routing
-	mu       sync.Mutex
-	first    bool
-	done     bool
-	learned  bool // the approximate index holds this request's blocks for Replica
-	rejected bool // the replica did not take it: never learnt
+	// predicted is the prompt tokens the precise index, trusted, said the
+	// replica holds (-1: not in precise mode, or not trusted).
+	predicted int
+	mu        sync.Mutex
+	first     bool
+	done      bool
+	learned   bool // the approximate index holds this request's blocks for Replica
+	rejected  bool // the replica did not take it: never learnt
 }
 
 // Route decides and commits: the replica's counters go up (before the
@@ -342,7 +349,12 @@ func (rt *Router) Route(req *policy.Request, exclude ...int) (*Ticket, error) {
 	if d.Replica < 0 || d.Replica >= len(rt.replicas) {
 		return nil, fmt.Errorf("router: policy %s chose replica %d of %d", rt.pol.Name(), d.Replica, len(rt.replicas))
 	}
-	return rt.commit(req, d, views[d.Replica].Match, approx[d.Replica]), nil
+	t := rt.commit(req, d, views[d.Replica].Match, approx[d.Replica])
+	t.predicted = -1
+	if rt.precise != nil && rt.replicas[d.Replica].preciseTrusted(req.Now) {
+		t.predicted = views[d.Replica].Match * rt.cfg.BlockSize
+	}
+	return t, nil
 }
 
 // Serves reports whether some replica serves model (or has not been listed).
@@ -411,6 +423,25 @@ func (t *Ticket) Reject() {
 	if learned && t.match < len(t.req.Blocks) {
 		_ = t.rt.approx.Remove(t.Replica, t.req.Blocks[t.match:])
 	}
+}
+
+// Underpredicted checks the precise index against what the replica
+// reported it hit (usage.prompt_tokens_details.cached_tokens): true when
+// the engine's cache held more of the prompt than the trusted precise
+// index predicted by over two blocks, the mark of events that never match
+// (another tokenizer, block size or model name). The replica's tallies
+// (UnderpredictedShare) count every check.
+func (t *Ticket) Underpredicted(cached int) bool {
+	if t.predicted < 0 || cached < 0 {
+		return false
+	}
+	r := t.rt.replicas[t.Replica]
+	r.preciseChecks.Add(1)
+	if cached <= t.predicted+2*t.rt.cfg.BlockSize {
+		return false
+	}
+	r.preciseUnder.Add(1)
+	return true
 }
 
 // Request is the ticket's request.
