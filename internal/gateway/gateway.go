@@ -68,6 +68,8 @@ type Gateway struct {
 
 	kvLogged      sync.Map     // replica name + cause already logged
 	unknownTopics atomic.Int64 // batches with an unknown topic (logging bound)
+	// kvModels is, per target, the model its KV-event topic last named.
+	kvModels []atomic.Pointer[string]
 }
 
 // Options are a Gateway's injected parts.
@@ -108,6 +110,7 @@ func New(cfg Config, o Options) (*Gateway, error) {
 		clock: o.Clock, prof: prof, jitter: rand.New(rand.NewPCG(cfg.Seed, 99)),
 		bodies: semaphore.NewWeighted(cfg.MaxBodyMemory)}
 	g.cut, g.cutNow = context.WithCancel(context.Background())
+	g.kvModels = make([]atomic.Pointer[string], rt.Replicas())
 	g.lim = newLimiter(cfg.MaxConcurrency, cfg.MaxQueue, cfg.QueueTimeout.D())
 	g.fleet = fleet.New(rt, &http.Client{Transport: tr}, fleet.Config{
 		ScrapeInterval: cfg.ScrapeInterval.D(), HealthInterval: cfg.HealthInterval.D(),

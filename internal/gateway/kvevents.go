@@ -9,6 +9,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/kvgate/kvgate/internal/clock"
 	"github.com/kvgate/kvgate/internal/kvevents"
 	"github.com/kvgate/kvgate/internal/router"
 )
@@ -28,28 +29,51 @@ func (g *Gateway) runKVEvents(ctx context.Context) {
 		}
 	}
 	var closers []func() error
+	if g.cfg.KVEventsListen != "" {
+		closers = append(closers, g.listenKV(ctx)...)
+	}
 	var wg sync.WaitGroup
 	for i := range g.rt.Replicas() {
 		r := g.rt.Replica(i)
-		if r.KVEvents() == "" {
-			if r.KVReplay() != "" { // listen mode: what it buffered, without waiting for its first batch
-				wg.Add(1)
-				go func() { defer wg.Done(); g.reportKV(i, g.rt.ResyncKV(i, g.clock.Now(), g.resyncFor(ctx, i))) }()
+		switch {
+		case r.KVEvents() != "":
+			if sub := g.subscribeKV(ctx, i); sub != nil {
+				closers = append(closers, sub.Close)
 			}
-			continue
+		case r.KVReplay() != "": // listen mode: what it buffered, without waiting for its first batch
+			wg.Add(1)
+			go func() { defer wg.Done(); g.resyncAtStart(ctx, i) }()
 		}
-		if sub := g.subscribeKV(ctx, i); sub != nil {
-			closers = append(closers, sub.Close)
-		}
-	}
-	if g.cfg.KVEventsListen != "" {
-		closers = append(closers, g.listenKV(ctx)...)
 	}
 	g.watchKVSilence(ctx)
 	wg.Wait()
 	for _, c := range closers {
 		_ = c()
 	}
+}
+
+// resyncAtStart asks replica i's replay endpoint for everything it holds,
+// once the replica is listed (a replay names no model: its events are
+// hashed under the replica's listed base model).
+func (g *Gateway) resyncAtStart(ctx context.Context, i int) {
+	if g.rt.Replica(i).KVReplay() == "" || !g.waitListed(ctx, i) {
+		return
+	}
+	g.reportKV(i, g.rt.ResyncKV(i, g.clock.Now(), g.resyncFor(ctx, i)))
+}
+
+// listedPoll is how often a replica's first listing is looked for.
+const listedPoll = 20 * time.Millisecond
+
+// waitListed waits until replica i's models are listed (its first passing
+// health check), or ctx ends (false), unless a topic named its model.
+func (g *Gateway) waitListed(ctx context.Context, i int) bool {
+	for g.rt.Replica(i).Served() == nil && g.kvModels[i].Load() == nil {
+		if !clock.Sleep(g.clock, listedPoll, ctx.Done()) {
+			return false
+		}
+	}
+	return true
 }
 
 // subscribeKV dials replica i's publisher; on each connection it first asks
@@ -59,7 +83,7 @@ func (g *Gateway) subscribeKV(ctx context.Context, i int) *kvevents.Subscriber {
 	sub, err := kvevents.SubscribeWithOptions(ctx, r.KVEvents(), "",
 		func(m kvevents.Message) { g.onKVMessage(ctx, i, m) }, nil,
 		kvevents.SubscribeOptions{
-			OnConnect: func() { g.reportKV(i, g.rt.ResyncKV(i, g.clock.Now(), g.resyncFor(ctx, i))) },
+			OnConnect: func() { g.resyncAtStart(ctx, i) },
 			OnError: func(err error) {
 				g.log.Debug("kv events", "replica", r.Name(), "endpoint", r.KVEvents(), "err", err)
 			}})
@@ -71,9 +95,17 @@ func (g *Gateway) subscribeKV(ctx context.Context, i int) *kvevents.Subscriber {
 	return sub
 }
 
-// onKVMessage follows one batch of replica i.
+// onKVMessage follows one batch of replica i. A batch whose topic names no
+// model (vLLM's default topic is "") waits for the replica's first listing,
+// which names it.
 func (g *Gateway) onKVMessage(ctx context.Context, i int, m kvevents.Message) {
-	km := router.KVMessage{Seq: m.Seq, Model: topicModel(m.Topic), Events: m.Batch.Events}
+	model := topicModel(m.Topic)
+	if model != "" {
+		g.kvModels[i].Store(&model)
+	} else if !g.waitListed(ctx, i) {
+		return
+	}
+	km := router.KVMessage{Seq: m.Seq, Model: model, Events: m.Batch.Events}
 	g.reportKV(i, g.rt.FollowKV(i, km, g.clock.Now(), g.resyncFor(ctx, i)))
 	g.met.kvBatches.WithLabelValues(g.rt.Name(i)).Inc()
 }
@@ -89,8 +121,16 @@ func (g *Gateway) resyncFor(ctx context.Context, i int) router.Resync {
 		ctx, cancel := context.WithTimeout(ctx, replayTimeout)
 		defer cancel()
 		var out []router.KVMessage
+		model := "" // a replay's batches name no model (vLLM's 3-frame form): the live topic's
+		if p := g.kvModels[i].Load(); p != nil {
+			model = *p
+		}
 		_, err := kvevents.Replay(ctx, ep, from, func(m kvevents.Message) {
-			out = append(out, router.KVMessage{Seq: m.Seq, Model: topicModel(m.Topic), Events: m.Batch.Events})
+			km := router.KVMessage{Seq: m.Seq, Model: model, Events: m.Batch.Events}
+			if t := topicModel(m.Topic); t != "" {
+				km.Model = t
+			}
+			out = append(out, km)
 		})
 		return out, err
 	}

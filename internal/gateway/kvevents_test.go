@@ -31,7 +31,7 @@ func TestKVEventMetrics(t *testing.T) {
 	seq := uint64(0)
 	stored := func(bs int, parent *uint64) kvevents.Message {
 		defer func() { seq++ }()
-		return kvevents.Message{Seq: seq, Batch: kvevents.Batch{Events: []kvevents.Event{
+		return kvevents.Message{Topic: "kv@127.0.0.1:1@m", Seq: seq, Batch: kvevents.Batch{Events: []kvevents.Event{
 			&kvevents.BlockStored{BlockHashes: []uint64{1, 2}[:max(32/bs, 1)], ParentBlockHash: parent, TokenIDs: ids, BlockSize: bs}}}}
 	}
 	ctx := context.Background()
@@ -45,7 +45,7 @@ func TestKVEventMetrics(t *testing.T) {
 		g.onKVMessage(ctx, 0, stored(16, &unknown)) // a child of a block stored before we listened
 	}
 	seq += 3 // three batches lost
-	g.onKVMessage(ctx, 0, kvevents.Message{Seq: seq})
+	g.onKVMessage(ctx, 0, kvevents.Message{Topic: "kv@127.0.0.1:1@m", Seq: seq})
 	reg := g.reg
 	if n := counterValue(t, reg, "kvgate_kv_events_batches_total", map[string]string{"replica": url}); n != 8 {
 		t.Fatalf("%v batches, want 8", n)
@@ -101,7 +101,7 @@ func TestKVSilenceWarnedOnce(t *testing.T) {
 		step(15 * time.Second)
 	}
 	testutil.Eventually(t, 5*time.Second, "the warning", func() bool { return strings.Contains(logs.String(), "none received") })
-	g.onKVMessage(ctx, 0, kvevents.Message{Seq: 7})
+	g.onKVMessage(ctx, 0, kvevents.Message{Topic: "kv@127.0.0.1:1@m", Seq: 7})
 	step(15 * time.Second)
 	testutil.Eventually(t, 5*time.Second, "the note", func() bool { return strings.Contains(logs.String(), "arriving again") })
 	if n := strings.Count(logs.String(), "none received"); n != 1 {
