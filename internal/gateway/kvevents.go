@@ -99,13 +99,12 @@ func (g *Gateway) subscribeKV(ctx context.Context, i int) *kvevents.Subscriber {
 // model (vLLM's default topic is "") waits for the replica's first listing,
 // which names it.
 func (g *Gateway) onKVMessage(ctx context.Context, i int, m kvevents.Message) {
-	model := topicModel(m.Topic)
-	if model != "" {
-		g.kvModels[i].Store(&model)
+	km := router.KVFromWire(m)
+	if km.Model != "" {
+		g.kvModels[i].Store(&km.Model)
 	} else if !g.waitListed(ctx, i) {
 		return
 	}
-	km := router.KVMessage{Seq: m.Seq, Model: model, Events: m.Batch.Events}
 	g.reportKV(i, g.rt.FollowKV(i, km, g.clock.Now(), g.resyncFor(ctx, i)))
 	g.met.kvBatches.WithLabelValues(g.rt.Name(i)).Inc()
 }
@@ -126,9 +125,9 @@ func (g *Gateway) resyncFor(ctx context.Context, i int) router.Resync {
 			model = *p
 		}
 		_, err := kvevents.Replay(ctx, ep, from, func(m kvevents.Message) {
-			km := router.KVMessage{Seq: m.Seq, Model: model, Events: m.Batch.Events}
-			if t := topicModel(m.Topic); t != "" {
-				km.Model = t
+			km := router.KVFromWire(m)
+			if km.Model == "" {
+				km.Model = model
 			}
 			out = append(out, km)
 		})
@@ -230,25 +229,6 @@ func kvEndpointOf(r *router.Replica, listen string) string {
 		return r.KVEvents()
 	}
 	return listen + " (listening)"
-}
-
-// topicModel is the model of a vLLM KV-event topic "kv@HOST:PORT@MODEL"
-// ("" when the topic has no model part).
-func topicModel(topic string) string {
-	if i := strings.LastIndexByte(topic, '@'); i >= 0 && strings.Count(topic, "@") >= 2 {
-		return topic[i+1:]
-	}
-	return ""
-}
-
-// topicHost is the HOST:PORT (or HOST) of a topic "kv@HOST:PORT@MODEL"
-// ("" when the topic does not have that form).
-func topicHost(topic string) string {
-	parts := strings.Split(topic, "@")
-	if len(parts) < 3 {
-		return ""
-	}
-	return strings.Join(parts[1:len(parts)-1], "@")
 }
 
 // hostPort is a replica URL's host:port (the scheme's default port when

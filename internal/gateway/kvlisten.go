@@ -43,7 +43,7 @@ func (g *Gateway) newKVTopics() *kvTopics {
 // target is the router slot of a batch with topic and rank (ok false: no
 // configured replica has that address).
 func (g *Gateway) kvTarget(t *kvTopics, topic string, rank int) (int, bool) {
-	h := strings.ToLower(topicHost(topic))
+	h := strings.ToLower(kvevents.TopicHost(topic))
 	slots, ok := t.byHostPort[h]
 	if !ok {
 		slots, ok = t.byHost[strings.Trim(h, "[]")]

@@ -31,3 +31,23 @@ func OffsetPort(endpoint string, k int) string {
 	}
 	return "tcp://" + net.JoinHostPort(host, strconv.Itoa(p+k))
 }
+
+// TopicModel is the model of a topic of the form kv@HOST:PORT@MODEL, as
+// llm-d configures vLLM's publishers ("" for any other topic, such as
+// vLLM's default "").
+func TopicModel(topic string) string {
+	if i := strings.LastIndexByte(topic, '@'); i >= 0 && strings.Count(topic, "@") >= 2 {
+		return topic[i+1:]
+	}
+	return ""
+}
+
+// TopicHost is the HOST:PORT (or HOST) of a topic kv@HOST:PORT@MODEL (""
+// for any other topic).
+func TopicHost(topic string) string {
+	parts := strings.Split(topic, "@")
+	if len(parts) < 3 {
+		return ""
+	}
+	return strings.Join(parts[1:len(parts)-1], "@")
+}

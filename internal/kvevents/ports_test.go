@@ -21,3 +21,17 @@ func TestOffsetPort(t *testing.T) {
 		}
 	}
 }
+
+func TestTopicParts(t *testing.T) {
+	for _, c := range []struct{ topic, host, model string }{
+		{"kv@10.0.0.1:8000@meta-llama/Llama-3.1-8B", "10.0.0.1:8000", "meta-llama/Llama-3.1-8B"},
+		{"kv@[::1]:8000@m", "[::1]:8000", "m"},
+		{"kv@pod-ip@m", "pod-ip", "m"},
+		{"", "", ""},
+		{"kv-events", "", ""},
+	} {
+		if h, m := TopicHost(c.topic), TopicModel(c.topic); h != c.host || m != c.model {
+			t.Errorf("%q: host %q model %q, want %q %q", c.topic, h, m, c.host, c.model)
+		}
+	}
+}

@@ -114,6 +114,11 @@ type Config struct {
 // observation is what Config.observe hears.
 type observation struct {
 	scrape *snapshot // a scrape as taken, or nil for a periodic call
+	// kv is a KV-event batch about to reach the router, at virtual time
+	// at; setting *drop loses it (a test's gap).
+	kv   *kvBatch
+	at   time.Duration
+	drop *bool
 }
 
 // WithDefaults fills the zero fields.

@@ -366,6 +366,12 @@ func (vr *virtualRun) scrape() {
 // numbered as its publisher would number it: the gateway's rules, the
 // gateway's code.
 func (vr *virtualRun) deliverKV(b kvBatch) {
+	if vr.cfg.observe != nil {
+		drop := false
+		if vr.cfg.observe(observation{kv: &b, at: vr.now, drop: &drop}); drop {
+			return
+		}
+	}
 	m := router.KVMessage{Seq: b.seq, Model: vr.cfg.Model, Events: kvevents.FromEngine(b.events)}
 	rep := vr.router.FollowKV(b.replica, m, epoch.Add(vr.now), nil)
 	vr.kvEventErrors += len(rep.Drops)

@@ -39,6 +39,12 @@ type KVMessage struct {
 	Events []kvevents.Event
 }
 
+// KVFromWire is the follower's view of a batch received from a publisher:
+// its sequence number, its events, and the model its topic names.
+func KVFromWire(m kvevents.Message) KVMessage {
+	return KVMessage{Seq: m.Seq, Model: kvevents.TopicModel(m.Topic), Events: m.Batch.Events}
+}
+
 // Resync fetches a replica's buffered batches from sequence number `from`
 // on (vLLM's replay endpoint), in order; nil when it has none.
 type Resync func(from uint64) ([]KVMessage, error)

@@ -4,7 +4,10 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"net"
 	"slices"
+	"strconv"
+	"strings"
 	"time"
 
 	"github.com/kvgate/kvgate/internal/clock"
@@ -49,12 +52,43 @@ type Config struct {
 	// Port: replica i listens on Port+i; 0 gives every replica an ephemeral port.
 	Port int
 
-	// KVEvents turns on the ZMQ KV-event publishers. Replica i binds
-	// tcp://Host:(KVEventsPort+i), or an ephemeral port when KVEventsPort is 0,
-	// and publishes under topic kv@HOST:PORT@MODEL.
+	// KVEvents turns on the ZMQ KV-event publishers, one per data-parallel
+	// rank as in vLLM, each with its own sequence numbers (from
+	// KVEventsFirstSeq) and its batches carrying its data_parallel_rank
+	// when DataParallelSize > 1. Every batch is published under topic
+	// kv@HOST:PORT@MODEL: HOST:PORT the replica's HTTP address, MODEL its
+	// Model (vLLM's --model, the base model; not a served name), the
+	// convention llm-d's deployments follow.
+	//
+	// By default each publisher binds: rank k of replica i on
+	// tcp://Host:(KVEventsPort + i×N + k), N = DataParallelSize, so that
+	// each replica's ranks sit on consecutive ports (vLLM's port + rank)
+	// and N = 1 gives KVEventsPort+i. With KVEventsPort 0 each replica
+	// takes N consecutive ephemeral ports instead (Replica.KVEndpoints).
 	KVEvents     bool
 	KVEventsPort int
-	KVEventsForm kvevents.Form // FormMap (default) or FormArray
+	// KVEventsConnect, tcp://HOST:PORT, makes the publishers connect
+	// instead of binding (vLLM when its endpoint names a host; llm-d's
+	// topology, where the router binds one SUB socket): rank k of every
+	// replica dials kvevents.OffsetPort(KVEventsConnect, k), and the topic
+	// tells the replicas apart. HOST may not be a wildcard (*, 0.0.0.0,
+	// ::). Requires KVEvents; excludes KVEventsPort.
+	KVEventsConnect string
+	// KVEventsReplay binds vLLM's replay socket (replay_endpoint, a ZMQ
+	// ROUTER) beside every rank's publisher, buffering its latest 10,000
+	// batches (vLLM's buffer_steps): rank k of replica i on
+	// tcp://Host:(KVEventsReplayPort + i×N + k), or, with
+	// KVEventsReplayPort 0, on N consecutive ephemeral ports
+	// (Replica.KVReplayEndpoints). Requires KVEvents; KVEventsReplayPort
+	// is ignored without KVEventsReplay, as KVEventsPort is without
+	// KVEvents.
+	KVEventsReplay     bool
+	KVEventsReplayPort int
+	// KVEventsFirstSeq is the sequence number of every publisher's first
+	// batch: vLLM counts from 0 (the default), llm-d's vLLM simulator
+	// from 1.
+	KVEventsFirstSeq uint64
+	KVEventsForm     kvevents.Form // FormMap (default) or FormArray
 
 	// Model is the model the replicas run (vLLM's --model, a path or a
 	// hub name), default DefaultModel; it is also the name requests use
@@ -62,8 +96,9 @@ type Config struct {
 	Model string
 	// ServedModelNames are vLLM's --served-model-name: the names requests
 	// use for the base model instead of Model. /v1/models lists each with
-	// root = Model; the first names the model in metrics (model_name), in
-	// KV-event topics and as the LoRA adapters' parent. Default [Model].
+	// root = Model; the first names the model in metrics (model_name) and
+	// as the LoRA adapters' parent (KV-event topics name Model, as vLLM's
+	// --model). Default [Model].
 	ServedModelNames []string
 	// Adapters are LoRA adapter names served beside the model: a request
 	// naming one is accepted, its blocks are partitioned by it, its KV
@@ -223,11 +258,6 @@ func (c Config) validate() error {
 		return bad("replicas %d < 1", c.Replicas)
 	case c.Port < 0 || c.Port+c.Replicas-1 > 65535:
 		return bad("ports %d..%d out of range", c.Port, c.Port+c.Replicas-1)
-	case c.KVEvents && (c.KVEventsPort < 0 || c.KVEventsPort+c.Replicas-1 > 65535):
-		return bad("kv-event ports %d..%d out of range", c.KVEventsPort, c.KVEventsPort+c.Replicas-1)
-	case c.KVEvents && c.Port > 0 && c.KVEventsPort > 0 &&
-		c.KVEventsPort < c.Port+c.Replicas && c.Port < c.KVEventsPort+c.Replicas:
-		return bad("kv-event ports %d.. overlap the HTTP ports %d..", c.KVEventsPort, c.Port)
 	case c.KVEventsForm != kvevents.FormMap && c.KVEventsForm != kvevents.FormArray:
 		return bad("kv-event form %v", c.KVEventsForm)
 	case !(c.TimeScale > 0 && c.TimeScale <= MaxTimeScale):
@@ -249,6 +279,9 @@ func (c Config) validate() error {
 	case len(c.PerReplica) > c.Replicas:
 		return bad("%d per-replica overrides for %d replicas", len(c.PerReplica), c.Replicas)
 	}
+	if err := c.validateKVEvents(); err != nil {
+		return bad("%v", err)
+	}
 	for i := range c.Replicas {
 		if err := c.forReplica(i).validateNames(); err != nil {
 			return bad("replica %d: %v", i, err)
@@ -261,6 +294,72 @@ func (c Config) validate() error {
 		if i < 0 || i >= c.Replicas {
 			return bad("fault replica %d out of [0, %d)", i, c.Replicas)
 		}
+	}
+	return nil
+}
+
+// validateKVEvents checks the KV-event sockets: every rank's port in range
+// (rank k of replica i on base + i×N + k) and no two ranges of fixed ports
+// overlapping, the connect endpoint a tcp://HOST:PORT with a host to dial.
+// DataParallelSize is valid.
+func (c Config) validateKVEvents() error {
+	if !c.KVEvents {
+		switch {
+		case c.KVEventsConnect != "":
+			return errors.New("kv-event connect endpoint without KV events")
+		case c.KVEventsReplay:
+			return errors.New("kv-event replay sockets without KV events")
+		}
+		return nil
+	}
+	type portRange struct {
+		name        string
+		first, size int
+	}
+	n := c.Replicas * c.DataParallelSize // sockets of each kind
+	ranges := []portRange{{"HTTP", c.Port, c.Replicas}}
+	if c.KVEventsConnect != "" {
+		if c.KVEventsPort != 0 {
+			return fmt.Errorf("kv-event port %d and connect endpoint %q exclude each other", c.KVEventsPort, c.KVEventsConnect)
+		}
+		if err := validateConnect(c.KVEventsConnect, c.DataParallelSize); err != nil {
+			return err
+		}
+	} else {
+		ranges = append(ranges, portRange{"kv-event", c.KVEventsPort, n})
+	}
+	if c.KVEventsReplay {
+		ranges = append(ranges, portRange{"kv-event replay", c.KVEventsReplayPort, n})
+	}
+	for i, a := range ranges {
+		if a.first < 0 || a.first+a.size-1 > 65535 {
+			return fmt.Errorf("%s ports %d..%d out of range (%d replicas × %d ranks)", a.name, a.first, a.first+a.size-1,
+				c.Replicas, c.DataParallelSize)
+		}
+		for _, b := range ranges[:i] {
+			if a.first > 0 && b.first > 0 && a.first < b.first+b.size && b.first < a.first+a.size {
+				return fmt.Errorf("%s ports %d..%d overlap the %s ports %d..%d", a.name, a.first, a.first+a.size-1,
+					b.name, b.first, b.first+b.size-1)
+			}
+		}
+	}
+	return nil
+}
+
+// validateConnect checks a connect endpoint: tcp://HOST:PORT, HOST an
+// address to dial (not a wildcard), and PORT + rank a port for every rank.
+func validateConnect(ep string, ranks int) error {
+	rest, ok := strings.CutPrefix(ep, "tcp://")
+	host, port, err := net.SplitHostPort(rest)
+	if !ok || err != nil {
+		return fmt.Errorf("kv-event connect endpoint %q: want tcp://HOST:PORT", ep)
+	}
+	if ip := net.ParseIP(host); host == "" || host == "*" || (ip != nil && ip.IsUnspecified()) {
+		return fmt.Errorf("kv-event connect endpoint %q: host %q is a wildcard; name the host to connect to", ep, host)
+	}
+	p, err := strconv.Atoi(port)
+	if err != nil || p < 1 || p+ranks-1 > 65535 {
+		return fmt.Errorf("kv-event connect endpoint %q: ports %s..+%d out of range", ep, port, ranks-1)
 	}
 	return nil
 }

@@ -14,8 +14,9 @@ import (
 // --data-parallel-size N runs N of them behind one API server, each with its
 // own KV cache, scheduler and busy loop; a replica here has
 // Config.DataParallelSize cores, rank 0 to N−1, each stepped by its own
-// driver goroutine. They share the replica's lock (Replica.mu), clock,
-// registry and KV-event publisher.
+// driver goroutine. They share the replica's lock (Replica.mu), clock and
+// registry; each publishes its KV events through its own publisher, as
+// vLLM's ranks do.
 type core struct {
 	r    *Replica
 	rank int
@@ -33,6 +34,9 @@ type core struct {
 	// dpRank is the data_parallel_rank of its KV-event batches: nil
 	// without data parallelism, as the sim sent before it had any.
 	dpRank *int
+	// pub is the rank's KV-event publisher, nil without KV events. Set
+	// before the driver starts; closed after it ends.
+	pub kvevents.Publisher
 }
 
 // newEngine is the engine model of replica idx's core of the given rank.
@@ -133,8 +137,8 @@ func (c *core) drive() {
 		// res.Outputs is only overwritten by the next Step, which this
 		// goroutine alone calls.
 		c.deliver(res.Outputs, res.End)
-		if r.pub != nil && len(res.KV) > 0 {
-			_ = r.pub.Publish(c.batch(res.KV))
+		if c.pub != nil && len(res.KV) > 0 {
+			_ = c.pub.Publish(c.batch(res.KV))
 		}
 	}
 }

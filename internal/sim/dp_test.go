@@ -232,9 +232,10 @@ func TestDataParallelMetrics(t *testing.T) {
 	}
 }
 
-// KV-event batches carry the data_parallel_rank of the core whose cache
-// changed, in both event forms, through the replica's one publisher; with
-// one core they carry none, as before data parallelism.
+// Each data-parallel rank publishes its KV events as vLLM's do: on its own
+// publisher, rank k on rank 0's port + k, with its own sequence numbers,
+// every batch carrying the rank's data_parallel_rank, in both event forms;
+// with one core the batches carry none, as before data parallelism.
 func TestDataParallelKVEvents(t *testing.T) {
 	for _, form := range []kvevents.Form{kvevents.FormMap, kvevents.FormArray} {
 		t.Run(form.String(), func(t *testing.T) {
@@ -242,13 +243,38 @@ func TestDataParallelKVEvents(t *testing.T) {
 			cfg.KVEvents, cfg.KVEventsForm, cfg.DataParallelSize = true, form, 2
 			f := startFleet(t, cfg)
 			r, c := f.Replicas()[0], testClient(t)
-			l := subscribeKV(t, r)
-			l.warmUp(t, func(text string) { postRank(t, c, r, 0, text) })
-			for i, rank := range []int{1, 0, 1} {
+			eps := r.KVEndpoints()
+			if len(eps) != 2 || eps[0] != r.KVEndpoint() || eps[1] != kvevents.OffsetPort(eps[0], 1) {
+				t.Fatalf("endpoints %q (rank 0 %q), want two on consecutive ports", eps, r.KVEndpoint())
+			}
+			logs := make([]*kvLog, 2)
+			for k, ep := range eps {
+				logs[k] = subscribeKVAt(t, ep, r.KVTopic())
+				logs[k].warmUp(t, func(text string) { postRank(t, c, r, k, text) })
+			}
+			last := make([]uint64, 2)
+			for i, rank := range []int{1, 0, 1, 1, 0} {
 				text := words("kv"+strconv.Itoa(i), 48)
 				postRank(t, c, r, rank, text)
-				if got := l.storedBy(t, text); got == nil || *got != rank {
-					t.Fatalf("batch storing a prompt sent to rank %d has data_parallel_rank %v", rank, ptrString(got))
+				// Every batch on rank's publisher is rank's, in its own
+				// sequence: the other rank's batches in between take none
+				// of its numbers.
+				for _, m := range logs[rank].until(t, text) {
+					if m.Batch.DataParallelRank == nil || *m.Batch.DataParallelRank != rank || m.Topic != r.KVTopic() {
+						t.Fatalf("rank %d's publisher sent a batch of rank %s, topic %q", rank,
+							ptrString(m.Batch.DataParallelRank), m.Topic)
+					}
+					if last[rank] != 0 && m.Seq != last[rank]+1 {
+						t.Fatalf("rank %d: seq %d after %d", rank, m.Seq, last[rank])
+					}
+					last[rank] = m.Seq
+				}
+			}
+			for k, l := range logs {
+				select {
+				case g := <-l.gaps:
+					t.Errorf("rank %d: sequence gap %v", k, g)
+				default:
 				}
 			}
 		})
@@ -258,6 +284,9 @@ func TestDataParallelKVEvents(t *testing.T) {
 		cfg.KVEvents = true
 		f := startFleet(t, cfg)
 		r, c := f.Replicas()[0], testClient(t)
+		if eps := r.KVEndpoints(); len(eps) != 1 || eps[0] != r.KVEndpoint() {
+			t.Fatalf("endpoints %q", eps)
+		}
 		l := subscribeKV(t, r)
 		l.warmUp(t, func(text string) { postNoRank(t, c, r, text) })
 		text := words("one", 48)
@@ -279,17 +308,35 @@ func postNoRank(t *testing.T, c *http.Client, r *Replica, text string) {
 // and returns its data_parallel_rank.
 func (l *kvLog) storedBy(t *testing.T, text string) *int {
 	t.Helper()
-	root := prompt.RootOf("engine", prompt.Key{Model: "sim-llama-8b"})
-	hashes := prompt.ApproxBlockHashes(nil, root, text, 16)
-	last := hashes[len(hashes)-1]
+	ms := l.until(t, text)
+	return ms[len(ms)-1].Batch.DataParallelRank
+}
+
+// until reads batches up to the one that stores text's last full block
+// (of model sim-llama-8b) and returns them.
+func (l *kvLog) until(t *testing.T, text string) []kvevents.Message {
+	t.Helper()
+	var out []kvevents.Message
 	for {
 		m := l.next(t)
-		for _, ev := range m.Batch.Events {
-			if s, ok := ev.(*kvevents.BlockStored); ok && slices.Contains(s.BlockHashes, last) {
-				return m.Batch.DataParallelRank
-			}
+		out = append(out, m)
+		if stores(m, "sim-llama-8b", text) {
+			return out
 		}
 	}
+}
+
+// stores reports whether the batch stores the last full block of text as
+// model's.
+func stores(m kvevents.Message, model, text string) bool {
+	hashes := prompt.ApproxBlockHashes(nil, prompt.RootOf("engine", prompt.Key{Model: model}), text, 16)
+	last := hashes[len(hashes)-1]
+	for _, ev := range m.Batch.Events {
+		if s, ok := ev.(*kvevents.BlockStored); ok && slices.Contains(s.BlockHashes, last) {
+			return true
+		}
+	}
+	return false
 }
 
 func ptrString(p *int) string {

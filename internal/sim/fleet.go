@@ -30,8 +30,8 @@ type Fleet struct {
 }
 
 // Start validates cfg, binds every replica's listener (replica i on
-// Host:(Port+i), or an ephemeral port when Port is 0) and KV-event socket,
-// and starts them. The fleet stops when ctx ends or Close or Shutdown is
+// Host:(Port+i), or an ephemeral port when Port is 0) and KV-event sockets
+// (see Config.KVEvents), and starts them. The fleet stops when ctx ends or Close or Shutdown is
 // called; either way Close/Shutdown waits for all its goroutines.
 func Start(ctx context.Context, cfg Config) (*Fleet, error) {
 	cfg = cfg.withDefaults()
@@ -69,9 +69,7 @@ func Start(ctx context.Context, cfg Config) (*Fleet, error) {
 func (f *Fleet) closeStarted() {
 	for _, r := range f.replicas {
 		_ = r.ln.Close()
-		if r.pub != nil {
-			_ = r.pub.Close()
-		}
+		_ = r.closeKVEvents()
 	}
 }
 
@@ -87,12 +85,24 @@ func (f *Fleet) URLs() []string {
 	return out
 }
 
-// KVEndpoints are the replicas' KV-event endpoints in index order (empty
-// strings without KV events).
+// KVEndpoints are the replicas' KV-event endpoints in index order, each
+// its rank 0's (Replica.KVEndpoint; empty strings without KV events and in
+// connect mode).
 func (f *Fleet) KVEndpoints() []string {
 	out := make([]string, len(f.replicas))
 	for i, r := range f.replicas {
 		out[i] = r.KVEndpoint()
+	}
+	return out
+}
+
+// KVReplayEndpoints are the replicas' replay endpoints in index order, each
+// its rank 0's (Replica.KVReplayEndpoint; empty strings without replay
+// sockets).
+func (f *Fleet) KVReplayEndpoints() []string {
+	out := make([]string, len(f.replicas))
+	for i, r := range f.replicas {
+		out[i] = r.KVReplayEndpoint()
 	}
 	return out
 }

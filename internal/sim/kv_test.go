@@ -21,8 +21,14 @@ type kvLog struct {
 
 func subscribeKV(t testing.TB, r *Replica) *kvLog {
 	t.Helper()
+	return subscribeKVAt(t, r.KVEndpoint(), r.KVTopic())
+}
+
+// subscribeKVAt collects the KV events published on endpoint under topic.
+func subscribeKVAt(t testing.TB, endpoint, topic string) *kvLog {
+	t.Helper()
 	l := &kvLog{msgs: make(chan kvevents.Message, 10000), gaps: make(chan [2]uint64, 100)}
-	sub, err := kvevents.Subscribe(context.Background(), r.KVEndpoint(), r.KVTopic(),
+	sub, err := kvevents.Subscribe(context.Background(), endpoint, topic,
 		func(m kvevents.Message) { l.msgs <- m },
 		func(want, got uint64) { l.gaps <- [2]uint64{want, got} })
 	if err != nil {

@@ -2,10 +2,12 @@ package sim
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"math/rand/v2"
 	"net"
 	"net/http"
+	"slices"
 	"strconv"
 	"sync"
 	"sync/atomic"
@@ -19,8 +21,8 @@ import (
 
 // Replica is one simulated vLLM server: one engine per data-parallel rank
 // (a core), each with the driver goroutine that steps it in (scaled) wall
-// time, an HTTP server, a Prometheus registry and optionally a KV-event
-// publisher.
+// time, an HTTP server, a Prometheus registry and optionally KV-event
+// publishers (one per rank).
 type Replica struct {
 	idx    int
 	cfg    Config // the fleet's with this replica's override, defaults filled
@@ -36,9 +38,13 @@ type Replica struct {
 	maxLag time.Duration // Config.MaxLag in virtual time
 
 	metrics *metrics
-	pub     kvevents.Publisher // nil without KV events
-	kvAddr  string             // tcp://host:port of pub
-	topic   string
+	// pubs are the KV-event publishers, one per data-parallel rank in rank
+	// order (nil without KV events); kvAddrs and replayAddrs their bound
+	// endpoints (nil in connect mode, and without replay sockets).
+	pubs        []rankPublisher
+	kvAddrs     []string
+	replayAddrs []string
+	topic       string
 
 	url     string
 	addr    string // host:port
@@ -102,11 +108,35 @@ func (r *Replica) URL() string { return r.url }
 // Index is the replica's position in its fleet.
 func (r *Replica) Index() int { return r.idx }
 
-// KVEndpoint is the ZMQ endpoint of its KV-event publisher ("" without).
-func (r *Replica) KVEndpoint() string { return r.kvAddr }
+// KVEndpoint is the bound ZMQ endpoint of its rank 0's KV-event publisher
+// (tcp://HOST:PORT); rank k's is kvevents.OffsetPort of it by k. "" without
+// KV events and in connect mode (Config.KVEventsConnect), where nothing is
+// bound.
+func (r *Replica) KVEndpoint() string { return first(r.kvAddrs) }
 
-// KVTopic is the topic its KV events are published under ("" without).
+// KVEndpoints are the bound endpoints of its KV-event publishers, one per
+// data-parallel rank in rank order, on consecutive ports; nil without KV
+// events and in connect mode.
+func (r *Replica) KVEndpoints() []string { return slices.Clone(r.kvAddrs) }
+
+// KVReplayEndpoint is the endpoint of its rank 0's replay socket
+// (Config.KVEventsReplay; vLLM's replay_endpoint), "" without one.
+func (r *Replica) KVReplayEndpoint() string { return first(r.replayAddrs) }
+
+// KVReplayEndpoints are the endpoints of its replay sockets, one per
+// data-parallel rank in rank order, on consecutive ports; nil without.
+func (r *Replica) KVReplayEndpoints() []string { return slices.Clone(r.replayAddrs) }
+
+// KVTopic is the topic its KV events are published under,
+// kv@HOST:PORT@MODEL ("" without KV events).
 func (r *Replica) KVTopic() string { return r.topic }
+
+func first(s []string) string {
+	if len(s) == 0 {
+		return ""
+	}
+	return s[0]
+}
 
 // Registry is the replica's Prometheus registry, served at /metrics.
 func (r *Replica) Registry() *prometheus.Registry { return r.metrics.reg }
@@ -155,30 +185,166 @@ func newReplica(ctx context.Context, cfg Config, idx int, ln net.Listener) (*Rep
 	return r, nil
 }
 
-// startKVEvents binds the replica's KV-event publisher. With data
-// parallelism every core publishes through it, each batch carrying its
-// core's data_parallel_rank. (vLLM binds one publisher per rank, on the
-// endpoint's port + rank; the sim keeps one per replica so that replica i
-// stays on KVEventsPort+i, and a subscriber tells the ranks apart by the
-// batches' rank.)
+// kvBindAttempts bounds the tries at finding consecutive ephemeral ports
+// for a replica's ranks.
+const kvBindAttempts = 20
+
+// kvReplayBuffer is how many batches a replay socket keeps: vLLM's
+// buffer_steps default.
+const kvReplayBuffer = 10_000
+
+// rankPublisher is one data-parallel rank's KV-event publisher, as
+// kvevents.NewPublisher makes it.
+type rankPublisher interface {
+	kvevents.Publisher
+	Addr() net.Addr       // nil in connect mode
+	ReplayAddr() net.Addr // nil without a replay socket
+}
+
+// startKVEvents starts the replica's KV-event publishers, one per
+// data-parallel rank as vLLM runs them: rank k binds (or, in connect mode,
+// dials) the endpoint's port + k and its replay socket likewise, counts its
+// own sequence numbers, and publishes its core's batches.
 func (r *Replica) startKVEvents(ctx context.Context) error {
-	port := 0
-	if r.cfg.KVEventsPort > 0 {
-		port = r.cfg.KVEventsPort + r.idx
-	}
-	ep := "tcp://" + net.JoinHostPort(r.cfg.Host, strconv.Itoa(port))
+	cfg, n := r.cfg, len(r.cores)
 	// vLLM's topic convention as llm-d uses it: kv@<pod address>@<model>.
-	r.topic = "kv@" + r.addr + "@" + r.cfg.servedName()
-	pub, err := kvevents.NewZMQPublisher(ctx, ep, r.topic, r.cfg.KVEventsForm)
+	r.topic = "kv@" + r.addr + "@" + cfg.Model
+	pubPort, replayPort := -1, -1
+	if cfg.KVEventsConnect == "" {
+		pubPort = 0
+		if cfg.KVEventsPort > 0 {
+			pubPort = cfg.KVEventsPort + r.idx*n
+		}
+	}
+	if cfg.KVEventsReplay {
+		replayPort = 0
+		if cfg.KVEventsReplayPort > 0 {
+			replayPort = cfg.KVEventsReplayPort + r.idx*n
+		}
+	}
+	pubs, err := openRanks(n, pubPort, replayPort, rankOpener(ctx, cfg, r.topic))
 	if err != nil {
 		return fmt.Errorf("sim: replica %d: kv events: %w", r.idx, err)
 	}
-	r.pub = pub
-	r.kvAddr = ep
-	if a, ok := pub.(interface{ Addr() net.Addr }); ok {
-		r.kvAddr = "tcp://" + a.Addr().String()
+	r.pubs = pubs
+	for k, p := range pubs {
+		r.cores[k].pub = p
+		if a := p.Addr(); a != nil {
+			r.kvAddrs = append(r.kvAddrs, "tcp://"+a.String())
+		}
+		if a := p.ReplayAddr(); a != nil {
+			r.replayAddrs = append(r.replayAddrs, "tcp://"+a.String())
+		}
 	}
 	return nil
+}
+
+// closeKVEvents closes the publishers; the first error.
+func (r *Replica) closeKVEvents() error {
+	var err error
+	for _, p := range r.pubs {
+		if perr := p.Close(); perr != nil && err == nil {
+			err = perr
+		}
+	}
+	return err
+}
+
+// openRankFunc starts rank k's publisher: its PUB socket bound on pubPort
+// (0: an ephemeral port), or connected when pubPort is −1, and its replay
+// socket on replayPort (0: ephemeral; −1: none).
+type openRankFunc func(k, pubPort, replayPort int) (rankPublisher, error)
+
+// rankOpener opens the ranks' publishers of a replica publishing under topic.
+func rankOpener(ctx context.Context, cfg Config, topic string) openRankFunc {
+	endpoint := func(port int) string { return "tcp://" + net.JoinHostPort(cfg.Host, strconv.Itoa(port)) }
+	return func(k, pubPort, replayPort int) (rankPublisher, error) {
+		o := kvevents.PublisherOptions{Topic: topic, Form: cfg.KVEventsForm, FirstSeq: cfg.KVEventsFirstSeq}
+		ep := kvevents.OffsetPort(cfg.KVEventsConnect, k)
+		if pubPort >= 0 {
+			ep = endpoint(pubPort)
+		} else {
+			o.Connect = true
+		}
+		if replayPort >= 0 {
+			o.ReplayEndpoint, o.Buffer = endpoint(replayPort), kvReplayBuffer
+		}
+		pub, err := kvevents.NewPublisher(ctx, ep, o)
+		if err != nil {
+			return nil, err
+		}
+		rp, ok := pub.(rankPublisher)
+		if !ok {
+			_ = pub.Close()
+			return nil, fmt.Errorf("publisher %T has no addresses", pub)
+		}
+		return rp, nil
+	}
+}
+
+// errRankPort: a rank above 0 could not have rank 0's port + k.
+var errRankPort = errors.New("port + rank unavailable")
+
+// openRanks opens n ranks' publishers, rank k on pubPort + k and replayPort
+// + k (−1: none; see openRankFunc). A port of 0 makes rank 0 take an
+// ephemeral port p and rank k then p + k, as a subscriber finds rank k at
+// kvevents.OffsetPort of rank 0's endpoint; when one of those is taken, all
+// are closed and the ranks start over on new ephemeral ports, up to
+// kvBindAttempts times.
+func openRanks(n, pubPort, replayPort int, open openRankFunc) ([]rankPublisher, error) {
+	retry := n > 1 && (pubPort == 0 || replayPort == 0)
+	var err error
+	for range kvBindAttempts {
+		var pubs []rankPublisher
+		pubs, err = openRanksOnce(n, pubPort, replayPort, open)
+		if err == nil {
+			return pubs, nil
+		}
+		if !retry || !errors.Is(err, errRankPort) {
+			return nil, err
+		}
+	}
+	return nil, fmt.Errorf("no %d consecutive free ports in %d attempts: %w", n, kvBindAttempts, err)
+}
+
+// openRanksOnce is one attempt of openRanks; on an error every publisher
+// it opened is closed.
+func openRanksOnce(n, pubPort, replayPort int, open openRankFunc) ([]rankPublisher, error) {
+	p0, err := open(0, pubPort, replayPort)
+	if err != nil {
+		return nil, fmt.Errorf("rank 0: %w", err)
+	}
+	pubs := []rankPublisher{p0}
+	if pubPort == 0 {
+		pubPort = p0.Addr().(*net.TCPAddr).Port
+	}
+	if replayPort == 0 {
+		replayPort = p0.ReplayAddr().(*net.TCPAddr).Port
+	}
+	offset := func(port, k int) int {
+		if port < 0 {
+			return port
+		}
+		return port + k
+	}
+	for k := 1; k < n; k++ {
+		pk, rk := offset(pubPort, k), offset(replayPort, k)
+		if pk > 65535 || rk > 65535 {
+			err = fmt.Errorf("%w: rank %d: port %d beyond 65535", errRankPort, k, max(pk, rk))
+		} else {
+			var p rankPublisher
+			if p, err = open(k, pk, rk); err == nil {
+				pubs = append(pubs, p)
+				continue
+			}
+			err = fmt.Errorf("%w: rank %d: %w", errRankPort, k, err)
+		}
+		for _, p := range pubs {
+			_ = p.Close()
+		}
+		return nil, err
+	}
+	return pubs, nil
 }
 
 // run starts the drivers (one per core), the server and the fault timers.

@@ -59,10 +59,8 @@ func (r *Replica) shutdown(ctx context.Context) error {
 		_ = ln.Close()
 	default:
 	}
-	if r.pub != nil {
-		if perr := r.pub.Close(); perr != nil && err == nil {
-			err = perr
-		}
+	if perr := r.closeKVEvents(); perr != nil && err == nil {
+		err = perr
 	}
 	if errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded) {
 		// Cut short as asked: not a failure of the replica.
