@@ -38,6 +38,7 @@ type benchFlags struct {
 	target         string
 	embedded       bool
 	replicas       int
+	dataParallel   int
 	workload       string
 	workloadParams listFlag
 	policyParams   listFlag
@@ -68,6 +69,7 @@ func (f *benchFlags) register(fs *flag.FlagSet) {
 // registerLoad registers the flags bench and demo share, with d's defaults.
 func (f *benchFlags) registerLoad(fs *flag.FlagSet, d loadDefaults) {
 	fs.IntVar(&f.replicas, "replicas", 4, "simulated replicas (--embedded)")
+	fs.IntVar(&f.dataParallel, "data-parallel-size", 1, "data-parallel ranks per simulated replica (--embedded): the gateway routes to each rank")
 	fs.StringVar(&f.workload, "workload", "multiturn", "workload: "+strings.Join(workload.Names(), ", ")+", or trace:FILE")
 	fs.Var(&f.workloadParams, "workload-param", "a workload parameter name=value (repeatable)")
 	fs.IntVar(&f.requests, "requests", 0, "number of requests (0: the workload's default)")
@@ -140,12 +142,15 @@ func (f *benchFlags) config(inv invocation, title string) (benchConfig, error) {
 	c.load = f.loadConfig()
 	c.load.MaxDuration = f.maxDuration
 	c.sim = sim.Config{Replicas: f.replicas, Profile: f.profile, KVBlocks: f.kvBlocks, TimeScale: f.timeScale,
-		Seed: f.seed, Model: f.model}
+		Seed: f.seed, Model: f.model, DataParallelSize: f.dataParallel}
 	c.gateway = gateway.Defaults()
 	c.gateway.Seed, c.gateway.Profile = f.seed, f.profile
 	c.meta = map[string]any{
 		"command": inv.commandLine(), "workload": spec.String(), "requests": len(reqs),
 		"seed": f.seed, "replicas": f.replicas, "profile": f.profile, "time_scale": f.timeScale,
+	}
+	if f.dataParallel > 1 {
+		c.meta["data_parallel_size"] = f.dataParallel
 	}
 	return c, nil
 }
@@ -163,6 +168,8 @@ func (f *benchFlags) validate() error {
 		return fmt.Errorf("%w: give exactly one of --target URL and --embedded", errUsage)
 	case f.replicas < 1:
 		return fmt.Errorf("%w: --replicas must be at least 1", errUsage)
+	case f.dataParallel < 1 || f.dataParallel > sim.MaxDataParallelSize:
+		return fmt.Errorf("%w: --data-parallel-size must be in [1, %d]", errUsage, sim.MaxDataParallelSize)
 	case f.rate < 0 || f.concurrency < 1 || f.requests < 0:
 		return fmt.Errorf("%w: --rate ≥ 0, --concurrency ≥ 1, --requests ≥ 0", errUsage)
 	case f.timeScale <= 0:

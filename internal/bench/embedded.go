@@ -51,7 +51,7 @@ func RunEmbedded(ctx context.Context, e EmbeddedConfig, policy string, reqs []wo
 	defer stop()
 	before := counters(fl)
 	load := e.Load
-	load.Target, load.Replicas, load.TimeScale = target, urls, simCfg.TimeScale
+	load.Target, load.Replicas, load.TimeScale = target, targetNames(urls, simCfg.DataParallelSize), simCfg.TimeScale
 	if load.Model == "" {
 		load.Model = cmp.Or(simCfg.Model, sim.DefaultModel)
 	}
@@ -61,12 +61,27 @@ func RunEmbedded(ctx context.Context, e EmbeddedConfig, policy string, reqs []wo
 	}
 	after := counters(fl)
 	res := EmbeddedResult{Records: recs}
-	res.Run = report.Summarize(policy, recs, len(urls), wall)
+	res.Run = report.Summarize(policy, recs, len(load.Replicas), wall)
 	if q := after.queries - before.queries; q > 0 {
 		res.HitRate = float64(after.hits-before.hits) / float64(q)
 		res.Run.HitRate = res.HitRate
 	}
 	return res, err
+}
+
+// targetNames are the gateway's targets over servers of dp data-parallel
+// ranks each: the URLs, or URL#k for each rank k.
+func targetNames(urls []string, dp int) []string {
+	if dp <= 1 {
+		return urls
+	}
+	var out []string
+	for _, u := range urls {
+		for k := range dp {
+			out = append(out, fmt.Sprintf("%s#%d", u, k))
+		}
+	}
+	return out
 }
 
 // startGateway starts a gateway routing by policy over the replicas at
@@ -128,7 +143,7 @@ func waitReady(ctx context.Context, g *gateway.Gateway, n int) error {
 		// Every replica scraped, checked healthy and listing its models: a
 		// first request is routed over the whole fleet.
 		ok := true
-		for i := 0; ok && i < n; i++ {
+		for i := 0; ok && i < g.Router().Replicas(); i++ {
 			_, _, have := g.Router().ReplicaMetrics(i)
 			r := g.Router().Replica(i)
 			ok = have && r.Ready() && r.Served() != nil

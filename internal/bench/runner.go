@@ -292,6 +292,16 @@ func (r *runner) body(q *workload.Request) ([]byte, string) {
 	return b, "/v1/completions"
 }
 
+// targetName is the target that answered: X-Kvgate-Replica, and #RANK for
+// a data-parallel rank (X-Kvgate-Rank), as the gateway names it.
+func targetName(h http.Header) string {
+	name := h.Get("X-Kvgate-Replica")
+	if rank := h.Get("X-Kvgate-Rank"); rank != "" && name != "" {
+		name += "#" + rank
+	}
+	return name
+}
+
 // replicaIndex maps an X-Kvgate-Replica value to an index: its position in
 // Config.Replicas, or, when those are not given, its order of first
 // appearance.
@@ -343,7 +353,7 @@ func (r *runner) do(ctx context.Context, q *workload.Request) report.Record {
 		return fail("connect")
 	}
 	defer resp.Body.Close()
-	rec.Replica = r.replicaIndex(resp.Header.Get("X-Kvgate-Replica"))
+	rec.Replica = r.replicaIndex(targetName(resp.Header))
 	if resp.StatusCode != http.StatusOK {
 		_, _ = io.Copy(io.Discard, io.LimitReader(resp.Body, 1<<20))
 		return fail(fmt.Sprintf("http_%d", resp.StatusCode))
