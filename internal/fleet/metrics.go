@@ -94,25 +94,7 @@ func metricsOf(fams map[string]*dto.MetricFamily, engine int) (router.Metrics, e
 			break
 		}
 	}
-	if f, ok := fams["vllm:cache_config_info"]; ok {
-		for _, s := range f.GetMetric() {
-			if engine != allEngines && !ofEngine(s, engine) && len(f.GetMetric()) > 1 {
-				continue // one series per engine: this engine's
-			}
-			for _, l := range s.GetLabel() {
-				n, err := strconv.Atoi(l.GetValue())
-				if err != nil {
-					continue
-				}
-				switch l.GetName() {
-				case "num_gpu_blocks":
-					m.NumBlocks = n
-				case "block_size":
-					m.BlockSize = n
-				}
-			}
-		}
-	}
+	m.NumBlocks, m.BlockSize = cacheConfig(fams, engine)
 	if !found && engine != allEngines {
 		return router.Metrics{}, fmt.Errorf("metrics: no series of data-parallel engine %d (label engine=%q)", engine, strconv.Itoa(engine))
 	}
@@ -125,6 +107,33 @@ func metricsOf(fams map[string]*dto.MetricFamily, engine int) (router.Metrics, e
 		return router.Metrics{}, fmt.Errorf("metrics: values out of range (waiting %d, running %d, kv usage %g)", m.Waiting, m.Running, m.KVUsage)
 	}
 	return m, nil
+}
+
+// cacheConfig is an engine's num_gpu_blocks and block_size from
+// vllm:cache_config_info (its own series when there is one per engine).
+func cacheConfig(fams map[string]*dto.MetricFamily, engine int) (blocks, blockSize int) {
+	f, ok := fams["vllm:cache_config_info"]
+	if !ok {
+		return 0, 0
+	}
+	for _, s := range f.GetMetric() {
+		if engine != allEngines && !ofEngine(s, engine) && len(f.GetMetric()) > 1 {
+			continue // one series per engine: this engine's
+		}
+		for _, l := range s.GetLabel() {
+			n, err := strconv.Atoi(l.GetValue())
+			if err != nil {
+				continue
+			}
+			switch l.GetName() {
+			case "num_gpu_blocks":
+				blocks = n
+			case "block_size":
+				blockSize = n
+			}
+		}
+	}
+	return blocks, blockSize
 }
 
 // maxCount bounds the counts a page may report (requests, blocks): far
