@@ -3,7 +3,9 @@ package gateway
 import (
 	"context"
 	"fmt"
+	"log/slog"
 	"net"
+	"net/http/httptest"
 	"strings"
 	"testing"
 
@@ -254,4 +256,41 @@ func TestDataParallelRanksAreTargets(t *testing.T) {
 		t.Fatalf("conversations on %d of 4 (server, rank) targets: %v", len(served), served)
 	}
 	waitIdle(t, gw)
+}
+
+// Events that never match requests (here: a replica whose publisher sends
+// nothing but an empty first batch, so kvgate trusts an empty index while
+// the engine caches every prompt) show in
+// kvgate_precise_underpredicted_total, and are warned about once.
+func TestPreciseUnderpredictionWarned(t *testing.T) {
+	fl := startSim(t, sim.Config{Replicas: 1})
+	p := publisher(t, "tcp://127.0.0.1:0", kvevents.PublisherOptions{Topic: "kv@" + strings.TrimPrefix(fl.URLs()[0], "http://") + "@" + sim.DefaultModel})
+	cfg := simConfig("precise", fl.URLs()...)
+	cfg.Tokenizer = "remote"
+	cfg.Replicas[0].KVEvents = boundAddr(p)
+	var logs syncLog
+	g, err := New(cfg, Options{Logger: slog.New(slog.NewTextHandler(&logs, nil))})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	gw := &testGW{g: g, srv: httptest.NewServer(g.Handler()), cancel: cancel, done: make(chan struct{})}
+	go func() { defer close(gw.done); g.Run(ctx) }()
+	t.Cleanup(func() { gw.srv.Close(); cancel(); <-gw.done })
+	waitHealthy(t, gw)
+	eventually(t, "in sync from an empty first batch", func() bool {
+		_ = p.Publish(kvevents.Batch{})
+		return g.rt.Replica(0).PreciseSynced()
+	})
+	text := preciseText("cached by the engine, never reported")
+	for range 12 {
+		routedTo(t, gw, sim.DefaultModel, text)
+	}
+	n := counterValue(t, g.reg, "kvgate_precise_underpredicted_total", map[string]string{"replica": fl.URLs()[0]})
+	if n < 10 {
+		t.Fatalf("%v underpredictions in 11 cached requests, want ≥ 10", n)
+	}
+	if c := strings.Count(logs.String(), "keeps reporting more cached prompt tokens"); c != 1 {
+		t.Fatalf("warned %d times, want once:\n%s", c, logs.String())
+	}
 }
