@@ -32,7 +32,8 @@ func (f *simFlags) register(fs *flag.FlagSet) {
 	cfg := &f.cfg
 	fs.IntVar(&cfg.Replicas, "replicas", 1, "number of replicas; replica i serves on 127.0.0.1:(port+i)")
 	fs.IntVar(&cfg.Port, "port", 8000, "port of replica 0 (0: ephemeral ports, printed)")
-	fs.StringVar(&cfg.Model, "model", sim.DefaultModel, "served model name")
+	fs.StringVar(&cfg.Model, "model", sim.DefaultModel,
+		"the model (vLLM's --model): the name requests use unless --served-model-name, and MODEL in KV-event topics")
 	fs.StringVar(&f.adapters, "lora-adapters", "", "comma-separated LoRA adapter names served beside the model")
 	fs.StringVar(&f.servedNames, "served-model-name", "",
 		"comma-separated names requests use for the model (vLLM's --served-model-name); /v1/models gives --model as their root")
@@ -54,7 +55,16 @@ func (f *simFlags) register(fs *flag.FlagSet) {
 		"median output length (tokens) of requests without ignore_eos, capped by max_tokens")
 	fs.Float64Var(&cfg.OutputSigma, "output-sigma", sim.DefaultOutputSigma, "log-normal sigma of that length")
 	fs.IntVar(&cfg.KVEventsPort, "kv-events-port", 0,
-		"publish KV events: replica i binds tcp://127.0.0.1:(Q+i), topic kv@127.0.0.1:(port+i)@MODEL (0: off)")
+		"publish KV events, one publisher per data-parallel rank as vLLM: rank k of replica i binds tcp://127.0.0.1:(Q+i×N+k), "+
+			"N the --data-parallel-size (N=1: Q+i); topic kv@127.0.0.1:(port+i)@MODEL, MODEL the --model (0: off)")
+	fs.StringVar(&cfg.KVEventsConnect, "kv-events-connect", "",
+		"publish KV events by connecting instead of binding (llm-d's topology; vLLM when its endpoint names a host): "+
+			"rank k of every replica dials tcp://HOST:(PORT+k), e.g. kvgate serve's --kv-events-listen; excludes --kv-events-port")
+	fs.IntVar(&cfg.KVEventsReplayPort, "kv-events-replay-port", 0,
+		"also bind vLLM's replay socket (replay_endpoint; the latest 10000 batches) of rank k of replica i on "+
+			"tcp://127.0.0.1:(R+i×N+k) (0: none; needs --kv-events-port or --kv-events-connect)")
+	fs.Uint64Var(&cfg.KVEventsFirstSeq, "kv-events-first-seq", 0,
+		"sequence number of each publisher's first batch (vLLM: 0; llm-d's vLLM simulator: 1)")
 	fs.StringVar(&f.form, "kv-events-form", "map", "KV event encoding: map (vLLM > 0.23) or array (older positional)")
 	f.registerFaults(fs)
 }
@@ -88,8 +98,16 @@ func (f *simFlags) config() (sim.Config, error) {
 		return cfg, usageErr("--data-parallel-size %d: want at least 1", cfg.DataParallelSize)
 	case cfg.Port < 0 || cfg.Port+cfg.Replicas-1 > 65535:
 		return cfg, usageErr("--port %d: ports %d..%d out of range", cfg.Port, cfg.Port, cfg.Port+cfg.Replicas-1)
-	case cfg.KVEventsPort < 0 || cfg.KVEventsPort+cfg.Replicas-1 > 65535:
-		return cfg, usageErr("--kv-events-port %d: ports out of range", cfg.KVEventsPort)
+	case cfg.KVEventsPort < 0 || cfg.KVEventsPort+cfg.Replicas*cfg.DataParallelSize-1 > 65535:
+		return cfg, usageErr("--kv-events-port %d: ports %d..%d (replicas × data-parallel ranks) out of range",
+			cfg.KVEventsPort, cfg.KVEventsPort, cfg.KVEventsPort+cfg.Replicas*cfg.DataParallelSize-1)
+	case cfg.KVEventsReplayPort < 0 || cfg.KVEventsReplayPort+cfg.Replicas*cfg.DataParallelSize-1 > 65535:
+		return cfg, usageErr("--kv-events-replay-port %d: ports %d..%d (replicas × data-parallel ranks) out of range",
+			cfg.KVEventsReplayPort, cfg.KVEventsReplayPort, cfg.KVEventsReplayPort+cfg.Replicas*cfg.DataParallelSize-1)
+	case cfg.KVEventsPort > 0 && cfg.KVEventsConnect != "":
+		return cfg, usageErr("--kv-events-port and --kv-events-connect exclude each other: bind or connect")
+	case cfg.KVEventsReplayPort > 0 && cfg.KVEventsPort == 0 && cfg.KVEventsConnect == "":
+		return cfg, usageErr("--kv-events-replay-port needs --kv-events-port or --kv-events-connect")
 	case !(cfg.TimeScale > 0):
 		return cfg, usageErr("--time-scale %v: want > 0", cfg.TimeScale)
 	}
@@ -101,7 +119,8 @@ func (f *simFlags) config() (sim.Config, error) {
 		return cfg, usageErr("--kv-events-form: %v", err)
 	}
 	cfg.KVEventsForm = form
-	cfg.KVEvents = cfg.KVEventsPort > 0
+	cfg.KVEvents = cfg.KVEventsPort > 0 || cfg.KVEventsConnect != ""
+	cfg.KVEventsReplay = cfg.KVEventsReplayPort > 0
 	if f.adapters != "" {
 		cfg.Adapters = strings.Split(f.adapters, ",")
 	}
@@ -136,14 +155,44 @@ func (f *simFlags) run(ctx context.Context, inv invocation) error {
 		return err
 	}
 	for _, r := range fleet.Replicas() {
-		line := fmt.Sprintf("replica %d %s", r.Index(), r.URL())
-		if r.KVEndpoint() != "" {
-			line += fmt.Sprintf(" kv-events %s topic %s", r.KVEndpoint(), r.KVTopic())
-		}
-		fmt.Fprintln(inv.stdout, line)
+		fmt.Fprintln(inv.stdout, replicaLine(r, cfg.KVEventsConnect))
 	}
 	<-ctx.Done()
 	sctx, cancel := context.WithTimeout(context.Background(), simShutdownGrace)
 	defer cancel()
 	return fleet.Shutdown(sctx)
+}
+
+// replicaLine is the startup line of a replica:
+//
+//	replica I URL [kv-events [connect] EP... topic TOPIC [replay EP...]]
+//
+// the KV-event endpoints one per data-parallel rank (rank 0 first; the
+// ones dialed after "connect" in connect mode), the replay sockets' too.
+// Its first words, "replica I URL kv-events EP0 ... topic", are what
+// scripts and tests read; one rank and no replay socket give exactly
+// "replica I URL kv-events EP topic TOPIC".
+func replicaLine(r *sim.Replica, connect string) string {
+	var b strings.Builder
+	fmt.Fprintf(&b, "replica %d %s", r.Index(), r.URL())
+	if r.KVTopic() == "" {
+		return b.String()
+	}
+	b.WriteString(" kv-events")
+	eps := r.KVEndpoints()
+	if connect != "" {
+		b.WriteString(" connect")
+		eps = nil
+		for k := range r.DataParallelSize() {
+			eps = append(eps, kvevents.OffsetPort(connect, k))
+		}
+	}
+	for _, ep := range eps {
+		b.WriteString(" " + ep)
+	}
+	b.WriteString(" topic " + r.KVTopic())
+	if rep := r.KVReplayEndpoints(); len(rep) > 0 {
+		b.WriteString(" replay " + strings.Join(rep, " "))
+	}
+	return b.String()
 }

@@ -39,6 +39,14 @@ func TestSimFlagErrors(t *testing.T) {
 		{"port", []string{"--replicas", "3", "--port", "65534"}, "out of range"},
 		{"negative port", []string{"--port", "-1"}, "out of range"},
 		{"kv port", []string{"--kv-events-port", "70000"}, "--kv-events-port"},
+		{"kv port with ranks", []string{"--replicas", "2", "--data-parallel-size", "4", "--kv-events-port", "65530"},
+			"--kv-events-port 65530: ports 65530..65537"},
+		{"replay port", []string{"--kv-events-port", "5557", "--kv-events-replay-port", "70000"}, "--kv-events-replay-port"},
+		{"replay without events", []string{"--kv-events-replay-port", "6000"}, "needs --kv-events-port or --kv-events-connect"},
+		{"port and connect", []string{"--kv-events-port", "5557", "--kv-events-connect", "tcp://127.0.0.1:5557"}, "exclude each other"},
+		{"connect wildcard", []string{"--kv-events-connect", "tcp://*:5557", "--port", "0"}, "wildcard"},
+		{"connect form", []string{"--kv-events-connect", "127.0.0.1:5557", "--port", "0"}, "tcp://HOST:PORT"},
+		{"first seq", []string{"--kv-events-first-seq", "-1"}, "kv-events-first-seq"},
 		{"time scale", []string{"--time-scale", "0"}, "--time-scale 0"},
 		{"profile", []string{"--profile", "tpu-v9"}, "llama3-70b-h100-tp2, llama3-8b-h100"},
 		{"form", []string{"--kv-events-form", "xml"}, "map or array"},
@@ -119,15 +127,36 @@ func freePorts(t *testing.T, n int, skip ...int) int {
 // free ports, until the test ends.
 func startSim(t *testing.T, replicas int, args ...string) (port, kvPort int, out *syncBuffer) {
 	t.Helper()
+	port, ports, out := startSimPorts(t, replicas, []int{replicas}, func(p []int) []string {
+		return append([]string{"--kv-events-port", strconv.Itoa(p[0])}, args...)
+	})
+	return port, ports[0], out
+}
+
+// startSimPorts runs `kvgate sim` with --replicas, --port on free ports and
+// args(ports) until the test ends: ports[j] is the first of spans[j] free
+// consecutive ports, none of them another's.
+func startSimPorts(t *testing.T, replicas int, spans []int, args func(ports []int) []string) (port int, ports []int, out *syncBuffer) {
+	t.Helper()
 	for attempt := 0; ; attempt++ {
 		port = freePorts(t, replicas)
-		kvPort = freePorts(t, replicas, port)
+		taken := make([]int, 0, replicas)
+		for i := range replicas {
+			taken = append(taken, port+i)
+		}
+		ports = ports[:0]
+		for _, n := range spans {
+			p := freePorts(t, n, taken...)
+			ports = append(ports, p)
+			for i := range n {
+				taken = append(taken, p+i)
+			}
+		}
 		ctx, cancel := context.WithCancel(context.Background())
 		out = &syncBuffer{}
 		errOut := &syncBuffer{}
 		done := make(chan int, 1)
-		full := append([]string{"sim", "--replicas", strconv.Itoa(replicas), "--port", strconv.Itoa(port),
-			"--kv-events-port", strconv.Itoa(kvPort)}, args...)
+		full := append([]string{"sim", "--replicas", strconv.Itoa(replicas), "--port", strconv.Itoa(port)}, args(ports)...)
 		go func() { done <- run(ctx, full, strings.NewReader(""), out, errOut) }()
 		started := false
 		testutil.Eventually(t, 10*time.Second, "the sim to start", func() bool {
@@ -147,7 +176,7 @@ func startSim(t *testing.T, replicas int, args ...string) (port, kvPort int, out
 					t.Errorf("kvgate sim exited %d: %s", code, errOut.String())
 				}
 			})
-			return port, kvPort, out
+			return port, ports, out
 		}
 		cancel()
 		if code := <-done; attempt >= 3 || !strings.Contains(errOut.String(), "address already in use") {
@@ -483,6 +512,107 @@ func TestSimEndToEnd(t *testing.T) {
 	defer mu.Unlock()
 	if len(badEvents) > 0 {
 		t.Errorf("%d bad stored events, first: %s", len(badEvents), badEvents[0])
+	}
+}
+
+// With data parallelism each rank of each replica has its own KV-event
+// publisher and replay socket, on consecutive ports: the startup line lists
+// them, rank 0 first; the topic names --model, not a served name; the
+// replay socket of replica 1's rank 1 serves that rank's batches from
+// --kv-events-first-seq on.
+func TestSimDataParallelKVEvents(t *testing.T) {
+	ignore := goleak.IgnoreCurrent()
+	t.Cleanup(func() { goleak.VerifyNone(t, ignore) })
+	tr := &http.Transport{}
+	t.Cleanup(tr.CloseIdleConnections)
+	hc := &http.Client{Transport: tr, Timeout: 30 * time.Second}
+	const replicas, ranks = 2, 2
+	port, ports, out := startSimPorts(t, replicas, []int{replicas * ranks, replicas * ranks}, func(p []int) []string {
+		return []string{"--data-parallel-size", strconv.Itoa(ranks), "--kv-events-port", strconv.Itoa(p[0]),
+			"--kv-events-replay-port", strconv.Itoa(p[1]), "--kv-events-first-seq", "1",
+			"--model", "org/base-8b", "--served-model-name", "alias", "--time-scale", "100"}
+	})
+	kvPort, replayPort := ports[0], ports[1]
+	ep := func(p int) string { return fmt.Sprintf("tcp://127.0.0.1:%d", p) }
+	lines := strings.Split(strings.TrimSpace(out.String()), "\n")
+	for i, line := range lines {
+		want := fmt.Sprintf("replica %d http://127.0.0.1:%d kv-events %s %s topic kv@127.0.0.1:%d@org/base-8b replay %s %s",
+			i, port+i, ep(kvPort+ranks*i), ep(kvPort+ranks*i+1), port+i, ep(replayPort+ranks*i), ep(replayPort+ranks*i+1))
+		if line != want {
+			t.Errorf("line %d: %q, want %q", i, line, want)
+		}
+	}
+	url := fmt.Sprintf("http://127.0.0.1:%d/v1/completions", port+1)
+	r := testutil.Post(t, hc, url, simBody(t, "alias", "prompt", simText("dp", 64), "max_tokens", 1),
+		sim.HeaderDataParallelRank, "1")
+	if r.Status != http.StatusOK {
+		t.Fatalf("POST: %d %s", r.Status, r.Body)
+	}
+	var ms []kvevents.Message
+	var res kvevents.ReplayResult
+	testutil.Eventually(t, 10*time.Second, "replica 1 rank 1's batches on its replay socket", func() bool {
+		ms = ms[:0]
+		var err error
+		res, err = kvevents.Replay(t.Context(), ep(replayPort+ranks+1), 0, func(m kvevents.Message) { ms = append(ms, m) })
+		if err != nil {
+			t.Fatal(err)
+		}
+		return res.Batches > 0
+	})
+	for _, m := range ms {
+		if rank := m.Batch.DataParallelRank; rank == nil || *rank != 1 {
+			t.Errorf("replica 1 rank 1's replay: a batch of rank %v", rank)
+		}
+	}
+	if res.First != 1 {
+		t.Errorf("first replayed seq %d, want 1", res.First)
+	}
+}
+
+// With --kv-events-connect the replicas dial the consumer's SUB socket
+// (kvgate serve's --kv-events-listen), and the startup line says so.
+func TestSimKVEventsConnect(t *testing.T) {
+	ignore := goleak.IgnoreCurrent()
+	t.Cleanup(func() { goleak.VerifyNone(t, ignore) })
+	tr := &http.Transport{}
+	t.Cleanup(tr.CloseIdleConnections)
+	hc := &http.Client{Transport: tr, Timeout: 30 * time.Second}
+	topics := make(chan string, 1000)
+	l, err := kvevents.Listen(context.Background(), "tcp://127.0.0.1:0", func(m kvevents.Message) {
+		select {
+		case topics <- m.Topic:
+		default:
+		}
+	}, kvevents.ListenOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = l.Close() }) // after the sim has stopped
+	listen := "tcp://" + l.Addr().String()
+	port, _, out := startSimPorts(t, 1, nil, func([]int) []string {
+		return []string{"--kv-events-connect", listen, "--time-scale", "100"}
+	})
+	topic := fmt.Sprintf("kv@127.0.0.1:%d@sim-llama-8b", port)
+	if line, want := strings.TrimSpace(out.String()), fmt.Sprintf("replica 0 http://127.0.0.1:%d kv-events connect %s topic %s",
+		port, listen, topic); line != want {
+		t.Errorf("line %q, want %q", line, want)
+	}
+	url := fmt.Sprintf("http://127.0.0.1:%d/v1/completions", port)
+	deadline := time.Now().Add(20 * time.Second)
+	for i := 0; ; i++ {
+		if time.Now().After(deadline) {
+			t.Fatal("no KV events reached the listener")
+		}
+		// Batches published before the connection is up are dropped.
+		simPost(t, hc, url, simBody(t, "sim-llama-8b", "prompt", simText(fmt.Sprintf("c%d", i%100), 16), "max_tokens", 1))
+		select {
+		case got := <-topics:
+			if got != topic {
+				t.Fatalf("topic %q, want %q", got, topic)
+			}
+			return
+		case <-time.After(20 * time.Millisecond): // retry interval while the connection comes up
+		}
 	}
 }
 
