@@ -168,7 +168,9 @@ func (rt *Router) FollowKV(i int, m KVMessage, now time.Time, resync Resync) KVR
 
 // ResyncKV asks replica i's replay endpoint for everything it buffered,
 // before any batch arrived (a gateway starting beside running replicas):
-// the replica is in sync at once when the buffer reaches back to its start.
+// the replica is in sync at once when the buffer reaches back to its start,
+// or is empty (vLLM's buffer keeps the latest batches: an empty one means
+// none was published).
 func (rt *Router) ResyncKV(i int, now time.Time, resync Resync) KVReport {
 	r := rt.replicas[i]
 	r.kv.mu.Lock()
@@ -178,7 +180,15 @@ func (rt *Router) ResyncKV(i int, now time.Time, resync Resync) KVReport {
 		return rep
 	}
 	was := r.preciseOK.Load()
-	rt.resyncLocked(i, 0, ^uint64(0), now, resync, &rep)
+	msgs, err := resync(0)
+	switch {
+	case err != nil:
+		rep.ResyncErr = err
+	case len(msgs) == 0:
+		r.inSync() // nothing published yet: the empty index is the whole story
+	default:
+		rt.resyncLocked(i, 0, ^uint64(0), now, func(uint64) ([]KVMessage, error) { return msgs, nil }, &rep)
+	}
 	rep.Synced = r.preciseOK.Load()
 	rep.SyncChanged = rep.Synced != was
 	return rep

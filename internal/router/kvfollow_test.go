@@ -172,6 +172,10 @@ func TestResyncAtStartAndDuplicates(t *testing.T) {
 	if m := match(rt, "m", textOf(0), 1); m != 2 {
 		t.Fatalf("a prompt warmed before the start not credited: %d", m)
 	}
+	// An endpoint with nothing buffered: nothing was published, in sync.
+	if rep := rt.ResyncKV(0, *now, replayer(0, nil, &calls)); !rep.Synced {
+		t.Fatalf("empty replay buffer: %+v", rep)
+	}
 	// The live stream delivers 2 again (it raced the replay), then 3.
 	if rep = rt.FollowKV(1, all[2], *now, nil); !rep.Duplicate || !rep.Synced {
 		t.Fatalf("duplicate: %+v", rep)
