@@ -307,3 +307,34 @@ func TestPreciseUnderpredictionWarned(t *testing.T) {
 		t.Fatalf("warned %d times, want once:\n%s", c, logs.String())
 	}
 }
+
+// A prompt warmed directly on a replica (not through the gateway) before
+// the gateway starts, and another after, are each routed to their replica
+// from the first request through the gateway: sims publishing as vLLM, the
+// first through its replay socket.
+func TestPreciseWarmedDirectlyOnReplicas(t *testing.T) {
+	fl := startSim(t, sim.Config{Replicas: 3, KVEvents: true, KVEventsReplay: true})
+	warm := func(i int, text string) {
+		t.Helper()
+		resp, body := post(t, fl.URLs()[i]+"/v1/completions", fmt.Sprintf(`{"model":%q,"max_tokens":1,"prompt":%q}`, sim.DefaultModel, text))
+		if resp.StatusCode != 200 {
+			t.Fatalf("%d %s", resp.StatusCode, body)
+		}
+	}
+	before, after := preciseText("warmed on replica 2 before"), preciseText("warmed on replica 1 after")
+	warm(2, before)
+	cfg := simConfig("precise", fl.URLs()...)
+	cfg.Tokenizer = "remote"
+	followKVEvents(&cfg, fl)
+	gw := startGateway(t, cfg)
+	waitHealthy(t, gw)
+	eventually(t, "the replayed blocks indexed", func() bool { return matchOn(gw, sim.DefaultModel, before, 2) == 8 })
+	if r := routedTo(t, gw, sim.DefaultModel, before); r != fl.URLs()[2] {
+		t.Fatalf("warmed before the start: routed to %s, want %s", r, fl.URLs()[2])
+	}
+	warm(1, after)
+	eventually(t, "the new blocks indexed", func() bool { return matchOn(gw, sim.DefaultModel, after, 1) == 8 })
+	if r := routedTo(t, gw, sim.DefaultModel, after); r != fl.URLs()[1] {
+		t.Fatalf("warmed after the start: routed to %s, want %s", r, fl.URLs()[1])
+	}
+}
