@@ -17,6 +17,12 @@ import (
 // ErrNoReplica is returned when no replica can take the request.
 var ErrNoReplica = errors.New("policy: no healthy replica")
 
+// ErrDefer is returned by Pick when the request should wait in the router
+// rather than join any replica's queue now (late binding, as Dynamo's
+// router queue does): the router holds it, first come first served, and
+// asks again whenever a replica's prefill work shrinks.
+var ErrDefer = errors.New("policy: wait in the router")
+
 // ErrParam is wrapped by every error of a policy's factory about its
 // parameters: an unknown name, a value of the wrong type, or one out of its
 // range.
@@ -134,4 +140,19 @@ type KVEventsPolicy interface {
 func WantsKVEvents(p Policy) bool {
 	k, ok := p.(KVEventsPolicy)
 	return ok && k.WantsKVEvents()
+}
+
+// MetricsRefresher is implemented by a policy whose upstream refreshes the
+// replicas' metrics at its own period (llm-d's scheduler every 50 ms): the
+// replay scrapes at that period for its runs unless told otherwise.
+type MetricsRefresher interface {
+	MetricsRefresh() time.Duration
+}
+
+// MetricsRefresh is p's own metrics period (0: the configured one).
+func MetricsRefresh(p Policy) time.Duration {
+	if m, ok := p.(MetricsRefresher); ok {
+		return m.MetricsRefresh()
+	}
+	return 0
 }
