@@ -77,9 +77,12 @@ func (g *Gateway) serveInference(w http.ResponseWriter, r *http.Request, kind pr
 func (g *Gateway) routeAttempt(x *exchange) (*attempt, error) {
 	t0 := g.clock.Now()
 	x.req.Now = t0
-	tk, err := g.rt.Route(x.req, x.exclude...)
+	tk, w, err := g.rt.Submit(x.req, x.exclude...)
 	if len(x.exclude) == 0 {
 		g.met.decision.Observe(g.clock.Since(t0).Seconds())
+	}
+	if w != nil {
+		tk, err = g.waitInQueue(x, w)
 	}
 	if err != nil {
 		return nil, err
@@ -93,6 +96,38 @@ func (g *Gateway) routeAttempt(x *exchange) (*attempt, error) {
 		x.refusal = a.refusal
 	}
 	return a, nil
+}
+
+// waitInQueue waits while the request is held in the router's queue (a
+// policy that defers: late binding), for at most queue_timeout: past it the
+// request leaves the queue and is routed at once, wherever the policy
+// prefers; a client that leaves takes it out of the queue.
+func (g *Gateway) waitInQueue(x *exchange, w *router.Waiting) (*router.Ticket, error) {
+	g.met.routerQueued.Inc()
+	defer g.met.routerQueued.Dec()
+	t0 := g.clock.Now()
+	defer func() { g.met.routerWait.Observe(g.clock.Since(t0).Seconds()) }()
+	timer := g.clock.NewTimer(g.cfg.QueueTimeout.D())
+	defer timer.Stop()
+	select {
+	case <-w.Done():
+		return w.Result()
+	case <-x.ctx.Done():
+		if !g.rt.Cancel(w) {
+			<-w.Done()
+			if tk, err := w.Result(); err == nil {
+				tk.Done(g.clock.Now(), router.Outcome{CachedTokens: -1, Err: context.Cause(x.ctx)})
+			}
+		}
+		return nil, context.Cause(x.ctx)
+	case <-timer.C():
+		if !g.rt.Cancel(w) {
+			<-w.Done()
+			return w.Result()
+		}
+		x.req.NoDefer, x.req.Now = true, g.clock.Now()
+		return g.rt.Route(x.req, x.exclude...)
+	}
 }
 
 // endUnrouted answers a request no attempt answered: the last replica's

@@ -26,6 +26,8 @@ type metrics struct {
 	kvGaps                                          *prometheus.CounterVec // replica
 	kvReplayed, kvBlockSizeMismatch, underpredicted *prometheus.CounterVec // replica
 	kvUnknownTopic                                  prometheus.Counter
+	routerQueued                                    prometheus.Gauge
+	routerWait                                      prometheus.Histogram
 }
 
 var latencyBuckets = []float64{.005, .01, .025, .05, .075, .1, .15, .2, .3, .5, .75, 1, 1.5, 2, 3, 5, 7.5, 10, 20, 40, 80}
@@ -56,6 +58,11 @@ func newMetrics(reg prometheus.Registerer, rt *router.Router, clk clock.Clock) *
 			Help: "Remote /tokenize lookups by result: cache, remote, fallback (the approximate tokenizer routed)."}, []string{"result"}),
 	}
 	m.newKVMetrics()
+	m.routerQueued = prometheus.NewGauge(prometheus.GaugeOpts{Name: "kvgate_router_queue_depth",
+		Help: "Requests waiting in the router's queue (a policy deferred them: late binding, e.g. dynamo's router queue)."})
+	m.routerWait = prometheus.NewHistogram(prometheus.HistogramOpts{Name: "kvgate_router_queue_wait_seconds",
+		Help: "Time requests waited in the router's queue.", Buckets: prometheus.ExponentialBuckets(0.001, 4, 10)})
+	reg.MustRegister(m.routerQueued, m.routerWait)
 	reg.MustRegister(m.requests, m.errors, m.ttft, m.e2e, m.decision, m.matchRatio, m.retries, m.ejections, m.attempts, m.tokenize,
 		m.kvBatches, m.kvDropped, m.kvGaps, m.kvReplayed, m.kvBlockSizeMismatch, m.kvUnknownTopic, m.underpredicted)
 	reg.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "kvgate_index_entries",

@@ -56,6 +56,9 @@ type Request struct {
 	Blocks    []uint64 // kvgate's chained block hashes of the prompt's full blocks
 	Tokens    int      // prompt tokens
 	MaxTokens int      // requested output tokens (0: unknown)
+	// NoDefer: the policy must not answer ErrDefer (the router overrules a
+	// deferral that nothing in flight would ever release).
+	NoDefer bool
 }
 
 // ReplicaView is what the router knows of one replica now.

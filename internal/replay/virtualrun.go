@@ -82,6 +82,7 @@ type virtualRun struct {
 	kvEventErrors   int             // KV events the precise index rejected
 	failures        map[string]int  // failed requests by kind
 	ended           int             // requests finished or failed
+	released        []released      // requests the router's queue let go, to dispatch
 }
 
 // newVirtualRun builds spec's policy, the router and cfg.Replicas engines
@@ -157,23 +158,32 @@ func (vr *virtualRun) loop(ctx context.Context) error {
 		}
 		ev := vr.events.pop()
 		vr.now = ev.at
-		switch ev.kind {
-		case evArrive:
-			if err := vr.arrive(int(ev.arg)); err != nil {
-				return err
-			}
-		case evStepEnd:
-			vr.stepEnd(int(ev.arg))
-		case evScrape:
-			vr.scrape()
-		case evMetrics:
-			sn := vr.metricsInFlight.pop()
-			vr.router.SetMetrics(sn.replica, sn.metrics, epoch.Add(sn.at))
-		case evKV:
-			b := vr.kvInFlight.pop()
-			vr.deliverKV(b)
+		if err := vr.handle(ev); err != nil {
+			return err
+		}
+		if err := vr.dispatchReleased(); err != nil {
+			return err
 		}
 	}
+}
+
+// handle handles one event.
+func (vr *virtualRun) handle(ev event) error {
+	switch ev.kind {
+	case evArrive:
+		return vr.arrive(int(ev.arg))
+	case evStepEnd:
+		vr.stepEnd(int(ev.arg))
+	case evScrape:
+		vr.scrape()
+	case evMetrics:
+		sn := vr.metricsInFlight.pop()
+		vr.router.SetMetrics(sn.replica, sn.metrics, epoch.Add(sn.at))
+	case evKV:
+		b := vr.kvInFlight.pop()
+		vr.deliverKV(b)
+	}
+	return nil
 }
 
 func (vr *virtualRun) pushNextRoot() {
@@ -185,7 +195,8 @@ func (vr *virtualRun) pushNextRoot() {
 	vr.events.push(scale(vr.plan.reqs[i].At, vr.cfg.Speedup), evArrive, i)
 }
 
-// arrive routes request i and hands it to its engine.
+// arrive routes request i and hands it to its engine, or leaves it waiting
+// in the router's queue (a policy that defers: late binding).
 func (vr *virtualRun) arrive(i int) error {
 	r := &vr.plan.reqs[i]
 	if r.Prev < 0 {
@@ -196,7 +207,44 @@ func (vr *virtualRun) arrive(i int) error {
 	preq := vr.router.Prepare(&p, r.Session, "")
 	st := &vr.requests[i]
 	st.arrive, st.tokens = vr.now, preq.Tokens
-	tk, err := vr.router.Route(preq)
+	tk, w, err := vr.router.Submit(preq)
+	if w != nil {
+		// Routed later, inside a ticket event of this loop: dispatched once
+		// that event is handled.
+		w.OnRouted = func(tk *router.Ticket, err error) {
+			vr.released = append(vr.released, released{req: i, text: text, ticket: tk, err: err})
+		}
+		return nil
+	}
+	return vr.dispatch(i, text, tk, err)
+}
+
+// released is a request the router's queue let go.
+type released struct {
+	req    int
+	text   string
+	ticket *router.Ticket
+	err    error
+}
+
+// dispatchReleased hands the requests the router's queue let go to their
+// engines, in the order they left it.
+func (vr *virtualRun) dispatchReleased() error {
+	for len(vr.released) > 0 {
+		r := vr.released[0]
+		vr.released = vr.released[1:]
+		if err := vr.dispatch(r.req, r.text, r.ticket, r.err); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// dispatch hands routed request i to its engine (or records why it could
+// not be routed).
+func (vr *virtualRun) dispatch(i int, text string, tk *router.Ticket, err error) error {
+	r := &vr.plan.reqs[i]
+	st := &vr.requests[i]
 	if err != nil {
 		if !errors.Is(err, policy.ErrNoReplica) {
 			return fmt.Errorf("replay: request %d: %w", i, err)
@@ -207,13 +255,13 @@ func (vr *virtualRun) arrive(i int) error {
 	st.ticket = tk
 	er := engine.Request{
 		ID:           uint64(i) + 1,
-		PromptTokens: preq.Tokens,
+		PromptTokens: st.tokens,
 		MaxTokens:    max(r.MaxTokens, 1),
 	}
 	er.BlockHashes = prompt.ApproxBlockHashes(vr.hashBuf(), vr.engineRoot, text, vr.cfg.BlockSize)
 	if vr.precise {
 		// KV events carry token ids; the precise index rehashes them.
-		er.TokenIDs = prompt.Approx{}.Encode(make([]uint32, 0, preq.Tokens), text)
+		er.TokenIDs = prompt.Approx{}.Encode(make([]uint32, 0, st.tokens), text)
 	}
 	st.hashes = er.BlockHashes
 	e := tk.Replica

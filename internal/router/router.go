@@ -76,6 +76,7 @@ type Router struct {
 	precise  *prefixindex.Precise
 	replicas []*Replica
 	nextID   atomic.Uint64
+	q        queue
 }
 
 // New builds a Router.
@@ -169,6 +170,7 @@ func (rt *Router) SetMetrics(i int, m Metrics, at time.Time) Metrics {
 		m.BlockSize = rt.cfg.BlockSize
 	}
 	rt.replicas[i].scrape.Store(&scrape{m: m, at: at})
+	rt.releaseIfQueued()
 	return m
 }
 
@@ -477,7 +479,18 @@ func (t *Ticket) prefillDone() bool {
 	r := t.rt.replicas[t.Replica]
 	r.pendingPrefill.Add(-t.uncached)
 	r.pendingCount.Add(-1)
+	t.rt.releaseIfQueued()
 	return true
+}
+
+// releaseIfQueued moves the queue when requests wait (cheap when none do).
+func (rt *Router) releaseIfQueued() {
+	rt.q.mu.Lock()
+	n := len(rt.q.waiting)
+	rt.q.mu.Unlock()
+	if n > 0 {
+		rt.Release()
+	}
 }
 
 // Outcome is how a request ended.
@@ -506,6 +519,7 @@ func (t *Ticket) Done(at time.Time, o Outcome) {
 	}
 	r.inFlight.Add(-1)
 	r.inFlightTokens.Add(-t.tokens)
+	defer t.rt.releaseIfQueued()
 	if t.rt.obs != nil {
 		t.rt.obs.Observe(policy.Event{Kind: policy.Done, At: at, Req: t.req, Decision: t.Decision,
 			Replica: t.Replica, CachedTokens: o.CachedTokens, OutputTokens: o.OutputTokens, Err: o.Err})
