@@ -66,7 +66,7 @@ func (f *replayFlags) register(fs *flag.FlagSet) {
 	fs.StringVar(&f.kvEvents, "kv-events", string(replay.KVAuto), "precise mode, the router following the engines' KV events: auto (for policies defined on them, e.g. precise), on (every policy), off")
 	fs.Float64Var(&f.speedup, "speedup", 1, "arrival (and think) times are divided by this")
 	fs.DurationVar(&f.staleness, "staleness", 0, "policies see the replicas' scraped metrics (and KV events) this much late")
-	fs.DurationVar(&f.scrape, "scrape-interval", replay.DefaultScrapeInterval, "period of the metric scrapes")
+	fs.DurationVar(&f.scrape, "scrape-interval", 0, "period of the metric scrapes (0: each policy's upstream period: llm-d's 50 ms for llmd and precise, else 250 ms, the gateway's)")
 	fs.BoolVar(&f.capacity, "capacity", false, "search each policy's largest speed-up meeting --slo-ttft-p90")
 	fs.DurationVar(&f.slo, "slo-ttft-p90", 2*time.Second, "the p90 TTFT objective of --capacity")
 	f.out.register(fs, "")
@@ -205,8 +205,8 @@ func (f *replayFlags) check() error {
 		return bad("--data-parallel-size %d: want 1 to 1024", f.dataParallel)
 	case f.kvEvents != string(replay.KVAuto) && f.kvEvents != string(replay.KVOn) && f.kvEvents != string(replay.KVOff):
 		return bad("--kv-events %q: want auto, on or off", f.kvEvents)
-	case f.scrape <= 0:
-		return bad("--scrape-interval %v: must be > 0", f.scrape)
+	case f.scrape < 0:
+		return bad("--scrape-interval %v: must be ≥ 0 (0: each policy's own)", f.scrape)
 	case f.capacity && f.slo <= 0:
 		return bad("--slo-ttft-p90 %v: must be > 0", f.slo)
 	case f.capacity && f.question != "":
@@ -320,7 +320,7 @@ func (f *replayFlags) meta(inv invocation, ws workload.Spec, prof costmodel.Prof
 		"kv_blocks":       f.kvBlocks,
 		"speedup":         f.speedup,
 		"staleness":       f.staleness.String(),
-		"scrape_interval": f.scrape.String(),
+		"scrape_interval": scrapeMeta(f.scrape),
 		"virtual_time":    "yes: engines and router on one simulated clock",
 	}
 	if f.dataParallel > 1 {
@@ -374,4 +374,13 @@ func (c replayConfig) execute(ctx context.Context, progress func(replay.PolicySp
 	}
 	res, err := replay.Compare(ctx, c.replay, reqs, c.specs, replay.Options{Progress: progress, Capacity: c.capacity})
 	return res, nil, err
+}
+
+// scrapeMeta records the scrape period of a replay: each policy's own when
+// not given.
+func scrapeMeta(d time.Duration) string {
+	if d == 0 {
+		return "per policy (llmd, precise: 50ms; others: 250ms)"
+	}
+	return d.String()
 }

@@ -282,7 +282,7 @@ func Staleness(ctx context.Context, cfg Config, reqs []workload.Request, stalene
 			Name: "staleness_ttft_p90", Title: "p90 TTFT against the staleness of the replicas' metrics",
 			XLabel: "staleness", YLabel: "p90 TTFT (ms)", Bars: true, Categories: cats,
 			Caption: fmt.Sprintf("Scrapes every %s reach the router this much later (KV events too, for precise). "+
-				"A policy whose bars stay level does not depend on scraped state.", cfg.ScrapeInterval),
+				"A policy whose bars stay level does not depend on scraped state.", scrapeLabel(cfg.ScrapeInterval)),
 			Series: seriesOf(ttft, specs, res.Runs),
 		},
 		{
@@ -344,3 +344,11 @@ func logTTFT(charts []report.Chart) []report.Chart {
 }
 
 func fmtF(v float64) string { return strconv.FormatFloat(v, 'g', 4, 64) }
+
+// scrapeLabel names a configured scrape period (0: each policy's own).
+func scrapeLabel(d time.Duration) string {
+	if d == 0 {
+		return "each policy's own period (250 ms unless its upstream refreshes faster)"
+	}
+	return d.String()
+}

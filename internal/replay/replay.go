@@ -101,7 +101,9 @@ type Config struct {
 	// Staleness delays every scrape (and every KV event, in precise mode)
 	// by this much before the router sees it.
 	Staleness time.Duration
-	// ScrapeInterval is the period of the metric scrapes (default 250 ms).
+	// ScrapeInterval is the period of the metric scrapes: 0 (the default)
+	// is each policy's own where its upstream refreshes at its own period
+	// (policy.MetricsRefresher: llm-d's 50 ms), else 250 ms, the gateway's.
 	ScrapeInterval time.Duration
 	// Seed seeds the policies (policy.Options.Seed) and the engines' jitter.
 	Seed uint64
@@ -147,9 +149,6 @@ func (c Config) WithDefaults() Config {
 	if c.Speedup == 0 {
 		c.Speedup = 1
 	}
-	if c.ScrapeInterval == 0 {
-		c.ScrapeInterval = DefaultScrapeInterval
-	}
 	if c.KVEvents == "" {
 		c.KVEvents = KVAuto
 	}
@@ -167,8 +166,8 @@ func (c Config) validate() error {
 		return fmt.Errorf("%w: speedup %v out of (0, 1e9]", ErrConfig, c.Speedup)
 	case c.Staleness < 0:
 		return fmt.Errorf("%w: staleness %v < 0", ErrConfig, c.Staleness)
-	case c.ScrapeInterval <= 0:
-		return fmt.Errorf("%w: scrape interval %v ≤ 0", ErrConfig, c.ScrapeInterval)
+	case c.ScrapeInterval < 0:
+		return fmt.Errorf("%w: scrape interval %v < 0", ErrConfig, c.ScrapeInterval)
 	case c.KVBlocks < 1 || c.BlockSize < 1:
 		return fmt.Errorf("%w: kv blocks %d and block size %d must be ≥ 1", ErrConfig, c.KVBlocks, c.BlockSize)
 	case c.KVEvents != KVAuto && c.KVEvents != KVOn && c.KVEvents != KVOff:
@@ -188,6 +187,17 @@ func (c Config) validate() error {
 		}
 	}
 	return nil
+}
+
+// scrapeInterval is the scrape period of a run of pol.
+func (c Config) scrapeInterval(pol policy.Policy) time.Duration {
+	if c.ScrapeInterval > 0 {
+		return c.ScrapeInterval
+	}
+	if d := policy.MetricsRefresh(pol); d > 0 {
+		return d
+	}
+	return DefaultScrapeInterval
 }
 
 // engines is the number of engines: each replica's data-parallel ranks.

@@ -61,13 +61,14 @@ type replica struct {
 // virtualRun is one policy's run on a fresh fleet in virtual time: a router,
 // its replicas and the event loop.
 type virtualRun struct {
-	cfg        Config
-	plan       *plan
-	router     *router.Router
-	replicas   []replica
-	precise    bool
-	kvSeq      []uint64 // per engine: its next KV batch's sequence number
-	engineRoot uint64   // engine-namespace root of the hash chain
+	cfg         Config
+	plan        *plan
+	router      *router.Router
+	replicas    []replica
+	precise     bool
+	kvSeq       []uint64      // per engine: its next KV batch's sequence number
+	scrapeEvery time.Duration // the run's scrape period
+	engineRoot  uint64        // engine-namespace root of the hash chain
 
 	events   eventHeap
 	now      time.Duration
@@ -99,15 +100,16 @@ func newVirtualRun(cfg Config, p *plan, spec PolicySpec) (*virtualRun, error) {
 		return nil, fmt.Errorf("%w: %w", ErrConfig, err)
 	}
 	vr := &virtualRun{
-		cfg:        cfg,
-		plan:       p,
-		precise:    cfg.KVEvents.follows(pol),
-		engineRoot: prompt.RootOf("engine", prompt.Key{Model: cfg.Model}),
-		replicas:   make([]replica, cfg.engines()),
-		kvSeq:      make([]uint64, cfg.engines()),
-		requests:   make([]liveRequest, len(p.reqs)),
-		records:    make([]report.Record, len(p.reqs)),
-		failures:   map[string]int{},
+		cfg:         cfg,
+		plan:        p,
+		precise:     cfg.KVEvents.follows(pol),
+		scrapeEvery: cfg.scrapeInterval(pol),
+		engineRoot:  prompt.RootOf("engine", prompt.Key{Model: cfg.Model}),
+		replicas:    make([]replica, cfg.engines()),
+		kvSeq:       make([]uint64, cfg.engines()),
+		requests:    make([]liveRequest, len(p.reqs)),
+		records:     make([]report.Record, len(p.reqs)),
+		failures:    map[string]int{},
 	}
 	names := make([]string, cfg.engines())
 	for i := range names {
@@ -406,7 +408,7 @@ func (vr *virtualRun) scrape() {
 	// Keep scraping while requests remain (deliveries in flight do not
 	// count: they would keep the scrapes, and so themselves, going forever).
 	if vr.ended < len(vr.plan.reqs) {
-		vr.events.push(vr.now+vr.cfg.ScrapeInterval, evScrape, 0)
+		vr.events.push(vr.now+vr.scrapeEvery, evScrape, 0)
 	}
 }
 
