@@ -11,23 +11,73 @@ import (
 
 func init() {
 	register("sglang", func(o Options) (Policy, error) {
-		params := sglangParams{
-			CacheThreshold: 0.5, BalanceAbs: 32, BalanceRel: 1.1,
-			EvictionIntervalSecs: 30, MaxTreeSize: 10000, HardCapChars: 1 << 24,
+		base, ok := sglangDefaults[sglangDefaultsName(o.Params)]
+		if !ok {
+			return nil, fmt.Errorf("%w: defaults must be \"cli\" or \"library\"", ErrParam)
 		}
+		params := base
 		if err := decodeParams(o.Params, &params); err != nil {
 			return nil, err
+		}
+		if _, set := o.Params["hard_cap_chars"]; !set {
+			params.HardCapChars = params.MaxTreeSize + sglangHardCapSlack
 		}
 		if params.CacheThreshold < 0 || params.CacheThreshold > 1 || params.BalanceAbs < 0 || params.BalanceRel < 1 ||
 			params.EvictionIntervalSecs < 0 || params.MaxTreeSize < 1 || params.HardCapChars < params.MaxTreeSize {
 			return nil, fmt.Errorf("%w: need 0 ≤ cache_threshold ≤ 1, balance_abs_threshold ≥ 0, "+
-				"balance_rel_threshold ≥ 1, eviction_interval_secs ≥ 0, max_tree_size ≥ 1", ErrParam)
+				"balance_rel_threshold ≥ 1, eviction_interval_secs ≥ 0, max_tree_size ≥ 1, "+
+				"hard_cap_chars ≥ max_tree_size", ErrParam)
 		}
 		return &SGLang{params: params, blockChars: 4 * o.BlockSize, g: newRNG(o.Seed), tree: newSGTree()}, nil
 	})
 }
 
+// sglangDefaults are the two sets of defaults SGLang's router has, chosen
+// by the parameter defaults; each parameter given still overrides its own.
+//
+//   - "cli": what users get launching the router: the smg / sglang-router
+//     binary's flags (sgl-model-gateway src/main.rs: --cache-threshold 0.3,
+//     --balance-abs-threshold 64, --balance-rel-threshold 1.5,
+//     --eviction-interval 120, --max-tree-size 2^26) and the Python launcher
+//     (sglang_router.launch_router, RouterArgs), which has the same values
+//     except eviction_interval_secs 60.
+//   - "library": the Rust CacheAwareConfig::default() (0.5, 32, 1.1, 30 s,
+//     10,000), used only by per-model policies built from worker hints and
+//     by upstream's own tests.
+var sglangDefaults = map[string]sglangParams{
+	"cli": {
+		Defaults: "cli", CacheThreshold: 0.3, BalanceAbs: 64, BalanceRel: 1.5,
+		EvictionIntervalSecs: 120, MaxTreeSize: 1 << 26,
+	},
+	"library": {
+		Defaults: "library", CacheThreshold: 0.5, BalanceAbs: 32, BalanceRel: 1.1,
+		EvictionIntervalSecs: 30, MaxTreeSize: 10000,
+	},
+}
+
+// sglangHardCapSlack is how far a replica's share may grow past
+// max_tree_size between two evictions before kvgate trims it at once
+// (hard_cap_chars defaults to max_tree_size + this): 16M characters, about
+// what eight replicas' routed text grows by in a 120 s interval at a few
+// hundred long prompts a second, so that the bound rarely bites where SGLang
+// would not have evicted yet, and memory stays bounded when virtual time
+// runs fast.
+const sglangHardCapSlack = 1 << 24
+
+// sglangDefaultsName is the defaults parameter ("cli" when absent; "" when
+// not a string, which no set is named).
+func sglangDefaultsName(params map[string]any) string {
+	v, ok := params["defaults"]
+	if !ok {
+		return "cli"
+	}
+	s, _ := v.(string)
+	return s
+}
+
 type sglangParams struct {
+	// Defaults names the base set: "cli" (default) or "library".
+	Defaults             string  `json:"defaults"`
 	CacheThreshold       float64 `json:"cache_threshold"`
 	BalanceAbs           int     `json:"balance_abs_threshold"`
 	BalanceRel           float64 `json:"balance_rel_threshold"`
@@ -36,12 +86,19 @@ type sglangParams struct {
 	MaxTreeSize int `json:"max_tree_size"`
 	// HardCapChars bounds a replica's share between two evictions (kvgate's
 	// memory bound; SGLang's tree grows unbounded between its evictions).
+	// Default max_tree_size + 2^24.
 	HardCapChars int `json:"hard_cap_chars"`
 	// RandomTies breaks least-load ties at random; SGLang takes the first.
 	RandomTies bool `json:"random_ties"`
 }
 
-// SGLang is the SGLang router's cache_aware policy.
+// SGLang is the SGLang router's cache_aware policy, as in sgl-model-gateway
+// v0.3 (the sglang repository's sgl-model-gateway/src/policies/
+// cache_aware.rs and tree.rs; the same rule as lightseekorg/smg's
+// src/policies/cache_aware.rs before smg made max_tree_size a budget shared
+// by all replicas and added its spill gate), with the defaults of its
+// command line (see sglangDefaults: parameter defaults, "cli" unless
+// "library").
 //
 // It keeps one approximate radix tree (sgTree, in sglang_tree.go: a
 // compressed trie over the characters of the routed texts) shared by all
@@ -49,21 +106,30 @@ type sglangParams struct {
 // per tenant (replica slot) holding it, the last time a request routed there
 // passed through it. Because a routed text is inserted along its whole path,
 // a tenant holding a node holds all its ancestors, and eviction (least
-// recently used leaves first) keeps that true. Routing:
+// recently used leaves first) keeps that true. Routing, over the healthy
+// replicas (SGLang's router hands its policy the available workers only):
 //
 //   - imbalanced, i.e. (max load − min load) > balance_abs_threshold AND
 //     max load > min load × balance_rel_threshold: the least loaded replica;
-//   - else the longest prefix of the text in the tree: if it covers more
-//     than cache_threshold of the text, the replica holding the deepest
-//     matched node (the least loaded if several do); else the least loaded.
+//   - else the longest prefix of the text in the tree, match rate = its
+//     characters / the text's characters: if the rate is over
+//     cache_threshold, the replica holding the deepest matched node (the
+//     least loaded if several do); else the least loaded replica. That is
+//     what upstream's code does; the comment at the top of its
+//     cache_aware.rs still says "smallest tree size", which older sgl-router
+//     versions did (Tree::get_smallest_tenant).
 //
-// Load ties go to the first replica in order, as SGLang's min_by_key does
-// (random_ties: at random). The text is inserted for the chosen replica when
-// the request is Routed, whichever path chose it. SGLang's router evicts
-// from a background thread every eviction interval; here eviction runs
-// lazily from Observe once the interval has passed in event time, and also
-// at once when a tenant grows past hard_cap_chars (16M characters), so that
-// memory stays bounded however fast (virtual) time runs between two
+// SGLang picks the tenant of the deepest node in its map's iteration order
+// (in effect arbitrary); kvgate takes the least loaded holder, as smg's
+// later matched_tenants selection does. Load ties go to the first replica in
+// order, as SGLang's min_by_key does (random_ties: at random). The text is
+// inserted for the chosen replica when the request is Routed, whichever path
+// chose it. SGLang's router evicts from a background thread every eviction
+// interval, trimming each tenant's least recently used leaves until it holds
+// at most max_tree_size characters; here eviction runs lazily from Observe
+// once the interval has passed in event time, and also at once when a
+// tenant grows past hard_cap_chars (max_tree_size + 2^24 unless set), so
+// that memory stays bounded however fast (virtual) time runs between two
 // evictions. Between evictions the tree keeps everything, as SGLang's does.
 //
 // Trees are kept per cache partition (model, adapter, salt), as SGLang keeps

@@ -1,6 +1,7 @@
 package policy
 
 import (
+	"errors"
 	"strings"
 	"testing"
 	"time"
@@ -13,31 +14,86 @@ func sgRouted(p Policy, rs []ReplicaView, pos int, text string, at time.Time) {
 	peerObserve(p, Event{Kind: Routed, At: at, Req: req, Decision: Decision{Replica: rs[pos].Index}, Replica: rs[pos].Index})
 }
 
-// TestSGLangBalanceThresholds: affinity is left for the least loaded
-// replica exactly when BOTH (max − min) > 32 and max > 1.1 × min, over the
-// healthy replicas. Replica 0 holds the prompt (match rate 1).
-func TestSGLangBalanceThresholds(t *testing.T) {
-	text := strings.Repeat("the cached system prompt. ", 20)
+// TestSGLangDefaults pins the two sets of defaults: "cli", what the
+// smg / sglang-router command line and sglang_router.launch_router give
+// (sgl-model-gateway src/main.rs, bindings/python/.../router_args.py), and
+// "library", the Rust CacheAwareConfig::default() (src/config/types.rs);
+// a parameter given still overrides its own default; hard_cap_chars follows
+// max_tree_size unless set.
+func TestSGLangDefaults(t *testing.T) {
 	cases := []struct {
-		name  string
-		loads []int
-		down  int // position of an unhealthy replica, -1 none
-		want  int
+		name   string
+		params map[string]any
+		want   sglangParams
 	}{
-		{"balanced", []int{3, 2}, -1, 0},
-		{"only abs crossed: 400-367 > 32, 400 < 1.1×367", []int{400, 367}, -1, 0},
-		{"only rel crossed: 10 > 1.1×2, 10-2 ≤ 32", []int{10, 2}, -1, 0},
-		{"both crossed", []int{100, 50}, -1, 1},
-		{"abs exactly 32 is not over", []int{82, 50}, -1, 0},
-		{"abs 33, rel crossed", []int{83, 50}, -1, 1},
-		{"rel exactly 1.1 is not over", []int{374, 340}, -1, 0},
-		{"rel just over", []int{375, 340}, -1, 1},
-		{"an unhealthy idle replica does not count", []int{40, 35, 0}, 2, 0},
-		{"imbalanced: the least loaded healthy one", []int{100, 60, 50, 0}, 3, 2},
+		{"none: cli", nil, sglangParams{Defaults: "cli", CacheThreshold: 0.3, BalanceAbs: 64, BalanceRel: 1.5,
+			EvictionIntervalSecs: 120, MaxTreeSize: 1 << 26, HardCapChars: 1<<26 + 1<<24}},
+		{"cli named", map[string]any{"defaults": "cli"}, sglangParams{Defaults: "cli", CacheThreshold: 0.3, BalanceAbs: 64,
+			BalanceRel: 1.5, EvictionIntervalSecs: 120, MaxTreeSize: 1 << 26, HardCapChars: 1<<26 + 1<<24}},
+		{"library", map[string]any{"defaults": "library"}, sglangParams{Defaults: "library", CacheThreshold: 0.5, BalanceAbs: 32,
+			BalanceRel: 1.1, EvictionIntervalSecs: 30, MaxTreeSize: 10000, HardCapChars: 10000 + 1<<24}},
+		{"library, one override", map[string]any{"defaults": "library", "cache_threshold": 0.3}, sglangParams{Defaults: "library",
+			CacheThreshold: 0.3, BalanceAbs: 32, BalanceRel: 1.1, EvictionIntervalSecs: 30, MaxTreeSize: 10000, HardCapChars: 10000 + 1<<24}},
+		{"cli, Python's 60 s interval", map[string]any{"eviction_interval_secs": 60}, sglangParams{Defaults: "cli", CacheThreshold: 0.3,
+			BalanceAbs: 64, BalanceRel: 1.5, EvictionIntervalSecs: 60, MaxTreeSize: 1 << 26, HardCapChars: 1<<26 + 1<<24}},
+		{"hard cap follows max_tree_size", map[string]any{"max_tree_size": 1000}, sglangParams{Defaults: "cli", CacheThreshold: 0.3,
+			BalanceAbs: 64, BalanceRel: 1.5, EvictionIntervalSecs: 120, MaxTreeSize: 1000, HardCapChars: 1000 + 1<<24}},
+		{"hard cap set", map[string]any{"max_tree_size": 1000, "hard_cap_chars": 1000}, sglangParams{Defaults: "cli", CacheThreshold: 0.3,
+			BalanceAbs: 64, BalanceRel: 1.5, EvictionIntervalSecs: 120, MaxTreeSize: 1000, HardCapChars: 1000}},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
-			p := peerNew(t, "sglang", nil)
+			if got := peerNew(t, "sglang", c.params).(*SGLang).params; got != c.want {
+				t.Fatalf("params %+v, want %+v", got, c.want)
+			}
+		})
+	}
+	for _, bad := range []map[string]any{
+		{"defaults": "lib"}, {"defaults": 1}, {"defaults": ""},
+		{"max_tree_size": 1000, "hard_cap_chars": 999},
+		{"defaults": "library", "hard_cap_chars": 9999},
+	} {
+		if _, err := New("sglang", Options{Params: bad}); !errors.Is(err, ErrParam) {
+			t.Errorf("%v: err %v, want ErrParam", bad, err)
+		}
+	}
+}
+
+// TestSGLangBalanceThresholds: affinity is left for the least loaded
+// replica exactly when BOTH (max − min) > balance_abs_threshold and max >
+// balance_rel_threshold × min, over the healthy replicas (64 and 1.5 from
+// the command line; 32 and 1.1 in the library). Replica 0 holds the prompt
+// (match rate 1).
+func TestSGLangBalanceThresholds(t *testing.T) {
+	text := strings.Repeat("the cached system prompt. ", 20)
+	lib := map[string]any{"defaults": "library"}
+	cases := []struct {
+		name   string
+		params map[string]any
+		loads  []int
+		down   int // position of an unhealthy replica, -1 none
+		want   int
+	}{
+		{"balanced", nil, []int{3, 2}, -1, 0},
+		{"only abs crossed: 300-210 > 64, 300 < 1.5×210", nil, []int{300, 210}, -1, 0},
+		{"only rel crossed: 60 > 1.5×2, 60-2 ≤ 64", nil, []int{60, 2}, -1, 0},
+		{"both crossed", nil, []int{200, 100}, -1, 1},
+		{"abs exactly 64 is not over", nil, []int{128, 64}, -1, 0},
+		{"abs 65, rel crossed", nil, []int{129, 64}, -1, 1},
+		{"rel exactly 1.5 is not over", nil, []int{300, 200}, -1, 0},
+		{"rel just over", nil, []int{301, 200}, -1, 1},
+		{"library thresholds cross where the cli's do not", lib, []int{100, 50}, -1, 1},
+		{"library: only abs crossed: 400-367 > 32, 400 < 1.1×367", lib, []int{400, 367}, -1, 0},
+		{"library: abs exactly 32 is not over", lib, []int{82, 50}, -1, 0},
+		{"library: abs 33, rel crossed", lib, []int{83, 50}, -1, 1},
+		{"library: rel exactly 1.1 is not over", lib, []int{374, 340}, -1, 0},
+		{"library: rel just over", lib, []int{375, 340}, -1, 1},
+		{"an unhealthy idle replica does not count", nil, []int{80, 70, 0}, 2, 0},
+		{"imbalanced: the least loaded healthy one", nil, []int{200, 120, 100, 0}, 3, 2},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			p := peerNew(t, "sglang", c.params)
 			rs := peerViews(len(c.loads))
 			for i, l := range c.loads {
 				rs[i].InFlight = l
@@ -55,26 +111,34 @@ func TestSGLangBalanceThresholds(t *testing.T) {
 }
 
 // TestSGLangCacheThreshold: the holder wins only when matched characters /
-// prompt characters > cache_threshold; else the least loaded (replica 1).
+// prompt characters > cache_threshold (0.3 from the command line, 0.5 in
+// the library); else the least loaded (replica 1).
 func TestSGLangCacheThreshold(t *testing.T) {
+	lib := map[string]any{"defaults": "library"}
 	cases := []struct {
 		name, stored, prompt string
 		params               map[string]any
 		want                 int
 		rate                 float64 // Scores[0]: bytes matched / bytes
 	}{
-		{"rate 0.5 is not over 0.5", strings.Repeat("A", 60) + strings.Repeat("B", 40),
-			strings.Repeat("A", 50) + strings.Repeat("C", 50), nil, 1, 0.5},
-		{"rate 0.51", strings.Repeat("A", 60) + strings.Repeat("B", 40),
-			strings.Repeat("A", 51) + strings.Repeat("C", 49), nil, 0, 0.51},
+		{"rate 0.3 is not over 0.3", strings.Repeat("A", 60) + strings.Repeat("B", 40),
+			strings.Repeat("A", 30) + strings.Repeat("C", 70), nil, 1, 0.3},
+		{"rate 0.31", strings.Repeat("A", 60) + strings.Repeat("B", 40),
+			strings.Repeat("A", 31) + strings.Repeat("C", 69), nil, 0, 0.31},
+		{"library: rate 0.5 is not over 0.5", strings.Repeat("A", 60) + strings.Repeat("B", 40),
+			strings.Repeat("A", 50) + strings.Repeat("C", 50), lib, 1, 0.5},
+		{"library: rate 0.51", strings.Repeat("A", 60) + strings.Repeat("B", 40),
+			strings.Repeat("A", 51) + strings.Repeat("C", 49), lib, 0, 0.51},
 		{"rate 0.3 under a 0.25 threshold", strings.Repeat("A", 30) + "B",
 			strings.Repeat("A", 30) + strings.Repeat("C", 70), map[string]any{"cache_threshold": 0.25}, 0, 0.3},
-		// 50 of 100 characters, but 100 of 150 bytes: characters count.
+		// 30 of 100 characters, but 60 of 130 bytes: characters count.
 		{"characters, not bytes", strings.Repeat("é", 60),
-			strings.Repeat("é", 50) + strings.Repeat("x", 50), nil, 1, 100.0 / 150},
+			strings.Repeat("é", 30) + strings.Repeat("x", 70), nil, 1, 60.0 / 130},
 		// The match stops inside "é" vs "ê" (same first byte): not a character.
-		{"a half character is no match", strings.Repeat("a", 50) + "é",
-			strings.Repeat("a", 50) + "ê" + strings.Repeat("z", 49), nil, 1, 51.0 / 101},
+		{"a half character is no match", strings.Repeat("a", 30) + "é",
+			strings.Repeat("a", 30) + "ê" + strings.Repeat("z", 69), nil, 1, 31.0 / 101},
+		// "é" and "ü" share their first byte: edges are told apart by character.
+		{"a shared leading byte is no match", strings.Repeat("é", 40), strings.Repeat("ü", 40), nil, 1, 0},
 		{"full match", "prompt", "prompt", nil, 0, 1},
 		{"no match", "prompt", "other", nil, 1, 0},
 	}
@@ -92,6 +156,28 @@ func TestSGLangCacheThreshold(t *testing.T) {
 				t.Errorf("scores %v, want [%v 0]", d.Scores, c.rate)
 			}
 		})
+	}
+}
+
+// TestSGLangMissGoesToLeastLoaded: under the threshold, current upstream
+// (cache_aware.rs, select_worker_with_text: min_by_key on load) takes the
+// least loaded replica, not the one with the smallest tree as older
+// sgl-router versions did: here replica 0 holds much text and is idle,
+// replica 1 holds nothing and is busier.
+func TestSGLangMissGoesToLeastLoaded(t *testing.T) {
+	p := peerNew(t, "sglang", nil).(*SGLang)
+	rs := peerViews(3)
+	rs[1].InFlight, rs[2].InFlight = 1, 2
+	for k := range 5 {
+		sgRouted(p, rs, 0, strings.Repeat(string(rune('a'+k)), 500), peerT0)
+	}
+	sgRouted(p, rs, 2, "x", peerT0)
+	if p.tree.chars[rs[0].Index] != 2500 || p.tree.chars[rs[1].Index] != 0 {
+		t.Fatalf("tree sizes %v", p.tree.chars)
+	}
+	got, d := peerPick(t, p, peerReq(1, "a brand new prompt", peerT0), rs)
+	if got != 0 || d.Reason != "match rate under the threshold: least loaded" {
+		t.Fatalf("picked %d (%s), want 0, the least loaded", got, d.Reason)
 	}
 }
 
@@ -208,10 +294,12 @@ func TestSGLangCharCounts(t *testing.T) {
 // over max_tree_size loses its least recently used leaves until it fits; a
 // tenant over hard_cap_chars is trimmed at once.
 func TestSGLangEviction(t *testing.T) {
-	texts := make([]string, 6)
-	for i := range texts {
+	texts := make([]string, 8)
+	for i := range 6 {
 		texts[i] = string(rune('A'+i)) + strings.Repeat("-", 39) // 40 chars, distinct first char
 	}
+	texts[6] = strings.Repeat("é", 40) // 40 chars, 80 bytes
+	texts[7] = strings.Repeat("ü", 40)
 	sec := func(s float64) time.Time { return peerT0.Add(time.Duration(s * float64(time.Second))) }
 	type ins struct {
 		text int
@@ -224,12 +312,23 @@ func TestSGLangEviction(t *testing.T) {
 		kept   []int // texts still matched afterwards
 		chars  int
 	}{
+		// The command line's interval: 120 s.
 		{"under the interval: nothing evicted", map[string]any{"max_tree_size": 100},
-			[]ins{{0, 0}, {1, 1}, {2, 2}, {3, 3}, {4, 29}}, []int{0, 1, 2, 3, 4}, 200},
+			[]ins{{0, 0}, {1, 1}, {2, 2}, {3, 3}, {4, 119}}, []int{0, 1, 2, 3, 4}, 200},
 		{"interval passed: oldest leaves go", map[string]any{"max_tree_size": 100},
-			[]ins{{0, 0}, {1, 1}, {2, 2}, {3, 3}, {4, 31}}, []int{3, 4}, 80},
+			[]ins{{0, 0}, {1, 1}, {2, 2}, {3, 3}, {4, 121}}, []int{3, 4}, 80},
 		{"a re-routed text is recent again", map[string]any{"max_tree_size": 100},
-			[]ins{{0, 0}, {1, 1}, {2, 2}, {3, 3}, {0, 4}, {4, 31}}, []int{0, 4}, 80},
+			[]ins{{0, 0}, {1, 1}, {2, 2}, {3, 3}, {0, 4}, {4, 121}}, []int{0, 4}, 80},
+		// The library's: 30 s.
+		{"library: 29 s, nothing evicted", map[string]any{"defaults": "library", "max_tree_size": 100},
+			[]ins{{0, 0}, {1, 1}, {2, 2}, {3, 3}, {4, 29}}, []int{0, 1, 2, 3, 4}, 200},
+		{"library: 31 s, oldest leaves go", map[string]any{"defaults": "library", "max_tree_size": 100},
+			[]ins{{0, 0}, {1, 1}, {2, 2}, {3, 3}, {4, 31}}, []int{3, 4}, 80},
+		// Characters, not bytes: 40 "é" are 40 characters (80 bytes).
+		{"characters counted", map[string]any{"max_tree_size": 100},
+			[]ins{{6, 0}, {7, 1}, {0, 2}}, []int{6, 7, 0}, 120},
+		{"characters counted, trimmed", map[string]any{"max_tree_size": 100},
+			[]ins{{6, 0}, {7, 1}, {0, 2}, {1, 121}}, []int{0, 1}, 80},
 		{"over the hard cap: trimmed at once", map[string]any{"max_tree_size": 100, "eviction_interval_secs": 1000, "hard_cap_chars": 200},
 			[]ins{{0, 0}, {1, 1}, {2, 2}, {3, 3}, {4, 4}, {5, 5}}, []int{4, 5}, 80},
 	}
@@ -245,7 +344,7 @@ func TestSGLangEviction(t *testing.T) {
 				t.Errorf("chars %d, want %d", got, c.chars)
 			}
 			for i, text := range texts {
-				_, d := peerPick(t, p, peerReq(1, text, sec(40)), rs)
+				_, d := peerPick(t, p, peerReq(1, text, sec(200)), rs)
 				held := d.Scores[0] == 1
 				want := false
 				for _, k := range c.kept {

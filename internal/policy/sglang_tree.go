@@ -5,6 +5,7 @@ import (
 	"encoding/binary"
 	"math/bits"
 	"strings"
+	"unicode/utf8"
 )
 
 // sgTree is the SGLang router's approximate radix tree, shared by all
@@ -16,7 +17,10 @@ import (
 // first) keeps that true. It is not safe for concurrent use: SGLang locks.
 type sgTree struct {
 	roots map[sgPartition]*sgNode
-	chars map[int]int // tenant → characters of the tree it holds
+	// chars: tenant → characters of the tree it holds (runes, as SGLang's
+	// chars().count(); edges split inside a character still add up, since
+	// each character has one leading byte).
+	chars map[int]int
 }
 
 func newSGTree() sgTree {
@@ -41,14 +45,28 @@ type sgStamp struct {
 	at     int64
 }
 
-// child is the child of n whose edge starts with c (nil: none).
-func (n *sgNode) child(c byte) *sgNode {
+// child is the child of n whose edge starts with the first character of
+// text (nil: none). Edges are told apart by their first character, as
+// SGLang keys children by char, so that an edge never splits inside a
+// character and the tenants' character counts add up.
+func (n *sgNode) child(text string) *sgNode {
+	c := firstCharLen(text)
 	for _, ch := range n.children {
-		if ch.text[0] == c {
+		if ch.text[0] == text[0] && (c == 1 || strings.HasPrefix(ch.text, text[:c])) {
 			return ch
 		}
 	}
 	return nil
+}
+
+// firstCharLen is the length in bytes of text's first character (1 for
+// ASCII and for a byte that starts no valid character).
+func firstCharLen(text string) int {
+	if text[0] < utf8.RuneSelf {
+		return 1
+	}
+	_, n := utf8.DecodeRuneInString(text)
+	return n
 }
 
 // stamp is the index of tenant t in n.tenants (-1: t does not hold n).
@@ -73,7 +91,7 @@ func (tr *sgTree) match(part sgPartition, text string, visit func(tenant, depth 
 	}
 	depth := 0
 	for depth < len(text) {
-		ch := node.child(text[depth])
+		ch := node.child(text[depth:])
 		if ch == nil {
 			return
 		}
@@ -104,16 +122,20 @@ func (tr *sgTree) insert(part sgPartition, text string, t int, at int64) {
 		tr.roots[part] = node
 	}
 	for len(text) > 0 {
-		ch := node.child(text[0])
+		ch := node.child(text)
 		if ch == nil {
 			// A new leaf: its own copy of the text, so that the tree never
 			// pins a request's (possibly much longer) prompt in memory.
 			leaf := &sgNode{text: strings.Clone(text), parent: node, tenants: []sgStamp{{t, at}}}
 			node.children = append(node.children, leaf)
-			tr.chars[t] += len(text)
+			tr.chars[t] += countRunes(text)
 			return
 		}
 		k := commonPrefix(ch.text, text)
+		// Split at a character boundary (the first character matched).
+		for first := firstCharLen(text); k > first && k < len(ch.text) && !utf8.RuneStart(ch.text[k]); {
+			k--
+		}
 		if k < len(ch.text) {
 			// Split the edge at k: a new inner node takes the common part
 			// and the tenants of ch (they hold all of ch, so all of it).
@@ -134,7 +156,7 @@ func (tr *sgTree) insert(part sgPartition, text string, t int, at int64) {
 			ch.tenants[j].at = at
 		} else {
 			ch.tenants = append(ch.tenants, sgStamp{t, at})
-			tr.chars[t] += len(ch.text)
+			tr.chars[t] += countRunes(ch.text)
 		}
 		text = text[k:]
 		node = ch
@@ -161,7 +183,7 @@ func (tr *sgTree) evict(maxChars int) {
 			node := it.node
 			j := node.stamp(t)
 			node.tenants = append(node.tenants[:j], node.tenants[j+1:]...)
-			tr.chars[t] -= len(node.text)
+			tr.chars[t] -= countRunes(node.text)
 			parent := node.parent
 			if len(node.tenants) == 0 && len(node.children) == 0 {
 				for k, x := range parent.children {
