@@ -16,23 +16,48 @@ func init() {
 }
 
 type chwblParams struct {
-	// LoadFactor is c in the bound ⌈c × mean load⌉ (KubeAI: 1.25).
+	// LoadFactor is c in the bound (total load + 1) / replicas × c (KubeAI's
+	// prefixHash.meanLoadPercentage 125 / 100).
 	LoadFactor float64 `json:"load_factor"`
-	// PrefixChars is how much of the first user message keys the ring (KubeAI: 100).
+	// PrefixChars is how much of the first user message keys the ring
+	// (KubeAI's prefixHash.prefixCharLength: 100).
 	PrefixChars int `json:"prefix_chars"`
-	VNodes      int `json:"vnodes"`
+	// VNodes is the points per replica on the ring (KubeAI's
+	// prefixHash.replication: 256).
+	VNodes int `json:"vnodes"`
+	// CountRequest counts the request being routed in the replica's load,
+	// as KubeAI's chwblLoadOK does: a replica is within the bound when
+	// load + 1 ≤ bound, and every replica is while the total load is 0.
+	// Off by default: kvgate's rule (PEERS.md) is load ≤ bound.
+	CountRequest bool `json:"count_request"`
 }
 
-// CHWBL is KubeAI's prefix hashing: consistent hashing with bounded loads
-// (Mirrokni, Thorup and Zadimoghaddam, 2018). The key (the head of the first
-// user message plus the LoRA adapter) picks a point on the ring; walking
-// clockwise, the first replica whose load is within the bound
+// CHWBL is KubeAI's PrefixHash load balancing (substratusai/kubeai,
+// internal/loadbalancer/balance_chwbl.go, with the Model CRD's defaults):
+// consistent hashing with bounded loads (Mirrokni, Thorup and
+// Zadimoghaddam, 2018). The key (the head of the first user message, or of
+// the prompt, plus the LoRA adapter) picks a point on a ring of vnodes
+// points per replica; walking clockwise, the first healthy replica whose
+// load (the gateway's in-flight count) is within the bound
 //
-//	bound = (total load + 1) / replicas × load_factor
+//	bound = (total load + 1) / healthy replicas × load_factor
 //
 // takes the request, so a hot prefix spills to its ring successors instead of
 // queueing on one replica; if every replica is over the bound, the first
 // one met takes it.
+//
+// Two differences from KubeAI's code. KubeAI tests load + 1 ≤ bound (the
+// "+1" for the request being routed; any replica while the total is 0):
+// parameter count_request, off by default, so at low load (bound < 1) kvgate
+// spills to an idle successor where KubeAI, finding no replica within, keeps
+// the ring owner. And KubeAI hashes adapter + prefix over points named after
+// its pods, kvgate prefix + adapter over points named after the URLs: another
+// but equally uniform ring.
+//
+// On the Mooncake conversation trace every request's first 100 characters
+// are identical (all its prompts begin with the same block), so every
+// request has the same key and CHWBL degenerates to bounded-load filling of
+// one fixed replica order, with no prefix affinity left.
 type CHWBL struct {
 	params chwblParams
 	ring   ringCache
@@ -54,8 +79,11 @@ func (p *CHWBL) Pick(req *Request, rs []ReplicaView) (Decision, error) {
 		return Decision{}, ErrNoReplica
 	}
 	bound := float64(total+1) / float64(n) * p.params.LoadFactor
-	first, i := p.ring.get(rs).walk(hashKey(headRunes(req.KeyText, p.params.PrefixChars), req.Adapter), rs,
-		func(pos int) bool { return float64(rs[pos].InFlight) <= bound })
+	within := func(pos int) bool { return float64(rs[pos].InFlight) <= bound }
+	if p.params.CountRequest {
+		within = func(pos int) bool { return total == 0 || float64(rs[pos].InFlight+1) <= bound }
+	}
+	first, i := p.ring.get(rs).walk(hashKey(headRunes(req.KeyText, p.params.PrefixChars), req.Adapter), rs, within)
 	reason := "ring successor within the load bound"
 	switch {
 	case i == first:
