@@ -124,6 +124,12 @@ type ttftParams struct {
 	// once it is full, as many tokens of other prefixes are evicted, and
 	// the requests that would have reused them compute them again.
 	EvictionWeight float64 `json:"eviction_weight"`
+	// DeferMs is late binding: while every replica's prefill work queued
+	// ahead would take longer than this (ms), the request waits in the
+	// router (ErrDefer) instead of joining a queue on an estimate that
+	// will be stale when its turn comes; it is routed when the first
+	// replica's queue drains below the bound. 0: never wait.
+	DeferMs float64 `json:"defer_ms"`
 }
 
 var _ Policy = (*TTFT)(nil)
@@ -151,7 +157,7 @@ func init() {
 		}
 		if params.MarginRel < 0 || params.MarginMs < 0 || params.Alpha < 0 || params.Alpha > 1 ||
 			params.ReplicaAlpha < 0 || params.ReplicaAlpha > 1 || params.MaxCorrection < 1 ||
-			params.DecodeWeight < 0 || params.InterferenceWeight < 0 || params.EvictionWeight < 0 {
+			params.DecodeWeight < 0 || params.InterferenceWeight < 0 || params.EvictionWeight < 0 || params.DeferMs < 0 {
 			return nil, fmt.Errorf("%w: need margin_rel ≥ 0, margin_ms ≥ 0, 0 ≤ correction_alpha ≤ 1, "+
 				"0 ≤ replica_alpha ≤ 1, max_correction ≥ 1, decode_weight ≥ 0, interference_weight ≥ 0, "+
 				"eviction_weight ≥ 0", ErrParam)
@@ -177,6 +183,7 @@ type ttftEstimate struct {
 	ms      float64 // estimated TTFT, uncorrected
 	matched int     // blocks credited
 	cost    float64 // decode and eviction cost of the choice, ms
+	queueMs float64 // the part of ms spent on the work queued ahead, uncorrected
 }
 
 // estimate estimates sending req to v, for out expected output tokens.
@@ -234,7 +241,8 @@ func (t *TTFT) estimate(req *Request, v *ReplicaView, meanPrompt, out float64) t
 		ownMs := prof.C1*float64(own) + prof.C2*float64(own)*float64(cached+own) + math.Ceil(float64(own)/chunk)*stepMs
 		cost += t.params.EvictionWeight * evict * ownMs
 	}
-	return ttftEstimate{ms: ms, matched: matched, cost: cost}
+	queueMs := math.Ceil(queued/chunk)*stepMs + prof.C1*queued
+	return ttftEstimate{ms: ms, matched: matched, cost: cost, queueMs: queueMs}
 }
 
 func (t *TTFT) Pick(req *Request, rs []ReplicaView) (Decision, error) {
@@ -244,9 +252,12 @@ func (t *TTFT) Pick(req *Request, rs []ReplicaView) (Decision, error) {
 	ttfts, matched := scratch(&tbuf, len(rs)), scratch(&mbuf, len(rs)) // estimated TTFT (ms), blocks credited
 	t.mu.Lock()
 	defer t.mu.Unlock()
-	best := t.estimateAll(req, rs, scores, ttfts, matched)
+	best, queueMs := t.estimateAll(req, rs, scores, ttfts, matched)
 	if math.IsInf(best, 1) {
 		return Decision{}, ErrNoReplica
+	}
+	if t.params.DeferMs > 0 && !req.NoDefer && queueMs > t.params.DeferMs {
+		return Decision{}, ErrDefer
 	}
 	choice := t.choose(scores, matched, best)
 	reason := "lowest score (estimated TTFT + decode and eviction costs)"
@@ -268,8 +279,8 @@ func (t *TTFT) Pick(req *Request, rs []ReplicaView) (Decision, error) {
 // estimateAll fills, for every healthy replica, its corrected estimated
 // TTFT, its score (the TTFT plus the decode and eviction costs) and the
 // blocks credited; unhealthy replicas score +Inf. It returns the lowest
-// score. t.mu must be held.
-func (t *TTFT) estimateAll(req *Request, rs []ReplicaView, scores, ttfts []float64, matched []int) float64 {
+// score and the shortest corrected queue ahead (ms). t.mu must be held.
+func (t *TTFT) estimateAll(req *Request, rs []ReplicaView, scores, ttfts []float64, matched []int) (float64, float64) {
 	meanPrompt := t.meanPrompt
 	if meanPrompt == 0 {
 		meanPrompt = float64(req.Tokens)
@@ -281,18 +292,19 @@ func (t *TTFT) estimateAll(req *Request, rs []ReplicaView, scores, ttfts []float
 			out = ttftDefaultOutput
 		}
 	}
-	best := math.Inf(1)
+	best, queue := math.Inf(1), math.Inf(1)
 	for i := range rs {
 		if !rs[i].Healthy {
 			scores[i] = math.Inf(1)
 			continue
 		}
 		e := t.estimate(req, &rs[i], meanPrompt, out)
-		ttfts[i] = e.ms * t.corr(rs[i].Index)
+		c := t.corr(rs[i].Index)
+		ttfts[i] = e.ms * c
 		scores[i], matched[i] = ttfts[i]+e.cost, e.matched
-		best = min(best, scores[i])
+		best, queue = min(best, scores[i]), min(queue, e.queueMs*c)
 	}
-	return best
+	return best, queue
 }
 
 // choose returns the position to send the request to: among the scores

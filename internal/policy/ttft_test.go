@@ -301,3 +301,38 @@ func TestTTFTRoutedLearnsWithThePicksCorrection(t *testing.T) {
 		t.Fatalf("raw estimate learnt from %v ms, want %v ms (the estimate without the correction it was made with)", got, want)
 	}
 }
+
+// Late binding (defer_ms): the request waits in the router while every
+// replica's queue ahead would take longer than the bound, and is routed at
+// once when one replica's is short, when told not to wait, or when off.
+func TestTTFTDefersWhileEveryQueueIsLong(t *testing.T) {
+	cases := []struct {
+		name    string
+		queued  [2]int // pending prefill tokens of the two replicas
+		deferMs float64
+		noDefer bool
+		want    error
+	}{
+		{"both queues long", [2]int{60000, 60000}, 100, false, ErrDefer},
+		{"one queue short", [2]int{60000, 500}, 100, false, nil},
+		{"both empty", [2]int{0, 0}, 100, false, nil},
+		{"told not to wait", [2]int{60000, 60000}, 100, true, nil},
+		{"off", [2]int{60000, 60000}, 0, false, nil},
+		{"a bound above the queues", [2]int{60000, 60000}, 1e6, false, nil},
+	}
+	for _, c := range cases {
+		p := peerNew(t, "ttft", map[string]any{"defer_ms": c.deferMs})
+		rs := peerViews(2)
+		for i, q := range c.queued {
+			if q > 0 {
+				rs[i].PendingPrefill, rs[i].PendingCount, rs[i].InFlight = q, 4, 4
+			}
+		}
+		req := ttftReq(1)
+		req.NoDefer = c.noDefer
+		_, err := p.Pick(req, rs)
+		if !errors.Is(err, c.want) && !(c.want == nil && err == nil) {
+			t.Errorf("%s: %v, want %v", c.name, err, c.want)
+		}
+	}
+}
