@@ -4,7 +4,7 @@ import "fmt"
 
 func init() {
 	register("chwbl", func(o Options) (Policy, error) {
-		params := chwblParams{LoadFactor: 1.25, PrefixChars: 100, VNodes: defaultVNodes}
+		params := chwblParams{LoadFactor: 1.25, PrefixChars: 100, VNodes: defaultVNodes, CountRequest: true}
 		if err := decodeParams(o.Params, &params); err != nil {
 			return nil, err
 		}
@@ -28,7 +28,7 @@ type chwblParams struct {
 	// CountRequest counts the request being routed in the replica's load,
 	// as KubeAI's chwblLoadOK does: a replica is within the bound when
 	// load + 1 ≤ bound, and every replica is while the total load is 0.
-	// Off by default: kvgate's rule (PEERS.md) is load ≤ bound.
+	// On by default, as KubeAI runs; off is the textbook rule, load ≤ bound.
 	CountRequest bool `json:"count_request"`
 }
 
@@ -46,11 +46,11 @@ type chwblParams struct {
 // queueing on one replica; if every replica is over the bound, the first
 // one met takes it.
 //
-// Two differences from KubeAI's code. KubeAI tests load + 1 ≤ bound (the
-// "+1" for the request being routed; any replica while the total is 0):
-// parameter count_request, off by default, so at low load (bound < 1) kvgate
-// spills to an idle successor where KubeAI, finding no replica within, keeps
-// the ring owner. And KubeAI hashes adapter + prefix over points named after
+// KubeAI tests load + 1 ≤ bound (the "+1" for the request being routed;
+// any replica while the total is 0), as kvgate does by default
+// (count_request; off, the textbook load ≤ bound spills to an idle
+// successor at low load, where KubeAI keeps the ring owner). One difference
+// from KubeAI's code: KubeAI hashes adapter + prefix over points named after
 // its pods, kvgate prefix + adapter over points named after the URLs: another
 // but equally uniform ring.
 //

@@ -10,7 +10,7 @@ import (
 // strategy (api/k8s/v1/model_types.go: meanLoadPercentage 125,
 // replication 256, prefixCharLength 100).
 func TestCHWBLDefaults(t *testing.T) {
-	want := chwblParams{LoadFactor: 1.25, PrefixChars: 100, VNodes: 256}
+	want := chwblParams{LoadFactor: 1.25, PrefixChars: 100, VNodes: 256, CountRequest: true}
 	if got := peerNew(t, "chwbl", nil).(*CHWBL).params; got != want {
 		t.Fatalf("params %+v, want %+v", got, want)
 	}
@@ -53,13 +53,17 @@ func TestCHWBLRule(t *testing.T) {
 		{"owner at 2 of 16 stays", nil, map[int]int{0: 2, 1: 2, 2: 2, 3: 2, 4: 2, 5: 2, 6: 2, 7: 2}, nil, 0, "ring owner"},
 		// total 7: bound 8/8 × 1.25 = 1.25, or × 2 = 2.
 		{"owner at 2, successor at 5: the next", nil, map[int]int{0: 2, 1: 5}, nil, 2, "ring successor"},
-		{"load_factor 2: the owner at 2 stays", map[string]any{"load_factor": 2}, map[int]int{0: 2, 1: 5}, nil, 0, "ring owner"},
+		{"load_factor 2: the owner at 2 stays", map[string]any{"load_factor": 2, "count_request": false}, map[int]int{0: 2, 1: 5}, nil, 0, "ring owner"},
 		// Healthy total 2 of 7 replicas: bound 3/7 × 1.25 = 0.536.
 		{"owner down, its load ignored", nil, map[int]int{0: 50, 1: 2}, []int{0}, 2, "ring successor"},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
-			p := peerNew(t, "chwbl", c.params)
+			params := c.params
+			if params == nil {
+				params = map[string]any{"count_request": false} // the textbook bound; count_request is the default
+			}
+			p := peerNew(t, "chwbl", params)
 			rs := peerViews(8)
 			for rank, l := range c.loads {
 				rs[o[rank]].InFlight = l

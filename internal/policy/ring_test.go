@@ -81,7 +81,7 @@ func TestCHWBLSpillsPastItsBound(t *testing.T) {
 			for _, pos := range c.down {
 				rs[pos].Healthy = false
 			}
-			p := peerNew(t, "chwbl", nil)
+			p := peerNew(t, "chwbl", map[string]any{"count_request": false}) // the textbook bound
 			req := peerReq(1, "", peerT0)
 			req.KeyText = key + " and then the rest of the first user message"
 			if got, d := peerPick(t, p, req, rs); got != c.want {
