@@ -229,9 +229,17 @@ func Words(seed uint64, tokens int) string {
 
 // AppendBlockText appends BlockText(id) to dst.
 func AppendBlockText(dst []byte, id int) []byte {
+	return AppendBlockTextN(dst, id, BlockTokens)
+}
+
+// AppendBlockTextN appends the text of hash id id for blocks of tokens
+// tokens: 4·tokens bytes of words from a generator seeded by the id. With
+// tokens = BlockTokens it is BlockText(id); other sizes give unrelated texts
+// of their own length (a recorded trace's 16-token blocks).
+func AppendBlockTextN(dst []byte, id, tokens int) []byte {
 	var r rng
 	r.seed(uint64(id), domainBlock)
-	return appendText(dst, &r, BlockBytes)
+	return appendText(dst, &r, tokens*prompt.TokenBytesPer)
 }
 
 // BlockText is the text of one Mooncake hash id: 512 tokens (2,048 bytes)
@@ -244,10 +252,20 @@ func BlockText(id int) string {
 // AppendTraceText appends TraceText(hashIDs, inputLength) to dst. It writes
 // straight into dst, so replay can reuse one buffer for every request.
 func AppendTraceText(dst []byte, hashIDs []int, inputLength int) []byte {
+	return AppendTraceTextN(dst, hashIDs, inputLength, BlockTokens)
+}
+
+// AppendTraceTextN is AppendTraceText for hash ids of blockTokens tokens
+// each (a trace recorded by kvgate serve --record carries its block_size):
+// the text of each id in order, the last cut to inputLength −
+// blockTokens·(n−1) tokens. It panics unless len(hashIDs) ==
+// ceil(inputLength/blockTokens) and blockTokens > 0, which the trace reader
+// guarantees.
+func AppendTraceTextN(dst []byte, hashIDs []int, inputLength, blockTokens int) []byte {
 	n := len(hashIDs)
-	if inputLength < 0 || n != (inputLength+BlockTokens-1)/BlockTokens {
+	if blockTokens <= 0 || inputLength < 0 || n != (inputLength+blockTokens-1)/blockTokens {
 		panic(fmt.Sprintf("workload: %d hash ids for input_length %d, want ceil(input_length/%d) = %d",
-			n, inputLength, BlockTokens, (inputLength+BlockTokens-1)/BlockTokens))
+			n, inputLength, blockTokens, (inputLength+max(blockTokens, 1)-1)/max(blockTokens, 1)))
 	}
 	if n == 0 {
 		return dst
@@ -255,17 +273,21 @@ func AppendTraceText(dst []byte, hashIDs []int, inputLength int) []byte {
 	start := len(dst)
 	dst = grow(dst, inputLength*prompt.TokenBytesPer)[:start]
 	for _, id := range hashIDs[:n-1] {
-		dst = AppendBlockText(dst, id)
+		dst = AppendBlockTextN(dst, id, blockTokens)
 	}
-	last := (inputLength - BlockTokens*(n-1)) * prompt.TokenBytesPer
-	if last == BlockBytes {
-		return AppendBlockText(dst, hashIDs[n-1])
+	last := (inputLength - blockTokens*(n-1)) * prompt.TokenBytesPer
+	if last == blockTokens*prompt.TokenBytesPer {
+		return AppendBlockTextN(dst, hashIDs[n-1], blockTokens)
 	}
 	// The last block is partial: the prefix of its full text, so that a
 	// request ending inside block id x shares it with every request that
 	// holds all of x.
-	var full [BlockBytes]byte
-	AppendBlockText(full[:0], hashIDs[n-1])
+	var buf [BlockBytes]byte
+	full := buf[:0]
+	if blockTokens > BlockTokens {
+		full = make([]byte, 0, blockTokens*prompt.TokenBytesPer)
+	}
+	full = AppendBlockTextN(full, hashIDs[n-1], blockTokens)
 	return append(dst, full[:last]...)
 }
 

@@ -3,12 +3,14 @@ package workload
 import (
 	"bufio"
 	"bytes"
+	"cmp"
 	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
 	"math"
 	"os"
+	"slices"
 	"strconv"
 	"time"
 
@@ -17,11 +19,28 @@ import (
 
 // TraceRecord is one line of a Mooncake trace (see shared/traces/README.md):
 // arrival time, prompt and output lengths in tokens, and the prompt's
-// 512-token blocks as remapped prefix hashes.
+// 512-token blocks as remapped prefix hashes; or of a trace recorded by
+// `kvgate serve --record`, a superset (see the gateway's recorder): blocks of
+// BlockSize tokens, the model, the session and the endpoint.
 type TraceRecord struct {
 	Timestamp                 time.Duration
 	InputLength, OutputLength int
 	HashIDs                   []int
+	// BlockSize is the tokens per hash id ("block_size"; 0: absent, Mooncake's 512).
+	BlockSize int
+	// Model ("model") and Chat ("chat") describe the recorded request;
+	// Session ("session", a string or a number) is its session, "" if none.
+	Model   string
+	Session string
+	Chat    bool
+}
+
+// blockTokens is the record's tokens per hash id.
+func (r *TraceRecord) blockTokens() int {
+	if r.BlockSize > 0 {
+		return r.BlockSize
+	}
+	return BlockTokens
 }
 
 // Bounds of the trace reader. A line is at most MaxTraceLine bytes; a request
@@ -54,8 +73,13 @@ func (e *TraceError) Is(target error) bool { return target == ErrTrace }
 // ReadTrace reads a Mooncake trace, strictly: every line is a JSON object with
 // timestamp (ms, ≥ 0, not before the previous line's), input_length and
 // output_length (1..MaxTraceTokens) and hash_ids (non-negative, exactly
-// ceil(input_length/512) of them); blank lines are skipped. Every error is a
-// *TraceError carrying the line number.
+// ceil(input_length/block_size) of them, block_size 512 unless the line
+// gives it); blank lines are skipped. Every error is a *TraceError carrying
+// the line number.
+//
+// A recorded trace (its first record gives block_size) is written as
+// requests complete, not as they arrive: its records are sorted by
+// timestamp (stably) instead of having to be in order.
 func ReadTrace(r io.Reader) ([]TraceRecord, error) {
 	return readTrace(r, MaxTraceLine)
 }
@@ -83,7 +107,7 @@ func readTrace(r io.Reader, maxLine int) ([]TraceRecord, error) {
 		if err != nil {
 			return nil, &TraceError{line, err}
 		}
-		if n := len(recs); n > 0 && rec.Timestamp < recs[n-1].Timestamp {
+		if n := len(recs); n > 0 && rec.Timestamp < recs[n-1].Timestamp && recs[0].BlockSize == 0 {
 			return nil, &TraceError{line, fmt.Errorf("timestamp %v is before the previous record's %v: records must be sorted by time",
 				rec.Timestamp, recs[n-1].Timestamp)}
 		}
@@ -95,6 +119,9 @@ func readTrace(r io.Reader, maxLine int) ([]TraceRecord, error) {
 		}
 		return nil, &TraceError{line + 1, fmt.Errorf("read: %w", err)}
 	}
+	if len(recs) > 0 && recs[0].BlockSize != 0 {
+		slices.SortStableFunc(recs, func(a, b TraceRecord) int { return cmp.Compare(a.Timestamp, b.Timestamp) })
+	}
 	return recs, nil
 }
 
@@ -105,6 +132,11 @@ type traceLine struct {
 	InputLength  *int            `json:"input_length"`
 	OutputLength *int            `json:"output_length"`
 	HashIDs      *[]int          `json:"hash_ids"`
+	// The recorded superset (kvgate serve --record).
+	BlockSize *int            `json:"block_size"`
+	Model     string          `json:"model"`
+	Session   json.RawMessage `json:"session"`
+	Chat      bool            `json:"chat"`
 }
 
 func parseRecord(b []byte) (TraceRecord, error) {
@@ -136,16 +168,46 @@ func parseRecord(b []byte) (TraceRecord, error) {
 	if out < 1 || out > MaxTraceTokens {
 		return TraceRecord{}, fmt.Errorf("output_length %d is outside [1, %d]", out, MaxTraceTokens)
 	}
-	if want := (in + BlockTokens - 1) / BlockTokens; len(ids) != want {
+	rec := TraceRecord{Timestamp: ts, InputLength: in, OutputLength: out, HashIDs: ids, Model: l.Model, Chat: l.Chat}
+	if l.BlockSize != nil {
+		if bs := *l.BlockSize; bs < 1 || bs > MaxTraceTokens {
+			return TraceRecord{}, fmt.Errorf("block_size %d is outside [1, %d]", bs, MaxTraceTokens)
+		}
+		rec.BlockSize = *l.BlockSize
+	}
+	bt := rec.blockTokens()
+	if want := (in + bt - 1) / bt; len(ids) != want {
 		return TraceRecord{}, fmt.Errorf("%d hash_ids for input_length %d, want ceil(%d/%d) = %d",
-			len(ids), in, in, BlockTokens, want)
+			len(ids), in, in, bt, want)
 	}
 	for i, id := range ids {
 		if id < 0 {
 			return TraceRecord{}, fmt.Errorf("hash_ids[%d] = %d is negative", i, id)
 		}
 	}
-	return TraceRecord{Timestamp: ts, InputLength: in, OutputLength: out, HashIDs: ids}, nil
+	if rec.Session, err = sessionOf(l.Session); err != nil {
+		return TraceRecord{}, err
+	}
+	return rec, nil
+}
+
+// sessionOf reads a record's session: a string, or a number (a recorder's
+// session id), kept as its decimal text; absent or null is "".
+func sessionOf(raw json.RawMessage) (string, error) {
+	s := string(bytes.TrimSpace(raw))
+	switch {
+	case s == "" || s == "null":
+		return "", nil
+	case s[0] == '"':
+		var v string
+		if err := json.Unmarshal(raw, &v); err != nil {
+			return "", fmt.Errorf("session: %v", err)
+		}
+		return v, nil
+	case s[0] == '-' || (s[0] >= '0' && s[0] <= '9'):
+		return s, nil
+	}
+	return "", fmt.Errorf("session %s is neither a string nor a number", s)
 }
 
 // parseMillis reads a timestamp in milliseconds: an integer exactly, a
@@ -187,8 +249,10 @@ func ReadTraceFile(path string) ([]TraceRecord, error) {
 }
 
 // FromTrace turns trace records into requests: At is the timestamp divided
-// by speedup, MaxTokens the output length, and the text is synthesised from
-// the hash ids on demand (Request.Text). Requests share the records' HashIDs.
+// by speedup, MaxTokens the output length, Session the record's, and the
+// text is synthesised from the hash ids on demand (Request.Text): HashIDs
+// for 512-token ids, BlockIDs and BlockTokens for a recorded trace's other
+// block sizes. Requests share the records' ids.
 func FromTrace(recs []TraceRecord, speedup float64) ([]Request, error) {
 	if !(speedup > 0) || math.IsInf(speedup, 0) {
 		return nil, fmt.Errorf("%w: speedup %g must be a positive number", ErrBadParam, speedup)
@@ -200,7 +264,12 @@ func FromTrace(recs []TraceRecord, speedup float64) ([]Request, error) {
 			at = seconds(rec.Timestamp.Seconds() / speedup)
 		}
 		reqs[i] = Request{Index: i, At: at, Prev: -1, MaxTokens: rec.OutputLength,
-			InputTokens: rec.InputLength, HashIDs: rec.HashIDs}
+			InputTokens: rec.InputLength, Session: rec.Session, Timed: true}
+		if bt := rec.blockTokens(); bt == BlockTokens {
+			reqs[i].HashIDs = rec.HashIDs
+		} else {
+			reqs[i].BlockIDs, reqs[i].BlockTokens = rec.HashIDs, bt
+		}
 	}
 	return reqs, nil
 }
@@ -212,6 +281,13 @@ func generateTrace(s Spec) ([]Request, error) {
 	}
 	if s.Path == "" {
 		return nil, fmt.Errorf("%w: the trace workload needs a file (trace:PATH)", ErrBadParam)
+	}
+	format, err := TraceFormatOf(s.Path)
+	if err != nil {
+		return nil, err
+	}
+	if format == FormatRequestLog {
+		return generateRequestLog(s, p.f("speedup"))
 	}
 	recs, err := ReadTraceFile(s.Path)
 	if err != nil {
@@ -234,4 +310,32 @@ func generateTrace(s Spec) ([]Request, error) {
 		return nil, err
 	}
 	return FromTrace(recs, p.f("speedup"))
+}
+
+// generateRequestLog is the trace workload of a request log (ReadRequestLog).
+func generateRequestLog(s Spec, speedup float64) ([]Request, error) {
+	reqs, err := ReadRequestLogFile(s.Path)
+	if err != nil {
+		return nil, err
+	}
+	if len(reqs) == 0 {
+		return nil, fmt.Errorf("%w: %s has no requests", ErrTrace, s.Path)
+	}
+	if s.Requests > 0 {
+		if s.Requests > len(reqs) {
+			return nil, fmt.Errorf("%w: %d requests but %s has only %d", ErrBadParam, s.Requests, s.Path, len(reqs))
+		}
+		reqs = reqs[:s.Requests:s.Requests]
+	}
+	text := 0.0
+	for i := range reqs {
+		text += float64(reqs[i].InputTokens * prompt.TokenBytesPer)
+		if speedup != 1 {
+			reqs[i].At = seconds(reqs[i].At.Seconds() / speedup)
+		}
+	}
+	if err := checkSize(TraceName, float64(len(reqs)), text); err != nil {
+		return nil, err
+	}
+	return reqs, nil
 }

@@ -36,9 +36,9 @@ func TestReadTraceValid(t *testing.T) {
 		t.Fatal(err)
 	}
 	want := []TraceRecord{
-		{0, 600, 5, []int{0, 1}},
-		{1500 * time.Microsecond, 512, 1, []int{0}},
-		{time.Second, 1, 9, []int{7}},
+		{Timestamp: 0, InputLength: 600, OutputLength: 5, HashIDs: []int{0, 1}},
+		{Timestamp: 1500 * time.Microsecond, InputLength: 512, OutputLength: 1, HashIDs: []int{0}},
+		{Timestamp: time.Second, InputLength: 1, OutputLength: 9, HashIDs: []int{7}},
 	}
 	if !reflect.DeepEqual(recs, want) {
 		t.Fatalf("got %+v\nwant %+v", recs, want)

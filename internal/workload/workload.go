@@ -54,11 +54,21 @@ type Request struct {
 	// HashIDs are the Mooncake hash ids of a trace request (nil otherwise);
 	// its text is synthesised from them on demand (see Text).
 	HashIDs []int
+	// BlockIDs are the hash ids of a recorded trace (kvgate serve --record)
+	// whose blocks are BlockTokens tokens rather than Mooncake's 512; its
+	// text is synthesised from them as from HashIDs. They are kept apart
+	// from HashIDs, which always mean 512-token blocks to their readers.
+	BlockIDs    []int
+	BlockTokens int
+	// Timed: At is the request's own arrival time from a trace or a request
+	// log, which Arrivals keeps.
+	Timed bool
 }
 
 // Text returns the routing text: the Prompt, the chat rendered as the
 // gateway renders it (prompt.RenderChat), or for a trace request
-// TraceText(HashIDs, InputTokens), synthesised on each call (about 25 µs for
+// TraceText(HashIDs, InputTokens) (AppendTraceTextN of BlockIDs for a
+// recorded one), synthesised on each call (about 25 µs for
 // 12,000 tokens) rather than held, so that a whole trace costs no text memory.
 func (r *Request) Text() string {
 	switch {
@@ -66,6 +76,8 @@ func (r *Request) Text() string {
 		return prompt.RenderChat(r.Roles, r.Contents)
 	case r.HashIDs != nil && r.Prompt == "":
 		return TraceText(r.HashIDs, r.InputTokens)
+	case r.BlockIDs != nil && r.Prompt == "":
+		return bytesToString(AppendTraceTextN(nil, r.BlockIDs, r.InputTokens, r.BlockTokens))
 	}
 	return r.Prompt
 }
@@ -77,6 +89,8 @@ func (r *Request) AppendText(dst []byte) []byte {
 		return appendChat(dst, r.Roles, r.Contents)
 	case r.HashIDs != nil && r.Prompt == "":
 		return AppendTraceText(dst, r.HashIDs, r.InputTokens)
+	case r.BlockIDs != nil && r.Prompt == "":
+		return AppendTraceTextN(dst, r.BlockIDs, r.InputTokens, r.BlockTokens)
 	}
 	return append(dst, r.Prompt...)
 }
@@ -347,14 +361,14 @@ const domainArrivals uint64 = 0x617272697661 // "arriva"
 
 // Arrivals sets At to Poisson arrivals at rate requests per second, in index
 // order: the first at 0, then exponential gaps of mean 1/rate drawn from a
-// generator seeded by seed. Trace requests (HashIDs set) keep their
-// timestamps and are skipped. rate ≤ 0 (or NaN) sets At = 0: closed loop.
+// generator seeded by seed. Trace requests (Timed, or HashIDs set) keep
+// their timestamps and are skipped. rate ≤ 0 (or NaN) sets At = 0: closed loop.
 func Arrivals(reqs []Request, rate float64, seed uint64) {
 	open := rate > 0
 	r := newRNG(seed, domainArrivals)
 	t, first := 0.0, true
 	for i := range reqs {
-		if reqs[i].HashIDs != nil {
+		if reqs[i].Timed || reqs[i].HashIDs != nil {
 			continue
 		}
 		if !open {
