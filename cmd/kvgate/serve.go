@@ -25,6 +25,7 @@ type serveFlags struct {
 	kvReplay, kvListen                                        string
 	dataParallel                                              int
 	adminToken, apiKeys, profile, logLevel                    string
+	record                                                    string
 	params                                                    listFlag
 	seed                                                      uint64
 	blockSize, retries, maxConns                              int
@@ -59,6 +60,9 @@ func (f *serveFlags) register(fs *flag.FlagSet) {
 	fs.DurationVar(&f.drain, "drain-timeout", d.DrainTimeout.D(), "on SIGTERM, how long requests in flight may finish before they are cut")
 	fs.IntVar(&f.maxConns, "max-connections", 0, "cap on client connections (0: half the process's open-file limit)")
 	fs.StringVar(&f.logLevel, "log-level", "info", "debug, info, warn or error")
+	rd := gateway.DefaultRecord()
+	fs.StringVar(&f.record, "record", "", fmt.Sprintf("write a trace of the requests served to this file, for kvgate replay --trace: "+
+		"block hashes and lengths, never text (rotates at %d MiB keeping %d files; config record: for more)", rd.MaxBytes>>20, rd.Keep))
 }
 
 func (f *serveFlags) run(ctx context.Context, inv invocation) error {
@@ -78,6 +82,9 @@ func (f *serveFlags) run(ctx context.Context, inv invocation) error {
 		return err
 	}
 	fmt.Fprintf(inv.stdout, "kvgate serving http://%s → %d replicas, policy %s\n", ln.Addr(), len(cfg.Replicas), cfg.Policy)
+	if cfg.Record.Path != "" {
+		fmt.Fprintf(inv.stdout, "recording served requests to %s (replay it with: kvgate replay --trace %s)\n", cfg.Record.Path, cfg.Record.Path)
+	}
 	return serveUntil(ctx, ln, g, log)
 }
 
@@ -147,6 +154,9 @@ func (f *serveFlags) override(cfg *gateway.Config, set map[string]bool) error {
 	}
 	if set["retries"] {
 		cfg.Retries = f.retries
+	}
+	if set["record"] {
+		cfg.Record.Path = f.record
 	}
 	f.overrideLimits(cfg, set)
 	f.overrideSecrets(cfg)

@@ -131,6 +131,10 @@ type Config struct {
 	// cache_config_info is scraped.
 	BlocksPerReplica int `json:"blocks_per_replica"`
 
+	// Record writes a trace of the traffic served (kvgate serve --record):
+	// block hashes and lengths, never text. See RecordConfig.
+	Record RecordConfig `json:"record"`
+
 	// AdminToken enables /debug/* and /admin/*, behind "Authorization: Bearer".
 	AdminToken string `json:"admin_token,omitempty"`
 	// APIKeys, when set, are the only bearer tokens clients may use.
@@ -171,6 +175,7 @@ func Defaults() Config {
 		QueueTimeout:       Duration(30 * time.Second),
 		IndexMaxEntries:    4 << 20,
 		BlocksPerReplica:   30000,
+		Record:             DefaultRecord(),
 	}
 }
 
@@ -299,6 +304,7 @@ func (c *Config) Validate() error {
 		errs = append(errs, errors.New("scrape_interval and health_interval must be positive"))
 	}
 	errs = append(errs, c.validatePrecise()...)
+	errs = append(errs, c.Record.validate()...)
 	return errors.Join(errs...)
 }
 

@@ -70,6 +70,8 @@ type Gateway struct {
 	unknownTopics atomic.Int64 // batches with an unknown topic (logging bound)
 	// kvModels is, per target, the model its KV-event topic last named.
 	kvModels []atomic.Pointer[string]
+
+	rec *recorder // the recording (record.path), nil when off
 }
 
 // Options are a Gateway's injected parts.
@@ -121,6 +123,11 @@ func New(cfg Config, o Options) (*Gateway, error) {
 	g.registerLimiterMetrics(o.Registry)
 	if cfg.Tokenizer == "remote" {
 		g.tok = newRemoteTokenizer(g, 8192)
+	}
+	if cfg.Record.Path != "" {
+		if g.rec, err = newRecorder(cfg.Record, cfg.BlockSize, o.Clock, o.Logger, o.Registry); err != nil {
+			return nil, err
+		}
 	}
 	g.routes()
 	return g, nil
@@ -219,11 +226,16 @@ func (g *Gateway) Fleet() *fleet.Fleet { return g.fleet }
 // Handler serves the API.
 func (g *Gateway) Handler() http.Handler { return g.mux }
 
-// Run watches the replicas (scrapes, health checks, KV events) until ctx ends.
+// Run watches the replicas (scrapes, health checks, KV events) and writes
+// the recording until ctx ends; then it flushes and closes the recording
+// (end ctx after the drain, so that it holds every request served).
 func (g *Gateway) Run(ctx context.Context) {
 	var wg sync.WaitGroup
 	wg.Add(1)
 	go func() { defer wg.Done(); g.fleet.Run(ctx) }()
+	if g.rec != nil {
+		wg.Go(func() { g.rec.run(ctx) })
+	}
 	if g.cfg.Precise() {
 		wg.Add(1)
 		go func() { defer wg.Done(); g.runKVEvents(ctx) }()

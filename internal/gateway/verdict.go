@@ -105,6 +105,7 @@ func (g *Gateway) settle(x *exchange, a *attempt) {
 	if a.v == served && a.tk.Underpredicted(a.cached) {
 		g.underpredicted(i)
 	}
+	g.rec.record(x, a) // served requests only, never waiting
 	url := g.rt.Name(i)
 	if a.v != skipped {
 		g.met.attempts.WithLabelValues(url, a.v.String()).Inc()
