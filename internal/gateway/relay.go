@@ -92,7 +92,9 @@ func (g *Gateway) relayStream(x *exchange, a *attempt, ctx context.Context, canc
 			}
 			continue
 		}
-		if errors.Is(err, io.EOF) && sawDone {
+		if sawDone {
+			// The answer was whole: a client that closes on [DONE] may
+			// cancel the read of the replica's EOF, and is still served.
 			return nil, nil
 		}
 		if errors.Is(err, io.EOF) {
