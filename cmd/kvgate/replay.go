@@ -38,6 +38,7 @@ const (
 // replayFlags are the flags of `kvgate replay`.
 type replayFlags struct {
 	trace, workload, policies, profile, question  string
+	traceFormat                                   workload.TraceFormat
 	kvEvents                                      string
 	dataParallel                                  int
 	workloadParams, policyParams, replicaProfiles listFlag
@@ -51,7 +52,9 @@ type replayFlags struct {
 }
 
 func (f *replayFlags) register(fs *flag.FlagSet) {
-	fs.StringVar(&f.trace, "trace", "", "Mooncake trace (JSON lines) to replay")
+	fs.StringVar(&f.trace, "trace", "", "trace to replay, JSON lines, its format told by its first line: a Mooncake trace (hash_ids), "+
+		"one recorded by kvgate serve --record (hash_ids and block_size), or a log of OpenAI request bodies with timestamps "+
+		"(timestamp or created, the request under body or request or the line itself)")
 	fs.StringVar(&f.workload, "workload", "", "a generated workload instead of a trace: "+strings.Join(workload.Names(), ", ")+" (or trace:FILE)")
 	fs.Var(&f.workloadParams, "workload-param", "a workload parameter, name=value (repeatable)")
 	fs.IntVar(&f.requests, "requests", 0, "requests to make (a trace: its first N records; 0: the workload's default, the whole trace)")
@@ -277,6 +280,10 @@ func (f *replayFlags) workloadSpec() (workload.Spec, error) {
 		if _, err := os.Stat(f.trace); err != nil {
 			return ws, fmt.Errorf("trace: %w", err)
 		}
+		var err error
+		if f.traceFormat, err = workload.TraceFormatOf(f.trace); err != nil {
+			return ws, fmt.Errorf("trace: %w", err)
+		}
 		ws = workload.Spec{Name: workload.TraceName, Path: f.trace}
 	case f.workload != "":
 		var err error
@@ -331,6 +338,9 @@ func (f *replayFlags) meta(inv invocation, ws workload.Spec, prof costmodel.Prof
 	}
 	if ws.Name == workload.TraceName {
 		m["trace"] = filepath.Base(ws.Path)
+		if f.traceFormat != "" {
+			m["trace_format"] = string(f.traceFormat)
+		}
 	} else {
 		m["workload"] = ws.String()
 		m["rate"] = f.rate
