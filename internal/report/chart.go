@@ -50,6 +50,9 @@ type ChartSeries struct {
 	Points bool // mark every point (sparse data)
 	Step   bool // draw as a step function (an empirical CDF): each value holds until the next x
 	Dashed bool
+	// YLo and YHi, for bars, draw a whisker from YLo[i] to YHi[i] on bar i (a confidence
+	// interval); NaN for none. Nil, or as long as Y.
+	YLo, YHi []float64
 }
 
 func (s ChartSeries) key() string {
@@ -80,9 +83,15 @@ func (c Chart) validate() error {
 		if !c.Bars && len(s.X) != len(s.Y) {
 			return fmt.Errorf("%w: %s: series %q has %d x and %d y", ErrInvalidChart, c.Name, s.Name, len(s.X), len(s.Y))
 		}
+		if (s.YLo != nil || s.YHi != nil) && (!c.Bars || len(s.YLo) != len(s.Y) || len(s.YHi) != len(s.Y)) {
+			return fmt.Errorf("%w: %s: series %q: whiskers need bars and one low and one high per y", ErrInvalidChart, c.Name, s.Name)
+		}
 		for i, y := range s.Y {
 			if !finite(y) || (c.LogY && y <= 0) {
 				return fmt.Errorf("%w: %s: series %q y[%d] = %v", ErrInvalidChart, c.Name, s.Name, i, y)
+			}
+			if s.YLo != nil && !math.IsNaN(s.YLo[i]) && !(finite(s.YLo[i]) && finite(s.YHi[i]) && s.YLo[i] <= s.YHi[i] && (!c.LogY || s.YLo[i] > 0)) {
+				return fmt.Errorf("%w: %s: series %q whisker %d = [%v, %v]", ErrInvalidChart, c.Name, s.Name, i, s.YLo[i], s.YHi[i])
 			}
 			if c.Bars {
 				continue
@@ -263,6 +272,9 @@ func (c Chart) addBars(p *plot.Plot, col colours, reserve vg.Length) ([]legendEn
 		bars.LineStyle.Width = 0
 		bars.Offset = (vg.Length(k) - vg.Length(nser-1)/2) * w
 		p.Add(bars)
+		if s.YLo != nil {
+			p.Add(whiskers{offset: bars.Offset, width: min(w*0.6, vg.Points(8)), lo: s.YLo, hi: s.YHi})
+		}
 		legend = append(legend, legendEntry{s.Name, []plot.Thumbnailer{bars}})
 	}
 	labels := make([]string, ncat)
@@ -331,6 +343,43 @@ func setLog(a *plot.Axis) {
 	case a.Min == a.Max:
 		a.Min, a.Max = a.Min/2, a.Max*2
 	}
+}
+
+// whiskers draw an interval on each bar of a series, at the bar's offset (in points) from its
+// category: a vertical line from lo to hi with a cap at each end, dark so that it shows on any
+// bar colour.
+type whiskers struct {
+	offset, width vg.Length
+	lo, hi        []float64
+}
+
+func (w whiskers) Plot(c draw.Canvas, p *plot.Plot) {
+	tx, ty := p.Transforms(&c)
+	sty := draw.LineStyle{Color: color.RGBA{0x22, 0x22, 0x22, 0xff}, Width: vg.Points(1.2)}
+	for i := range w.lo {
+		if math.IsNaN(w.lo[i]) {
+			continue
+		}
+		x := tx(float64(i)) + w.offset
+		y0, y1 := ty(w.lo[i]), ty(w.hi[i])
+		for _, seg := range [][]vg.Point{
+			{{X: x, Y: y0}, {X: x, Y: y1}},
+			{{X: x - w.width/2, Y: y0}, {X: x + w.width/2, Y: y0}},
+			{{X: x - w.width/2, Y: y1}, {X: x + w.width/2, Y: y1}},
+		} {
+			c.StrokeLines(sty, c.ClipLinesY(seg)...)
+		}
+	}
+}
+
+func (w whiskers) DataRange() (xmin, xmax, ymin, ymax float64) {
+	xmin, xmax, ymin, ymax = math.Inf(1), math.Inf(-1), math.Inf(1), math.Inf(-1)
+	for i := range w.lo {
+		if !math.IsNaN(w.lo[i]) {
+			ymin, ymax = min(ymin, w.lo[i]), max(ymax, w.hi[i])
+		}
+	}
+	return xmin, xmax, ymin, ymax
 }
 
 // lineThumb is a legend thumbnail for a line style without data.

@@ -36,14 +36,26 @@ const (
 //
 // Runs read back from JSON have no Series: the TTFT chart then shows their p50/p90/p99
 // points only, and the hit-rate chart is left out when no run has a series.
+//
+// Outputs.Write with Verdict set opens the page with Decide's verdict, followed by the one
+// chart that shows why (ttft_percentiles or capacity, also written as files), before the
+// run's description, the table and the other charts.
 func WriteReport(dir string, res Result, title string, extra ...Chart) error {
+	return writeReport(dir, res, title, nil, extra)
+}
+
+func writeReport(dir string, res Result, title string, verdict *Verdict, extra []Chart) error {
 	charts := builtinCharts(res)
+	if verdict != nil {
+		charts = append([]Chart{verdictChart(res, *verdict)}, charts...)
+	}
 	seen := map[string]bool{}
 	for _, c := range charts {
 		seen[c.Name] = true
 	}
+	reserved := []string{ChartHitRate, ChartTTFTPercentiles, ChartCapacity}
 	for _, c := range extra {
-		if seen[c.Name] || c.Name == ChartHitRate {
+		if seen[c.Name] || slices.Contains(reserved, c.Name) {
 			return fmt.Errorf("%w: duplicate chart name %q", ErrInvalidChart, c.Name)
 		}
 		if err := c.validate(); err != nil {
@@ -66,6 +78,9 @@ func WriteReport(dir string, res Result, title string, extra ...Chart) error {
 
 	col := newColours(res)
 	page := pageData{Title: title, Bound: boundLine(res.Bound), Meta: metaRows(res.Meta)}
+	if verdict != nil {
+		page.Verdict = []string{verdict.Headline, verdict.Rule}
+	}
 	if !anyRun(res, func(r Run) bool { return r.Series != nil && len(r.Series.HitRate) > 0 }) {
 		page.Notes = append(page.Notes, "Hit rate over time: not available (no per-request series; the result was read from JSON or had no successful requests).")
 	}
@@ -87,7 +102,12 @@ func WriteReport(dir string, res Result, title string, extra ...Chart) error {
 		if err != nil {
 			return fmt.Errorf("report: chart %s: %w", c.Name, err)
 		}
-		page.Charts = append(page.Charts, pageChart{Name: c.Name, Title: c.Title, Caption: c.Caption, SVG: inline})
+		pc := pageChart{Name: c.Name, Title: c.Title, Caption: c.Caption, SVG: inline}
+		if verdict != nil && c.Name == verdict.Chart {
+			page.Lead = &pc
+			continue
+		}
+		page.Charts = append(page.Charts, pc)
 	}
 	page.Table = htmlTable(res)
 
@@ -266,12 +286,14 @@ func inlineSVG(doc []byte, title string) (template.HTML, error) {
 }
 
 type pageData struct {
-	Title  string
-	Bound  string
-	Meta   [][2]string
-	Table  table
-	Charts []pageChart
-	Notes  []string
+	Title   string
+	Verdict []string   // headline and rule; nil without a verdict
+	Lead    *pageChart // the verdict's chart, shown under it
+	Bound   string
+	Meta    [][2]string
+	Table   table
+	Charts  []pageChart
+	Notes   []string
 }
 
 type pageChart struct {
@@ -375,6 +397,9 @@ table.results tr:hover td { background: #fafafa; }
 dl.meta { display: grid; grid-template-columns: max-content 1fr; gap: 0.2em 1em; font-size: 0.9em; }
 dl.meta dt { font-weight: bold; }
 dl.meta dd { margin: 0; font-family: "Liberation Mono", Menlo, Consolas, monospace; word-break: break-all; }
+section.verdict { margin: 1em 0 1.5em; }
+section.verdict p.headline { font-size: 1.1em; font-weight: bold; background: #f2f8f2; border-left: 4px solid #2ca02c; padding: 0.5em 0.8em; margin: 0; }
+section.verdict p.rule { font-size: 0.9em; color: #444; margin: 0.3em 0 0 0; }
 p.bound { background: #f3f7fb; border-left: 4px solid #1f77b4; padding: 0.5em 0.8em; }
 figure { margin: 1.5em 0; }
 figcaption { font-size: 0.9em; color: #444; margin-top: 0.3em; }
@@ -387,6 +412,20 @@ svg.chart text { font-family: "Liberation Sans", Arial, Helvetica, sans-serif !i
 </head>
 <body>
 <h1>{{.Title}}</h1>
+{{- if .Verdict}}
+<section class="verdict" id="verdict">
+<p class="headline">{{index .Verdict 0}}</p>
+<p class="rule">{{index .Verdict 1}}</p>
+{{- with .Lead}}
+<figure id="{{.Name}}">
+{{.SVG}}
+{{- if .Caption}}
+<figcaption>{{.Caption}}</figcaption>
+{{- end}}
+</figure>
+{{- end}}
+</section>
+{{- end}}
 {{- if .Meta}}
 <h2>Run</h2>
 <dl class="meta">
@@ -408,7 +447,7 @@ svg.chart text { font-family: "Liberation Sans", Arial, Helvetica, sans-serif !i
 {{- end}}
 </tbody>
 </table>
-<p class="files">Data: <a href="result.json">result.json</a>. Charts as files: {{range $i, $c := .Charts}}{{if $i}}, {{end}}<a href="{{$c.Name}}.svg">{{$c.Name}}.svg</a> / <a href="{{$c.Name}}.png">.png</a>{{end}}.</p>
+<p class="files">Data: <a href="result.json">result.json</a>. Charts as files: {{with .Lead}}<a href="{{.Name}}.svg">{{.Name}}.svg</a> / <a href="{{.Name}}.png">.png</a>{{if $.Charts}}, {{end}}{{end}}{{range $i, $c := .Charts}}{{if $i}}, {{end}}<a href="{{$c.Name}}.svg">{{$c.Name}}.svg</a> / <a href="{{$c.Name}}.png">.png</a>{{end}}.</p>
 <h2>Charts</h2>
 {{- range .Notes}}
 <p class="note">{{.}}</p>
@@ -423,13 +462,14 @@ svg.chart text { font-family: "Liberation Sans", Arial, Helvetica, sans-serif !i
 {{- end}}
 <h2>How to read this report</h2>
 <ul>
+<li><b>verdict</b> (at the top, when the runs compare policies): the best policy on the run's objective, the rule that chose it, and its ratio to the runner-up and to round_robin; when the best two are within the run's noise it names no winner.</li>
 <li><b>ttft</b>: time to first token, from the request's arrival to its first generated token. It is what a cache-aware router improves: a prefix already in a replica's KV cache is not computed again. p50 is the typical request, p90 and p99 the tail that queueing and cache misses make.</li>
 <li><b>itl</b>: inter-token latency, a request's mean gap between consecutive tokens ((e2e − ttft) / (output tokens − 1)); it grows with the batch a replica runs. <b>e2e</b>: arrival to last token.</li>
 <li><b>req/s</b> and <b>out tok/s</b>: successful requests and their generated tokens per second over the run.</li>
 <li><b>hit %</b>: cached prompt tokens / prompt tokens over all successful requests, as the replicas counted them. Higher means less prefill work.</li>
 <li><b>imbalance</b>: the busiest replica's share of requests divided by the even share 1/N: 1.00 is perfectly even, N means everything went to one replica. Cache affinity trades some balance for hits; the TTFT tail shows whether the trade paid.</li>
 <li><b>errors</b>: failed requests; they are counted here and left out of every other figure.</li>
-<li><b>capacity</b> (replay): the largest arrival-rate speed-up of the trace at which the policy still meets the TTFT p90 objective; higher means the same fleet serves more load.</li>
+<li><b>capacity</b> (replay): the largest arrival-rate speed-up of the trace at which the policy still meets the TTFT p90 objective; higher means the same fleet serves more load. "&lt; X" means it fails the objective even at X, the lowest speed-up searched.</li>
 <li><b>hit-rate bounds</b> (replay): the prefix-reuse bound is the hit rate of one cache of unbounded size seeing every request; the merged-LRU bound is one LRU cache with the whole fleet's capacity. No router on N separate caches beats the first, and few reach the second.</li>
 <li>Percentiles interpolate linearly between the closest ranks.</li>
 </ul>

@@ -100,6 +100,12 @@ func checkFinite(res Result) error {
 		if r.CapacitySpeedup != nil && bad(*r.CapacitySpeedup) {
 			return fmt.Errorf("%w: run %q field capacity_speedup", ErrNonFinite, r.Policy)
 		}
+		if r.CapacityBelow != nil && bad(*r.CapacityBelow) {
+			return fmt.Errorf("%w: run %q field capacity_below", ErrNonFinite, r.Policy)
+		}
+		if ci := r.TTFTP90CI; ci != nil && (bad(ci.Lo) || bad(ci.Hi)) {
+			return fmt.Errorf("%w: run %q field ttft_p90_ci_ms", ErrNonFinite, r.Policy)
+		}
 		for k, v := range r.Extra {
 			if bad(v) {
 				return fmt.Errorf("%w: run %q field extra.%s", ErrNonFinite, r.Policy, k)

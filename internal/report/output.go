@@ -15,13 +15,25 @@ type Outputs struct {
 	ReportDir string  // directory for WriteReport; "" for none
 	Title     string  // the report's title
 	Charts    []Chart // the report's extra charts
+	// Verdict opens the table and the report with Decide's verdict: set when the runs are
+	// policies compared on one workload (not a sweep of one policy's settings).
+	Verdict bool
 }
 
-// Write writes res as a table to table, then the JSON file and the report
-// directory when asked, and names each file written on log. The JSON is
-// encoded before the file is created, so that an unencodable result leaves
-// no partial file.
+// Write writes res as a table to table (after the verdict, when asked), then
+// the JSON file and the report directory when asked, and names each file
+// written on log. The JSON is encoded before the file is created, so that an
+// unencodable result leaves no partial file.
 func (o Outputs) Write(table, log io.Writer, res Result) error {
+	var verdict *Verdict
+	if v, ok := Decide(res); o.Verdict && ok {
+		verdict = &v
+		chart := ""
+		if o.ReportDir != "" {
+			chart = filepath.Join(o.ReportDir, v.Chart+".svg")
+		}
+		WriteVerdict(table, v, chart)
+	}
 	WriteTable(table, res)
 	if o.JSON != "" {
 		var b bytes.Buffer
@@ -34,7 +46,7 @@ func (o Outputs) Write(table, log io.Writer, res Result) error {
 		fmt.Fprintf(log, "JSON: %s\n", o.JSON)
 	}
 	if o.ReportDir != "" {
-		if err := WriteReport(o.ReportDir, res, o.Title, o.Charts...); err != nil {
+		if err := writeReport(o.ReportDir, res, o.Title, verdict, o.Charts); err != nil {
 			return err
 		}
 		fmt.Fprintf(log, "Report: %s\n", filepath.Join(o.ReportDir, "index.html"))

@@ -37,6 +37,15 @@ type Dist struct {
 	P99  float64 `json:"p99"`
 }
 
+// Interval is a confidence interval, in the unit of the figure it bounds.
+type Interval struct {
+	Lo float64 `json:"lo"`
+	Hi float64 `json:"hi"`
+}
+
+// Overlaps reports whether the two intervals share a point.
+func (i Interval) Overlaps(j Interval) bool { return i.Lo <= j.Hi && j.Lo <= i.Hi }
+
 // Point is one (x, y) sample of a chart series.
 type Point struct{ X, Y float64 }
 
@@ -57,11 +66,17 @@ type Series struct {
 }
 
 // Run is the summary of one policy's run: one element of "runs" in the JSON contract.
+//
+// ttft_p90_ci_ms is a 90 % interval of ttft_ms.p90 from the run's own requests (see
+// Summarize; bench widens it for requests slowed together, bench.Summarize): how far the figure
+// could move on another run of the same kind; absent without successful requests. capacity_below, with a capacity_speedup of 0, is the lowest speed-up the
+// capacity search tried, at which the run already failed: the capacity is below it.
 type Run struct {
 	Policy           string             `json:"policy"`
 	Requests         int                `json:"requests"`
 	Errors           int                `json:"errors"`
 	TTFTms           Dist               `json:"ttft_ms"`
+	TTFTP90CI        *Interval          `json:"ttft_p90_ci_ms,omitempty"`
 	ITLms            Dist               `json:"itl_ms"`
 	E2Ems            Dist               `json:"e2e_ms"`
 	ThroughputRPS    float64            `json:"throughput_rps"`
@@ -70,6 +85,7 @@ type Run struct {
 	Imbalance        float64            `json:"imbalance"`
 	ReplicaShare     []float64          `json:"replica_share"`
 	CapacitySpeedup  *float64           `json:"capacity_speedup,omitempty"`
+	CapacityBelow    *float64           `json:"capacity_below,omitempty"`
 	Extra            map[string]float64 `json:"extra,omitempty"` // e.g. hit_rate_vs_bound
 	Series           *Series            `json:"-"`
 }
@@ -98,6 +114,8 @@ const (
 //     (errors included: a failed request still took a routing decision). imbalance = the
 //     largest share / the mean share (1/N), so 1.0 is perfect balance and N is "all on one";
 //     0 when nothing was routed. replicas sets N; a record naming a replica ≥ N widens it.
+//   - ttft_p90_ci_ms is the 90 % percentile-bootstrap interval of the p90 TTFT, computed
+//     exactly rather than by resampling (QuantileInterval).
 func Summarize(policy string, recs []Record, replicas int, wall time.Duration) Run {
 	n := max(replicas, 0)
 	for _, r := range recs {
@@ -113,6 +131,10 @@ func Summarize(policy string, recs []Record, replicas int, wall time.Duration) R
 	slices.Sort(t.itl)
 	slices.Sort(t.e2e)
 	run.TTFTms, run.ITLms, run.E2Ems = distOf(t.ttft), distOf(t.itl), distOf(t.e2e)
+	if len(t.ttft) > 0 {
+		ci := QuantileInterval(t.ttft, 0.90, 0.90)
+		run.TTFTP90CI = &ci
+	}
 
 	if wall <= 0 && t.seen {
 		wall = t.last - t.first

@@ -64,9 +64,12 @@ func buildTable(res Result) table {
 			row = append(row, fmtPercent(r.HitRate/res.Bound.MergedLRU))
 		}
 		if capacity {
-			if r.CapacitySpeedup != nil {
+			switch {
+			case r.CapacitySpeedup != nil && *r.CapacitySpeedup == 0 && r.CapacityBelow != nil:
+				row = append(row, "< "+fmtBelow(*r.CapacityBelow)+"x")
+			case r.CapacitySpeedup != nil:
 				row = append(row, fmtSpeedup(*r.CapacitySpeedup))
-			} else {
+			default:
 				row = append(row, "-")
 			}
 		}
