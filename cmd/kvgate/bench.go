@@ -6,6 +6,7 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"net/http"
 	"slices"
 	"strings"
 	"time"
@@ -121,6 +122,9 @@ func (f *benchFlags) config(inv invocation, title string) (benchConfig, error) {
 	if err := f.validate(); err != nil {
 		return benchConfig{}, err
 	}
+	if err := f.targetOnly(inv.set); err != nil {
+		return benchConfig{}, err
+	}
 	c := benchConfig{policies: []string{"target"}, embedded: f.embedded, target: f.target, out: f.out.outputs(title)}
 	var err error
 	if f.embedded {
@@ -145,14 +149,55 @@ func (f *benchFlags) config(inv invocation, title string) (benchConfig, error) {
 		Seed: f.seed, Model: f.model, DataParallelSize: f.dataParallel}
 	c.gateway = gateway.Defaults()
 	c.gateway.Seed, c.gateway.Profile = f.seed, f.profile
-	c.meta = map[string]any{
-		"command": inv.commandLine(), "workload": spec.String(), "requests": len(reqs),
-		"seed": f.seed, "replicas": f.replicas, "profile": f.profile, "time_scale": f.timeScale,
-	}
-	if f.dataParallel > 1 {
-		c.meta["data_parallel_size"] = f.dataParallel
-	}
+	c.meta = f.meta(inv, spec, len(reqs))
+	c.out.Verdict = true
 	return c, nil
+}
+
+// embeddedOnly are the flags that describe the in-process fleet: with
+// --target they would describe nothing.
+var embeddedOnly = []string{"replicas", "data-parallel-size", "profile", "kv-blocks", "policies"}
+
+// targetOnly rejects, with --target, the flags that only shape an
+// embedded fleet.
+func (f *benchFlags) targetOnly(set map[string]bool) error {
+	if f.embedded {
+		return nil
+	}
+	for _, name := range embeddedOnly {
+		if set[name] {
+			return fmt.Errorf("%w: --%s describes the --embedded fleet: a --target gateway has its own", errUsage, name)
+		}
+	}
+	return nil
+}
+
+// meta describes the run in the result and the report: the workload and
+// the load in both modes; the simulated fleet with --embedded only (with
+// --target, the target's replicas are read from it when the run starts:
+// benchConfig.discover).
+func (f *benchFlags) meta(inv invocation, spec workload.Spec, requests int) map[string]any {
+	m := map[string]any{"command": inv.commandLine(), "workload": spec.String(), "requests": requests, "seed": f.seed}
+	if f.open() {
+		if f.rate > 0 {
+			m["rate"] = f.rate
+		}
+	} else {
+		m["concurrency"] = f.concurrency
+	}
+	if !f.embedded {
+		m["target"] = f.target
+		if f.timeScale != 1 {
+			// Told by the user (a --target run's default is 1): the latencies were scaled by it.
+			m["time_scale"] = f.timeScale
+		}
+		return m
+	}
+	m["replicas"], m["profile"], m["kv_blocks"], m["time_scale"] = f.replicas, f.profile, f.kvBlocks, f.timeScale
+	if f.dataParallel > 1 {
+		m["data_parallel_size"] = f.dataParallel
+	}
+	return m
 }
 
 // validate rejects flags that cannot run and sets the time scale's default.
@@ -244,6 +289,9 @@ func (f *benchFlags) requestsFor(seed uint64) ([]workload.Request, workload.Spec
 
 // run runs every policy, one after another.
 func (c benchConfig) run(ctx context.Context, stderr io.Writer) (report.Result, error) {
+	if !c.embedded {
+		c.load.Replicas = discover(ctx, c.target, c.load.Header, c.meta, stderr)
+	}
 	res := report.Result{Meta: c.meta}
 	for _, p := range c.policies {
 		run, err := c.runPolicy(ctx, p, stderr)
@@ -271,7 +319,7 @@ func (c benchConfig) runPolicy(ctx context.Context, p string, stderr io.Writer) 
 		if err != nil && !errors.Is(err, bench.ErrDeadline) {
 			return report.Run{}, err
 		}
-		return report.Summarize(p, recs, maxReplica(recs)+1, wall), nil
+		return bench.Summarize(p, recs, max(len(load.Replicas), maxReplica(recs)+1), wall), nil
 	}
 	gcfg := c.gateway
 	gcfg.PolicyParams = c.params.of(p)
@@ -280,6 +328,28 @@ func (c benchConfig) runPolicy(ctx context.Context, p string, stderr io.Writer) 
 		return report.Run{}, fmt.Errorf("policy %s: %w", p, err)
 	}
 	return er.Run, nil
+}
+
+// discover reads a --target gateway's routing targets (bench.Targets), so
+// that one that gets no request counts in the imbalance, and records them
+// in meta: "replicas" and "targets" (and "targets_down", those out of
+// rotation at the start). Without them (not a kvgate gateway, or its
+// metrics unreadable) it says so on log and returns nil: the run then knows
+// the targets that answer only.
+func discover(ctx context.Context, target string, h http.Header, meta map[string]any, log io.Writer) []string {
+	all, down, err := bench.Targets(ctx, nil, target, h)
+	switch {
+	case err != nil:
+		fmt.Fprintf(log, "bench: %v; the imbalance counts only the replicas that answer\n", err)
+	case len(all) == 0:
+		fmt.Fprintf(log, "bench: %s/metrics lists no kvgate_replica_healthy series (not a kvgate gateway?): the imbalance counts only the replicas that answer\n", strings.TrimRight(target, "/"))
+	default:
+		meta["replicas"], meta["targets"] = len(all), all
+		if len(down) > 0 {
+			meta["targets_down"] = down
+		}
+	}
+	return all
 }
 
 func maxReplica(recs []report.Record) int {
@@ -299,8 +369,13 @@ func (f *benchFlags) soak(ctx context.Context, inv invocation) error {
 	if err := f.validate(); err != nil {
 		return err
 	}
+	if err := f.targetOnly(inv.set); err != nil {
+		return err
+	}
 	load := f.loadConfig()
 	load.Target = f.target
+	meta := map[string]any{"workload": f.workload, "duration": f.duration.String(), "target": f.target}
+	load.Replicas = discover(ctx, f.target, load.Header, meta, inv.stderr)
 	gen := func(round int) ([]workload.Request, error) {
 		reqs, _, err := f.requestsFor(f.seed + uint64(round))
 		return reqs, err
@@ -311,8 +386,8 @@ func (f *benchFlags) soak(ctx context.Context, inv invocation) error {
 		return err
 	}
 	bench.WriteSoak(inv.stdout, samples)
-	run := report.Summarize("soak", recs, maxReplica(recs)+1, time.Since(start))
-	res := report.Result{Runs: []report.Run{run}, Meta: map[string]any{"soak": samples, "workload": f.workload,
-		"duration": f.duration.String(), "target": f.target}}
+	run := bench.Summarize("soak", recs, max(len(load.Replicas), maxReplica(recs)+1), time.Since(start))
+	meta["soak"] = samples
+	res := report.Result{Runs: []report.Run{run}, Meta: meta}
 	return f.out.outputs("kvgate bench soak").Write(inv.stdout, inv.stderr, res)
 }

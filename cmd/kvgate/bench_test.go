@@ -3,6 +3,12 @@ package main
 import (
 	"bytes"
 	"flag"
+	"fmt"
+	"io"
+	"net/http"
+	"net/http/httptest"
+	"os"
+	"path/filepath"
 	"reflect"
 	"strings"
 	"testing"
@@ -91,5 +97,100 @@ func TestBenchUsageErrors(t *testing.T) {
 				t.Errorf("exit %d, stderr %q; want exit 2 and %q", code, errs, tc.want)
 			}
 		})
+	}
+}
+
+// With --target the result describes the target, not bench's embedded
+// fleet: no replica count, profile, KV blocks or time scale of its own.
+func TestBenchTargetMeta(t *testing.T) {
+	b, inv := parsed(t, "bench", "--target", "http://127.0.0.1:1", "--requests", "4", "--rate", "5")
+	c, err := b.(*benchFlags).config(inv, "t")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, k := range []string{"replicas", "profile", "kv_blocks", "time_scale", "data_parallel_size", "concurrency"} {
+		if v, ok := c.meta[k]; ok {
+			t.Errorf("--target meta has %s = %v", k, v)
+		}
+	}
+	for k, want := range map[string]any{"target": "http://127.0.0.1:1", "requests": 4, "rate": 5.0, "seed": uint64(1)} {
+		if got := c.meta[k]; got != want {
+			t.Errorf("meta %s = %v (%T), want %v", k, got, got, want)
+		}
+	}
+	// A time scale the user gives applies: the latencies were scaled by it.
+	b, inv = parsed(t, "bench", "--target", "http://127.0.0.1:1", "--time-scale", "20")
+	if c, err = b.(*benchFlags).config(inv, "t"); err != nil || c.meta["time_scale"] != 20.0 || c.meta["concurrency"] != 16 {
+		t.Errorf("meta %v, %v", c.meta, err)
+	}
+	// --embedded records its fleet.
+	b, inv = parsed(t, "bench", "--embedded", "--replicas", "3")
+	if c, err = b.(*benchFlags).config(inv, "t"); err != nil {
+		t.Fatal(err)
+	}
+	for k, want := range map[string]any{"replicas": 3, "profile": "llama3-8b-h100", "kv_blocks": 30000, "time_scale": 20.0} {
+		if got := c.meta[k]; got != want {
+			t.Errorf("--embedded meta %s = %v, want %v", k, got, want)
+		}
+	}
+	if _, ok := c.meta["target"]; ok {
+		t.Error("--embedded meta names a target")
+	}
+}
+
+func TestBenchTargetRejectsFleetFlags(t *testing.T) {
+	for _, flag := range [][]string{{"--replicas", "8"}, {"--profile", "llama3-8b-h100"}, {"--kv-blocks", "10"},
+		{"--data-parallel-size", "2"}, {"--policies", "ttft"}} {
+		code, _, errs := runCmd(t, "", append([]string{"bench", "--target", "http://127.0.0.1:1"}, flag...)...)
+		if code != 2 || !strings.Contains(errs, flag[0]+" describes the --embedded fleet") {
+			t.Errorf("%v: exit %d, stderr %q", flag, code, errs)
+		}
+	}
+}
+
+// bench --target reads the gateway's targets before the run: the report
+// and the JSON name them, and one that got nothing counts in the imbalance.
+func TestBenchTargetRun(t *testing.T) {
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.URL.Path == "/metrics" {
+			_, _ = io.WriteString(w, "kvgate_replica_healthy{replica=\"http://a:1\"} 1\nkvgate_replica_healthy{replica=\"http://b:1\"} 1\n")
+			return
+		}
+		w.Header().Set("X-Kvgate-Replica", "http://a:1")
+		w.Header().Set("Content-Type", "text/event-stream")
+		_, _ = io.WriteString(w, `data: {"choices":[{"index":0,"text":"a"}]}`+"\n\n"+
+			`data: {"choices":[],"usage":{"prompt_tokens":5,"completion_tokens":1}}`+"\n\ndata: [DONE]\n\n")
+	}))
+	defer srv.Close()
+	dir := t.TempDir()
+	path := filepath.Join(dir, "r.json")
+	code, stdout, stderr := runCmd(t, "", "bench", "--target", srv.URL, "--workload", "random", "--requests", "6",
+		"--workload-param", "input_len=16", "--workload-param", "output_len=1", "--json", path, "--report", filepath.Join(dir, "report"))
+	if code != 0 {
+		t.Fatalf("exit %d: %s", code, stderr)
+	}
+	res := readResult(t, path)
+	r := res.Runs[0]
+	if r.Errors != 0 || len(r.ReplicaShare) != 2 || r.Imbalance != 2 {
+		t.Errorf("run: errors %d, shares %v, imbalance %v", r.Errors, r.ReplicaShare, r.Imbalance)
+	}
+	if res.Meta["replicas"] != 2.0 || fmt.Sprint(res.Meta["targets"]) != "[http://a:1 http://b:1]" {
+		t.Errorf("meta %v", res.Meta)
+	}
+	// One run: nothing to compare, no verdict.
+	if strings.Contains(stdout, "verdict") {
+		t.Errorf("a verdict on one run:\n%s", stdout)
+	}
+	page, err := os.ReadFile(filepath.Join(dir, "report", "index.html"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, absent := range []string{"<dt>profile</dt>", "<dt>kv_blocks</dt>", "<dt>time_scale</dt>"} {
+		if strings.Contains(string(page), absent) {
+			t.Errorf("the report's run description has %s", absent)
+		}
+	}
+	if !strings.Contains(string(page), "<dt>targets</dt>") {
+		t.Error("the report does not list the targets")
 	}
 }

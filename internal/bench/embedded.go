@@ -61,7 +61,7 @@ func RunEmbedded(ctx context.Context, e EmbeddedConfig, policy string, reqs []wo
 	}
 	after := counters(fl)
 	res := EmbeddedResult{Records: recs}
-	res.Run = report.Summarize(policy, recs, len(load.Replicas), wall)
+	res.Run = Summarize(policy, recs, len(load.Replicas), wall)
 	if q := after.queries - before.queries; q > 0 {
 		res.HitRate = float64(after.hits-before.hits) / float64(q)
 		res.Run.HitRate = res.HitRate

@@ -41,7 +41,11 @@ type Config struct {
 	RequestTimeout time.Duration
 	// MaxDuration bounds the whole run in wall time (default 1 h).
 	MaxDuration time.Duration
-	// Replicas maps X-Kvgate-Replica values to replica indexes (optional).
+	// Replicas are the targets known before the run (optional), in index
+	// order, as targetName names them (URL, or URL#k for a data-parallel
+	// rank): a target that gets no request still has its index, and counts
+	// in the imbalance. A response naming any other target gets the next
+	// free index. See Targets.
 	Replicas []string
 	Client   *http.Client
 	// Progress, if set, is called after each request.
@@ -107,7 +111,7 @@ type runner struct {
 	queue readyQueue // requests whose dependencies are met, by release time then index
 	ready chan struct{}
 	done  int
-	seen  map[string]int // X-Kvgate-Replica values met, when Config.Replicas is empty
+	seen  map[string]int // targets met that are not in Config.Replicas
 }
 
 // item is a request and the wall time at which it may be sent.
@@ -302,27 +306,27 @@ func targetName(h http.Header) string {
 	return name
 }
 
-// replicaIndex maps an X-Kvgate-Replica value to an index: its position in
-// Config.Replicas, or, when those are not given, its order of first
-// appearance.
-func (r *runner) replicaIndex(url string) int {
+// replicaIndex maps a target's name (targetName) to an index: its position
+// in Config.Replicas, or, for a target not listed there, the next index
+// after them in order of first appearance; -1 for no name.
+func (r *runner) replicaIndex(name string) int {
+	if name == "" {
+		return -1
+	}
 	for i, u := range r.cfg.Replicas {
-		if u == url {
+		if u == name {
 			return i
 		}
-	}
-	if url == "" || len(r.cfg.Replicas) > 0 {
-		return -1
 	}
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	if r.seen == nil {
 		r.seen = map[string]int{}
 	}
-	i, ok := r.seen[url]
+	i, ok := r.seen[name]
 	if !ok {
-		i = len(r.seen)
-		r.seen[url] = i
+		i = len(r.cfg.Replicas) + len(r.seen)
+		r.seen[name] = i
 	}
 	return i
 }
