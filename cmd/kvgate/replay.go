@@ -92,7 +92,30 @@ func (f *replayFlags) run(ctx context.Context, inv invocation) error {
 	res.Meta = c.meta
 	fmt.Fprintf(inv.stderr, "replay: done in %.1f s\n", time.Since(start).Seconds())
 	c.out.Charts = charts
+	c.forReport(&res)
 	return c.out.Write(inv.stdout, inv.stderr, res)
+}
+
+// forReport readies the outputs and the result for the report: a
+// comparison of policies opens with the verdict (a question's sweep of
+// one policy's settings does not), and a capacity search records its
+// precision and, for a policy that failed even at its lowest speed-up,
+// that speed-up (the table's "< X").
+func (c *replayConfig) forReport(res *report.Result) {
+	c.out.Verdict = c.question == ""
+	if c.capacity == nil {
+		return
+	}
+	if res.Meta == nil {
+		res.Meta = map[string]any{}
+	}
+	res.Meta["capacity_precision"] = replay.CapacityPrecision
+	for i := range res.Runs {
+		if r := &res.Runs[i]; r.CapacitySpeedup != nil && *r.CapacitySpeedup == 0 {
+			below := replay.CapacityBelow(c.replay.Speedup)
+			r.CapacityBelow = &below
+		}
+	}
 }
 
 // replayProgress prints a line per policy run, with its wall time.
