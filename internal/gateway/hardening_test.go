@@ -288,9 +288,22 @@ func TestFirstByteAndIdleTimeouts(t *testing.T) {
 	}
 	resp, br := startStream(t, gw.srv.URL, `{"model":"m","prompt":"stall-after","stream":true}`)
 	defer resp.Body.Close()
-	clk.Advance(d.StreamIdleTimeout.D())
-	if rest, _ := io.ReadAll(br); !strings.Contains(string(rest), "upstream_stream_idle") {
-		t.Fatalf("stalled stream: %q", rest)
+	rest := make(chan []byte, 1)
+	go func() { b, _ := io.ReadAll(br); rest <- b }()
+	// The idle timer is armed once the first event is relayed, which the
+	// client may see first: advance until the stream ends (bounded).
+	var got []byte
+	testutil.Eventually(t, 10*time.Second, "the stalled stream cut", func() bool {
+		clk.Advance(d.StreamIdleTimeout.D())
+		select {
+		case got = <-rest:
+			return true
+		case <-time.After(10 * time.Millisecond):
+			return false
+		}
+	})
+	if !strings.Contains(string(got), "upstream_stream_idle") {
+		t.Fatalf("stalled stream: %q", got)
 	}
 	eventually(t, "idle", func() bool { return inFlight() == 0 })
 	if n := counterValue(t, gw.g.reg, "kvgate_attempts_total", map[string]string{"verdict": "failed"}); n != 2 {
