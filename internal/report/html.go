@@ -85,24 +85,10 @@ func writeReport(dir string, res Result, title string, verdict *Verdict, extra [
 		page.Notes = append(page.Notes, "Hit rate over time: not available (no per-request series; the result was read from JSON or had no successful requests).")
 	}
 	for _, c := range charts {
-		var svg []byte
-		for _, format := range []string{"svg", "png"} {
-			b, err := c.render(col, format)
-			if err != nil {
-				return err
-			}
-			if err := os.WriteFile(filepath.Join(dir, c.Name+"."+format), b, 0o644); err != nil {
-				return fmt.Errorf("report: %w", err)
-			}
-			if format == "svg" {
-				svg = b
-			}
-		}
-		inline, err := inlineSVG(svg, c.Title)
+		pc, err := writeChart(dir, c, col)
 		if err != nil {
-			return fmt.Errorf("report: chart %s: %w", c.Name, err)
+			return err
 		}
-		pc := pageChart{Name: c.Name, Title: c.Title, Caption: c.Caption, SVG: inline}
 		if verdict != nil && c.Name == verdict.Chart {
 			page.Lead = &pc
 			continue
@@ -124,6 +110,29 @@ func writeReport(dir string, res Result, title string, verdict *Verdict, extra [
 		return fmt.Errorf("report: %w", err)
 	}
 	return nil
+}
+
+// writeChart writes chart c as SVG and PNG into dir and returns it for the
+// page, its SVG inlined.
+func writeChart(dir string, c Chart, col colours) (pageChart, error) {
+	var svg []byte
+	for _, format := range []string{"svg", "png"} {
+		b, err := c.render(col, format)
+		if err != nil {
+			return pageChart{}, err
+		}
+		if err := os.WriteFile(filepath.Join(dir, c.Name+"."+format), b, 0o644); err != nil {
+			return pageChart{}, fmt.Errorf("report: %w", err)
+		}
+		if format == "svg" {
+			svg = b
+		}
+	}
+	inline, err := inlineSVG(svg, c.Title)
+	if err != nil {
+		return pageChart{}, fmt.Errorf("report: chart %s: %w", c.Name, err)
+	}
+	return pageChart{Name: c.Name, Title: c.Title, Caption: c.Caption, SVG: inline}, nil
 }
 
 // builtinCharts returns the charts every report has, in page order; the hit-rate chart only

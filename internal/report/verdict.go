@@ -158,21 +158,7 @@ func decideCapacity(res Result) Verdict {
 	if p, ok := res.Meta["capacity_precision"].(float64); ok && p > 1 {
 		precision = p
 	}
-	v := Verdict{Objective: ObjectiveCapacity, Chart: ChartCapacity,
-		Rule: fmt.Sprintf("rule: the highest capacity wins: the largest speed-up of the arrivals at which a policy still meets %s "+
-			"(equal capacities: the lower p90 TTFT at the start speed, then p99, then hit rate); ", slo)}
-	if precision > 1 {
-		v.Rule += fmt.Sprintf("capacities within the search's precision (%.2g%%) are a tie. ", 100*(precision-1))
-	} else {
-		v.Rule += "only equal capacities are a tie. "
-	}
-	v.Rule += "The capacity search does not estimate run-to-run noise."
-	capOf := func(r Run) float64 {
-		if r.CapacitySpeedup == nil {
-			return math.Inf(-1)
-		}
-		return *r.CapacitySpeedup
-	}
+	v := Verdict{Objective: ObjectiveCapacity, Chart: ChartCapacity, Rule: capacityRule(slo, precision)}
 	var ranked []Run
 	for _, r := range res.Runs {
 		if r.CapacitySpeedup == nil {
@@ -209,6 +195,36 @@ func decideCapacity(res Result) Verdict {
 	if len(v.Tied) > 0 {
 		v.Tied = append([]string{best.Policy}, v.Tied...)
 	}
+	v.Headline = capacityHeadline(&v, ranked, slo)
+	if len(v.Left) > 0 {
+		v.Rule += " Left out: " + strings.Join(v.Left, ", ") + "."
+	}
+	return v
+}
+
+// capOf is a run's capacity (-Inf: none).
+func capOf(r Run) float64 {
+	if r.CapacitySpeedup == nil {
+		return math.Inf(-1)
+	}
+	return *r.CapacitySpeedup
+}
+
+// capacityRule states the capacity verdict's rule.
+func capacityRule(slo string, precision float64) string {
+	rule := fmt.Sprintf("rule: the highest capacity wins: the largest speed-up of the arrivals at which a policy still meets %s "+
+		"(equal capacities: the lower p90 TTFT at the start speed, then p99, then hit rate); ", slo)
+	if precision > 1 {
+		rule += fmt.Sprintf("capacities within the search's precision (%.2g%%) are a tie. ", 100*(precision-1))
+	} else {
+		rule += "only equal capacities are a tie. "
+	}
+	return rule + "The capacity search does not estimate run-to-run noise."
+}
+
+// capacityHeadline is the verdict's sentence for ranked runs (best first).
+func capacityHeadline(v *Verdict, ranked []Run, slo string) string {
+	best := ranked[0]
 	rr, haveRR := runNamed(ranked, "round_robin")
 	against := func(r Run) string {
 		c := capOf(r)
@@ -242,11 +258,7 @@ func decideCapacity(res Result) Verdict {
 		}
 	}
 	b.WriteString(".")
-	v.Headline = b.String()
-	if len(v.Left) > 0 {
-		v.Rule += " Left out: " + strings.Join(v.Left, ", ") + "."
-	}
-	return v
+	return b.String()
 }
 
 func runNamed(runs []Run, name string) (Run, bool) {
