@@ -72,7 +72,7 @@ func New(rt *router.Router, client *http.Client, cfg Config) *Fleet {
 		cfg.Timeout = 2 * time.Second
 	}
 	if cfg.MaxMetricsBytes <= 0 {
-		cfg.MaxMetricsBytes = 4 << 20
+		cfg.MaxMetricsBytes = defaultMaxMetricsBytes
 	}
 	if cfg.Logger == nil {
 		cfg.Logger = slog.New(slog.DiscardHandler)
@@ -136,20 +136,29 @@ func (f *Fleet) loop(ctx context.Context, every time.Duration, probe func() bool
 func (f *Fleet) get(ctx context.Context, i int, path string) (*http.Response, error) {
 	ctx, cancel := context.WithTimeout(ctx, f.cfg.Timeout)
 	r := f.rt.Replica(i)
-	req, err := http.NewRequestWithContext(ctx, http.MethodGet, r.URL()+path, nil)
-	if err != nil {
-		cancel()
-		return nil, err
-	}
-	if k := r.APIKey(); k != "" {
-		req.Header.Set("Authorization", "Bearer "+k)
-	}
-	resp, err := f.client.Do(req)
+	resp, err := getPage(ctx, f.client, r.URL(), r.APIKey(), path)
 	if err != nil {
 		cancel()
 		return nil, err
 	}
 	resp.Body = &cancelBody{ReadCloser: resp.Body, cancel: cancel}
+	return resp, nil
+}
+
+// getPage GETs base+path with the replica's bearer key; anything but a 200
+// is an error (its body drained and closed).
+func getPage(ctx context.Context, client *http.Client, base, apiKey, path string) (*http.Response, error) {
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, base+path, nil)
+	if err != nil {
+		return nil, err
+	}
+	if apiKey != "" {
+		req.Header.Set("Authorization", "Bearer "+apiKey)
+	}
+	resp, err := client.Do(req)
+	if err != nil {
+		return nil, err
+	}
 	if resp.StatusCode != http.StatusOK {
 		_, _ = io.Copy(io.Discard, io.LimitReader(resp.Body, 4096))
 		resp.Body.Close()
@@ -164,6 +173,9 @@ type cancelBody struct {
 }
 
 func (b *cancelBody) Close() error { err := b.ReadCloser.Close(); b.cancel(); return err }
+
+// defaultMaxMetricsBytes is Config.MaxMetricsBytes's default.
+const defaultMaxMetricsBytes = 4 << 20
 
 // errTooLarge: a /metrics page over MaxMetricsBytes.
 var errTooLarge = errors.New("metrics page larger than the bound")
@@ -243,15 +255,21 @@ func (f *Fleet) readMetrics(ctx context.Context, i int) (map[string]*metricFamil
 	if err != nil {
 		return nil, err
 	}
+	return readPage(resp, f.cfg.MaxMetricsBytes)
+}
+
+// readPage reads and parses a /metrics page of at most limit bytes, and
+// closes it.
+func readPage(resp *http.Response, limit int64) (map[string]*metricFamily, error) {
 	defer resp.Body.Close()
-	if resp.ContentLength > f.cfg.MaxMetricsBytes {
+	if resp.ContentLength > limit {
 		return nil, errTooLarge
 	}
-	data, err := io.ReadAll(io.LimitReader(resp.Body, f.cfg.MaxMetricsBytes+1))
+	data, err := io.ReadAll(io.LimitReader(resp.Body, limit+1))
 	if err != nil {
 		return nil, err
 	}
-	if int64(len(data)) > f.cfg.MaxMetricsBytes {
+	if int64(len(data)) > limit {
 		return nil, errTooLarge
 	}
 	return parseBytes(data)
@@ -414,26 +432,11 @@ func (f *Fleet) Ejected(i int) bool { return f.rt.Replica(i).Breaker.Open(f.cfg.
 // data-parallel engines it runs (distinct engine labels; 1 when none are
 // labelled): how the gateway learns, at start, how many targets a server is.
 func CountEngines(ctx context.Context, client *http.Client, url, apiKey string) (int, error) {
-	req, err := http.NewRequestWithContext(ctx, http.MethodGet, url+"/metrics", nil)
+	resp, err := getPage(ctx, client, url, apiKey, "/metrics")
 	if err != nil {
 		return 0, err
 	}
-	if apiKey != "" {
-		req.Header.Set("Authorization", "Bearer "+apiKey)
-	}
-	resp, err := client.Do(req)
-	if err != nil {
-		return 0, err
-	}
-	defer resp.Body.Close()
-	if resp.StatusCode != http.StatusOK {
-		return 0, fmt.Errorf("GET /metrics: %s", resp.Status)
-	}
-	data, err := io.ReadAll(io.LimitReader(resp.Body, 4<<20))
-	if err != nil {
-		return 0, err
-	}
-	fams, err := parseBytes(data)
+	fams, err := readPage(resp, defaultMaxMetricsBytes)
 	if err != nil {
 		return 0, err
 	}
