@@ -143,7 +143,10 @@ func (rt *Router) FollowKV(i int, m KVMessage, now time.Time, resync Resync) KVR
 	var rep KVReport
 	switch next := r.kv.last + 1; {
 	case r.kv.seen && m.Seq == next:
-	case r.kv.seen && m.Seq < next && r.kv.afterReplay:
+	case r.kv.seen && m.Seq < next && m.Seq > 0 && r.kv.afterReplay:
+		// A live batch that raced the replay. (Batch 0 is a restart even
+		// then: re-applying a raced batch 0 from an empty index is harmless,
+		// ignoring a restart is not.)
 		rep.Duplicate = true
 	case r.kv.seen && m.Seq < next:
 		rep.Restart = true

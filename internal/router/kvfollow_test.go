@@ -183,6 +183,15 @@ func TestResyncAtStartAndDuplicates(t *testing.T) {
 	if rep = rt.FollowKV(1, msg(3), *now, nil); rep.Gap || !rep.Synced {
 		t.Fatalf("next after the replay: %+v", rep)
 	}
+	// A publisher restarting right after a replay is a restart, not a duplicate.
+	rt2, _ := followRouter(t, 1<<10)
+	rt2.ResyncKV(1, *now, replayer(0, all, &calls))
+	if rep = rt2.FollowKV(1, msg(0), *now, nil); !rep.Restart || rep.Duplicate || !rep.Synced {
+		t.Fatalf("restart after a replay: %+v", rep)
+	}
+	if m := match(rt2, "m", textOf(0), 1); m != 0 {
+		t.Fatalf("the restarted replica still credited: %d", m)
+	}
 }
 
 // An alias (--served-model-name) shares its base model's cache: events name
