@@ -46,6 +46,11 @@ func (r *Replica) trackConn(c net.Conn, s http.ConnState) {
 // every goroutine it started.
 func (r *Replica) shutdown(ctx context.Context) error {
 	err := r.srv.Shutdown(ctx)
+	if errors.Is(err, net.ErrClosed) {
+		// An outage closed the listener while Serve was still returning
+		// from it: the listener is closed as asked, not a failure.
+		err = nil
+	}
 	if err != nil {
 		_ = r.srv.Close()
 	}
