@@ -270,8 +270,11 @@ func (p *Dynamo) sample(c []int, costs []float64, lo, hi float64) int {
 
 // Observe keeps the active requests' blocks: Routed adds the request's
 // blocks to its replica's multiset, Done takes them out.
+//
+// A remote decision (another gateway's) is not kept: no Done would take it
+// out; its load arrives as the other gateways' counts.
 func (p *Dynamo) Observe(ev Event) {
-	if ev.Req == nil || (ev.Kind != Routed && ev.Kind != Done) {
+	if ev.Req == nil || ev.Remote || (ev.Kind != Routed && ev.Kind != Done) {
 		return
 	}
 	p.mu.Lock()

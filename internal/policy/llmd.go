@@ -426,8 +426,12 @@ func (l *LLMD) Observe(ev Event) {
 	}
 	sc := l.scratch.Get().(*llmdScratch)
 	defer l.scratch.Put(sc)
-	sc.hashes = l.hashes(sc, ev.Req)
-	if l.params.NoHitLRUWeight > 0 {
+	if ev.Remote {
+		sc.hashes = l.remoteHashes(sc.hashes[:0], ev.Req)
+	} else {
+		sc.hashes = l.hashes(sc, ev.Req)
+	}
+	if l.params.NoHitLRUWeight > 0 && ev.Req.BlockOffset == 0 {
 		sc.match = l.ix.Match(sc.hashes, sc.match)
 		if !slices.ContainsFunc(sc.match, func(m int) bool { return m > 0 }) {
 			l.touchNoHit(ev.Replica)
@@ -437,6 +441,23 @@ func (l *LLMD) Observe(ev Event) {
 		l.sizeLRU(ev.Replica)
 	}
 	_ = l.ix.Insert(ev.Replica, sc.hashes) // the slot exists: grown above
+}
+
+// remoteHashes are llm-d's full blocks among a remote decision's blocks
+// (those from req.BlockOffset on). Its text is not shared, so the GIE ≤ v1.5
+// character chunks and the partial last block are not: the next request's
+// own tail is the only block a remote decision leaves unknown.
+func (l *LLMD) remoteHashes(dst []uint64, req *Request) []uint64 {
+	if l.params.Index == llmdIndexGIE15 {
+		return dst
+	}
+	off, end := req.BlockOffset, req.BlockOffset+len(req.Blocks)
+	for k := off / l.per; (k+1)*l.per <= end && k < l.maxBlocks; k++ {
+		if p := (k+1)*l.per - 1; p >= off {
+			dst = append(dst, req.Blocks[p-off])
+		}
+	}
+	return dst
 }
 
 // touchNoHit makes slot the most recent in the no-hit LRU.

@@ -197,9 +197,27 @@ func (p *LRUAffinity) Observe(ev Event) {
 	if ev.Kind != Routed || ev.Req == nil {
 		return
 	}
+	key := p.key(ev.Req)
+	if ev.Remote {
+		var ok bool
+		if key, ok = p.remoteKey(ev.Req); !ok {
+			return
+		}
+	}
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	p.state(ev.Replica+1).Record(ev.Replica, p.key(ev.Req))
+	p.state(ev.Replica+1).Record(ev.Replica, key)
+}
+
+// remoteKey is the key of a remote decision, which carries the prompt's
+// blocks from Req.BlockOffset on; false when the key block is not among
+// them (the sender's replica held it already).
+func (p *LRUAffinity) remoteKey(req *Request) (string, bool) {
+	n := min(req.BlockOffset+len(req.Blocks), p.prefix)
+	if n <= req.BlockOffset {
+		return "", false
+	}
+	return strconv.FormatUint(req.Blocks[n-1-req.BlockOffset], 16), true
 }
 
 func maxIndex(rs []ReplicaView) int {

@@ -54,6 +54,9 @@ type Request struct {
 	System    string   // the chat's system prompt, if any
 	Session   string   // X-Session-Id header, else the body's "user"
 	Blocks    []uint64 // kvgate's chained block hashes of the prompt's full blocks
+	// BlockOffset is the prompt's block Blocks[0] is: 0, but for a remote
+	// decision (Event.Remote), which carries only the blocks from there on.
+	BlockOffset int
 	Tokens    int      // prompt tokens
 	MaxTokens int      // requested output tokens (0: unknown)
 	// NoDefer: the policy must not answer ErrDefer (the router overrules a
@@ -123,6 +126,12 @@ type Event struct {
 	Req      *Request
 	Decision Decision
 	Replica  int
+	// Remote: a decision another gateway made, shared (several gateways,
+	// internal/sharedstate). Only Routed; Req carries Model, Tokens and the
+	// Blocks from Req.BlockOffset on, no text, no ID; Decision.Matched is
+	// the sender's match. No FirstToken or Done follows: the sender's load
+	// reaches the router as counts.
+	Remote bool
 	// FirstToken and Done:
 	TTFT time.Duration
 	// Done: the replica's own counts (usage), when it reported them.

@@ -408,11 +408,14 @@ func (p *Preble) Observe(ev Event) {
 		}
 		ctx := float64(ev.Req.Tokens) + out/2 // mean context over the decode
 		work := out * (p.c1 + p.c3*ctx)
-		if old, ok := p.inflight[ev.Req.ID]; ok { // re-routed (retry)
+		if old, ok := p.inflight[ev.Req.ID]; ok && !ev.Remote { // re-routed (retry)
 			p.untrack(ev.Req.ID, old)
 		}
 		var held []*prebleEntry
-		tracked := len(p.inflight) < p.params.MaxTracked
+		// A remote decision (another gateway's: only the blocks new to the
+		// replica) counts in the windows, but is not tracked to its end: no
+		// Done follows; its decode load arrives as the other gateways' counts.
+		tracked := !ev.Remote && len(p.inflight) < p.params.MaxTracked
 		if p.params.EvictionCost && len(ev.Req.Blocks) > 0 {
 			blks := p.addUse(now, ev.Req.Blocks, float64(min(matched*p.blockSize, ev.Req.Tokens)), float64(ev.Req.Tokens))
 			held = p.touch(r, blks, tracked)

@@ -269,8 +269,11 @@ func (s *SGLang) leastLoaded(rs []ReplicaView, c []int, depth []int, want int) i
 }
 
 // Observe inserts the text of a routed request for the replica it went to.
+//
+// A remote decision (another gateway's) carries no text, so its tree does
+// not learn it: SGLang's tree is of characters.
 func (s *SGLang) Observe(ev Event) {
-	if ev.Kind != Routed || ev.Req == nil || ev.Replica < 0 {
+	if ev.Kind != Routed || ev.Req == nil || ev.Replica < 0 || ev.Remote {
 		return
 	}
 	at := ev.At.UnixNano()

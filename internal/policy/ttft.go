@@ -376,7 +376,7 @@ func (t *TTFT) Observe(ev Event) {
 	defer t.mu.Unlock()
 	switch ev.Kind {
 	case Routed:
-		if ev.Decision.EstTTFT > 0 && len(t.pending) < ttftMaxPending {
+		if !ev.Remote && ev.Decision.EstTTFT > 0 && len(t.pending) < ttftMaxPending {
 			raw := float64(ev.Decision.EstTTFT) / float64(time.Millisecond) / t.pickedCorr(ev)
 			t.pending[ev.Req.ID] = pendEst{replica: ev.Replica, raw: raw}
 		}

@@ -40,6 +40,8 @@ type Replica struct {
 	inFlightTokens atomic.Int64
 	pendingPrefill atomic.Int64
 	pendingCount   atomic.Int64
+	// remote is the other gateways' load (nil: none), added in Views.
+	remote atomic.Pointer[Load]
 	// preciseOK: the precise index is in sync for this replica.
 	preciseOK atomic.Bool
 	// preciseChecks and preciseUnder tally Ticket.Underpredicted.

@@ -49,6 +49,11 @@ type Config struct {
 	LearnOnAccept bool
 	// Breaker configures every replica's circuit breaker.
 	Breaker BreakerConfig
+	// OnLearn, when set, hears every request the approximate index learns
+	// (at Route, or at Accept with LearnOnAccept), for sharing with other
+	// gateways. It runs on the request path: it must not block or keep
+	// Learned.Blocks.
+	OnLearn func(Learned)
 }
 
 // ErrModelNotServed is returned by Route when no replica serves the
@@ -75,6 +80,7 @@ type Router struct {
 	approx   *prefixindex.Index
 	precise  *prefixindex.Precise
 	replicas []*Replica
+	byName   map[string]int
 	nextID   atomic.Uint64
 	q        queue
 }
@@ -108,7 +114,7 @@ func New(cfg Config) (*Router, error) {
 	if err != nil {
 		return nil, err
 	}
-	rt := &Router{cfg: cfg, pol: cfg.Policy, tok: cfg.Tokenizer, approx: ix}
+	rt := &Router{cfg: cfg, pol: cfg.Policy, tok: cfg.Tokenizer, approx: ix, byName: map[string]int{}}
 	rt.obs, _ = cfg.Policy.(policy.Observer)
 	if cfg.Precise {
 		pix, err := prefixindex.New(prefixindex.Config{Replicas: len(cfg.Specs), MaxEntries: cfg.MaxEntries})
@@ -124,6 +130,7 @@ func New(cfg Config) (*Router, error) {
 		}
 		r.healthy.Store(true)
 		r.Breaker.Configure(cfg.Breaker)
+		rt.byName[r.name] = i
 		rt.replicas = append(rt.replicas, r)
 	}
 	return rt, nil
@@ -239,6 +246,12 @@ func (rt *Router) views(req *policy.Request) ([]policy.ReplicaView, []int) {
 		v.InFlightTokens = int(r.inFlightTokens.Load())
 		v.PendingPrefill = int(r.pendingPrefill.Load())
 		v.PendingCount = int(r.pendingCount.Load())
+		if l := r.remote.Load(); l != nil { // the other gateways' counts
+			v.InFlight += int(l.InFlight)
+			v.InFlightTokens += int(l.InFlightTokens)
+			v.PendingPrefill += int(l.PendingPrefill)
+			v.PendingCount += int(l.PendingCount)
+		}
 		if s := r.scrape.Load(); s != nil {
 			v.MetricsAge = req.Now.Sub(s.at)
 			// Stale metrics are not used: the gateway's own counts decide.
@@ -412,6 +425,10 @@ func (t *Ticket) learn() {
 	}
 	t.learned = true
 	_ = t.rt.approx.Insert(t.Replica, t.req.Blocks)
+	if f := t.rt.cfg.OnLearn; f != nil {
+		off := min(t.match, len(t.req.Blocks))
+		f(Learned{Replica: t.Replica, Model: t.req.Model, Offset: off, Blocks: t.req.Blocks[off:], Tokens: t.req.Tokens})
+	}
 }
 
 // Reject records that the replica refused the request as the client's

@@ -136,9 +136,13 @@ func BenchmarkDecision(b *testing.B) {
 type recorder struct {
 	policy.Policy
 	kinds []policy.EventKind
+	evs   []policy.Event
 }
 
-func (r *recorder) Observe(ev policy.Event) { r.kinds = append(r.kinds, ev.Kind) }
+func (r *recorder) Observe(ev policy.Event) {
+	r.kinds = append(r.kinds, ev.Kind)
+	r.evs = append(r.evs, ev)
+}
 
 func TestPrefillDoneFreesTheQueueWithoutAnObservation(t *testing.T) {
 	base, _ := policy.New("least_load", policy.Options{})

@@ -1,0 +1,97 @@
+package router
+
+import (
+	"time"
+
+	"github.com/kvgate/kvgate/internal/policy"
+)
+
+// Several gateways in front of one fleet each route on their own Router.
+// What one learns the others are told (internal/sharedstate carries it
+// through Redis, the replay after a virtual delay): the routing decisions,
+// applied to their approximate indexes and to their policies as remote
+// Routed events, and each gateway's own load counts, added to theirs. A
+// router's own counts stay exact; the remote ones are an addition it holds
+// per replica, replaced whole by each update.
+
+// Learned is a routing decision as it is shared: the request's blocks that
+// were new to the replica in the sender's view (Blocks = the prompt's
+// blocks from Offset on; the first Offset the sender's index already held
+// there, and so, most likely, does every gateway's).
+type Learned struct {
+	Replica int // the slot in the sender's router; shared by name
+	Model   string
+	Offset  int
+	Blocks  []uint64 // not to be kept: the request's own slice
+	Tokens  int
+}
+
+// Load is a gateway's own counts for one replica.
+type Load struct {
+	InFlight       int64 `json:"in_flight"`
+	InFlightTokens int64 `json:"in_flight_tokens"`
+	PendingPrefill int64 `json:"pending_prefill"`
+	PendingCount   int64 `json:"pending_count"`
+}
+
+// Add is the sum of two loads.
+func (l Load) Add(o Load) Load {
+	return Load{l.InFlight + o.InFlight, l.InFlightTokens + o.InFlightTokens,
+		l.PendingPrefill + o.PendingPrefill, l.PendingCount + o.PendingCount}
+}
+
+// Lookup is the slot of the replica named name (Name: URL, or URL#k).
+func (rt *Router) Lookup(name string) (int, bool) {
+	i, ok := rt.byName[name]
+	return i, ok
+}
+
+// LocalLoad is this router's own counts for replica i (without the
+// remote load).
+func (rt *Router) LocalLoad(i int) Load {
+	r := rt.replicas[i]
+	return Load{r.inFlight.Load(), r.inFlightTokens.Load(), r.pendingPrefill.Load(), r.pendingCount.Load()}
+}
+
+// SetRemoteLoad sets the load the other gateways report for replica i (the
+// sum of their live heartbeats; the zero Load when none): the policies see
+// it added to this router's own counts.
+func (rt *Router) SetRemoteLoad(i int, l Load) {
+	r := rt.replicas[i]
+	if old := r.remote.Load(); old != nil && *old == l {
+		return
+	}
+	if l == (Load{}) {
+		r.remote.Store(nil)
+	} else {
+		r.remote.Store(&l)
+	}
+	rt.releaseIfQueued()
+}
+
+// RemoteLoad is the other gateways' load on replica i as last set.
+func (rt *Router) RemoteLoad(i int) Load {
+	if l := rt.replicas[i].remote.Load(); l != nil {
+		return *l
+	}
+	return Load{}
+}
+
+// ApplyRemote applies a decision another gateway made at `at`: the
+// approximate index learns blocks (the prompt's from offset on) on replica
+// i, and an Observer policy hears a remote Routed event (policy.Event.Remote).
+// blocks is not kept.
+func (rt *Router) ApplyRemote(i int, model string, offset int, blocks []uint64, tokens int, at time.Time) {
+	if i < 0 || i >= len(rt.replicas) {
+		return
+	}
+	if len(blocks) > 0 {
+		_ = rt.approx.Insert(i, blocks)
+	}
+	if rt.obs == nil {
+		return
+	}
+	req := &policy.Request{Now: at, Model: model, Blocks: blocks, BlockOffset: offset, Tokens: tokens}
+	rt.obs.Observe(policy.Event{Kind: policy.Routed, Remote: true, At: at, Req: req, Replica: i,
+		Decision: policy.Decision{Replica: i, Matched: offset, Reason: "another gateway"}})
+}
