@@ -44,21 +44,21 @@ type Observer interface {
 
 // Request is the routing key of one request.
 type Request struct {
-	ID        uint64
-	Now       time.Time // the router's clock (wall or virtual) at routing time
-	Model     string
-	Adapter   string
-	Salt      string
-	Text      string   // routing text: prompt, or chat rendered with roles ("" for token-id prompts)
-	KeyText   string   // the first user message (chat) or the prompt: prefix-key policies
-	System    string   // the chat's system prompt, if any
-	Session   string   // X-Session-Id header, else the body's "user"
-	Blocks    []uint64 // kvgate's chained block hashes of the prompt's full blocks
+	ID      uint64
+	Now     time.Time // the router's clock (wall or virtual) at routing time
+	Model   string
+	Adapter string
+	Salt    string
+	Text    string   // routing text: prompt, or chat rendered with roles ("" for token-id prompts)
+	KeyText string   // the first user message (chat) or the prompt: prefix-key policies
+	System  string   // the chat's system prompt, if any
+	Session string   // X-Session-Id header, else the body's "user"
+	Blocks  []uint64 // kvgate's chained block hashes of the prompt's full blocks
 	// BlockOffset is the prompt's block Blocks[0] is: 0, but for a remote
 	// decision (Event.Remote), which carries only the blocks from there on.
 	BlockOffset int
-	Tokens    int      // prompt tokens
-	MaxTokens int      // requested output tokens (0: unknown)
+	Tokens      int // prompt tokens
+	MaxTokens   int // requested output tokens (0: unknown)
 	// NoDefer: the policy must not answer ErrDefer (the router overrules a
 	// deferral that nothing in flight would ever release).
 	NoDefer bool
