@@ -1,0 +1,79 @@
+package sharedstate
+
+import (
+	"errors"
+	"fmt"
+	"io/fs"
+	"os"
+	"path/filepath"
+	"time"
+
+	"github.com/kvgate/kvgate/internal/router"
+)
+
+// SaveFile writes a snapshot of rt's approximate index to path: a gateway
+// without Redis keeps what it learnt across a restart. The write is atomic
+// (a temporary file in the same directory, synced, then renamed over path),
+// so a crash mid-write leaves the previous snapshot whole; the file is
+// readable by its owner only (0600).
+func SaveFile(path string, rt *router.Router, at time.Time) error {
+	s := TakeSnapshot(rt, "", at)
+	data := AppendSnapshot(make([]byte, 0, 64+9*s.Len()), &s)
+	dir, base := filepath.Split(path)
+	if dir == "" {
+		dir = "."
+	}
+	f, err := os.CreateTemp(dir, base+".tmp*")
+	if err != nil {
+		return fmt.Errorf("sharedstate: snapshot file: %w", err)
+	}
+	tmp := f.Name()
+	fail := func(err error) error {
+		_ = f.Close()
+		_ = os.Remove(tmp)
+		return fmt.Errorf("sharedstate: snapshot file %s: %w", path, err)
+	}
+	if err := f.Chmod(0o600); err != nil {
+		return fail(err)
+	}
+	if _, err := f.Write(data); err != nil {
+		return fail(err)
+	}
+	if err := f.Sync(); err != nil {
+		return fail(err)
+	}
+	if err := f.Close(); err != nil {
+		_ = os.Remove(tmp)
+		return fmt.Errorf("sharedstate: snapshot file %s: %w", path, err)
+	}
+	if err := os.Rename(tmp, path); err != nil {
+		_ = os.Remove(tmp)
+		return fmt.Errorf("sharedstate: snapshot file %s: %w", path, err)
+	}
+	// The rename is durable once the directory is synced (best effort: not
+	// every system can sync a directory).
+	if d, err := os.Open(dir); err == nil {
+		_ = d.Sync()
+		_ = d.Close()
+	}
+	return nil
+}
+
+// LoadFile restores the snapshot SaveFile wrote at path into rt's
+// approximate index and returns the number of blocks restored. A missing
+// file is a first start, not an error (0, nil); a file that does not decode
+// is an error, and rt is left untouched.
+func LoadFile(path string, rt *router.Router) (int, error) {
+	data, err := os.ReadFile(path)
+	if errors.Is(err, fs.ErrNotExist) {
+		return 0, nil
+	}
+	if err != nil {
+		return 0, fmt.Errorf("sharedstate: snapshot file: %w", err)
+	}
+	s, err := DecodeSnapshot(data)
+	if err != nil {
+		return 0, fmt.Errorf("sharedstate: snapshot file %s: %w", path, err)
+	}
+	return s.Restore(rt), nil
+}
