@@ -41,6 +41,9 @@ type replayFlags struct {
 	traceFormat                                   workload.TraceFormat
 	kvEvents                                      string
 	dataParallel                                  int
+	gateways                                      int
+	gatewaySync, syncLoads                        string
+	syncDelay                                     time.Duration
 	workloadParams, policyParams, replicaProfiles listFlag
 	requests, replicas, kvBlocks                  int
 	rate, speedup                                 float64
@@ -67,6 +70,10 @@ func (f *replayFlags) register(fs *flag.FlagSet) {
 	fs.IntVar(&f.kvBlocks, "kv-blocks", engine.DefaultNumBlocks, "KV cache blocks per replica (16 tokens each)")
 	fs.IntVar(&f.dataParallel, "data-parallel-size", 1, "data-parallel ranks per replica: each rank an engine and a routing target, as the gateway routes a DP server")
 	fs.StringVar(&f.kvEvents, "kv-events", string(replay.KVAuto), "precise mode, the router following the engines' KV events: auto (for policies defined on them, e.g. precise), on (every policy), off")
+	fs.IntVar(&f.gateways, "gateways", 1, "gateways in front of the replicas, each with its own router and policy; requests go to them in turn, as a Kubernetes Service spreads them")
+	fs.StringVar(&f.gatewaySync, "gateway-sync", string(replay.SyncShared), "with --gateways > 1: shared (each gateway's decisions and loads reach the others --sync-delay later, as through Redis) or none (they know nothing of each other)")
+	fs.DurationVar(&f.syncDelay, "sync-delay", 10*time.Millisecond, "with --gateway-sync shared: how long a gateway's published batch takes to reach the others")
+	fs.StringVar(&f.syncLoads, "sync-loads", string(replay.LoadsWithBatches), "with --gateway-sync shared: when a gateway publishes its loads: batch (with its decisions, and a heartbeat every 250ms) or change (also whenever they change, at most every 5ms)")
 	fs.Float64Var(&f.speedup, "speedup", 1, "arrival (and think) times are divided by this")
 	fs.DurationVar(&f.staleness, "staleness", 0, "policies see the replicas' scraped metrics (and KV events) this much late")
 	fs.DurationVar(&f.scrape, "scrape-interval", 0, "period of the metric scrapes (0: each policy's upstream period: llm-d's 50 ms for llmd and precise, else 250 ms, the gateway's)")
@@ -160,6 +167,8 @@ func (f *replayFlags) config(inv invocation) (replayConfig, error) {
 		Replicas: f.replicas, Profile: prof, KVBlocks: f.kvBlocks, Speedup: f.speedup,
 		Staleness: f.staleness, ScrapeInterval: f.scrape, Seed: f.seed,
 		KVEvents: replay.KVMode(f.kvEvents), DataParallelSize: f.dataParallel,
+		Gateways: f.gateways, GatewaySync: replay.GatewaySync(f.gatewaySync), SyncDelay: f.syncDelay,
+		SyncLoads: replay.SyncLoads(f.syncLoads),
 	}
 	profiles, err := f.replicaProfileMap()
 	if err != nil {
@@ -229,6 +238,14 @@ func (f *replayFlags) check() error {
 		return bad("--staleness %v: must be ≥ 0", f.staleness)
 	case f.dataParallel < 1 || f.dataParallel > 1024:
 		return bad("--data-parallel-size %d: want 1 to 1024", f.dataParallel)
+	case f.gateways < 1 || f.gateways > replay.MaxGateways:
+		return bad("--gateways %d: want 1 to %d", f.gateways, replay.MaxGateways)
+	case f.gatewaySync != string(replay.SyncShared) && f.gatewaySync != string(replay.SyncNone):
+		return bad("--gateway-sync %q: want shared or none", f.gatewaySync)
+	case f.syncDelay < 0:
+		return bad("--sync-delay %v: must be ≥ 0", f.syncDelay)
+	case f.syncLoads != string(replay.LoadsWithBatches) && f.syncLoads != string(replay.LoadsOnChange):
+		return bad("--sync-loads %q: want batch or change", f.syncLoads)
 	case f.kvEvents != string(replay.KVAuto) && f.kvEvents != string(replay.KVOn) && f.kvEvents != string(replay.KVOff):
 		return bad("--kv-events %q: want auto, on or off", f.kvEvents)
 	case f.scrape < 0:
@@ -355,6 +372,14 @@ func (f *replayFlags) meta(inv invocation, ws workload.Spec, prof costmodel.Prof
 	}
 	if f.dataParallel > 1 {
 		m["data_parallel_size"] = f.dataParallel
+	}
+	m["gateways"] = f.gateways
+	if f.gateways > 1 {
+		m["gateway_sync"] = f.gatewaySync
+		if f.gatewaySync == string(replay.SyncShared) {
+			m["sync_delay"] = f.syncDelay.String()
+			m["sync_loads"] = f.syncLoads
+		}
 	}
 	if f.kvEvents != string(replay.KVAuto) {
 		m["kv_events"] = f.kvEvents

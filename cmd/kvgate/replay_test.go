@@ -46,6 +46,11 @@ func TestReplayUsageErrors(t *testing.T) {
 		{"stray argument", replayArgs("extra"), 2, "unexpected argument"},
 		{"unknown policy param", replayArgs("--policies", "score", "--policy-param", "nope=1"), 2, "nope"},
 		{"policy param for an absent policy", replayArgs("--policies", "ttft", "--policy-param", "score.cache_weight=2"), 2, "not in --policies"},
+		{"zero gateways", replayArgs("--gateways", "0"), 2, "--gateways 0"},
+		{"too many gateways", replayArgs("--gateways", "65"), 2, "--gateways 65"},
+		{"unknown gateway sync", replayArgs("--gateways", "2", "--gateway-sync", "redis"), 2, "--gateway-sync \"redis\""},
+		{"negative sync delay", replayArgs("--gateways", "2", "--sync-delay", "-1ms"), 2, "--sync-delay -1ms"},
+		{"unknown sync loads", replayArgs("--gateways", "2", "--sync-loads", "never"), 2, "--sync-loads \"never\""},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
@@ -200,4 +205,43 @@ func readResult(t *testing.T, path string) report.Result {
 		t.Fatal(err)
 	}
 	return res
+}
+
+// Every run's JSON says how many gateways routed it; with several, the
+// sync mode and delay, and each run its gateways and sync cost.
+func TestReplayGatewaysJSON(t *testing.T) {
+	dir := t.TempDir()
+	for _, tc := range []struct {
+		args []string
+		meta map[string]any
+	}{
+		{nil, map[string]any{"gateways": 1.0}},
+		{[]string{"--gateways", "3", "--sync-delay", "20ms"},
+			map[string]any{"gateways": 3.0, "gateway_sync": "shared", "sync_delay": "20ms", "sync_loads": "batch"}},
+		{[]string{"--gateways", "2", "--gateway-sync", "none"}, map[string]any{"gateways": 2.0, "gateway_sync": "none"}},
+	} {
+		path := filepath.Join(dir, "g.json")
+		code, _, stderr := runCmd(t, "", replayArgs(append([]string{"--policies", "ttft", "--json", path}, tc.args...)...)...)
+		if code != 0 {
+			t.Fatalf("%v: exit %d: %s", tc.args, code, stderr)
+		}
+		res := readResult(t, path)
+		for k, want := range tc.meta {
+			if got := res.Meta[k]; got != want {
+				t.Errorf("%v: meta %s = %v (%T), want %v", tc.args, k, got, got, want)
+			}
+		}
+		for _, k := range []string{"gateway_sync", "sync_delay", "sync_loads"} {
+			if _, ok := tc.meta[k]; !ok && res.Meta[k] != nil {
+				t.Errorf("%v: meta %s = %v, want none", tc.args, k, res.Meta[k])
+			}
+		}
+		run := res.Runs[0]
+		if n := tc.meta["gateways"].(float64); n > 1 && run.Extra["gateways"] != n {
+			t.Errorf("%v: run extra gateways %v", tc.args, run.Extra["gateways"])
+		}
+		if _, ok := run.Extra["sync_bytes_est"]; ok != (tc.meta["gateway_sync"] == "shared") {
+			t.Errorf("%v: run extra %v", tc.args, run.Extra)
+		}
+	}
 }

@@ -41,7 +41,7 @@ func TestReplayAndGatewayFollowAlike(t *testing.T) {
 			return
 		}
 		if pending >= 0 { // both routers have followed the previous batch now
-			compareFollowers(t, vr.router, wire, pending)
+			compareFollowers(t, vr.gateways[0].router, wire, pending)
 			pending = -1
 		}
 		batches++
@@ -75,14 +75,14 @@ func TestReplayAndGatewayFollowAlike(t *testing.T) {
 		t.Fatalf("%d batches, %d gaps: the test did not exercise the follower", batches, gaps)
 	}
 	for i := range names {
-		compareFollowers(t, vr.router, wire, i)
+		compareFollowers(t, vr.gateways[0].router, wire, i)
 	}
 	// The same requests see the same matches.
 	for k := range reqs[:50] {
 		r := &reqs[k]
 		text := r.Text()
 		p := parsed(r, text, cfg.Model)
-		a, b := vr.router.Views(vr.router.Prepare(&p, "", "")), wire.Views(wire.Prepare(&p, "", ""))
+		a, b := vr.gateways[0].router.Views(vr.gateways[0].router.Prepare(&p, "", "")), wire.Views(wire.Prepare(&p, "", ""))
 		for i := range a {
 			if a[i].Match != b[i].Match {
 				t.Fatalf("request %d on %s: match %d in the replay, %d through the wire", k, names[i], a[i].Match, b[i].Match)

@@ -10,6 +10,10 @@
 //     clock is the virtual clock, its in-flight counts are exact, its prefix
 //     index learns from routing, and the replicas' scraped metrics reach it
 //     every scrape interval, delivered Staleness late;
+//   - with Config.Gateways > 1, several such routers (gateways.go): requests
+//     reach them in turn, each scrapes every replica, and with SyncShared
+//     each one's decisions and loads reach the others SyncDelay late,
+//     through sharedstate.Peers, as the live gateways share them;
 //   - each replica is an engine.Engine (the model `kvgate sim` serves), stepped
 //     back to back while it has work: a step starts at its predecessor's end,
 //     or at the instant an arrival wakes an idle engine, after every other
@@ -108,6 +112,22 @@ type Config struct {
 	// Seed seeds the policies (policy.Options.Seed) and the engines' jitter.
 	Seed uint64
 
+	// Gateways is the number of gateways in front of the fleet (default
+	// 1): requests reach them in turn, by arrival; each has a router and a
+	// policy of its own (built with the same options), and scrapes (and
+	// follows the KV events of) every replica itself.
+	Gateways int
+	// GatewaySync is how several gateways share their state: SyncShared
+	// (the default) or SyncNone.
+	GatewaySync GatewaySync
+	// SyncDelay is how long a gateway's published batch (its decisions and
+	// loads) takes to reach the others with SyncShared (0: at once, after
+	// the sync tick that publishes it).
+	SyncDelay time.Duration
+	// SyncLoads is when a gateway publishes its loads (default
+	// LoadsWithBatches: with its decisions and on a heartbeat).
+	SyncLoads SyncLoads
+
 	// observe, when set (tests, benchmarks), is called with every scrape
 	// as it is taken and every ctxCheckEvery events.
 	observe func(ev observation)
@@ -155,6 +175,15 @@ func (c Config) WithDefaults() Config {
 	if c.DataParallelSize == 0 {
 		c.DataParallelSize = 1
 	}
+	if c.Gateways == 0 {
+		c.Gateways = 1
+	}
+	if c.GatewaySync == "" {
+		c.GatewaySync = SyncShared
+	}
+	if c.SyncLoads == "" {
+		c.SyncLoads = LoadsWithBatches
+	}
 	return c
 }
 
@@ -174,6 +203,14 @@ func (c Config) validate() error {
 		return fmt.Errorf("%w: kv events %q: want auto, on or off", ErrConfig, c.KVEvents)
 	case c.DataParallelSize < 1 || c.Replicas*c.DataParallelSize > 1<<16:
 		return fmt.Errorf("%w: data parallel size %d out of [1, %d]", ErrConfig, c.DataParallelSize, (1<<16)/max(c.Replicas, 1))
+	case c.Gateways < 1 || c.Gateways > MaxGateways:
+		return fmt.Errorf("%w: gateways %d out of [1, %d]", ErrConfig, c.Gateways, MaxGateways)
+	case c.GatewaySync != SyncShared && c.GatewaySync != SyncNone:
+		return fmt.Errorf("%w: gateway sync %q: want shared or none", ErrConfig, c.GatewaySync)
+	case c.SyncDelay < 0:
+		return fmt.Errorf("%w: sync delay %v < 0", ErrConfig, c.SyncDelay)
+	case c.SyncLoads != LoadsWithBatches && c.SyncLoads != LoadsOnChange:
+		return fmt.Errorf("%w: sync loads %q: want batch or change", ErrConfig, c.SyncLoads)
 	}
 	if err := c.Profile.Validate(); err != nil {
 		return fmt.Errorf("%w: %w", ErrConfig, err)
@@ -236,7 +273,8 @@ type PolicySpec struct {
 	Label  string         // run name in the result (default Name)
 	Params map[string]any // policy.Options.Params
 	// New, when set, builds the policy instead of the registry (a policy of
-	// the caller's own, or a wrapped one); it is called once per run.
+	// the caller's own, or a wrapped one); it is called once per run and
+	// gateway.
 	New func(policy.Options) (policy.Policy, error)
 }
 

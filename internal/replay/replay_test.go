@@ -491,7 +491,7 @@ func TestPreciseFollowsKVEvents(t *testing.T) {
 		if vr.kvEventErrors != 0 {
 			t.Fatalf("staleness %v: %d KV events rejected", stale, vr.kvEventErrors)
 		}
-		px := vr.router.Precise().Index()
+		px := vr.gateways[0].router.Precise().Index()
 		for e, rep := range vr.replicas {
 			// Replaying Stored/Removed gives exactly the engine's cached blocks.
 			if got, want := px.ReplicaLen(e), rep.engine.Stats().CachedBlocks; got != want {

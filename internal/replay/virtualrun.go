@@ -16,11 +16,14 @@ import (
 
 // Event kinds.
 const (
-	evArrive  uint8 = iota // arg: request index
-	evStepEnd              // arg: engine
-	evScrape               // every engine's metrics are snapshotted
-	evMetrics              // the oldest pending snapshot reaches the router
-	evKV                   // the oldest pending KV-event batch reaches the router
+	evArrive    uint8 = iota // arg: request index
+	evStepEnd                // arg: engine
+	evScrape                 // every engine's metrics are snapshotted
+	evMetrics                // the oldest pending snapshot reaches the router
+	evKV                     // the oldest pending KV-event batch reaches the routers
+	evPublish                // arg: gateway; its sync tick
+	evHeartbeat              // arg: gateway; its heartbeat is due
+	evSync                   // the oldest batch in transit reaches the other gateways
 )
 
 // ctxCheckEvery is how many events pass between two looks at ctx.
@@ -29,6 +32,7 @@ const ctxCheckEvery = 1 << 12
 // liveRequest is the state of one request between its arrival and its end.
 type liveRequest struct {
 	ticket *router.Ticket
+	gw     int // the gateway it reached
 	arrive time.Duration
 	first  time.Duration
 	cached int
@@ -58,12 +62,12 @@ type replica struct {
 	queued   bool              // in virtualRun.wake
 }
 
-// virtualRun is one policy's run on a fresh fleet in virtual time: a router,
-// its replicas and the event loop.
+// virtualRun is one policy's run on a fresh fleet in virtual time: the
+// gateways (a router each), the replicas and the event loop.
 type virtualRun struct {
 	cfg         Config
 	plan        *plan
-	router      *router.Router
+	gateways    []gatewayState
 	replicas    []replica
 	precise     bool
 	kvSeq       []uint64      // per engine: its next KV batch's sequence number
@@ -73,12 +77,15 @@ type virtualRun struct {
 	events   eventHeap
 	now      time.Duration
 	nextRoot int // next root arrival to schedule (index into plan.roots)
+	arrived  int // requests arrived so far: the next one's turn among the gateways
 
 	wake            []int           // replicas to step at now, once this instant's events are done
 	requests        []liveRequest   // per request
 	records         []report.Record // per request, filled when it ends
 	metricsInFlight fifo[snapshot]  // scrapes on their way to the router (staleness)
 	kvInFlight      fifo[kvBatch]   // KV events on their way to the router (staleness)
+	syncInFlight    fifo[inTransit] // batches on their way to the other gateways
+	sync            syncStats       // what the gateways published
 	spareHashes     [][]uint64      // recycled engine hash buffers
 	kvEventErrors   int             // KV events the precise index rejected
 	failures        map[string]int  // failed requests by kind
@@ -86,16 +93,17 @@ type virtualRun struct {
 	released        []released      // requests the router's queue let go, to dispatch
 }
 
-// newVirtualRun builds spec's policy, the router and cfg.Replicas engines
-// for one run of plan.
+// newVirtualRun builds cfg.Gateways routers, each with its own instance
+// of spec's policy, and cfg.Replicas engines for one run of plan.
 func newVirtualRun(cfg Config, p *plan, spec PolicySpec) (*virtualRun, error) {
-	pol, err := spec.build(policy.Options{
+	opt := policy.Options{
 		Seed:           cfg.Seed,
 		BlockSize:      cfg.BlockSize,
 		Profile:        cfg.Profile,
 		MaxBatchTokens: cfg.MaxBatchTokens,
 		Params:         spec.Params,
-	})
+	}
+	pol, err := spec.build(opt)
 	if err != nil {
 		return nil, fmt.Errorf("%w: %w", ErrConfig, err)
 	}
@@ -110,6 +118,7 @@ func newVirtualRun(cfg Config, p *plan, spec PolicySpec) (*virtualRun, error) {
 		requests:    make([]liveRequest, len(p.reqs)),
 		records:     make([]report.Record, len(p.reqs)),
 		failures:    map[string]int{},
+		gateways:    make([]gatewayState, cfg.Gateways),
 	}
 	names := make([]string, cfg.engines())
 	for i := range names {
@@ -118,17 +127,33 @@ func newVirtualRun(cfg Config, p *plan, spec PolicySpec) (*virtualRun, error) {
 			return nil, fmt.Errorf("%w: %w", ErrConfig, err)
 		}
 	}
-	vr.router, err = router.New(router.Config{
-		Replicas:         names,
-		Policy:           pol,
-		BlockSize:        cfg.BlockSize,
-		BlocksPerReplica: cfg.KVBlocks,
-		Precise:          vr.precise,
-		Model:            cfg.Model,
-		Now:              func() time.Time { return epoch.Add(vr.now) },
-	})
-	if err != nil {
-		return nil, fmt.Errorf("%w: %w", ErrConfig, err)
+	for g := range vr.gateways {
+		if g > 0 {
+			// Each gateway its own instance, built as the first: gateways
+			// deployed from one configuration share its options and seed.
+			if pol, err = spec.build(opt); err != nil {
+				return nil, fmt.Errorf("%w: %w", ErrConfig, err)
+			}
+		}
+		rc := router.Config{
+			Replicas:         names,
+			Policy:           pol,
+			BlockSize:        cfg.BlockSize,
+			BlocksPerReplica: cfg.KVBlocks,
+			Precise:          vr.precise,
+			Model:            cfg.Model,
+			Now:              func() time.Time { return epoch.Add(vr.now) },
+		}
+		if vr.sharing() && !vr.precise {
+			// In precise mode every gateway follows every replica's KV
+			// events: as the live gateway, it shares only its loads.
+			rc.OnLearn = vr.onLearn(g)
+		}
+		gw := &vr.gateways[g]
+		gw.name = gatewayName(g)
+		if gw.router, err = router.New(rc); err != nil {
+			return nil, fmt.Errorf("%w: %w", ErrConfig, err)
+		}
 	}
 	return vr, nil
 }
@@ -137,6 +162,7 @@ func newVirtualRun(cfg Config, p *plan, spec PolicySpec) (*virtualRun, error) {
 func (vr *virtualRun) loop(ctx context.Context) error {
 	// The first scrape precedes the first arrival: the gateway scrapes as it starts.
 	vr.events.push(0, evScrape, 0)
+	vr.startSync()
 	vr.pushNextRoot()
 	for n := 0; ; n++ {
 		if n%ctxCheckEvery == 0 {
@@ -179,11 +205,16 @@ func (vr *virtualRun) handle(ev event) error {
 	case evScrape:
 		vr.scrape()
 	case evMetrics:
-		sn := vr.metricsInFlight.pop()
-		vr.router.SetMetrics(sn.replica, sn.metrics, epoch.Add(sn.at))
+		vr.setMetrics(vr.metricsInFlight.pop())
 	case evKV:
 		b := vr.kvInFlight.pop()
 		vr.deliverKV(b)
+	case evPublish:
+		vr.publishTick(int(ev.arg))
+	case evHeartbeat:
+		vr.heartbeat(int(ev.arg))
+	case evSync:
+		vr.deliverSync()
 	}
 	return nil
 }
@@ -197,8 +228,9 @@ func (vr *virtualRun) pushNextRoot() {
 	vr.events.push(scale(vr.plan.reqs[i].At, vr.cfg.Speedup), evArrive, i)
 }
 
-// arrive routes request i and hands it to its engine, or leaves it waiting
-// in the router's queue (a policy that defers: late binding).
+// arrive routes request i through the next gateway and hands it to its
+// engine, or leaves it waiting in that gateway's router queue (a policy
+// that defers: late binding).
 func (vr *virtualRun) arrive(i int) error {
 	r := &vr.plan.reqs[i]
 	if r.Prev < 0 {
@@ -206,10 +238,13 @@ func (vr *virtualRun) arrive(i int) error {
 	}
 	text := r.Text()
 	p := parsed(r, text, vr.cfg.Model)
-	preq := vr.router.Prepare(&p, r.Session, "")
 	st := &vr.requests[i]
+	st.gw = vr.gatewayOf(vr.arrived)
+	vr.arrived++
+	rt := vr.gateways[st.gw].router
+	preq := rt.Prepare(&p, r.Session, "")
 	st.arrive, st.tokens = vr.now, preq.Tokens
-	tk, w, err := vr.router.Submit(preq)
+	tk, w, err := rt.Submit(preq)
 	if w != nil {
 		// Routed later, inside a ticket event of this loop: dispatched once
 		// that event is handled.
@@ -255,6 +290,7 @@ func (vr *virtualRun) dispatch(i int, text string, tk *router.Ticket, err error)
 		return nil
 	}
 	st.ticket = tk
+	vr.loadsChanged(st.gw)
 	er := engine.Request{
 		ID:           uint64(i) + 1,
 		PromptTokens: st.tokens,
@@ -272,6 +308,7 @@ func (vr *virtualRun) dispatch(i int, text string, tk *router.Ticket, err error)
 			return fmt.Errorf("replay: request %d: %w", i, err)
 		}
 		tk.Done(epoch.Add(vr.now), router.Outcome{CachedTokens: -1, Err: err})
+		vr.loadsChanged(st.gw)
 		vr.fail(i, e, "too_long")
 		return nil
 	}
@@ -357,10 +394,12 @@ func (vr *virtualRun) stepEnd(e int) {
 		if o.First {
 			st.first, st.cached = vr.now, o.CachedTokens
 			st.ticket.FirstToken(at)
+			vr.loadsChanged(st.gw)
 		}
 		if o.Finished {
 			out := max(vr.plan.reqs[i].MaxTokens, 1)
 			st.ticket.Done(at, router.Outcome{CachedTokens: st.cached, OutputTokens: out})
+			vr.loadsChanged(st.gw)
 			vr.records[i] = report.Record{
 				Start: st.arrive, TTFT: st.first - st.arrive, E2E: vr.now - st.arrive,
 				PromptTokens: st.tokens, CachedTokens: st.cached, OutputTokens: out, Replica: e,
@@ -399,7 +438,7 @@ func (vr *virtualRun) scrape() {
 			vr.cfg.observe(observation{scrape: &sn})
 		}
 		if vr.cfg.Staleness == 0 {
-			vr.router.SetMetrics(e, sn.metrics, epoch.Add(sn.at))
+			vr.setMetrics(sn)
 			continue
 		}
 		vr.metricsInFlight.push(sn)
@@ -412,9 +451,16 @@ func (vr *virtualRun) scrape() {
 	}
 }
 
-// deliverKV hands one engine's KV-event batch to the router's follower,
-// numbered as its publisher would number it: the gateway's rules, the
-// gateway's code.
+// setMetrics hands one scrape to every gateway: each scrapes every replica.
+func (vr *virtualRun) setMetrics(sn snapshot) {
+	for g := range vr.gateways {
+		vr.gateways[g].router.SetMetrics(sn.replica, sn.metrics, epoch.Add(sn.at))
+	}
+}
+
+// deliverKV hands one engine's KV-event batch to every gateway's
+// follower, numbered as its publisher would number it: the gateway's
+// rules, the gateway's code. Every gateway subscribes to every replica.
 func (vr *virtualRun) deliverKV(b kvBatch) {
 	if vr.cfg.observe != nil {
 		drop := false
@@ -422,9 +468,11 @@ func (vr *virtualRun) deliverKV(b kvBatch) {
 			return
 		}
 	}
-	m := router.KVMessage{Seq: b.seq, Model: vr.cfg.Model, Events: kvevents.FromEngine(b.events)}
-	rep := vr.router.FollowKV(b.replica, m, epoch.Add(vr.now), nil)
-	vr.kvEventErrors += len(rep.Drops)
+	for g := range vr.gateways {
+		m := router.KVMessage{Seq: b.seq, Model: vr.cfg.Model, Events: kvevents.FromEngine(b.events)}
+		rep := vr.gateways[g].router.FollowKV(b.replica, m, epoch.Add(vr.now), nil)
+		vr.kvEventErrors += len(rep.Drops)
+	}
 }
 
 // summary is the run's report entry.
@@ -446,6 +494,7 @@ func (vr *virtualRun) summary(label string) report.Run {
 	if vr.kvEventErrors > 0 {
 		extra["kv_event_errors"] = float64(vr.kvEventErrors)
 	}
+	vr.syncSummary(extra)
 	run.Extra = extra
 	return run
 }
