@@ -73,7 +73,7 @@ func (f *replayFlags) register(fs *flag.FlagSet) {
 	fs.IntVar(&f.gateways, "gateways", 1, "gateways in front of the replicas, each with its own router and policy; requests go to them in turn, as a Kubernetes Service spreads them")
 	fs.StringVar(&f.gatewaySync, "gateway-sync", string(replay.SyncShared), "with --gateways > 1: shared (each gateway's decisions and loads reach the others --sync-delay later, as through Redis) or none (they know nothing of each other)")
 	fs.DurationVar(&f.syncDelay, "sync-delay", 10*time.Millisecond, "with --gateway-sync shared: how long a gateway's published batch takes to reach the others")
-	fs.StringVar(&f.syncLoads, "sync-loads", string(replay.LoadsWithBatches), "with --gateway-sync shared: when a gateway publishes its loads: batch (with its decisions, and a heartbeat every 250ms) or change (also whenever they change, at most every 5ms)")
+	fs.StringVar(&f.syncLoads, "sync-loads", string(replay.LoadsOnChange), "with --gateway-sync shared: when a gateway publishes its loads: change (at its next 5ms tick after they change, as the gateway does) or batch (only with its decisions and on its 250ms heartbeat)")
 	fs.Float64Var(&f.speedup, "speedup", 1, "arrival (and think) times are divided by this")
 	fs.DurationVar(&f.staleness, "staleness", 0, "policies see the replicas' scraped metrics (and KV events) this much late")
 	fs.DurationVar(&f.scrape, "scrape-interval", 0, "period of the metric scrapes (0: each policy's upstream period: llm-d's 50 ms for llmd and precise, else 250 ms, the gateway's)")

@@ -217,7 +217,7 @@ func TestReplayGatewaysJSON(t *testing.T) {
 	}{
 		{nil, map[string]any{"gateways": 1.0}},
 		{[]string{"--gateways", "3", "--sync-delay", "20ms"},
-			map[string]any{"gateways": 3.0, "gateway_sync": "shared", "sync_delay": "20ms", "sync_loads": "batch"}},
+			map[string]any{"gateways": 3.0, "gateway_sync": "shared", "sync_delay": "20ms", "sync_loads": "change"}},
 		{[]string{"--gateways", "2", "--gateway-sync", "none"}, map[string]any{"gateways": 2.0, "gateway_sync": "none"}},
 	} {
 		path := filepath.Join(dir, "g.json")
@@ -240,7 +240,7 @@ func TestReplayGatewaysJSON(t *testing.T) {
 		if n := tc.meta["gateways"].(float64); n > 1 && run.Extra["gateways"] != n {
 			t.Errorf("%v: run extra gateways %v", tc.args, run.Extra["gateways"])
 		}
-		if _, ok := run.Extra["sync_bytes_est"]; ok != (tc.meta["gateway_sync"] == "shared") {
+		if _, ok := run.Extra["sync_bytes"]; ok != (tc.meta["gateway_sync"] == "shared") {
 			t.Errorf("%v: run extra %v", tc.args, run.Extra)
 		}
 	}

@@ -2,6 +2,7 @@ package replay
 
 import (
 	"fmt"
+	"slices"
 	"time"
 
 	"github.com/kvgate/kvgate/internal/router"
@@ -17,14 +18,17 @@ import (
 // gateway scrapes every replica and, in precise mode, follows every
 // replica's KV events.
 //
-// With SyncShared each gateway publishes what the live gateway's syncer
-// publishes through Redis, a sharedstate.Batch: the decisions its index
-// learnt since its last batch (router.Config.OnLearn; none in precise mode,
-// where every gateway follows the replicas' own events, as the gateway
-// shares only loads then) and its own counts for every replica. A batch
-// goes out at the sync period's next tick while there is something to
-// publish (at most one per syncBatchEvery), and at least every
-// syncHeartbeatEvery as a heartbeat; it reaches every other gateway
+// With SyncShared each gateway publishes what the live gateway's
+// sharedstate.Syncer publishes through Redis, a sharedstate.Batch: the
+// decisions its index learnt since its last batch (router.Config.OnLearn;
+// none in precise mode, where every gateway follows the replicas' own
+// events and the gateway shares loads only) and its own counts for the
+// replicas. As the Syncer, it looks every sharedstate.DefaultInterval (its
+// ticks; a tick with nothing new costs nothing here, so only ticks that
+// may publish are events) and publishes when decisions are queued, when its
+// counts changed since its last batch, or when sharedstate.DefaultHeartbeat
+// has passed since it (sharedstate.DefaultTTL is far longer, so a live
+// gateway's loads never expire). A batch reaches every other gateway
 // SyncDelay later, where sharedstate.Peers.Apply, the live gateway's code,
 // applies it.
 
@@ -45,26 +49,13 @@ type SyncLoads string
 
 // Load publishing modes.
 const (
-	// LoadsWithBatches: loads ride on every batch of decisions, and on a
-	// heartbeat when no batch went out for syncHeartbeatEvery (the live
-	// syncer's rule).
-	LoadsWithBatches SyncLoads = "batch"
-	// LoadsOnChange: a batch also goes out (at the sync period's next tick)
-	// whenever the gateway's own counts changed: a request routed, its first
-	// token, its end.
+	// LoadsOnChange: at the next tick after they change (the Syncer's
+	// rule), and with every batch.
 	LoadsOnChange SyncLoads = "change"
-)
-
-// The live syncer's periods.
-// TODO(#14): take them from internal/sharedstate once its syncer exports them.
-const (
-	// syncBatchEvery is the sync period: a gateway publishes at most one
-	// batch per period, at its tick.
-	syncBatchEvery = 5 * time.Millisecond
-	// syncHeartbeatEvery is the longest a gateway stays silent: its loads
-	// go out at least this often (sharedstate.DefaultTTL is far longer, so
-	// a live gateway's loads never expire).
-	syncHeartbeatEvery = 250 * time.Millisecond
+	// LoadsWithBatches: only with batches of decisions and on the
+	// heartbeat: what loads cost to keep fresh (an experiment; the Syncer
+	// publishes on change).
+	LoadsWithBatches SyncLoads = "batch"
 )
 
 // MaxGateways bounds Config.Gateways.
@@ -75,15 +66,15 @@ type gatewayState struct {
 	name   string
 	router *router.Router
 	peers  *sharedstate.Peers // nil: no sync (one gateway, or SyncNone)
-	phase  time.Duration      // its sync ticks are at phase + k·syncBatchEvery
+	phase  time.Duration      // its ticks are at phase + k·sharedstate.DefaultInterval
 
-	pending   []sharedstate.Decision // learnt since its last batch
-	dirty     bool                   // something to publish at the next tick
-	scheduled bool                   // an evPublish is in the heap
-	seq       uint64                 // its last batch's number
-	last      time.Duration          // when it last published
-	heard     []bool                 // per gateway: a batch of it arrived here
-	heardN    int                    // gateways heard
+	pending   []sharedstate.Decision    // learnt since its last batch
+	scheduled bool                      // an evPublish (its next tick) is in the heap
+	seq       uint64                    // its last batch's number
+	last      time.Duration             // when it last published
+	loads     []sharedstate.ReplicaLoad // its loads in its last batch
+	heard     []bool                    // per gateway: a batch of it arrived here
+	heardN    int                       // gateways heard
 }
 
 // inTransit is a published batch on its way to the other gateways.
@@ -95,11 +86,12 @@ type inTransit struct {
 // syncStats count what the gateways published.
 type syncStats struct {
 	batches, decisions, blocks, applied int64
-	bytes, decisionBytes                int64 // estimated (batchBytes)
+	bytes, decisionBytes                int64 // encoded (sharedstate.AppendBatch)
 	// expired counts deliveries after which a gateway saw fewer live
 	// peers than it had heard from: a heartbeat outlived by the TTL (none
 	// should be, since every gateway lives to the end).
 	expired int64
+	buf     []byte
 }
 
 // sharing reports whether the run's gateways share state.
@@ -125,9 +117,9 @@ func (vr *virtualRun) startSync() {
 		gw := &vr.gateways[g]
 		gw.peers = sharedstate.NewPeers(gw.router, gw.name, 0)
 		// The gateways' tickers are not in step: spread over the period.
-		gw.phase = time.Duration(g) * syncBatchEvery / time.Duration(n)
-		gw.last = -syncHeartbeatEvery
+		gw.phase = time.Duration(g) * sharedstate.DefaultInterval / time.Duration(n)
 		gw.heard = make([]bool, n)
+		// Its first tick publishes at once, so that the others know of it.
 		vr.events.push(gw.phase, evHeartbeat, int32(g))
 	}
 }
@@ -137,26 +129,24 @@ func (vr *virtualRun) onLearn(g int) func(router.Learned) {
 	return func(l router.Learned) {
 		gw := &vr.gateways[g]
 		gw.pending = append(gw.pending, sharedstate.FromLearned(gw.router, l))
-		vr.touch(g)
+		vr.wakeSync(g)
 	}
 }
 
-// loadsChanged tells gateway g's syncer that its counts changed.
+// loadsChanged tells gateway g's syncer that its counts may have changed.
 func (vr *virtualRun) loadsChanged(g int) {
 	if vr.sharing() && vr.cfg.SyncLoads == LoadsOnChange {
-		vr.touch(g)
+		vr.wakeSync(g)
 	}
 }
 
-// touch marks gateway g as having something to publish at its next tick.
-func (vr *virtualRun) touch(g int) {
+// wakeSync has gateway g look at its next tick (at or after now).
+func (vr *virtualRun) wakeSync(g int) {
 	gw := &vr.gateways[g]
-	gw.dirty = true
-	if gw.scheduled {
-		return
+	if !gw.scheduled {
+		gw.scheduled = true
+		vr.events.push(nextTick(vr.now, gw.phase, sharedstate.DefaultInterval), evPublish, int32(g))
 	}
-	gw.scheduled = true
-	vr.events.push(nextTick(vr.now, gw.phase, syncBatchEvery), evPublish, int32(g))
 }
 
 // nextTick is the first instant phase + k·period (k ≥ 0) at or after now.
@@ -168,37 +158,49 @@ func nextTick(now, phase, period time.Duration) time.Duration {
 	return phase + k*period
 }
 
-// publishTick is gateway g's sync tick: a batch if it has something new.
+// publishTick is a tick of gateway g that may publish: a batch when
+// decisions are queued or (LoadsOnChange) its loads changed since its last
+// batch.
 func (vr *virtualRun) publishTick(g int) {
 	gw := &vr.gateways[g]
 	gw.scheduled = false
-	if gw.dirty {
-		vr.publish(g)
+	loads := vr.loadsOf(g)
+	if len(gw.pending) > 0 || (vr.cfg.SyncLoads == LoadsOnChange && !slices.Equal(loads, gw.loads)) {
+		vr.publish(g, loads)
 	}
 }
 
-// heartbeat publishes gateway g's loads when it has been silent for
-// syncHeartbeatEvery, and schedules its next look while requests remain.
+// heartbeat is the tick of gateway g at which DefaultHeartbeat has passed
+// since its last batch: it publishes, if nothing did since; its next
+// heartbeat is scheduled while requests remain.
 func (vr *virtualRun) heartbeat(g int) {
 	gw := &vr.gateways[g]
-	if vr.now-gw.last >= syncHeartbeatEvery {
-		vr.publish(g)
+	if gw.seq == 0 || vr.now-gw.last >= sharedstate.DefaultHeartbeat {
+		vr.publish(g, vr.loadsOf(g))
 	}
 	if vr.ended < len(vr.plan.reqs) {
-		vr.events.push(gw.last+syncHeartbeatEvery, evHeartbeat, int32(g))
+		vr.events.push(nextTick(gw.last+sharedstate.DefaultHeartbeat, gw.phase, sharedstate.DefaultInterval), evHeartbeat, int32(g))
 	}
 }
 
-// publish sends gateway g's batch: its pending decisions and its own
-// counts, to reach the others SyncDelay later.
-func (vr *virtualRun) publish(g int) {
+// loadsOf is gateway g's counts as its Syncer publishes them: the
+// replicas it has requests on (Peers reads a missing one as zero).
+func (vr *virtualRun) loadsOf(g int) []sharedstate.ReplicaLoad {
+	return slices.DeleteFunc(sharedstate.Loads(vr.gateways[g].router), func(l sharedstate.ReplicaLoad) bool {
+		return l.Load == router.Load{}
+	})
+}
+
+// publish sends gateway g's batch: its queued decisions and its loads, to
+// reach the others SyncDelay later.
+func (vr *virtualRun) publish(g int, loads []sharedstate.ReplicaLoad) {
 	gw := &vr.gateways[g]
 	gw.seq++
 	b := &sharedstate.Batch{
 		Gateway: gw.name, Seq: gw.seq, At: epoch.Add(vr.now),
-		Decisions: gw.pending, Loads: sharedstate.Loads(gw.router),
+		Decisions: gw.pending, Loads: loads,
 	}
-	gw.pending, gw.dirty, gw.last = nil, false, vr.now
+	gw.pending, gw.last, gw.loads = nil, vr.now, loads
 	vr.countBatch(b)
 	vr.syncInFlight.push(inTransit{from: g, batch: b})
 	vr.events.push(vr.now+vr.cfg.SyncDelay, evSync, 0)
@@ -225,39 +227,24 @@ func (vr *virtualRun) deliverSync() {
 	}
 }
 
-// countBatch adds b to the run's sync statistics.
+// countBatch adds b to the run's sync statistics: its size encoded as
+// the Syncer sends it, and the share of its decisions.
 func (vr *virtualRun) countBatch(b *sharedstate.Batch) {
-	vr.sync.batches++
-	vr.sync.decisions += int64(len(b.Decisions))
+	st := &vr.sync
+	st.batches++
+	st.decisions += int64(len(b.Decisions))
 	for i := range b.Decisions {
-		vr.sync.blocks += int64(len(b.Decisions[i].Blocks))
-		vr.sync.decisionBytes += int64(decisionBytes(&b.Decisions[i]))
+		st.blocks += int64(len(b.Decisions[i].Blocks))
 	}
-	vr.sync.bytes += int64(batchBytes(b))
-}
-
-// batchBytes is what b would cost on the wire.
-//
-// TODO(#14): replace by len(sharedstate.AppendBatch(nil, b)) once the
-// codec lands. Until then an estimate of a compact binary form: 8 bytes per
-// block hash; per decision the replica's name, the model's and about 8
-// bytes of varints (offset, tokens, counts); per replica load the name and
-// about 12 bytes of varints; about 24 bytes of header (gateway, sequence
-// number, time).
-func batchBytes(b *sharedstate.Batch) int {
-	n := 24 + len(b.Gateway)
-	for i := range b.Decisions {
-		n += decisionBytes(&b.Decisions[i])
+	st.buf = sharedstate.AppendBatch(st.buf[:0], b)
+	n := len(st.buf)
+	st.bytes += int64(n)
+	if len(b.Decisions) > 0 {
+		loadsOnly := *b
+		loadsOnly.Decisions = nil
+		st.buf = sharedstate.AppendBatch(st.buf[:0], &loadsOnly)
+		st.decisionBytes += int64(n - len(st.buf))
 	}
-	for i := range b.Loads {
-		n += len(b.Loads[i].Replica) + 12
-	}
-	return n
-}
-
-// decisionBytes is one decision's share of batchBytes.
-func decisionBytes(d *sharedstate.Decision) int {
-	return 8*len(d.Blocks) + len(d.Replica) + len(d.Model) + 8
 }
 
 // syncSummary adds the gateways' figures to a run's extra.
@@ -275,9 +262,9 @@ func (vr *virtualRun) syncSummary(extra map[string]float64) {
 	extra["sync_decisions"] = float64(s.decisions)
 	extra["sync_decisions_applied"] = float64(s.applied)
 	extra["sync_blocks"] = float64(s.blocks)
-	extra["sync_bytes_est"] = float64(s.bytes)
+	extra["sync_bytes"] = float64(s.bytes)
 	if s.decisions > 0 {
-		extra["sync_bytes_per_decision_est"] = float64(s.decisionBytes) / float64(s.decisions)
+		extra["sync_bytes_per_decision"] = float64(s.decisionBytes) / float64(s.decisions)
 	}
 	if s.expired > 0 {
 		extra["sync_peers_expired"] = float64(s.expired)

@@ -91,7 +91,7 @@ func TestGatewaysSyncDelay(t *testing.T) {
 		if n := r.Extra["sync_peers_expired"]; n != 0 {
 			t.Errorf("delay %v ms: %v deliveries found a peer expired", r.Extra["sync_delay_ms"], n)
 		}
-		if r.Extra["sync_bytes_est"] <= 0 || r.Extra["sync_bytes_per_decision_est"] <= 0 {
+		if r.Extra["sync_bytes"] <= 0 || r.Extra["sync_bytes_per_decision"] <= 0 {
 			t.Errorf("no sync cost reported: %v", r.Extra)
 		}
 	}
@@ -142,11 +142,11 @@ func TestGatewaysPreciseSharesLoadsOnly(t *testing.T) {
 func TestGatewaysSyncLoads(t *testing.T) {
 	reqs := smallShared(t, 1)
 	cfg := Config{Gateways: 4, SyncDelay: 10 * time.Millisecond}
-	batch := runGateways(t, reqs, "ttft", cfg)
-	again := runGateways(t, reqs, "ttft", cfg)
-	cfg.SyncLoads = LoadsOnChange
 	change := runGateways(t, reqs, "ttft", cfg)
-	a, _ := json.Marshal(batch)
+	again := runGateways(t, reqs, "ttft", cfg)
+	cfg.SyncLoads = LoadsWithBatches
+	batch := runGateways(t, reqs, "ttft", cfg)
+	a, _ := json.Marshal(change)
 	b, _ := json.Marshal(again)
 	if string(a) != string(b) {
 		t.Fatalf("same config, different runs:\n%s\n%s", a, b)

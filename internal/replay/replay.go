@@ -125,7 +125,7 @@ type Config struct {
 	// the sync tick that publishes it).
 	SyncDelay time.Duration
 	// SyncLoads is when a gateway publishes its loads (default
-	// LoadsWithBatches: with its decisions and on a heartbeat).
+	// LoadsOnChange, the live gateway's rule).
 	SyncLoads SyncLoads
 
 	// observe, when set (tests, benchmarks), is called with every scrape
@@ -182,7 +182,7 @@ func (c Config) WithDefaults() Config {
 		c.GatewaySync = SyncShared
 	}
 	if c.SyncLoads == "" {
-		c.SyncLoads = LoadsWithBatches
+		c.SyncLoads = LoadsOnChange
 	}
 	return c
 }
