@@ -109,6 +109,7 @@ func done(tk *router.Ticket) { tk.Done(time.Now(), router.Outcome{CachedTokens: 
 // reaches the other's index, and the other routes the conversation's next
 // turn to the same replica.
 func TestDecisionsReachAnotherGateway(t *testing.T) {
+	t.Parallel()
 	url := testutil.StartRedis(t)
 	a := newGateway(t, url, "t", false, nil)
 	early := a.route(t, conversation(0)) // queued before Start
@@ -145,6 +146,7 @@ func TestDecisionsReachAnotherGateway(t *testing.T) {
 // A gateway's loads appear in the other's views, follow its counts, and
 // are gone as soon as it closes.
 func TestLoadsAreShared(t *testing.T) {
+	t.Parallel()
 	url := testutil.StartRedis(t)
 	a := newGateway(t, url, "t", true, nil)
 	b := newGateway(t, url, "t", true, nil)
@@ -167,6 +169,10 @@ func TestLoadsAreShared(t *testing.T) {
 	}
 	if b.rt.LocalLoad(slot).InFlight != 0 {
 		t.Fatal("a's load counted in b's own")
+	}
+	req := b.rt.Prepare(&prompt.Parsed{Kind: prompt.Completion, Model: "m", Text: "hello", KeyText: "hello", Prompts: 1}, "", "")
+	if v := b.rt.Views(req)[slot]; v.InFlight != int(want.InFlight) || v.PendingPrefill != int(want.PendingPrefill) {
+		t.Fatalf("b's view of %s: in flight %d, pending prefill %d; a's own %+v", a.rt.Name(r), v.InFlight, v.PendingPrefill, want)
 	}
 	done(tks[0])
 	testutil.Eventually(t, within, "a's finished request leaving b's view", func() bool { return remote() == 3 })
@@ -208,6 +214,7 @@ func ghostBatch(name string, replica string, inFlight int64, blocks ...uint64) B
 // A gateway that dies without a word leaves its loads for the TTL and no
 // longer (on the receiver's clock, here a fake one).
 func TestDeadGatewayLoadsExpireAfterTTL(t *testing.T) {
+	t.Parallel()
 	url := testutil.StartRedis(t)
 	clk := clock.NewFake(time.Now())
 	const ttl = 2 * time.Second
@@ -233,6 +240,7 @@ func TestDeadGatewayLoadsExpireAfterTTL(t *testing.T) {
 // The warm load applies the stream's decisions, old or new, but only the
 // loads younger than the TTL (by Redis's clock: an entry's ID).
 func TestWarmLoadSkipsExpiredLoads(t *testing.T) {
+	t.Parallel()
 	url := testutil.StartRedis(t)
 	ghost(t, url, "t", "1000-0", ghostBatch("old", "http://r0", 5, 11, 12)) // sent in 1970
 	ghost(t, url, "t", "", ghostBatch("new", "http://r2", 3, 21, 22))
@@ -255,6 +263,7 @@ func TestWarmLoadSkipsExpiredLoads(t *testing.T) {
 // its first request: before Ready it holds the stream's tail, and with a
 // snapshot the snapshot and the tail after it.
 func TestWarmStart(t *testing.T) {
+	t.Parallel()
 	url := testutil.StartRedis(t)
 	a := newGateway(t, url, "t", true, nil)
 	t1 := a.route(t, conversation(1))
@@ -304,6 +313,7 @@ func TestWarmStart(t *testing.T) {
 // A gateway restarted under the same name gets back what it learnt itself
 // before (its own entries in the stream), but not its old loads.
 func TestRestartUnderTheSameName(t *testing.T) {
+	t.Parallel()
 	url := testutil.StartRedis(t)
 	name := func(o *Options) { o.Gateway = "gw-a" }
 	a := newGateway(t, url, "t", true, name)
@@ -360,6 +370,7 @@ const (
 // (logged once), and once Redis is back the decisions made meanwhile reach
 // the other gateway.
 func TestRedisOutageAndCatchUp(t *testing.T) {
+	t.Parallel()
 	srv := testutil.NewRedis(t)
 	logs := &logCounter{}
 	reg := prometheus.NewRegistry()
@@ -385,6 +396,10 @@ func TestRedisOutageAndCatchUp(t *testing.T) {
 		t.Fatalf("%d decisions pending, want 20", st.Pending)
 	}
 
+	testutil.Eventually(t, within, "a failing to publish them", func() bool {
+		return value(a.s.m.errors.WithLabelValues("publish")) > 0
+	})
+
 	srv.Start()
 	testutil.Eventually(t, within, "the outage's decisions at b", func() bool {
 		for _, tk := range during {
@@ -408,9 +423,6 @@ func TestRedisOutageAndCatchUp(t *testing.T) {
 	if st := a.s.Stats(); st.DecisionsDropped != 0 || st.Errors == 0 {
 		t.Errorf("a's stats after the outage %+v", st)
 	}
-	if v := value(a.s.m.errors.WithLabelValues("publish")); v == 0 {
-		t.Error("no publish error counted")
-	}
 	for _, tk := range append(during, before) {
 		done(tk)
 	}
@@ -419,6 +431,7 @@ func TestRedisOutageAndCatchUp(t *testing.T) {
 // Redis down at Start: Start returns at once, ready, and the gateway
 // serves; when Redis comes up the Syncer warm-loads and shares.
 func TestStartWithRedisDown(t *testing.T) {
+	t.Parallel()
 	srv := testutil.NewRedis(t)
 	srv.Stop()
 	a := newGateway(t, srv.URL(), "t", false, nil)
@@ -441,6 +454,7 @@ func TestStartWithRedisDown(t *testing.T) {
 // Close is bounded even with Redis gone, and leaves no goroutine (goleak
 // checks the package).
 func TestCloseWithRedisDown(t *testing.T) {
+	t.Parallel()
 	srv := testutil.NewRedis(t)
 	a := newGateway(t, srv.URL(), "t", true, nil)
 	srv.Stop()
@@ -456,6 +470,7 @@ func TestCloseWithRedisDown(t *testing.T) {
 
 // The snapshot loop writes on its period.
 func TestSnapshotLoop(t *testing.T) {
+	t.Parallel()
 	url := testutil.StartRedis(t)
 	a := newGateway(t, url, "t", true, func(o *Options) { o.SnapshotEvery = 20 * time.Millisecond })
 	tk := a.route(t, conversation(1))
@@ -480,6 +495,7 @@ func TestSnapshotLoop(t *testing.T) {
 // Loads-only (precise mode): decisions are neither queued nor applied,
 // loads are shared.
 func TestLoadsOnly(t *testing.T) {
+	t.Parallel()
 	url := testutil.StartRedis(t)
 	loadsOnly := func(o *Options) { o.ShareDecisions = false }
 	a := newGateway(t, url, "t", true, loadsOnly)
@@ -495,6 +511,7 @@ func TestLoadsOnly(t *testing.T) {
 
 // The metrics are registered on the given registry under their names.
 func TestMetrics(t *testing.T) {
+	t.Parallel()
 	url := testutil.StartRedis(t)
 	reg := prometheus.NewRegistry()
 	a := newGateway(t, url, "t", true, func(o *Options) { o.Registerer = reg })
@@ -530,6 +547,7 @@ func TestMetrics(t *testing.T) {
 }
 
 func TestNewValidates(t *testing.T) {
+	t.Parallel()
 	for _, o := range []Options{
 		{},
 		{URL: "http://127.0.0.1:6379"},
@@ -566,6 +584,7 @@ func TestNewValidates(t *testing.T) {
 // OnLearn before Start queues a bounded number of decisions; beyond it the
 // oldest are dropped and counted, and the newest are published.
 func TestPendingIsBounded(t *testing.T) {
+	t.Parallel()
 	url := testutil.StartRedis(t)
 	a := newGateway(t, url, "t", false, func(o *Options) { o.MaxPending = 3 })
 	var tks []*router.Ticket
@@ -589,6 +608,7 @@ func TestPendingIsBounded(t *testing.T) {
 }
 
 func TestRing(t *testing.T) {
+	t.Parallel()
 	r := ring{max: 4}
 	l := func(i int) router.Learned { return router.Learned{Tokens: i} }
 	for i := range 3 {
@@ -732,4 +752,76 @@ func value(c prometheus.Metric) float64 {
 		return m.Gauge.GetValue()
 	}
 	return m.Counter.GetValue()
+}
+
+// Redis hung (frozen: connections open, no answer): every command gives up
+// after its timeout, routing never waits, up drops to 0, Close is bounded,
+// and the other gateway recovers when Redis thaws.
+func TestRedisHung(t *testing.T) {
+	t.Parallel()
+	srv := testutil.NewRedis(t)
+	a := newGateway(t, srv.URL(), "t", true, nil)
+	b := newGateway(t, srv.URL(), "t", true, nil)
+	testutil.Eventually(t, within, "a and b hearing each other", func() bool {
+		return a.s.Stats().Peers == 1 && b.s.Stats().Peers == 1
+	})
+	srv.Pause()
+	defer srv.Resume()
+	start := time.Now()
+	var tks []*router.Ticket
+	for i := range 20 {
+		tks = append(tks, a.route(t, conversation(i)))
+	}
+	if d := time.Since(start); d > time.Second {
+		t.Fatalf("20 routes took %v with Redis hung", d)
+	}
+	testutil.Eventually(t, within, "a noticing", func() bool { return !a.s.Stats().Up })
+	t0 := time.Now()
+	if err := a.s.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if d := time.Since(t0); d > 2*time.Second {
+		t.Fatalf("Close took %v with Redis hung", d)
+	}
+	srv.Resume()
+	b2 := b.route(t, conversation(100))
+	testutil.Eventually(t, within, "b publishing again", func() bool { return b.s.Stats().Up && b.s.Stats().DecisionsPublished == 1 })
+	for _, tk := range append(tks, b2) {
+		done(tk)
+	}
+}
+
+// A backlog read late (after a partition): each entry's age is taken from
+// the newest entry read, so a dead gateway's old heartbeat is expired on
+// arrival while a live one's stands.
+func TestBacklogAges(t *testing.T) {
+	t.Parallel()
+	s, err := New(Options{URL: "redis://127.0.0.1:1", ShareDecisions: true, Log: quiet(), Clock: clock.NewFake(time.Time{})})
+	if err != nil {
+		t.Fatal(err)
+	}
+	s.rt = testRouter(t, replicaNames...)
+	s.peers = NewPeers(s.rt, s.o.Gateway, s.o.TTL)
+	entry := func(id string, b Batch) redis.XMessage {
+		return redis.XMessage{ID: id, Values: map[string]any{fieldBatch: string(AppendBatch(nil, &b))}}
+	}
+	base := int64(1_767_225_600_000)
+	msgs := []redis.XMessage{
+		entry(fmt.Sprintf("%d-0", base), ghostBatch("dead", "http://r0", 4, 1, 2)),
+		entry(fmt.Sprintf("%d-0", base+DefaultTTL.Milliseconds()+500), ghostBatch("live", "http://r1", 2)),
+		{ID: fmt.Sprintf("%d-1", base+DefaultTTL.Milliseconds()+500), Values: map[string]any{"x": "y"}}, // not a batch
+	}
+	s.apply(msgs, time.Time{}, false)
+	if got := s.rt.RemoteLoad(0); got != (router.Load{}) {
+		t.Errorf("the dead gateway's old heartbeat counts: %+v", got)
+	}
+	if got := s.rt.RemoteLoad(1).InFlight; got != 2 {
+		t.Errorf("the live gateway's load %d", got)
+	}
+	if !s.rt.Index().Holds(0, 2) {
+		t.Error("the old decision was not applied")
+	}
+	if st := s.Stats(); st.Peers != 1 || st.LastID != msgs[2].ID || st.Errors != 1 || st.DecisionsApplied != 1 {
+		t.Errorf("stats %+v", st)
+	}
 }

@@ -77,6 +77,21 @@ func (r *Redis) Start() {
 	}
 }
 
+// Pause freezes the server (SIGSTOP): connections stay open and nothing
+// answers, as with a Redis that hangs. Resume thaws it.
+func (r *Redis) Pause() { r.signal(syscall.SIGSTOP) }
+
+// Resume thaws a paused server (SIGCONT).
+func (r *Redis) Resume() { r.signal(syscall.SIGCONT) }
+
+func (r *Redis) signal(sig syscall.Signal) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.cmd != nil {
+		_ = r.cmd.Process.Signal(sig)
+	}
+}
+
 // Stop stops the server (SIGTERM, then SIGKILL if it lingers) and waits
 // for it to exit; its data is lost.
 func (r *Redis) Stop() {
@@ -85,6 +100,7 @@ func (r *Redis) Stop() {
 	if r.cmd == nil {
 		return
 	}
+	_ = r.cmd.Process.Signal(syscall.SIGCONT) // a paused server would not see SIGTERM
 	_ = r.cmd.Process.Signal(syscall.SIGTERM)
 	select {
 	case <-r.done:
