@@ -13,6 +13,13 @@
 // Both the engine model (sim, replay) and the ttft routing policy use it, so a
 // policy's estimate and the simulated replica agree by construction; against a
 // real engine the ttft policy corrects the estimate online.
+//
+// A profile also prices the KV-cache transfer of prefill/decode
+// disaggregation (vLLM's NixlConnector: the decode instance reads the prompt's
+// KV blocks from the prefill instance over RDMA): a fixed latency per transfer
+// plus the bytes of the tokens moved over the link's bandwidth,
+//
+//	transfer = latency + tokens × kv_bytes_per_token / bandwidth
 package costmodel
 
 import (
@@ -35,6 +42,18 @@ type Profile struct {
 	C3 float64 `json:"c3_ms_per_ctx_token"`
 	// Source says where the figures come from.
 	Source string `json:"source"`
+
+	// KVBytesPerToken is the size of one token's KV cache, all layers:
+	// 2 (K and V) × layers × KV heads × head dim × bytes per element.
+	KVBytesPerToken float64 `json:"kv_bytes_per_token"`
+	// TransferGBps is the bandwidth of a KV transfer between two instances,
+	// in GB/s (10^9 bytes per second); 0 only with KVBytesPerToken 0.
+	TransferGBps float64 `json:"transfer_gb_per_s"`
+	// TransferLatencyMs is the fixed cost of one transfer (handshake,
+	// posting the reads, the completion notification), ms.
+	TransferLatencyMs float64 `json:"transfer_latency_ms"`
+	// TransferSource says where the transfer figures come from.
+	TransferSource string `json:"transfer_source,omitempty"`
 }
 
 // Step describes the work of one scheduler iteration.
@@ -92,10 +111,55 @@ func (p Profile) DecodeStepMs(n int, meanContext float64) float64 {
 	return p.StepMs(Step{Tokens: n, DecodeCtx: float64(n) * meanContext})
 }
 
+// TransferWireMs is the time the bytes of tokens' KV take on the link:
+// tokens × KVBytesPerToken / bandwidth, in ms (0 for no tokens or no bytes).
+func (p Profile) TransferWireMs(tokens int) float64 {
+	if tokens <= 0 || p.KVBytesPerToken == 0 {
+		return 0
+	}
+	return float64(tokens) * p.KVBytesPerToken / (p.TransferGBps * 1e9) * 1e3
+}
+
+// TransferMs is the time of one transfer of tokens' KV alone on the link:
+// the per-transfer latency plus the wire time, ms (0 for no tokens).
+func (p Profile) TransferMs(tokens int) float64 {
+	if tokens <= 0 {
+		return 0
+	}
+	return p.TransferLatencyMs + p.TransferWireMs(tokens)
+}
+
+// TransferLatency is TransferLatencyMs as a duration.
+func (p Profile) TransferLatency() time.Duration { return msToDuration(p.TransferLatencyMs) }
+
+// TransferWireTime is TransferWireMs as a duration.
+func (p Profile) TransferWireTime(tokens int) time.Duration {
+	return msToDuration(p.TransferWireMs(tokens))
+}
+
+// TransferTime is the duration of one transfer of tokens' KV alone on the
+// link: TransferLatency + TransferWireTime (each rounded down to the
+// nanosecond, as the engine adds them), 0 for no tokens.
+func (p Profile) TransferTime(tokens int) time.Duration {
+	if tokens <= 0 {
+		return 0
+	}
+	return p.TransferLatency() + p.TransferWireTime(tokens)
+}
+
+// TransferBytes is the size of tokens' KV, in bytes.
+func (p Profile) TransferBytes(tokens int) float64 {
+	return float64(max(tokens, 0)) * p.KVBytesPerToken
+}
+
 // Validate reports a profile whose costs cannot describe an engine.
 func (p Profile) Validate() error {
 	if p.C0 < 0 || p.C1 <= 0 || p.C2 < 0 || p.C3 < 0 {
 		return fmt.Errorf("costmodel: profile %q: c1 must be > 0 and c0, c2, c3 ≥ 0", p.Name)
+	}
+	if p.KVBytesPerToken < 0 || p.TransferGBps < 0 || p.TransferLatencyMs < 0 ||
+		(p.KVBytesPerToken > 0 && p.TransferGBps == 0) {
+		return fmt.Errorf("costmodel: profile %q: transfer costs must be ≥ 0, and bytes per token need a bandwidth > 0", p.Name)
 	}
 	return nil
 }
@@ -107,6 +171,35 @@ func msToDuration(ms float64) time.Duration {
 // Default is the name of the default profile.
 const Default = "llama3-8b-h100"
 
+// Transfer defaults shared by the profiles.
+const (
+	// DefaultTransferGBps is one 400 Gb/s RDMA NIC (ConnectX-7, InfiniBand
+	// NDR or RoCE) at line rate, 50 GB/s: a DGX/HGX H100 has one such NIC
+	// per GPU for its compute fabric, and NIXL over UCX reads the KV blocks
+	// one-sided from GPU memory to GPU memory (GPUDirect RDMA), close to
+	// line rate for the MB-sized reads of a prompt's blocks.
+	DefaultTransferGBps = 50
+	// DefaultTransferLatencyMs is seed 004's "RDMA transfer 2 ms": the
+	// fixed part of a transfer (NIXL's handshake is cached per remote
+	// engine; this covers posting the reads, their completion and the
+	// notification that frees the prefill side's blocks).
+	DefaultTransferLatencyMs = 2
+
+	// llama3KVHeads, llama3HeadDim: Llama 3's grouped-query attention, the
+	// same in the 8B and 70B models (config.json: num_key_value_heads 8,
+	// hidden_size / num_attention_heads = 4096/32 = 8192/64 = 128).
+	llama3KVHeads = 8
+	llama3HeadDim = 128
+	// bf16Bytes: vLLM's default --kv-cache-dtype auto stores KV in the
+	// model's activation dtype, bf16 (also for fp8-weight checkpoints
+	// without fp8 KV scales).
+	bf16Bytes = 2
+)
+
+const transferSource = "per-transfer latency 2 ms (seed 004's RDMA transfer); bandwidth: one 400 Gb/s " +
+	"RDMA NIC per GPU (ConnectX-7 on DGX/HGX H100) at line rate, 50 GB/s, as NIXL over UCX reads the " +
+	"blocks GPU to GPU; "
+
 var profiles = map[string]Profile{
 	"llama3-8b-h100": {
 		Name: "llama3-8b-h100",
@@ -115,14 +208,50 @@ var profiles = map[string]Profile{
 			"step at batch 1 (c0), orders of magnitude as reported by vLLM's and SGLang's published " +
 			"serving benchmarks; c2 and c3 are small attention terms: ≈2% of an 8k-token prefill " +
 			"(6.7 ms of 344 ms) and ≈13% of a decode step of 256 sequences at 4k context (3.1 ms of 23.3 ms).",
+		// Meta-Llama-3-8B config.json: 32 layers, 8 KV heads of 128, bf16:
+		// 2 × 32 × 8 × 128 × 2 = 131,072 B = 128 KiB per token.
+		KVBytesPerToken:   2 * 32 * llama3KVHeads * llama3HeadDim * bf16Bytes,
+		TransferGBps:      DefaultTransferGBps,
+		TransferLatencyMs: DefaultTransferLatencyMs,
+		TransferSource: transferSource + "KV: Llama-3-8B config.json, 2 (K, V) × 32 layers × 8 KV heads × " +
+			"128 head dim × 2 bytes (bf16) = 131,072 B per token.",
 	},
 	"llama3-70b-h100-tp2": {
 		Name: "llama3-70b-h100-tp2",
 		C0:   20, C1: 0.08, C2: 2e-7, C3: 6e-6,
 		Source: "Llama-3-70B, fp8, two H100 with tensor parallelism 2: about twice the per-token " +
 			"and per-step costs of the 8B profile (≈12.5k prefill tokens/s, ≈20 ms per decode step).",
+		// Meta-Llama-3-70B config.json: 80 layers, 8 KV heads of 128; KV in
+		// bf16: 2 × 80 × 8 × 128 × 2 = 327,680 B = 320 KiB per token. With
+		// TP 2 each GPU holds 4 of the KV heads and its worker reads its
+		// half over its own NIC, in parallel: twice one NIC's bandwidth.
+		KVBytesPerToken:   2 * 80 * llama3KVHeads * llama3HeadDim * bf16Bytes,
+		TransferGBps:      2 * DefaultTransferGBps,
+		TransferLatencyMs: DefaultTransferLatencyMs,
+		TransferSource: transferSource + "two GPUs, each reading its tensor-parallel half of the KV heads " +
+			"over its own NIC: 100 GB/s together. KV: Llama-3-70B config.json, 2 (K, V) × 80 layers × 8 KV " +
+			"heads × 128 head dim × 2 bytes (bf16 KV; --kv-cache-dtype auto) = 327,680 B per token.",
+	},
+	Seed004: {
+		Name: Seed004,
+		// A fixed 50 ms per step, whatever its tokens: c1 is the smallest
+		// positive cost (1 ns per token: 10k tokens add 10 µs), c2 = c3 = 0.
+		C0: 50, C1: 1e-6,
+		Source: "seed 004's fixed costs: prefill 50 ms, RDMA transfer 2 ms, decode 100 ms per request. " +
+			"Every step costs 50 ms whatever it computes (c0; c1 is 1 ns per token so that the profile " +
+			"is valid), so a request alone on its replica, with max_tokens 2 and a prompt within one " +
+			"step's token budget, takes 50 ms to prefill (its first token) on a prefill replica, and on " +
+			"a decode replica the 2 ms transfer and then 100 ms: a step for the last prompt token (its " +
+			"first token) and one decode step; a decode replica that holds the prompt's prefix skips " +
+			"prefill and transfer and takes the same 100 ms. Requests that overlap share steps (continuous batching), which the seed does " +
+			"not model; run one sequence per step (max_seqs 1) to keep them apart.",
+		TransferLatencyMs: 2,
+		TransferSource:    "seed 004: RDMA transfer 2 ms per request, whatever its size (no bytes per token).",
 	},
 }
+
+// Seed004 is the name of the profile with seed 004's fixed costs.
+const Seed004 = "seed004"
 
 // Lookup returns the named profile.
 func Lookup(name string) (Profile, error) {

@@ -40,7 +40,7 @@ func TestStepAndPrefill(t *testing.T) {
 }
 
 func TestProfiles(t *testing.T) {
-	if len(Names()) != 2 || Names()[0] != "llama3-70b-h100-tp2" {
+	if len(Names()) != 3 || Names()[0] != "llama3-70b-h100-tp2" || Names()[2] != Seed004 {
 		t.Fatalf("names %v", Names())
 	}
 	big, small := MustLookup("llama3-70b-h100-tp2"), MustLookup("llama3-8b-h100")
@@ -61,5 +61,62 @@ func TestProfiles(t *testing.T) {
 	}
 	if (Profile{Name: "x", C1: 0}).Validate() == nil {
 		t.Fatal("c1 = 0 accepted")
+	}
+}
+
+// The transfer's cost: latency + tokens × bytes per token / bandwidth, with
+// the KV sizes of the models' configs.
+func TestTransfer(t *testing.T) {
+	small, big := MustLookup("llama3-8b-h100"), MustLookup("llama3-70b-h100-tp2")
+	if small.KVBytesPerToken != 131072 || big.KVBytesPerToken != 327680 {
+		t.Fatalf("KV bytes per token %v, %v", small.KVBytesPerToken, big.KVBytesPerToken)
+	}
+	tests := []struct {
+		p      Profile
+		tokens int
+		wantMs float64
+	}{
+		{small, 2000, 2 + 2000*131072/50e9*1e3}, // 7.24288 ms
+		{small, 8000, 2 + 8000*131072/50e9*1e3}, // 22.97152 ms
+		{big, 2000, 2 + 2000*327680/100e9*1e3},  // 8.5536 ms
+		{big, 8000, 2 + 8000*327680/100e9*1e3},  // 28.2144 ms
+		{small, 0, 0},
+		{MustLookup(Seed004), 8000, 2},
+	}
+	for _, tc := range tests {
+		got := tc.p.TransferMs(tc.tokens)
+		if math.Abs(got-tc.wantMs) > 1e-9 {
+			t.Errorf("%s, %d tokens: %v ms, want %v", tc.p.Name, tc.tokens, got, tc.wantMs)
+		}
+		if d := tc.p.TransferTime(tc.tokens); d != tc.p.TransferLatency()*time.Duration(min(tc.tokens, 1))+tc.p.TransferWireTime(tc.tokens) {
+			t.Errorf("%s: TransferTime %v is not latency + wire", tc.p.Name, d)
+		}
+		t.Logf("%s: %d tokens, %.0f bytes: %.5f ms", tc.p.Name, tc.tokens, tc.p.TransferBytes(tc.tokens), got)
+	}
+	if got := small.TransferTime(8000); got != 22971520*time.Nanosecond {
+		t.Errorf("8000 tokens take %v", got)
+	}
+	bad := []Profile{
+		{Name: "no bandwidth", C1: 1, KVBytesPerToken: 1},
+		{Name: "negative latency", C1: 1, TransferLatencyMs: -1},
+		{Name: "negative bytes", C1: 1, KVBytesPerToken: -1, TransferGBps: 1},
+	}
+	for _, p := range bad {
+		if p.Validate() == nil {
+			t.Errorf("%s accepted", p.Name)
+		}
+	}
+}
+
+// Seed 004's profile: every step 50 ms whatever its tokens.
+func TestSeed004(t *testing.T) {
+	p := MustLookup(Seed004)
+	for _, n := range []int{1, 100, 4000} {
+		if got := p.PrefillMs(n, 0, 8192); math.Abs(got-50) > 0.01 {
+			t.Errorf("prefill of %d tokens: %v ms, want 50", n, got)
+		}
+	}
+	if got := p.DecodeStepMs(1, 4000); got != 50+1e-6 {
+		t.Errorf("decode step %v ms", got)
 	}
 }
