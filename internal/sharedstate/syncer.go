@@ -280,6 +280,7 @@ func (s *Syncer) Close() error {
 	}
 	err := s.st.close() // ends the reader's blocking XREAD
 	s.wg.Wait()
+	s.up.Store(upDown)
 	s.m.up.Set(0)
 	if errors.Is(err, redis.ErrClosed) {
 		err = nil
