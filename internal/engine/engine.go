@@ -15,11 +15,17 @@
 //     full prompt blocks are known by their chained hash, a new request takes
 //     the blocks of its longest cached prefix, free blocks keep their hash in
 //     an LRU queue until reused (see blockPool);
-//   - preemption by recompute when a running sequence cannot get a block.
+//   - preemption by recompute when a running sequence cannot get a block;
+//   - prefill/decode disaggregation as vLLM's NixlConnector does it (see
+//     Role and transfer.go): a prefill instance holds a finished request's
+//     blocks for the decode instance, which pulls the part of the prompt its
+//     own cache lacks, in a transfer timed by the profile, and then decodes.
 //
 // Step durations come from a costmodel.Profile. The engine owns no clock: the
 // driver passes the current time to Add and Step and advances its clock to
-// StepResult.End. It never sleeps, starts no goroutines and draws randomness
+// StepResult.End; when there is no work (HasWork), or a step scheduled
+// nothing, it steps again at NextEvent (a transfer ending, a hold expiring)
+// or at the next arrival, whichever comes first. It never sleeps, starts no goroutines and draws randomness
 // only from a generator seeded by Config.Seed, so the same calls give the same
 // results. It is not safe for concurrent use; a driver serialises its calls.
 package engine
@@ -43,6 +49,10 @@ var (
 	// alone; vLLM rejects such a request up front rather than preempting forever.
 	ErrTooLong     = errors.New("engine: request can never fit the KV cache")
 	ErrDuplicateID = errors.New("engine: duplicate request id")
+	// ErrWrongRole: a request's KV transfer does not fit the engine's role
+	// (a remote decode on a decode instance, a remote prefill on a
+	// prefill instance).
+	ErrWrongRole = errors.New("engine: KV transfer not served by this role")
 )
 
 // Config sizes the engine. The zero value is valid: WithDefaults fills it.
@@ -57,6 +67,14 @@ type Config struct {
 	// DisableKVEvents skips building KVEvents (vLLM's enable_kv_cache_events
 	// off), for drivers with no subscriber; the cache itself is unchanged.
 	DisableKVEvents bool
+	// Role is the instance's part in prefill/decode disaggregation
+	// (default RoleBoth): which KV transfers its requests may carry.
+	Role Role
+	// KVHoldTimeout is how long a prefill instance holds a finished
+	// request's blocks for its remote decode before freeing them (vLLM's
+	// VLLM_NIXL_ABORT_REQUEST_TIMEOUT), in engine time; default
+	// DefaultKVHoldTimeout.
+	KVHoldTimeout time.Duration
 }
 
 // Defaults of Config.
@@ -65,6 +83,9 @@ const (
 	DefaultBlockSize      = 16
 	DefaultMaxBatchTokens = 8192
 	DefaultMaxSeqs        = 256
+	// DefaultKVHoldTimeout is vLLM's VLLM_NIXL_ABORT_REQUEST_TIMEOUT
+	// default, 480 s (vllm/envs.py).
+	DefaultKVHoldTimeout = 480 * time.Second
 )
 
 // WithDefaults fills the zero fields.
@@ -84,6 +105,9 @@ func (c Config) WithDefaults() Config {
 	if c.MaxSeqs == 0 {
 		c.MaxSeqs = DefaultMaxSeqs
 	}
+	if c.KVHoldTimeout == 0 {
+		c.KVHoldTimeout = DefaultKVHoldTimeout
+	}
 	return c
 }
 
@@ -100,6 +124,10 @@ func (c Config) validate() error {
 		return fmt.Errorf("%w: max_batch_tokens %d < max_seqs %d", ErrInvalidConfig, c.MaxBatchTokens, c.MaxSeqs)
 	case !(c.Jitter >= 0 && c.Jitter < 1):
 		return fmt.Errorf("%w: jitter %v out of [0, 1)", ErrInvalidConfig, c.Jitter)
+	case c.Role > RoleDecode:
+		return fmt.Errorf("%w: role %v", ErrInvalidConfig, c.Role)
+	case c.KVHoldTimeout < 0:
+		return fmt.Errorf("%w: kv hold timeout %v < 0", ErrInvalidConfig, c.KVHoldTimeout)
 	}
 	if err := c.Profile.Validate(); err != nil {
 		return fmt.Errorf("%w: %w", ErrInvalidConfig, err)
@@ -121,6 +149,18 @@ type Request struct {
 	TokenIDs  []uint32
 	MaxTokens int    // output tokens to generate (≥ 1); the engine generates exactly this many
 	LoraName  string // optional, echoed in KV events
+
+	// RemoteDecode (vLLM's do_remote_decode; RolePrefill or RoleBoth): when
+	// the request finishes, its blocks stay held, not evictable, for a
+	// decode instance to pull, until Release or KVHoldTimeout. Its
+	// Finished output says so (Output.Held, Output.BlockIDs).
+	RemoteDecode bool
+	// RemotePrefill (vLLM's do_remote_prefill; RoleDecode or RoleBoth): a
+	// prefill instance holds the prompt's KV. When admitted, the request
+	// takes its own cached prefix and pulls the rest of the prompt in a
+	// transfer (StepResult.Pulls) that computes nothing, then recomputes
+	// only the last prompt token, which samples its first output token.
+	RemotePrefill bool
 }
 
 // Output reports one request's progress in one step.
@@ -131,8 +171,18 @@ type Output struct {
 	Finished  bool // this was the last output token; the request is gone
 	// CachedTokens is the request's prefix-cache hit in tokens, as vLLM
 	// reports it in usage.prompt_tokens_details.cached_tokens: the hit when it
-	// was first scheduled. Set on the First output.
+	// was first scheduled. Set on the First output. For a request that
+	// pulled its prompt (Request.RemotePrefill) it counts the pulled tokens
+	// too, as vLLM's num_cached_tokens does: PromptTokens − 1.
 	CachedTokens int
+	// ExternalTokens are the prompt tokens a RemotePrefill request pulled
+	// (vLLM's num_external_computed_tokens); its own cache held the
+	// PromptTokens − ExternalTokens before them. Set on the First output.
+	ExternalTokens int
+	// Held (on the Finished output of a RemoteDecode request): its blocks
+	// are held for the remote decode; HeldBlocks gives their ids, what the
+	// decode side reads (vLLM's remote_block_ids).
+	Held bool
 }
 
 // KVKind is the kind of a KV cache event.
@@ -181,6 +231,14 @@ type StepResult struct {
 	KV      []KVEvent
 	Tokens  int // tokens processed: prefill chunk tokens + one per decode
 	Seqs    int // sequences scheduled
+	// Pulls are the transfers of RemotePrefill requests that ended at or
+	// before Start (their requests could take part in this step): the
+	// moment to release the prefill side's hold. Expired are the
+	// RemoteDecode requests whose hold timed out at or before Start. Both
+	// are reused by the next Step like Outputs, and are set even when the
+	// step scheduled nothing.
+	Pulls   []Pull
+	Expired []uint64
 }
 
 // Stats is a snapshot of the engine's gauges and cumulative counters, named
@@ -201,6 +259,23 @@ type Stats struct {
 	Preemptions      int64
 	EvictedBlocks    int64 // cached blocks whose hash was evicted for reuse (Removed events)
 
+	// Prefill/decode disaggregation. Pulling requests (waiting for remote
+	// KV) are counted in Waiting too, as vLLM counts them; Held are the
+	// finished RemoteDecode requests whose blocks are held (in KVUsage).
+	Pulling, Held int
+	// ExternalQueries and ExternalHits are vLLM's external prefix cache
+	// counters (vllm:external_prefix_cache_*): the prompt tokens a
+	// RemotePrefill request's own cache lacked, and of those the ones
+	// pulled (all of them).
+	ExternalQueries, ExternalHits int64
+	Transfers                     int64 // pulls completed
+	TransferTokens                int64 // tokens pulled
+	HoldsReleased, HoldsExpired   int64 // holds ended by Release, by KVHoldTimeout
+	// Prompt tokens of requests that emitted their first token, by source
+	// as vLLM's vllm:prompt_tokens_by_source: computed here, hit in the
+	// local prefix cache, pulled from a remote prefill.
+	PromptComputed, PromptLocalHit, PromptExternal int64
+
 	NumBlocks, BlockSize int
 }
 
@@ -210,6 +285,8 @@ const (
 	stWaiting seqState = iota
 	stRunning
 	stDone
+	stPulling // pulling its prompt's KV from a remote prefill: blocks held, no compute
+	stHeld    // finished, blocks held for a remote decode
 )
 
 // seq is the engine's state of one request.
@@ -231,6 +308,15 @@ type seq struct {
 	state     seqState
 	preempted bool   // waiting after a preemption: keeps its place at the head
 	lastStep  uint64 // step number it was last scheduled in
+
+	// Prefill/decode disaggregation (transfer.go).
+	remoteDecode  bool          // hold the blocks when finished
+	remotePrefill bool          // pull the prompt when first admitted (cleared then)
+	pulled        bool          // waiting with its pulled blocks: computed = prompt − 1
+	external      int           // prompt tokens pulled
+	pullStart     time.Duration // the transfer: admitted at pullStart, done at pullDone
+	pullDone      time.Duration
+	holdUntil     time.Duration // stHeld: freed at this time unless released
 }
 
 // target is the sequence length whose KV must exist before the next token can
@@ -251,6 +337,12 @@ type Engine struct {
 	live    int    // stRunning entries of running
 	spare   []*seq // finished seq structs, reused with their block tables
 
+	// Prefill/decode disaggregation (transfer.go).
+	pulling  []*seq        // stPulling, in order of pullDone
+	holds    []hold        // holds in order of deadline; ended ones are skipped
+	held     int           // stHeld requests
+	linkFree time.Duration // when the KV link finishes the wire time of the transfers posted
+
 	// Per-step scratch.
 	stepNo       uint64
 	lastEnd      time.Duration
@@ -258,8 +350,11 @@ type Engine struct {
 	work         costmodel.Step
 	sched        []*seq
 	preemptedNow bool
+	now          time.Duration // the step's start
 	outs         []Output
 	events       []KVEvent
+	pulls        []Pull
+	expired      []uint64
 
 	st Stats
 }
@@ -308,6 +403,9 @@ func (e *Engine) Add(r *Request, now time.Duration) error {
 		return fmt.Errorf("%w: id %d: %d token ids for %d prompt tokens", ErrInvalidRequest,
 			r.ID, len(r.TokenIDs), r.PromptTokens)
 	}
+	if err := e.checkTransfer(r); err != nil {
+		return err
+	}
 	// KV slots needed at the end: the prompt and every output but the last,
 	// which is sampled and never fed back. Compared against the room the
 	// prompt leaves, so that no caller's number is added to another: a
@@ -330,6 +428,7 @@ func (e *Engine) Add(r *Request, now time.Duration) error {
 	s.id, s.prompt, s.maxTokens = r.ID, r.PromptTokens, r.MaxTokens
 	s.hashes, s.tokenIDs, s.lora = r.BlockHashes, r.TokenIDs, r.LoraName
 	s.arrival, s.cached, s.state = now, -1, stWaiting
+	s.remoteDecode, s.remotePrefill = r.RemoteDecode, r.RemotePrefill
 	// Size the block table for the request's whole life once, so that
 	// decode steps never allocate.
 	if need := e.blocksFor(r.PromptTokens + r.MaxTokens - 1); cap(s.blocks) < need {
@@ -340,7 +439,7 @@ func (e *Engine) Add(r *Request, now time.Duration) error {
 	i := e.waiting.len()
 	for i > 0 {
 		p := e.waiting.at(i - 1)
-		if p.preempted || p.arrival <= now {
+		if p.preempted || p.pulled || p.arrival <= now {
 			break
 		}
 		i--
@@ -354,15 +453,24 @@ func (e *Engine) Add(r *Request, now time.Duration) error {
 }
 
 // Abort drops a live request (the client went away) and frees its blocks;
-// they stay cached. It reports whether the id was live.
+// they stay cached. It reports whether the id was live. A request whose
+// transfer is under way stops pulling (the blocks it had not received are
+// not cached); a held one is released as Release does, and is not counted
+// as aborted.
 func (e *Engine) Abort(id uint64) bool {
 	s, ok := e.seqs[id]
 	if !ok {
 		return false
 	}
 	switch s.state {
+	case stHeld:
+		return e.Release(id)
+	case stPulling:
+		e.pool.release(s.blocks)
+		e.removePulling(s)
 	case stWaiting:
 		e.waiting.remove(e.waiting.index(s))
+		e.pool.release(s.blocks) // a pulled request waits with its blocks
 	case stRunning:
 		e.pool.release(s.blocks)
 		i := slices.Index(e.running, s)
@@ -383,14 +491,16 @@ func (e *Engine) retire(s *seq) {
 	e.spare = append(e.spare, s)
 }
 
-// HasWork reports whether a Step would do anything.
+// HasWork reports whether a Step would schedule anything now. Transfers
+// under way and holds are not work: NextEvent says when they end.
 func (e *Engine) HasWork() bool { return e.live > 0 || e.waiting.len() > 0 }
 
 // Stats is a snapshot of gauges and counters.
 func (e *Engine) Stats() Stats {
 	s := e.st
 	s.Running = e.live
-	s.Waiting = e.waiting.len()
+	s.Waiting = e.waiting.len() + len(e.pulling)
+	s.Pulling, s.Held = len(e.pulling), e.held
 	s.KVUsage = float64(e.pool.used()) / float64(e.cfg.NumBlocks)
 	s.CachedBlocks = e.pool.cache.Len()
 	s.EvictedBlocks = e.pool.evicted
@@ -409,6 +519,11 @@ func (e *Engine) LoraRequests() (running, waiting map[string]int) {
 	}
 	for i := range e.waiting.len() {
 		if s := e.waiting.at(i); s.lora != "" {
+			waiting[s.lora]++
+		}
+	}
+	for _, s := range e.pulling {
+		if s.lora != "" {
 			waiting[s.lora]++
 		}
 	}
@@ -441,7 +556,11 @@ func (e *Engine) ResetPrefixCache() (KVEvent, bool) {
 
 // Step plans and runs one iteration starting at now (or at the end of the
 // previous step, if later: steps never overlap). Its outputs are visible at
-// End. With no work it returns an empty result with End == Start.
+// End. With no work it returns an empty result with End == Start (which
+// may still report transfers ended, holds expired and KV events).
+//
+// First, holds whose deadline passed are freed and transfers that ended by
+// the start are done: their requests wait at the head of the queue.
 //
 // Planning follows vLLM v1's scheduler with decodes first:
 //  1. every running sequence that finished its prefill gets one decode token;
@@ -464,6 +583,11 @@ func (e *Engine) Step(now time.Duration) StepResult {
 	e.budget = e.cfg.MaxBatchTokens
 	e.work = costmodel.Step{}
 	e.preemptedNow = false
+	e.now = start
+	e.pulls, e.expired = e.pulls[:0], e.expired[:0]
+	if len(e.holds) > 0 || len(e.pulling) > 0 {
+		e.advance(start)
+	}
 
 	// 1. Decodes.
 	for i := 0; i < len(e.running) && e.budget > 0; i++ {
@@ -491,7 +615,9 @@ func (e *Engine) Step(now time.Duration) StepResult {
 	e.flushRemoved()
 
 	if len(e.sched) == 0 {
-		return StepResult{Start: start, End: start}
+		// Nothing computed; a transfer may still have started or ended,
+		// and a hold expired.
+		return StepResult{Start: start, End: start, KV: e.events, Pulls: e.pulls, Expired: e.expired}
 	}
 	var dur time.Duration
 	if e.rng == nil {
@@ -508,6 +634,7 @@ func (e *Engine) Step(now time.Duration) StepResult {
 		Start: start, End: end,
 		Outputs: e.outs, KV: e.events,
 		Tokens: e.work.Tokens, Seqs: len(e.sched),
+		Pulls: e.pulls, Expired: e.expired,
 	}
 }
 
@@ -566,6 +693,10 @@ func (e *Engine) compactRunning() {
 func (e *Engine) admit() {
 	for e.budget > 0 && e.live < e.cfg.MaxSeqs && e.waiting.len() > 0 {
 		s := e.waiting.front()
+		if s.pulled {
+			e.admitPulled(s)
+			continue
+		}
 		limit := min(len(s.hashes), (s.target()-1)/e.bs)
 		s.blocks = s.blocks[:0]
 		evictable := 0 // hit blocks sitting in the free queue: taking them shrinks it
@@ -582,6 +713,12 @@ func (e *Engine) admit() {
 		}
 		hit := len(s.blocks)
 		computed := hit * e.bs
+		if s.remotePrefill {
+			if !e.admitPull(s, hit, evictable) {
+				return
+			}
+			continue
+		}
 		n := min(s.target()-computed, e.budget)
 		need := e.blocksFor(computed+n) - hit
 		if need > e.pool.free-evictable {
@@ -627,7 +764,13 @@ func (e *Engine) schedule(s *seq, n int) {
 	e.budget -= n
 	s.lastStep = e.stepNo
 	e.sched = append(e.sched, s)
+	e.registerComputed(s)
+}
 
+// registerComputed gives the full blocks of s's computed tokens not yet
+// offered to the cache their hashes, emitting Stored events for the runs
+// newly cached.
+func (e *Engine) registerComputed(s *seq) {
 	hi := min(len(s.hashes), s.computed/e.bs)
 	run := -1 // first block of the current run of newly stored blocks
 	for i := s.nHashed; i < hi; i++ {
@@ -695,15 +838,21 @@ func (e *Engine) emit() {
 		e.st.GenerationTokens++
 		o := Output{ReqID: s.id, NewTokens: 1}
 		if s.outputs == 1 {
-			o.First, o.CachedTokens = true, s.cached
+			o.First, o.CachedTokens, o.ExternalTokens = true, s.cached, s.external
 			e.st.PromptTokens += int64(s.prompt)
+			e.countSources(s)
 		}
 		if s.outputs == s.maxTokens {
 			o.Finished = true
-			e.pool.release(s.blocks)
 			e.live--
 			e.st.RequestsFinished++
-			e.retire(s)
+			if s.remoteDecode {
+				o.Held = true
+				e.hold(s)
+			} else {
+				e.pool.release(s.blocks)
+				e.retire(s)
+			}
 		}
 		e.outs = append(e.outs, o)
 	}

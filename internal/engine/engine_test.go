@@ -176,10 +176,15 @@ func checkInvariants(tb testing.TB, e *Engine, events eventSet) {
 		tb.Fatalf("live %d, counted %d, cap %d", e.live, live, e.cfg.MaxSeqs)
 	}
 	for i := range e.waiting.len() {
-		if s := e.waiting.at(i); s.state != stWaiting || len(s.blocks) != 0 {
+		s := e.waiting.at(i)
+		if s.state != stWaiting || (len(s.blocks) != 0 && !s.pulled) {
 			tb.Fatalf("waiting req %d in state %d with %d blocks", s.id, s.state, len(s.blocks))
 		}
+		if s.pulled {
+			countTransferBlocks(tb, e, s, refs)
+		}
 	}
+	checkTransferState(tb, e, refs)
 	free := 0
 	for b := range p.n {
 		if refs[b] != p.ref[b] {
