@@ -30,13 +30,14 @@ type Options struct {
 	Heartbeat time.Duration // longest gap between two batches (default 250ms)
 	TTL       time.Duration // how long a peer's loads stand without a newer batch (default DefaultTTL)
 	// SnapshotEvery is the period of the index snapshot in Redis (default
-	// 30s); one gateway writes it per period. Keep it below the stream's
-	// retention (StreamMaxLen / batches per second over all gateways), or a
-	// gateway that starts misses the decisions trimmed in between.
+	// 10s); one gateway writes it per period. Keep it below the stream's
+	// retention (StreamMaxLen / batches per second over all gateways: 50,000
+	// entries hold about a minute of 4 busy gateways at 200 batches/s each),
+	// or a gateway that starts misses the decisions trimmed in between.
 	SnapshotEvery time.Duration
 	WarmTimeout   time.Duration // bound of the warm load in Start (default 3s)
 	Timeout       time.Duration // bound of every Redis command (default 250ms)
-	StreamMaxLen  int64         // the stream's approximate length bound (default 20000)
+	StreamMaxLen  int64         // the stream's approximate length bound (default 50000, about 30 MB)
 	// MaxPending bounds the decisions held while Redis is unreachable
 	// (default 10000); beyond it the oldest are dropped, and counted.
 	MaxPending int
@@ -54,10 +55,10 @@ type Options struct {
 const (
 	DefaultInterval      = 5 * time.Millisecond
 	DefaultHeartbeat     = 250 * time.Millisecond
-	DefaultSnapshotEvery = 30 * time.Second
+	DefaultSnapshotEvery = 10 * time.Second
 	DefaultWarmTimeout   = 3 * time.Second
 	DefaultTimeout       = 250 * time.Millisecond
-	DefaultStreamMaxLen  = 20000
+	DefaultStreamMaxLen  = 50000
 	DefaultMaxPending    = 10000
 	DefaultNamespace     = "kvgate"
 )
