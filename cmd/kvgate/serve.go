@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"log/slog"
 	"net"
+	"net/url"
 	"os"
 	"strings"
 	"sync"
@@ -25,7 +26,7 @@ type serveFlags struct {
 	kvReplay, kvListen                                        string
 	dataParallel                                              int
 	adminToken, apiKeys, profile, logLevel                    string
-	record                                                    string
+	record, sharedState, stateFile                            string
 	params                                                    listFlag
 	seed                                                      uint64
 	blockSize, retries, maxConns                              int
@@ -63,6 +64,9 @@ func (f *serveFlags) register(fs *flag.FlagSet) {
 	rd := gateway.DefaultRecord()
 	fs.StringVar(&f.record, "record", "", fmt.Sprintf("write a trace of the requests served to this file, for kvgate replay --trace: "+
 		"block hashes and lengths, never text (rotates at %d MiB keeping %d files; config record: for more)", rd.MaxBytes>>20, rd.Keep))
+	fs.StringVar(&f.sharedState, "shared-state", "", "several gateways in front of the same replicas: share routing decisions and loads "+
+		"through this Redis (redis://HOST:PORT/DB); a gateway routes on its own view when Redis is down")
+	fs.StringVar(&f.stateFile, "state-file", "", "write the prefix index to this file at shutdown and read it at start (a warm restart without Redis)")
 }
 
 func (f *serveFlags) run(ctx context.Context, inv invocation) error {
@@ -84,6 +88,9 @@ func (f *serveFlags) run(ctx context.Context, inv invocation) error {
 	fmt.Fprintf(inv.stdout, "kvgate serving http://%s → %d replicas, policy %s\n", ln.Addr(), len(cfg.Replicas), cfg.Policy)
 	if cfg.Record.Path != "" {
 		fmt.Fprintf(inv.stdout, "recording served requests to %s (replay it with: kvgate replay --trace %s)\n", cfg.Record.Path, cfg.Record.Path)
+	}
+	if cfg.SharedState != "" {
+		fmt.Fprintf(inv.stdout, "sharing routing state with the other gateways through %s\n", redactURL(cfg.SharedState))
 	}
 	return serveUntil(ctx, ln, g, log)
 }
@@ -158,6 +165,12 @@ func (f *serveFlags) override(cfg *gateway.Config, set map[string]bool) error {
 	if set["record"] {
 		cfg.Record.Path = f.record
 	}
+	if set["shared-state"] {
+		cfg.SharedState = f.sharedState
+	}
+	if set["state-file"] {
+		cfg.StateFile = f.stateFile
+	}
 	f.overrideLimits(cfg, set)
 	f.overrideSecrets(cfg)
 	return nil
@@ -220,4 +233,13 @@ func serveUntil(ctx context.Context, ln net.Listener, g *gateway.Gateway, log *s
 	cancel() // the replicas are watched until the last request is done
 	wg.Wait()
 	return err
+}
+
+// redactURL is u without its password (a redis:// URL may carry one).
+func redactURL(u string) string {
+	p, err := url.Parse(u)
+	if err != nil {
+		return "(an unparsable URL)"
+	}
+	return p.Redacted()
 }

@@ -135,6 +135,16 @@ type Config struct {
 	// block hashes and lengths, never text. See RecordConfig.
 	Record RecordConfig `json:"record"`
 
+	// SharedState (redis://HOST:PORT/DB) shares this gateway's routing
+	// decisions and loads with the other gateways in front of the same
+	// replicas, through Redis (internal/sharedstate); never on a request's
+	// path. SharedStateNamespace prefixes its keys (one per fleet).
+	SharedState          string `json:"shared_state,omitempty"`
+	SharedStateNamespace string `json:"shared_state_namespace,omitempty"`
+	// StateFile: the approximate index is written there at shutdown and
+	// read at start, a warm restart without Redis.
+	StateFile string `json:"state_file,omitempty"`
+
 	// AdminToken enables /debug/* and /admin/*, behind "Authorization: Bearer".
 	AdminToken string `json:"admin_token,omitempty"`
 	// APIKeys, when set, are the only bearer tokens clients may use.

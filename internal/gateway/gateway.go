@@ -36,6 +36,7 @@ import (
 	"github.com/kvgate/kvgate/internal/policy"
 	"github.com/kvgate/kvgate/internal/prompt"
 	"github.com/kvgate/kvgate/internal/router"
+	"github.com/kvgate/kvgate/internal/sharedstate"
 )
 
 // Gateway is the proxy.
@@ -72,6 +73,9 @@ type Gateway struct {
 	kvModels []atomic.Pointer[string]
 
 	rec *recorder // the recording (record.path), nil when off
+	// sync shares routing state with the other gateways (shared_state),
+	// nil when off.
+	sync *sharedstate.Syncer
 }
 
 // Options are a Gateway's injected parts.
@@ -103,14 +107,18 @@ func New(cfg Config, o Options) (*Gateway, error) {
 	if tr == nil {
 		tr = newTransport(cfg)
 	}
+	syncer, err := newSyncer(cfg, o)
+	if err != nil {
+		return nil, err
+	}
 	ranks := dataParallelSizes(cfg, &http.Client{Transport: tr}, o.Logger)
-	rt, err := newRouter(cfg, prof, o.Clock, ranks)
+	rt, err := newRouter(cfg, prof, o.Clock, ranks, onLearn(syncer))
 	if err != nil {
 		return nil, err
 	}
 	g := &Gateway{cfg: cfg, rt: rt, client: &http.Client{Transport: tr}, log: o.Logger, reg: o.Registry,
 		clock: o.Clock, prof: prof, jitter: rand.New(rand.NewPCG(cfg.Seed, 99)),
-		bodies: semaphore.NewWeighted(cfg.MaxBodyMemory)}
+		bodies: semaphore.NewWeighted(cfg.MaxBodyMemory), sync: syncer}
 	g.cut, g.cutNow = context.WithCancel(context.Background())
 	g.kvModels = make([]atomic.Pointer[string], rt.Replicas())
 	g.lim = newLimiter(cfg.MaxConcurrency, cfg.MaxQueue, cfg.QueueTimeout.D())
@@ -129,6 +137,7 @@ func New(cfg Config, o Options) (*Gateway, error) {
 			return nil, err
 		}
 	}
+	g.loadStateFile()
 	g.routes()
 	return g, nil
 }
@@ -185,7 +194,7 @@ func targets(cfg Config, ranks []int) []router.Spec {
 	return specs
 }
 
-func newRouter(cfg Config, prof costmodel.Profile, clk clock.Clock, ranks []int) (*router.Router, error) {
+func newRouter(cfg Config, prof costmodel.Profile, clk clock.Clock, ranks []int, learn func(router.Learned)) (*router.Router, error) {
 	pol, err := policy.New(cfg.Policy, policy.Options{Seed: cfg.Seed, BlockSize: cfg.BlockSize, Profile: prof,
 		MaxBatchTokens: cfg.MaxBatchTokens, Params: cfg.PolicyParams})
 	if err != nil {
@@ -194,7 +203,7 @@ func newRouter(cfg Config, prof costmodel.Profile, clk clock.Clock, ranks []int)
 	specs := targets(cfg, ranks)
 	return router.New(router.Config{Specs: specs, Policy: pol, BlockSize: cfg.BlockSize,
 		BlocksPerReplica: cfg.BlocksPerReplica, MaxEntries: cfg.IndexMaxEntries, Precise: cfg.Precise(), Now: clk.Now,
-		StaleAfter: cfg.ScrapeStaleAfter.D(), LearnOnAccept: true,
+		StaleAfter: cfg.ScrapeStaleAfter.D(), LearnOnAccept: true, OnLearn: learn,
 		Breaker: router.BreakerConfig{EjectAfter: cfg.EjectAfter, Cooldown: cfg.EjectCooldown.D()}})
 }
 
@@ -226,21 +235,25 @@ func (g *Gateway) Fleet() *fleet.Fleet { return g.fleet }
 // Handler serves the API.
 func (g *Gateway) Handler() http.Handler { return g.mux }
 
-// Run watches the replicas (scrapes, health checks, KV events) and writes
-// the recording until ctx ends; then it flushes and closes the recording
-// (end ctx after the drain, so that it holds every request served).
+// Run watches the replicas (scrapes, health checks, KV events), shares
+// the routing state with the other gateways and writes the recording
+// until ctx ends; then it flushes and closes the recording and writes the
+// state file (end ctx after the drain, so that they hold every request
+// served).
 func (g *Gateway) Run(ctx context.Context) {
 	var wg sync.WaitGroup
-	wg.Add(1)
-	go func() { defer wg.Done(); g.fleet.Run(ctx) }()
+	wg.Go(func() { g.fleet.Run(ctx) })
 	if g.rec != nil {
 		wg.Go(func() { g.rec.run(ctx) })
 	}
 	if g.cfg.Precise() {
-		wg.Add(1)
-		go func() { defer wg.Done(); g.runKVEvents(ctx) }()
+		wg.Go(func() { g.runKVEvents(ctx) })
+	}
+	if g.sync != nil {
+		wg.Go(func() { g.runShared(ctx) })
 	}
 	wg.Wait()
+	g.saveStateFile()
 }
 
 func (g *Gateway) routes() {
@@ -270,6 +283,10 @@ func (g *Gateway) routes() {
 func (g *Gateway) ready(w http.ResponseWriter, r *http.Request) {
 	if g.draining.Load() {
 		writeError(w, errDraining)
+		return
+	}
+	if g.warming() {
+		writeError(w, errWarming)
 		return
 	}
 	for i := range g.rt.Replicas() {

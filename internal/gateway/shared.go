@@ -1,0 +1,79 @@
+package gateway
+
+import (
+	"context"
+	"errors"
+	"net/http"
+
+	"github.com/kvgate/kvgate/internal/router"
+	"github.com/kvgate/kvgate/internal/sharedstate"
+)
+
+// errWarming: the gateway is loading the shared state (its peers' index)
+// before it takes traffic, so that it routes like them from the first
+// request; bounded by the syncer's warm-up timeout.
+var errWarming = &apiError{Status: http.StatusServiceUnavailable, Type: "server_error", Code: "warming_up",
+	Message: "the gateway is loading the shared routing state; retry shortly"}
+
+// newSyncer is the shared-state syncer (shared_state), nil when off. It
+// is built before the router, whose OnLearn it is. In precise mode the
+// index needs no sharing (every gateway follows every replica's events):
+// only loads are shared.
+func newSyncer(cfg Config, o Options) (*sharedstate.Syncer, error) {
+	if cfg.SharedState == "" {
+		return nil, nil
+	}
+	return sharedstate.New(sharedstate.Options{URL: cfg.SharedState, Namespace: cfg.SharedStateNamespace,
+		ShareDecisions: !cfg.Precise(), Clock: o.Clock, Log: o.Logger, Registerer: o.Registry})
+}
+
+// onLearn is the router's OnLearn: the syncer's, when sharing.
+func onLearn(s *sharedstate.Syncer) func(router.Learned) {
+	if s == nil {
+		return nil
+	}
+	return s.OnLearn
+}
+
+// loadStateFile warms the index from state_file, written at the last
+// shutdown. A missing file is a cold start; a bad one is logged and
+// ignored (the gateway starts cold rather than not at all).
+func (g *Gateway) loadStateFile() {
+	if g.cfg.StateFile == "" {
+		return
+	}
+	n, err := sharedstate.LoadFile(g.cfg.StateFile, g.rt)
+	switch {
+	case err != nil:
+		g.log.Warn("state_file cannot be read: starting with an empty index", "path", g.cfg.StateFile, "err", err)
+	case n > 0:
+		g.log.Info("index restored from state_file", "path", g.cfg.StateFile, "blocks", n)
+	}
+}
+
+// saveStateFile writes the index to state_file (at the end of Run).
+func (g *Gateway) saveStateFile() {
+	if g.cfg.StateFile == "" {
+		return
+	}
+	if err := sharedstate.SaveFile(g.cfg.StateFile, g.rt, g.clock.Now()); err != nil {
+		g.log.Warn("state_file cannot be written", "path", g.cfg.StateFile, "err", err)
+		return
+	}
+	g.log.Info("index saved to state_file", "path", g.cfg.StateFile, "blocks", g.rt.Index().Len())
+}
+
+// runShared runs the syncer until ctx ends: the warm load first (Ready
+// turns true when it is done or given up), then its loops.
+func (g *Gateway) runShared(ctx context.Context) {
+	if err := g.sync.Start(ctx, g.rt); err != nil && !errors.Is(err, context.Canceled) {
+		g.log.Warn("shared state: cannot start; routing on this gateway's own view", "err", err)
+	}
+	<-ctx.Done()
+	if err := g.sync.Close(); err != nil {
+		g.log.Warn("shared state: close", "err", err)
+	}
+}
+
+// warming reports whether the shared state is still being loaded.
+func (g *Gateway) warming() bool { return g.sync != nil && !g.sync.Ready() }

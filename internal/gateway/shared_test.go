@@ -1,0 +1,145 @@
+package gateway
+
+import (
+	"fmt"
+	"net/http"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"github.com/kvgate/kvgate/internal/sim"
+	"github.com/kvgate/kvgate/internal/testutil"
+)
+
+// stop ends a test gateway now (its Run returns: the state file is
+// written); the test's cleanup does nothing more.
+func (tg *testGW) stop() {
+	tg.srv.Close()
+	tg.cancel()
+	<-tg.done
+}
+
+// conversationTurn is turn k of conversation c: each turn's prompt holds
+// the previous one's whole, so its blocks are a prefix of the next.
+func conversationTurn(c, k int) string {
+	var b strings.Builder
+	fmt.Fprintf(&b, "conversation %d: you are a careful assistant who answers in full sentences. ", c)
+	for j := 0; j <= k; j++ {
+		fmt.Fprintf(&b, "turn %d of conversation %d asks about topic %d and gives some context to think about. ", j, c, 7*c+j)
+		b.WriteString(strings.Repeat("more words of context for this turn. ", 6))
+	}
+	return b.String()
+}
+
+// matchAnywhere is the largest match of text on any replica in gw's view.
+func matchAnywhere(gw *testGW, text string) int {
+	m := 0
+	for i := range gw.g.Router().Replicas() {
+		m = max(m, matchOn(gw, sim.DefaultModel, text, i))
+	}
+	return m
+}
+
+// Without Redis: the index is written at shutdown and read at start, so a
+// restarted gateway sends a known prompt to its holder from the first
+// request.
+func TestStateFileWarmRestart(t *testing.T) {
+	fl := startSim(t, sim.Config{Replicas: 3})
+	cfg := simConfig("ttft", fl.URLs()...)
+	cfg.StateFile = filepath.Join(t.TempDir(), "kvgate.state")
+	a := startGateway(t, cfg)
+	waitHealthy(t, a)
+	text := conversationTurn(1, 0)
+	holder := routedTo(t, a, sim.DefaultModel, text)
+	a.stop()
+
+	b := startGateway(t, cfg)
+	if m := matchAnywhere(b, text); m == 0 {
+		t.Fatal("the restarted gateway's index is empty")
+	}
+	waitHealthy(t, b)
+	if got := routedTo(t, b, sim.DefaultModel, conversationTurn(1, 1)); got != holder {
+		t.Fatalf("after the restart the conversation went to %s, its holder is %s", got, holder)
+	}
+}
+
+// Two gateways, one Redis: a conversation whose turns alternate between
+// the gateways stays on one replica, and the conversations spread over the
+// replicas; a gateway killed and started again routes a known prefix to
+// its holder from its first request; Redis stopped mid-run fails no
+// request, and the gateways say so.
+func TestSharedStateTwoGateways(t *testing.T) {
+	rd := testutil.NewRedis(t)
+	fl := startSim(t, sim.Config{Replicas: 3})
+	cfg := simConfig("ttft", fl.URLs()...)
+	cfg.SharedState = rd.URL()
+	gws := []*testGW{startGateway(t, cfg), startGateway(t, cfg)}
+	for _, gw := range gws {
+		waitHealthy(t, gw)
+	}
+	const convs, turns = 12, 4
+	holder := make([]string, convs)
+	stayed, later := 0, 0
+	used := map[string]bool{}
+	for k := range turns {
+		for c := range convs {
+			gw := gws[(c+k)%2]
+			text := conversationTurn(c, k)
+			got := routedTo(t, gw, sim.DefaultModel, text)
+			if k == 0 {
+				holder[c] = got
+				used[got] = true
+			} else {
+				later++
+				if got == holder[c] {
+					stayed++
+				}
+			}
+			// A client thinks for seconds between turns; here: until the
+			// other gateway has heard of this one.
+			other := gws[(c+k+1)%2]
+			eventually(t, "the decision shared", func() bool { return matchAnywhere(other, text) > 0 })
+		}
+	}
+	if stayed*10 < later*9 {
+		t.Errorf("%d of %d later turns stayed on their conversation's replica, want ≥ 90%%", stayed, later)
+	}
+	if len(used) < 2 {
+		t.Errorf("the conversations all went to %v", used)
+	}
+
+	// Kill gateway 1 and start it again: warm from Redis before it is ready.
+	gws[1].stop()
+	gws[1] = startGateway(t, cfg)
+	eventually(t, "the restarted gateway ready", func() bool {
+		r, err := http.Get(gws[1].srv.URL + "/ready")
+		if err != nil {
+			return false
+		}
+		r.Body.Close()
+		return r.StatusCode == 200
+	})
+	for c := range 4 {
+		if got := routedTo(t, gws[1], sim.DefaultModel, conversationTurn(c, turns)); got != holder[c] {
+			t.Errorf("restarted gateway: conversation %d went to %s, its holder is %s", c, got, holder[c])
+		}
+	}
+
+	// Redis goes away: every request still succeeds (routedTo fails the
+	// test on anything but 200), and both gateways report it.
+	rd.Stop()
+	for c := range 10 {
+		routedTo(t, gws[c%2], sim.DefaultModel, conversationTurn(c, turns+1))
+	}
+	for i, gw := range gws {
+		eventually(t, fmt.Sprintf("gateway %d reports Redis down", i), func() bool {
+			return counterValue(t, gw.g.reg, "kvgate_shared_state_up", nil) == 0
+		})
+	}
+	rd.Start()
+	for i, gw := range gws {
+		eventually(t, fmt.Sprintf("gateway %d reports Redis back", i), func() bool {
+			return counterValue(t, gw.g.reg, "kvgate_shared_state_up", nil) == 1
+		})
+	}
+}
