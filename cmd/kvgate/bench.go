@@ -57,6 +57,8 @@ type benchFlags struct {
 	maxDuration    time.Duration
 	duration       time.Duration
 	soakEvery      time.Duration
+	gateways       int
+	sharedState    string
 }
 
 func (f *benchFlags) register(fs *flag.FlagSet) {
@@ -65,6 +67,8 @@ func (f *benchFlags) register(fs *flag.FlagSet) {
 	f.registerLoad(fs, benchDefaults)
 	fs.DurationVar(&f.duration, "duration", 0, "soak: repeat the workload (new prompts each round) against --target for this long, reading the gateway's goroutines and heap")
 	fs.DurationVar(&f.soakEvery, "soak-interval", 10*time.Second, "soak: how often the gateway's /metrics is read")
+	fs.IntVar(&f.gateways, "gateways", 1, "gateways in front of the simulated replicas (--embedded), each with its own router; requests go to them in turn")
+	fs.StringVar(&f.sharedState, "shared-state", "", "the --embedded gateways share their routing state through this Redis (redis://HOST:PORT/DB)")
 }
 
 // registerLoad registers the flags bench and demo share, with d's defaults.
@@ -114,6 +118,7 @@ type benchConfig struct {
 	load     bench.Config
 	sim      sim.Config
 	gateway  gateway.Config // without replicas, policy and its parameters
+	gateways int            // --embedded: gateways in front of the fleet
 	meta     map[string]any
 	out      report.Outputs
 }
@@ -149,6 +154,7 @@ func (f *benchFlags) config(inv invocation, title string) (benchConfig, error) {
 		Seed: f.seed, Model: f.model, DataParallelSize: f.dataParallel}
 	c.gateway = gateway.Defaults()
 	c.gateway.Seed, c.gateway.Profile = f.seed, f.profile
+	c.gateway.SharedState, c.gateways = f.sharedState, max(f.gateways, 1)
 	c.meta = f.meta(inv, spec, len(reqs))
 	c.out.Verdict = true
 	return c, nil
@@ -156,7 +162,7 @@ func (f *benchFlags) config(inv invocation, title string) (benchConfig, error) {
 
 // embeddedOnly are the flags that describe the in-process fleet: with
 // --target they would describe nothing.
-var embeddedOnly = []string{"replicas", "data-parallel-size", "profile", "kv-blocks", "policies"}
+var embeddedOnly = []string{"replicas", "data-parallel-size", "profile", "kv-blocks", "policies", "gateways", "shared-state"}
 
 // targetOnly rejects, with --target, the flags that only shape an
 // embedded fleet.
@@ -197,6 +203,13 @@ func (f *benchFlags) meta(inv invocation, spec workload.Spec, requests int) map[
 	if f.dataParallel > 1 {
 		m["data_parallel_size"] = f.dataParallel
 	}
+	if f.gateways > 1 {
+		m["gateways"] = f.gateways
+		m["gateway_sync"] = "none"
+		if f.sharedState != "" {
+			m["gateway_sync"] = "shared (redis)"
+		}
+	}
 	return m
 }
 
@@ -213,6 +226,8 @@ func (f *benchFlags) validate() error {
 		return fmt.Errorf("%w: give exactly one of --target URL and --embedded", errUsage)
 	case f.replicas < 1:
 		return fmt.Errorf("%w: --replicas must be at least 1", errUsage)
+	case f.gateways < 0 || f.gateways > 64:
+		return fmt.Errorf("%w: --gateways must be in [1, 64]", errUsage)
 	case f.dataParallel < 1 || f.dataParallel > sim.MaxDataParallelSize:
 		return fmt.Errorf("%w: --data-parallel-size must be in [1, %d]", errUsage, sim.MaxDataParallelSize)
 	case f.rate < 0 || f.concurrency < 1 || f.requests < 0:
@@ -323,7 +338,7 @@ func (c benchConfig) runPolicy(ctx context.Context, p string, stderr io.Writer) 
 	}
 	gcfg := c.gateway
 	gcfg.PolicyParams = c.params.of(p)
-	er, err := bench.RunEmbedded(ctx, bench.EmbeddedConfig{Sim: c.sim, Gateway: gcfg, Load: load}, p, c.reqs)
+	er, err := bench.RunEmbedded(ctx, bench.EmbeddedConfig{Sim: c.sim, Gateway: gcfg, Load: load, Gateways: c.gateways}, p, c.reqs)
 	if err != nil && !errors.Is(err, bench.ErrDeadline) {
 		return report.Run{}, fmt.Errorf("policy %s: %w", p, err)
 	}

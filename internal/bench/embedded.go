@@ -21,6 +21,10 @@ type EmbeddedConfig struct {
 	Sim     sim.Config     // Replicas, Profile, KVBlocks, TimeScale, Seed, ...
 	Gateway gateway.Config // policy parameters, intervals; replicas and listen are set here
 	Load    Config         // concurrency, timeouts (Target, Replicas, TimeScale set here)
+	// Gateways in front of the fleet (default 1), each with its own
+	// router; requests go to them in turn. With Gateway.SharedState they
+	// share their state through that Redis (a namespace of the run's own).
+	Gateways int
 }
 
 // EmbeddedResult is one policy's run.
@@ -44,14 +48,17 @@ func RunEmbedded(ctx context.Context, e EmbeddedConfig, policy string, reqs []wo
 	}
 	defer fl.Close()
 	urls := fl.URLs()
-	target, stop, err := startGateway(ctx, e.Gateway, policy, urls)
+	targets, stop, err := startGateways(ctx, e, policy, urls)
 	if err != nil {
 		return EmbeddedResult{}, err
 	}
 	defer stop()
 	before := counters(fl)
 	load := e.Load
-	load.Target, load.Replicas, load.TimeScale = target, targetNames(urls, simCfg.DataParallelSize), simCfg.TimeScale
+	load.Target, load.Replicas, load.TimeScale = targets[0], targetNames(urls, simCfg.DataParallelSize), simCfg.TimeScale
+	if len(targets) > 1 {
+		load.Targets = targets
+	}
 	if load.Model == "" {
 		load.Model = cmp.Or(simCfg.Model, sim.DefaultModel)
 	}
@@ -82,6 +89,33 @@ func targetNames(urls []string, dp int) []string {
 		}
 	}
 	return out
+}
+
+// startGateways starts e.Gateways gateways (at least one) in front of the
+// replicas at urls; with shared state, in a namespace of their own, so that
+// no earlier run's state reaches them. It returns their URLs and the stop
+// of them all.
+func startGateways(ctx context.Context, e EmbeddedConfig, policy string, urls []string) ([]string, func(), error) {
+	gcfg := e.Gateway
+	if gcfg.SharedState != "" && gcfg.SharedStateNamespace == "" {
+		gcfg.SharedStateNamespace = fmt.Sprintf("kvgate-bench-%d", time.Now().UnixNano())
+	}
+	var targets []string
+	var stops []func()
+	stopAll := func() {
+		for _, s := range stops {
+			s()
+		}
+	}
+	for range max(e.Gateways, 1) {
+		t, stop, err := startGateway(ctx, gcfg, policy, urls)
+		if err != nil {
+			stopAll()
+			return nil, nil, err
+		}
+		targets, stops = append(targets, t), append(stops, stop)
+	}
+	return targets, stopAll, nil
 }
 
 // startGateway starts a gateway routing by policy over the replicas at

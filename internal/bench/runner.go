@@ -16,6 +16,7 @@ import (
 	"net/http"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/kvgate/kvgate/internal/openai"
@@ -26,7 +27,11 @@ import (
 // Config is one load run.
 type Config struct {
 	Target string // base URL of the gateway (…/v1/… is appended)
-	Model  string
+	// Targets, when set, are several gateways in front of the same
+	// replicas (Target is ignored): requests go to them in turn, as a
+	// Service spreads them, so a conversation's turns meet different ones.
+	Targets []string
+	Model   string
 	// Concurrency > 0: closed loop with that many clients; 0: open loop at
 	// the requests' arrival times (Poisson or trace timestamps).
 	Concurrency int
@@ -106,6 +111,8 @@ type runner struct {
 	recs       []report.Record
 	start      time.Time
 	dependents map[int][]int
+
+	sent atomic.Uint64 // requests sent (the next one's gateway in Targets)
 
 	mu    sync.Mutex
 	queue readyQueue // requests whose dependencies are met, by release time then index
@@ -380,10 +387,18 @@ func (r *runner) do(ctx context.Context, q *workload.Request) report.Record {
 	return rec
 }
 
+// target is the gateway of the next request: Target, or Targets in turn.
+func (r *runner) target() string {
+	if n := uint64(len(r.cfg.Targets)); n > 0 {
+		return r.cfg.Targets[(r.sent.Add(1)-1)%n]
+	}
+	return r.cfg.Target
+}
+
 // request is the HTTP request for q.
 func (r *runner) request(ctx context.Context, q *workload.Request) (*http.Request, error) {
 	body, path := r.body(q)
-	req, err := http.NewRequestWithContext(ctx, http.MethodPost, strings.TrimRight(r.cfg.Target, "/")+path, bytes.NewReader(body))
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, strings.TrimRight(r.target(), "/")+path, bytes.NewReader(body))
 	if err != nil {
 		return nil, err
 	}
