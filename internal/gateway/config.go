@@ -14,6 +14,7 @@ import (
 
 	"github.com/kvgate/kvgate/internal/costmodel"
 	"github.com/kvgate/kvgate/internal/policy"
+	"github.com/kvgate/kvgate/internal/sharedstate"
 )
 
 // Duration is a time.Duration written as "250ms", "10s" in configuration.
@@ -315,6 +316,11 @@ func (c *Config) Validate() error {
 	}
 	errs = append(errs, c.validatePrecise()...)
 	errs = append(errs, c.Record.validate()...)
+	if c.SharedState != "" {
+		if _, err := sharedstate.ParseURL(c.SharedState); err != nil {
+			errs = append(errs, fmt.Errorf("shared_state: %w", err))
+		}
+	}
 	return errors.Join(errs...)
 }
 

@@ -23,3 +23,21 @@ func TestPreciseNeedsRemoteTokenizer(t *testing.T) {
 		}
 	}
 }
+
+// shared_state must be a Redis URL; the error names the key.
+func TestSharedStateURL(t *testing.T) {
+	for url, ok := range map[string]bool{
+		"redis://127.0.0.1:6379/0":   true,
+		"rediss://10.0.0.1:6380/2":   true,
+		"http://127.0.0.1:6379":      false,
+		"127.0.0.1:6379":             false,
+		"redis://127.0.0.1:6379/abc": false,
+	} {
+		cfg := baseConfig("http://127.0.0.1:1")
+		cfg.SharedState = url
+		err := cfg.Validate()
+		if (err == nil) != ok || (err != nil && !strings.Contains(err.Error(), "shared_state")) {
+			t.Errorf("%s: %v", url, err)
+		}
+	}
+}
