@@ -227,6 +227,23 @@ func (vr *virtualRun) deliverSync() {
 	}
 }
 
+// afterLast reports (and drops) a sync event once every request has
+// ended: nothing will be routed again, and a long delay would otherwise
+// lengthen the run.
+func (vr *virtualRun) afterLast(ev event) bool {
+	if vr.ended < len(vr.plan.reqs) {
+		return false
+	}
+	switch ev.kind {
+	case evSync:
+		vr.syncInFlight.pop()
+		return true
+	case evPublish, evHeartbeat:
+		return true
+	}
+	return false
+}
+
 // countBatch adds b to the run's sync statistics: its size encoded as
 // the Syncer sends it, and the share of its decisions.
 func (vr *virtualRun) countBatch(b *sharedstate.Batch) {

@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/kvgate/kvgate/internal/report"
+	"github.com/kvgate/kvgate/internal/router"
 	"github.com/kvgate/kvgate/internal/workload"
 )
 
@@ -180,5 +181,52 @@ func TestNextTick(t *testing.T) {
 		if got := nextTick(tc.now, tc.phase, 5*ms); got != tc.want {
 			t.Errorf("nextTick(%v, %v) = %v, want %v", tc.now, tc.phase, got, tc.want)
 		}
+	}
+}
+
+// Each gateway's view of a replica's load (its own counts plus the others'
+// last published ones) is the fleet's true load but for the changes of the
+// last sync tick and delay: nothing is counted twice, nothing lost.
+func TestGatewaysLoadsAddUp(t *testing.T) {
+	reqs := conversations(t)
+	cfg := Config{Replicas: 4, Seed: 1, Gateways: 3, SyncDelay: 0}.WithDefaults()
+	pl, err := newPlan(reqs)
+	if err != nil {
+		t.Fatal(err)
+	}
+	vr, err := newVirtualRun(cfg, pl, PolicySpec{Name: "ttft"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	checks, exact, busy := 0, 0, 0
+	var absErr int64
+	vr.cfg.observe = func(o observation) {
+		if o.scrape == nil {
+			return
+		}
+		r := o.scrape.replica
+		var total router.Load
+		for g := range vr.gateways {
+			total = total.Add(vr.gateways[g].router.LocalLoad(r))
+		}
+		if total.InFlight > 0 {
+			busy++
+		}
+		for g := range vr.gateways {
+			rt := vr.gateways[g].router
+			view := rt.LocalLoad(r).Add(rt.RemoteLoad(r))
+			checks++
+			if view == total {
+				exact++
+			}
+			absErr += max(view.InFlight-total.InFlight, total.InFlight-view.InFlight)
+		}
+	}
+	if err := vr.loop(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("%d of %d views exact (%d busy scrapes), mean |in-flight error| %.3f", exact, checks, busy, float64(absErr)/float64(checks))
+	if busy < 20 || float64(exact) < 0.9*float64(checks) || float64(absErr) > 0.1*float64(checks) {
+		t.Errorf("%d of %d views exact over %d busy scrapes, total |in-flight error| %d", exact, checks, busy, absErr)
 	}
 }

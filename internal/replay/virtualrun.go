@@ -185,6 +185,9 @@ func (vr *virtualRun) loop(ctx context.Context) error {
 			return nil
 		}
 		ev := vr.events.pop()
+		if vr.afterLast(ev) {
+			continue
+		}
 		vr.now = ev.at
 		if err := vr.handle(ev); err != nil {
 			return err
