@@ -31,12 +31,14 @@ fmt-check:
 # Benchmarks quoted in the README (decision time, index memory, engine speed), and the wall-clock
 # comparisons (figures reported, not asserted; make test asserts what no timing can change):
 # cache-aware vs round_robin through the gateway, the replay's hit rates against a live fleet's,
-# and the sim's cold vs cached TTFT. One package at a time, so that they do not share the CPU.
+# the sim's cold vs cached TTFT, and what sharing state between 4 gateways costs in Redis (a redis-server
+# on loopback). One package at a time, so that they do not share the CPU.
 bench:
 	$(GO) test -run '^$$' -bench . -benchtime 2s ./internal/prompt ./internal/prefixindex ./internal/router
 	KVGATE_BENCH=1 $(GO) test -run '^TestCacheAwareBeatsRoundRobinLive$$' -v -count=1 ./internal/bench
 	KVGATE_BENCH=1 $(GO) test -run '^TestReplayAgreesWithLive$$' -v -count=1 ./internal/replay
 	KVGATE_BENCH=1 $(GO) test -run '^TestSimCachedTTFTLive$$' -v -count=1 ./cmd/kvgate
+	KVGATE_BENCH=1 $(GO) test -run '^TestSharingCostLive$$' -v -count=1 ./internal/sharedstate
 
 demo: build
 	$(BIN) demo
@@ -51,6 +53,8 @@ fuzz:
 	$(GO) test -run '^$$' -fuzz '^FuzzParseConfig$$' -fuzztime $(FUZZTIME) ./internal/gateway
 	$(GO) test -run '^$$' -fuzz '^FuzzBodyToDecision$$' -fuzztime $(FUZZTIME) ./internal/router
 	$(GO) test -run '^$$' -fuzz '^FuzzParseJob$$' -fuzztime $(FUZZTIME) ./internal/sim
+	$(GO) test -run '^$$' -fuzz '^FuzzDecodeBatch$$' -fuzztime $(FUZZTIME) ./internal/sharedstate
+	$(GO) test -run '^$$' -fuzz '^FuzzDecodeSnapshot$$' -fuzztime $(FUZZTIME) ./internal/sharedstate
 
 # Fault injection report: per scenario (replica faults and client-side ones), requests sent, succeeded,
 # retried, failed clearly, hung up, lost; asserts the invariants and that each fault was met (wall clock),
