@@ -3,6 +3,7 @@ package sim
 import (
 	"errors"
 	"fmt"
+	"log/slog"
 	"math"
 	"net"
 	"slices"
@@ -109,6 +110,22 @@ type Config struct {
 	// PerReplica[i] changes what replica i serves, for a heterogeneous
 	// fleet; replicas beyond its length serve the fleet's.
 	PerReplica []ReplicaOverride
+
+	// Role is every replica's part in prefill/decode disaggregation
+	// (default engine.RoleBoth): a prefill replica serves requests whose
+	// kv_transfer_params ask for a remote decode, a decode replica those
+	// that ask for a remote prefill, a "both" replica either; every role
+	// serves plain requests too (see kvtransfer.go). Roles[i], when set,
+	// is replica i's role instead; replicas beyond its length take Role.
+	Role  engine.Role
+	Roles []engine.Role
+	// KVHoldTimeout is how long a prefill replica holds a request's blocks
+	// for its decode replica, in virtual time (vLLM's
+	// VLLM_NIXL_ABORT_REQUEST_TIMEOUT); default engine.DefaultKVHoldTimeout.
+	KVHoldTimeout time.Duration
+	// Logger gets the sim's warnings (a failed KV pull or release); nil
+	// discards them.
+	Logger *slog.Logger
 
 	// DataParallelSize is vLLM's --data-parallel-size: the engine cores
 	// (data-parallel ranks) of each replica, default 1. Each core has its
@@ -245,6 +262,12 @@ func (c Config) withDefaults() Config {
 	if c.MaxLag == 0 {
 		c.MaxLag = DefaultMaxLag
 	}
+	if c.KVHoldTimeout == 0 {
+		c.KVHoldTimeout = engine.DefaultKVHoldTimeout
+	}
+	if c.Logger == nil {
+		c.Logger = slog.New(slog.DiscardHandler)
+	}
 	c.Clock = clock.OrReal(c.Clock)
 	return c
 }
@@ -278,6 +301,15 @@ func (c Config) validate() error {
 		return bad("output median %d must be ≥ 1 and sigma %v in [0, 5]", c.OutputMedian, c.OutputSigma)
 	case len(c.PerReplica) > c.Replicas:
 		return bad("%d per-replica overrides for %d replicas", len(c.PerReplica), c.Replicas)
+	case len(c.Roles) > c.Replicas:
+		return bad("%d per-replica roles for %d replicas", len(c.Roles), c.Replicas)
+	case c.KVHoldTimeout < 0:
+		return bad("kv hold timeout %v < 0", c.KVHoldTimeout)
+	}
+	for _, role := range append([]engine.Role{c.Role}, c.Roles...) {
+		if role > engine.RoleDecode {
+			return bad("role %v", role)
+		}
 	}
 	if err := c.validateKVEvents(); err != nil {
 		return bad("%v", err)
@@ -392,6 +424,9 @@ func (f Faults) validate() error {
 // forReplica is the configuration replica i runs with: the fleet's with
 // its override applied.
 func (c Config) forReplica(i int) Config {
+	if i < len(c.Roles) {
+		c.Role = c.Roles[i]
+	}
 	if i >= len(c.PerReplica) {
 		return c
 	}

@@ -2,6 +2,7 @@ package sim
 
 import (
 	"fmt"
+	"math"
 	"time"
 
 	"github.com/kvgate/kvgate/internal/clock"
@@ -25,9 +26,13 @@ type core struct {
 	eng     *engine.Engine
 	live    map[uint64]*choice // engine request id → its choice, until finished or aborted
 	nextID  uint64
-	idle    bool          // the driver found no work and waits
-	wokeAt  time.Duration // while idle: arrival of the first request since
+	idle    bool          // the driver found nothing to compute and waits
+	wokeAt  time.Duration // while idle: when to resume (see goIdleLocked)
 	planEnd time.Duration // end of the last planned step
+
+	// engineID names the core to prefill/decode peers (vLLM's
+	// kv_transfer_config.engine_id, with _dp<rank> under data parallelism).
+	engineID string
 
 	wake    chan struct{} // cap 1: work was added or freed
 	metrics *coreMetrics
@@ -55,6 +60,8 @@ func newEngine(cfg Config, idx, rank int) (*engine.Engine, error) {
 		Seed:            cfg.Seed + uint64(idx) + uint64(rank)*0x9e37_79b9_7f4a_7c15,
 		Jitter:          cfg.Jitter,
 		DisableKVEvents: !cfg.KVEvents,
+		Role:            cfg.Role,
+		KVHoldTimeout:   cfg.KVHoldTimeout,
 	})
 	if err != nil {
 		return nil, fmt.Errorf("%w: %w", ErrInvalidConfig, err)
@@ -71,7 +78,7 @@ func newCores(r *Replica) error {
 			return err
 		}
 		c := &core{r: r, rank: rank, eng: eng, live: make(map[uint64]*choice), idle: true,
-			wake: make(chan struct{}, 1)}
+			wokeAt: never, wake: make(chan struct{}, 1), engineID: engineIDOf(r.addr, rank, n)}
 		if n > 1 {
 			c.dpRank = &c.rank
 		}
@@ -124,12 +131,15 @@ func (c *core) drive() {
 	t.Stop()
 	defer t.Stop()
 	for {
-		res, ok := c.plan()
-		if !ok {
-			return
-		}
+		res, ev, hasEv := c.plan()
 		if res == nil {
-			continue // woken: look for work again
+			// Nothing to compute: wait for a request or a freed block,
+			// or for the engine's next event (a transfer ending, a hold
+			// expiring).
+			if !c.waitWake(t, ev, hasEv) {
+				return
+			}
+			continue
 		}
 		if !r.sleepUntil(t, r.wallOf(res.End)) {
 			return
@@ -137,47 +147,103 @@ func (c *core) drive() {
 		// res.Outputs is only overwritten by the next Step, which this
 		// goroutine alone calls.
 		c.deliver(res.Outputs, res.End)
-		if c.pub != nil && len(res.KV) > 0 {
-			_ = c.pub.Publish(c.batch(res.KV))
-		}
+		c.publish(res.KV)
 	}
 }
 
-// plan runs the next step, or waits for work when there is none or none
-// can be scheduled: then it returns a nil result once woken. ok is false
-// when the replica stops.
-func (c *core) plan() (res *engine.StepResult, ok bool) {
+// never is the wokeAt of an idle driver nothing has woken yet.
+const never = time.Duration(math.MaxInt64)
+
+// plan runs the next step at the engine's present. It returns nil when
+// there is nothing to compute, or the step computed nothing (a transfer
+// started, say): then ev, if hasEv, is the engine time of its next event.
+func (c *core) plan() (res *engine.StepResult, ev time.Duration, hasEv bool) {
 	r := c.r
 	r.mu.Lock()
-	if !c.eng.HasWork() {
-		c.idle = true
-		r.mu.Unlock()
-		return nil, c.waitWake()
-	}
 	now := c.presentLocked()
-	if c.idle {
-		// Start at the arrival that woke the driver: the wake-up's
-		// scheduling delay is not the engine's time.
+	if c.idle && c.wokeAt != never {
+		// Start when the driver was woken (an arrival, a freed block, an
+		// event): the wake-up's scheduling delay is not the engine's time.
 		now = max(c.wokeAt, now-r.maxLag)
+	}
+	ev, hasEv = c.eng.NextEvent()
+	if !c.eng.HasWork() && !(hasEv && ev <= now) {
+		c.goIdleLocked()
+		r.mu.Unlock()
+		return nil, ev, hasEv
 	}
 	step := c.eng.Step(now)
 	c.idle = false
 	c.planEnd = step.End
-	r.mu.Unlock()
-	if step.Seqs == 0 {
-		// Nothing could be scheduled; only a new request or an abort changes that.
-		return nil, c.waitWake()
+	c.transfersLocked(step.Pulls)
+	if step.Seqs > 0 {
+		r.mu.Unlock()
+		return &step, 0, false
 	}
-	return &step, true
+	ev, hasEv = c.eng.NextEvent()
+	c.goIdleLocked()
+	r.mu.Unlock()
+	c.publish(step.KV)
+	return nil, ev, hasEv
 }
 
-// waitWake waits for a poke; false when the replica stops first.
-func (c *core) waitWake() bool {
+// goIdleLocked marks the driver idle: it resumes at the first of an
+// arrival, a poke or the engine's next event (see wakeLocked). r.mu is held.
+func (c *core) goIdleLocked() {
+	c.idle = true
+	c.wokeAt = never
+}
+
+// wakeLocked records that the idle driver has cause to resume at engine
+// time now. r.mu is held.
+func (c *core) wakeLocked(now time.Duration) {
+	if c.idle {
+		c.wokeAt = min(c.wokeAt, now)
+	}
+}
+
+// waitWake waits for a poke or, if hasEv, until the wall time of engine
+// time ev; false when the replica stops first.
+func (c *core) waitWake(t clock.Timer, ev time.Duration, hasEv bool) bool {
+	var fire <-chan time.Time
+	if hasEv {
+		t.Reset(c.r.wallOf(ev).Sub(c.r.clock.Now()))
+		fire = t.C()
+	}
 	select {
 	case <-c.wake:
+		if hasEv {
+			t.Stop()
+		}
+		return true
+	case <-fire:
+		c.r.mu.Lock()
+		c.wakeLocked(ev)
+		c.r.mu.Unlock()
 		return true
 	case <-c.r.done:
 		return false
+	}
+}
+
+// publish sends a step's KV events.
+func (c *core) publish(kv []engine.KVEvent) {
+	if c.pub != nil && len(kv) > 0 {
+		_ = c.pub.Publish(c.batch(kv))
+	}
+}
+
+// transfersLocked handles the transfers a step saw end: their time and
+// bytes in vLLM's NIXL metrics, and the notification that frees the
+// prefill side's hold. r.mu is held.
+func (c *core) transfersLocked(pulls []engine.Pull) {
+	for _, p := range pulls {
+		c.metrics.xferTime.Observe((p.End - p.Start).Seconds())
+		c.metrics.xferBytes.Observe(p.Bytes)
+		if ch := c.live[p.ReqID]; ch != nil && ch.remote != nil {
+			c.r.release(c, ch.remote)
+			ch.remote = nil
+		}
 	}
 }
 
@@ -223,6 +289,9 @@ func (c *core) deliver(outs []engine.Output, end time.Duration) {
 			ch.cached = o.CachedTokens
 		}
 		ch.finished = o.Finished
+		if o.Held {
+			ch.held, _ = c.eng.HeldBlocks(o.ReqID)
+		}
 		cl.mu.Unlock()
 		// A non-streamed call only needs waking when it is complete.
 		if cl.stream || cl.left == 0 {
@@ -256,9 +325,7 @@ func (r *Replica) submit(cl *call, reqs []engine.Request, rank int) error {
 // addLocked adds the call's engine requests, all or none. r.mu is held.
 func (c *core) addLocked(cl *call, reqs []engine.Request) error {
 	now := c.presentLocked()
-	if c.idle && !c.eng.HasWork() {
-		c.wokeAt = now
-	}
+	c.wakeLocked(now)
 	for i := range reqs {
 		c.nextID++
 		reqs[i].ID = c.nextID
@@ -292,6 +359,15 @@ func (c *core) abort(cl *call) {
 			c.metrics.success[finishAbort].Inc()
 			n++
 		}
+		if ch.remote != nil {
+			// vLLM's decode side frees the prefill side's blocks of a
+			// request aborted before its transfer ended.
+			c.r.release(c, ch.remote)
+			ch.remote = nil
+		}
+	}
+	if n > 0 {
+		c.wakeLocked(c.presentLocked())
 	}
 	c.r.mu.Unlock()
 	if n > 0 {

@@ -68,6 +68,7 @@ func Start(ctx context.Context, cfg Config) (*Fleet, error) {
 // closeStarted undoes a partial Start: replicas built but not running.
 func (f *Fleet) closeStarted() {
 	for _, r := range f.replicas {
+		r.sideCancel()
 		_ = r.ln.Close()
 		_ = r.closeKVEvents()
 	}

@@ -29,6 +29,8 @@ func (r *Replica) routes() http.Handler {
 		writeJSON(w, map[string]string{"version": "kvgate-sim"})
 	})
 	mux.Handle("GET /metrics", promhttp.HandlerFor(r.metrics.reg, promhttp.HandlerOpts{}))
+	mux.HandleFunc("POST "+PathKVRead, r.kvRead)
+	mux.HandleFunc("POST "+PathKVRelease, r.kvReleaseSide)
 	return http.HandlerFunc(func(w http.ResponseWriter, req *http.Request) {
 		if !r.gate.enter() {
 			writeError(w, errShuttingDown)
@@ -176,6 +178,11 @@ func (r *Replica) inference(kind prompt.Kind) http.HandlerFunc {
 			r.crash()
 			panic(http.ErrAbortHandler) // the connection is gone with the rest
 		}
+		var pullErr error
+		if j.kv.remotePrefill {
+			pullErr = r.openPull(req.Context(), j)
+		}
+		j.pull = j.kv.remotePrefill && pullErr == nil
 		cl, reqs := r.newCall(j)
 		if err := r.submit(cl, reqs, rank); err != nil {
 			if errors.Is(err, engine.ErrTooLong) {
@@ -189,6 +196,9 @@ func (r *Replica) inference(kind prompt.Kind) http.HandlerFunc {
 		if len(r.cores) > 1 {
 			// The sim's own aid: vLLM does not say which rank served.
 			w.Header().Set(HeaderDataParallelRank, strconv.Itoa(cl.core.rank))
+		}
+		if j.kv.remotePrefill {
+			r.notePull(w, cl, pullErr)
 		}
 		if j.stream {
 			r.streamCall(w, req, j, cl, die)

@@ -34,6 +34,10 @@ type job struct {
 	ignoreEOS    bool
 	minTokens    int
 	seed         int64
+	kv           kvParams // kv_transfer_params (prefill/decode disaggregation)
+	// pull: a remote prefill whose prefill side holds the prompt's blocks
+	// (openPull succeeded): the engine pulls them instead of computing.
+	pull bool
 	// crash: a prompt contains the query of death (Faults.CrashOn).
 	crash bool
 }
@@ -46,6 +50,10 @@ func (r *Replica) parseJob(kind prompt.Kind, data []byte) (*job, error) {
 		return nil, err
 	}
 	x, err := readParams(kind, b)
+	if err != nil {
+		return nil, err
+	}
+	kv, err := readKVParams(b)
 	if err != nil {
 		return nil, err
 	}
@@ -64,8 +72,11 @@ func (r *Replica) parseJob(kind prompt.Kind, data []byte) (*job, error) {
 		return nil, badRequest("n", "at most %d choices per request (n × prompts), got %d.", maxN, choices)
 	}
 	j := &job{kind: kind, model: p.Model, adapter: adapter, stream: x.stream, includeUsage: x.includeUsage,
-		n: x.n, ignoreEOS: x.ignoreEOS, seed: x.seed}
+		n: x.n, ignoreEOS: x.ignoreEOS, seed: x.seed, kv: kv}
 	if err := r.readPrompts(j, p, b.get("prompt")); err != nil {
+		return nil, err
+	}
+	if err := r.checkKVJob(j); err != nil {
 		return nil, err
 	}
 	return j, r.limits(j, x)
@@ -173,7 +184,11 @@ func (r *Replica) promptOf(text string, ids []uint32, root uint64) promptIn {
 }
 
 // newCall builds the call's choices (prompt-major: choice index =
-// prompt × n + k, as vLLM numbers a batch) and their engine requests.
+// prompt × n + k, as vLLM numbers a batch) and their engine requests. A
+// remote decode holds its blocks when it ends at max_tokens (vLLM's
+// connector holds them only for a request capped by its length); a remote
+// prefill pulls its prompt when j.pull (the prefill side holds it), else
+// computes it.
 func (r *Replica) newCall(j *job) (*call, []engine.Request) {
 	cl := &call{notify: make(chan struct{}, 1), stream: j.stream}
 	reqs := make([]engine.Request, 0, len(j.prompts)*j.n)
@@ -189,12 +204,17 @@ func (r *Replica) newCall(j *job) (*call, []engine.Request) {
 			}
 			cl.choices = append(cl.choices, c)
 			reqs = append(reqs, engine.Request{
-				PromptTokens: in.tokens,
-				BlockHashes:  in.hashes,
-				TokenIDs:     in.tokenIDs,
-				MaxTokens:    c.length,
-				LoraName:     j.adapter,
+				PromptTokens:  in.tokens,
+				BlockHashes:   in.hashes,
+				TokenIDs:      in.tokenIDs,
+				MaxTokens:     c.length,
+				LoraName:      j.adapter,
+				RemoteDecode:  j.kv.remoteDecode && c.reason == finishLength,
+				RemotePrefill: j.pull,
 			})
+			if j.pull {
+				c.remote = remoteOf(j.kv)
+			}
 		}
 	}
 	return cl, reqs

@@ -28,6 +28,18 @@ const (
 	MetricE2E            = "vllm:e2e_request_latency_seconds"
 	MetricCacheConfig    = "vllm:cache_config_info"
 	MetricLoRAInfo       = "vllm:lora_requests_info"
+
+	// Prefill/decode disaggregation: vLLM's connector-side prefix cache
+	// counters and prompt tokens by source (local_compute,
+	// local_cache_hit, external_kv_transfer), and the NixlConnector's
+	// transfer metrics (NixlPromMetrics).
+	MetricExternalQueries         = "vllm:external_prefix_cache_queries_total"
+	MetricExternalHits            = "vllm:external_prefix_cache_hits_total"
+	MetricPromptBySource          = "vllm:prompt_tokens_by_source_total"
+	MetricNixlXferTime            = "vllm:nixl_xfer_time_seconds"
+	MetricNixlBytes               = "vllm:nixl_bytes_transferred"
+	MetricNixlFailedTransfers     = "vllm:nixl_num_failed_transfers_total"
+	MetricNixlFailedNotifications = "vllm:nixl_num_failed_notifications_total"
 )
 
 // ContractMetrics are the metrics DESIGN.md's sim contract requires.
@@ -43,6 +55,10 @@ var (
 		0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0}
 	latencyBuckets = []float64{0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
 		40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0}
+	// NixlPromMetrics' buckets: transfer time, and bytes 2 KiB to 8 GiB
+	// (2^(10+i) for odd i in [1, 23]).
+	nixlTimeBuckets  = []float64{0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 5.0}
+	nixlBytesBuckets = prometheus.ExponentialBuckets(1<<11, 4, 12)
 )
 
 // Finish reasons, vLLM's FinishReason values and OpenAI's finish_reason.
@@ -66,6 +82,12 @@ type coreMetrics struct {
 	ttft    prometheus.Histogram
 	e2e     prometheus.Histogram
 	success map[string]prometheus.Counter
+
+	// NIXL: a decode core's transfers (virtual seconds, bytes), pulls it
+	// gave up (the prompt computed here instead) and release
+	// notifications that did not reach the prefill side.
+	xferTime, xferBytes                  prometheus.Histogram
+	failedTransfers, failedNotifications prometheus.Counter
 }
 
 func newMetrics(r *Replica) *metrics {
@@ -121,13 +143,35 @@ func newCoreMetrics(reg *prometheus.Registry, labels prometheus.Labels) *coreMet
 		m.success[reason] = sv.WithLabelValues(reason)
 	}
 	reg.MustRegister(m.ttft, m.e2e, sv)
+	m.registerNixl(reg, labels)
 	return m
+}
+
+// registerNixl registers the NixlConnector's metrics of one core.
+func (m *coreMetrics) registerNixl(reg *prometheus.Registry, labels prometheus.Labels) {
+	m.xferTime = prometheus.NewHistogram(prometheus.HistogramOpts{
+		Name: MetricNixlXferTime, Help: "Histogram of transfer duration for NIXL KV Cache transfers.",
+		Buckets: nixlTimeBuckets, ConstLabels: labels,
+	})
+	m.xferBytes = prometheus.NewHistogram(prometheus.HistogramOpts{
+		Name: MetricNixlBytes, Help: "Histogram of bytes transferred per NIXL KV Cache transfers.",
+		Buckets: nixlBytesBuckets, ConstLabels: labels,
+	})
+	m.failedTransfers = prometheus.NewCounter(prometheus.CounterOpts{
+		Name: MetricNixlFailedTransfers, Help: "Number of failed NIXL KV Cache transfers.", ConstLabels: labels,
+	})
+	m.failedNotifications = prometheus.NewCounter(prometheus.CounterOpts{
+		Name: MetricNixlFailedNotifications, Help: "Number of failed NIXL KV Cache notifications.",
+		ConstLabels: labels,
+	})
+	reg.MustRegister(m.xferTime, m.xferBytes, m.failedTransfers, m.failedNotifications)
 }
 
 // engineCollector reads one core's engine gauges and counters at scrape time.
 type engineCollector struct {
 	c                                                          *core
 	running, waiting, kvUsage, queries, hits, preempt, pt, gen *prometheus.Desc
+	extQueries, extHits, bySource                              *prometheus.Desc
 }
 
 func newEngineCollector(labels prometheus.Labels, c *core) *engineCollector {
@@ -142,11 +186,18 @@ func newEngineCollector(labels prometheus.Labels, c *core) *engineCollector {
 		preempt: d(MetricPreemptions, "Cumulative number of preemption from the engine."),
 		pt:      d(MetricPromptTokens, "Number of prefill tokens processed."),
 		gen:     d(MetricGenTokens, "Number of generation tokens processed."),
+		extQueries: d(MetricExternalQueries,
+			"External prefix cache queries from KV connector cross-instance cache sharing, in terms of number of queried tokens."),
+		extHits: d(MetricExternalHits,
+			"External prefix cache hits from KV connector cross-instance cache sharing, in terms of number of cached tokens."),
+		bySource: prometheus.NewDesc(MetricPromptBySource, "Number of prompt tokens by source.",
+			[]string{"source"}, labels),
 	}
 }
 
 func (c *engineCollector) Describe(ch chan<- *prometheus.Desc) {
-	for _, d := range []*prometheus.Desc{c.running, c.waiting, c.kvUsage, c.queries, c.hits, c.preempt, c.pt, c.gen} {
+	for _, d := range []*prometheus.Desc{c.running, c.waiting, c.kvUsage, c.queries, c.hits, c.preempt, c.pt, c.gen,
+		c.extQueries, c.extHits, c.bySource} {
 		ch <- d
 	}
 }
@@ -165,6 +216,14 @@ func (c *engineCollector) Collect(ch chan<- prometheus.Metric) {
 	k(c.preempt, s.Preemptions)
 	k(c.pt, s.PromptTokens)
 	k(c.gen, s.GenerationTokens)
+	k(c.extQueries, s.ExternalQueries)
+	k(c.extHits, s.ExternalHits)
+	for _, src := range []struct {
+		name string
+		v    int64
+	}{{"local_compute", s.PromptComputed}, {"local_cache_hit", s.PromptLocalHit}, {"external_kv_transfer", s.PromptExternal}} {
+		ch <- prometheus.MustNewConstMetric(c.bySource, prometheus.CounterValue, float64(src.v), src.name)
+	}
 }
 
 var _ prometheus.Collector = (*engineCollector)(nil)

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"math/rand/v2"
 	"net"
 	"net/http"
@@ -67,6 +68,15 @@ type Replica struct {
 	failed atomic.Bool
 	calls  atomic.Uint64 // response id counter
 
+	// KV transfers: the client of prefill replicas' side channels, the
+	// queue of release notifications, and the context that ends both's
+	// calls when the replica stops.
+	side       *http.Client
+	releases   releaser
+	sideCtx    context.Context
+	sideCancel context.CancelFunc
+	log        *slog.Logger
+
 	gate gate
 	done chan struct{} // closed when the replica stops
 	wg   sync.WaitGroup
@@ -87,6 +97,11 @@ type choice struct {
 	total    int // tokens delivered
 	cached   int // prefix-cache hit, set with the first token
 	finished bool
+	held     []int32 // a remote decode's blocks held for the decode side, set when finished
+
+	// remote is the prefill side a remote-prefill choice pulls from, until
+	// told to release; guarded by Replica.mu.
+	remote *kvRemote
 }
 
 // call is one HTTP inference request and its choices. The driver never
@@ -164,7 +179,11 @@ func newReplica(ctx context.Context, cfg Config, idx int, ln net.Listener) (*Rep
 		conns:  make(map[net.Conn]struct{}),
 		frng:   rand.New(rand.NewPCG(cfg.Seed, 0xfa17_0000+uint64(idx))),
 		done:   make(chan struct{}),
+		side:   &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: 16}},
+		log:    cfg.Logger,
 	}
+	r.releases.queue = make(chan releaseJob, releaseQueue)
+	r.sideCtx, r.sideCancel = context.WithCancel(context.Background())
 	if err := newCores(r); err != nil {
 		return nil, err
 	}
@@ -350,10 +369,11 @@ func openRanksOnce(n, pubPort, replayPort int, open openRankFunc) ([]rankPublish
 // run starts the drivers (one per core), the server and the fault timers.
 func (r *Replica) run() {
 	r.start = r.clock.Now()
-	r.wg.Add(1 + len(r.cores))
+	r.wg.Add(2 + len(r.cores))
 	for _, c := range r.cores {
 		go c.drive()
 	}
+	go r.sendReleases()
 	go r.serve(r.ln)
 	if r.faults.RefuseAfter > 0 && r.faults.RefuseFor > 0 {
 		r.wg.Add(1)

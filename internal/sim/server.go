@@ -56,8 +56,10 @@ func (r *Replica) shutdown(ctx context.Context) error {
 	}
 	handlersGone := r.gate.close()
 	close(r.done) // ends the driver, waiting handlers and the fault timer
+	r.sideCancel()
 	<-handlersGone
 	r.wg.Wait()
+	r.side.CloseIdleConnections()
 	// An outage may have opened a listener Serve never took.
 	select {
 	case ln := <-r.reopen:
