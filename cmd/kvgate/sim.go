@@ -5,6 +5,7 @@ import (
 	"errors"
 	"flag"
 	"fmt"
+	"log/slog"
 	"strconv"
 	"strings"
 	"time"
@@ -26,6 +27,7 @@ type simFlags struct {
 	adapters      string
 	servedNames   string
 	faultReplicas string
+	roles         string
 }
 
 func (f *simFlags) register(fs *flag.FlagSet) {
@@ -66,6 +68,15 @@ func (f *simFlags) register(fs *flag.FlagSet) {
 	fs.Uint64Var(&cfg.KVEventsFirstSeq, "kv-events-first-seq", 0,
 		"sequence number of each publisher's first batch (vLLM: 0; llm-d's vLLM simulator: 1)")
 	fs.StringVar(&f.form, "kv-events-form", "map", "KV event encoding: map (vLLM > 0.23) or array (older positional)")
+	fs.StringVar(&f.roles, "role", "both",
+		"prefill/decode disaggregation: prefill, decode or both for every replica, or a comma-separated role per replica "+
+			"(e.g. prefill,prefill,decode,decode). vLLM's kv_transfer_params protocol (NixlConnector): a prefill replica "+
+			"answers do_remote_decode requests with the kv_transfer_params of the blocks it holds, a decode replica pulls "+
+			"them for do_remote_prefill requests (remote_host:remote_port is the prefill replica's own address); "+
+			"both serves either, and every role serves plain requests")
+	fs.DurationVar(&cfg.KVHoldTimeout, "kv-hold-timeout", engine.DefaultKVHoldTimeout,
+		"how long a prefill replica holds a request's KV blocks for its decode replica, in simulated time "+
+			"(vLLM's VLLM_NIXL_ABORT_REQUEST_TIMEOUT)")
 	f.registerFaults(fs)
 }
 
@@ -110,6 +121,11 @@ func (f *simFlags) config() (sim.Config, error) {
 		return cfg, usageErr("--kv-events-replay-port needs --kv-events-port or --kv-events-connect")
 	case !(cfg.TimeScale > 0):
 		return cfg, usageErr("--time-scale %v: want > 0", cfg.TimeScale)
+	case cfg.KVHoldTimeout <= 0:
+		return cfg, usageErr("--kv-hold-timeout %v: want > 0", cfg.KVHoldTimeout)
+	}
+	if err := f.parseRoles(&cfg); err != nil {
+		return cfg, usageErr("%v", err)
 	}
 	if _, err := costmodel.Lookup(cfg.Profile); err != nil {
 		return cfg, usageErr("--profile: %v", err)
@@ -139,6 +155,28 @@ func (f *simFlags) config() (sim.Config, error) {
 	return cfg, nil
 }
 
+// parseRoles reads --role: one role for every replica, or one per replica.
+func (f *simFlags) parseRoles(cfg *sim.Config) error {
+	parts := strings.Split(f.roles, ",")
+	roles := make([]engine.Role, len(parts))
+	for i, p := range parts {
+		r, err := engine.ParseRole(strings.TrimSpace(p))
+		if err != nil {
+			return fmt.Errorf("--role: %w", err)
+		}
+		roles[i] = r
+	}
+	switch {
+	case len(roles) == 1:
+		cfg.Role = roles[0]
+	case len(roles) == cfg.Replicas:
+		cfg.Roles = roles
+	default:
+		return fmt.Errorf("--role %q: %d roles for %d replicas (give one, or one per replica)", f.roles, len(roles), cfg.Replicas)
+	}
+	return nil
+}
+
 // run serves N simulated vLLM replicas on consecutive ports until ctx is
 // cancelled.
 func (f *simFlags) run(ctx context.Context, inv invocation) error {
@@ -146,6 +184,7 @@ func (f *simFlags) run(ctx context.Context, inv invocation) error {
 	if err != nil {
 		return err
 	}
+	cfg.Logger = slog.New(slog.NewTextHandler(inv.stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))
 	// The fleet outlives ctx by the grace period: Shutdown below ends it.
 	fleet, err := sim.Start(context.WithoutCancel(ctx), cfg)
 	if err != nil {
@@ -165,14 +204,23 @@ func (f *simFlags) run(ctx context.Context, inv invocation) error {
 
 // replicaLine is the startup line of a replica:
 //
-//	replica I URL [kv-events [connect] EP... topic TOPIC [replay EP...]]
+//	replica I URL [kv-events [connect] EP... topic TOPIC [replay EP...]] [role ROLE]
 //
-// the KV-event endpoints one per data-parallel rank (rank 0 first; the
+// (the role only for a prefill or decode replica), the KV-event endpoints one per data-parallel rank (rank 0 first; the
 // ones dialed after "connect" in connect mode), the replay sockets' too.
 // Its first words, "replica I URL kv-events EP0 ... topic", are what
 // scripts and tests read; one rank and no replay socket give exactly
 // "replica I URL kv-events EP topic TOPIC".
 func replicaLine(r *sim.Replica, connect string) string {
+	line := kvLine(r, connect)
+	if role := r.Config().Role; role != engine.RoleBoth {
+		line += " role " + role.String()
+	}
+	return line
+}
+
+// kvLine is the replica line up to its role.
+func kvLine(r *sim.Replica, connect string) string {
 	var b strings.Builder
 	fmt.Fprintf(&b, "replica %d %s", r.Index(), r.URL())
 	if r.KVTopic() == "" {

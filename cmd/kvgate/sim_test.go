@@ -650,3 +650,60 @@ func TestSimCachedTTFTLive(t *testing.T) {
 	t.Logf("wall-clock TTFT of a %d-token prompt over %d prompts: cold median %v (min %v, max %v), cached median %v (min %v, max %v); cached faster in %d of %d (cost model: ≈90 ms and ≈11 ms)",
 		tokens, prompts, cold[prompts/2], cold[0], cold[prompts-1], warm[prompts/2], warm[0], warm[prompts-1], faster, prompts)
 }
+
+func TestSimRoleFlagErrors(t *testing.T) {
+	for _, tc := range []struct {
+		args []string
+		want string
+	}{
+		{[]string{"--role", "kv_both"}, `role "kv_both": want both, prefill or decode`},
+		{[]string{"--replicas", "3", "--role", "prefill,decode"}, "2 roles for 3 replicas"},
+		{[]string{"--kv-hold-timeout", "0s"}, "--kv-hold-timeout 0s"},
+	} {
+		code, out, errs := runCmd(t, "", append([]string{"sim"}, tc.args...)...)
+		if code != 2 || out != "" || !strings.Contains(errs, tc.want) {
+			t.Errorf("%v: code %d out %q err %q, want 2 and %q", tc.args, code, out, errs, tc.want)
+		}
+	}
+}
+
+// `kvgate sim --role prefill,decode` runs vLLM's disaggregated protocol as
+// its proxy examples drive it: a chat request prefilled on replica 0 (stream
+// false, max_tokens 1, the proxy's kv_transfer_params), then sent with the
+// answer's kv_transfer_params to replica 1, streamed.
+func TestSimPrefillDecode(t *testing.T) {
+	port, _, out := startSimPorts(t, 2, nil, func([]int) []string {
+		return []string{"--role", "prefill,decode", "--time-scale", "100"}
+	})
+	lines := strings.Split(strings.TrimSpace(out.String()), "\n")
+	if !strings.HasSuffix(lines[0], " role prefill") || !strings.HasSuffix(lines[1], " role decode") {
+		t.Fatalf("startup lines %q", lines)
+	}
+	hc := &http.Client{Timeout: 30 * time.Second, Transport: &http.Transport{}}
+	t.Cleanup(hc.CloseIdleConnections)
+	pre := "http://127.0.0.1:" + strconv.Itoa(port)
+	dec := "http://127.0.0.1:" + strconv.Itoa(port+1)
+	msgs := []map[string]string{{"role": "user", "content": simText("pdc", 600)}}
+	r := testutil.Post(t, hc, pre+"/v1/chat/completions", simBody(t, sim.DefaultModel, "messages", msgs,
+		"max_tokens", 1, "stream", false, "kv_transfer_params", map[string]any{"do_remote_decode": true,
+			"do_remote_prefill": false, "remote_engine_id": nil, "remote_block_ids": nil, "remote_host": nil,
+			"remote_port": nil}))
+	var first struct {
+		KV map[string]any `json:"kv_transfer_params"`
+	}
+	if err := json.Unmarshal([]byte(r.Body), &first); r.Status != 200 || err != nil || first.KV["do_remote_prefill"] != true ||
+		first.KV["remote_port"] != float64(port) || first.KV["remote_host"] != "127.0.0.1" {
+		t.Fatalf("prefill: %d %s", r.Status, r.Body)
+	}
+	got := simStream(t, hc, dec+"/v1/chat/completions", simBody(t, sim.DefaultModel, "messages", msgs,
+		"max_tokens", 8, "ignore_eos", true, "stream", true, "stream_options", map[string]any{"include_usage": true},
+		"kv_transfer_params", first.KV))
+	if got.usage.CompletionTokens != 8 || got.usage.PromptTokensDetails == nil ||
+		got.usage.PromptTokensDetails.CachedTokens != got.usage.PromptTokens-1 {
+		t.Errorf("decode usage %+v", got.usage)
+	}
+	fams := simMetrics(t, hc, dec)
+	if f := fams[sim.MetricNixlXferTime]; f == nil || f.GetMetric()[0].GetHistogram().GetSampleCount() != 1 {
+		t.Errorf("no transfer in %s", sim.MetricNixlXferTime)
+	}
+}
