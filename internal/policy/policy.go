@@ -60,8 +60,15 @@ type Request struct {
 	Tokens      int // prompt tokens
 	MaxTokens   int // requested output tokens (0: unknown)
 	// NoDefer: the policy must not answer ErrDefer (the router overrules a
-	// deferral that nothing in flight would ever release).
+	// deferral that nothing in flight would ever release; RoutePD never
+	// defers).
 	NoDefer bool
+	// SkipPrefillBelow (prefill/decode disaggregation, set by the router's
+	// RoutePD from its Config.NonCachedTokens): a decode replica whose
+	// uncached part of the prompt is below this many tokens computes it
+	// itself, without a prefill step (0: never). A PairPicker reads it as
+	// the operator's bound on the prefill work a decode replica may take.
+	SkipPrefillBelow int
 }
 
 // ReplicaView is what the router knows of one replica now.
@@ -69,12 +76,21 @@ type ReplicaView struct {
 	Index   int    // the replica's slot: stable, Decision.Replica refers to it
 	URL     string // as configured
 	Healthy bool
+	// Role is the replica's part in prefill/decode disaggregation
+	// (RoleBoth, the zero value, in an aggregated fleet).
+	Role Role
 
 	// The gateway's own counts (exact for this gateway).
 	InFlight       int // requests sent and not finished
 	InFlightTokens int // prompt + max output tokens of those requests (KV footprint)
 	PendingPrefill int // uncached prompt tokens of requests without a first token yet
 	PendingCount   int // requests without a first token yet
+	// PendingTransfer is the prompt tokens the decode steps sent to the
+	// replica will pull from their prefill replicas, of those without a
+	// first token yet (0 but on decode replicas of a P/D fleet): its KV
+	// link's backlog. Their own compute, the last prompt token each, is
+	// in PendingPrefill.
+	PendingTransfer int
 
 	// Scraped from the replica's /metrics (HaveMetrics false until the first scrape).
 	HaveMetrics bool
@@ -126,6 +142,13 @@ type Event struct {
 	Req      *Request
 	Decision Decision
 	Replica  int
+	// Phase is the step of a disaggregated request the event is about:
+	// PhasePrefill (the prefill step, its own Request with MaxTokens 1 and
+	// an ID of its own), PhaseDecode (the decode step, which pulls the KV
+	// from the prefill replica), or PhaseNone for a request served whole by
+	// one replica (aggregated, or a decode replica computing the rest of
+	// its prompt itself).
+	Phase Phase
 	// Remote: a decision another gateway made, shared (several gateways,
 	// internal/sharedstate). Only Routed; Req carries Model, Tokens and the
 	// Blocks from Req.BlockOffset on, no text, no ID; Decision.Matched is
