@@ -67,6 +67,7 @@ type ttftPick struct {
 	replica int           // Decision.Replica
 	est     time.Duration // Decision.EstTTFT (0: no pick recorded)
 	corr    float64       // the correction est was made with
+	learnt  int           // the replica whose correction est was made with
 }
 
 const (
@@ -189,13 +190,19 @@ type ttftEstimate struct {
 	queueMs float64 // the part of ms spent on the work queued ahead, uncorrected
 }
 
-// estimate estimates sending req to v, for out expected output tokens.
-func (t *TTFT) estimate(req *Request, v *ReplicaView, meanPrompt, out float64) ttftEstimate {
-	prof, bs := t.o.Profile, t.o.BlockSize
-	matched := min(v.Match, len(req.Blocks))
-	cached := min(matched*bs, max(req.Tokens-1, 0))
-	own := max(req.Tokens-cached, 1)
+// ttftLoad is a replica's load as the estimate reads it.
+type ttftLoad struct {
+	queued  float64 // prompt tokens queued or running ahead
+	decodes int     // requests decoding
+	meanCtx float64 // mean context of the requests in flight
+	chunk   float64 // prefill tokens per step
+	stepMs  float64 // a step's cost besides its prefill tokens
+}
 
+// load reads v's load; meanPrompt is the uncached prompt of a request
+// waiting there that the gateway did not send.
+func (t *TTFT) load(v *ReplicaView, meanPrompt float64) ttftLoad {
+	prof := t.o.Profile
 	queued := float64(v.PendingPrefill)
 	if v.HaveMetrics && v.Waiting > v.PendingCount {
 		queued += float64(v.Waiting-v.PendingCount) * meanPrompt
@@ -210,42 +217,69 @@ func (t *TTFT) estimate(req *Request, v *ReplicaView, meanPrompt, out float64) t
 	}
 	budget := float64(t.o.MaxBatchTokens)
 	chunk := max(budget-float64(decodes), budget/ttftMinChunkDiv)
-	work := queued + float64(own)
-	steps := math.Ceil(work / chunk)
 	stepMs := prof.C0 + prof.C1*float64(decodes) + prof.C3*float64(decodes)*meanCtx
-	ms := steps*stepMs + prof.C1*work + prof.C2*float64(own)*float64(cached+own)
-	// KV admission: a request whose blocks do not fit beside those of the
-	// requests running there waits until enough of them finish. Footprints
-	// finish at about the same rate as the in-flight requests decode: the
-	// excess share of the footprint times a request's decode time.
-	if v.NumBlocks > 0 {
-		capacity := float64(v.NumBlocks * bs)
-		footprint := float64(v.InFlightTokens)
-		if v.HaveMetrics {
-			footprint = max(footprint, v.KVUsage*capacity)
-		}
-		if excess := footprint + float64(req.Tokens) + out - capacity; excess > 0 && footprint > 0 {
-			ms += min(excess/footprint, 1) * out * stepMs
-		}
+	return ttftLoad{queued: queued, decodes: decodes, meanCtx: meanCtx, chunk: chunk, stepMs: stepMs}
+}
+
+// queueMs is the time to run the work queued ahead on a replica of load l.
+func (t *TTFT) queueMs(l *ttftLoad) float64 {
+	return math.Ceil(l.queued/l.chunk)*l.stepMs + t.o.Profile.C1*l.queued
+}
+
+// kvWaitMs is KV admission: a request of tokens + out tokens whose blocks
+// do not fit beside those of the requests running on v waits until enough
+// of them finish. Footprints finish at about the same rate as the
+// in-flight requests decode: the excess share of the footprint times a
+// request's decode time.
+func (t *TTFT) kvWaitMs(v *ReplicaView, l *ttftLoad, tokens int, out float64) float64 {
+	if v.NumBlocks <= 0 {
+		return 0
 	}
+	capacity := float64(v.NumBlocks * t.o.BlockSize)
+	footprint := float64(v.InFlightTokens)
+	if v.HaveMetrics {
+		footprint = max(footprint, v.KVUsage*capacity)
+	}
+	if excess := footprint + float64(tokens) + out - capacity; excess > 0 && footprint > 0 {
+		return min(excess/footprint, 1) * out * l.stepMs
+	}
+	return 0
+}
+
+// evictShare is the share of own tokens written into v's cache that evict
+// other prefixes (its cache full; unknown size: taken as full).
+func (t *TTFT) evictShare(v *ReplicaView, own int) float64 {
+	if v.NumBlocks <= 0 {
+		return 1
+	}
+	ownBlocks := math.Ceil(float64(own) / float64(t.o.BlockSize))
+	return min(max((float64(v.Cached)+ownBlocks-float64(v.NumBlocks))/ownBlocks, 0), 1)
+}
+
+// estimate estimates sending req to v, for out expected output tokens.
+func (t *TTFT) estimate(req *Request, v *ReplicaView, meanPrompt, out float64) ttftEstimate {
+	prof, bs := t.o.Profile, t.o.BlockSize
+	matched := min(v.Match, len(req.Blocks))
+	cached := min(matched*bs, max(req.Tokens-1, 0))
+	own := max(req.Tokens-cached, 1)
+
+	l := t.load(v, meanPrompt)
+	work := l.queued + float64(own)
+	steps := math.Ceil(work / l.chunk)
+	ms := steps*l.stepMs + prof.C1*work + prof.C2*float64(own)*float64(cached+own)
+	ms += t.kvWaitMs(v, &l, req.Tokens, out)
 	// The decode cost of the choice: the request's own tokens slowed by r's
 	// batch, and the request's prefill stalling r's running decodes.
-	perStep := prof.C1 + prof.C3*meanCtx
-	cost := t.params.DecodeWeight*out*perStep*float64(decodes) +
-		t.params.InterferenceWeight*float64(decodes)*prof.C1*float64(own)
+	perStep := prof.C1 + prof.C3*l.meanCtx
+	cost := t.params.DecodeWeight*out*perStep*float64(l.decodes) +
+		t.params.InterferenceWeight*float64(l.decodes)*prof.C1*float64(own)
 	// The prefill the choice writes into r's cache evicts as much of other
-	// prefixes once the cache is full (unknown size: taken as full).
+	// prefixes once the cache is full.
 	if t.params.EvictionWeight > 0 {
-		evict := 1.0
-		if v.NumBlocks > 0 {
-			ownBlocks := math.Ceil(float64(own) / float64(bs))
-			evict = min(max((float64(v.Cached)+ownBlocks-float64(v.NumBlocks))/ownBlocks, 0), 1)
-		}
-		ownMs := prof.C1*float64(own) + prof.C2*float64(own)*float64(cached+own) + math.Ceil(float64(own)/chunk)*stepMs
-		cost += t.params.EvictionWeight * evict * ownMs
+		ownMs := prof.C1*float64(own) + prof.C2*float64(own)*float64(cached+own) + math.Ceil(float64(own)/l.chunk)*l.stepMs
+		cost += t.params.EvictionWeight * t.evictShare(v, own) * ownMs
 	}
-	queueMs := math.Ceil(queued/chunk)*stepMs + prof.C1*queued
-	return ttftEstimate{ms: ms, matched: matched, cost: cost, queueMs: queueMs}
+	return ttftEstimate{ms: ms, matched: matched, cost: cost, queueMs: t.queueMs(&l)}
 }
 
 func (t *TTFT) Pick(req *Request, rs []ReplicaView) (Decision, error) {
@@ -268,8 +302,8 @@ func (t *TTFT) Pick(req *Request, rs []ReplicaView) (Decision, error) {
 		reason = "deepest match within the margin of the lowest score"
 	}
 	d := decide(rs, choice, reason, matched[choice], float64(rs[choice].PendingPrefill))
-	d.EstTTFT = time.Duration(ttfts[choice] * float64(time.Millisecond))
-	t.picks[req.ID%ttftPickSlots] = ttftPick{id: req.ID, replica: d.Replica, est: d.EstTTFT, corr: t.corr(d.Replica)}
+	d.EstTTFT = msDuration(ttfts[choice])
+	t.picks[req.ID%ttftPickSlots] = ttftPick{id: req.ID, replica: d.Replica, est: d.EstTTFT, corr: t.corr(d.Replica), learnt: d.Replica}
 	for i := range scores {
 		if math.IsInf(scores[i], 1) {
 			scores[i] = -1 // not considered (unhealthy); JSON has no infinity
@@ -335,6 +369,15 @@ func (t *TTFT) choose(scores []float64, matched []int, best float64) int {
 	return choice
 }
 
+// msDuration is x ms as a duration, at most the longest one (an estimate
+// on a replica reporting absurd queues would wrap to a negative one).
+func msDuration(x float64) time.Duration {
+	if ns := x * float64(time.Millisecond); ns < math.MaxInt64 {
+		return time.Duration(ns)
+	}
+	return math.MaxInt64
+}
+
 // replicaDeadBand is the part of a replica's own deviation from the
 // fleet's correction (log ratio) that is ignored: +20% / −17%. Transient
 // queueing errors move a replica's ratio about that much on identical
@@ -368,6 +411,14 @@ func (t *TTFT) learn(replica int, l float64) {
 
 // Observe learns the correction from first tokens and the mean uncached
 // prompt from routing decisions.
+//
+// Prefill/decode: the decode step's estimate is the whole path's, learnt
+// against the first token the decode step streams (its TTFT counts from
+// routing, so it covers the prefill step, the transfer and the last
+// token), and its correction is the prefill replica's (see PickPair). The
+// prefill step teaches the mean uncached prompt (the decode step computes
+// one token) and nothing else: its answer is not a first token the client
+// sees.
 func (t *TTFT) Observe(ev Event) {
 	if ev.Req == nil {
 		return
@@ -376,9 +427,13 @@ func (t *TTFT) Observe(ev Event) {
 	defer t.mu.Unlock()
 	switch ev.Kind {
 	case Routed:
-		if !ev.Remote && ev.Decision.EstTTFT > 0 && len(t.pending) < ttftMaxPending {
-			raw := float64(ev.Decision.EstTTFT) / float64(time.Millisecond) / t.pickedCorr(ev)
-			t.pending[ev.Req.ID] = pendEst{replica: ev.Replica, raw: raw}
+		if !ev.Remote && ev.Phase != PhasePrefill && ev.Decision.EstTTFT > 0 && len(t.pending) < ttftMaxPending {
+			corr, replica := t.pickedCorr(ev)
+			raw := float64(ev.Decision.EstTTFT) / float64(time.Millisecond) / corr
+			t.pending[ev.Req.ID] = pendEst{replica: replica, raw: raw}
+		}
+		if ev.Phase == PhaseDecode {
+			return
 		}
 		uncached := float64(max(ev.Req.Tokens-ev.Decision.Matched*t.o.BlockSize, 1))
 		if t.meanPrompt == 0 {
@@ -387,6 +442,9 @@ func (t *TTFT) Observe(ev Event) {
 			t.meanPrompt += ttftMeanWeight * (uncached - t.meanPrompt)
 		}
 	case FirstToken, Done:
+		if ev.Phase == PhasePrefill {
+			return
+		}
 		if ev.Kind == Done && ev.Err == nil && ev.OutputTokens > 0 {
 			if t.meanOutput == 0 {
 				t.meanOutput = float64(ev.OutputTokens)
@@ -407,12 +465,14 @@ func (t *TTFT) Observe(ev Event) {
 }
 
 // pickedCorr is the correction the routed decision's estimate was made
-// with, as Pick recorded it, else (a decision not from this Pick, or a pick
-// overwritten since) the routed replica's correction now. t.mu must be held.
-func (t *TTFT) pickedCorr(ev Event) float64 {
+// with and the replica it is learnt for (the prefill replica of a pair), as
+// Pick or PickPair recorded them, else (a decision not from this Pick, or a
+// pick overwritten since) the routed replica's correction now and that
+// replica. t.mu must be held.
+func (t *TTFT) pickedCorr(ev Event) (float64, int) {
 	pk := &t.picks[ev.Req.ID%ttftPickSlots]
 	if pk.id == ev.Req.ID && pk.replica == ev.Decision.Replica && pk.est == ev.Decision.EstTTFT && pk.corr > 0 {
-		return pk.corr
+		return pk.corr, pk.learnt
 	}
-	return t.corr(ev.Replica)
+	return t.corr(ev.Replica), ev.Replica
 }
