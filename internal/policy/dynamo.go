@@ -31,9 +31,10 @@ const dynamoQueueThreshold = 16.0
 func init() {
 	register("dynamo", func(o Options) (Policy, error) {
 		params := dynamoParams{
-			OverlapScoreCredit: 1,
-			PrefillLoadScale:   1,
-			QueueThreshold:     nullableFloat{V: dynamoQueueThreshold, Set: true},
+			OverlapScoreCredit:             1,
+			PrefillLoadScale:               1,
+			QueueThreshold:                 nullableFloat{V: dynamoQueueThreshold, Set: true},
+			ConditionalPrefillMaxNewTokens: dynamoConditionalPrefillMaxNewTokens,
 		}
 		if err := decodeParams(o.Params, &params); err != nil {
 			return nil, err
@@ -52,9 +53,9 @@ func init() {
 		q := params.QueueThreshold
 		if !(params.OverlapScoreCredit >= 0 && params.PrefillLoadScale >= 0 && params.Temperature >= 0) ||
 			math.IsInf(params.OverlapScoreCredit+params.PrefillLoadScale+params.Temperature, 0) ||
-			(q.Set && !(q.V >= 0 && !math.IsInf(q.V, 0))) {
+			(q.Set && !(q.V >= 0 && !math.IsInf(q.V, 0))) || params.ConditionalPrefillMaxNewTokens < 0 {
 			return nil, fmt.Errorf("%w: overlap_score_credit, prefill_load_scale, temperature and "+
-				"router_queue_threshold must be finite and ≥ 0", ErrParam)
+				"router_queue_threshold must be finite and ≥ 0, conditional_prefill_max_new_tokens ≥ 0", ErrParam)
 		}
 		return &Dynamo{
 			params:    params,
@@ -63,6 +64,7 @@ func init() {
 			g:         newRNG(o.Seed),
 			active:    map[uint64]dynamoActive{},
 			blocks:    map[int]map[uint64]int32{},
+			total:     map[int]int{},
 		}, nil
 	})
 }
@@ -85,7 +87,19 @@ type dynamoParams struct {
 	// healthy replica's active prefill tokens exceed threshold ×
 	// max_num_batched_tokens; null or "None" turns the queue off.
 	QueueThreshold nullableFloat `json:"router_queue_threshold"`
+	// ConditionalPrefill (P/D, --router-conditional-prefill, off by
+	// default): a request whose decode worker (as the decode router would
+	// pick it with the aggregated cost) lacks at most
+	// ConditionalPrefillMaxNewTokens of its prompt skips the remote
+	// prefill and is prefilled there
+	// (--router-conditional-prefill-max-new-tokens, default 5000).
+	ConditionalPrefill             bool `json:"conditional_prefill"`
+	ConditionalPrefillMaxNewTokens int  `json:"conditional_prefill_max_new_tokens"`
 }
+
+// dynamoConditionalPrefillMaxNewTokens is
+// --router-conditional-prefill-max-new-tokens' default.
+const dynamoConditionalPrefillMaxNewTokens = 5000
 
 // nullableFloat is a number, or off: JSON null or the string "None" (as
 // upstream's nullable_float flag takes it; "none", "off" too).
@@ -157,6 +171,7 @@ type Dynamo struct {
 	mu     sync.RWMutex
 	active map[uint64]dynamoActive  // request ID → where its blocks count
 	blocks map[int]map[uint64]int32 // slot → block hash → active requests holding it
+	total  map[int]int              // slot → blocks of its active requests, shared ones counted each time
 }
 
 type dynamoActive struct {
@@ -228,16 +243,24 @@ func (p *Dynamo) Pick(req *Request, rs []ReplicaView) (Decision, error) {
 	if !req.NoDefer && p.busy(rs, c) {
 		return Decision{}, ErrDefer
 	}
+	p.mu.RLock()
+	defer p.mu.RUnlock()
+	d, _ := p.pickBy(rs, c, func(v *ReplicaView) float64 { return p.cost(req, v, p.blocks[v.Index]) },
+		"lowest prefill + decode cost")
+	return d, nil
+}
+
+// pickBy picks among the candidates c of rs by cost: the cheapest (ties at
+// random), or sampled with temperature; it returns the decision and the
+// position chosen. p.mu must be read-locked.
+func (p *Dynamo) pickBy(rs []ReplicaView, c []int, cost func(*ReplicaView) float64, reason string) (Decision, int) {
 	costs := make([]float64, len(rs))
 	lo, hi := math.Inf(1), math.Inf(-1)
-	p.mu.RLock()
 	for _, i := range c {
-		costs[i] = p.cost(req, &rs[i], p.blocks[rs[i].Index])
+		costs[i] = cost(&rs[i])
 		lo, hi = min(lo, costs[i]), max(hi, costs[i])
 	}
-	p.mu.RUnlock()
 	var i int
-	reason := "lowest prefill + decode cost"
 	if p.params.Temperature > 0 {
 		i, reason = p.sample(c, costs, lo, hi), "sampled by cost (softmax)"
 	} else {
@@ -245,7 +268,7 @@ func (p *Dynamo) Pick(req *Request, rs []ReplicaView) (Decision, error) {
 	}
 	d := decide(rs, i, reason, rs[i].Match, costs[i])
 	d.Scores = costs
-	return d, nil
+	return d, i
 }
 
 // sample draws a candidate with probability ∝ exp(−(cost − lo)/((hi − lo)·T)).
@@ -273,8 +296,11 @@ func (p *Dynamo) sample(c []int, costs []float64, lo, hi float64) int {
 //
 // A remote decision (another gateway's) is not kept: no Done would take it
 // out; its load arrives as the other gateways' counts.
+//
+// A prefill step (PhasePrefill) is not kept either: Dynamo's prefill
+// router runs with router_track_active_blocks off.
 func (p *Dynamo) Observe(ev Event) {
-	if ev.Req == nil || ev.Remote || (ev.Kind != Routed && ev.Kind != Done) {
+	if ev.Req == nil || ev.Remote || ev.Phase == PhasePrefill || (ev.Kind != Routed && ev.Kind != Done) {
 		return
 	}
 	p.mu.Lock()
@@ -295,11 +321,13 @@ func (p *Dynamo) Observe(ev Event) {
 	for _, h := range ev.Req.Blocks {
 		set[h]++
 	}
+	p.total[ev.Replica] += len(ev.Req.Blocks)
 	p.active[ev.Req.ID] = dynamoActive{slot: ev.Replica, blocks: ev.Req.Blocks}
 }
 
 // release takes a's blocks out of its replica's multiset.
 func (p *Dynamo) release(a dynamoActive) {
+	p.total[a.slot] -= len(a.blocks)
 	set := p.blocks[a.slot]
 	for _, h := range a.blocks {
 		if set[h] <= 1 {
@@ -308,4 +336,47 @@ func (p *Dynamo) release(a dynamoActive) {
 			set[h]--
 		}
 	}
+}
+
+var _ PairPicker = (*Dynamo)(nil)
+
+// PickPair is Dynamo's disaggregated routing as dynamo.frontend runs it
+// when prefill workers are registered (docs: components/router
+// disaggregated-serving; lib/llm/src/kv_router/prefill_router): the
+// prefill router, a KV router with router_track_active_blocks off, picks
+// the prefill worker by prefill_load_scale × max(prefill blocks − credit ×
+// matched, 0); then the decode router picks the decode worker with its
+// override (prefill_router build_decode_router_override:
+// overlap_score_weight 0, assume_kv_reuse false, track_prefill_tokens
+// false): by the blocks of its active requests, each request's counted in
+// full, and the request's own. The prefill step is never skipped, unless
+// conditional_prefill is on (prefill_router conditional_bypass.rs,
+// TokenCapConditionalPrefillPolicy): the decode router's aggregated pick is
+// peeked first, and when that worker lacks at most
+// conditional_prefill_max_new_tokens of the prompt the request is
+// prefilled there. The router queue does not apply (RoutePD never defers).
+func (p *Dynamo) PickPair(req *Request, prefill, decode []ReplicaView) (PairDecision, error) {
+	var pbuf, dbuf [scratchLen]int
+	pc, dc := healthy(prefill, &pbuf), healthy(decode, &dbuf)
+	if len(pc) == 0 || len(dc) == 0 {
+		return PairDecision{}, ErrNoReplica
+	}
+	p.mu.RLock()
+	defer p.mu.RUnlock()
+	if p.params.ConditionalPrefill {
+		d, j := p.pickBy(decode, dc, func(v *ReplicaView) float64 { return p.cost(req, v, p.blocks[v.Index]) },
+			"lowest prefill + decode cost")
+		if n := uncachedOn(req, &decode[j], int(p.blockSize)); n <= p.params.ConditionalPrefillMaxNewTokens {
+			return SkipPair(d, fmt.Sprintf("conditional prefill: the decode worker lacks %d ≤ %d prompt tokens",
+				n, p.params.ConditionalPrefillMaxNewTokens)), nil
+		}
+	}
+	pd, _ := p.pickBy(prefill, pc, func(v *ReplicaView) float64 {
+		prefill := float64(v.PendingPrefill+req.Tokens) / p.blockSize
+		return p.params.PrefillLoadScale * max(prefill-p.params.OverlapScoreCredit*float64(v.Match), 0)
+	}, "prefill router: lowest prefill cost")
+	dd, _ := p.pickBy(decode, dc, func(v *ReplicaView) float64 {
+		return float64(p.total[v.Index] + len(req.Blocks))
+	}, "decode router: fewest active blocks (overlap off)")
+	return Pair(pd, dd, "Dynamo disaggregated: prefill router, then decode router"), nil
 }

@@ -52,6 +52,7 @@ func init() {
 			LRUCapacity:     llmdLRUCapacity,
 			BlockSizeChars:  gie15BlockSizeChars,
 			MaxPrefixBlocks: gie15MaxPrefixBlocks,
+			NonCachedTokens: llmdNonCachedTokens,
 		}
 		if err := decodeParams(o.Params, &params); err != nil {
 			return nil, err
@@ -69,6 +70,9 @@ func init() {
 			params.BlockSizeTokens < 1 || params.MaxPrefixTokens < 1 {
 			return nil, fmt.Errorf("%w: block_size_chars, max_prefix_blocks, lru_capacity_per_server, "+
 				"block_size_tokens and max_prefix_tokens must be at least 1", ErrParam)
+		}
+		if params.NonCachedTokens < 0 {
+			return nil, fmt.Errorf("%w: non_cached_tokens must be ≥ 0", ErrParam)
 		}
 		l := &LLMD{params: params, bs: o.BlockSize, g: newRNG(o.Seed)}
 		l.blockTokens, l.per, l.maxBlocks = l.params.layout(o.BlockSize)
@@ -162,7 +166,19 @@ type llmdParams struct {
 	// text, at most MaxPrefixBlocks of them.
 	BlockSizeChars  int `json:"block_size_chars"`
 	MaxPrefixBlocks int `json:"max_prefix_blocks"`
+
+	// NonCachedTokens is the prefix-based-pd-decider's nonCachedTokens
+	// (P/D, see PickPair): the prefill step runs when the decode server
+	// lacks at least this many tokens of the prompt; 0: always.
+	NonCachedTokens int `json:"non_cached_tokens"`
 }
+
+// llmdNonCachedTokens is non_cached_tokens' default: llm-d's
+// pd-disaggregation guide's (llm-d/llm-d guides/pd-disaggregation, with
+// llm-d-inference-scheduler v0.6.0: prefix-based-pd-decider
+// nonCachedTokens 16). The decider's code default is 0 (always
+// disaggregate), as is the always-disagg-pd-decider of later guides.
+const llmdNonCachedTokens = 16
 
 // layout is llm-d's block for router blocks of bs tokens: its size in
 // tokens (the server's block size under auto-tune, else block_size_tokens,
@@ -490,4 +506,31 @@ func (l *LLMD) sizeLRU(slot int) {
 		capacity = l.numBlocks[slot]
 	}
 	_ = l.ix.SetCapacity(slot, capacity) // the slot exists
+}
+
+var _ PairPicker = (*LLMD)(nil)
+
+// PickPair is llm-d's pd-profile-handler with the prefix-based-pd-decider
+// (llm-d-inference-scheduler pkg/plugins/profile/pd_profile_handler.go,
+// prefix_based_pd_decider.go): the decode profile runs first and picks the
+// decode server; the decider then reads that server's match in llm-d's own
+// prefix index, and when the prompt's non-cached part (its tokens less the
+// matched blocks' tokens) is below non_cached_tokens the request goes to
+// the decode server alone; else the prefill profile picks the prefill
+// server. Both profiles are this policy's scorers (llm-d's P/D guides give
+// each profile its own plugin list; kvgate keeps the configured one).
+func (l *LLMD) PickPair(req *Request, prefill, decode []ReplicaView) (PairDecision, error) {
+	d, err := l.Pick(req, decode)
+	if err != nil {
+		return PairDecision{}, err
+	}
+	if n := req.Tokens - d.Matched*l.bs; l.params.NonCachedTokens > 0 && n < l.params.NonCachedTokens {
+		return SkipPair(d, fmt.Sprintf("decode only: non-cached suffix %d < %d tokens (prefix-based-pd-decider)",
+			n, l.params.NonCachedTokens)), nil
+	}
+	p, err := l.Pick(req, prefill)
+	if err != nil {
+		return PairDecision{}, err
+	}
+	return Pair(p, d, "pd-profile-handler: decode profile, decider, prefill profile"), nil
 }

@@ -400,6 +400,12 @@ func (p *Preble) Observe(ev Event) {
 			matched = ev.Decision.Matched
 		}
 		uncached := max(ev.Req.Tokens-matched*p.blockSize, 0)
+		if ev.Phase == PhaseDecode {
+			// A decode step pulls the prompt from its prefill replica and
+			// computes the last token only (kvgate's reading of Preble's
+			// prefill window on a P/D fleet, which Preble does not route).
+			uncached = min(uncached, 1)
+		}
 		p.add(r, now, float64(uncached)*p.c1)
 
 		out := float64(ev.Req.MaxTokens)

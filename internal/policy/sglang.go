@@ -289,3 +289,24 @@ func (s *SGLang) Observe(ev Event) {
 		s.lastEvict = ev.At
 	}
 }
+
+var _ PairPicker = (*SGLang)(nil)
+
+// PickPair is SGLang's PD router (sgl-model-gateway
+// src/routers/http/pd_router.rs, select_pd_pair): the prefill worker is
+// picked by the prefill policy among the prefill workers and the decode
+// worker by the decode policy among the decode workers, each by its own
+// rule (--prefill-policy and --decode-policy, both --policy by default:
+// cache_aware here, each side's tree and loads its own workers'), and the
+// request always goes through both (the router has no decode-only path).
+func (s *SGLang) PickPair(req *Request, prefill, decode []ReplicaView) (PairDecision, error) {
+	p, err := s.Pick(req, prefill)
+	if err != nil {
+		return PairDecision{}, err
+	}
+	d, err := s.Pick(req, decode)
+	if err != nil {
+		return PairDecision{}, err
+	}
+	return Pair(p, d, "SGLang PD router: prefill and decode worker each by the policy"), nil
+}

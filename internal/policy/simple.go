@@ -3,7 +3,9 @@ package policy
 import "sync/atomic"
 
 func init() {
-	register("round_robin", func(o Options) (Policy, error) { return &RoundRobin{}, decodeParams(o.Params, &struct{}{}) })
+	register("round_robin", func(o Options) (Policy, error) {
+		return &RoundRobin{bs: o.BlockSize}, decodeParams(o.Params, &struct{}{})
+	})
 	register("random", func(o Options) (Policy, error) {
 		return &Random{g: newRNG(o.Seed)}, decodeParams(o.Params, &struct{}{})
 	})
@@ -14,9 +16,14 @@ func init() {
 }
 
 // RoundRobin cycles through the healthy replicas.
-type RoundRobin struct{ next atomic.Uint64 }
+type RoundRobin struct {
+	next    atomic.Uint64 // Pick's cursor, and the decode side's
+	nextPre atomic.Uint64 // the prefill side's cursor (PickPair)
+	bs      int           // tokens per block
+}
 
 var _ Policy = (*RoundRobin)(nil)
+var _ PairPicker = (*RoundRobin)(nil)
 
 func (*RoundRobin) Name() string { return "round_robin" }
 
@@ -36,6 +43,38 @@ func (p *RoundRobin) Pick(_ *Request, rs []ReplicaView) (Decision, error) {
 		}
 	}
 	return Decision{}, ErrNoReplica
+}
+
+// PickPair is the router's per-side rule (decode first, the prefill step
+// skipped when the decode replica lacks fewer than req.SkipPrefillBelow
+// tokens) with a cursor per side over that side's candidates, as vLLM's
+// disaggregation proxy cycles its prefill and its decode instances: Pick's
+// one cursor over every position would advance by two per request and
+// favour the replicas after the other side's.
+func (p *RoundRobin) PickPair(req *Request, prefill, decode []ReplicaView) (PairDecision, error) {
+	j, err := p.cycle(&p.next, decode)
+	if err != nil {
+		return PairDecision{}, err
+	}
+	d := decide(decode, j, "round robin", 0, float64(decode[j].InFlight))
+	if uncachedOn(req, &decode[j], p.bs) < req.SkipPrefillBelow {
+		return SkipPair(d, "the decode replica lacks fewer than non_cached_tokens of the prompt"), nil
+	}
+	i, err := p.cycle(&p.nextPre, prefill)
+	if err != nil {
+		return PairDecision{}, err
+	}
+	return Pair(decide(prefill, i, "round robin", 0, float64(prefill[i].InFlight)), d, "round robin on each side"), nil
+}
+
+// cycle is the position of the next of rs's healthy replicas on cursor next.
+func (*RoundRobin) cycle(next *atomic.Uint64, rs []ReplicaView) (int, error) {
+	var buf [scratchLen]int
+	c := healthy(rs, &buf)
+	if len(c) == 0 {
+		return 0, ErrNoReplica
+	}
+	return c[int((next.Add(1)-1)%uint64(len(c)))], nil
 }
 
 // Random picks uniformly among healthy replicas.
