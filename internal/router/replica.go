@@ -6,6 +6,8 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
+
+	"github.com/kvgate/kvgate/internal/policy"
 )
 
 // Spec is how a replica is reached: its URL (or name, in the replay), the
@@ -21,6 +23,11 @@ type Spec struct {
 	// per rank. Not ranked: the whole server.
 	Ranked bool
 	Rank   int
+	// Role is the replica's part in prefill/decode disaggregation
+	// (policy.RoleBoth, the zero value: an aggregated replica). Route
+	// ignores it; RoutePD takes prefill steps to prefill and both
+	// replicas, decode steps to decode and both replicas.
+	Role policy.Role
 }
 
 // Replica is kvgate's one home for what it knows of one replica: where it
@@ -40,6 +47,9 @@ type Replica struct {
 	inFlightTokens atomic.Int64
 	pendingPrefill atomic.Int64
 	pendingCount   atomic.Int64
+	// pendingTransfer is the prompt tokens decode steps will pull
+	// (ReplicaView.PendingTransfer).
+	pendingTransfer atomic.Int64
 	// remote is the other gateways' load (nil: none), added in Views.
 	remote atomic.Pointer[Load]
 	// preciseOK: the precise index is in sync for this replica.
@@ -99,6 +109,9 @@ func (r *Replica) KVReplay() string { return r.spec.KVReplay }
 
 // Rank is the data-parallel rank the target is (ok false: the whole server).
 func (r *Replica) Rank() (rank int, ok bool) { return r.spec.Rank, r.spec.Ranked }
+
+// Role is the replica's part in prefill/decode disaggregation.
+func (r *Replica) Role() policy.Role { return r.spec.Role }
 
 // Name is the target's name in metrics, logs and headers: its URL, and
 // for a data-parallel rank k, URL#k.

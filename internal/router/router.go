@@ -54,7 +54,23 @@ type Config struct {
 	// gateways. It runs on the request path: it must not block or keep
 	// Learned.Blocks.
 	OnLearn func(Learned)
+	// NonCachedTokens (prefill/decode disaggregation, RoutePD): when the
+	// chosen decode replica lacks fewer than this many tokens of the prompt,
+	// the prefill step is skipped and the decode replica computes the rest
+	// itself. It is llm-d's threshold of the same name (the
+	// prefix-based-pd-decider's nonCachedTokens, read by its
+	// pd-profile-handler, llm-d-inference-scheduler
+	// pkg/plugins/profile/prefix_based_pd_decider.go). Default 16, as
+	// llm-d's pd-disaggregation guide sets it (llm-d/llm-d
+	// guides/pd-disaggregation, scheduler v0.6.0); negative: never skip
+	// (llm-d's 0, the decider's code default: always disaggregate).
+	// Policies that pick the pair themselves (policy.PairPicker) see it as
+	// Request.SkipPrefillBelow and decide.
+	NonCachedTokens int
 }
+
+// DefaultNonCachedTokens is Config.NonCachedTokens' default.
+const DefaultNonCachedTokens = 16
 
 // ErrModelNotServed is returned by Route when no replica serves the
 // request's model or adapter.
@@ -109,6 +125,9 @@ func New(cfg Config) (*Router, error) {
 	}
 	if cfg.Now == nil {
 		cfg.Now = time.Now
+	}
+	if cfg.NonCachedTokens == 0 {
+		cfg.NonCachedTokens = DefaultNonCachedTokens
 	}
 	ix, err := prefixindex.New(prefixindex.Config{Replicas: len(cfg.Specs), BlocksPerReplica: cfg.BlocksPerReplica, MaxEntries: cfg.MaxEntries})
 	if err != nil {
@@ -241,11 +260,12 @@ func (rt *Router) views(req *policy.Request) ([]policy.ReplicaView, []int) {
 	}
 	for i, r := range rt.replicas {
 		v := &views[i]
-		v.Index, v.URL, v.Healthy = i, r.name, r.healthy.Load()
+		v.Index, v.URL, v.Healthy, v.Role = i, r.name, r.healthy.Load(), r.spec.Role
 		v.InFlight = int(r.inFlight.Load())
 		v.InFlightTokens = int(r.inFlightTokens.Load())
 		v.PendingPrefill = int(r.pendingPrefill.Load())
 		v.PendingCount = int(r.pendingCount.Load())
+		v.PendingTransfer = int(r.pendingTransfer.Load())
 		if l := r.remote.Load(); l != nil { // the other gateways' counts
 			v.InFlight += int(l.InFlight)
 			v.InFlightTokens += int(l.InFlightTokens)
@@ -333,7 +353,9 @@ type Ticket struct {
 	Decision policy.Decision
 	Replica  int
 	start    time.Time
+	phase    policy.Phase
 	uncached int64
+	transfer int64 // prompt tokens a decode step pulls (PhaseDecode)
 	tokens   int64
 	match    int // the approximate index's match on the replica at routing
 	// predicted is the prompt tokens the precise index, trusted, said the
@@ -364,12 +386,20 @@ func (rt *Router) Route(req *policy.Request, exclude ...int) (*Ticket, error) {
 	if d.Replica < 0 || d.Replica >= len(rt.replicas) {
 		return nil, fmt.Errorf("router: policy %s chose replica %d of %d", rt.pol.Name(), d.Replica, len(rt.replicas))
 	}
-	t := rt.commit(req, d, views[d.Replica].Match, approx[d.Replica])
+	return rt.commitView(req, d, views, approx, policy.PhaseNone), nil
+}
+
+// commitView commits d for one step (phase) of req, with the match views
+// and the approximate index (approx) give its replica. A decode step's
+// precise prediction is not checked (Underpredicted): the cached tokens
+// its replica reports count the pulled ones.
+func (rt *Router) commitView(req *policy.Request, d policy.Decision, views []policy.ReplicaView, approx []int, phase policy.Phase) *Ticket {
+	t := rt.commit(req, d, views[d.Replica].Match, approx[d.Replica], phase)
 	t.predicted = -1
-	if rt.precise != nil && rt.replicas[d.Replica].preciseTrusted(req.Now) {
+	if rt.precise != nil && phase != policy.PhaseDecode && rt.replicas[d.Replica].preciseTrusted(req.Now) {
 		t.predicted = views[d.Replica].Match * rt.cfg.BlockSize
 	}
-	return t, nil
+	return t
 }
 
 // Serves reports whether some replica serves model (or has not been listed).
@@ -394,21 +424,29 @@ func (rt *Router) ModelInfo(model string) (Model, bool) {
 	return Model{}, false
 }
 
-func (rt *Router) commit(req *policy.Request, d policy.Decision, match, approxMatch int) *Ticket {
+// commit counts req in d's replica and tells the observers. A decode step
+// (PhaseDecode) pulls what its replica lacks of the prompt and computes
+// only the last token, as vLLM's NixlConnector does: its pending prefill is
+// that token, and what it pulls is pending transfer until its first token.
+func (rt *Router) commit(req *policy.Request, d policy.Decision, match, approxMatch int, phase policy.Phase) *Ticket {
 	r := rt.replicas[d.Replica]
 	cached := min(match*rt.cfg.BlockSize, max(req.Tokens-1, 0))
-	t := &Ticket{rt: rt, req: req, Decision: d, Replica: d.Replica, start: req.Now,
+	t := &Ticket{rt: rt, req: req, Decision: d, Replica: d.Replica, start: req.Now, phase: phase,
 		uncached: int64(req.Tokens - cached), tokens: int64(req.Tokens + req.MaxTokens)}
+	if phase == policy.PhaseDecode {
+		t.transfer, t.uncached = t.uncached, min(t.uncached, 1)
+	}
 	t.match = approxMatch
 	r.inFlight.Add(1)
 	r.inFlightTokens.Add(t.tokens)
 	r.pendingPrefill.Add(t.uncached)
 	r.pendingCount.Add(1)
+	r.pendingTransfer.Add(t.transfer)
 	if !rt.cfg.LearnOnAccept {
 		t.learn()
 	}
 	if rt.obs != nil {
-		rt.obs.Observe(policy.Event{Kind: policy.Routed, At: req.Now, Req: req, Decision: d, Replica: d.Replica})
+		rt.obs.Observe(policy.Event{Kind: policy.Routed, At: req.Now, Req: req, Decision: d, Replica: d.Replica, Phase: phase})
 	}
 	return t
 }
@@ -473,7 +511,7 @@ func (t *Ticket) FirstToken(at time.Time) {
 	}
 	if t.rt.obs != nil {
 		t.rt.obs.Observe(policy.Event{Kind: policy.FirstToken, At: at, Req: t.req, Decision: t.Decision,
-			Replica: t.Replica, TTFT: at.Sub(t.start)})
+			Replica: t.Replica, Phase: t.phase, TTFT: at.Sub(t.start)})
 	}
 }
 
@@ -482,8 +520,17 @@ func (t *Ticket) FirstToken(at time.Time) {
 // the gateway never sees, once the prefill has surely run (idempotent).
 func (t *Ticket) PrefillDone() { t.prefillDone() }
 
-// UncachedTokens is the prompt the replica is expected to compute.
+// UncachedTokens is the prompt the replica is expected to compute (a
+// decode step: the last token).
 func (t *Ticket) UncachedTokens() int { return int(t.uncached) }
+
+// TransferTokens is the prompt a decode step is expected to pull from its
+// prefill replica (0 for other tickets).
+func (t *Ticket) TransferTokens() int { return int(t.transfer) }
+
+// Phase is the step of the request the ticket is for (PhaseNone: the
+// whole request).
+func (t *Ticket) Phase() policy.Phase { return t.phase }
 
 func (t *Ticket) prefillDone() bool {
 	t.mu.Lock()
@@ -496,6 +543,7 @@ func (t *Ticket) prefillDone() bool {
 	r := t.rt.replicas[t.Replica]
 	r.pendingPrefill.Add(-t.uncached)
 	r.pendingCount.Add(-1)
+	r.pendingTransfer.Add(-t.transfer)
 	t.rt.releaseIfQueued()
 	return true
 }
@@ -533,13 +581,14 @@ func (t *Ticket) Done(at time.Time, o Outcome) {
 	if !first {
 		r.pendingPrefill.Add(-t.uncached)
 		r.pendingCount.Add(-1)
+		r.pendingTransfer.Add(-t.transfer)
 	}
 	r.inFlight.Add(-1)
 	r.inFlightTokens.Add(-t.tokens)
 	defer t.rt.releaseIfQueued()
 	if t.rt.obs != nil {
 		t.rt.obs.Observe(policy.Event{Kind: policy.Done, At: at, Req: t.req, Decision: t.Decision,
-			Replica: t.Replica, CachedTokens: o.CachedTokens, OutputTokens: o.OutputTokens, Err: o.Err})
+			Replica: t.Replica, Phase: t.phase, CachedTokens: o.CachedTokens, OutputTokens: o.OutputTokens, Err: o.Err})
 	}
 }
 

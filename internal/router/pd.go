@@ -1,0 +1,202 @@
+package router
+
+import (
+	"fmt"
+	"slices"
+
+	"github.com/kvgate/kvgate/internal/policy"
+)
+
+// Prefill/decode disaggregation, routed as vLLM's disaggregation proxies
+// and llm-d's pd-profile-handler route it: a request goes first to a
+// prefill replica (max_tokens 1, kv_transfer_params do_remote_decode),
+// which computes the prompt and holds its KV; then to a decode replica
+// (do_remote_prefill), which pulls the part of the prompt it lacks and
+// streams the answer. RoutePD picks both replicas at once and commits a
+// ticket for each step.
+
+// PD is a request routed to a prefill and a decode replica.
+type PD struct {
+	// Prefill is the prefill step's ticket, nil when the step is skipped.
+	// Its Request is a copy of the request with an ID of its own and
+	// MaxTokens 1. It counts like any ticket on its replica: in flight, its
+	// uncached prompt pending, until the caller ends it with Done when the
+	// prefill response arrives (Accept it first under LearnOnAccept).
+	Prefill *Ticket
+	// Decode is the decode step's ticket, in flight on its replica until
+	// the stream ends (FirstToken, Done as for Route's tickets). With a
+	// prefill step (PhaseDecode) its pending prefill is the last prompt
+	// token (the one the decode replica recomputes) and the part of the
+	// prompt it lacks is pending transfer (ReplicaView.PendingTransfer);
+	// without one (PhaseNone) it is an ordinary ticket: its replica
+	// computes what it lacks.
+	Decode *Ticket
+	// Decision is the pair the policy chose (Decision.Decode.EstTTFT: the
+	// whole path's, for ttft).
+	Decision policy.PairDecision
+}
+
+// RoutePD decides a prefill and a decode replica for req and commits both
+// steps: each replica's counters go up, the approximate index learns the
+// prompt on both (the prefill replica's cache keeps its blocks; the blocks
+// the decode replica pulls enter its cache), OnLearn fires for both, and
+// observers hear Routed for each (policy.Event.Phase), prefill first.
+//
+// Candidates are the healthy replicas serving req's model, less exclude
+// (both sides: a prefill replica that failed before the decode step
+// started is excluded when the caller routes the request again):
+// prefill-side those of role prefill or both, decode-side decode or both.
+// A policy implementing policy.PairPicker picks the pair; any other picks
+// the decode replica by its Pick over the decode side's views (the others
+// Healthy false), skips the prefill step when that replica lacks fewer
+// than Config.NonCachedTokens tokens of the prompt, and else picks the
+// prefill replica by its Pick over the prefill side's views. The same
+// replica (of role both) on both sides serves the request aggregated:
+// no prefill step, reason "aggregated". With no prefill candidate the
+// request goes to the decode replica alone; with no decode candidate,
+// policy.ErrNoReplica. RoutePD never defers (the policies are asked with
+// Request.NoDefer) and sets req.SkipPrefillBelow.
+//
+// A prefill step that fails before the decode step starts: Reject the
+// decode ticket (its replica never got the blocks), end both with Done and
+// the error, and route again with the prefill replica excluded.
+func (rt *Router) RoutePD(req *policy.Request, exclude ...int) (PD, error) {
+	views, approx := rt.views(req)
+	if err := rt.candidates(req, views, exclude); err != nil {
+		return PD{}, err
+	}
+	pd, err := rt.pickPair(req, views)
+	if err != nil {
+		return PD{}, err
+	}
+	out := PD{Decision: pd}
+	phase := policy.PhaseNone
+	if !pd.SkipPrefill {
+		preq := *req
+		preq.ID, preq.MaxTokens = rt.nextID.Add(1), 1
+		out.Prefill = rt.commitView(&preq, pd.Prefill, views, approx, policy.PhasePrefill)
+		phase = policy.PhaseDecode
+	}
+	out.Decode = rt.commitView(req, pd.Decode, views, approx, phase)
+	return out, nil
+}
+
+// DryRunPD is RoutePD's decision for req without sending anything or
+// learning, and the views it was made on.
+func (rt *Router) DryRunPD(req *policy.Request) (policy.PairDecision, []policy.ReplicaView, error) {
+	views := rt.Views(req)
+	if err := rt.candidates(req, views, nil); err != nil {
+		return policy.PairDecision{}, views, err
+	}
+	pd, err := rt.pickPair(req, views)
+	return pd, views, err
+}
+
+// Disaggregated reports whether some replica has a role other than both:
+// a fleet to route with RoutePD.
+func (rt *Router) Disaggregated() bool {
+	for _, r := range rt.replicas {
+		if r.spec.Role != policy.RoleBoth {
+			return true
+		}
+	}
+	return false
+}
+
+// pickPair asks the policy for a pair among views (the candidates Healthy)
+// and checks it.
+func (rt *Router) pickPair(req *policy.Request, views []policy.ReplicaView) (policy.PairDecision, error) {
+	pre, nPre := side(views, policy.Role.Prefills)
+	dec, nDec := side(views, policy.Role.Decodes)
+	if nDec == 0 {
+		return policy.PairDecision{}, policy.ErrNoReplica
+	}
+	req.SkipPrefillBelow = max(rt.cfg.NonCachedTokens, 0)
+	noDefer := req.NoDefer
+	req.NoDefer = true
+	defer func() { req.NoDefer = noDefer }()
+	var pd policy.PairDecision
+	var err error
+	pp, ok := rt.pol.(policy.PairPicker)
+	switch {
+	case nPre == 0:
+		var d policy.Decision
+		if d, err = rt.pol.Pick(req, dec); err == nil {
+			pd = policy.SkipPair(d, "no prefill replica available: the decode replica computes the prompt")
+		}
+	case ok:
+		pd, err = pp.PickPair(req, pre, dec)
+	default:
+		pd, err = rt.pickPerSide(req, pre, dec)
+	}
+	if err != nil {
+		return policy.PairDecision{}, err
+	}
+	return rt.checkPair(pd, pre, dec)
+}
+
+// pickPerSide is the pair of a policy that picks one replica: decode side
+// first, then, unless the decode replica lacks fewer than
+// req.SkipPrefillBelow tokens, the prefill side (llm-d's pd-profile-handler
+// order).
+func (rt *Router) pickPerSide(req *policy.Request, pre, dec []policy.ReplicaView) (policy.PairDecision, error) {
+	d, err := rt.pol.Pick(req, dec)
+	if err != nil {
+		return policy.PairDecision{}, err
+	}
+	if d.Replica < 0 || d.Replica >= len(dec) {
+		return policy.PairDecision{}, rt.badReplica(d.Replica)
+	}
+	if n := rt.uncached(req, dec[d.Replica].Match); n < req.SkipPrefillBelow {
+		return policy.SkipPair(d, fmt.Sprintf("the decode replica lacks %d prompt tokens, fewer than %d (non_cached_tokens)",
+			n, req.SkipPrefillBelow)), nil
+	}
+	p, err := rt.pol.Pick(req, pre)
+	if err != nil {
+		return policy.PairDecision{}, err
+	}
+	return policy.Pair(p, d, "each side by the policy's pick, decode first"), nil
+}
+
+// checkPair checks that pd's replicas are candidates of their sides, and
+// makes a pair of one replica aggregated.
+func (rt *Router) checkPair(pd policy.PairDecision, pre, dec []policy.ReplicaView) (policy.PairDecision, error) {
+	if d := pd.Decode.Replica; d < 0 || d >= len(dec) || !dec[d].Healthy {
+		return policy.PairDecision{}, rt.badReplica(d)
+	}
+	if pd.SkipPrefill {
+		pd.Prefill = policy.Decision{Replica: -1}
+		return pd, nil
+	}
+	if p := pd.Prefill.Replica; p < 0 || p >= len(pre) || !pre[p].Healthy {
+		return policy.PairDecision{}, rt.badReplica(p)
+	}
+	if pd.Prefill.Replica == pd.Decode.Replica {
+		return policy.SkipPair(pd.Decode, "aggregated"), nil
+	}
+	return pd, nil
+}
+
+func (rt *Router) badReplica(i int) error {
+	return fmt.Errorf("router: policy %s chose replica %d of %d, not a candidate", rt.pol.Name(), i, len(rt.replicas))
+}
+
+// uncached is the prompt tokens of req a replica holding match blocks of
+// it lacks, as commit counts them.
+func (rt *Router) uncached(req *policy.Request, match int) int {
+	return req.Tokens - min(match*rt.cfg.BlockSize, max(req.Tokens-1, 0))
+}
+
+// side is views with the replicas whose role has no part on a side (ok
+// false) out (Healthy false), and the number of candidates left.
+func side(views []policy.ReplicaView, ok func(policy.Role) bool) ([]policy.ReplicaView, int) {
+	out := slices.Clone(views)
+	n := 0
+	for i := range out {
+		out[i].Healthy = out[i].Healthy && ok(out[i].Role)
+		if out[i].Healthy {
+			n++
+		}
+	}
+	return out, n
+}
