@@ -331,3 +331,23 @@ func TestRouteIgnoresRoles(t *testing.T) {
 		t.Fatalf("Route used %v", seen)
 	}
 }
+
+// BenchmarkDecisionPD measures a P/D decision with ttft (every pair
+// estimated) over P prefill and D decode replicas, a 32,000-character
+// prompt held in part by one replica of each side.
+func BenchmarkDecisionPD(b *testing.B) {
+	for _, size := range []struct{ p, d int }{{2, 6}, {16, 48}} {
+		b.Run(fmt.Sprintf("%dP%dD", size.p, size.d), func(b *testing.B) {
+			rt := newPDRouter(b, mustPolicy(b, "ttft"), strings.Repeat("p", size.p)+strings.Repeat("d", size.d), Config{})
+			text := strings.Repeat("The quick brown fox jumps over the lazy dog. ", 32000/45+1)[:32000]
+			req := rt.Prepare(parse(b, text), "", "")
+			_ = rt.Index().Insert(0, req.Blocks[:300])
+			_ = rt.Index().Insert(size.p, req.Blocks[:100])
+			for b.Loop() {
+				if _, _, err := rt.DryRunPD(rt.Prepare(parse(b, text), "", "")); err != nil {
+					b.Fatal(err)
+				}
+			}
+		})
+	}
+}
