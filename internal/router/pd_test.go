@@ -226,7 +226,7 @@ func TestRoutePDAccounting(t *testing.T) {
 			t.Fatalf("the index holds %d blocks of the prompt on replica %d, want %d", m, i, len(req.Blocks))
 		}
 	}
-	if len(learned) != 2 || learned[0].Replica != 0 || learned[1].Replica != 1 || learned[1].Offset != 20 {
+	if len(learned) != 2 || learned[0].Replica != 0 || learned[1].Replica != 1 || learned[1].Held != 20 {
 		t.Fatalf("OnLearn heard %+v", learned)
 	}
 	pd.Prefill.Done(time.Unix(1, 0), Outcome{CachedTokens: 0, OutputTokens: 1})

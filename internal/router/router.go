@@ -464,8 +464,7 @@ func (t *Ticket) learn() {
 	t.learned = true
 	_ = t.rt.approx.Insert(t.Replica, t.req.Blocks)
 	if f := t.rt.cfg.OnLearn; f != nil {
-		off := min(t.match, len(t.req.Blocks))
-		f(Learned{Replica: t.Replica, Model: t.req.Model, Offset: off, Blocks: t.req.Blocks[off:], Tokens: t.req.Tokens})
+		f(Learned{Replica: t.Replica, Model: t.req.Model, Held: min(t.match, len(t.req.Blocks)), Blocks: t.req.Blocks, Tokens: t.req.Tokens})
 	}
 }
 

@@ -14,14 +14,20 @@ import (
 // router's own counts stay exact; the remote ones are an addition it holds
 // per replica, replaced whole by each update.
 
-// Learned is a routing decision as it is shared: the request's blocks that
-// were new to the replica in the sender's view (Blocks = the prompt's
-// blocks from Offset on; the first Offset the sender's index already held
-// there, and so, most likely, does every gateway's).
+// Learned is a routing decision as it is shared: the request's whole
+// prompt (its blocks) on the replica. Held is how many of its leading
+// blocks the sender's index already held there.
+//
+// Whole prompts are shared, not only the blocks new to the replica: a
+// receiver that hears only the new part never sees the prefix used again,
+// so its LRU lets the prefix age out while the sender's keeps it (measured
+// on the conversation trace, 4 gateways at 10 ms: the hit rate fell from
+// 16.6 % to 15.2 % with the compact form, for 16 % fewer bytes). The wire
+// format (and ApplyRemote's offset) still takes a compact decision.
 type Learned struct {
 	Replica int // the slot in the sender's router; shared by name
 	Model   string
-	Offset  int
+	Held    int
 	Blocks  []uint64 // not to be kept: the request's own slice
 	Tokens  int
 }

@@ -11,7 +11,7 @@ import (
 
 // Two routers as two gateways: what one learns, handed to the other as a
 // remote decision, routes the other's next turn of the conversation to the
-// same replica; the shared blocks are only those new to the replica.
+// same replica.
 func TestSharedDecisionsReachAnotherRouter(t *testing.T) {
 	var shared []Learned
 	a := newRouter(t, "ttft", 4)
@@ -27,7 +27,7 @@ func TestSharedDecisionsReachAnotherRouter(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if len(shared) != 1 || shared[0].Offset != 0 || len(shared[0].Blocks) != len(tk.Request().Blocks) {
+	if len(shared) != 1 || shared[0].Held != 0 || len(shared[0].Blocks) != len(tk.Request().Blocks) {
 		t.Fatalf("first decision shared as %+v", shared)
 	}
 	for _, l := range shared {
@@ -35,7 +35,7 @@ func TestSharedDecisionsReachAnotherRouter(t *testing.T) {
 		if !ok {
 			t.Fatalf("replica %q unknown to b", a.Name(l.Replica))
 		}
-		b.ApplyRemote(i, l.Model, l.Offset, l.Blocks, l.Tokens, b.Now())
+		b.ApplyRemote(i, l.Model, 0, l.Blocks, l.Tokens, b.Now())
 	}
 	req := b.Prepare(parse(t, turn2), "", "")
 	tk2, err := b.Route(req)
@@ -45,14 +45,15 @@ func TestSharedDecisionsReachAnotherRouter(t *testing.T) {
 	if tk2.Replica != tk.Replica {
 		t.Fatalf("turn 2 on b went to %d, turn 1 on a to %d", tk2.Replica, tk.Replica)
 	}
-	// Turn 2 routed on a too: only the blocks after turn 1's are shared.
+	// Turn 2 routed on a too: the whole prompt is shared, and how much of
+	// it the replica held in a's view.
 	shared = nil
 	if _, err := a.Route(a.Prepare(parse(t, turn2), "", "")); err != nil {
 		t.Fatal(err)
 	}
 	n1 := len(tk.Request().Blocks)
-	if len(shared) != 1 || shared[0].Offset != n1 || len(shared[0].Blocks) != len(req.Blocks)-n1 {
-		t.Fatalf("turn 2 shared offset %d, %d blocks; want %d, %d", shared[0].Offset, len(shared[0].Blocks), n1, len(req.Blocks)-n1)
+	if len(shared) != 1 || shared[0].Held != n1 || len(shared[0].Blocks) != len(req.Blocks) {
+		t.Fatalf("turn 2 shared %d blocks, %d held; want %d, %d", len(shared[0].Blocks), shared[0].Held, len(req.Blocks), n1)
 	}
 }
 

@@ -14,8 +14,10 @@ import (
 )
 
 // Decision is one shared routing decision: the replica (by name, as every
-// gateway configures it), and the prompt's blocks from Offset on (the
-// sender's index held the first Offset on that replica already).
+// gateway configures it), and the prompt's blocks from Offset on. kvgate
+// sends whole prompts (Offset 0; see router.Learned); a compact decision,
+// whose first Offset blocks the sender's index held on that replica
+// already, is applied as well.
 type Decision struct {
 	Replica string
 	Model   string
@@ -141,9 +143,9 @@ func Loads(rt *router.Router) []ReplicaLoad {
 	return out
 }
 
-// FromLearned is the shared form of a decision the router learnt (its
-// blocks copied).
+// FromLearned is the shared form of a decision the router learnt: the
+// whole prompt (see router.Learned), its blocks copied.
 func FromLearned(rt *router.Router, l router.Learned) Decision {
-	return Decision{Replica: rt.Name(l.Replica), Model: l.Model, Offset: l.Offset, Tokens: l.Tokens,
+	return Decision{Replica: rt.Name(l.Replica), Model: l.Model, Tokens: l.Tokens,
 		Blocks: append([]uint64(nil), l.Blocks...)}
 }

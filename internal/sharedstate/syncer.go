@@ -575,8 +575,8 @@ func (s *Syncer) publish(ctx context.Context, now time.Time, final bool) error {
 			if l.Replica < 0 || l.Replica >= s.rt.Replicas() {
 				continue
 			}
-			b.Decisions = append(b.Decisions, Decision{Replica: s.rt.Name(l.Replica), Model: l.Model, Offset: l.Offset,
-				Tokens: l.Tokens, Blocks: l.Blocks})
+			b.Decisions = append(b.Decisions, Decision{Replica: s.rt.Name(l.Replica), Model: l.Model,
+				Tokens: l.Tokens, Blocks: l.Blocks}) // the whole prompt: see router.Learned
 		}
 		s.buf = AppendBatch(s.buf[:0], &b)
 		if _, err := s.st.add(ctx, s.buf); err != nil {
