@@ -112,7 +112,9 @@ func New(cfg Config, o Options) (*Gateway, error) {
 		return nil, err
 	}
 	ranks := dataParallelSizes(cfg, &http.Client{Transport: tr}, o.Logger)
-	rt, err := newRouter(cfg, prof, o.Clock, ranks, onLearn(syncer))
+	rcfg := cfg
+	rcfg.Seed = policySeed(cfg.Seed, syncer)
+	rt, err := newRouter(rcfg, prof, o.Clock, ranks, onLearn(syncer))
 	if err != nil {
 		return nil, err
 	}

@@ -3,6 +3,7 @@ package gateway
 import (
 	"context"
 	"errors"
+	"hash/fnv"
 	"net/http"
 
 	"github.com/kvgate/kvgate/internal/router"
@@ -25,6 +26,19 @@ func newSyncer(cfg Config, o Options) (*sharedstate.Syncer, error) {
 	}
 	return sharedstate.New(sharedstate.Options{URL: cfg.SharedState, Namespace: cfg.SharedStateNamespace,
 		ShareDecisions: !cfg.Precise(), Clock: o.Clock, Log: o.Logger, Registerer: o.Registry})
+}
+
+// policySeed seeds the policy's random tie breaks: the configured seed,
+// mixed with this gateway's own id when it shares state. Gateways deployed
+// from one configuration would otherwise break every tie alike, and send
+// the requests that reach them at the same instant to the same replica.
+func policySeed(seed uint64, s *sharedstate.Syncer) uint64 {
+	if s == nil {
+		return seed
+	}
+	h := fnv.New64a()
+	_, _ = h.Write([]byte(s.Gateway()))
+	return seed ^ h.Sum64()
 }
 
 // onLearn is the router's OnLearn: the syncer's, when sharing.
