@@ -105,6 +105,8 @@ var generators = [...]generator{
 
 var traceParams = []Param{
 	{Name: "speedup", Default: 1, Min: 1e-3, Max: 1e6, Doc: "arrival times are the trace's timestamps divided by this"},
+	{Name: "spread", Default: 0, Min: 0, Max: 3600, Doc: "seconds: each arrival moves to a seeded uniform instant this long after its " +
+		"timestamp (before speedup), for traces whose timestamps are coarse (the Mooncake conversation trace: ~10 requests per instant)"},
 }
 
 func ceilDiv(a, b int) int { return (a + b - 1) / b }

@@ -9,6 +9,7 @@ import (
 	"fmt"
 	"io"
 	"math"
+	"math/rand/v2"
 	"os"
 	"slices"
 	"strconv"
@@ -309,7 +310,29 @@ func generateTrace(s Spec) ([]Request, error) {
 	if err := checkSize(TraceName, float64(len(recs)), text); err != nil {
 		return nil, err
 	}
+	if sp := p.f("spread"); sp > 0 {
+		recs = spreadArrivals(recs, sp, s.Seed)
+	}
 	return FromTrace(recs, p.f("speedup"))
+}
+
+// spreadArrivals moves each record to a uniform instant up to spread
+// seconds after its timestamp (seeded), in arrival order again. A trace
+// whose timestamps are coarse has bursts of requests at one instant, which
+// no router meets in practice: several gateways, whose shared view always
+// lags, would all see the same replica as best for each of them.
+func spreadArrivals(recs []TraceRecord, spread float64, seed uint64) []TraceRecord {
+	rng := rand.New(rand.NewPCG(seed, 0x5eed))
+	out := slices.Clone(recs)
+	for i := range out {
+		out[i].Timestamp += seconds(rng.Float64() * spread)
+	}
+	slices.SortStableFunc(out, func(a, b TraceRecord) int { return cmp.Compare(a.Timestamp, b.Timestamp) })
+	base := out[0].Timestamp
+	for i := range out {
+		out[i].Timestamp -= base
+	}
+	return out
 }
 
 // generateRequestLog is the trace workload of a request log (ReadRequestLog).

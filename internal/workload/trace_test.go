@@ -8,6 +8,7 @@ import (
 	"os"
 	"path/filepath"
 	"reflect"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -413,5 +414,32 @@ func BenchmarkReadTrace(b *testing.B) {
 		if _, err := ReadTrace(bytes.NewReader(data)); err != nil {
 			b.Fatal(err)
 		}
+	}
+}
+
+// spread moves each arrival of a coarse trace within the spread, seeded,
+// in order: bursts at one instant become distinct instants.
+func TestTraceSpread(t *testing.T) {
+	recs := make([]TraceRecord, 300)
+	for i := range recs {
+		recs[i] = TraceRecord{Timestamp: time.Duration(i/10) * 3 * time.Second, InputLength: 512, OutputLength: 8, HashIDs: []int{i}}
+	}
+	a, b := spreadArrivals(recs, 3, 1), spreadArrivals(recs, 3, 1)
+	if !slices.EqualFunc(a, b, func(x, y TraceRecord) bool { return x.Timestamp == y.Timestamp && x.HashIDs[0] == y.HashIDs[0] }) {
+		t.Fatal("not reproducible")
+	}
+	seen := map[time.Duration]bool{}
+	for i, r := range a {
+		if i > 0 && r.Timestamp < a[i-1].Timestamp {
+			t.Fatalf("record %d out of order", i)
+		}
+		orig := recs[r.HashIDs[0]].Timestamp
+		if r.Timestamp+a[0].Timestamp < orig-3*time.Second || r.Timestamp > orig+3*time.Second {
+			t.Fatalf("record %d moved from %v to %v", r.HashIDs[0], orig, r.Timestamp)
+		}
+		seen[r.Timestamp] = true
+	}
+	if len(seen) != len(recs) || a[0].Timestamp != 0 {
+		t.Fatalf("%d distinct instants of %d, first at %v", len(seen), len(recs), a[0].Timestamp)
 	}
 }
