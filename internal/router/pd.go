@@ -103,6 +103,34 @@ func (rt *Router) Disaggregated() bool {
 	return false
 }
 
+// Why a request has no prefill step (SkipReason).
+const (
+	// SkipThreshold: the decode replica lacks fewer prompt tokens than the
+	// threshold (Config.NonCachedTokens, or the policy's own rule).
+	SkipThreshold = "threshold"
+	// SkipAggregated: one replica of role both serves the whole request.
+	SkipAggregated = "aggregated"
+	// SkipNoPrefill: no prefill replica was a candidate (none healthy, or
+	// all excluded after failures).
+	SkipNoPrefill = "no_prefill_replica"
+)
+
+const reasonNoPrefill = "no prefill replica available: the decode replica computes the prompt"
+
+// SkipReason says why pd has no prefill step: SkipThreshold,
+// SkipAggregated or SkipNoPrefill; "" when it has one.
+func SkipReason(pd policy.PairDecision) string {
+	switch {
+	case !pd.SkipPrefill:
+		return ""
+	case pd.Reason == reasonNoPrefill:
+		return SkipNoPrefill
+	case pd.Reason == "aggregated": // policy.Pair's and the ttft policy's reason
+		return SkipAggregated
+	}
+	return SkipThreshold
+}
+
 // pickPair asks the policy for a pair among views (the candidates Healthy)
 // and checks it.
 func (rt *Router) pickPair(req *policy.Request, views []policy.ReplicaView) (policy.PairDecision, error) {
@@ -122,7 +150,7 @@ func (rt *Router) pickPair(req *policy.Request, views []policy.ReplicaView) (pol
 	case nPre == 0:
 		var d policy.Decision
 		if d, err = rt.pol.Pick(req, dec); err == nil {
-			pd = policy.SkipPair(d, "no prefill replica available: the decode replica computes the prompt")
+			pd = policy.SkipPair(d, reasonNoPrefill)
 		}
 	case ok:
 		pd, err = pp.PickPair(req, pre, dec)
