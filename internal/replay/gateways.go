@@ -2,6 +2,7 @@ package replay
 
 import (
 	"fmt"
+	"hash/fnv"
 	"slices"
 	"time"
 
@@ -14,7 +15,9 @@ import (
 // the next gateway in turn, so the turns of one conversation land on
 // different gateways. Each gateway is a router.Router of its own, with its
 // own policy instance (built with the same options, as gateways deployed
-// from one configuration are), its own counts, index and router queue; every
+// from one configuration are; with SyncShared its seed mixed with the
+// gateway's id, as the live gateway's), its own counts, index and router
+// queue; every
 // gateway scrapes every replica and, in precise mode, follows every
 // replica's KV events.
 //
@@ -101,6 +104,17 @@ func (vr *virtualRun) sharing() bool {
 
 // gatewayName is gateway g's name in its batches.
 func gatewayName(g int) string { return fmt.Sprintf("gateway-%d", g) }
+
+// policySeed is the seed of gateway's policy when the gateways share
+// state: the configured seed mixed with the gateway's id, so that gateways
+// deployed from one configuration do not break every tie alike.
+// TODO(#14): the gateway's own rule (internal/gateway policySeed), written
+// twice until it moves to internal/sharedstate.
+func policySeed(seed uint64, gateway string) uint64 {
+	h := fnv.New64a()
+	_, _ = h.Write([]byte(gateway))
+	return seed ^ h.Sum64()
+}
 
 // gatewayOf is the gateway request number n (in arrival order) reaches.
 func (vr *virtualRun) gatewayOf(n int) int { return n % len(vr.gateways) }

@@ -114,8 +114,9 @@ type Config struct {
 
 	// Gateways is the number of gateways in front of the fleet (default
 	// 1): requests reach them in turn, by arrival; each has a router and a
-	// policy of its own (built with the same options), and scrapes (and
-	// follows the KV events of) every replica itself.
+	// policy of its own (built with the same options; with SyncShared the
+	// seed mixed with the gateway's id, as the live gateway does), and
+	// scrapes (and follows the KV events of) every replica itself.
 	Gateways int
 	// GatewaySync is how several gateways share their state: SyncShared
 	// (the default) or SyncNone.

@@ -128,10 +128,16 @@ func newVirtualRun(cfg Config, p *plan, spec PolicySpec) (*virtualRun, error) {
 		}
 	}
 	for g := range vr.gateways {
-		if g > 0 {
+		if g > 0 || vr.sharing() {
 			// Each gateway its own instance, built as the first: gateways
-			// deployed from one configuration share its options and seed.
-			if pol, err = spec.build(opt); err != nil {
+			// deployed from one configuration share its options and seed,
+			// but for the seed's mix with the gateway's id when they share
+			// state (as the live gateway seeds its policy).
+			o := opt
+			if vr.sharing() {
+				o.Seed = policySeed(cfg.Seed, gatewayName(g))
+			}
+			if pol, err = spec.build(o); err != nil {
 				return nil, fmt.Errorf("%w: %w", ErrConfig, err)
 			}
 		}
