@@ -1,0 +1,142 @@
+package gateway
+
+import (
+	"bytes"
+	"encoding/json"
+	"errors"
+	"io"
+)
+
+// Request bodies are forwarded as the client wrote them. The two steps of
+// a disaggregated request change a few top-level fields; editObject does
+// so and keeps every other member's bytes as they came (key, value, number
+// formatting, key order), as a proxy that decodes into a map and encodes
+// again would not (float precision, key order, duplicate keys).
+
+// fieldEdit sets or removes one top-level member of a JSON object.
+type fieldEdit struct {
+	key string
+	// value is the member's new JSON value; nil removes the member.
+	value []byte
+	// ifPresent: set only when the object has the member (vLLM's proxy sets
+	// max_completion_tokens only when the request has it).
+	ifPresent bool
+}
+
+// member is one top-level member of an object: its key, decoded, and its
+// bytes from the key's opening quote to the value's end.
+type member struct {
+	key string
+	raw []byte
+}
+
+// objectMembers splits a JSON object into its top-level members.
+func objectMembers(body []byte) ([]member, error) {
+	dec := json.NewDecoder(bytes.NewReader(body))
+	if tok, err := dec.Token(); err != nil || tok != json.Delim('{') {
+		return nil, errors.New("the request body is not a JSON object")
+	}
+	var out []member
+	for dec.More() {
+		start := dec.InputOffset()
+		tok, err := dec.Token()
+		if err != nil {
+			return nil, err
+		}
+		key, _ := tok.(string)
+		var v json.RawMessage
+		if err := dec.Decode(&v); err != nil {
+			return nil, err
+		}
+		raw := bytes.TrimLeft(body[start:dec.InputOffset()], " \t\r\n,")
+		out = append(out, member{key: key, raw: raw})
+	}
+	if tok, err := dec.Token(); err != nil || tok != json.Delim('}') {
+		return nil, errors.New("the request body is not a JSON object")
+	}
+	if _, err := dec.Token(); !errors.Is(err, io.EOF) {
+		return nil, errors.New("the request body has data after its JSON object")
+	}
+	return out, nil
+}
+
+// editObject applies edits to the JSON object body: the members they name
+// are removed (every occurrence of a duplicated key), and those with a
+// value are added at the end, in the order given; the other members keep
+// their bytes and order.
+func editObject(body []byte, edits ...fieldEdit) ([]byte, error) {
+	ms, err := objectMembers(body)
+	if err != nil {
+		return nil, err
+	}
+	present := map[string]bool{}
+	for _, m := range ms {
+		present[m.key] = true
+	}
+	edited := func(key string) bool {
+		for _, e := range edits {
+			if e.key == key {
+				return true
+			}
+		}
+		return false
+	}
+	out := make([]byte, 0, len(body)+256)
+	out = append(out, '{')
+	for _, m := range ms {
+		if !edited(m.key) {
+			out = appendMember(out, m.raw)
+		}
+	}
+	for _, e := range edits {
+		if e.value == nil || (e.ifPresent && !present[e.key]) {
+			continue
+		}
+		k, _ := json.Marshal(e.key)
+		out = appendMember(out, append(append(k, ':'), e.value...))
+	}
+	return append(out, '}'), nil
+}
+
+func appendMember(out, raw []byte) []byte {
+	if len(out) > 1 {
+		out = append(out, ',')
+	}
+	return append(out, raw...)
+}
+
+// prefillKVParams ask a prefill replica to hold the prompt's KV for a
+// remote decode: the parameters of vLLM's disaggregation proxies.
+var prefillKVParams = []byte(`{"do_remote_decode":true,"do_remote_prefill":false,"remote_engine_id":null,` +
+	`"remote_block_ids":null,"remote_host":null,"remote_port":null}`)
+
+// prefillBody is the prefill step's body: the client's with
+// prefillKVParams, stream false, max_tokens 1 (and max_completion_tokens 1
+// when present), without stream_options, and, as vLLM's toy proxy, without
+// min_tokens and min_completion_tokens (a prefill replica would refuse
+// them above max_tokens 1). Every other member keeps its bytes.
+func prefillBody(body []byte) ([]byte, error) {
+	one := []byte("1")
+	return editObject(body,
+		fieldEdit{key: "kv_transfer_params", value: prefillKVParams},
+		fieldEdit{key: "stream", value: []byte("false")},
+		fieldEdit{key: "max_tokens", value: one},
+		fieldEdit{key: "max_completion_tokens", value: one, ifPresent: true},
+		fieldEdit{key: "stream_options"},
+		fieldEdit{key: "min_tokens"},
+		fieldEdit{key: "min_completion_tokens"},
+	)
+}
+
+// decodeBody is the decode step's body: the client's, with the prefill
+// answer's kv_transfer_params (kv), or without any when kv is nil (the
+// decode replica computes the prompt). A client's own kv_transfer_params
+// never reach a replica of a prefill/decode fleet: they could point a
+// decode replica at any host.
+func decodeBody(body, kv []byte) ([]byte, error) {
+	// A key can only be spelled otherwise with \u escapes.
+	if kv == nil && !bytes.Contains(body, []byte("kv_transfer_params")) && !bytes.Contains(body, []byte(`\u`)) {
+		return body, nil
+	}
+	return editObject(body, fieldEdit{key: "kv_transfer_params", value: kv})
+}
