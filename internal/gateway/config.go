@@ -14,6 +14,7 @@ import (
 
 	"github.com/kvgate/kvgate/internal/costmodel"
 	"github.com/kvgate/kvgate/internal/policy"
+	"github.com/kvgate/kvgate/internal/router"
 	"github.com/kvgate/kvgate/internal/sharedstate"
 )
 
@@ -55,6 +56,13 @@ type ReplicaConfig struct {
 	DataParallelSize int `json:"data_parallel_size,omitempty"`
 	// APIKey is sent upstream as a bearer token (replicas started with --api-key).
 	APIKey string `json:"api_key,omitempty"`
+	// Role is the replica's part in prefill/decode disaggregation: both
+	// (the default: it serves whole requests), prefill (vLLM with
+	// kv_role kv_producer or kv_both: it computes prompts for decode
+	// replicas to pull) or decode (kv_consumer or kv_both: it pulls a
+	// prompt's KV and generates). A fleet with a replica of another role
+	// than both is routed in two steps (pd.go).
+	Role string `json:"role,omitempty"`
 }
 
 // Config is the gateway's configuration (YAML file and flags).
@@ -72,6 +80,12 @@ type Config struct {
 	// --kv-events-config endpoint, llm-d's topology); the topic
 	// kv@HOST:PORT@MODEL names the replica. Precise mode.
 	KVEventsListen string `json:"kv_events_listen,omitempty"`
+	// NonCachedTokens (prefill/decode fleets): when the decode replica
+	// chosen lacks fewer than this many tokens of the prompt, the prefill
+	// step is skipped and the decode replica computes the rest itself
+	// (llm-d's prefix-based-pd-decider threshold; default 16 as in llm-d's
+	// P/D guide; 0 never skips: every request is disaggregated).
+	NonCachedTokens int `json:"non_cached_tokens"`
 	// Profile is the replicas' latency profile, for the ttft estimate.
 	Profile        string `json:"profile"`
 	MaxBatchTokens int    `json:"max_batch_tokens"`
@@ -160,6 +174,7 @@ func Defaults() Config {
 		Seed:               1,
 		Tokenizer:          "approx",
 		BlockSize:          16,
+		NonCachedTokens:    router.DefaultNonCachedTokens,
 		Profile:            costmodel.Default,
 		MaxBatchTokens:     8192,
 		ScrapeInterval:     Duration(250 * time.Millisecond),
@@ -225,17 +240,26 @@ func ParseConfig(data []byte) (Config, error) {
 // ReplicaLists are the per-replica flags beside --replicas: comma lists
 // in the replicas' order, and one data-parallel size for all.
 type ReplicaLists struct {
+	// Prefill are the prefill replicas' URLs (--prefill-replicas): given,
+	// the replicas of --replicas are decode replicas, and these follow them
+	// in the list (and in --kv-events and --kv-events-replay) with role
+	// prefill.
+	Prefill                  string
 	KVEvents, KVEventsReplay string
 	DataParallelSize         int
 }
 
 // ParseReplicaList builds the replica list of the flags.
 func ParseReplicaList(urls string, l ReplicaLists) ([]ReplicaConfig, error) {
-	var out []ReplicaConfig
-	for _, u := range strings.Split(urls, ",") {
-		if u = strings.TrimSpace(u); u != "" {
-			out = append(out, ReplicaConfig{URL: u, DataParallelSize: l.DataParallelSize})
+	out := splitURLs(urls, "", l.DataParallelSize)
+	if strings.TrimSpace(l.Prefill) != "" {
+		if len(out) == 0 {
+			return nil, errors.New("--prefill-replicas needs --replicas: the decode replicas, which stream the answers")
 		}
+		for i := range out {
+			out[i].Role = policy.RoleDecode.String()
+		}
+		out = append(out, splitURLs(l.Prefill, policy.RolePrefill.String(), l.DataParallelSize)...)
 	}
 	for _, list := range []struct {
 		flag, eps string
@@ -256,6 +280,17 @@ func ParseReplicaList(urls string, l ReplicaLists) ([]ReplicaConfig, error) {
 		}
 	}
 	return out, nil
+}
+
+// splitURLs is a comma list of replica URLs, each of role.
+func splitURLs(urls, role string, dp int) []ReplicaConfig {
+	var out []ReplicaConfig
+	for _, u := range strings.Split(urls, ",") {
+		if u = strings.TrimSpace(u); u != "" {
+			out = append(out, ReplicaConfig{URL: u, DataParallelSize: dp, Role: role})
+		}
+	}
+	return out
 }
 
 // Validate checks the configuration and names the first problem.
@@ -314,7 +349,7 @@ func (c *Config) Validate() error {
 	if c.ScrapeInterval <= 0 || c.HealthInterval <= 0 {
 		errs = append(errs, errors.New("scrape_interval and health_interval must be positive"))
 	}
-	errs = append(errs, c.validatePrecise()...)
+	errs = append(append(errs, c.validatePrecise()...), c.validateRoles()...)
 	errs = append(errs, c.Record.validate()...)
 	if c.SharedState != "" {
 		if _, err := sharedstate.ParseURL(c.SharedState); err != nil {
@@ -322,6 +357,32 @@ func (c *Config) Validate() error {
 		}
 	}
 	return errors.Join(errs...)
+}
+
+// validateRoles checks the replicas' roles: spelled right, and a
+// prefill/decode fleet with a replica that can decode (stream answers).
+func (c *Config) validateRoles() []error {
+	var errs []error
+	disagg, decodes := false, 0
+	for i, r := range c.Replicas {
+		role, err := policy.ParseRole(r.Role)
+		if err != nil {
+			errs = append(errs, fmt.Errorf("replicas[%d].role: %w", i, err))
+			continue
+		}
+		disagg = disagg || role != policy.RoleBoth
+		if role.Decodes() {
+			decodes++
+		}
+	}
+	if disagg && decodes == 0 && len(errs) == 0 {
+		errs = append(errs, errors.New("a prefill/decode fleet needs at least one replica of role decode or both "+
+			"(--replicas with --prefill-replicas): prefill replicas only compute prompts, they never stream answers"))
+	}
+	if c.NonCachedTokens < 0 {
+		errs = append(errs, fmt.Errorf("non_cached_tokens %d: want ≥ 0 (0: never skip the prefill step)", c.NonCachedTokens))
+	}
+	return errs
 }
 
 // maxDataParallel bounds a server's data-parallel ranks (targets).

@@ -55,6 +55,9 @@ type Gateway struct {
 	bodies    *semaphore.Weighted // request-body bytes held at once
 	bodyBytes atomic.Int64        // what bodies holds (a metric)
 	prof      costmodel.Profile
+	// pd: some replica has a role other than both; requests are routed
+	// to prefill/decode pairs (pd.go).
+	pd bool
 
 	// draining: SIGTERM was received; /ready answers 503 and new requests
 	// are refused while in-flight ones finish. cut ends when drain_timeout
@@ -120,7 +123,7 @@ func New(cfg Config, o Options) (*Gateway, error) {
 	}
 	g := &Gateway{cfg: cfg, rt: rt, client: &http.Client{Transport: tr}, log: o.Logger, reg: o.Registry,
 		clock: o.Clock, prof: prof, jitter: rand.New(rand.NewPCG(cfg.Seed, 99)),
-		bodies: semaphore.NewWeighted(cfg.MaxBodyMemory), sync: syncer}
+		bodies: semaphore.NewWeighted(cfg.MaxBodyMemory), sync: syncer, pd: rt.Disaggregated()}
 	g.cut, g.cutNow = context.WithCancel(context.Background())
 	g.kvModels = make([]atomic.Pointer[string], rt.Replicas())
 	g.lim = newLimiter(cfg.MaxConcurrency, cfg.MaxQueue, cfg.QueueTimeout.D())
@@ -181,7 +184,8 @@ func dataParallelSizes(cfg Config, client *http.Client, log *slog.Logger) []int 
 func targets(cfg Config, ranks []int) []router.Spec {
 	var specs []router.Spec
 	for i, r := range cfg.Replicas {
-		sp := router.Spec{URL: strings.TrimRight(r.URL, "/"), APIKey: r.APIKey, KVEvents: r.KVEvents, KVReplay: r.KVEventsReplay}
+		role, _ := policy.ParseRole(r.Role) // checked by Validate
+		sp := router.Spec{URL: strings.TrimRight(r.URL, "/"), APIKey: r.APIKey, KVEvents: r.KVEvents, KVReplay: r.KVEventsReplay, Role: role}
 		if ranks[i] <= 1 {
 			specs = append(specs, sp)
 			continue
@@ -203,7 +207,11 @@ func newRouter(cfg Config, prof costmodel.Profile, clk clock.Clock, ranks []int,
 		return nil, err
 	}
 	specs := targets(cfg, ranks)
-	return router.New(router.Config{Specs: specs, Policy: pol, BlockSize: cfg.BlockSize,
+	nonCached := cfg.NonCachedTokens
+	if nonCached == 0 {
+		nonCached = -1 // the router's "never skip" (its 0 is its default)
+	}
+	return router.New(router.Config{Specs: specs, Policy: pol, BlockSize: cfg.BlockSize, NonCachedTokens: nonCached,
 		BlocksPerReplica: cfg.BlocksPerReplica, MaxEntries: cfg.IndexMaxEntries, Precise: cfg.Precise(), Now: clk.Now,
 		StaleAfter: cfg.ScrapeStaleAfter.D(), LearnOnAccept: true, OnLearn: learn,
 		Breaker: router.BreakerConfig{EjectAfter: cfg.EjectAfter, Cooldown: cfg.EjectCooldown.D()}})
