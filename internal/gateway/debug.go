@@ -4,10 +4,12 @@ import (
 	"crypto/subtle"
 	"encoding/json"
 	"net/http"
+	"slices"
 	"strings"
 
 	"github.com/kvgate/kvgate/internal/policy"
 	"github.com/kvgate/kvgate/internal/prompt"
+	"github.com/kvgate/kvgate/internal/router"
 )
 
 // adminToken is the configured token, from the config or KVGATE_ADMIN_TOKEN.
@@ -33,6 +35,8 @@ func (g *Gateway) admin(h http.HandlerFunc) http.HandlerFunc {
 
 type replicaDebug struct {
 	URL            string   `json:"url"`
+	Role           string   `json:"role,omitempty"` // a prefill/decode fleet's
+	Rank           *int     `json:"rank,omitempty"`
 	Healthy        bool     `json:"healthy"`
 	MatchBlocks    int      `json:"match_blocks"`
 	InFlight       int      `json:"in_flight"`
@@ -50,6 +54,12 @@ func replicaDebugs(g *Gateway, views []policy.ReplicaView, d *policy.Decision) [
 	for i, v := range views {
 		rd := replicaDebug{URL: v.URL, Healthy: v.Healthy, MatchBlocks: v.Match, InFlight: v.InFlight,
 			PendingPrefill: v.PendingPrefill, IndexBlocks: g.rt.Index().ReplicaLen(v.Index)}
+		if g.pd {
+			rd.Role = v.Role.String()
+		}
+		if k, ranked := g.rt.Replica(v.Index).Rank(); ranked {
+			rd.Rank = &k
+		}
 		if v.HaveMetrics {
 			w, r, k, age := v.Waiting, v.Running, v.KVUsage, float64(v.MetricsAge.Microseconds())/1000
 			rd.Waiting, rd.Running, rd.KVUsage, rd.MetricsAgeMs = &w, &r, &k, &age
@@ -94,27 +104,71 @@ func (g *Gateway) debug(w http.ResponseWriter, r *http.Request) {
 		writeError(w, err)
 		return
 	}
-	d, views, err := g.rt.DryRun(req)
 	resp := map[string]any{
-		"policy":   g.cfg.Policy,
-		"request":  map[string]any{"kind": kind.String(), "tokens": req.Tokens, "blocks": len(req.Blocks)},
-		"replicas": replicaDebugs(g, views, &d),
+		"policy":  g.cfg.Policy,
+		"request": map[string]any{"kind": kind.String(), "tokens": req.Tokens, "blocks": len(req.Blocks)},
 	}
-	if err != nil {
-		resp["error"] = err.Error()
+	if g.pd {
+		g.debugPair(resp, req)
 	} else {
-		d.Scores = nil
-		resp["decision"] = d
-		resp["replica_url"] = g.rt.URL(d.Replica)
-		if k, ranked := g.rt.Replica(d.Replica).Rank(); ranked {
-			resp["replica_rank"] = k
-		}
-		resp["est_ttft_ms"] = float64(d.EstTTFT.Microseconds()) / 1000
+		g.debugDecision(resp, req)
 	}
 	w.Header().Set("Content-Type", "application/json")
 	enc := json.NewEncoder(w)
 	enc.SetIndent("", "  ")
 	_ = enc.Encode(resp)
+}
+
+// debugDecision adds a request's decision to /debug/route's answer.
+func (g *Gateway) debugDecision(resp map[string]any, req *policy.Request) {
+	d, views, err := g.rt.DryRun(req)
+	resp["replicas"] = replicaDebugs(g, views, &d)
+	if err != nil {
+		resp["error"] = err.Error()
+		return
+	}
+	d.Scores = nil
+	resp["decision"] = d
+	resp["replica_url"] = g.rt.URL(d.Replica)
+	if k, ranked := g.rt.Replica(d.Replica).Rank(); ranked {
+		resp["replica_rank"] = k
+	}
+	resp["est_ttft_ms"] = float64(d.EstTTFT.Microseconds()) / 1000
+}
+
+// debugPair adds a request's prefill/decode pair to /debug/route's answer:
+// replica_url is the decode replica (X-Kvgate-Replica), prefill_url the
+// prefill replica (X-Kvgate-Prefill), absent with skip_reason when the
+// prefill step would be skipped; a replica's score is its side's (a
+// replica of role both: the decode side's).
+func (g *Gateway) debugPair(resp map[string]any, req *policy.Request) {
+	pd, views, err := g.rt.DryRunPD(req)
+	scores := policy.Decision{Scores: slices.Clone(pd.Decode.Scores)}
+	for i, v := range views {
+		if v.Role == policy.RolePrefill && i < len(pd.Prefill.Scores) && i < len(scores.Scores) {
+			scores.Scores[i] = pd.Prefill.Scores[i]
+		}
+	}
+	resp["replicas"] = replicaDebugs(g, views, &scores)
+	if err != nil {
+		resp["error"] = err.Error()
+		return
+	}
+	pd.Decode.Scores, pd.Prefill.Scores = nil, nil
+	resp["decision"] = pd
+	resp["replica_url"] = g.rt.URL(pd.Decode.Replica)
+	if k, ranked := g.rt.Replica(pd.Decode.Replica).Rank(); ranked {
+		resp["replica_rank"] = k
+	}
+	if why := router.SkipReason(pd); why != "" {
+		resp["skip_reason"] = why
+	} else {
+		resp["prefill_url"] = g.rt.URL(pd.Prefill.Replica)
+		if k, ranked := g.rt.Replica(pd.Prefill.Replica).Rank(); ranked {
+			resp["prefill_rank"] = k
+		}
+	}
+	resp["est_ttft_ms"] = float64(pd.Decode.EstTTFT.Microseconds()) / 1000
 }
 
 // adminReplicas serves GET /admin/replicas: every replica's state.

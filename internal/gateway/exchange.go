@@ -32,10 +32,14 @@ type exchange struct {
 	ctx     context.Context
 	exclude []int
 	refusal *bufferedResponse // the last 503/429, passed on if no replica takes it
+	// prefillBody is the body of the request's prefill steps (pd.go),
+	// made at the first one.
+	prefillBody []byte
 }
 
 // serveInference handles POST /v1/completions and /v1/chat/completions:
-// admit, then route and attempt until one attempt is final.
+// admit, then route and attempt until one attempt is final. A
+// prefill/decode fleet routes each try to a pair (routePDAttempt).
 func (g *Gateway) serveInference(w http.ResponseWriter, r *http.Request, kind prompt.Kind) {
 	x, release, err := g.admit(w, r, kind)
 	if err != nil {
@@ -43,8 +47,12 @@ func (g *Gateway) serveInference(w http.ResponseWriter, r *http.Request, kind pr
 		return
 	}
 	defer release()
+	route := g.routeAttempt
+	if g.pd {
+		route = g.routePDAttempt
+	}
 	for tries := 0; ; {
-		a, err := g.routeAttempt(x)
+		a, err := route(x, tries >= g.cfg.Retries)
 		if err != nil {
 			g.endUnrouted(x, err)
 			return
@@ -52,7 +60,7 @@ func (g *Gateway) serveInference(w http.ResponseWriter, r *http.Request, kind pr
 		if a.abort {
 			panic(http.ErrAbortHandler) // after settle; release runs as the panic unwinds
 		}
-		if !a.v.retryable() {
+		if !a.retryable() {
 			return
 		}
 		x.exclude = append(x.exclude, a.tk.Replica)
@@ -64,7 +72,8 @@ func (g *Gateway) serveInference(w http.ResponseWriter, r *http.Request, kind pr
 			return
 		}
 		g.met.retries.Inc()
-		x.log.Info("retrying on another replica", "replica", g.rt.Name(a.tk.Replica), "verdict", a.v.String(), "err", a.err)
+		x.log.Info("retrying on another replica", "replica", g.rt.Name(a.tk.Replica), "step", a.step,
+			"verdict", a.v.String(), "err", a.err)
 		if !clock.Sleep(g.clock, g.backoff(tries), x.ctx.Done()) {
 			g.endUnrouted(x, context.Cause(x.ctx))
 			return
@@ -74,7 +83,7 @@ func (g *Gateway) serveInference(w http.ResponseWriter, r *http.Request, kind pr
 
 // routeAttempt routes the exchange (less the replicas already tried),
 // attempts the chosen replica and settles the attempt.
-func (g *Gateway) routeAttempt(x *exchange) (*attempt, error) {
+func (g *Gateway) routeAttempt(x *exchange, _ bool) (*attempt, error) {
 	t0 := g.clock.Now()
 	x.req.Now = t0
 	tk, w, err := g.rt.Submit(x.req, x.exclude...)
@@ -90,7 +99,10 @@ func (g *Gateway) routeAttempt(x *exchange) (*attempt, error) {
 	if n := len(x.req.Blocks); n > 0 && len(x.exclude) == 0 {
 		g.met.matchRatio.Observe(float64(tk.Decision.Matched) / float64(n))
 	}
-	a := g.try(x, tk)
+	a := &attempt{tk: tk, cached: -1}
+	if g.allow(a) {
+		g.try(x, a)
+	}
 	g.settle(x, a)
 	if a.refusal != nil {
 		x.refusal = a.refusal

@@ -28,6 +28,11 @@ type metrics struct {
 	kvUnknownTopic                                  prometheus.Counter
 	routerQueued                                    prometheus.Gauge
 	routerWait                                      prometheus.Histogram
+	// Prefill/decode disaggregation.
+	pdAttempts      *prometheus.CounterVec // step, replica, verdict
+	prefillSkipped  *prometheus.CounterVec // reason
+	prefillFallback *prometheus.CounterVec // reason
+	prefillStep     prometheus.Histogram
 }
 
 var latencyBuckets = []float64{.005, .01, .025, .05, .075, .1, .15, .2, .3, .5, .75, 1, 1.5, 2, 3, 5, 7.5, 10, 20, 40, 80}
@@ -63,6 +68,7 @@ func newMetrics(reg prometheus.Registerer, rt *router.Router, clk clock.Clock) *
 	m.routerWait = prometheus.NewHistogram(prometheus.HistogramOpts{Name: "kvgate_router_queue_wait_seconds",
 		Help: "Time requests waited in the router's queue.", Buckets: prometheus.ExponentialBuckets(0.001, 4, 10)})
 	reg.MustRegister(m.routerQueued, m.routerWait)
+	m.newPDMetrics(reg)
 	reg.MustRegister(m.requests, m.errors, m.ttft, m.e2e, m.decision, m.matchRatio, m.retries, m.ejections, m.attempts, m.tokenize,
 		m.kvBatches, m.kvDropped, m.kvGaps, m.kvReplayed, m.kvBlockSizeMismatch, m.kvUnknownTopic, m.underpredicted)
 	reg.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "kvgate_index_entries",
@@ -115,6 +121,24 @@ func (m *metrics) newKVMetrics() {
 	m.underpredicted = prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvgate_precise_underpredicted_total",
 		Help: "Requests whose engine reported more cached prompt tokens than the trusted precise index predicted " +
 			"(by over two blocks): events that do not match requests (tokenizer, model name, block size)."}, []string{"replica"})
+}
+
+// newPDMetrics makes and registers the prefill/decode series.
+func (m *metrics) newPDMetrics(reg prometheus.Registerer) {
+	m.pdAttempts = prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvgate_pd_attempts_total",
+		Help: "Attempts of disaggregated requests' steps (prefill, decode) at a replica by verdict, as " +
+			"kvgate_attempts_total (which counts them too)."}, []string{"step", "replica", "verdict"})
+	m.prefillSkipped = prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvgate_prefill_skipped_total",
+		Help: "Requests routed to a prefill/decode fleet without a prefill step, by reason: threshold (the decode " +
+			"replica lacked fewer than non_cached_tokens of the prompt), aggregated (a replica of role both serves it " +
+			"whole), no_prefill_replica (none healthy, or all tried)."}, []string{"reason"})
+	m.prefillFallback = prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvgate_prefill_fallbacks_total",
+		Help: "Requests whose decode replica computed the prompt itself after a prefill step, by reason: " +
+			"prefill_failed (every retry failed), no_kv_transfer_params (the prefill replica is not a KV producer), " +
+			"prefill_stopped (generation ended at the first token: nothing to pull)."}, []string{"reason"})
+	m.prefillStep = prometheus.NewHistogram(prometheus.HistogramOpts{Name: "kvgate_prefill_step_seconds",
+		Help: "Duration of prefill steps answered 2xx, from the request to the prefill replica to its answer.", Buckets: latencyBuckets})
+	reg.MustRegister(m.pdAttempts, m.prefillSkipped, m.prefillFallback, m.prefillStep)
 }
 
 // registerPreciseGauges exposes replica i's precise-index state.

@@ -21,7 +21,7 @@ import (
 // left or stopped reading) or gatewayLimit.
 func (g *Gateway) relay(x *exchange, a *attempt, ctx context.Context, cancel context.CancelCauseFunc, resp *http.Response) {
 	copyHeaders(x.w.Header(), resp.Header)
-	setTarget(x.w.Header(), g.rt.Replica(a.tk.Replica))
+	setTarget(x.w.Header(), g.rt.Replica(a.tk.Replica), a.prefill)
 	x.w.Header().Set("X-Request-Id", x.id)
 	a.started = true
 	x.w.WriteHeader(resp.StatusCode)

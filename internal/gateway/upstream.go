@@ -18,22 +18,29 @@ import (
 	"github.com/kvgate/kvgate/internal/router"
 )
 
-// try sends the exchange to the ticket's replica and relays the answer. It
-// returns the attempt with its verdict; for a final verdict the client has
-// its answer (the replica's, or the gateway's error), for a retryable one
-// nothing was written to the client.
-func (g *Gateway) try(x *exchange, tk *router.Ticket) *attempt {
-	a := &attempt{tk: tk, cached: -1}
-	ok, pass := g.fleet.Allow(tk.Replica)
+// allow asks the breaker of a's replica for the attempt; false (verdict
+// skipped) when it is half-open with its trial in flight.
+func (g *Gateway) allow(a *attempt) bool {
+	ok, pass := g.fleet.Allow(a.tk.Replica)
 	if !ok {
 		a.v, a.err = skipped, errBreaker
-		return a
+		return false
 	}
 	a.pass = pass
+	return true
+}
+
+// try sends the exchange (a.body, or the client's body) to the attempt's
+// replica, which allow admitted, and relays the answer. It sets the
+// attempt's verdict: for a final verdict the client has its answer (the
+// replica's, or the gateway's error), for a retryable one nothing was
+// written to the client.
+func (g *Gateway) try(x *exchange, a *attempt) {
+	tk := a.tk
 	ctx, cancel := context.WithCancelCause(x.ctx)
 	defer cancel(context.Canceled)
 	var firstByte clock.Timer
-	up, wrote := g.upstreamRequest(ctx, x, tk.Replica, func() {
+	up, wrote := g.upstreamRequest(ctx, x, tk.Replica, a.payload(x), func() {
 		if firstByte != nil {
 			firstByte.Stop()
 		}
@@ -53,29 +60,24 @@ func (g *Gateway) try(x *exchange, tk *router.Ticket) *attempt {
 	resp, err := g.client.Do(up)
 	if err != nil {
 		g.transportFailure(x, a, ctx, wrote.Load(), err)
-		return a
+		return
 	}
 	defer resp.Body.Close()
 	a.status = resp.StatusCode
 	if resp.StatusCode == http.StatusServiceUnavailable || resp.StatusCode == http.StatusTooManyRequests {
-		// Refused before any work: safe to send elsewhere. Its body is read
-		// within a short bound, so a stalled refusal cannot hold the request.
-		t := g.clock.AfterFunc(refusalReadTimeout, func() { cancel(errIdleTimeout) })
-		g.refusal(x, a, resp)
-		t.Stop()
-		return a
+		g.refusal(x, a, cancel, resp)
+		return
 	}
 	if resp.StatusCode < 400 {
 		tk.Accept()
 	}
 	g.relay(x, a, ctx, cancel, resp)
-	return a
 }
 
 // upstreamRequest builds the request to replica i; wrote turns true once
 // the whole request has been written to the replica, and gotHeader runs
 // when the response's first byte arrives.
-func (g *Gateway) upstreamRequest(ctx context.Context, x *exchange, i int, gotHeader func()) (*http.Request, *atomic.Bool) {
+func (g *Gateway) upstreamRequest(ctx context.Context, x *exchange, i int, body []byte, gotHeader func()) (*http.Request, *atomic.Bool) {
 	wrote := new(atomic.Bool)
 	ctx = httptrace.WithClientTrace(ctx, &httptrace.ClientTrace{
 		WroteRequest: func(info httptrace.WroteRequestInfo) {
@@ -86,7 +88,7 @@ func (g *Gateway) upstreamRequest(ctx context.Context, x *exchange, i int, gotHe
 		GotFirstResponseByte: gotHeader,
 	})
 	rep := g.rt.Replica(i)
-	up, _ := http.NewRequestWithContext(ctx, http.MethodPost, rep.URL()+x.r.URL.Path, bytes.NewReader(x.body))
+	up, _ := http.NewRequestWithContext(ctx, http.MethodPost, rep.URL()+x.r.URL.Path, bytes.NewReader(body))
 	up.URL.RawQuery = x.r.URL.RawQuery
 	copyHeaders(up.Header, x.r.Header)
 	up.Header.Del("Authorization")
@@ -104,7 +106,7 @@ func (g *Gateway) upstreamRequest(ctx context.Context, x *exchange, i int, gotHe
 	}
 	up.Header.Set("X-Request-Id", x.id)
 	setForwarded(up.Header, x.r)
-	up.ContentLength = int64(len(x.body))
+	up.ContentLength = int64(len(body))
 	return up, wrote
 }
 
@@ -113,13 +115,25 @@ func (g *Gateway) upstreamRequest(ctx context.Context, x *exchange, i int, gotHe
 const headerDataParallelRank = "X-Data-Parallel-Rank"
 
 // setTarget names the target that answered: X-Kvgate-Replica (its URL)
-// and, for a data-parallel rank, X-Kvgate-Rank.
-func setTarget(h http.Header, r *router.Replica) {
+// and, for a data-parallel rank, X-Kvgate-Rank; and the prefill replica
+// whose KV it pulled, when not nil: X-Kvgate-Prefill (and
+// X-Kvgate-Prefill-Rank).
+func setTarget(h http.Header, r, prefill *router.Replica) {
 	h.Set("X-Kvgate-Replica", r.URL())
 	if k, ranked := r.Rank(); ranked {
 		h.Set("X-Kvgate-Rank", strconv.Itoa(k))
 	}
+	if prefill == nil {
+		return
+	}
+	h.Set(headerPrefill, prefill.URL())
+	if k, ranked := prefill.Rank(); ranked {
+		h.Set(headerPrefill+"-Rank", strconv.Itoa(k))
+	}
 }
+
+// headerPrefill names the prefill replica of a disaggregated request.
+const headerPrefill = "X-Kvgate-Prefill"
 
 // setForwarded appends the client's address to X-Forwarded-For (as
 // net/http/httputil's ReverseProxy does) and sets X-Forwarded-Proto.
@@ -141,27 +155,32 @@ func setForwarded(h http.Header, r *http.Request) {
 	}
 }
 
-// transportFailure classifies an attempt that got no response: the client
+// transportFailure sets the verdict of an attempt that got no response
+// (transportVerdict) and answers the client when it is final.
+func (g *Gateway) transportFailure(x *exchange, a *attempt, ctx context.Context, wrote bool, err error) {
+	a.v, a.err = transportVerdict(x, ctx, wrote, err)
+	if a.v == failed || a.v == gatewayLimit {
+		g.fail(x.w, x.r, upstreamError(a.err))
+	}
+}
+
+// transportVerdict classifies an attempt that got no response: the client
 // left, the gateway's limit, a refusal before the request was written
 // (retryable), or a failure after it (never retried: the replica may have
 // started, or the input may be what breaks it).
-func (g *Gateway) transportFailure(x *exchange, a *attempt, ctx context.Context, wrote bool, err error) {
+func transportVerdict(x *exchange, ctx context.Context, wrote bool, err error) (verdict, error) {
 	cause := context.Cause(ctx)
 	switch {
 	case x.r.Context().Err() != nil:
-		a.v, a.err = clientGone, x.r.Context().Err()
-		return
+		return clientGone, x.r.Context().Err()
 	case errors.Is(cause, errRequestTimeout), errors.Is(cause, errDrained):
-		a.v, a.err = gatewayLimit, cause
+		return gatewayLimit, cause
 	case errors.Is(cause, errFirstByteTimeout):
-		a.v, a.err = failed, cause
+		return failed, cause
 	case !wrote:
-		a.v, a.err = refused, err
-		return
-	default:
-		a.v, a.err = failed, err
+		return refused, err
 	}
-	g.fail(x.w, x.r, upstreamError(a.err))
+	return failed, err
 }
 
 // upstreamError is the client's error for a failed attempt: a timeout is a
@@ -184,17 +203,20 @@ func upstreamError(err error) error {
 // refusalReadTimeout bounds the read of a 503 or 429 body.
 const refusalReadTimeout = 2 * time.Second
 
-// refusal reads a 503 or 429 (bounded) to pass on if no other replica
-// takes the request.
-func (g *Gateway) refusal(x *exchange, a *attempt, resp *http.Response) {
+// refusal reads a 503 or 429 to pass on if no other replica takes the
+// request. Refused before any work: safe to send elsewhere. Its body is
+// read within a short bound, so a stalled refusal cannot hold the request.
+func (g *Gateway) refusal(x *exchange, a *attempt, cancel context.CancelCauseFunc, resp *http.Response) {
+	t := g.clock.AfterFunc(refusalReadTimeout, func() { cancel(errIdleTimeout) })
 	b, _ := io.ReadAll(io.LimitReader(resp.Body, 64<<10))
+	t.Stop()
 	a.v = busy
 	if resp.StatusCode == http.StatusServiceUnavailable {
 		a.v = refused
 	}
 	a.err = fmt.Errorf("replica answered %s", resp.Status)
 	a.refusal = &bufferedResponse{status: resp.StatusCode, header: resp.Header.Clone(), body: b,
-		replica: g.rt.Replica(a.tk.Replica), id: x.id}
+		replica: g.rt.Replica(a.tk.Replica), prefill: a.prefill, id: x.id}
 }
 
 // bufferedResponse is an upstream refusal kept to pass on if no retry works.
@@ -203,12 +225,13 @@ type bufferedResponse struct {
 	header  http.Header
 	body    []byte
 	replica *router.Replica
+	prefill *router.Replica // X-Kvgate-Prefill, when not nil
 	id      string
 }
 
 func (b *bufferedResponse) write(w http.ResponseWriter) {
 	copyHeaders(w.Header(), b.header)
-	setTarget(w.Header(), b.replica)
+	setTarget(w.Header(), b.replica, b.prefill)
 	w.Header().Set("X-Request-Id", b.id)
 	w.Header().Del("Content-Length")
 	if w.Header().Get("Retry-After") == "" {

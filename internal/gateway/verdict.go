@@ -50,6 +50,19 @@ func (v verdict) String() string {
 // so that another replica may take it.
 func (v verdict) retryable() bool { return v == refused || v == busy || v == skipped }
 
+// retryable reports whether the exchange may try again elsewhere after a:
+// its verdict is retryable, or it is a prefill step that failed (nothing
+// reached the client, and no decode step started).
+func (a *attempt) retryable() bool {
+	return a.v.retryable() || (a.step == stepPrefill && a.v == failed && !a.started)
+}
+
+// Steps of a disaggregated request (attempt.step; "" for a whole request).
+const (
+	stepPrefill = "prefill"
+	stepDecode  = "decode"
+)
+
 // Causes an attempt's context is cancelled with: each maps to a verdict.
 var (
 	errFirstByteTimeout = errors.New("the replica sent no response header within first_byte_timeout")
@@ -61,7 +74,21 @@ var (
 
 // attempt is one try of an exchange at one replica.
 type attempt struct {
-	tk      *router.Ticket
+	tk *router.Ticket
+	// step is the step of a disaggregated request (stepPrefill,
+	// stepDecode), "" for a whole request.
+	step string
+	// body is what is sent (nil: the client's body).
+	body []byte
+	// prefill is the prefill replica whose KV the decode step pulls (and a
+	// prefill step's own replica), named in X-Kvgate-Prefill; nil: none.
+	prefill *router.Replica
+	// kv is a prefill step's answer's kv_transfer_params (nil: none).
+	kv []byte
+	// noKV: a prefill step answered 2xx without kv_transfer_params.
+	noKV bool
+	// took is how long a prefill step took.
+	took    time.Duration
 	pass    router.Pass // the breaker's admission, reported back in settle
 	v       verdict
 	err     error // what went wrong, for logs (nil when served)
@@ -73,6 +100,14 @@ type attempt struct {
 	cached  int // the replica's usage.prompt_tokens_details.cached_tokens (-1: none)
 	output  int
 	firstAt time.Time
+}
+
+// payload is what the attempt sends: its body, or the client's.
+func (a *attempt) payload(x *exchange) []byte {
+	if a.body != nil {
+		return a.body
+	}
+	return x.body
 }
 
 // settle reports an attempt's verdict to everything that learns from it,
@@ -105,10 +140,15 @@ func (g *Gateway) settle(x *exchange, a *attempt) {
 	if a.v == served && a.tk.Underpredicted(a.cached) {
 		g.underpredicted(i)
 	}
-	g.rec.record(x, a) // served requests only, never waiting
+	if a.step != stepPrefill {
+		g.rec.record(x, a) // served requests only, never waiting
+	}
 	url := g.rt.Name(i)
 	if a.v != skipped {
 		g.met.attempts.WithLabelValues(url, a.v.String()).Inc()
+		if a.step != "" {
+			g.met.pdAttempts.WithLabelValues(a.step, url, a.v.String()).Inc()
+		}
 	}
 	if a.status != 0 {
 		g.met.requests.WithLabelValues(g.cfg.Policy, url, codeLabel(a.status)).Inc()
@@ -119,7 +159,7 @@ func (g *Gateway) settle(x *exchange, a *attempt) {
 	if !a.firstAt.IsZero() {
 		g.met.ttft.WithLabelValues(g.cfg.Policy).Observe(a.firstAt.Sub(x.start).Seconds())
 	}
-	x.log.Debug("attempt", "replica", url, "verdict", a.v.String(), "status", a.status,
+	x.log.Debug("attempt", "replica", url, "step", a.step, "verdict", a.v.String(), "status", a.status,
 		"matched_blocks", a.tk.Decision.Matched, "blocks", len(a.tk.Request().Blocks), "reason", a.tk.Decision.Reason,
 		"cached_tokens", a.cached, "e2e", end.Sub(x.start), "err", a.err)
 }
