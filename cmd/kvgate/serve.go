@@ -17,12 +17,15 @@ import (
 
 	"github.com/kvgate/kvgate/internal/gateway"
 	"github.com/kvgate/kvgate/internal/policy"
+	"github.com/kvgate/kvgate/internal/router"
 )
 
 // serveFlags are the flags of `kvgate serve`. Flags given explicitly
 // override the --config file; see config.
 type serveFlags struct {
 	configPath, listen, replicas, policy, kvEvents, tokenizer string
+	prefillReplicas                                           string
+	nonCached                                                 int
 	kvReplay, kvListen                                        string
 	dataParallel                                              int
 	adminToken, apiKeys, profile, logLevel                    string
@@ -37,10 +40,17 @@ func (f *serveFlags) register(fs *flag.FlagSet) {
 	fs.StringVar(&f.configPath, "config", "", "YAML configuration file (flags given explicitly override it)")
 	fs.StringVar(&f.listen, "listen", "127.0.0.1:8080", "address to serve the API on")
 	fs.StringVar(&f.replicas, "replicas", "", "comma-separated replica base URLs, e.g. http://127.0.0.1:8001,http://127.0.0.1:8002")
+	fs.StringVar(&f.prefillReplicas, "prefill-replicas", "", "prefill/decode disaggregation: comma-separated prefill replica base URLs "+
+		"(vLLM with a kv_producer or kv_both NixlConnector); the replicas of --replicas are then decode replicas, which pull the "+
+		"prompt's KV and stream the answers")
+	fs.IntVar(&f.nonCached, "non-cached-tokens", router.DefaultNonCachedTokens, "prefill/decode: skip the prefill step when the "+
+		"decode replica lacks fewer than this many prompt tokens (0: never skip)")
 	fs.StringVar(&f.policy, "policy", policy.Default, "routing policy: "+strings.Join(policy.Names(), ", "))
 	fs.Var(&f.params, "policy-param", "a policy parameter name=value (repeatable), e.g. cache_threshold=0.3")
-	fs.StringVar(&f.kvEvents, "kv-events", "", "precise mode: each replica's KV-event endpoint, in --replicas order (tcp://127.0.0.1:5557,...)")
-	fs.StringVar(&f.kvReplay, "kv-events-replay", "", "precise mode: each replica's KV-event replay endpoint (vLLM's replay_endpoint), in --replicas order: "+
+	fs.StringVar(&f.kvEvents, "kv-events", "", "precise mode: each replica's KV-event endpoint, in --replicas order, then --prefill-replicas' "+
+		"(tcp://127.0.0.1:5557,...)")
+	fs.StringVar(&f.kvReplay, "kv-events-replay", "", "precise mode: each replica's KV-event replay endpoint (vLLM's replay_endpoint), in --replicas order, "+
+		"then --prefill-replicas': "+
 		"missed batches are fetched from it at start and after a gap")
 	fs.StringVar(&f.kvListen, "kv-events-listen", "", "precise mode: bind this SUB socket (tcp://HOST:PORT) for replicas that connect their KV-event "+
 		"publishers (vLLM with a host in its --kv-events-config endpoint); the topic kv@HOST:PORT@MODEL names the replica")
@@ -85,7 +95,7 @@ func (f *serveFlags) run(ctx context.Context, inv invocation) error {
 	if err != nil {
 		return err
 	}
-	fmt.Fprintf(inv.stdout, "kvgate serving http://%s → %d replicas, policy %s\n", ln.Addr(), len(cfg.Replicas), cfg.Policy)
+	fmt.Fprintf(inv.stdout, "kvgate serving http://%s → %s, policy %s\n", ln.Addr(), fleetSummary(cfg), cfg.Policy)
 	if cfg.Record.Path != "" {
 		fmt.Fprintf(inv.stdout, "recording served requests to %s (replay it with: kvgate replay --trace %s)\n", cfg.Record.Path, cfg.Record.Path)
 	}
@@ -125,8 +135,8 @@ func (f *serveFlags) override(cfg *gateway.Config, set map[string]bool) error {
 	if set["kv-events-listen"] {
 		cfg.KVEventsListen = f.kvListen
 	}
-	if set["replicas"] || set["kv-events"] || set["kv-events-replay"] {
-		rs, err := gateway.ParseReplicaList(f.replicas, gateway.ReplicaLists{KVEvents: f.kvEvents,
+	if set["replicas"] || set["prefill-replicas"] || set["kv-events"] || set["kv-events-replay"] {
+		rs, err := gateway.ParseReplicaList(f.replicas, gateway.ReplicaLists{Prefill: f.prefillReplicas, KVEvents: f.kvEvents,
 			KVEventsReplay: f.kvReplay, DataParallelSize: f.dataParallel})
 		if err != nil {
 			return fmt.Errorf("%w: %v", errUsage, err)
@@ -137,6 +147,9 @@ func (f *serveFlags) override(cfg *gateway.Config, set map[string]bool) error {
 		for k := range cfg.Replicas {
 			cfg.Replicas[k].DataParallelSize = f.dataParallel
 		}
+	}
+	if set["non-cached-tokens"] {
+		cfg.NonCachedTokens = f.nonCached
 	}
 	if set["policy"] || noFile {
 		cfg.Policy = f.policy
@@ -233,6 +246,29 @@ func serveUntil(ctx context.Context, ln net.Listener, g *gateway.Gateway, log *s
 	cancel() // the replicas are watched until the last request is done
 	wg.Wait()
 	return err
+}
+
+// fleetSummary counts the replicas for the startup line: "4 replicas", or
+// by role on a prefill/decode fleet ("2 prefill + 2 decode replicas").
+func fleetSummary(cfg gateway.Config) string {
+	n := map[string]int{}
+	for _, r := range cfg.Replicas {
+		role := r.Role
+		if role == "" {
+			role = policy.RoleBoth.String()
+		}
+		n[role]++
+	}
+	if n[policy.RoleBoth.String()] == len(cfg.Replicas) {
+		return fmt.Sprintf("%d replicas", len(cfg.Replicas))
+	}
+	var parts []string
+	for _, r := range []policy.Role{policy.RolePrefill, policy.RoleDecode, policy.RoleBoth} {
+		if n[r.String()] > 0 {
+			parts = append(parts, fmt.Sprintf("%d %s", n[r.String()], r))
+		}
+	}
+	return strings.Join(parts, " + ") + " replicas"
 }
 
 // redactURL is u without its password (a redis:// URL may carry one).
