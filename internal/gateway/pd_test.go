@@ -17,6 +17,7 @@ import (
 	"github.com/openai/openai-go/v3/option"
 
 	"github.com/kvgate/kvgate/internal/engine"
+	"github.com/kvgate/kvgate/internal/policy"
 	"github.com/kvgate/kvgate/internal/prompt"
 	"github.com/kvgate/kvgate/internal/sim"
 )
@@ -44,6 +45,23 @@ func pdConfig(t *testing.T, policy string, pre, dec []string) Config {
 	return cfg
 }
 
+// waitPD waits until every replica is scraped and lists its models: a
+// prefill replica not yet listed is no candidate, and requests would go to
+// the decode replicas alone.
+func waitPD(t *testing.T, gw *testGW) {
+	t.Helper()
+	waitHealthy(t, gw)
+	rt := gw.g.Router()
+	eventually(t, "every replica's models listed", func() bool {
+		for i := range rt.Replicas() {
+			if rt.Replica(i).Served() == nil {
+				return false
+			}
+		}
+		return true
+	})
+}
+
 // pdHeaders checks a disaggregated answer's headers: the decode replica
 // that answered, and the prefill replica whose KV it pulled.
 func pdHeaders(t *testing.T, what string, h http.Header, pre, dec []string) {
@@ -63,7 +81,7 @@ func pdHeaders(t *testing.T, what string, h http.Header, pre, dec []string) {
 func TestPDOpenAIClient(t *testing.T) {
 	pre, dec, _ := pdSims(t)
 	gw := startGateway(t, pdConfig(t, "ttft", pre, dec))
-	waitHealthy(t, gw)
+	waitPD(t, gw)
 	ctx := context.Background()
 	c := client(gw.srv.URL)
 	ignoreEOS := option.WithJSONSet("ignore_eos", true)
@@ -117,6 +135,31 @@ func TestPDOpenAIClient(t *testing.T) {
 	if n := counterValue(t, gw.g.reg, "kvgate_pd_attempts_total", map[string]string{"step": "prefill", "verdict": "served"}); n != 4 {
 		t.Fatalf("%v prefill steps served, want 4", n)
 	}
+	// Observed as the handler ends, a moment after the counts go down.
+	eventually(t, "the time to first token of the 2 streamed requests (the whole path)", func() bool {
+		return histogramCount(t, gw, "kvgate_time_to_first_token_seconds") == 2
+	})
+	if n := histogramCount(t, gw, "kvgate_prefill_step_seconds"); n != 4 {
+		t.Fatalf("%d prefill step durations observed, want 4", n)
+	}
+}
+
+// histogramCount is the number of observations of a histogram.
+func histogramCount(t *testing.T, gw *testGW, name string) uint64 {
+	t.Helper()
+	fams, err := gw.g.reg.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var n uint64
+	for _, f := range fams {
+		if f.GetName() == name {
+			for _, m := range f.GetMetric() {
+				n += m.GetHistogram().GetSampleCount()
+			}
+		}
+	}
+	return n
 }
 
 // conversation is a chat's history as a request body.
@@ -151,7 +194,7 @@ func usageOfBody(t *testing.T, body string) openai.CompletionUsage {
 func TestPDConversation(t *testing.T) {
 	pre, dec, fl := pdSims(t)
 	gw := startGateway(t, pdConfig(t, "ttft", pre, dec))
-	waitHealthy(t, gw)
+	waitPD(t, gw)
 	replica := map[string]*sim.Replica{}
 	for _, r := range fl.Replicas() {
 		replica[r.URL()] = r
@@ -201,8 +244,9 @@ func TestPDConversation(t *testing.T) {
 			}
 			skips++
 		}
-		lastPrompt = int(u.PromptTokens)
+		lastPrompt, holderD = int(u.PromptTokens), d
 		conv.add("assistant", "Because caches are fast.")
+		waitIdle(t, gw) // the user reads the answer: the gateway has settled it
 	}
 	t.Logf("later turns: %d prefilled on the conversation's prefill replica, %d skipped", hits, skips)
 	if skips == 0 {
@@ -277,7 +321,7 @@ func TestPDPrefillRefusedIsRetried(t *testing.T) {
 	cfg := pdConfig(t, "round_robin", []string{bad.srv.URL, pre[0]}, dec)
 	cfg.EjectAfter = 1000 // keep it in rotation: only the retry saves the requests
 	gw := startGateway(t, cfg)
-	waitHealthy(t, gw)
+	waitPD(t, gw)
 	for i := range 6 {
 		resp, body := post(t, gw.srv.URL+"/v1/completions", longPrompt(i, `,"stream":true,"stream_options":{"include_usage":true},"seed":7`))
 		if resp.StatusCode != 200 {
@@ -289,9 +333,13 @@ func TestPDPrefillRefusedIsRetried(t *testing.T) {
 	if len(got) == 0 {
 		t.Fatal("round robin never picked the refusing prefill replica")
 	}
-	want := `{"model":"` + sim.DefaultModel + `","prompt":"request 0 ` + strings.Repeat("tell me about prefill and decode. ", 12) +
+	// The client's body as sent, less stream, stream_options and
+	// max_tokens, then the proxy's members.
+	i := strings.Index(got[0], "request ")
+	n := got[0][i+len("request ") : i+len("request 0")]
+	want := `{"model":"` + sim.DefaultModel + `","prompt":"request ` + n + " " + strings.Repeat("tell me about prefill and decode. ", 12) +
 		`","ignore_eos":true,"seed":7,"kv_transfer_params":` + string(prefillKVParams) + `,"stream":false,"max_tokens":1}`
-	if !slices.Contains(got, want) {
+	if i < 0 || got[0] != want {
 		t.Fatalf("the prefill step's body\n got %s\nwant %s", got[0], want)
 	}
 	waitIdle(t, gw)
@@ -311,7 +359,7 @@ func TestPDPrefillFallback(t *testing.T) {
 	cfg := pdConfig(t, "ttft", []string{a.srv.URL, b.srv.URL}, dec)
 	cfg.Retries, cfg.EjectAfter = 1, 1000
 	gw := startGateway(t, cfg)
-	waitHealthy(t, gw)
+	waitPD(t, gw)
 	resp, body := post(t, gw.srv.URL+"/v1/completions", longPrompt(0, ""))
 	if resp.StatusCode != 200 || resp.Header.Get(headerPrefill) != "" || !slices.Contains(dec, resp.Header.Get("X-Kvgate-Replica")) {
 		t.Fatalf("every prefill refusing: %d %v %s", resp.StatusCode, resp.Header, body)
@@ -345,7 +393,7 @@ func TestPDPrefillClientError(t *testing.T) {
 	cfg := pdConfig(t, "ttft", pre, dec)
 	cfg.EjectAfter = 1
 	gw := startGateway(t, cfg)
-	waitHealthy(t, gw)
+	waitPD(t, gw)
 	// The sim, as vLLM's NixlConnector, transfers one sequence: n 2 is refused.
 	resp, body := post(t, gw.srv.URL+"/v1/completions", longPrompt(0, `,"n":2`))
 	var e errorBody
@@ -380,7 +428,7 @@ func TestPDDebugRoute(t *testing.T) {
 	cfg := pdConfig(t, "ttft", pre, dec)
 	cfg.AdminToken = "s3cret"
 	gw := startGateway(t, cfg)
-	waitHealthy(t, gw)
+	waitPD(t, gw)
 	route := func(body string) map[string]any {
 		resp, out := post(t, gw.srv.URL+"/debug/route", body, "Authorization", "Bearer s3cret")
 		var m map[string]any
@@ -408,5 +456,56 @@ func TestPDDebugRoute(t *testing.T) {
 	waitIdle(t, gw)
 	if m := route(longPrompt(0, "")); m["skip_reason"] != "threshold" || m["prefill_url"] != nil {
 		t.Fatalf("the same prompt again: %v", m)
+	}
+}
+
+// A decode replica that refuses before the decode step starts sends the
+// request through both steps again, to another decode replica; the
+// refusing one got the client's request with the prefill's parameters.
+func TestPDDecodeRefusedRoutesAgain(t *testing.T) {
+	pre, dec, _ := pdSims(t)
+	bad := newPDFake(t, http.StatusServiceUnavailable)
+	cfg := pdConfig(t, "round_robin", pre, []string{bad.srv.URL, dec[0]})
+	cfg.EjectAfter = 1000
+	gw := startGateway(t, cfg)
+	waitPD(t, gw)
+	for i := range 4 {
+		resp, body := post(t, gw.srv.URL+"/v1/completions", longPrompt(i, `,"stream":true`))
+		if resp.StatusCode != 200 || !strings.HasSuffix(body, "data: [DONE]\n\n") {
+			t.Fatalf("request %d: %d %s", i, resp.StatusCode, body)
+		}
+		pdHeaders(t, fmt.Sprintf("request %d", i), resp.Header, pre, dec[:1])
+	}
+	got := bad.got()
+	if len(got) == 0 {
+		t.Fatal("round robin never picked the refusing decode replica")
+	}
+	var req struct {
+		Stream bool `json:"stream"`
+		KV     struct {
+			DoRemotePrefill bool    `json:"do_remote_prefill"`
+			RemoteBlockIDs  []int64 `json:"remote_block_ids"`
+			RemoteHost      string  `json:"remote_host"`
+		} `json:"kv_transfer_params"`
+	}
+	if err := json.Unmarshal([]byte(got[0]), &req); err != nil || !req.Stream || !req.KV.DoRemotePrefill ||
+		len(req.KV.RemoteBlockIDs) == 0 || req.KV.RemoteHost == "" {
+		t.Fatalf("the decode step's body: %v %s", err, got[0])
+	}
+	waitIdle(t, gw)
+	refused := counterValue(t, gw.g.reg, "kvgate_pd_attempts_total", map[string]string{"step": "decode", "replica": bad.srv.URL, "verdict": "refused"})
+	if int(refused) != len(got) {
+		t.Fatalf("%v decode refusals counted, %d sent", refused, len(got))
+	}
+}
+
+// A data-parallel replica's ranks keep its role.
+func TestTargetsCarryRole(t *testing.T) {
+	cfg := baseConfig("http://d:1", "http://p:1")
+	cfg.Replicas[0].Role, cfg.Replicas[1].Role = "decode", "prefill"
+	specs := targets(cfg, []int{1, 2})
+	if len(specs) != 3 || specs[0].Role != policy.RoleDecode || specs[1].Role != policy.RolePrefill ||
+		specs[2].Role != policy.RolePrefill || !specs[2].Ranked || specs[2].Rank != 1 {
+		t.Fatalf("%+v", specs)
 	}
 }
