@@ -207,12 +207,20 @@ func (g *Gateway) prefillStep(x *exchange, tk *router.Ticket) (*attempt, error) 
 	return a, nil
 }
 
-// sendPrefill sends a prefill step and reads its answer.
+// sendPrefill sends a prefill step and reads its answer, within
+// first_byte_timeout: the prefill's answer is what the decode step, and
+// so the client's first byte, waits for, and a replica that hangs must
+// not hold the request until request_timeout (it counts as failed, and
+// the step is retried elsewhere).
 func (g *Gateway) sendPrefill(x *exchange, a *attempt) {
 	ctx, cancel := context.WithCancelCause(x.ctx)
 	defer cancel(context.Canceled)
 	t0 := g.clock.Now()
 	defer func() { a.took = g.clock.Since(t0) }()
+	if d := g.cfg.FirstByteTimeout.D(); d > 0 {
+		t := g.clock.AfterFunc(d, func() { cancel(errFirstByteTimeout) })
+		defer t.Stop()
+	}
 	up, wrote := g.upstreamRequest(ctx, x, a.tk.Replica, a.body, nil)
 	resp, err := g.client.Do(up)
 	if err != nil {

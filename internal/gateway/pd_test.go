@@ -20,6 +20,7 @@ import (
 	"github.com/kvgate/kvgate/internal/policy"
 	"github.com/kvgate/kvgate/internal/prompt"
 	"github.com/kvgate/kvgate/internal/sim"
+	"github.com/kvgate/kvgate/internal/testutil"
 )
 
 // pdSims starts 2 prefill and 2 decode simulated replicas: prefill URLs
@@ -259,8 +260,9 @@ func TestPDConversation(t *testing.T) {
 }
 
 // pdFake is a replica serving the sim's model whose completions answer
-// status (when not 0) or a prefill answer without kv_transfer_params (a
-// replica that is not a KV producer); it keeps the bodies it got.
+// status (when not 0; -1: no answer until the request is cancelled) or a
+// prefill answer without kv_transfer_params (a replica that is not a KV
+// producer); it keeps the bodies it got.
 type pdFake struct {
 	srv    *httptest.Server
 	status atomic.Int64
@@ -286,6 +288,10 @@ func newPDFake(t *testing.T, status int) *pdFake {
 		f.bodies = append(f.bodies, string(b))
 		f.mu.Unlock()
 		w.Header().Set("Content-Type", "application/json")
+		if f.status.Load() < 0 {
+			<-r.Context().Done()
+			return
+		}
 		if s := f.status.Load(); s != 0 {
 			w.WriteHeader(int(s))
 			fmt.Fprintf(w, `{"error":{"message":"status %d","type":"x","code":"y"}}`, s)
@@ -507,5 +513,29 @@ func TestTargetsCarryRole(t *testing.T) {
 	if len(specs) != 3 || specs[0].Role != policy.RoleDecode || specs[1].Role != policy.RolePrefill ||
 		specs[2].Role != policy.RolePrefill || !specs[2].Ranked || specs[2].Rank != 1 {
 		t.Fatalf("%+v", specs)
+	}
+}
+
+// A prefill replica that does not answer within first_byte_timeout fails
+// its step (counted against it); with no retry left the decode replica
+// computes the prompt.
+func TestPDPrefillTimeout(t *testing.T) {
+	_, dec, _ := pdSims(t)
+	hung := newPDFake(t, -1)
+	cfg := pdConfig(t, "ttft", []string{hung.srv.URL}, dec)
+	cfg.Retries = 0
+	gw, clk := gwWithClock(t, cfg)
+	waitPD(t, gw)
+	done := make(chan testutil.Response, 1)
+	go func() { done <- testutil.Post(t, nil, gw.srv.URL+"/v1/completions", longPrompt(0, "")) }()
+	eventually(t, "the prefill step at the hung replica", func() bool { return len(hung.got()) == 1 })
+	clk.Advance(cfg.FirstByteTimeout.D())
+	r := <-done
+	if r.Status != 200 || r.Header.Get(headerPrefill) != "" || !slices.Contains(dec, r.Header.Get("X-Kvgate-Replica")) {
+		t.Fatalf("%d %v %s", r.Status, r.Header, r.Body)
+	}
+	waitIdle(t, gw)
+	if n := counterValue(t, gw.g.reg, "kvgate_pd_attempts_total", map[string]string{"replica": hung.srv.URL, "verdict": "failed"}); n != 1 {
+		t.Fatalf("the hung prefill replica's failures: %v", n)
 	}
 }
