@@ -64,7 +64,8 @@ func (f *serveFlags) register(fs *flag.FlagSet) {
 	fs.DurationVar(&f.scrape, "scrape-interval", 250*time.Millisecond, "how often each replica's /metrics is scraped")
 	fs.IntVar(&f.retries, "retries", 2, "other replicas a request may try when one refused it before any work (connection refused, 503, 429)")
 	d := gateway.Defaults()
-	fs.DurationVar(&f.firstByte, "first-byte-timeout", d.FirstByteTimeout.D(), "streamed requests: the longest wait for the replica's response header (0: none)")
+	fs.DurationVar(&f.firstByte, "first-byte-timeout", d.FirstByteTimeout.D(), "streamed requests: the longest wait for the replica's response header; "+
+		"prefill/decode: the longest a prefill step may take (0: none)")
 	fs.DurationVar(&f.idle, "stream-idle-timeout", d.StreamIdleTimeout.D(), "the longest silence between two events of a stream (0: none)")
 	fs.DurationVar(&f.write, "write-timeout", d.WriteTimeout.D(), "the longest a write to a client may block: a client that stops reading loses its request")
 	fs.DurationVar(&f.request, "request-timeout", d.RequestTimeout.D(), "the longest a request may take in all")

@@ -107,7 +107,8 @@ type Config struct {
 	RetryBackoffMax Duration `json:"retry_backoff_max"`
 	ConnectTimeout  Duration `json:"connect_timeout"`
 	// FirstByteTimeout bounds the wait for a streamed answer's header (vLLM
-	// sends it on admission); non-streamed answers are never cut by it.
+	// sends it on admission), and a prefill step's whole answer on a
+	// prefill/decode fleet; non-streamed answers are never cut by it.
 	FirstByteTimeout Duration `json:"first_byte_timeout"`
 	// StreamIdleTimeout bounds the silence between two events of a stream
 	// (and between the header and the first event).
