@@ -7,6 +7,7 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/kvgate/kvgate/internal/prompt"
 	"github.com/kvgate/kvgate/internal/sim"
 	"github.com/kvgate/kvgate/internal/testutil"
 )
@@ -38,6 +39,19 @@ func matchAnywhere(gw *testGW, text string) int {
 		m = max(m, matchOn(gw, sim.DefaultModel, text, i))
 	}
 	return m
+}
+
+// fullMatch reports whether gw's index holds all of text's blocks on the
+// replica at url.
+func fullMatch(gw *testGW, text, url string) bool {
+	rt := gw.g.Router()
+	for i := range rt.Replicas() {
+		if rt.Name(i) == url {
+			req := rt.Prepare(&prompt.Parsed{Kind: prompt.Completion, Model: sim.DefaultModel, Text: text, KeyText: text, Prompts: 1}, "", "")
+			return len(req.Blocks) > 0 && rt.Views(req)[i].Match == len(req.Blocks)
+		}
+	}
+	return false
 }
 
 // Without Redis: the index is written at shutdown and read at start, so a
@@ -78,7 +92,7 @@ func TestSharedStateTwoGateways(t *testing.T) {
 		waitHealthy(t, gw)
 	}
 	const convs, turns = 12, 4
-	holder := make([]string, convs)
+	holder, last := make([]string, convs), make([]string, convs)
 	stayed, later := 0, 0
 	used := map[string]bool{}
 	for k := range turns {
@@ -86,6 +100,7 @@ func TestSharedStateTwoGateways(t *testing.T) {
 			gw := gws[(c+k)%2]
 			text := conversationTurn(c, k)
 			got := routedTo(t, gw, sim.DefaultModel, text)
+			last[c] = got
 			if k == 0 {
 				holder[c] = got
 				used[got] = true
@@ -98,7 +113,7 @@ func TestSharedStateTwoGateways(t *testing.T) {
 			// A client thinks for seconds between turns; here: until the
 			// other gateway has heard of this one.
 			other := gws[(c+k+1)%2]
-			eventually(t, "the decision shared", func() bool { return matchAnywhere(other, text) > 0 })
+			eventually(t, "the decision shared", func() bool { return fullMatch(other, text, got) })
 		}
 	}
 	if stayed*10 < later*9 {
@@ -119,9 +134,16 @@ func TestSharedStateTwoGateways(t *testing.T) {
 		r.Body.Close()
 		return r.StatusCode == 200
 	})
+	// Ready as soon as one replica is: its first requests wait until every
+	// replica lists its models, or they could only go to those listed.
+	waitHealthy(t, gws[1])
 	for c := range 4 {
-		if got := routedTo(t, gws[1], sim.DefaultModel, conversationTurn(c, turns)); got != holder[c] {
-			t.Errorf("restarted gateway: conversation %d went to %s, its holder is %s", c, got, holder[c])
+		if got := routedTo(t, gws[1], sim.DefaultModel, conversationTurn(c, turns)); got != last[c] {
+			var ms []int
+			for i := range gws[1].g.Router().Replicas() {
+				ms = append(ms, matchOn(gws[1], sim.DefaultModel, conversationTurn(c, turns), i))
+			}
+			t.Errorf("restarted gateway: conversation %d went to %s, its last turn's replica is %s (matches now %v, replicas %v)", c, got, last[c], ms, fl.URLs())
 		}
 	}
 
