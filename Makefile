@@ -8,8 +8,11 @@ BIN := bin/kvgate
 
 all: build
 
+# kvgate version prints it; the commit and its date come from the toolchain's VCS stamp.
+VERSION ?= $(shell git describe --tags --always --dirty 2>/dev/null || echo dev)
+
 build:
-	$(GO) build -o $(BIN) ./cmd/kvgate
+	$(GO) build -ldflags "-X main.version=$(VERSION)" -o $(BIN) ./cmd/kvgate
 
 # The test command of the README and of CI: formatting, vet, every test with the race detector.
 test: fmt-check vet

@@ -82,6 +82,9 @@ func verbs() []verb {
 		{"demo", "[--report DIR] [--replicas N] [--time-scale X] [bench flags]",
 			"sim + serve + bench in one command, ending with a table and a report",
 			func() command { return &demoFlags{} }},
+		{"version", "[--json]",
+			"print the version, commit, commit date and Go version of this binary",
+			func() command { return &versionFlags{} }},
 	}
 }
 
@@ -93,7 +96,7 @@ func usage(w io.Writer) {
 	for _, v := range verbs() {
 		fmt.Fprintf(w, "  %-7s %s\n", v.name, v.summary)
 	}
-	fmt.Fprintf(w, "\nRun 'kvgate <command> -h' for a command's flags.\n")
+	fmt.Fprintf(w, "\nRun 'kvgate <command> -h' for a command's flags; 'kvgate --version' is 'kvgate version'.\n")
 }
 
 func main() {
@@ -113,6 +116,8 @@ func run(ctx context.Context, args []string, stdin io.Reader, stdout, stderr io.
 	case "-h", "-help", "--help", "help":
 		usage(stdout)
 		return 0
+	case "-version", "--version":
+		args = append([]string{"version"}, args[1:]...) // the verb's flags (--json) still apply
 	}
 	for _, v := range verbs() {
 		if v.name != args[0] {
