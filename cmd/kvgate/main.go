@@ -129,6 +129,9 @@ func run(ctx context.Context, args []string, stdin io.Reader, stdout, stderr io.
 			return 0
 		case errors.Is(err, flag.ErrHelp):
 			return 0
+		case errors.Is(err, errBadConfig):
+			fmt.Fprintln(stderr, "kvgate "+v.name+":", err)
+			return 2
 		case errors.Is(err, errUsage):
 			fmt.Fprintln(stderr, err)
 			return 2

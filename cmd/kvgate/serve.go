@@ -1,6 +1,7 @@
 package main
 
 import (
+	"cmp"
 	"context"
 	"flag"
 	"fmt"
@@ -34,10 +35,13 @@ type serveFlags struct {
 	seed                                                      uint64
 	blockSize, retries, maxConns                              int
 	scrape, firstByte, idle, write, request, drain            time.Duration
+	check                                                     bool
 }
 
 func (f *serveFlags) register(fs *flag.FlagSet) {
 	fs.StringVar(&f.configPath, "config", "", "YAML configuration file (flags given explicitly override it)")
+	fs.BoolVar(&f.check, "check-config", false, "load and validate the configuration (file and flags), print a summary and exit: "+
+		"0 valid, 2 invalid; nothing is started and no replica contacted")
 	fs.StringVar(&f.listen, "listen", "127.0.0.1:8080", "address to serve the API on")
 	fs.StringVar(&f.replicas, "replicas", "", "comma-separated replica base URLs, e.g. http://127.0.0.1:8001,http://127.0.0.1:8002")
 	fs.StringVar(&f.prefillReplicas, "prefill-replicas", "", "prefill/decode disaggregation: comma-separated prefill replica base URLs "+
@@ -82,6 +86,9 @@ func (f *serveFlags) register(fs *flag.FlagSet) {
 
 func (f *serveFlags) run(ctx context.Context, inv invocation) error {
 	cfg, level, err := f.config(inv.set)
+	if f.check {
+		return reportCheck(inv.stdout, cmp.Or(f.configPath, "flags only"), cfg, err)
+	}
 	if err != nil {
 		return err
 	}

@@ -1,0 +1,145 @@
+package main
+
+import (
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"sort"
+	"strconv"
+	"strings"
+
+	"github.com/kvgate/kvgate/internal/costmodel"
+	"github.com/kvgate/kvgate/internal/gateway"
+	"github.com/kvgate/kvgate/internal/policy"
+)
+
+// errBadConfig marks a configuration `kvgate serve --check-config`
+// rejected: exit status 2, as a usage error, so that a deploy script can
+// tell a bad file from a gateway that failed while running.
+var errBadConfig = errors.New("invalid configuration")
+
+// checkConfig is what `kvgate serve` would reject at start, found without
+// starting anything: no socket bound, no replica, Redis or file touched.
+// It is gateway.Config.Validate, plus what gateway.New checks beyond it
+// (the policy and its parameters), plus the listen address net.Listen
+// would refuse. The Kubernetes manifests' test calls it on their ConfigMap.
+func checkConfig(cfg gateway.Config) error {
+	errs := []error{cfg.Validate()}
+	if prof, err := costmodel.Lookup(cfg.Profile); err == nil { // else Validate named it
+		// The options gateway.New builds the policy with, so that a
+		// parameter it would refuse is refused here.
+		_, err := policy.New(cfg.Policy, policy.Options{Seed: cfg.Seed, BlockSize: cfg.BlockSize, Profile: prof,
+			MaxBatchTokens: cfg.MaxBatchTokens, Params: cfg.PolicyParams})
+		errs = append(errs, err)
+	}
+	errs = append(errs, checkListen(cfg.Listen))
+	return errors.Join(errs...)
+}
+
+// checkListen checks a listen address's form (HOST:PORT, HOST may be empty
+// for every interface) without resolving the host.
+func checkListen(addr string) error {
+	_, port, err := net.SplitHostPort(addr)
+	if err != nil {
+		return fmt.Errorf("listen %q: want HOST:PORT (e.g. 0.0.0.0:8080 or :8080): %v", addr, err)
+	}
+	if n, err := strconv.Atoi(port); err != nil || n < 0 || n > 65535 {
+		return fmt.Errorf("listen %q: port %q is not a number from 0 to 65535", addr, port)
+	}
+	return nil
+}
+
+// reportCheck ends `kvgate serve --check-config`: loadErr is the loading's
+// (file, flags), else the configuration is checked; valid, its summary.
+func reportCheck(w io.Writer, source string, cfg gateway.Config, loadErr error) error {
+	err := loadErr
+	if err == nil {
+		err = checkConfig(cfg)
+	}
+	if err != nil {
+		return fmt.Errorf("%w: %w", errBadConfig, err)
+	}
+	fmt.Fprintf(w, "configuration valid (%s)\n", source)
+	writeSummary(w, cfg)
+	return nil
+}
+
+// writeSummary describes what a configuration serves, never its secrets.
+func writeSummary(w io.Writer, cfg gateway.Config) {
+	fmt.Fprintf(w, "  listen:    %s\n", cfg.Listen)
+	fmt.Fprintf(w, "  policy:    %s%s\n", cfg.Policy, paramsText(cfg.PolicyParams))
+	fmt.Fprintf(w, "  tokenizer: %s, block size %d, profile %s\n", cfg.Tokenizer, cfg.BlockSize, cfg.Profile)
+	fmt.Fprintf(w, "  replicas:  %s\n", fleetSummary(cfg))
+	for _, r := range cfg.Replicas {
+		fmt.Fprintf(w, "    %s%s\n", r.URL, replicaText(r))
+	}
+	fmt.Fprintf(w, "  enabled:   %s\n", enabledText(cfg))
+}
+
+// paramsText is " (a=1, b=x)", sorted, or "" without parameters.
+func paramsText(p map[string]any) string {
+	if len(p) == 0 {
+		return ""
+	}
+	kv := make([]string, 0, len(p))
+	for k, v := range p {
+		kv = append(kv, fmt.Sprintf("%s=%v", k, v))
+	}
+	sort.Strings(kv)
+	return " (" + strings.Join(kv, ", ") + ")"
+}
+
+// replicaText is what a replica's line adds to its URL: role, ranks,
+// KV-event endpoints, whether it has an API key (never the key).
+func replicaText(r gateway.ReplicaConfig) string {
+	role := r.Role
+	if role == "" {
+		role = policy.RoleBoth.String()
+	}
+	s := "  role " + role
+	if r.DataParallelSize > 0 {
+		s += fmt.Sprintf(", %d data-parallel ranks", r.DataParallelSize)
+	}
+	if r.KVEvents != "" {
+		s += ", kv events " + r.KVEvents
+	}
+	if r.KVEventsReplay != "" {
+		s += ", replay " + r.KVEventsReplay
+	}
+	if r.APIKey != "" {
+		s += ", api key set"
+	}
+	return s
+}
+
+// enabledText lists the optional features a configuration turns on.
+func enabledText(cfg gateway.Config) string {
+	var on []string
+	if cfg.Precise() {
+		p := "precise mode (KV events"
+		if cfg.KVEventsListen != "" {
+			p += " bound at " + cfg.KVEventsListen
+		}
+		on = append(on, p+")")
+	}
+	for _, o := range []struct {
+		cond bool
+		text string
+	}{
+		{cfg.AdminToken != "", "admin endpoints (/debug, /admin: token set)"},
+		{len(cfg.APIKeys) > 0, fmt.Sprintf("client API keys (%d)", len(cfg.APIKeys))},
+		{cfg.SharedState != "", "shared state " + redactURL(cfg.SharedState)},
+		{cfg.StateFile != "", "state file " + cfg.StateFile},
+		{cfg.Record.Path != "", "recording to " + cfg.Record.Path},
+		{cfg.MaxConcurrency > 0, fmt.Sprintf("max_concurrency %d (queue %d)", cfg.MaxConcurrency, cfg.MaxQueue)},
+	} {
+		if o.cond {
+			on = append(on, o.text)
+		}
+	}
+	if len(on) == 0 {
+		return "nothing optional"
+	}
+	return strings.Join(on, "; ")
+}

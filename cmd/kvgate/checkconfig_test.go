@@ -1,0 +1,98 @@
+package main
+
+import (
+	"net"
+	"net/http"
+	"net/http/httptest"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync/atomic"
+	"testing"
+)
+
+// writeConfig writes a config file into a temporary directory.
+func writeConfig(t *testing.T, yaml string) string {
+	t.Helper()
+	p := filepath.Join(t.TempDir(), "kvgate.yaml")
+	if err := os.WriteFile(p, []byte(yaml), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	return p
+}
+
+// A valid file with flags on top: exit 0, a summary of what would be
+// served, and nothing started: the replica is never asked anything and the
+// listen address, held by the test, is not bound.
+func TestCheckConfigValid(t *testing.T) {
+	var asked atomic.Int64
+	up := httptest.NewServer(http.HandlerFunc(func(http.ResponseWriter, *http.Request) { asked.Add(1) }))
+	defer up.Close()
+	held, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer held.Close()
+	path := writeConfig(t, `
+listen: `+held.Addr().String()+`
+policy: sglang
+policy_params: {cache_threshold: 0.3}
+tokenizer: remote
+kv_events_listen: tcp://127.0.0.1:5557
+replicas:
+  - {url: `+up.URL+`, role: decode, api_key: secret-key-1}
+  - {url: http://127.0.0.1:1, role: prefill, data_parallel_size: 2}
+`)
+	code, out, errs := runCmd(t, "", "serve", "--check-config", "--config", path, "--admin-token", "secret-token",
+		"--policy-param", "balance_abs_threshold=8")
+	if code != 0 || errs != "" {
+		t.Fatalf("exit %d: %s", code, errs)
+	}
+	for _, want := range []string{"configuration valid (" + path + ")", "listen:    " + held.Addr().String(),
+		"policy:    sglang (balance_abs_threshold=8, cache_threshold=0.3)", "1 prefill + 1 decode replicas",
+		up.URL + "  role decode, api key set", "http://127.0.0.1:1  role prefill, 2 data-parallel ranks",
+		"precise mode (KV events bound at tcp://127.0.0.1:5557)", "admin endpoints"} {
+		if !strings.Contains(out, want) {
+			t.Errorf("summary lacks %q:\n%s", want, out)
+		}
+	}
+	if strings.Contains(out, "secret") {
+		t.Errorf("the summary shows a secret:\n%s", out)
+	}
+	if n := asked.Load(); n != 0 {
+		t.Fatalf("the replica was asked %d times", n)
+	}
+}
+
+// Each mistake exits 2 naming it, whether in the file, in a flag, or in
+// the file's absence; nothing goes to stdout.
+func TestCheckConfigInvalid(t *testing.T) {
+	good := "replicas: [{url: http://127.0.0.1:8000}]\n"
+	for _, tc := range []struct {
+		name, yaml string
+		flags      []string
+		want       string
+	}{
+		{"unknown field", good + "polcy: ttft\n", nil, `unknown field "polcy"`},
+		{"not YAML", "replicas: [\n", nil, "not valid YAML"},
+		{"no replicas", "policy: ttft\n", nil, "no replicas"},
+		{"bad URL", "replicas: [{url: ftp://x}]\n", nil, `"ftp://x" is not an http(s) URL`},
+		{"bad role", "replicas: [{url: http://a, role: decoder}]\n", nil, "replicas[0].role"},
+		{"unknown policy", good + "policy: fastest\n", nil, `unknown policy "fastest"`},
+		{"bad policy parameter", good + "policy_params: {cache_treshold: 0.3}\n", nil, `unknown field "cache_treshold"`},
+		{"bad listen", good + "listen: \"8080\"\n", nil, `listen "8080": want HOST:PORT`},
+		{"bad listen port", good + "listen: \":80800\"\n", nil, "not a number from 0 to 65535"},
+		{"precise without remote tokenizer", good + "kv_events_listen: tcp://127.0.0.1:5557\n", nil, "set tokenizer: remote"},
+		{"a flag breaks a good file", good, []string{"--tokenizer", "exact"}, `tokenizer "exact"`},
+		{"a bad flag parameter", good, []string{"--policy-param", "nonsense"}, "want name=value"},
+		{"missing file", "", []string{"--config", "/nonexistent/kvgate.yaml"}, "no such file"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			args := []string{"serve", "--check-config", "--config", writeConfig(t, tc.yaml)}
+			code, out, errs := runCmd(t, "", append(args, tc.flags...)...)
+			if code != 2 || out != "" || !strings.Contains(errs, "invalid configuration") || !strings.Contains(errs, tc.want) {
+				t.Fatalf("exit %d, stdout %q, stderr %q; want 2 and %q", code, out, errs, tc.want)
+			}
+		})
+	}
+}
