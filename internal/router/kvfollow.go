@@ -136,7 +136,7 @@ func (r *Replica) KVSilence(now time.Time, d time.Duration) (changed, silent boo
 // is kept: what it holds was reported). A batch numbered below the last
 // one is a restarted publisher, whose cache restarted empty.
 func (rt *Router) FollowKV(i int, m KVMessage, now time.Time, resync Resync) KVReport {
-	r := rt.replicas[i]
+	r := rt.reps()[i]
 	r.kv.mu.Lock()
 	defer r.kv.mu.Unlock()
 	was := r.preciseOK.Load()
@@ -175,7 +175,7 @@ func (rt *Router) FollowKV(i int, m KVMessage, now time.Time, resync Resync) KVR
 // or is empty (vLLM's buffer keeps the latest batches: an empty one means
 // none was published).
 func (rt *Router) ResyncKV(i int, now time.Time, resync Resync) KVReport {
-	r := rt.replicas[i]
+	r := rt.reps()[i]
 	r.kv.mu.Lock()
 	defer r.kv.mu.Unlock()
 	var rep KVReport
@@ -213,7 +213,7 @@ func (rt *Router) resyncLocked(i int, from, upto uint64, now time.Time, resync R
 		if m.Seq < from || m.Seq >= upto {
 			continue
 		}
-		if k := &rt.replicas[i].kv; k.seen && m.Seq <= k.last {
+		if k := &rt.reps()[i].kv; k.seen && m.Seq <= k.last {
 			continue
 		}
 		rt.applyLocked(i, m, now, true, rep)
@@ -225,7 +225,7 @@ func (rt *Router) resyncLocked(i int, from, upto uint64, now time.Time, resync R
 // batch numbered 0, out of sync on a late join or a jump), then the events.
 // kv.mu is held.
 func (rt *Router) applyLocked(i int, m KVMessage, now time.Time, replayed bool, rep *KVReport) {
-	r := rt.replicas[i]
+	r := rt.reps()[i]
 	switch {
 	case !r.kv.seen && m.Seq == 0:
 		r.inSync()
@@ -289,7 +289,7 @@ func dropReason(err error) string {
 // capacityBlocks is replica i's KV capacity in index blocks: scraped, or
 // the configured assumption.
 func (rt *Router) capacityBlocks(i int) int {
-	if s := rt.replicas[i].scrape.Load(); s != nil && s.m.NumBlocks > 0 {
+	if s := rt.reps()[i].scrape.Load(); s != nil && s.m.NumBlocks > 0 {
 		return s.m.NumBlocks
 	}
 	return rt.cfg.BlocksPerReplica

@@ -95,8 +95,8 @@ func (rt *Router) DryRunPD(req *policy.Request) (policy.PairDecision, []policy.R
 // Disaggregated reports whether some replica has a role other than both:
 // a fleet to route with RoutePD.
 func (rt *Router) Disaggregated() bool {
-	for _, r := range rt.replicas {
-		if r.spec.Role != policy.RoleBoth {
+	for _, r := range rt.reps() {
+		if !r.removed.Load() && r.sp().Role != policy.RoleBoth {
 			return true
 		}
 	}
@@ -206,7 +206,7 @@ func (rt *Router) checkPair(pd policy.PairDecision, pre, dec []policy.ReplicaVie
 }
 
 func (rt *Router) badReplica(i int) error {
-	return fmt.Errorf("router: policy %s chose replica %d of %d, not a candidate", rt.pol.Name(), i, len(rt.replicas))
+	return fmt.Errorf("router: policy %s chose replica %d of %d, not a candidate", rt.pol.Name(), i, len(rt.reps()))
 }
 
 // uncached is the prompt tokens of req a replica holding match blocks of

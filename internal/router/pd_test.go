@@ -50,7 +50,7 @@ func endPD(pd PD, at time.Time) {
 
 func assertIdle(t *testing.T, rt *Router) {
 	t.Helper()
-	for i, r := range rt.replicas {
+	for i, r := range rt.reps() {
 		if r.inFlight.Load() != 0 || r.inFlightTokens.Load() != 0 || r.pendingPrefill.Load() != 0 ||
 			r.pendingCount.Load() != 0 || r.pendingTransfer.Load() != 0 {
 			t.Fatalf("replica %d counters not back to zero: %+v, transfer %d", i, rt.LocalLoad(i), r.pendingTransfer.Load())

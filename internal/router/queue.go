@@ -120,7 +120,7 @@ func (rt *Router) routeOrForce(req *policy.Request, exclude []int) (*Ticket, err
 // inFlight is the requests in flight to all replicas.
 func (rt *Router) inFlight() int {
 	n := 0
-	for _, r := range rt.replicas {
+	for _, r := range rt.reps() {
 		n += int(r.inFlight.Load())
 	}
 	return n

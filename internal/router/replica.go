@@ -38,8 +38,17 @@ type Spec struct {
 // policies read it through Views.
 type Replica struct {
 	index int
-	spec  Spec
-	name  string
+	// spec is where the replica is reached: replaced whole when a
+	// discovery source changes it (a key, a role), read on every decision.
+	spec atomic.Pointer[Spec]
+	name string
+	// removed: a discovery source dropped the replica. It gets no new
+	// requests; those in flight finish (drain). Adding its name again
+	// revives it with its state (index, breaker, scrapes).
+	removed atomic.Bool
+	// draining: removed with requests still in flight; cleared (once) when
+	// the last ends, which Config.OnDrained hears.
+	draining atomic.Bool
 
 	healthy        atomic.Bool // in rotation: health checks pass and the breaker is not open
 	checked        atomic.Bool // a health check has passed at least once
@@ -96,22 +105,25 @@ type scrape struct {
 func (r *Replica) Index() int { return r.index }
 
 // URL is the replica's URL as configured.
-func (r *Replica) URL() string { return r.spec.URL }
+func (r *Replica) URL() string { return r.sp().URL }
 
 // APIKey is the bearer key the replica wants ("" for none). Never log it.
-func (r *Replica) APIKey() string { return r.spec.APIKey }
+func (r *Replica) APIKey() string { return r.sp().APIKey }
 
 // KVEvents is the replica's KV-event endpoint ("" for none).
-func (r *Replica) KVEvents() string { return r.spec.KVEvents }
+func (r *Replica) KVEvents() string { return r.sp().KVEvents }
 
 // KVReplay is the replica's KV-event replay endpoint ("" for none).
-func (r *Replica) KVReplay() string { return r.spec.KVReplay }
+func (r *Replica) KVReplay() string { return r.sp().KVReplay }
 
 // Rank is the data-parallel rank the target is (ok false: the whole server).
-func (r *Replica) Rank() (rank int, ok bool) { return r.spec.Rank, r.spec.Ranked }
+func (r *Replica) Rank() (rank int, ok bool) {
+	sp := r.sp()
+	return sp.Rank, sp.Ranked
+}
 
 // Role is the replica's part in prefill/decode disaggregation.
-func (r *Replica) Role() policy.Role { return r.spec.Role }
+func (r *Replica) Role() policy.Role { return r.sp().Role }
 
 // Name is the target's name in metrics, logs and headers: its URL, and
 // for a data-parallel rank k, URL#k.

@@ -67,6 +67,10 @@ type Config struct {
 	// Policies that pick the pair themselves (policy.PairPicker) see it as
 	// Request.SkipPrefillBelow and decide.
 	NonCachedTokens int
+	// OnDrained, when set, hears (once per removal) that a replica removed
+	// by SetReplicas has no request in flight left. It may run on the
+	// request path (the last Ticket.Done): it must not block.
+	OnDrained func(slot int)
 }
 
 // DefaultNonCachedTokens is Config.NonCachedTokens' default.
@@ -89,16 +93,20 @@ type Metrics struct {
 
 // Router routes requests.
 type Router struct {
-	cfg      Config
-	pol      policy.Policy
-	obs      policy.Observer
-	tok      prompt.Tokenizer
-	approx   *prefixindex.Index
-	precise  *prefixindex.Precise
-	replicas []*Replica
-	byName   map[string]int
-	nextID   atomic.Uint64
-	q        queue
+	cfg     Config
+	pol     policy.Policy
+	obs     policy.Observer
+	tok     prompt.Tokenizer
+	approx  *prefixindex.Index
+	precise *prefixindex.Precise
+	// mem is the membership, copy-on-write: routing reads a snapshot
+	// without a lock; SetReplicas (a cold path) publishes a new one.
+	// Slots are only appended, so a slot number read from any snapshot
+	// stays valid (tickets, policies' per-slot state, the index).
+	mem    atomic.Pointer[members]
+	memMu  sync.Mutex // serialises SetReplicas
+	nextID atomic.Uint64
+	q      queue
 }
 
 // New builds a Router.
@@ -133,7 +141,7 @@ func New(cfg Config) (*Router, error) {
 	if err != nil {
 		return nil, err
 	}
-	rt := &Router{cfg: cfg, pol: cfg.Policy, tok: cfg.Tokenizer, approx: ix, byName: map[string]int{}}
+	rt := &Router{cfg: cfg, pol: cfg.Policy, tok: cfg.Tokenizer, approx: ix}
 	rt.obs, _ = cfg.Policy.(policy.Observer)
 	if cfg.Precise {
 		pix, err := prefixindex.New(prefixindex.Config{Replicas: len(cfg.Specs), MaxEntries: cfg.MaxEntries})
@@ -142,16 +150,14 @@ func New(cfg Config) (*Router, error) {
 		}
 		rt.precise = prefixindex.NewPrecise(pix, cfg.Model, cfg.BlockSize)
 	}
-	for i, sp := range cfg.Specs {
-		r := &Replica{index: i, spec: sp, name: sp.URL, healthOK: true}
-		if sp.Ranked {
-			r.name = fmt.Sprintf("%s#%d", sp.URL, sp.Rank)
+	m := &members{byName: map[string]int{}}
+	for _, sp := range cfg.Specs {
+		if _, dup := m.byName[sp.Name()]; dup {
+			return nil, fmt.Errorf("router: replica %s listed twice", sp.Name())
 		}
-		r.healthy.Store(true)
-		r.Breaker.Configure(cfg.Breaker)
-		rt.byName[r.name] = i
-		rt.replicas = append(rt.replicas, r)
+		m.add(rt.newReplica(len(m.replicas), sp))
 	}
+	rt.mem.Store(m)
 	return rt, nil
 }
 
@@ -159,17 +165,17 @@ func New(cfg Config) (*Router, error) {
 func (rt *Router) Policy() policy.Policy { return rt.pol }
 
 // Replicas is the number of replica slots.
-func (rt *Router) Replicas() int { return len(rt.replicas) }
+func (rt *Router) Replicas() int { return len(rt.reps()) }
 
 // URL is replica slot i's URL.
-func (rt *Router) URL(i int) string { return rt.replicas[i].spec.URL }
+func (rt *Router) URL(i int) string { return rt.reps()[i].URL() }
 
 // Name is replica slot i's name: its URL, or URL#k for rank k of a
 // data-parallel server.
-func (rt *Router) Name(i int) string { return rt.replicas[i].name }
+func (rt *Router) Name(i int) string { return rt.reps()[i].name }
 
 // Replica is replica slot i's home.
-func (rt *Router) Replica(i int) *Replica { return rt.replicas[i] }
+func (rt *Router) Replica(i int) *Replica { return rt.reps()[i] }
 
 // Now is the router's clock.
 func (rt *Router) Now() time.Time { return rt.cfg.Now() }
@@ -181,10 +187,10 @@ func (rt *Router) Index() *prefixindex.Index { return rt.approx }
 func (rt *Router) Precise() *prefixindex.Precise { return rt.precise }
 
 // SetHealthy marks replica i in or out of rotation.
-func (rt *Router) SetHealthy(i int, ok bool) { rt.replicas[i].healthy.Store(ok) }
+func (rt *Router) SetHealthy(i int, ok bool) { rt.reps()[i].healthy.Store(ok) }
 
 // Healthy reports replica i's health.
-func (rt *Router) Healthy(i int) bool { return rt.replicas[i].healthy.Load() }
+func (rt *Router) Healthy(i int) bool { return rt.reps()[i].healthy.Load() }
 
 // SetMetrics records a scrape of replica i taken at `at`.
 func (rt *Router) SetMetrics(i int, m Metrics, at time.Time) Metrics {
@@ -195,14 +201,14 @@ func (rt *Router) SetMetrics(i int, m Metrics, at time.Time) Metrics {
 		m.NumBlocks = int(int64(m.NumBlocks) * int64(m.BlockSize) / int64(rt.cfg.BlockSize))
 		m.BlockSize = rt.cfg.BlockSize
 	}
-	rt.replicas[i].scrape.Store(&scrape{m: m, at: at})
+	rt.reps()[i].scrape.Store(&scrape{m: m, at: at})
 	rt.releaseIfQueued()
 	return m
 }
 
 // ReplicaMetrics is replica i's last scrape and when it was taken.
 func (rt *Router) ReplicaMetrics(i int) (Metrics, time.Time, bool) {
-	if s := rt.replicas[i].scrape.Load(); s != nil {
+	if s := rt.reps()[i].scrape.Load(); s != nil {
 		return s.m, s.at, true
 	}
 	return Metrics{}, time.Time{}, false
@@ -210,10 +216,10 @@ func (rt *Router) ReplicaMetrics(i int) (Metrics, time.Time, bool) {
 
 // Pending is the prompt tokens routed to replica i that have not produced
 // a first token.
-func (rt *Router) Pending(i int) int { return int(rt.replicas[i].pendingPrefill.Load()) }
+func (rt *Router) Pending(i int) int { return int(rt.reps()[i].pendingPrefill.Load()) }
 
 // InFlight is the number of requests in flight to replica i.
-func (rt *Router) InFlight(i int) int { return int(rt.replicas[i].inFlight.Load()) }
+func (rt *Router) InFlight(i int) int { return int(rt.reps()[i].inFlight.Load()) }
 
 // Prepare makes the routing key of a parsed request.
 func (rt *Router) Prepare(p *prompt.Parsed, session, adapter string) *policy.Request {
@@ -250,17 +256,19 @@ func (rt *Router) Views(req *policy.Request) []policy.ReplicaView {
 
 // views is Views and the approximate index's match per replica.
 func (rt *Router) views(req *policy.Request) ([]policy.ReplicaView, []int) {
-	views := make([]policy.ReplicaView, len(rt.replicas))
-	n := len(rt.replicas)
+	reps := rt.reps()
+	n := len(reps)
+	views := make([]policy.ReplicaView, n)
 	var precise, preciseLen []int
 	buf := make([]int, 4*n)
 	approx, approxLen := rt.approx.MatchLens(req.Blocks, buf[:n:n], buf[n:2*n:2*n])
 	if rt.precise != nil {
 		precise, preciseLen = rt.precise.Index().MatchLens(req.Blocks, buf[2*n:3*n:3*n], buf[3*n:])
 	}
-	for i, r := range rt.replicas {
+	for i, r := range reps {
 		v := &views[i]
-		v.Index, v.URL, v.Healthy, v.Role = i, r.name, r.healthy.Load(), r.spec.Role
+		// A removed replica (draining, or gone) is never a candidate.
+		v.Index, v.URL, v.Healthy, v.Role = i, r.name, r.healthy.Load() && !r.removed.Load(), r.sp().Role
 		v.InFlight = int(r.inFlight.Load())
 		v.InFlightTokens = int(r.inFlightTokens.Load())
 		v.PendingPrefill = int(r.pendingPrefill.Load())
@@ -312,16 +320,24 @@ func (rt *Router) DryRun(req *policy.Request) (policy.Decision, []policy.Replica
 // candidates takes out of views (Healthy false) the replicas excluded and
 // those that do not serve req's model: the replicas listed as serving it,
 // or, while none of those can take it, also those not listed yet (they judge
-// for themselves); ErrModelNotServed when no replica serves it at all.
+// for themselves); ErrModelNotServed when no replica serves it at all. A
+// request without a model (a multipart upload whose model part came late, a
+// lookup by id) may go to any replica.
 func (rt *Router) candidates(req *policy.Request, views []policy.ReplicaView, exclude []int) error {
 	for _, x := range exclude {
 		if x >= 0 && x < len(views) {
 			views[x].Healthy = false
 		}
 	}
+	if req.Model == "" {
+		return nil
+	}
 	known, unlisted, available := 0, 0, 0
-	for i, r := range rt.replicas {
+	reps := rt.reps()[:len(views)]
+	for i, r := range reps {
 		switch s := r.served.Load(); {
+		case r.removed.Load():
+			views[i].Healthy = false
 		case s == nil:
 			unlisted++
 		case s.Has(req.Model):
@@ -337,7 +353,7 @@ func (rt *Router) candidates(req *policy.Request, views []policy.ReplicaView, ex
 		return ErrModelNotServed
 	}
 	if available > 0 && unlisted > 0 {
-		for i, r := range rt.replicas {
+		for i, r := range reps {
 			if r.served.Load() == nil {
 				views[i].Healthy = false
 			}
@@ -349,6 +365,7 @@ func (rt *Router) candidates(req *policy.Request, views []policy.ReplicaView, ex
 // Ticket tracks one routed request until it ends.
 type Ticket struct {
 	rt       *Router
+	r        *Replica // the slot's replica (its counters)
 	req      *policy.Request
 	Decision policy.Decision
 	Replica  int
@@ -361,11 +378,16 @@ type Ticket struct {
 	// predicted is the prompt tokens the precise index, trusted, said the
 	// replica holds (-1: not in precise mode, or not trusted).
 	predicted int
-	mu        sync.Mutex
-	first     bool
-	done      bool
-	learned   bool // the approximate index holds this request's blocks for Replica
-	rejected  bool // the replica did not take it: never learnt
+	// Held is the prompt's blocks the chosen replica held at routing, and
+	// BestHeld the most any candidate of the step held (the chosen one
+	// included), by the index the router trusts: the gateway tells a
+	// decision that followed the prefix from one that spilled it for load.
+	Held, BestHeld int
+	mu             sync.Mutex
+	first          bool
+	done           bool
+	learned        bool // the approximate index holds this request's blocks for Replica
+	rejected       bool // the replica did not take it: never learnt
 }
 
 // Route decides and commits: the replica's counters go up (before the
@@ -375,16 +397,24 @@ type Ticket struct {
 // approximate index learns the request at Route, or with LearnOnAccept
 // when the ticket is Accepted.
 func (rt *Router) Route(req *policy.Request, exclude ...int) (*Ticket, error) {
+	return rt.RouteWith(rt.pol, req, exclude...)
+}
+
+// RouteWith is Route deciding with pol instead of the router's policy: the
+// gateway routes requests without a prompt by load, and pins a stateful
+// request to the replica holding its state. The router's observers still
+// hear the request, whose load counts like any other.
+func (rt *Router) RouteWith(pol policy.Policy, req *policy.Request, exclude ...int) (*Ticket, error) {
 	views, approx := rt.views(req)
 	if err := rt.candidates(req, views, exclude); err != nil {
 		return nil, err
 	}
-	d, err := rt.pol.Pick(req, views)
+	d, err := pol.Pick(req, views)
 	if err != nil {
 		return nil, err
 	}
-	if d.Replica < 0 || d.Replica >= len(rt.replicas) {
-		return nil, fmt.Errorf("router: policy %s chose replica %d of %d", rt.pol.Name(), d.Replica, len(rt.replicas))
+	if d.Replica < 0 || d.Replica >= len(views) {
+		return nil, fmt.Errorf("router: policy %s chose replica %d of %d", pol.Name(), d.Replica, len(views))
 	}
 	return rt.commitView(req, d, views, approx, policy.PhaseNone), nil
 }
@@ -395,17 +425,35 @@ func (rt *Router) Route(req *policy.Request, exclude ...int) (*Ticket, error) {
 // its replica reports count the pulled ones.
 func (rt *Router) commitView(req *policy.Request, d policy.Decision, views []policy.ReplicaView, approx []int, phase policy.Phase) *Ticket {
 	t := rt.commit(req, d, views[d.Replica].Match, approx[d.Replica], phase)
+	t.Held, t.BestHeld = views[d.Replica].Match, bestHeld(views, phase)
 	t.predicted = -1
-	if rt.precise != nil && phase != policy.PhaseDecode && rt.replicas[d.Replica].preciseTrusted(req.Now) {
+	if rt.precise != nil && phase != policy.PhaseDecode && rt.reps()[d.Replica].preciseTrusted(req.Now) {
 		t.predicted = views[d.Replica].Match * rt.cfg.BlockSize
 	}
 	return t
 }
 
+// bestHeld is the longest match among the candidates (Healthy) that can
+// take a step of phase: a prefill step's side prefills, a decode step's
+// decodes.
+func bestHeld(views []policy.ReplicaView, phase policy.Phase) int {
+	best := 0
+	for _, v := range views {
+		switch {
+		case !v.Healthy:
+		case phase == policy.PhasePrefill && !v.Role.Prefills():
+		case phase == policy.PhaseDecode && !v.Role.Decodes():
+		default:
+			best = max(best, v.Match)
+		}
+	}
+	return best
+}
+
 // Serves reports whether some replica serves model (or has not been listed).
 func (rt *Router) Serves(model string) bool {
-	for _, r := range rt.replicas {
-		if r.Serves(model) {
+	for _, r := range rt.reps() {
+		if !r.removed.Load() && r.Serves(model) {
 			return true
 		}
 	}
@@ -414,8 +462,8 @@ func (rt *Router) Serves(model string) bool {
 
 // ModelInfo is what the replicas list for model (the first listing found).
 func (rt *Router) ModelInfo(model string) (Model, bool) {
-	for _, r := range rt.replicas {
-		if s := r.served.Load(); s != nil {
+	for _, r := range rt.reps() {
+		if s := r.served.Load(); s != nil && !r.removed.Load() {
 			if m, ok := s.Model(model); ok {
 				return m, true
 			}
@@ -429,9 +477,9 @@ func (rt *Router) ModelInfo(model string) (Model, bool) {
 // only the last token, as vLLM's NixlConnector does: its pending prefill is
 // that token, and what it pulls is pending transfer until its first token.
 func (rt *Router) commit(req *policy.Request, d policy.Decision, match, approxMatch int, phase policy.Phase) *Ticket {
-	r := rt.replicas[d.Replica]
+	r := rt.reps()[d.Replica]
 	cached := min(match*rt.cfg.BlockSize, max(req.Tokens-1, 0))
-	t := &Ticket{rt: rt, req: req, Decision: d, Replica: d.Replica, start: req.Now, phase: phase,
+	t := &Ticket{rt: rt, r: r, req: req, Decision: d, Replica: d.Replica, start: req.Now, phase: phase,
 		uncached: int64(req.Tokens - cached), tokens: int64(req.Tokens + req.MaxTokens)}
 	if phase == policy.PhaseDecode {
 		t.transfer, t.uncached = t.uncached, min(t.uncached, 1)
@@ -491,7 +539,7 @@ func (t *Ticket) Underpredicted(cached int) bool {
 	if t.predicted < 0 || cached < 0 {
 		return false
 	}
-	r := t.rt.replicas[t.Replica]
+	r := t.r
 	r.preciseChecks.Add(1)
 	if cached <= t.predicted+2*t.rt.cfg.BlockSize {
 		return false
@@ -539,7 +587,7 @@ func (t *Ticket) prefillDone() bool {
 	}
 	t.first = true
 	t.mu.Unlock()
-	r := t.rt.replicas[t.Replica]
+	r := t.r
 	r.pendingPrefill.Add(-t.uncached)
 	r.pendingCount.Add(-1)
 	r.pendingTransfer.Add(-t.transfer)
@@ -576,14 +624,16 @@ func (t *Ticket) Done(at time.Time, o Outcome) {
 	t.done = true
 	first := t.first
 	t.mu.Unlock()
-	r := t.rt.replicas[t.Replica]
+	r := t.r
 	if !first {
 		r.pendingPrefill.Add(-t.uncached)
 		r.pendingCount.Add(-1)
 		r.pendingTransfer.Add(-t.transfer)
 	}
-	r.inFlight.Add(-1)
 	r.inFlightTokens.Add(-t.tokens)
+	if r.inFlight.Add(-1) == 0 && r.removed.Load() {
+		t.rt.drained(r)
+	}
 	defer t.rt.releaseIfQueued()
 	if t.rt.obs != nil {
 		t.rt.obs.Observe(policy.Event{Kind: policy.Done, At: at, Req: t.req, Decision: t.Decision,
@@ -615,7 +665,7 @@ func (rt *Router) keyOf(model string) (base, adapter string) {
 // hashed under: model as keyOf maps it, or, when the topic names none,
 // the replica's base model.
 func (rt *Router) replicaKey(i int, model string) (base, adapter string) {
-	s := rt.replicas[i].served.Load()
+	s := rt.reps()[i].served.Load()
 	if model == "" && s != nil {
 		for _, m := range s.Models {
 			if m.Parent == "" {

@@ -53,7 +53,7 @@ func TestCountersReturnToZero(t *testing.T) {
 		tk.Done(time.Unix(2, 0), Outcome{CachedTokens: -1})
 		tk.Done(time.Unix(2, 0), Outcome{CachedTokens: -1})
 	}
-	for i, r := range rt.replicas {
+	for i, r := range rt.reps() {
 		if r.inFlight.Load() != 0 || r.inFlightTokens.Load() != 0 || r.pendingPrefill.Load() != 0 || r.pendingCount.Load() != 0 {
 			t.Fatalf("replica %d counters not zero: %d %d %d %d", i, r.inFlight.Load(), r.inFlightTokens.Load(), r.pendingPrefill.Load(), r.pendingCount.Load())
 		}
@@ -302,5 +302,44 @@ func TestUnsyncedPreciseCreditsReportedBlocks(t *testing.T) {
 	rt.FollowKV(1, KVMessage{Seq: 0}, time.Unix(0, 0), nil) // followed from the start: in sync, the precise index alone
 	if v := rt.Views(req); v[1].Match != 10 {
 		t.Fatalf("synced replica: %d, want the precise 10", v[1].Match)
+	}
+}
+
+// TestTicketHeld: a ticket says what its replica held of the prompt and
+// the most any candidate held, whichever the policy chose.
+func TestTicketHeld(t *testing.T) {
+	rt := newRouter(t, "round_robin", 2)
+	text := strings.Repeat("a shared prefix of some length ", 20)
+	var tks []*Ticket
+	for range 3 {
+		tk, err := rt.Route(rt.Prepare(parse(t, text), "", ""))
+		if err != nil {
+			t.Fatal(err)
+		}
+		tks = append(tks, tk)
+	}
+	n := len(tks[0].Request().Blocks)
+	if n == 0 {
+		t.Fatal("the prompt has no full block")
+	}
+	want := [][2]int{{0, 0}, {0, n}, {n, n}} // a miss, then spilled by round robin, then held
+	for i, tk := range tks {
+		if got := [2]int{tk.Held, tk.BestHeld}; got != want[i] {
+			t.Errorf("request %d on replica %d: held, best held = %v, want %v", i, tk.Replica, got, want[i])
+		}
+	}
+	// The holder excluded (a retry): nobody else holds it.
+	rt.SetHealthy(1, false)
+	tk, err := rt.Route(rt.Prepare(parse(t, text), "", ""), 0)
+	if err == nil {
+		t.Fatalf("routed to %d with every replica excluded or unhealthy", tk.Replica)
+	}
+	rt.SetHealthy(1, true)
+	tk, err = rt.Route(rt.Prepare(parse(t, text), "", ""), 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if tk.Replica != 1 || tk.Held != n || tk.BestHeld != n {
+		t.Errorf("replica 0 excluded: routed to %d, held %d, best %d; want 1, %d, %d", tk.Replica, tk.Held, tk.BestHeld, n, n)
 	}
 }

@@ -48,14 +48,14 @@ func (l Load) Add(o Load) Load {
 
 // Lookup is the slot of the replica named name (Name: URL, or URL#k).
 func (rt *Router) Lookup(name string) (int, bool) {
-	i, ok := rt.byName[name]
+	i, ok := rt.mem.Load().byName[name]
 	return i, ok
 }
 
 // LocalLoad is this router's own counts for replica i (without the
 // remote load).
 func (rt *Router) LocalLoad(i int) Load {
-	r := rt.replicas[i]
+	r := rt.reps()[i]
 	return Load{r.inFlight.Load(), r.inFlightTokens.Load(), r.pendingPrefill.Load(), r.pendingCount.Load()}
 }
 
@@ -63,7 +63,7 @@ func (rt *Router) LocalLoad(i int) Load {
 // sum of their live heartbeats; the zero Load when none): the policies see
 // it added to this router's own counts.
 func (rt *Router) SetRemoteLoad(i int, l Load) {
-	r := rt.replicas[i]
+	r := rt.reps()[i]
 	if old := r.remote.Load(); old != nil && *old == l {
 		return
 	}
@@ -77,7 +77,7 @@ func (rt *Router) SetRemoteLoad(i int, l Load) {
 
 // RemoteLoad is the other gateways' load on replica i as last set.
 func (rt *Router) RemoteLoad(i int) Load {
-	if l := rt.replicas[i].remote.Load(); l != nil {
+	if l := rt.reps()[i].remote.Load(); l != nil {
 		return *l
 	}
 	return Load{}
@@ -88,7 +88,7 @@ func (rt *Router) RemoteLoad(i int) Load {
 // i, and an Observer policy hears a remote Routed event (policy.Event.Remote).
 // blocks is not kept.
 func (rt *Router) ApplyRemote(i int, model string, offset int, blocks []uint64, tokens int, at time.Time) {
-	if i < 0 || i >= len(rt.replicas) {
+	if i < 0 || i >= len(rt.reps()) {
 		return
 	}
 	if len(blocks) > 0 {
