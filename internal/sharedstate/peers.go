@@ -107,7 +107,9 @@ func (p *Peers) Apply(b *Batch, now time.Time) int {
 func (p *Peers) Expire(now time.Time) int {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	sum := make([]router.Load, len(p.sum))
+	// Sized by the router now: replicas join while the gateway runs
+	// (discovery), so a peer's loads may name slots p.sum has not seen.
+	sum := make([]router.Load, max(len(p.sum), p.rt.Replicas()))
 	for gw, pr := range p.peers {
 		if now.Sub(pr.seen) > p.ttl {
 			delete(p.peers, gw)
@@ -118,7 +120,7 @@ func (p *Peers) Expire(now time.Time) int {
 		}
 	}
 	for i := range sum {
-		if sum[i] != p.sum[i] {
+		if i >= len(p.sum) || sum[i] != p.sum[i] {
 			p.rt.SetRemoteLoad(i, sum[i])
 		}
 	}
