@@ -15,11 +15,27 @@ type Kind int
 const (
 	Completion Kind = iota // POST /v1/completions
 	Chat                   // POST /v1/chat/completions
+	Embedding              // POST /v1/embeddings: input, or chat messages (vLLM)
+	Responses              // POST /v1/responses: instructions and input
+	Tokenize               // POST /tokenize: prompt, or chat messages
+	// Other is any other JSON body the replicas serve (/v1/score,
+	// /rerank, /pooling, /detokenize …): only model and stream are read;
+	// it has no prompt, so it is routed by load.
+	Other
 )
 
 func (k Kind) String() string {
-	if k == Chat {
+	switch k {
+	case Chat:
 		return "chat"
+	case Embedding:
+		return "embedding"
+	case Responses:
+		return "responses"
+	case Tokenize:
+		return "tokenize"
+	case Other:
+		return "other"
 	}
 	return "completion"
 }
@@ -94,6 +110,13 @@ type Parsed struct {
 	System string
 	// Prompts is the number of prompts of a batched completions request.
 	Prompts int
+	// Messages: the prompt came as chat messages (a chat, or an embeddings
+	// or tokenize request given messages), which a replica's /tokenize
+	// takes as messages.
+	Messages bool
+	// PreviousResponseID is a Responses request's previous_response_id: the
+	// replica holding that response must answer it.
+	PreviousResponseID string
 }
 
 // MaxNesting bounds JSON nesting depth of a request body: a body of a million
@@ -118,6 +141,7 @@ type body struct {
 	MaxCompletionTokens *int
 	User                string
 	CacheSalt           string
+	raw                 map[string]json.RawMessage // every member, for the other kinds' fields
 }
 
 // decodeBody decodes the fields routing needs with exact key matching
@@ -134,7 +158,7 @@ func decodeBody(data []byte) (*body, error) {
 	if raw == nil {
 		return nil, invalid("", "request body must be a JSON object")
 	}
-	b := &body{Prompt: raw["prompt"], Tools: raw["tools"]}
+	b := &body{Prompt: raw["prompt"], Tools: raw["tools"], raw: raw}
 	fields := []struct {
 		key string
 		dst any
@@ -211,7 +235,8 @@ func Parse(kind Kind, data []byte) (*Parsed, error) {
 	if err != nil {
 		return nil, err
 	}
-	if b.Model == "" {
+	if b.Model == "" && (kind == Completion || kind == Chat) {
+		// The other endpoints default to the replica's model, as vLLM's do.
 		return nil, invalid("model", "you must provide a model parameter")
 	}
 	p := &Parsed{Kind: kind, Model: b.Model, Stream: b.Stream, User: b.User, CacheSalt: b.CacheSalt}
@@ -221,10 +246,13 @@ func Parse(kind Kind, data []byte) (*Parsed, error) {
 	case b.MaxCompletionTokens != nil:
 		p.MaxTokens = *b.MaxCompletionTokens
 	}
-	if kind == Chat {
+	switch kind {
+	case Chat:
 		err = p.fromChat(b.Messages, b.Tools)
-	} else {
-		err = p.fromPrompt(b.Prompt)
+	case Completion:
+		err = p.fromPrompt("prompt", b.Prompt)
+	default:
+		err = p.fromOther(kind, b)
 	}
 	if err != nil {
 		return nil, err
@@ -232,48 +260,51 @@ func Parse(kind Kind, data []byte) (*Parsed, error) {
 	return p, nil
 }
 
-func (p *Parsed) fromPrompt(raw json.RawMessage) error {
+// fromPrompt reads a prompt given as param (completions' prompt,
+// embeddings' input): a string, a list of strings (a batch, routed on the
+// first), token ids, or a list of token-id lists.
+func (p *Parsed) fromPrompt(param string, raw json.RawMessage) error {
 	raw = bytes.TrimSpace(raw)
 	if len(raw) == 0 || string(raw) == "null" {
-		return invalid("prompt", "you must provide a prompt")
+		return invalid(param, "you must provide a prompt")
 	}
 	switch raw[0] {
 	case '"':
 		var s string
 		if err := json.Unmarshal(raw, &s); err != nil {
-			return invalid("prompt", "%v", err)
+			return invalid(param, "%v", err)
 		}
 		p.Text, p.KeyText, p.Prompts = s, s, 1
 		return nil
 	case '[':
 	default:
-		return invalid("prompt", "must be a string, a list of strings or a list of token ids")
+		return invalid(param, "must be a string, a list of strings or a list of token ids")
 	}
 	var list []json.RawMessage
 	if err := json.Unmarshal(raw, &list); err != nil {
-		return invalid("prompt", "%v", err)
+		return invalid(param, "%v", err)
 	}
 	if len(list) == 0 {
-		return invalid("prompt", "must not be empty")
+		return invalid(param, "must not be empty")
 	}
 	first := bytes.TrimSpace(list[0])
 	switch {
 	case len(first) > 0 && first[0] == '"': // list of strings: a batch; route on the first
 		var ss []string
 		if err := json.Unmarshal(raw, &ss); err != nil {
-			return invalid("prompt", "a list of prompts must hold only strings: %v", err)
+			return invalid(param, "a list of prompts must hold only strings: %v", err)
 		}
 		p.Text, p.KeyText, p.Prompts = ss[0], ss[0], len(ss)
 	case len(first) > 0 && first[0] == '[': // list of token-id lists
 		var ids [][]uint32
 		if err := json.Unmarshal(raw, &ids); err != nil {
-			return invalid("prompt", "a list of token-id prompts must hold lists of non-negative integers: %v", err)
+			return invalid(param, "a list of token-id prompts must hold lists of non-negative integers: %v", err)
 		}
 		p.TokenIDs, p.Prompts = ids[0], len(ids)
 	default: // one prompt as token ids
 		var ids []uint32
 		if err := json.Unmarshal(raw, &ids); err != nil {
-			return invalid("prompt", "token ids must be non-negative integers: %v", err)
+			return invalid(param, "token ids must be non-negative integers: %v", err)
 		}
 		p.TokenIDs, p.Prompts = ids, 1
 	}
@@ -323,6 +354,7 @@ func (p *Parsed) noteMessage(i int, role, text string) {
 }
 
 func (p *Parsed) finishChat() {
+	p.Messages = true
 	if p.KeyText == "" {
 		p.KeyText = p.Text
 	}
@@ -379,33 +411,62 @@ func ContentText(raw json.RawMessage) (string, error) {
 	if raw[0] != '[' {
 		return "", errors.New("content must be a string or a list of parts")
 	}
-	var parts []struct {
-		Type     string `json:"type"`
-		Text     string `json:"text"`
-		ImageURL *struct {
-			URL string `json:"url"`
-		} `json:"image_url"`
-		InputAudio *struct {
-			Data string `json:"data"`
-		} `json:"input_audio"`
-	}
+	var parts []contentPart
 	if err := json.Unmarshal(raw, &parts); err != nil {
 		return "", err
 	}
 	var sb strings.Builder
 	for _, pt := range parts {
-		switch {
-		case pt.Type == "text":
-			sb.WriteString(pt.Text)
-		case pt.ImageURL != nil:
-			sb.WriteString("<|image|>")
-			sb.WriteString(pt.ImageURL.URL)
-		case pt.InputAudio != nil:
-			sb.WriteString("<|audio|>")
-			sb.WriteString(pt.InputAudio.Data)
-		}
+		pt.render(&sb)
 	}
 	return sb.String(), nil
+}
+
+// contentPart is one part of a message's content, in chat's shape (text,
+// image_url {url}, input_audio {data}) or the Responses API's (input_text,
+// output_text, input_image with image_url a string, input_file).
+type contentPart struct {
+	Type       string          `json:"type"`
+	Text       string          `json:"text"`
+	ImageURL   json.RawMessage `json:"image_url"`
+	InputAudio *struct {
+		Data string `json:"data"`
+	} `json:"input_audio"`
+	FileID   string `json:"file_id"`
+	FileData string `json:"file_data"`
+}
+
+// render appends the part's routing text: its text, or a marker and what
+// identifies its media, so that different media never share a prefix.
+func (pt *contentPart) render(sb *strings.Builder) {
+	switch {
+	case pt.Type == "text" || pt.Type == "input_text" || pt.Type == "output_text":
+		sb.WriteString(pt.Text)
+	case len(pt.ImageURL) > 0 && !isNull(pt.ImageURL):
+		sb.WriteString("<|image|>")
+		sb.WriteString(imageURL(pt.ImageURL))
+	case pt.InputAudio != nil:
+		sb.WriteString("<|audio|>")
+		sb.WriteString(pt.InputAudio.Data)
+	case pt.FileID != "" || pt.FileData != "":
+		sb.WriteString("<|file|>")
+		sb.WriteString(pt.FileID)
+		sb.WriteString(pt.FileData)
+	}
+}
+
+// imageURL is an image_url's URL: chat's {"url": ...} or the Responses
+// API's plain string.
+func imageURL(raw json.RawMessage) string {
+	var s string
+	if json.Unmarshal(raw, &s) == nil {
+		return s
+	}
+	var o struct {
+		URL string `json:"url"`
+	}
+	_ = json.Unmarshal(raw, &o)
+	return o.URL
 }
 
 // checkNesting rejects JSON nested deeper than max, scanning bytes (strings

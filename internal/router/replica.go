@@ -159,6 +159,11 @@ type Model struct {
 	Root        string `json:"root,omitempty"`
 	Parent      string `json:"parent,omitempty"`
 	MaxModelLen int    `json:"max_model_len,omitempty"`
+	// Card is the replica's listing of the model as it sent it (a JSON
+	// object; "" when unknown): the gateway's /v1/models passes it on with
+	// every field (permission, created, owned_by …). A string keeps Model
+	// comparable.
+	Card string `json:"-"`
 }
 
 // Served is the set of models and adapters a replica serves.
