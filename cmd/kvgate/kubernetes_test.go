@@ -1,0 +1,529 @@
+package main
+
+import (
+	"encoding/json"
+	"fmt"
+	"net/http"
+	"net/http/httptest"
+	"os"
+	"path"
+	"path/filepath"
+	"regexp"
+	"slices"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"sigs.k8s.io/yaml"
+
+	"github.com/kvgate/kvgate/internal/gateway"
+)
+
+// k8sObject is the part of a Kubernetes object the manifests' test reads;
+// spec is decoded by kind.
+type k8sObject struct {
+	APIVersion string `json:"apiVersion"`
+	Kind       string `json:"kind"`
+	Metadata   struct {
+		Name      string            `json:"name"`
+		Namespace string            `json:"namespace"`
+		Labels    map[string]string `json:"labels"`
+	} `json:"metadata"`
+	Data     map[string]string `json:"data"` // ConfigMap
+	Spec     json.RawMessage   `json:"spec"`
+	Rules    []k8sRule         `json:"rules"` // Role
+	RoleRef  struct{ Kind, Name string }
+	Subjects []struct{ Kind, Name, Namespace string }
+	file     string
+}
+
+type k8sRule struct {
+	APIGroups []string `json:"apiGroups"`
+	Resources []string `json:"resources"`
+	Verbs     []string `json:"verbs"`
+}
+
+type k8sSelector struct {
+	MatchLabels map[string]string `json:"matchLabels"`
+}
+
+// k8sWorkload is a Deployment's or StatefulSet's spec.
+type k8sWorkload struct {
+	Replicas    int         `json:"replicas"`
+	ServiceName string      `json:"serviceName"`
+	Selector    k8sSelector `json:"selector"`
+	Template    struct {
+		Metadata struct {
+			Labels map[string]string `json:"labels"`
+		} `json:"metadata"`
+		Spec k8sPod `json:"spec"`
+	} `json:"template"`
+}
+
+type k8sPod struct {
+	ServiceAccountName            string `json:"serviceAccountName"`
+	TerminationGracePeriodSeconds *int   `json:"terminationGracePeriodSeconds"`
+	SecurityContext               struct {
+		RunAsNonRoot *bool `json:"runAsNonRoot"`
+		RunAsUser    int   `json:"runAsUser"`
+	} `json:"securityContext"`
+	Containers []k8sContainer `json:"containers"`
+	Volumes    []struct {
+		Name      string `json:"name"`
+		ConfigMap *struct {
+			Name string `json:"name"`
+		} `json:"configMap"`
+	} `json:"volumes"`
+}
+
+type k8sContainer struct {
+	Name    string   `json:"name"`
+	Image   string   `json:"image"`
+	Command []string `json:"command"`
+	Args    []string `json:"args"`
+	Ports   []struct {
+		Name          string `json:"name"`
+		ContainerPort int    `json:"containerPort"`
+	} `json:"ports"`
+	ReadinessProbe, LivenessProbe *k8sProbe
+	SecurityContext               struct {
+		ReadOnlyRootFilesystem   *bool `json:"readOnlyRootFilesystem"`
+		AllowPrivilegeEscalation *bool `json:"allowPrivilegeEscalation"`
+	} `json:"securityContext"`
+	Resources struct {
+		Requests map[string]string `json:"requests"`
+		Limits   map[string]string `json:"limits"`
+	} `json:"resources"`
+	Lifecycle struct {
+		PreStop *struct {
+			Sleep *struct {
+				Seconds int `json:"seconds"`
+			} `json:"sleep"`
+		} `json:"preStop"`
+	} `json:"lifecycle"`
+	VolumeMounts []struct {
+		Name      string `json:"name"`
+		MountPath string `json:"mountPath"`
+	} `json:"volumeMounts"`
+}
+
+type k8sProbe struct {
+	HTTPGet *struct {
+		Path string          `json:"path"`
+		Port json.RawMessage `json:"port"`
+	} `json:"httpGet"`
+}
+
+type k8sService struct {
+	ClusterIP string            `json:"clusterIP"`
+	Selector  map[string]string `json:"selector"`
+	Ports     []struct {
+		Name       string          `json:"name"`
+		Port       int             `json:"port"`
+		TargetPort json.RawMessage `json:"targetPort"`
+	} `json:"ports"`
+}
+
+// loadManifests parses every YAML document of every file under
+// deploy/kubernetes, each of which must name its apiVersion, kind and name.
+func loadManifests(t *testing.T) []k8sObject {
+	t.Helper()
+	files, err := filepath.Glob(filepath.Join(repoRoot(t), "deploy", "kubernetes", "*"))
+	if err != nil || len(files) == 0 {
+		t.Fatalf("no manifests under deploy/kubernetes: %v", err)
+	}
+	var out []k8sObject
+	for _, f := range files {
+		if ext := filepath.Ext(f); ext != ".yaml" && ext != ".yml" {
+			t.Errorf("%s: not a .yaml file; kubectl apply -f deploy/kubernetes would skip or refuse it", f)
+			continue
+		}
+		data, err := os.ReadFile(f)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for i, doc := range regexp.MustCompile(`(?m)^---[ \t]*$`).Split(string(data), -1) {
+			if strings.TrimSpace(regexp.MustCompile(`(?m)^\s*#.*$`).ReplaceAllString(doc, "")) == "" {
+				continue // comments only
+			}
+			var o k8sObject
+			if err := yaml.Unmarshal([]byte(doc), &o); err != nil {
+				t.Fatalf("%s, document %d: %v", f, i+1, err)
+			}
+			o.file = filepath.Base(f)
+			if o.APIVersion == "" || o.Kind == "" || o.Metadata.Name == "" {
+				t.Fatalf("%s, document %d: apiVersion %q, kind %q, metadata.name %q: each is required", f, i+1, o.APIVersion, o.Kind, o.Metadata.Name)
+			}
+			out = append(out, o)
+		}
+	}
+	return out
+}
+
+// find returns the one object of kind and name.
+func find(t *testing.T, objs []k8sObject, kind, name string) k8sObject {
+	t.Helper()
+	for _, o := range objs {
+		if o.Kind == kind && o.Metadata.Name == name {
+			return o
+		}
+	}
+	t.Fatalf("no %s %q under deploy/kubernetes", kind, name)
+	return k8sObject{}
+}
+
+func specOf[T any](t *testing.T, o k8sObject) T {
+	t.Helper()
+	var s T
+	if err := json.Unmarshal(o.Spec, &s); err != nil {
+		t.Fatalf("%s %s (%s): spec: %v", o.Kind, o.Metadata.Name, o.file, err)
+	}
+	return s
+}
+
+func container(t *testing.T, p k8sPod, name string) k8sContainer {
+	t.Helper()
+	for _, c := range p.Containers {
+		if c.Name == name {
+			return c
+		}
+	}
+	t.Fatalf("no container %q", name)
+	return k8sContainer{}
+}
+
+// containerPort resolves a probe's or Service's port (a number or a port name).
+func containerPort(t *testing.T, c k8sContainer, raw json.RawMessage) int {
+	t.Helper()
+	var n int
+	if json.Unmarshal(raw, &n) == nil {
+		return n
+	}
+	var name string
+	if err := json.Unmarshal(raw, &name); err != nil {
+		t.Fatalf("port %s: %v", raw, err)
+	}
+	for _, p := range c.Ports {
+		if p.Name == name {
+			return p.ContainerPort
+		}
+	}
+	t.Fatalf("container %s has no port named %q", c.Name, name)
+	return 0
+}
+
+// matches reports whether labels carry every label of sel.
+func matches(sel, labels map[string]string) bool {
+	if len(sel) == 0 {
+		return false // an empty selector selects everything: never what these manifests mean
+	}
+	for k, v := range sel {
+		if labels[k] != v {
+			return false
+		}
+	}
+	return true
+}
+
+// kvgateDeployment is the kvgate Deployment's spec and container.
+func kvgateDeployment(t *testing.T, objs []k8sObject) (k8sWorkload, k8sContainer) {
+	t.Helper()
+	d := specOf[k8sWorkload](t, find(t, objs, "Deployment", "kvgate"))
+	return d, container(t, d.Template.Spec, "kvgate")
+}
+
+// deployedConfig is the configuration the kvgate container runs with: its
+// command line (after /kvgate) parsed by serve's own flag parsing, with the
+// --config file read from the ConfigMap volume it is mounted from.
+func deployedConfig(t *testing.T, objs []k8sObject) gateway.Config {
+	t.Helper()
+	d, c := kvgateDeployment(t, objs)
+	if len(c.Command) < 2 || c.Command[1] != "serve" {
+		t.Fatalf("kvgate's command %v: want [BINARY serve]", c.Command)
+	}
+	args := slices.Concat(c.Command[2:], c.Args)
+	i := slices.Index(args, "--config")
+	if i < 0 || i+1 >= len(args) {
+		t.Fatalf("kvgate's args %v: no --config FILE", args)
+	}
+	dir, file := path.Split(args[i+1])
+	var volume string
+	for _, m := range c.VolumeMounts {
+		if path.Clean(m.MountPath) == path.Clean(dir) {
+			volume = m.Name
+		}
+	}
+	var cmName string
+	for _, v := range d.Template.Spec.Volumes {
+		if v.Name == volume && v.ConfigMap != nil {
+			cmName = v.ConfigMap.Name
+		}
+	}
+	data, ok := find(t, objs, "ConfigMap", cmName).Data[file]
+	if !ok {
+		t.Fatalf("ConfigMap %s has no key %q for --config %s", cmName, file, args[i+1])
+	}
+	args[i+1] = writeConfig(t, data)
+	cfg, err := serveConfig(t, args...)
+	if err != nil {
+		t.Fatalf("kvgate serve %v: %v", args, err)
+	}
+	return cfg
+}
+
+// Every manifest parses; the gateway's configuration from the ConfigMap
+// passes `kvgate serve --check-config`; the container serves on the port
+// its probes, Service and ServiceMonitor use; the pod outlives the drain.
+func TestKubernetesManifests(t *testing.T) {
+	objs := loadManifests(t)
+	cfg := deployedConfig(t, objs)
+	if err := checkConfig(cfg); err != nil {
+		t.Fatalf("the ConfigMap's configuration fails --check-config: %v", err)
+	}
+	d, c := kvgateDeployment(t, objs)
+	if d.Replicas < 2 || !matches(d.Selector.MatchLabels, d.Template.Metadata.Labels) {
+		t.Errorf("Deployment: replicas %d (want ≥ 2), selector %v over labels %v", d.Replicas, d.Selector.MatchLabels, d.Template.Metadata.Labels)
+	}
+	stages := dockerStages(t, readDockerfile(t))
+	if entry := entrypoint(t, stages[len(stages)-1]); c.Command[0] != entry[0] {
+		t.Errorf("command %v runs %s; the image's binary is %s (Dockerfile)", c.Command, c.Command[0], entry[0])
+	}
+	_, listenPort, _ := strings.Cut(cfg.Listen, ":")
+	port := 0
+	for _, p := range c.Ports {
+		if strconv.Itoa(p.ContainerPort) == listenPort {
+			port = p.ContainerPort
+		}
+	}
+	if port == 0 {
+		t.Fatalf("no containerPort for the config's listen %s: %+v", cfg.Listen, c.Ports)
+	}
+	checkProbes(t, c, port)
+	checkPodLifetime(t, d.Template.Spec, c, cfg)
+	checkService(t, objs, d, c, port)
+	checkRBAC(t, objs, d.Template.Spec.ServiceAccountName)
+	checkNamespaces(t, objs)
+}
+
+// checkProbes: readiness on /ready and liveness on /health, both on the
+// serving port, and both paths (and /metrics) served by a gateway.
+func checkProbes(t *testing.T, c k8sContainer, port int) {
+	t.Helper()
+	for _, p := range []struct {
+		name  string
+		probe *k8sProbe
+		path  string
+	}{{"readinessProbe", c.ReadinessProbe, "/ready"}, {"livenessProbe", c.LivenessProbe, "/health"}} {
+		if p.probe == nil || p.probe.HTTPGet == nil || p.probe.HTTPGet.Path != p.path {
+			t.Errorf("%s: want httpGet %s", p.name, p.path)
+			continue
+		}
+		if got := containerPort(t, c, p.probe.HTTPGet.Port); got != port {
+			t.Errorf("%s on port %d, the gateway listens on %d", p.name, got, port)
+		}
+	}
+	for path, want := range gatewayPaths(t, "/ready", "/health", "/metrics") {
+		if want == http.StatusNotFound {
+			t.Errorf("the gateway answers %s with 404", path)
+		}
+	}
+}
+
+// gatewayPaths is the status a gateway (one replica, never run) answers
+// for each path: 404 for a path it does not serve.
+func gatewayPaths(t *testing.T, paths ...string) map[string]int {
+	t.Helper()
+	up := httptest.NewServer(http.NotFoundHandler())
+	defer up.Close()
+	cfg := gateway.Defaults()
+	cfg.Replicas = []gateway.ReplicaConfig{{URL: up.URL, DataParallelSize: 1}}
+	g, err := gateway.New(cfg, gateway.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := httptest.NewServer(g.Handler())
+	defer srv.Close()
+	out := map[string]int{}
+	for _, p := range paths {
+		resp, err := http.Get(srv.URL + p)
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+		out[p] = resp.StatusCode
+	}
+	return out
+}
+
+// checkPodLifetime: non-root with a read-only root; the grace period covers
+// the preStop pause and the drain, so a drain is never cut by SIGKILL.
+func checkPodLifetime(t *testing.T, p k8sPod, c k8sContainer, cfg gateway.Config) {
+	t.Helper()
+	if p.SecurityContext.RunAsNonRoot == nil || !*p.SecurityContext.RunAsNonRoot || p.SecurityContext.RunAsUser == 0 {
+		t.Errorf("pod securityContext: want runAsNonRoot and a non-zero runAsUser")
+	}
+	sc := c.SecurityContext
+	if sc.ReadOnlyRootFilesystem == nil || !*sc.ReadOnlyRootFilesystem || sc.AllowPrivilegeEscalation == nil || *sc.AllowPrivilegeEscalation {
+		t.Errorf("container securityContext: want readOnlyRootFilesystem, no privilege escalation")
+	}
+	if c.Resources.Requests["cpu"] == "" || c.Resources.Requests["memory"] == "" || c.Resources.Limits["memory"] == "" {
+		t.Errorf("resources: want cpu and memory requests and a memory limit: %+v", c.Resources)
+	}
+	pause := time.Duration(0)
+	if ps := c.Lifecycle.PreStop; ps != nil && ps.Sleep != nil {
+		pause = time.Duration(ps.Sleep.Seconds) * time.Second
+	}
+	grace := 30 * time.Second // Kubernetes' default
+	if p.TerminationGracePeriodSeconds != nil {
+		grace = time.Duration(*p.TerminationGracePeriodSeconds) * time.Second
+	}
+	if grace <= pause+cfg.DrainTimeout.D() {
+		t.Errorf("terminationGracePeriodSeconds %v: want more than the preStop pause %v plus drain_timeout %v", grace, pause, cfg.DrainTimeout.D())
+	}
+}
+
+// checkService: the Service selects the gateway's pods and targets its
+// port; the ServiceMonitor scrapes that Service's port on /metrics; the
+// PodDisruptionBudget covers the pods.
+func checkService(t *testing.T, objs []k8sObject, d k8sWorkload, c k8sContainer, port int) {
+	t.Helper()
+	svcObj := find(t, objs, "Service", "kvgate")
+	svc := specOf[k8sService](t, svcObj)
+	if !matches(svc.Selector, d.Template.Metadata.Labels) || len(svc.Ports) == 0 || containerPort(t, c, svc.Ports[0].TargetPort) != port {
+		t.Errorf("Service kvgate: selector %v, ports %+v: want the gateway's pods on port %d", svc.Selector, svc.Ports, port)
+	}
+	sm := specOf[struct {
+		Selector  k8sSelector
+		Endpoints []struct{ Port, Path string }
+	}](t, find(t, objs, "ServiceMonitor", "kvgate"))
+	if !matches(sm.Selector.MatchLabels, svcObj.Metadata.Labels) || len(sm.Endpoints) == 0 ||
+		sm.Endpoints[0].Port != svc.Ports[0].Name || sm.Endpoints[0].Path != "/metrics" {
+		t.Errorf("ServiceMonitor kvgate: %+v: want the Service's port %q on /metrics", sm, svc.Ports[0].Name)
+	}
+	pdb := specOf[struct {
+		MinAvailable json.RawMessage `json:"minAvailable"`
+		Selector     k8sSelector
+	}](t, find(t, objs, "PodDisruptionBudget", "kvgate"))
+	if !matches(pdb.Selector.MatchLabels, d.Template.Metadata.Labels) || len(pdb.MinAvailable) == 0 {
+		t.Errorf("PodDisruptionBudget: %+v: want minAvailable over the gateway's pods", pdb)
+	}
+}
+
+// checkRBAC: the pods' ServiceAccount may get, list and watch
+// EndpointSlices (discovery: {kubernetes: ...}).
+func checkRBAC(t *testing.T, objs []k8sObject, sa string) {
+	t.Helper()
+	find(t, objs, "ServiceAccount", sa)
+	for _, rb := range objs {
+		if rb.Kind != "RoleBinding" || !slices.ContainsFunc(rb.Subjects, func(s struct{ Kind, Name, Namespace string }) bool {
+			return s.Kind == "ServiceAccount" && s.Name == sa
+		}) {
+			continue
+		}
+		role := find(t, objs, rb.RoleRef.Kind, rb.RoleRef.Name)
+		for _, r := range role.Rules {
+			if slices.Contains(r.APIGroups, "discovery.k8s.io") && slices.Contains(r.Resources, "endpointslices") &&
+				!slices.ContainsFunc([]string{"get", "list", "watch"}, func(v string) bool { return !slices.Contains(r.Verbs, v) }) {
+				return
+			}
+		}
+	}
+	t.Errorf("no RoleBinding gives ServiceAccount %s get, list and watch on discovery.k8s.io endpointslices", sa)
+}
+
+// checkNamespaces: every namespaced object is in the Namespace the
+// manifests create.
+func checkNamespaces(t *testing.T, objs []k8sObject) {
+	t.Helper()
+	var ns []string
+	for _, o := range objs {
+		if o.Kind == "Namespace" {
+			ns = append(ns, o.Metadata.Name)
+		}
+	}
+	for _, o := range objs {
+		if o.Kind != "Namespace" && !slices.Contains(ns, o.Metadata.Namespace) {
+			t.Errorf("%s %s (%s): namespace %q is not among the manifests' %v", o.Kind, o.Metadata.Name, o.file, o.Metadata.Namespace, ns)
+		}
+	}
+}
+
+// argValue is flag name's value in args (--name=V or --name V).
+func argValue(args []string, name string) (string, bool) {
+	for i, a := range args {
+		if v, ok := strings.CutPrefix(a, name+"="); ok {
+			return v, true
+		}
+		if a == name && i+1 < len(args) {
+			return args[i+1], true
+		}
+	}
+	return "", false
+}
+
+// The vLLM example pairs with the ConfigMap: the StatefulSet's pods by
+// their DNS names are the config's replicas, on vLLM's port, with the KV
+// events and replay endpoints vLLM binds, prefix caching on, and the same
+// block size.
+func TestKubernetesVLLMExample(t *testing.T) {
+	objs := loadManifests(t)
+	cfg := deployedConfig(t, objs)
+	stsObj := find(t, objs, "StatefulSet", "vllm")
+	sts := specOf[k8sWorkload](t, stsObj)
+	svc := specOf[k8sService](t, find(t, objs, "Service", sts.ServiceName))
+	if svc.ClusterIP != "None" || !matches(svc.Selector, sts.Template.Metadata.Labels) {
+		t.Fatalf("Service %s: want headless (clusterIP: None) over the StatefulSet's pods", sts.ServiceName)
+	}
+	c := container(t, sts.Template.Spec, "vllm")
+	args := c.Args
+	if !slices.Contains(args, "--enable-prefix-caching") {
+		t.Errorf("vLLM args %v: no --enable-prefix-caching", args)
+	}
+	if bs, _ := argValue(args, "--block-size"); bs != strconv.Itoa(cfg.BlockSize) {
+		t.Errorf("vLLM --block-size %q, kvgate's block_size %d", bs, cfg.BlockSize)
+	}
+	vport, _ := argValue(args, "--port")
+	raw, _ := argValue(args, "--kv-events-config")
+	var kv struct {
+		Enable    bool   `json:"enable_kv_cache_events"`
+		Publisher string `json:"publisher"`
+		Endpoint  string `json:"endpoint"`
+		Replay    string `json:"replay_endpoint"`
+		Topic     string `json:"topic"`
+	}
+	if err := json.Unmarshal([]byte(raw), &kv); err != nil || !kv.Enable || kv.Publisher != "zmq" {
+		t.Fatalf("--kv-events-config %q: want enable_kv_cache_events and the zmq publisher: %v", raw, err)
+	}
+	evPort, okE := strings.CutPrefix(kv.Endpoint, "tcp://*:")
+	rpPort, okR := strings.CutPrefix(kv.Replay, "tcp://*:")
+	if !okE || !okR {
+		t.Fatalf("vLLM binds its publisher and replay sockets (tcp://*:PORT) for every gateway pod: %q %q", kv.Endpoint, kv.Replay)
+	}
+	if len(cfg.Replicas) != sts.Replicas {
+		t.Fatalf("the config lists %d replicas, the StatefulSet runs %d", len(cfg.Replicas), sts.Replicas)
+	}
+	for i, r := range cfg.Replicas {
+		host := fmt.Sprintf("%s-%d.%s.%s.svc.cluster.local", stsObj.Metadata.Name, i, sts.ServiceName, stsObj.Metadata.Namespace)
+		want := gateway.ReplicaConfig{URL: "http://" + host + ":" + vport, KVEvents: "tcp://" + host + ":" + evPort,
+			KVEventsReplay: "tcp://" + host + ":" + rpPort}
+		if r != want {
+			t.Errorf("replicas[%d] = %+v, want %+v", i, r, want)
+		}
+		// The topic, with the pod's name, names the replica as its URL does.
+		topic := strings.ReplaceAll(kv.Topic, "$(POD_NAME)", fmt.Sprintf("%s-%d", stsObj.Metadata.Name, i))
+		if !strings.HasPrefix(topic, "kv@"+host+":"+vport+"@") {
+			t.Errorf("topic %q does not name replica %s", topic, r.URL)
+		}
+	}
+	for _, p := range []string{vport, evPort, rpPort} {
+		if !slices.ContainsFunc(c.Ports, func(cp struct {
+			Name          string `json:"name"`
+			ContainerPort int    `json:"containerPort"`
+		}) bool {
+			return strconv.Itoa(cp.ContainerPort) == p
+		}) {
+			t.Errorf("vLLM container: no containerPort %s", p)
+		}
+	}
+}
