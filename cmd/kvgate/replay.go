@@ -15,6 +15,7 @@ import (
 	"github.com/kvgate/kvgate/internal/engine"
 	"github.com/kvgate/kvgate/internal/replay"
 	"github.com/kvgate/kvgate/internal/report"
+	"github.com/kvgate/kvgate/internal/router"
 	"github.com/kvgate/kvgate/internal/workload"
 )
 
@@ -46,8 +47,10 @@ type replayFlags struct {
 	syncDelay                                     time.Duration
 	workloadParams, policyParams, replicaProfiles listFlag
 	requests, replicas, kvBlocks                  int
+	prefillReplicas, decodeReplicas, nonCached    int
+	maxSeqs                                       int
 	rate, speedup                                 float64
-	staleness, scrape, slo                        time.Duration
+	staleness, scrape, slo, sloITL                time.Duration
 	capacity                                      bool
 	seed                                          uint64
 	out                                           outputFlags
@@ -62,12 +65,20 @@ func (f *replayFlags) register(fs *flag.FlagSet) {
 	fs.Var(&f.workloadParams, "workload-param", "a workload parameter, name=value (repeatable)")
 	fs.IntVar(&f.requests, "requests", 0, "requests to make (a trace: its first N records; 0: the workload's default, the whole trace)")
 	fs.Float64Var(&f.rate, "rate", replayDefaultRate, "Poisson arrival rate of a generated workload, requests/s (0: all at once)")
-	fs.IntVar(&f.replicas, "replicas", replay.DefaultReplicas, "simulated replicas")
+	fs.IntVar(&f.replicas, "replicas", replay.DefaultReplicas, "simulated aggregated replicas (each serves whole requests; "+
+		"0 by default beside --prefill-replicas and --decode-replicas)")
+	fs.IntVar(&f.prefillReplicas, "prefill-replicas", 0, "prefill/decode disaggregation: simulated prefill replicas, which compute prompts "+
+		"for the decode replicas to pull (with --decode-replicas)")
+	fs.IntVar(&f.decodeReplicas, "decode-replicas", 0, "prefill/decode disaggregation: simulated decode replicas, which pull a prompt's "+
+		"KV from a prefill replica and generate (with --prefill-replicas)")
+	fs.IntVar(&f.nonCached, "non-cached-tokens", router.DefaultNonCachedTokens, "prefill/decode: skip the prefill step when the "+
+		"decode replica lacks fewer than this many prompt tokens (0: never skip), as kvgate serve's flag")
 	fs.StringVar(&f.policies, "policies", "all", "comma-separated policies, or all")
 	fs.Var(&f.policyParams, "policy-param", "a policy parameter name=value for every policy, or POLICY.name=value for one (repeatable)")
 	fs.StringVar(&f.profile, "profile", costmodel.Default, "latency profile: "+strings.Join(costmodel.Names(), ", "))
 	fs.Var(&f.replicaProfiles, "replica-profile", "replica I runs profile NAME instead (I=NAME, repeatable): a heterogeneous fleet; the policies still assume --profile")
 	fs.IntVar(&f.kvBlocks, "kv-blocks", engine.DefaultNumBlocks, "KV cache blocks per replica (16 tokens each)")
+	fs.IntVar(&f.maxSeqs, "max-seqs", engine.DefaultMaxSeqs, "each engine's running-sequence cap (vLLM's --max-num-seqs; 1 serves one request at a time)")
 	fs.IntVar(&f.dataParallel, "data-parallel-size", 1, "data-parallel ranks per replica: each rank an engine and a routing target, as the gateway routes a DP server")
 	fs.StringVar(&f.kvEvents, "kv-events", string(replay.KVAuto), "precise mode, the router following the engines' KV events: auto (for policies defined on them, e.g. precise), on (every policy), off")
 	fs.IntVar(&f.gateways, "gateways", 1, "gateways in front of the replicas, each with its own router and policy; requests go to them in turn, as a Kubernetes Service spreads them")
@@ -79,6 +90,7 @@ func (f *replayFlags) register(fs *flag.FlagSet) {
 	fs.DurationVar(&f.scrape, "scrape-interval", 0, "period of the metric scrapes (0: each policy's upstream period: llm-d's 50 ms for llmd and precise, else 250 ms, the gateway's)")
 	fs.BoolVar(&f.capacity, "capacity", false, "search each policy's largest speed-up meeting --slo-ttft-p90")
 	fs.DurationVar(&f.slo, "slo-ttft-p90", 2*time.Second, "the p90 TTFT objective of --capacity")
+	fs.DurationVar(&f.sloITL, "slo-itl-p99", 0, "with --capacity, an objective on the p99 of the requests' mean inter-token latency too (0: none)")
 	f.out.register(fs, "")
 	fs.Uint64Var(&f.seed, "seed", 1, "seed of the workload and the policies")
 	fs.StringVar(&f.question, "question", "", "answer one question instead: sharing (TTFT and hit rate against the sharing ratio), "+
@@ -164,7 +176,8 @@ func (f *replayFlags) config(inv invocation) (replayConfig, error) {
 	}
 	c := replayConfig{rate: f.rate, question: f.question}
 	c.replay = replay.Config{
-		Replicas: f.replicas, Profile: prof, KVBlocks: f.kvBlocks, Speedup: f.speedup,
+		Replicas: f.aggregated(), PrefillReplicas: f.prefillReplicas, DecodeReplicas: f.decodeReplicas,
+		NonCachedTokens: nonCachedConfig(f.nonCached), Profile: prof, MaxSeqs: f.maxSeqs, KVBlocks: f.kvBlocks, Speedup: f.speedup,
 		Staleness: f.staleness, ScrapeInterval: f.scrape, Seed: f.seed,
 		KVEvents: replay.KVMode(f.kvEvents), DataParallelSize: f.dataParallel,
 		Gateways: f.gateways, GatewaySync: replay.GatewaySync(f.gatewaySync), SyncDelay: f.syncDelay,
@@ -189,7 +202,7 @@ func (f *replayFlags) config(inv invocation) (replayConfig, error) {
 		return c, err
 	}
 	if f.capacity {
-		c.capacity = &replay.SLO{TTFTP90: f.slo}
+		c.capacity = &replay.SLO{TTFTP90: f.slo, ITLP99: f.sloITL}
 	}
 	c.meta = f.meta(inv, c.workload, prof, profiles)
 	title := "kvgate replay: " + source(c.workload)
@@ -200,15 +213,34 @@ func (f *replayFlags) config(inv invocation) (replayConfig, error) {
 	return c, nil
 }
 
+// aggregated is the aggregated replicas: --replicas, whose default is 0
+// beside a prefill/decode fleet.
+func (f *replayFlags) aggregated() int {
+	if f.decodeReplicas > 0 && !f.set["replicas"] {
+		return 0
+	}
+	return f.replicas
+}
+
+// nonCachedConfig is --non-cached-tokens as replay.Config takes it (0
+// there is the default; negative never skips).
+func nonCachedConfig(n int) int {
+	if n == 0 {
+		return -1
+	}
+	return n
+}
+
 // replayProfileMap is --replica-profile, each replica checked against --replicas.
 func (f *replayFlags) replicaProfileMap() (map[int]string, error) {
 	profiles, err := parseReplicaProfiles(f.replicaProfiles)
 	if err != nil {
 		return nil, err
 	}
+	n := f.aggregated() + f.decodeReplicas + f.prefillReplicas
 	for i, name := range profiles {
-		if i >= f.replicas {
-			return nil, fmt.Errorf("%w: --replica-profile %d=%s: there are %d replicas (0 to %d)", errUsage, i, name, f.replicas, f.replicas-1)
+		if i >= n {
+			return nil, fmt.Errorf("%w: --replica-profile %d=%s: there are %d replicas (0 to %d)", errUsage, i, name, n, n-1)
 		}
 	}
 	return profiles, nil
@@ -224,10 +256,22 @@ func (f *replayFlags) check() error {
 		return bad("give --trace or --workload, not both")
 	case f.trace == "" && f.workload == "" && f.question == "":
 		return bad("give --trace FILE or --workload NAME (or --question %s|%s|%s)", questionSharing, questionScore, questionStaleness)
-	case f.replicas < 1:
-		return bad("--replicas %d: need at least 1", f.replicas)
+	case f.replicas < 0 || f.prefillReplicas < 0 || f.decodeReplicas < 0:
+		return bad("--replicas, --prefill-replicas and --decode-replicas must be ≥ 0")
+	case (f.prefillReplicas > 0) != (f.decodeReplicas > 0):
+		return bad("--prefill-replicas %d and --decode-replicas %d: a prefill/decode fleet needs both", f.prefillReplicas, f.decodeReplicas)
+	case f.aggregated()+f.decodeReplicas < 1:
+		return bad("--replicas %d: need at least 1 (or --prefill-replicas and --decode-replicas)", f.replicas)
+	case f.nonCached < 0:
+		return bad("--non-cached-tokens %d: must be ≥ 0", f.nonCached)
+	case f.sloITL < 0:
+		return bad("--slo-itl-p99 %v: must be ≥ 0", f.sloITL)
+	case f.set["slo-itl-p99"] && !f.capacity:
+		return bad("--slo-itl-p99 needs --capacity")
 	case f.kvBlocks < 1:
 		return bad("--kv-blocks %d: need at least 1", f.kvBlocks)
+	case f.maxSeqs < 1:
+		return bad("--max-seqs %d: need at least 1", f.maxSeqs)
 	case f.requests < 0:
 		return bad("--requests %d: must be ≥ 0", f.requests)
 	case !(f.rate >= 0):
@@ -362,9 +406,10 @@ func (f *replayFlags) meta(inv invocation, ws workload.Spec, prof costmodel.Prof
 		// the same experiment must give the same JSON.
 		"command":         inv.commandLine("json", "report"),
 		"seed":            f.seed,
-		"replicas":        f.replicas,
+		"replicas":        f.aggregated(),
 		"profile":         prof.Name,
 		"kv_blocks":       f.kvBlocks,
+		"max_seqs":        f.maxSeqs,
 		"speedup":         f.speedup,
 		"staleness":       f.staleness.String(),
 		"scrape_interval": scrapeMeta(f.scrape),
@@ -372,6 +417,10 @@ func (f *replayFlags) meta(inv invocation, ws workload.Spec, prof costmodel.Prof
 	}
 	if f.dataParallel > 1 {
 		m["data_parallel_size"] = f.dataParallel
+	}
+	if f.decodeReplicas > 0 {
+		m["prefill_replicas"], m["decode_replicas"] = f.prefillReplicas, f.decodeReplicas
+		m["non_cached_tokens"] = f.nonCached
 	}
 	m["gateways"] = f.gateways
 	if f.gateways > 1 {
@@ -401,6 +450,9 @@ func (f *replayFlags) meta(inv invocation, ws workload.Spec, prof costmodel.Prof
 	}
 	if f.capacity {
 		m["slo_ttft_p90"] = f.slo.String()
+		if f.sloITL > 0 {
+			m["slo_itl_p99"] = f.sloITL.String()
+		}
 	}
 	if len(profiles) > 0 {
 		pm := make(map[string]string, len(profiles))

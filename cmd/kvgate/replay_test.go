@@ -51,6 +51,12 @@ func TestReplayUsageErrors(t *testing.T) {
 		{"unknown gateway sync", replayArgs("--gateways", "2", "--gateway-sync", "redis"), 2, "--gateway-sync \"redis\""},
 		{"negative sync delay", replayArgs("--gateways", "2", "--sync-delay", "-1ms"), 2, "--sync-delay -1ms"},
 		{"unknown sync loads", replayArgs("--gateways", "2", "--sync-loads", "never"), 2, "--sync-loads \"never\""},
+		{"prefill without decode", replayArgs("--prefill-replicas", "2"), 2, "needs both"},
+		{"decode without prefill", replayArgs("--decode-replicas", "2"), 2, "needs both"},
+		{"negative non-cached tokens", replayArgs("--non-cached-tokens", "-1"), 2, "--non-cached-tokens -1"},
+		{"itl slo without capacity", replayArgs("--slo-itl-p99", "50ms"), 2, "--slo-itl-p99 needs --capacity"},
+		{"zero max seqs", replayArgs("--max-seqs", "0"), 2, "--max-seqs 0"},
+		{"replica profile past a P/D fleet", append(pdArgs(), "--replica-profile", "4=seed004"), 2, "there are 4 replicas"},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
@@ -209,6 +215,36 @@ func readResult(t *testing.T, path string) report.Result {
 
 // Every run's JSON says how many gateways routed it; with several, the
 // sync mode and delay, and each run its gateways and sync cost.
+// pdArgs replays seed 004's conversations on 2 prefill and 2 decode replicas.
+func pdArgs(extra ...string) []string {
+	return append([]string{"replay", "--workload", "multiturn",
+		"--workload-param", "conversations=20", "--workload-param", "turns=5", "--workload-param", "system_prompts=20",
+		"--workload-param", "output_len=2", "--workload-param", "think_ms=4000", "--rate", "0.5",
+		"--profile", "seed004", "--max-seqs", "1", "--prefill-replicas", "2", "--decode-replicas", "2",
+		"--non-cached-tokens", "512"}, extra...)
+}
+
+// The README's seed 004 check, from the command line: the meta says the
+// fleet, and ttft's follow-up turns skip the prefill step.
+func TestReplayPDJSON(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "pd.json")
+	code, _, stderr := runCmd(t, "", pdArgs("--policies", "ttft,round_robin", "--json", path)...)
+	if code != 0 {
+		t.Fatalf("exit %d: %s", code, stderr)
+	}
+	res := readResult(t, path)
+	for k, want := range map[string]any{"replicas": 0.0, "prefill_replicas": 2.0, "decode_replicas": 2.0,
+		"non_cached_tokens": 512.0, "max_seqs": 1.0} {
+		if got := res.Meta[k]; got != want {
+			t.Errorf("meta %s = %v, want %v", k, got, want)
+		}
+	}
+	run := res.Runs[0]
+	if run.Extra["pd_prefill_steps"] != 20 || run.Extra["pd_skipped_threshold"] != 80 || len(run.ReplicaShare) != 2 {
+		t.Errorf("ttft: extra %v, shares %v", run.Extra, run.ReplicaShare)
+	}
+}
+
 func TestReplayGatewaysJSON(t *testing.T) {
 	dir := t.TempDir()
 	for _, tc := range []struct {

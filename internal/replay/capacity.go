@@ -36,6 +36,10 @@ const (
 // SLO is the service-level objective of the capacity search.
 type SLO struct {
 	TTFTP90 time.Duration // p90 time to first token
+	// ITLP99, when set, is an objective on the p99 of the requests' mean
+	// inter-token latency too (report.Run.ITLms): the steady decoding that
+	// prefill/decode disaggregation is deployed for. Both must hold.
+	ITLP99 time.Duration
 	// MaxErrorRate is the largest share of failed requests (default 1 %).
 	MaxErrorRate float64
 }
@@ -49,8 +53,13 @@ func (o SLO) Meets(r report.Run) bool {
 	if r.Requests == 0 || float64(r.Errors) > maxErr*float64(r.Requests) {
 		return false
 	}
-	return r.TTFTms.P90 <= float64(o.TTFTP90)/float64(time.Millisecond)
+	if o.ITLP99 > 0 && r.ITLms.P99 > ms(o.ITLP99) {
+		return false
+	}
+	return r.TTFTms.P90 <= ms(o.TTFTP90)
 }
+
+func ms(d time.Duration) float64 { return float64(d) / float64(time.Millisecond) }
 
 // Probe is one probe's outcome, for Search.
 type Probe struct {
@@ -64,13 +73,24 @@ type Probe struct {
 	Excess float64
 }
 
-// probe is the SLO's verdict on a run.
+// probe is the SLO's verdict on a run. With two objectives, the excess is
+// the larger: the one that binds.
 func (o SLO) probe(r report.Run) Probe {
-	ex := math.NaN()
-	if slo := float64(o.TTFTP90) / float64(time.Millisecond); r.TTFTms.P90 > 0 && slo > 0 {
-		ex = 1 - slo/r.TTFTms.P90
+	ex := excess(ms(o.TTFTP90), r.TTFTms.P90)
+	if o.ITLP99 > 0 {
+		if e := excess(ms(o.ITLP99), r.ITLms.P99); math.IsNaN(ex) || e > ex {
+			ex = e
+		}
 	}
 	return Probe{Pass: o.Meets(r), Excess: ex}
+}
+
+// excess is 1 − slo/got, NaN when unknown.
+func excess(slo, got float64) float64 {
+	if got > 0 && slo > 0 {
+		return 1 - slo/got
+	}
+	return math.NaN()
 }
 
 // Limits bound a Search; the zero value means the capacity search's own.

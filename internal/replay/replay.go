@@ -43,6 +43,7 @@ import (
 	"github.com/kvgate/kvgate/internal/policy"
 	"github.com/kvgate/kvgate/internal/prompt"
 	"github.com/kvgate/kvgate/internal/report"
+	"github.com/kvgate/kvgate/internal/router"
 	"github.com/kvgate/kvgate/internal/workload"
 )
 
@@ -82,8 +83,20 @@ func (m KVMode) follows(pol policy.Policy) bool {
 
 // Config describes the fleet and the gateway of a replay.
 type Config struct {
-	Replicas int               // engines (default 8)
-	Profile  costmodel.Profile // latency profile (default costmodel.Default)
+	// Replicas is the aggregated replicas (role both), each serving whole
+	// requests (default 8 when the fleet has no prefill or decode replica).
+	Replicas int
+	// PrefillReplicas and DecodeReplicas make a prefill/decode fleet
+	// (beside Replicas, which may be 0): each request is routed by
+	// router.RoutePD to a pair, prefilled on one engine, its KV pulled by
+	// the other, and decoded there (pd.go). Both or neither.
+	PrefillReplicas, DecodeReplicas int
+	// NonCachedTokens is RoutePD's threshold on a prefill/decode fleet: the
+	// prefill step is skipped when the decode replica lacks fewer prompt
+	// tokens (0: router.DefaultNonCachedTokens, llm-d's 16; negative:
+	// never skipped).
+	NonCachedTokens int
+	Profile         costmodel.Profile // latency profile (default costmodel.Default)
 	// ReplicaProfiles overrides the engine profile of some replicas (slot →
 	// profile): a heterogeneous fleet. The policies still assume Profile,
 	// as a gateway configured with one profile would.
@@ -146,7 +159,7 @@ type observation struct {
 
 // WithDefaults fills the zero fields.
 func (c Config) WithDefaults() Config {
-	if c.Replicas == 0 {
+	if c.Replicas == 0 && c.PrefillReplicas == 0 && c.DecodeReplicas == 0 {
 		c.Replicas = DefaultReplicas
 	}
 	if c.Profile == (costmodel.Profile{}) {
@@ -190,8 +203,12 @@ func (c Config) WithDefaults() Config {
 
 func (c Config) validate() error {
 	switch {
-	case c.Replicas < 1:
-		return fmt.Errorf("%w: replicas %d < 1", ErrConfig, c.Replicas)
+	case c.Replicas < 0 || c.PrefillReplicas < 0 || c.DecodeReplicas < 0:
+		return fmt.Errorf("%w: replicas %d, prefill %d, decode %d: none may be negative", ErrConfig, c.Replicas, c.PrefillReplicas, c.DecodeReplicas)
+	case (c.PrefillReplicas > 0) != (c.DecodeReplicas > 0):
+		return fmt.Errorf("%w: prefill replicas %d and decode replicas %d: a prefill/decode fleet needs both", ErrConfig, c.PrefillReplicas, c.DecodeReplicas)
+	case c.servers() < 1:
+		return fmt.Errorf("%w: no replica", ErrConfig)
 	case !(c.Speedup > 0) || c.Speedup > 1e9:
 		return fmt.Errorf("%w: speedup %v out of (0, 1e9]", ErrConfig, c.Speedup)
 	case c.Staleness < 0:
@@ -202,8 +219,8 @@ func (c Config) validate() error {
 		return fmt.Errorf("%w: kv blocks %d and block size %d must be ≥ 1", ErrConfig, c.KVBlocks, c.BlockSize)
 	case c.KVEvents != KVAuto && c.KVEvents != KVOn && c.KVEvents != KVOff:
 		return fmt.Errorf("%w: kv events %q: want auto, on or off", ErrConfig, c.KVEvents)
-	case c.DataParallelSize < 1 || c.Replicas*c.DataParallelSize > 1<<16:
-		return fmt.Errorf("%w: data parallel size %d out of [1, %d]", ErrConfig, c.DataParallelSize, (1<<16)/max(c.Replicas, 1))
+	case c.servers() > 1<<16 || c.DataParallelSize < 1 || c.servers()*c.DataParallelSize > 1<<16:
+		return fmt.Errorf("%w: data parallel size %d out of [1, %d]", ErrConfig, c.DataParallelSize, (1<<16)/max(c.servers(), 1))
 	case c.Gateways < 1 || c.Gateways > MaxGateways:
 		return fmt.Errorf("%w: gateways %d out of [1, %d]", ErrConfig, c.Gateways, MaxGateways)
 	case c.GatewaySync != SyncShared && c.GatewaySync != SyncNone:
@@ -217,8 +234,8 @@ func (c Config) validate() error {
 		return fmt.Errorf("%w: %w", ErrConfig, err)
 	}
 	for i, p := range c.ReplicaProfiles {
-		if i < 0 || i >= c.Replicas {
-			return fmt.Errorf("%w: replica profile for replica %d of %d", ErrConfig, i, c.Replicas)
+		if i < 0 || i >= c.servers() {
+			return fmt.Errorf("%w: replica profile for replica %d of %d", ErrConfig, i, c.servers())
 		}
 		if err := p.Validate(); err != nil {
 			return fmt.Errorf("%w: replica %d: %w", ErrConfig, i, err)
@@ -238,8 +255,43 @@ func (c Config) scrapeInterval(pol policy.Policy) time.Duration {
 	return DefaultScrapeInterval
 }
 
+// servers is the number of replicas of every role. Their slots: the
+// aggregated replicas, then the decode replicas, then the prefill
+// replicas (the ones that serve answers first, so that a report's replica
+// shares are over them).
+func (c Config) servers() int { return c.Replicas + c.DecodeReplicas + c.PrefillReplicas }
+
 // engines is the number of engines: each replica's data-parallel ranks.
-func (c Config) engines() int { return c.Replicas * c.DataParallelSize }
+func (c Config) engines() int { return c.servers() * c.DataParallelSize }
+
+// answering is the number of engines that stream answers: the aggregated
+// and decode replicas' ranks.
+func (c Config) answering() int { return (c.Replicas + c.DecodeReplicas) * c.DataParallelSize }
+
+// disaggregated reports a prefill/decode fleet.
+func (c Config) disaggregated() bool { return c.PrefillReplicas > 0 }
+
+// role is engine i's role.
+func (c Config) role(i int) engine.Role {
+	switch s := i / c.DataParallelSize; {
+	case s < c.Replicas:
+		return engine.RoleBoth
+	case s < c.Replicas+c.DecodeReplicas:
+		return engine.RoleDecode
+	}
+	return engine.RolePrefill
+}
+
+// nonCachedTokens is the router's Config.NonCachedTokens.
+func (c Config) nonCachedTokens() int {
+	switch {
+	case c.NonCachedTokens < 0:
+		return 0
+	case c.NonCachedTokens == 0:
+		return router.DefaultNonCachedTokens
+	}
+	return c.NonCachedTokens
+}
 
 // engineName is engine i's name: replica-R, or replica-R#K for rank K of a
 // data-parallel replica (as the gateway names a rank).
@@ -264,6 +316,7 @@ func (c Config) engineConfig(i int, events bool) engine.Config {
 		MaxSeqs:         c.MaxSeqs,
 		Seed:            c.Seed + uint64(i),
 		DisableKVEvents: !events,
+		Role:            c.role(i),
 	}
 }
 

@@ -24,6 +24,7 @@ const (
 	evPublish                // arg: gateway; its sync tick
 	evHeartbeat              // arg: gateway; its heartbeat is due
 	evSync                   // the oldest batch in transit reaches the other gateways
+	evWake                   // arg: engine; its next transfer or hold event is due
 )
 
 // ctxCheckEvery is how many events pass between two looks at ctx.
@@ -38,6 +39,15 @@ type liveRequest struct {
 	cached int
 	tokens int
 	hashes []uint64 // its engine block hashes (the engine keeps them while live)
+	ids    []uint32 // its token ids, in precise mode (likewise)
+	// Prefill/decode (pd.go): the prefill step's ticket, engine and cached
+	// tokens; the decode step's ticket is ticket. stage is the step on
+	// an engine.
+	prefill     *router.Ticket
+	prefillAt   int32
+	prefillHit  int
+	transferred int // prompt tokens the decode engine pulled
+	stage       uint8
 }
 
 // snapshot is one scrape of one engine on its way to the router.
@@ -60,6 +70,9 @@ type replica struct {
 	stepping bool              // a step is in flight
 	step     engine.StepResult // that step, consumed at its end
 	queued   bool              // in virtualRun.wake
+	// wakeAt is the time of the evWake pushed for it (a transfer ending,
+	// a hold expiring), -1 when none is pending.
+	wakeAt time.Duration
 }
 
 // virtualRun is one policy's run on a fresh fleet in virtual time: the
@@ -91,6 +104,7 @@ type virtualRun struct {
 	failures        map[string]int  // failed requests by kind
 	ended           int             // requests finished or failed
 	released        []released      // requests the router's queue let go, to dispatch
+	pd              pdStats         // prefill/decode fleets: what the steps did
 }
 
 // newVirtualRun builds cfg.Gateways routers, each with its own instance
@@ -120,9 +134,10 @@ func newVirtualRun(cfg Config, p *plan, spec PolicySpec) (*virtualRun, error) {
 		failures:    map[string]int{},
 		gateways:    make([]gatewayState, cfg.Gateways),
 	}
-	names := make([]string, cfg.engines())
-	for i := range names {
-		names[i] = cfg.engineName(i)
+	specs := make([]router.Spec, cfg.engines())
+	for i := range specs {
+		specs[i] = router.Spec{URL: cfg.engineName(i), Role: policyRole(cfg.role(i))}
+		vr.replicas[i].wakeAt = -1
 		if vr.replicas[i].engine, err = engine.New(cfg.engineConfig(i, vr.precise)); err != nil {
 			return nil, fmt.Errorf("%w: %w", ErrConfig, err)
 		}
@@ -142,7 +157,8 @@ func newVirtualRun(cfg Config, p *plan, spec PolicySpec) (*virtualRun, error) {
 			}
 		}
 		rc := router.Config{
-			Replicas:         names,
+			Specs:            specs,
+			NonCachedTokens:  cfg.nonCachedTokens(),
 			Policy:           pol,
 			BlockSize:        cfg.BlockSize,
 			BlocksPerReplica: cfg.KVBlocks,
@@ -210,7 +226,7 @@ func (vr *virtualRun) handle(ev event) error {
 	case evArrive:
 		return vr.arrive(int(ev.arg))
 	case evStepEnd:
-		vr.stepEnd(int(ev.arg))
+		return vr.stepEnd(int(ev.arg))
 	case evScrape:
 		vr.scrape()
 	case evMetrics:
@@ -224,6 +240,8 @@ func (vr *virtualRun) handle(ev event) error {
 		vr.heartbeat(int(ev.arg))
 	case evSync:
 		vr.deliverSync()
+	case evWake:
+		vr.woken(int(ev.arg), ev.at)
 	}
 	return nil
 }
@@ -253,6 +271,10 @@ func (vr *virtualRun) arrive(i int) error {
 	rt := vr.gateways[st.gw].router
 	preq := rt.Prepare(&p, r.Session, "")
 	st.arrive, st.tokens = vr.now, preq.Tokens
+	if vr.cfg.disaggregated() {
+		pd, err := rt.RoutePD(preq)
+		return vr.dispatchPD(i, text, pd, err)
+	}
 	tk, w, err := rt.Submit(preq)
 	if w != nil {
 		// Routed later, inside a ticket event of this loop: dispatched once
@@ -289,34 +311,57 @@ func (vr *virtualRun) dispatchReleased() error {
 // dispatch hands routed request i to its engine (or records why it could
 // not be routed).
 func (vr *virtualRun) dispatch(i int, text string, tk *router.Ticket, err error) error {
-	r := &vr.plan.reqs[i]
-	st := &vr.requests[i]
 	if err != nil {
-		if !errors.Is(err, policy.ErrNoReplica) {
-			return fmt.Errorf("replay: request %d: %w", i, err)
-		}
-		vr.fail(i, -1, "no_replica")
-		return nil
+		return vr.unrouted(i, err)
 	}
+	st := &vr.requests[i]
 	st.ticket = tk
 	vr.loadsChanged(st.gw)
+	er := vr.engineRequest(i, text)
+	return vr.submit(i, tk.Replica, &er)
+}
+
+// unrouted records why request i could not be routed.
+func (vr *virtualRun) unrouted(i int, err error) error {
+	if !errors.Is(err, policy.ErrNoReplica) {
+		return fmt.Errorf("replay: request %d: %w", i, err)
+	}
+	vr.fail(i, -1, "no_replica")
+	return nil
+}
+
+// engineRequest is request i as its engine gets it: its prompt's block
+// hashes in the engine's namespace (kept in st.hashes).
+func (vr *virtualRun) engineRequest(i int, text string) engine.Request {
+	st := &vr.requests[i]
 	er := engine.Request{
 		ID:           uint64(i) + 1,
 		PromptTokens: st.tokens,
-		MaxTokens:    max(r.MaxTokens, 1),
+		MaxTokens:    max(vr.plan.reqs[i].MaxTokens, 1),
 	}
 	er.BlockHashes = prompt.ApproxBlockHashes(vr.hashBuf(), vr.engineRoot, text, vr.cfg.BlockSize)
 	if vr.precise {
 		// KV events carry token ids; the precise index rehashes them.
 		er.TokenIDs = prompt.Approx{}.Encode(make([]uint32, 0, st.tokens), text)
 	}
-	st.hashes = er.BlockHashes
-	e := tk.Replica
-	if err := vr.replicas[e].engine.Add(&er, vr.now); err != nil {
+	st.hashes, st.ids = er.BlockHashes, er.TokenIDs
+	return er
+}
+
+// submit adds request i's step er to engine e. A prompt that can never fit
+// the engine fails the request: its tickets end with the error.
+func (vr *virtualRun) submit(i, e int, er *engine.Request) error {
+	st := &vr.requests[i]
+	if err := vr.replicas[e].engine.Add(er, vr.now); err != nil {
 		if !errors.Is(err, engine.ErrTooLong) {
 			return fmt.Errorf("replay: request %d: %w", i, err)
 		}
-		tk.Done(epoch.Add(vr.now), router.Outcome{CachedTokens: -1, Err: err})
+		at := epoch.Add(vr.now)
+		if st.prefill != nil {
+			st.prefill.Done(at, router.Outcome{CachedTokens: -1, Err: err})
+			st.ticket.Reject()
+		}
+		st.ticket.Done(at, router.Outcome{CachedTokens: -1, Err: err})
 		vr.loadsChanged(st.gw)
 		vr.fail(i, e, "too_long")
 		return nil
@@ -351,7 +396,7 @@ func (vr *virtualRun) release(st *liveRequest) {
 	if !vr.precise && st.hashes != nil {
 		vr.spareHashes = append(vr.spareHashes, st.hashes)
 	}
-	st.hashes, st.ticket = nil, nil
+	st.hashes, st.ids, st.ticket, st.prefill = nil, nil, nil, nil
 }
 
 // finished schedules the requests that waited for request i.
@@ -372,66 +417,135 @@ func (vr *virtualRun) queueStep(e int) {
 	}
 }
 
-// stepWoken starts a step on every engine woken at now.
+// stepWoken starts a step on every engine woken at now. A step that
+// computes nothing (a prefill/decode engine whose transfers are under
+// way) ends at once: its transfers and KV events are handled, and the
+// engine is woken again at its next event.
 func (vr *virtualRun) stepWoken() error {
+	var pulls []engine.Pull
 	for _, e := range vr.wake {
 		rep := &vr.replicas[e]
 		rep.queued = false
-		if rep.stepping || !rep.engine.HasWork() {
+		if rep.stepping || !vr.due(e) {
 			continue
 		}
 		res := rep.engine.Step(vr.now)
-		if res.Seqs == 0 {
+		pulls = append(pulls, res.Pulls...)
+		vr.pd.expired += len(res.Expired)
+		if res.Seqs > 0 {
+			rep.step, rep.stepping = res, true
+			vr.events.push(res.End, evStepEnd, int32(e))
+			continue
+		}
+		vr.publishKV(e, res.KV)
+		if _, ok := rep.engine.NextEvent(); !ok && rep.engine.HasWork() {
 			return fmt.Errorf("%w: replica %d at %v", ErrStalled, e, vr.now)
 		}
-		rep.step, rep.stepping = res, true
-		vr.events.push(res.End, evStepEnd, int32(e))
+		vr.wakeLater(e)
 	}
 	vr.wake = vr.wake[:0]
+	// After the loop: a pull releases its prefill engine's blocks, which
+	// may wake that engine (into vr.wake).
+	vr.pulled(pulls)
 	return nil
 }
 
+// due reports whether engine e has something to do at now: work, or a
+// transfer or hold event.
+func (vr *virtualRun) due(e int) bool {
+	eng := vr.replicas[e].engine
+	if eng.HasWork() {
+		return true
+	}
+	at, ok := eng.NextEvent()
+	return ok && at <= vr.now
+}
+
+// wakeLater has idle engine e woken at its next event, if it has one.
+func (vr *virtualRun) wakeLater(e int) {
+	rep := &vr.replicas[e]
+	at, ok := rep.engine.NextEvent()
+	if !ok || (rep.wakeAt >= 0 && rep.wakeAt <= at) {
+		return
+	}
+	rep.wakeAt = max(at, vr.now)
+	vr.events.push(rep.wakeAt, evWake, int32(e))
+}
+
+// woken handles engine e's evWake of time at.
+func (vr *virtualRun) woken(e int, at time.Duration) {
+	rep := &vr.replicas[e]
+	if rep.wakeAt == at {
+		rep.wakeAt = -1
+	}
+	if !rep.stepping {
+		vr.queueStep(e)
+	}
+}
+
 // stepEnd makes engine e's step visible: first tokens, finished requests,
-// KV events; the engine is woken again if it has work.
-func (vr *virtualRun) stepEnd(e int) {
+// KV events; the engine is woken again if it has work, or at its next
+// event.
+func (vr *virtualRun) stepEnd(e int) error {
 	rep := &vr.replicas[e]
 	res := &rep.step
 	at := epoch.Add(vr.now)
 	for _, o := range res.Outputs {
 		i := int(o.ReqID - 1)
-		st := &vr.requests[i]
-		if o.First {
-			st.first, st.cached = vr.now, o.CachedTokens
-			st.ticket.FirstToken(at)
-			vr.loadsChanged(st.gw)
-		}
-		if o.Finished {
-			out := max(vr.plan.reqs[i].MaxTokens, 1)
-			st.ticket.Done(at, router.Outcome{CachedTokens: st.cached, OutputTokens: out})
-			vr.loadsChanged(st.gw)
-			vr.records[i] = report.Record{
-				Start: st.arrive, TTFT: st.first - st.arrive, E2E: vr.now - st.arrive,
-				PromptTokens: st.tokens, CachedTokens: st.cached, OutputTokens: out, Replica: e,
+		if vr.requests[i].stage == stagePrefill {
+			if err := vr.prefillOutput(i, o, at); err != nil {
+				return fmt.Errorf("replay: request %d: %w", i, err)
 			}
-			vr.release(st)
-			vr.finished(i)
+			continue
 		}
+		vr.output(i, e, o, at)
 	}
-	if vr.precise && len(res.KV) > 0 {
-		b := kvBatch{replica: e, seq: vr.kvSeq[e], events: res.KV}
-		vr.kvSeq[e]++
-		if vr.cfg.Staleness == 0 {
-			vr.deliverKV(b)
-		} else {
-			vr.kvInFlight.push(b)
-			vr.events.push(vr.now+vr.cfg.Staleness, evKV, 0)
-		}
-	}
+	vr.publishKV(e, res.KV)
 	*res = engine.StepResult{}
 	rep.stepping = false
 	if rep.engine.HasWork() {
 		vr.queueStep(e)
+	} else {
+		vr.wakeLater(e)
 	}
+	return nil
+}
+
+// output is one engine output of request i's (only or decode) step.
+func (vr *virtualRun) output(i, e int, o engine.Output, at time.Time) {
+	st := &vr.requests[i]
+	if o.First {
+		st.first, st.cached = vr.now, o.CachedTokens
+		st.ticket.FirstToken(at)
+		vr.loadsChanged(st.gw)
+	}
+	if !o.Finished {
+		return
+	}
+	out := max(vr.plan.reqs[i].MaxTokens, 1)
+	st.ticket.Done(at, router.Outcome{CachedTokens: st.cached, OutputTokens: out})
+	vr.loadsChanged(st.gw)
+	vr.records[i] = report.Record{
+		Start: st.arrive, TTFT: st.first - st.arrive, E2E: vr.now - st.arrive,
+		PromptTokens: st.tokens, CachedTokens: vr.computedHit(st), OutputTokens: out, Replica: e,
+	}
+	vr.release(st)
+	vr.finished(i)
+}
+
+// publishKV sends engine e's KV events on to the routers (in precise mode).
+func (vr *virtualRun) publishKV(e int, kv []engine.KVEvent) {
+	if !vr.precise || len(kv) == 0 {
+		return
+	}
+	b := kvBatch{replica: e, seq: vr.kvSeq[e], events: kv}
+	vr.kvSeq[e]++
+	if vr.cfg.Staleness == 0 {
+		vr.deliverKV(b)
+		return
+	}
+	vr.kvInFlight.push(b)
+	vr.events.push(vr.now+vr.cfg.Staleness, evKV, 0)
 }
 
 // scrape snapshots every engine's gauges, as the gateway's scraper reads
@@ -486,7 +600,7 @@ func (vr *virtualRun) deliverKV(b kvBatch) {
 
 // summary is the run's report entry.
 func (vr *virtualRun) summary(label string) report.Run {
-	run := report.Summarize(label, vr.records, vr.cfg.engines(), 0)
+	run := report.Summarize(label, vr.records, vr.cfg.answering(), 0)
 	extra := map[string]float64{}
 	var pre, evicted int64
 	for _, rep := range vr.replicas {
@@ -504,6 +618,7 @@ func (vr *virtualRun) summary(label string) report.Run {
 		extra["kv_event_errors"] = float64(vr.kvEventErrors)
 	}
 	vr.syncSummary(extra)
+	vr.pdSummary(extra)
 	run.Extra = extra
 	return run
 }

@@ -38,7 +38,9 @@ var generators = [...]generator{
 		params: []Param{
 			countParam("conversations", 32, 1e7, "number of conversations"),
 			countParam("turns", 6, 1000, "user turns per conversation"),
-			lenParam("system_prompt_len", 1024, "tokens of the system prompt shared by every conversation"),
+			lenParam("system_prompt_len", 1024, "tokens of the system prompt opening every conversation (shared: see system_prompts)"),
+			countParam("system_prompts", 1, 1e7, "distinct system prompts, conversation c taking prompt c mod this "+
+				"(conversations: each its own, nothing shared between them)"),
 			lenParam("user_len_min", 100, "fewest tokens of a user message"),
 			lenParam("user_len_max", 200, "most tokens of a user message"),
 			lenParam("output_len", 128, "output tokens per turn; the next turn carries a reply of this many"),
@@ -163,14 +165,21 @@ func planMultiturn(p params, requests int) (plan, error) {
 	lastTurn := float64(4*sys+msgOverhead) + ft*float64(4*umax+msgOverhead) + (ft-1)*float64(4*out+msgOverhead)
 	textBytes := min(float64(c)*perConv, float64(n)*lastTurn)
 	think := p.f("think_ms")
+	systems := p.int("system_prompts")
 	gen := func(r *rng, n int) []Request {
-		system := Words(r.uint64(), sys)
+		// Prompt j's words are seeded from the first's seed, so that one
+		// system prompt (the default) draws what it always drew.
+		base := r.uint64()
+		system := Words(base, sys)
 		reqs := make([]Request, n)
 		for conv := 0; conv < c && conv < n; conv++ {
 			turns := min(t, ceilDiv(n-conv, c)) // turns of this conversation within the first n
 			roles := make([]string, 2*turns)
 			contents := make([]string, 2*turns)
 			roles[0], contents[0] = "system", system
+			if j := conv % systems; j > 0 {
+				contents[0] = Words(base+uint64(j)*0x9e3779b97f4a7c15, sys)
+			}
 			size := renderLen(roles[:1], contents[:1])
 			session := "conv-" + strconv.Itoa(conv)
 			for k := 0; k < turns; k++ {
