@@ -13,9 +13,11 @@ import (
 
 	"github.com/kvgate/kvgate/internal/bench"
 	"github.com/kvgate/kvgate/internal/costmodel"
+	"github.com/kvgate/kvgate/internal/engine"
 	"github.com/kvgate/kvgate/internal/gateway"
 	"github.com/kvgate/kvgate/internal/policy"
 	"github.com/kvgate/kvgate/internal/report"
+	"github.com/kvgate/kvgate/internal/router"
 	"github.com/kvgate/kvgate/internal/sim"
 	"github.com/kvgate/kvgate/internal/workload"
 )
@@ -39,6 +41,10 @@ type benchFlags struct {
 	target         string
 	embedded       bool
 	replicas       int
+	prefill        int // --prefill-replicas
+	decode         int // --decode-replicas
+	nonCached      int
+	set            map[string]bool
 	dataParallel   int
 	workload       string
 	workloadParams listFlag
@@ -74,6 +80,11 @@ func (f *benchFlags) register(fs *flag.FlagSet) {
 // registerLoad registers the flags bench and demo share, with d's defaults.
 func (f *benchFlags) registerLoad(fs *flag.FlagSet, d loadDefaults) {
 	fs.IntVar(&f.replicas, "replicas", 4, "simulated replicas (--embedded)")
+	fs.IntVar(&f.prefill, "prefill-replicas", 0, "prefill/decode disaggregation (--embedded): simulated prefill replicas (with --decode-replicas; "+
+		"--replicas then defaults to 0)")
+	fs.IntVar(&f.decode, "decode-replicas", 0, "prefill/decode disaggregation (--embedded): simulated decode replicas (with --prefill-replicas)")
+	fs.IntVar(&f.nonCached, "non-cached-tokens", router.DefaultNonCachedTokens, "prefill/decode (--embedded): the gateway skips the prefill "+
+		"step when the decode replica lacks fewer than this many prompt tokens (0: never skip)")
 	fs.IntVar(&f.dataParallel, "data-parallel-size", 1, "data-parallel ranks per simulated replica (--embedded): the gateway routes to each rank")
 	fs.StringVar(&f.workload, "workload", "multiturn", "workload: "+strings.Join(workload.Names(), ", ")+", or trace:FILE")
 	fs.Var(&f.workloadParams, "workload-param", "a workload parameter name=value (repeatable)")
@@ -124,6 +135,7 @@ type benchConfig struct {
 }
 
 func (f *benchFlags) config(inv invocation, title string) (benchConfig, error) {
+	f.set = inv.set
 	if err := f.validate(); err != nil {
 		return benchConfig{}, err
 	}
@@ -150,9 +162,10 @@ func (f *benchFlags) config(inv invocation, title string) (benchConfig, error) {
 	c.reqs = reqs
 	c.load = f.loadConfig()
 	c.load.MaxDuration = f.maxDuration
-	c.sim = sim.Config{Replicas: f.replicas, Profile: f.profile, KVBlocks: f.kvBlocks, TimeScale: f.timeScale,
-		Seed: f.seed, Model: f.model, DataParallelSize: f.dataParallel}
+	c.sim = sim.Config{Replicas: f.aggregated() + f.decode + f.prefill, Roles: f.roles(), Profile: f.profile, KVBlocks: f.kvBlocks,
+		TimeScale: f.timeScale, Seed: f.seed, Model: f.model, DataParallelSize: f.dataParallel}
 	c.gateway = gateway.Defaults()
+	c.gateway.NonCachedTokens = f.nonCached
 	c.gateway.Seed, c.gateway.Profile = f.seed, f.profile
 	c.gateway.SharedState, c.gateways = f.sharedState, max(f.gateways, 1)
 	c.meta = f.meta(inv, spec, len(reqs))
@@ -162,7 +175,36 @@ func (f *benchFlags) config(inv invocation, title string) (benchConfig, error) {
 
 // embeddedOnly are the flags that describe the in-process fleet: with
 // --target they would describe nothing.
-var embeddedOnly = []string{"replicas", "data-parallel-size", "profile", "kv-blocks", "policies", "gateways", "shared-state"}
+var embeddedOnly = []string{"replicas", "prefill-replicas", "decode-replicas", "non-cached-tokens", "data-parallel-size", "profile",
+	"kv-blocks", "policies", "gateways", "shared-state"}
+
+// aggregated is the embedded fleet's aggregated replicas: --replicas,
+// whose default is 0 beside prefill and decode replicas.
+func (f *benchFlags) aggregated() int {
+	if f.decode > 0 && !f.set["replicas"] {
+		return 0
+	}
+	return f.replicas
+}
+
+// roles are the embedded replicas' roles: the aggregated ones, the decode
+// ones, then the prefill ones (none for an aggregated fleet).
+func (f *benchFlags) roles() []engine.Role {
+	if f.decode == 0 {
+		return nil
+	}
+	var out []engine.Role
+	for range f.aggregated() {
+		out = append(out, engine.RoleBoth)
+	}
+	for range f.decode {
+		out = append(out, engine.RoleDecode)
+	}
+	for range f.prefill {
+		out = append(out, engine.RolePrefill)
+	}
+	return out
+}
 
 // targetOnly rejects, with --target, the flags that only shape an
 // embedded fleet.
@@ -199,7 +241,10 @@ func (f *benchFlags) meta(inv invocation, spec workload.Spec, requests int) map[
 		}
 		return m
 	}
-	m["replicas"], m["profile"], m["kv_blocks"], m["time_scale"] = f.replicas, f.profile, f.kvBlocks, f.timeScale
+	m["replicas"], m["profile"], m["kv_blocks"], m["time_scale"] = f.aggregated(), f.profile, f.kvBlocks, f.timeScale
+	if f.decode > 0 {
+		m["prefill_replicas"], m["decode_replicas"], m["non_cached_tokens"] = f.prefill, f.decode, f.nonCached
+	}
 	if f.dataParallel > 1 {
 		m["data_parallel_size"] = f.dataParallel
 	}
@@ -224,8 +269,12 @@ func (f *benchFlags) validate() error {
 	switch {
 	case f.embedded == (f.target != ""):
 		return fmt.Errorf("%w: give exactly one of --target URL and --embedded", errUsage)
-	case f.replicas < 1:
-		return fmt.Errorf("%w: --replicas must be at least 1", errUsage)
+	case f.replicas < 0 || f.prefill < 0 || f.decode < 0 || f.nonCached < 0:
+		return fmt.Errorf("%w: --replicas, --prefill-replicas, --decode-replicas and --non-cached-tokens must be ≥ 0", errUsage)
+	case (f.prefill > 0) != (f.decode > 0):
+		return fmt.Errorf("%w: --prefill-replicas %d and --decode-replicas %d: a prefill/decode fleet needs both", errUsage, f.prefill, f.decode)
+	case f.aggregated()+f.decode < 1:
+		return fmt.Errorf("%w: --replicas must be at least 1 (or give --prefill-replicas and --decode-replicas)", errUsage)
 	case f.gateways < 0 || f.gateways > 64:
 		return fmt.Errorf("%w: --gateways must be in [1, 64]", errUsage)
 	case f.dataParallel < 1 || f.dataParallel > sim.MaxDataParallelSize:
@@ -381,6 +430,7 @@ func (f *benchFlags) soak(ctx context.Context, inv invocation) error {
 	if f.target == "" || f.embedded {
 		return fmt.Errorf("%w: --duration soaks a running gateway: give --target URL (kvgate serve registers go_goroutines and heap metrics)", errUsage)
 	}
+	f.set = inv.set
 	if err := f.validate(); err != nil {
 		return err
 	}

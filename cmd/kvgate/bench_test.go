@@ -89,6 +89,8 @@ func TestBenchUsageErrors(t *testing.T) {
 		{"param a policy rejects", []string{"--embedded", "--policies", "round_robin,ttft", "--policy-param", "margin_ms=1"}, "margin_ms"},
 		{"unknown policy", []string{"--embedded", "--policies", "ttft,nope"}, "unknown policy \"nope\""},
 		{"unknown workload param", []string{"--embedded", "--workload-param", "bogus=1"}, "bogus"},
+		{"prefill without decode", []string{"--embedded", "--prefill-replicas", "2"}, "needs both"},
+		{"negative non-cached tokens", []string{"--embedded", "--non-cached-tokens", "-1"}, "must be ≥ 0"},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
@@ -150,6 +152,29 @@ func TestBenchTargetRejectsFleetFlags(t *testing.T) {
 
 // bench --target reads the gateway's targets before the run: the report
 // and the JSON name them, and one that got nothing counts in the imbalance.
+// A prefill/decode fleet in-process: the simulated replicas get their
+// roles, the gateway routes both steps, and the shares are the decode
+// replicas'.
+func TestBenchEmbeddedPD(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "pd.json")
+	code, _, stderr := runCmd(t, "", "bench", "--embedded", "--prefill-replicas", "1", "--decode-replicas", "2",
+		"--workload", "multiturn", "--workload-param", "conversations=4", "--workload-param", "turns=2",
+		"--workload-param", "output_len=4", "--requests", "8", "--rate", "20", "--policies", "ttft", "--json", path)
+	if code != 0 {
+		t.Fatalf("exit %d: %s", code, stderr)
+	}
+	res := readResult(t, path)
+	for k, want := range map[string]any{"replicas": 0.0, "prefill_replicas": 1.0, "decode_replicas": 2.0} {
+		if got := res.Meta[k]; got != want {
+			t.Errorf("meta %s = %v, want %v", k, got, want)
+		}
+	}
+	r := res.Runs[0]
+	if r.Errors != 0 || r.Requests != 8 || len(r.ReplicaShare) != 2 {
+		t.Errorf("run: %d requests, %d errors, shares %v", r.Requests, r.Errors, r.ReplicaShare)
+	}
+}
+
 func TestBenchTargetRun(t *testing.T) {
 	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		if r.URL.Path == "/metrics" {

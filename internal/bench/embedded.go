@@ -9,6 +9,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/kvgate/kvgate/internal/engine"
 	"github.com/kvgate/kvgate/internal/gateway"
 	"github.com/kvgate/kvgate/internal/report"
 	"github.com/kvgate/kvgate/internal/sim"
@@ -48,14 +49,16 @@ func RunEmbedded(ctx context.Context, e EmbeddedConfig, policy string, reqs []wo
 	}
 	defer fl.Close()
 	urls := fl.URLs()
-	targets, stop, err := startGateways(ctx, e, policy, urls)
+	targets, stop, err := startGateways(ctx, e, policy, urls, simCfg)
 	if err != nil {
 		return EmbeddedResult{}, err
 	}
 	defer stop()
 	before := counters(fl)
 	load := e.Load
-	load.Target, load.Replicas, load.TimeScale = targets[0], targetNames(urls, simCfg.DataParallelSize), simCfg.TimeScale
+	// The replicas that answer (X-Kvgate-Replica): a prefill replica's
+	// share would always be 0.
+	load.Target, load.Replicas, load.TimeScale = targets[0], targetNames(answering(urls, simCfg), simCfg.DataParallelSize), simCfg.TimeScale
 	if len(targets) > 1 {
 		load.Targets = targets
 	}
@@ -74,6 +77,22 @@ func RunEmbedded(ctx context.Context, e EmbeddedConfig, policy string, reqs []wo
 		res.Run.HitRate = res.HitRate
 	}
 	return res, err
+}
+
+// answering are the URLs of the replicas of fleet sc that are not of role
+// prefill.
+func answering(urls []string, sc sim.Config) []string {
+	var out []string
+	for i, u := range urls {
+		role := sc.Role
+		if i < len(sc.Roles) {
+			role = sc.Roles[i]
+		}
+		if role != engine.RolePrefill {
+			out = append(out, u)
+		}
+	}
+	return out
 }
 
 // targetNames are the gateway's targets over servers of dp data-parallel
@@ -95,7 +114,7 @@ func targetNames(urls []string, dp int) []string {
 // replicas at urls; with shared state, in a namespace of their own, so that
 // no earlier run's state reaches them. It returns their URLs and the stop
 // of them all.
-func startGateways(ctx context.Context, e EmbeddedConfig, policy string, urls []string) ([]string, func(), error) {
+func startGateways(ctx context.Context, e EmbeddedConfig, policy string, urls []string, sc sim.Config) ([]string, func(), error) {
 	gcfg := e.Gateway
 	if gcfg.SharedState != "" && gcfg.SharedStateNamespace == "" {
 		gcfg.SharedStateNamespace = fmt.Sprintf("kvgate-bench-%d", time.Now().UnixNano())
@@ -108,7 +127,7 @@ func startGateways(ctx context.Context, e EmbeddedConfig, policy string, urls []
 		}
 	}
 	for range max(e.Gateways, 1) {
-		t, stop, err := startGateway(ctx, gcfg, policy, urls)
+		t, stop, err := startGateway(ctx, gcfg, policy, urls, sc)
 		if err != nil {
 			stopAll()
 			return nil, nil, err
@@ -119,13 +138,21 @@ func startGateways(ctx context.Context, e EmbeddedConfig, policy string, urls []
 }
 
 // startGateway starts a gateway routing by policy over the replicas at
-// urls on a loopback port, and waits until it has scraped each of them.
-// It returns the gateway's URL and its stop.
-func startGateway(ctx context.Context, gcfg gateway.Config, policy string, urls []string) (string, func(), error) {
+// urls (with the roles the fleet sc gives them) on a loopback port, and
+// waits until it has scraped each of them. It returns the gateway's URL
+// and its stop.
+func startGateway(ctx context.Context, gcfg gateway.Config, policy string, urls []string, sc sim.Config) (string, func(), error) {
 	gcfg.Policy = policy
 	gcfg.Replicas = nil
-	for _, u := range urls {
-		gcfg.Replicas = append(gcfg.Replicas, gateway.ReplicaConfig{URL: u})
+	for i, u := range urls {
+		rc := gateway.ReplicaConfig{URL: u}
+		if role := sc.Role; role != engine.RoleBoth || i < len(sc.Roles) {
+			if i < len(sc.Roles) {
+				role = sc.Roles[i]
+			}
+			rc.Role = role.String()
+		}
+		gcfg.Replicas = append(gcfg.Replicas, rc)
 	}
 	if gcfg.ScrapeInterval == 0 {
 		gcfg.ScrapeInterval = gateway.Duration(250 * time.Millisecond)
