@@ -55,6 +55,10 @@ type Fleet struct {
 	servers [][]int
 	server  []int    // slot → its index in servers
 	warned  sync.Map // server index → engines count already warned about
+
+	// loggedOut is, per slot, whether the last rotation change logged took
+	// the replica out (absent: in rotation, as replicas start).
+	loggedOut sync.Map
 }
 
 // New watches every replica of rt.
@@ -293,9 +297,12 @@ func (f *Fleet) Health(ctx context.Context, i int) bool {
 		// A passing /health does not close the breaker: a replica can answer
 		// /health and fail every inference request.
 		now := r.SetHealthOK(ok, f.cfg.Clock.Now())
-		if was != now {
-			f.cfg.Logger.Info("replica rotation changed", "replica", r.Name(), "in_rotation", now,
-				"health_check", ok, "breaker", r.Breaker.State(f.cfg.Clock.Now()))
+		switch {
+		case was == now:
+		case now:
+			f.logRotation(s, true, "replica back in rotation", "breaker", r.Breaker.State(f.cfg.Clock.Now()))
+		case !ok:
+			f.logRotation(s, false, "replica unhealthy: out of rotation until its /health passes")
 		}
 	}
 	if ok {
@@ -415,11 +422,23 @@ func (f *Fleet) Failure(i int, p router.Pass) {
 	if cooldown == 0 {
 		return
 	}
-	f.cfg.Logger.Warn("replica ejected", "replica", r.Name(), "cooldown", cooldown)
+	f.logRotation(i, false, "replica ejected after consecutive failures: out of rotation for the cooldown", "cooldown", cooldown)
 	if f.cfg.OnEject != nil {
 		f.cfg.OnEject(i)
 	}
 	r.UpdateHealthy(now)
+}
+
+// logRotation logs, at info, a replica leaving rotation (in false) or
+// coming back, once per transition: the health loop and the request path
+// (an ejection) both report, and may race, and an ejected replica whose
+// /health also fails is still one departure.
+func (f *Fleet) logRotation(slot int, in bool, msg string, args ...any) {
+	prev, _ := f.loggedOut.LoadOrStore(slot, false)
+	if prev.(bool) == !in || !f.loggedOut.CompareAndSwap(slot, prev, !in) {
+		return // logged already, by this reporter or the other
+	}
+	f.cfg.Logger.Info(msg, append([]any{"replica", f.rt.Name(slot)}, args...)...)
 }
 
 // State is replica i's breaker state: "closed", "open" or "half-open".

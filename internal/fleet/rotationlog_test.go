@@ -1,0 +1,108 @@
+package fleet
+
+import (
+	"bytes"
+	"context"
+	"io"
+	"log/slog"
+	"net/http"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+)
+
+// healthTransport answers every /health with 200 while up, else 503, and
+// every other path with 404.
+type healthTransport struct{ up atomic.Bool }
+
+func (h *healthTransport) RoundTrip(r *http.Request) (*http.Response, error) {
+	code := http.StatusNotFound
+	if r.URL.Path == "/health" {
+		code = http.StatusServiceUnavailable
+		if h.up.Load() {
+			code = http.StatusOK
+		}
+	}
+	return &http.Response{StatusCode: code, Status: http.StatusText(code), Body: io.NopCloser(strings.NewReader("")),
+		Header: http.Header{}, Request: r}, nil
+}
+
+type logSink struct {
+	mu  sync.Mutex
+	buf bytes.Buffer
+}
+
+func (s *logSink) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.buf.Write(p)
+}
+
+// lines are the info lines logged so far, by message prefix.
+func (s *logSink) count(prefix string) int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	n := 0
+	for _, l := range strings.Split(s.buf.String(), "\n") {
+		if strings.Contains(l, "level=INFO") && strings.Contains(l, `msg="`+prefix) {
+			n++
+		}
+	}
+	return n
+}
+
+// A replica leaving rotation (unhealthy or ejected) and coming back is
+// logged at info once per transition, however many checks and failures
+// report it.
+func TestRotationChangesLoggedOncePerTransition(t *testing.T) {
+	ht := &healthTransport{}
+	ht.up.Store(true)
+	sink := &logSink{}
+	log := slog.New(slog.NewTextHandler(sink, &slog.HandlerOptions{Level: slog.LevelDebug}))
+	rt, f, clk := newFleet(t, 1, 2, &http.Client{Transport: ht}, Config{Logger: log})
+	ctx := context.Background()
+	want := func(unhealthy, ejected, back int) {
+		t.Helper()
+		got := [3]int{sink.count("replica unhealthy"), sink.count("replica ejected"), sink.count("replica back in rotation")}
+		if got != [3]int{unhealthy, ejected, back} {
+			t.Fatalf("logged unhealthy, ejected, back: %v, want %v\n%s", got, [3]int{unhealthy, ejected, back}, sink.buf.String())
+		}
+	}
+	f.Health(ctx, 0)
+	want(0, 0, 0) // in rotation from the start: nothing to say
+
+	ht.up.Store(false)
+	for range 3 {
+		f.Health(ctx, 0)
+	}
+	want(1, 0, 0)
+	ht.up.Store(true)
+	f.Health(ctx, 0)
+	f.Health(ctx, 0)
+	want(1, 0, 1)
+
+	// Ejected: once, though the failures go on and /health fails too.
+	fail(f, 0)
+	fail(f, 0)
+	if rt.Healthy(0) {
+		t.Fatal("not ejected")
+	}
+	fail(f, 0)
+	ht.up.Store(false)
+	f.Health(ctx, 0)
+	want(1, 1, 1)
+	ht.up.Store(true)
+	f.Health(ctx, 0) // still in its cooldown
+	want(1, 1, 1)
+	clk.Advance(11 * time.Second)
+	f.Health(ctx, 0)
+	if !rt.Healthy(0) {
+		t.Fatal("not back after the cooldown")
+	}
+	want(1, 1, 2)
+	// Its trial fails: ejected again, for longer.
+	fail(f, 0)
+	want(1, 2, 2)
+}
