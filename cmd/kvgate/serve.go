@@ -35,7 +35,7 @@ type serveFlags struct {
 	seed                                                      uint64
 	blockSize, retries, maxConns                              int
 	scrape, firstByte, idle, write, request, drain            time.Duration
-	check                                                     bool
+	check, accessLog                                          bool
 }
 
 func (f *serveFlags) register(fs *flag.FlagSet) {
@@ -76,6 +76,8 @@ func (f *serveFlags) register(fs *flag.FlagSet) {
 	fs.DurationVar(&f.drain, "drain-timeout", d.DrainTimeout.D(), "on SIGTERM, how long requests in flight may finish before they are cut")
 	fs.IntVar(&f.maxConns, "max-connections", 0, "cap on client connections (0: half the process's open-file limit)")
 	fs.StringVar(&f.logLevel, "log-level", "info", "debug, info, warn or error")
+	fs.BoolVar(&f.accessLog, "access-log", false, "log one line per request at info: method, path, model, replica, status, "+
+		"TTFT, e2e, prompt/cached/generated tokens, request id (never the prompt or a key)")
 	rd := gateway.DefaultRecord()
 	fs.StringVar(&f.record, "record", "", fmt.Sprintf("write a trace of the requests served to this file, for kvgate replay --trace: "+
 		"block hashes and lengths, never text (rotates at %d MiB keeping %d files; config record: for more)", rd.MaxBytes>>20, rd.Keep))
@@ -191,6 +193,9 @@ func (f *serveFlags) override(cfg *gateway.Config, set map[string]bool) error {
 	}
 	if set["state-file"] {
 		cfg.StateFile = f.stateFile
+	}
+	if set["access-log"] {
+		cfg.AccessLog = f.accessLog
 	}
 	f.overrideLimits(cfg, set)
 	f.overrideSecrets(cfg)

@@ -165,6 +165,9 @@ type Config struct {
 	AdminToken string `json:"admin_token,omitempty"`
 	// APIKeys, when set, are the only bearer tokens clients may use.
 	APIKeys []string `json:"api_keys,omitempty"`
+	// AccessLog logs one line per request at info (accesslog.go): never
+	// the prompt, the answer or a key.
+	AccessLog bool `json:"access_log,omitempty"`
 }
 
 // Defaults returns the configuration with every default set.

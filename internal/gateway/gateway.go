@@ -48,7 +48,7 @@ type Gateway struct {
 	log       *slog.Logger
 	met       *metrics
 	reg       *prometheus.Registry
-	mux       *http.ServeMux
+	mux       http.Handler // the routes, behind the access log when on
 	clock     clock.Clock
 	tok       *remoteTokenizer
 	lim       *limiter
@@ -284,7 +284,7 @@ func (g *Gateway) routes() {
 	m.HandleFunc("/debug/pprof/trace", g.admin(pprof.Trace))
 	m.HandleFunc("/admin/", g.admin(g.adminReplicas))
 	m.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) { writeError(w, errNotFound) })
-	g.mux = m
+	g.mux = g.withAccessLog(m)
 }
 
 // ready answers 200 while some replica has passed a health check and is in

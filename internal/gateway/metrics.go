@@ -2,10 +2,12 @@ package gateway
 
 import (
 	"strconv"
+	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/kvgate/kvgate/internal/clock"
+	"github.com/kvgate/kvgate/internal/policy"
 	"github.com/kvgate/kvgate/internal/router"
 )
 
@@ -13,7 +15,7 @@ import (
 type metrics struct {
 	requests                                        *prometheus.CounterVec   // policy, replica, code
 	errors                                          *prometheus.CounterVec   // kind
-	ttft                                            *prometheus.HistogramVec // policy
+	ttft                                            *prometheus.HistogramVec // policy, replica
 	e2e                                             *prometheus.HistogramVec // policy
 	decision                                        prometheus.Histogram
 	matchRatio                                      prometheus.Histogram
@@ -33,6 +35,13 @@ type metrics struct {
 	prefillSkipped  *prometheus.CounterVec // reason
 	prefillFallback *prometheus.CounterVec // reason
 	prefillStep     prometheus.Histogram
+	// What the router decided and how it turned out (noteOutcome).
+	decisions     *prometheus.CounterVec   // replica, branch
+	ttftRatio     *prometheus.HistogramVec // replica
+	promptTokens  *prometheus.CounterVec   // replica
+	cachedTokens  *prometheus.CounterVec   // replica
+	genTokens     *prometheus.CounterVec   // replica
+	usageReported *prometheus.CounterVec   // replica
 }
 
 var latencyBuckets = []float64{.005, .01, .025, .05, .075, .1, .15, .2, .3, .5, .75, 1, 1.5, 2, 3, 5, 7.5, 10, 20, 40, 80}
@@ -44,7 +53,8 @@ func newMetrics(reg prometheus.Registerer, rt *router.Router, clk clock.Clock) *
 		errors: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvgate_request_errors_total",
 			Help: "Requests answered with a gateway error, by kind."}, []string{"kind"}),
 		ttft: prometheus.NewHistogramVec(prometheus.HistogramOpts{Name: "kvgate_time_to_first_token_seconds",
-			Help: "Time to first token of streamed requests, seen by the gateway.", Buckets: latencyBuckets}, []string{"policy"}),
+			Help: "Time to first token of streamed requests, seen by the gateway (from the request's arrival), by the " +
+				"replica that answered (a disaggregated request's decode replica).", Buckets: latencyBuckets}, []string{"policy", "replica"}),
 		e2e: prometheus.NewHistogramVec(prometheus.HistogramOpts{Name: "kvgate_e2e_request_latency_seconds",
 			Help: "End-to-end request latency seen by the gateway.", Buckets: latencyBuckets}, []string{"policy"}),
 		decision: prometheus.NewHistogram(prometheus.HistogramOpts{Name: "kvgate_routing_decision_seconds",
@@ -69,6 +79,7 @@ func newMetrics(reg prometheus.Registerer, rt *router.Router, clk clock.Clock) *
 		Help: "Time requests waited in the router's queue.", Buckets: prometheus.ExponentialBuckets(0.001, 4, 10)})
 	reg.MustRegister(m.routerQueued, m.routerWait)
 	m.newPDMetrics(reg)
+	m.newOutcomeMetrics(reg)
 	reg.MustRegister(m.requests, m.errors, m.ttft, m.e2e, m.decision, m.matchRatio, m.retries, m.ejections, m.attempts, m.tokenize,
 		m.kvBatches, m.kvDropped, m.kvGaps, m.kvReplayed, m.kvBlockSizeMismatch, m.kvUnknownTopic, m.underpredicted)
 	reg.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "kvgate_index_entries",
@@ -156,6 +167,38 @@ func registerPreciseGauges(reg prometheus.Registerer, rt *router.Router, i int, 
 		func() float64 { return float64(rt.Precise().Index().ReplicaLen(i)) }))
 }
 
+// ttftRatioBuckets are observed/estimated TTFT ratios: 1 is a perfect
+// estimate; the buckets are finer near it, and symmetric on a log scale
+// (x and 1/x are as far from 1).
+var ttftRatioBuckets = []float64{1. / 8, 1. / 4, 1. / 2, 2. / 3, 0.8, 0.9, 1, 1.0 / 0.9, 1.25, 1.5, 2, 4, 8}
+
+// newOutcomeMetrics makes and registers the decision and per-replica
+// usage series (fed by noteOutcome).
+func (m *metrics) newOutcomeMetrics(reg prometheus.Registerer) {
+	m.decisions = prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvgate_route_decisions_total",
+		Help: "Routing decisions by the replica chosen and the branch taken: held_prefix (the chosen replica held " +
+			"the longest prefix of the prompt any candidate held), spilled_load (another candidate held more of it: " +
+			"the policy moved the request for load), miss (no candidate held a block of it). A disaggregated request's " +
+			"decision is its prefill step's (or its decode step's when the prefill is skipped); retries count again."},
+		[]string{"replica", "branch"})
+	m.ttftRatio = prometheus.NewHistogramVec(prometheus.HistogramOpts{Name: "kvgate_ttft_estimate_ratio",
+		Help: "Observed / estimated time to first token of streamed requests, both from routing, for policies that " +
+			"estimate it (ttft): 1 is exact, above 1 the policy was optimistic, below pessimistic.",
+		Buckets: ttftRatioBuckets}, []string{"replica"})
+	m.promptTokens = prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvgate_replica_prompt_tokens_total",
+		Help: "Prompt tokens of the answers the gateway relayed from the replica (its usage.prompt_tokens)."}, []string{"replica"})
+	m.cachedTokens = prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvgate_replica_cached_tokens_total",
+		Help: "Prompt tokens the replica found in its prefix cache, from the answers' usage.prompt_tokens_details." +
+			"cached_tokens (a decode step's pulled tokens included). Divide by kvgate_replica_usage_prompt_tokens_total " +
+			"for the hit rate."}, []string{"replica"})
+	m.usageReported = prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvgate_replica_usage_prompt_tokens_total",
+		Help: "Prompt tokens of the answers whose usage reported cached_tokens: the hit rate's denominator (a replica " +
+			"without --enable-prompt-tokens-details reports none)."}, []string{"replica"})
+	m.genTokens = prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvgate_replica_generation_tokens_total",
+		Help: "Generated tokens of the answers the gateway relayed from the replica (usage.completion_tokens)."}, []string{"replica"})
+	reg.MustRegister(m.decisions, m.ttftRatio, m.promptTokens, m.cachedTokens, m.usageReported, m.genTokens)
+}
+
 func (g *Gateway) registerLimiterMetrics(reg prometheus.Registerer) {
 	reg.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "kvgate_request_body_bytes",
 		Help: "Bytes of request bodies the gateway holds (bounded by max_body_memory)."},
@@ -170,3 +213,59 @@ func (g *Gateway) registerLimiterMetrics(reg prometheus.Registerer) {
 }
 
 func codeLabel(code int) string { return strconv.Itoa(code) }
+
+// Branches of a routing decision (kvgate_route_decisions_total).
+const (
+	branchHeld    = "held_prefix"
+	branchSpilled = "spilled_load"
+	branchMiss    = "miss"
+)
+
+// branchOf names what a decision did with the prompt's prefix: followed it
+// to the candidate holding the most of it, moved it elsewhere (for load),
+// or found it nowhere.
+func branchOf(tk *router.Ticket) string {
+	switch best := max(tk.BestHeld, tk.Held); {
+	case best == 0:
+		return branchMiss
+	case tk.Held >= best:
+		return branchHeld
+	}
+	return branchSpilled
+}
+
+// noteOutcome feeds one settled attempt to the decision and usage metrics,
+// the live view's tallies (/ui) and the access log: called once per
+// attempt from settle. A skipped attempt (its breaker said no) sent
+// nothing: it is routed again and counted then.
+func (g *Gateway) noteOutcome(x *exchange, a *attempt, end time.Time) {
+	if a.v == skipped {
+		return
+	}
+	name := g.rt.Name(a.tk.Replica)
+	branch := ""
+	// A decode step after a prefill step pulls the prompt: the prefix
+	// decision was the prefill step's.
+	if a.tk.Phase() != policy.PhaseDecode {
+		branch = branchOf(a.tk)
+		g.met.decisions.WithLabelValues(name, branch).Inc()
+	}
+	ttft := time.Duration(-1)
+	if !a.firstAt.IsZero() {
+		ttft = a.firstAt.Sub(x.start)
+		g.met.ttft.WithLabelValues(g.cfg.Policy, name).Observe(ttft.Seconds())
+		if est := a.tk.Decision.EstTTFT; est > 0 {
+			// The estimate is made at routing: compare from there.
+			g.met.ttftRatio.WithLabelValues(name).Observe(a.firstAt.Sub(a.tk.Request().Now).Seconds() / est.Seconds())
+		}
+	}
+	if a.v == served && a.prompt > 0 {
+		g.met.promptTokens.WithLabelValues(name).Add(float64(a.prompt))
+		g.met.genTokens.WithLabelValues(name).Add(float64(a.output))
+		if a.cached >= 0 {
+			g.met.cachedTokens.WithLabelValues(name).Add(float64(a.cached))
+			g.met.usageReported.WithLabelValues(name).Add(float64(a.prompt))
+		}
+	}
+	noteAccess(x, a, name, ttft)
+}

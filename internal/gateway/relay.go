@@ -154,7 +154,7 @@ func (g *Gateway) inspect(data []byte, a *attempt, sawDone *bool) {
 		a.tk.FirstToken(a.firstAt)
 	}
 	if c.Usage != nil {
-		a.cached, a.output = c.Usage.Cached(), c.Usage.CompletionTokens
+		a.noteUsage(c.Usage)
 	}
 }
 
@@ -180,7 +180,7 @@ func (g *Gateway) relayBody(x *exchange, a *attempt, body io.Reader) (rerr, werr
 		}
 		if errors.Is(err, io.EOF) {
 			if u := usageOf(tail); u != nil {
-				a.cached, a.output = u.Cached(), u.CompletionTokens
+				a.noteUsage(u)
 			}
 			return nil, nil
 		}

@@ -5,6 +5,7 @@ import (
 	"log/slog"
 	"time"
 
+	"github.com/kvgate/kvgate/internal/openai"
 	"github.com/kvgate/kvgate/internal/router"
 )
 
@@ -98,8 +99,14 @@ type attempt struct {
 	// refusal is a 503/429 kept to pass on if no other replica takes it.
 	refusal *bufferedResponse
 	cached  int // the replica's usage.prompt_tokens_details.cached_tokens (-1: none)
+	prompt  int // its usage.prompt_tokens (0: no usage seen)
 	output  int
 	firstAt time.Time
+}
+
+// noteUsage keeps what an answer's usage says.
+func (a *attempt) noteUsage(u *openai.Usage) {
+	a.cached, a.prompt, a.output = u.Cached(), u.PromptTokens, u.CompletionTokens
 }
 
 // payload is what the attempt sends: its body, or the client's.
@@ -156,9 +163,7 @@ func (g *Gateway) settle(x *exchange, a *attempt) {
 	if a.started {
 		g.met.e2e.WithLabelValues(g.cfg.Policy).Observe(end.Sub(x.start).Seconds())
 	}
-	if !a.firstAt.IsZero() {
-		g.met.ttft.WithLabelValues(g.cfg.Policy).Observe(a.firstAt.Sub(x.start).Seconds())
-	}
+	g.noteOutcome(x, a, end)
 	x.log.Debug("attempt", "replica", url, "step", a.step, "verdict", a.v.String(), "status", a.status,
 		"matched_blocks", a.tk.Decision.Matched, "blocks", len(a.tk.Request().Blocks), "reason", a.tk.Decision.Reason,
 		"cached_tokens", a.cached, "e2e", end.Sub(x.start), "err", a.err)

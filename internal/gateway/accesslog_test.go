@@ -1,0 +1,162 @@
+package gateway
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"encoding/json"
+	"io"
+	"log/slog"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"sync"
+	"testing"
+)
+
+// get sends a GET with optional headers through a client that does not
+// follow redirects.
+func get(t *testing.T, url string, hdr ...string) (*http.Response, string) {
+	t.Helper()
+	req, err := http.NewRequest(http.MethodGet, url, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i := 0; i+1 < len(hdr); i += 2 {
+		req.Header.Set(hdr[i], hdr[i+1])
+	}
+	c := &http.Client{CheckRedirect: func(*http.Request, []*http.Request) error { return http.ErrUseLastResponse }}
+	resp, err := c.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	body, err := io.ReadAll(resp.Body)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return resp, string(body)
+}
+
+// lockedBuffer is a log sink the handlers write to while the test reads.
+type lockedBuffer struct {
+	mu  sync.Mutex
+	buf bytes.Buffer
+}
+
+func (b *lockedBuffer) Write(p []byte) (int, error) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.buf.Write(p)
+}
+
+// accessLines are the access log's lines so far, decoded.
+func (b *lockedBuffer) accessLines(t *testing.T) []map[string]any {
+	t.Helper()
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	var out []map[string]any
+	sc := bufio.NewScanner(bytes.NewReader(b.buf.Bytes()))
+	for sc.Scan() {
+		var m map[string]any
+		if err := json.Unmarshal(sc.Bytes(), &m); err != nil {
+			t.Fatalf("log line %q: %v", sc.Text(), err)
+		}
+		if m["msg"] == "access" {
+			out = append(out, m)
+		}
+	}
+	return out
+}
+
+func startLoggedGateway(t *testing.T, cfg Config, sink *lockedBuffer) *testGW {
+	t.Helper()
+	g, err := New(cfg, Options{Logger: slog.New(slog.NewJSONHandler(sink, nil))})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	tg := &testGW{g: g, srv: httptest.NewServer(g.Handler()), cancel: cancel, done: make(chan struct{})}
+	go func() { defer close(tg.done); g.Run(ctx) }()
+	t.Cleanup(func() {
+		tg.srv.Close()
+		cancel()
+		<-tg.done
+	})
+	return tg
+}
+
+func TestAccessLog(t *testing.T) {
+	a := newFakeReplica(t)
+	cfg := baseConfig(a.srv.URL)
+	cfg.AccessLog = true
+	cfg.APIKeys = []string{"client-key-123"}
+	cfg.AdminToken = "admin-456"
+	sink := &lockedBuffer{}
+	gw := startLoggedGateway(t, cfg, sink)
+	waitListed(t, gw) // until the replica lists its models it judges unknown ones itself
+	auth := []string{"Authorization", "Bearer client-key-123"}
+	secretPrompt := "my very private prompt text"
+	post(t, gw.srv.URL+"/v1/completions", `{"model":"m","prompt":"`+secretPrompt+`","max_tokens":3,"stream":true}`,
+		append(auth, "X-Request-Id", "r-stream")...)
+	post(t, gw.srv.URL+"/v1/chat/completions", `{"model":"m","messages":[{"role":"user","content":"`+secretPrompt+`"}]}`,
+		append(auth, "X-Request-Id", "r-chat")...)
+	post(t, gw.srv.URL+"/v1/completions", `{"model":"nope","prompt":"x"}`, append(auth, "X-Request-Id", "r-404")...)
+	post(t, gw.srv.URL+"/v1/completions", `{"model":"m","prompt":"x"}`, "Authorization", "Bearer wrong", "X-Request-Id", "r-401")
+	get(t, gw.srv.URL+"/health")
+	get(t, gw.srv.URL+"/metrics")
+	get(t, gw.srv.URL+"/ui/state", "Authorization", "Bearer admin-456")
+	var lines []map[string]any
+	eventually(t, "four access lines", func() bool { lines = sink.accessLines(t); return len(lines) >= 4 })
+	waitIdle(t, gw)
+	byID := map[string]map[string]any{}
+	for _, l := range lines {
+		byID[l["request_id"].(string)] = l
+	}
+	if len(lines) != 4 || len(byID) != 4 {
+		t.Fatalf("%d access lines for %d requests (probes, scrapes and the live view are left out): %v", len(lines), len(byID), lines)
+	}
+	s := byID["r-stream"]
+	if s["method"] != "POST" || s["path"] != "/v1/completions" || s["model"] != "m" || s["replica"] != a.srv.URL ||
+		s["status"] != 200.0 || s["prompt_tokens"] != 10.0 || s["cached_tokens"] != 8.0 || s["completion_tokens"] != 3.0 {
+		t.Errorf("streamed request's line: %v", s)
+	}
+	if _, ok := s["ttft_ms"]; !ok {
+		t.Errorf("streamed request's line has no ttft_ms: %v", s)
+	}
+	if _, ok := s["e2e_ms"]; !ok {
+		t.Errorf("no e2e_ms: %v", s)
+	}
+	if c := byID["r-chat"]; c["path"] != "/v1/chat/completions" || c["status"] != 200.0 || c["cached_tokens"] != 8.0 {
+		t.Errorf("chat line: %v", c)
+	}
+	if e := byID["r-404"]; e["status"] != 404.0 || e["replica"] != nil {
+		t.Errorf("unknown model's line: %v", e)
+	}
+	if e := byID["r-401"]; e["status"] != 401.0 {
+		t.Errorf("bad key's line: %v", e)
+	}
+	sink.mu.Lock()
+	all := sink.buf.String()
+	sink.mu.Unlock()
+	for _, secret := range []string{secretPrompt, "client-key-123", "admin-456", "wrong"} {
+		if strings.Contains(all, secret) {
+			t.Errorf("the log holds %q", secret)
+		}
+	}
+}
+
+// Off by default: no access line.
+func TestAccessLogOff(t *testing.T) {
+	a := newFakeReplica(t)
+	sink := &lockedBuffer{}
+	gw := startLoggedGateway(t, baseConfig(a.srv.URL), sink)
+	post(t, gw.srv.URL+"/v1/completions", `{"model":"m","prompt":"x"}`)
+	waitIdle(t, gw)
+	if n := len(sink.accessLines(t)); n != 0 {
+		t.Errorf("%d access lines with the access log off", n)
+	}
+	if _, ok := gw.g.Handler().(*http.ServeMux); !ok {
+		t.Errorf("the handler is wrapped (%T) with the access log off", gw.g.Handler())
+	}
+}
