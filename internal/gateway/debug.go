@@ -127,13 +127,33 @@ func (g *Gateway) debugDecision(resp map[string]any, req *policy.Request) {
 		resp["error"] = err.Error()
 		return
 	}
-	d.Scores = nil
-	resp["decision"] = d
-	resp["replica_url"] = g.rt.URL(d.Replica)
-	if k, ranked := g.rt.Replica(d.Replica).Rank(); ranked {
-		resp["replica_rank"] = k
+	rd := g.describe(d)
+	resp["decision"] = rd.Decision
+	resp["replica_url"] = rd.ReplicaURL
+	if rd.ReplicaRank != nil {
+		resp["replica_rank"] = *rd.ReplicaRank
 	}
-	resp["est_ttft_ms"] = float64(d.EstTTFT.Microseconds()) / 1000
+	resp["est_ttft_ms"] = rd.EstTTFTMs
+}
+
+// routeDecision is a decision as /debug/route and the live view (/ui)
+// show it: the policy's reason, matched blocks, load and estimate, and the
+// replica it names.
+type routeDecision struct {
+	Decision    policy.Decision `json:"decision"`
+	ReplicaURL  string          `json:"replica_url"`
+	ReplicaRank *int            `json:"replica_rank,omitempty"`
+	EstTTFTMs   float64         `json:"est_ttft_ms"`
+}
+
+// describe is d as shown (its per-replica scores left out).
+func (g *Gateway) describe(d policy.Decision) routeDecision {
+	d.Scores = nil
+	rd := routeDecision{Decision: d, ReplicaURL: g.rt.URL(d.Replica), EstTTFTMs: float64(d.EstTTFT.Microseconds()) / 1000}
+	if k, ranked := g.rt.Replica(d.Replica).Rank(); ranked {
+		rd.ReplicaRank = &k
+	}
+	return rd
 }
 
 // debugPair adds a request's prefill/decode pair to /debug/route's answer:

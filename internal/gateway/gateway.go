@@ -49,6 +49,7 @@ type Gateway struct {
 	met       *metrics
 	reg       *prometheus.Registry
 	mux       http.Handler // the routes, behind the access log when on
+	ui        *uiStats     // the live view's tallies (/ui)
 	clock     clock.Clock
 	tok       *remoteTokenizer
 	lim       *limiter
@@ -123,7 +124,7 @@ func New(cfg Config, o Options) (*Gateway, error) {
 	}
 	g := &Gateway{cfg: cfg, rt: rt, client: &http.Client{Transport: tr}, log: o.Logger, reg: o.Registry,
 		clock: o.Clock, prof: prof, jitter: rand.New(rand.NewPCG(cfg.Seed, 99)),
-		bodies: semaphore.NewWeighted(cfg.MaxBodyMemory), sync: syncer, pd: rt.Disaggregated()}
+		bodies: semaphore.NewWeighted(cfg.MaxBodyMemory), sync: syncer, pd: rt.Disaggregated(), ui: newUIStats()}
 	g.cut, g.cutNow = context.WithCancel(context.Background())
 	g.kvModels = make([]atomic.Pointer[string], rt.Replicas())
 	g.lim = newLimiter(cfg.MaxConcurrency, cfg.MaxQueue, cfg.QueueTimeout.D())
@@ -283,6 +284,8 @@ func (g *Gateway) routes() {
 	m.HandleFunc("/debug/pprof/profile", g.admin(pprof.Profile))
 	m.HandleFunc("/debug/pprof/trace", g.admin(pprof.Trace))
 	m.HandleFunc("/admin/", g.admin(g.adminReplicas))
+	m.HandleFunc("/ui", g.serveUI)
+	m.HandleFunc("/ui/", g.serveUI)
 	m.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) { writeError(w, errNotFound) })
 	g.mux = g.withAccessLog(m)
 }

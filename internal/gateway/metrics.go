@@ -267,5 +267,6 @@ func (g *Gateway) noteOutcome(x *exchange, a *attempt, end time.Time) {
 			g.met.usageReported.WithLabelValues(name).Add(float64(a.prompt))
 		}
 	}
+	g.ui.note(g, x, a, branch, ttft, end)
 	noteAccess(x, a, name, ttft)
 }
