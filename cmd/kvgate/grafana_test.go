@@ -230,7 +230,7 @@ func exposeMetrics(t *testing.T) (gw, replicas map[string]*dto.MetricFamily, reg
 	srv := httptest.NewServer(g.Handler())
 	hc := &http.Client{}
 	t.Cleanup(func() { hc.CloseIdleConnections(); srv.Close(); cancel(); <-done })
-	body := `{"model":"` + sim.DefaultModel + `","max_tokens":4,"stream":true,"prompt":"` +
+	body := `{"model":"` + sim.DefaultModel + `","max_tokens":4,"stream":true,"stream_options":{"include_usage":true},"prompt":"` +
 		strings.Repeat("a prompt the dashboard's test sends twice. ", 12) + `"}`
 	// Twice: the second finds the prompt cached (a decision held by the
 	// prefix; on this fleet a skipped prefill step).
