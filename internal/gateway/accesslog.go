@@ -79,12 +79,12 @@ func noteAccess(x *exchange, a *attempt, name string, ttft time.Duration) {
 	if !ok {
 		return
 	}
-	aw.attempts++
 	aw.model = modelOf(x)
 	if a.step == stepPrefill {
 		aw.prefill = name
 		return
 	}
+	aw.attempts++ // tries of the answering step: more than one is a retry
 	aw.replica, aw.ttft = name, ttft
 	if a.prefill == nil {
 		aw.prefill = ""

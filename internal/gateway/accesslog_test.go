@@ -12,6 +12,8 @@ import (
 	"strings"
 	"sync"
 	"testing"
+
+	"github.com/kvgate/kvgate/internal/sim"
 )
 
 // get sends a GET with optional headers through a client that does not
@@ -158,5 +160,66 @@ func TestAccessLogOff(t *testing.T) {
 	}
 	if _, ok := gw.g.Handler().(*http.ServeMux); !ok {
 		t.Errorf("the handler is wrapped (%T) with the access log off", gw.g.Handler())
+	}
+}
+
+// A disaggregated request's line names the decode replica that answered
+// and the prefill replica whose KV it pulled, as its headers do; its
+// routing decision is counted once (the prefill step's).
+func TestAccessLogPrefillDecode(t *testing.T) {
+	pre, dec, _ := pdSims(t)
+	cfg := pdConfig(t, "ttft", pre, dec)
+	cfg.AccessLog = true
+	sink := &lockedBuffer{}
+	gw := startLoggedGateway(t, cfg, sink)
+	waitPD(t, gw)
+	body, _ := json.Marshal(map[string]any{"model": sim.DefaultModel, "max_tokens": 4, "stream": true,
+		"stream_options": map[string]any{"include_usage": true}, "prompt": strings.Repeat("a prompt long enough for a prefill step ", 20)})
+	resp, out := post(t, gw.srv.URL+"/v1/completions", string(body), "X-Request-Id", "r-pd")
+	if resp.StatusCode != 200 {
+		t.Fatalf("%d %s", resp.StatusCode, out)
+	}
+	pdHeaders(t, "the request", resp.Header, pre, dec)
+	var lines []map[string]any
+	eventually(t, "the access line", func() bool { lines = sink.accessLines(t); return len(lines) == 1 })
+	l := lines[0]
+	if l["request_id"] != "r-pd" || l["replica"] != resp.Header.Get("X-Kvgate-Replica") || l["prefill"] != resp.Header.Get(headerPrefill) ||
+		l["status"] != 200.0 || l["ttft_ms"] == nil || l["prompt_tokens"] == nil || l["attempts"] != nil {
+		t.Errorf("line %v, want replica %s and prefill %s", l, resp.Header.Get("X-Kvgate-Replica"), resp.Header.Get(headerPrefill))
+	}
+	waitIdle(t, gw)
+	if n := counterValue(t, gw.g.reg, "kvgate_route_decisions_total", nil); n != 1 {
+		t.Errorf("%v decisions counted for one disaggregated request, want 1", n)
+	}
+}
+
+// A request retried elsewhere says how many replicas it tried, and names
+// the one that answered.
+func TestAccessLogRetry(t *testing.T) {
+	a, b := newFakeReplica(t), newFakeReplica(t)
+	b.status.Store(http.StatusServiceUnavailable)
+	cfg := baseConfig(a.srv.URL, b.srv.URL)
+	cfg.Policy, cfg.AccessLog = "round_robin", true
+	sink := &lockedBuffer{}
+	gw := startLoggedGateway(t, cfg, sink)
+	waitListed(t, gw)
+	for _, id := range []string{"r1", "r2"} {
+		if resp, out := post(t, gw.srv.URL+"/v1/completions", `{"model":"m","prompt":"x"}`, "X-Request-Id", id); resp.StatusCode != 200 {
+			t.Fatalf("%d %s", resp.StatusCode, out)
+		}
+	}
+	var lines []map[string]any
+	eventually(t, "two access lines", func() bool { lines = sink.accessLines(t); return len(lines) == 2 })
+	retried := 0
+	for _, l := range lines {
+		if l["replica"] != a.srv.URL {
+			t.Errorf("line %v: the answer came from %s", l, a.srv.URL)
+		}
+		if l["attempts"] == 2.0 {
+			retried++
+		}
+	}
+	if retried != 1 || b.requests.Load() != 1 {
+		t.Errorf("%d lines with attempts 2, %d requests at the refusing replica; want 1, 1: %v", retried, b.requests.Load(), lines)
 	}
 }
