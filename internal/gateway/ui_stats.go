@@ -181,7 +181,9 @@ func (s *uiStats) snapshot(now time.Time) uiSnapshot {
 type uiReplica struct {
 	replicaDebug
 	// State: healthy (in rotation), unhealthy (its /health fails),
-	// ejected (its breaker is open) or half-open (back on trial).
+	// ejected (its breaker is open), half-open (back on trial) or draining
+	// (removed by discovery, its requests in flight finishing; once they
+	// have, the row goes).
 	State       string   `json:"state"`
 	ScrapeAgeMs *float64 `json:"scrape_age_ms"` // nil: never scraped
 	Attempts    int64    `json:"attempts"`
@@ -216,6 +218,9 @@ func (g *Gateway) liveState() uiState {
 	}
 	for i, rd := range replicaDebugs(g, views, nil) {
 		r := g.rt.Replica(views[i].Index)
+		if r.Removed() && !r.Draining() {
+			continue // a discovery source removed it and its last request ended: gone
+		}
 		t := snap.replicas[g.rt.Name(views[i].Index)]
 		row := uiReplica{replicaDebug: rd, State: g.replicaState(views[i].Index), Attempts: t.attempts, HitRate: t.hitRate()}
 		if snap.attempts > 0 {
@@ -236,6 +241,9 @@ func (g *Gateway) liveState() uiState {
 
 // replicaState names replica i's rotation state for the view.
 func (g *Gateway) replicaState(i int) string {
+	if g.rt.Replica(i).Removed() {
+		return "draining" // removed by discovery, its requests in flight finishing
+	}
 	switch g.fleet.State(i) {
 	case "open":
 		return "ejected"

@@ -5,6 +5,9 @@ import (
 	"net/http"
 	"strings"
 	"testing"
+
+	"github.com/kvgate/kvgate/internal/prompt"
+	"github.com/kvgate/kvgate/internal/router"
 )
 
 func TestUINotFoundWithoutAdminToken(t *testing.T) {
@@ -163,5 +166,42 @@ func TestUIStateJSON(t *testing.T) {
 	}
 	if st.Decisions[1].TTFTMs == nil || st.Decisions[0].TTFTMs != nil {
 		t.Errorf("only the streamed request has a TTFT: %v %v", st.Decisions[1].TTFTMs, st.Decisions[0].TTFTMs)
+	}
+}
+
+// A replica a discovery source removed shows as draining while its
+// requests finish, and leaves the view when the last one has.
+func TestUIDrainingReplica(t *testing.T) {
+	a, b := newFakeReplica(t), newFakeReplica(t)
+	cfg := baseConfig(a.srv.URL, b.srv.URL)
+	cfg.AdminToken = "tok"
+	gw := startGateway(t, cfg)
+	rt := gw.g.Router()
+	req := rt.Prepare(&prompt.Parsed{Kind: prompt.Completion, Model: "m", Text: "held", KeyText: "held", MaxTokens: 1, Prompts: 1}, "", "")
+	tk, err := rt.Route(req, 0) // a request in flight at b
+	if err != nil || tk.Replica != 1 {
+		t.Fatalf("routed to %v: %v", tk, err)
+	}
+	if _, err := rt.SetReplicas([]router.Spec{{URL: a.srv.URL}}); err != nil {
+		t.Fatal(err)
+	}
+	states := func() map[string]string {
+		_, body := get(t, gw.srv.URL+"/ui/state", "Authorization", "Bearer tok")
+		var st uiState
+		if err := json.Unmarshal([]byte(body), &st); err != nil {
+			t.Fatal(err)
+		}
+		out := map[string]string{}
+		for _, r := range st.Replicas {
+			out[r.URL] = r.State
+		}
+		return out
+	}
+	if s := states(); s[b.srv.URL] != "draining" || len(s) != 2 {
+		t.Fatalf("states %v: want %s draining", s, b.srv.URL)
+	}
+	tk.Done(gw.g.clock.Now(), router.Outcome{CachedTokens: -1})
+	if s := states(); len(s) != 1 || s[a.srv.URL] == "" {
+		t.Fatalf("states %v: want %s alone", s, a.srv.URL)
 	}
 }
