@@ -31,6 +31,7 @@ type serveFlags struct {
 	dataParallel                                              int
 	adminToken, apiKeys, profile, logLevel                    string
 	record, sharedState, stateFile                            string
+	replicasFile                                              string
 	params                                                    listFlag
 	seed                                                      uint64
 	blockSize, retries, maxConns                              int
@@ -44,6 +45,8 @@ func (f *serveFlags) register(fs *flag.FlagSet) {
 		"0 valid, 2 invalid; nothing is started and no replica contacted")
 	fs.StringVar(&f.listen, "listen", "127.0.0.1:8080", "address to serve the API on")
 	fs.StringVar(&f.replicas, "replicas", "", "comma-separated replica base URLs, e.g. http://127.0.0.1:8001,http://127.0.0.1:8002")
+	fs.StringVar(&f.replicasFile, "replicas-file", "", "YAML file listing the replicas (as the config's replicas:), watched "+
+		"while kvgate runs and re-read on SIGHUP: replicas added start cold, removed ones drain")
 	fs.StringVar(&f.prefillReplicas, "prefill-replicas", "", "prefill/decode disaggregation: comma-separated prefill replica base URLs "+
 		"(vLLM with a kv_producer or kv_both NixlConnector); the replicas of --replicas are then decode replicas, which pull the "+
 		"prompt's KV and stream the answers")
@@ -105,7 +108,8 @@ func (f *serveFlags) run(ctx context.Context, inv invocation) error {
 	if err != nil {
 		return err
 	}
-	fmt.Fprintf(inv.stdout, "kvgate serving http://%s → %s, policy %s\n", ln.Addr(), fleetSummary(cfg), cfg.Policy)
+	defer watchSIGHUP(f, inv.set, g, log)()
+	fmt.Fprintf(inv.stdout, "kvgate serving http://%s → %s, policy %s\n", ln.Addr(), replicaSummary(cfg), cfg.Policy)
 	if cfg.Record.Path != "" {
 		fmt.Fprintf(inv.stdout, "recording served requests to %s (replay it with: kvgate replay --trace %s)\n", cfg.Record.Path, cfg.Record.Path)
 	}
@@ -145,6 +149,7 @@ func (f *serveFlags) override(cfg *gateway.Config, set map[string]bool) error {
 	if set["kv-events-listen"] {
 		cfg.KVEventsListen = f.kvListen
 	}
+	overrideSource(cfg, set, f.replicasFile)
 	if set["replicas"] || set["prefill-replicas"] || set["kv-events"] || set["kv-events-replay"] {
 		rs, err := gateway.ParseReplicaList(f.replicas, gateway.ReplicaLists{Prefill: f.prefillReplicas, KVEvents: f.kvEvents,
 			KVEventsReplay: f.kvReplay, DataParallelSize: f.dataParallel})

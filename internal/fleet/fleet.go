@@ -50,15 +50,26 @@ type Fleet struct {
 	cfg    Config
 	client *http.Client
 	mu     sync.Mutex // serialises refreshModels
-	// servers are the targets of each server (URL), in slot order: the
-	// ranks of a data-parallel server share its probes.
-	servers [][]int
-	server  []int    // slot → its index in servers
-	warned  sync.Map // server index → engines count already warned about
-
+	// smu guards servers and the loops' bookkeeping: the membership
+	// changes while the fleet runs (Sync).
+	smu sync.Mutex
+	// servers are the targets of each server (by URL), in slot order: the
+	// ranks of a data-parallel server share its probes. Only servers with
+	// a replica not removed are listed, and probed.
+	servers map[string]*server
+	runCtx  context.Context // Run's, nil before Run and once it ends
+	loops   sync.WaitGroup
+	warned  sync.Map // server URL → engines count already warned about
 	// loggedOut is, per slot, whether the last rotation change logged took
 	// the replica out (absent: in rotation, as replicas start).
 	loggedOut sync.Map
+}
+
+// server is one server's targets and its probe loops' cancel (nil while
+// they do not run).
+type server struct {
+	slots  []int
+	cancel context.CancelFunc
 }
 
 // New watches every replica of rt.
@@ -82,20 +93,82 @@ func New(rt *router.Router, client *http.Client, cfg Config) *Fleet {
 		cfg.Logger = slog.New(slog.DiscardHandler)
 	}
 	cfg.Clock = clock.OrReal(cfg.Clock)
-	f := &Fleet{rt: rt, cfg: cfg, client: client, server: make([]int, rt.Replicas())}
-	byURL := map[string]int{}
-	for i := range rt.Replicas() {
-		u := rt.URL(i)
-		g, ok := byURL[u]
-		if !ok {
-			g = len(f.servers)
-			byURL[u] = g
-			f.servers = append(f.servers, nil)
-		}
-		f.servers[g] = append(f.servers[g], i)
-		f.server[i] = g
-	}
+	f := &Fleet{rt: rt, cfg: cfg, client: client, servers: map[string]*server{}}
+	f.Sync()
 	return f
+}
+
+// Sync follows the router's membership: a server with a replica added or
+// revived starts being probed at once (while Run runs), one whose replicas
+// were all removed stops; the union of the models served is recomputed.
+func (f *Fleet) Sync() {
+	want := map[string][]int{}
+	for i := range f.rt.Replicas() {
+		if r := f.rt.Replica(i); !r.Removed() {
+			want[r.URL()] = append(want[r.URL()], i)
+		}
+	}
+	f.smu.Lock()
+	for u, s := range f.servers {
+		if _, ok := want[u]; !ok {
+			if s.cancel != nil {
+				s.cancel()
+			}
+			delete(f.servers, u)
+		}
+	}
+	for u, slots := range want {
+		s := f.servers[u]
+		if s == nil {
+			s = &server{}
+			f.servers[u] = s
+		}
+		s.slots = slots
+		if f.runCtx != nil && s.cancel == nil {
+			f.startLocked(s)
+		}
+	}
+	f.smu.Unlock()
+	f.refreshModels()
+}
+
+// startLocked starts server s's probe loops; smu is held.
+func (f *Fleet) startLocked(s *server) {
+	ctx, cancel := context.WithCancel(f.runCtx)
+	s.cancel = cancel
+	i := s.slots[0]
+	f.loops.Add(2)
+	go func() {
+		defer f.loops.Done()
+		f.loop(ctx, f.cfg.ScrapeInterval, func() bool { return f.Scrape(ctx, i) })
+	}()
+	go func() {
+		defer f.loops.Done()
+		f.loop(ctx, f.cfg.HealthInterval, func() bool { return f.Health(ctx, i) })
+	}()
+}
+
+// Servers are the URLs of the servers probed, sorted.
+func (f *Fleet) Servers() []string {
+	f.smu.Lock()
+	defer f.smu.Unlock()
+	out := make([]string, 0, len(f.servers))
+	for u := range f.servers {
+		out = append(out, u)
+	}
+	sort.Strings(out)
+	return out
+}
+
+// slotsOf is the targets of replica i's server (i alone when its server
+// is no longer probed).
+func (f *Fleet) slotsOf(i int) []int {
+	f.smu.Lock()
+	defer f.smu.Unlock()
+	if s := f.servers[f.rt.URL(i)]; s != nil {
+		return s.slots
+	}
+	return []int{i}
 }
 
 // StaleAfter is the age past which a replica's metrics are not used.
@@ -104,14 +177,23 @@ func (f *Fleet) StaleAfter() time.Duration { return f.cfg.StaleAfter }
 // Run probes every replica until ctx ends; it returns when all its
 // goroutines have.
 func (f *Fleet) Run(ctx context.Context) {
-	var wg sync.WaitGroup
-	for _, g := range f.servers {
-		i := g[0]
-		wg.Add(2)
-		go func() { defer wg.Done(); f.loop(ctx, f.cfg.ScrapeInterval, func() bool { return f.Scrape(ctx, i) }) }()
-		go func() { defer wg.Done(); f.loop(ctx, f.cfg.HealthInterval, func() bool { return f.Health(ctx, i) }) }()
+	f.smu.Lock()
+	f.runCtx = ctx
+	for _, s := range f.servers {
+		f.startLocked(s)
 	}
-	wg.Wait()
+	f.smu.Unlock()
+	<-ctx.Done()
+	f.smu.Lock()
+	f.runCtx = nil // Sync starts no loop from now on
+	for _, s := range f.servers {
+		if s.cancel != nil {
+			s.cancel()
+			s.cancel = nil
+		}
+	}
+	f.smu.Unlock()
+	f.loops.Wait()
 }
 
 // maxBackoff bounds the wait between probes of a replica that keeps failing.
@@ -193,7 +275,7 @@ func (f *Fleet) Scrape(ctx context.Context, i int) bool {
 	if ctx.Err() != nil {
 		return true
 	}
-	slots := f.servers[f.server[i]]
+	slots := f.slotsOf(i)
 	if err == nil {
 		f.checkEngines(i, Engines(page))
 	}
@@ -241,12 +323,11 @@ func (f *Fleet) scrapeResult(i int, page map[string]*metricFamily, err error) bo
 // data-parallel engines than kvgate routes it as: the ranks beyond are
 // never chosen by the cache, only by the server.
 func (f *Fleet) checkEngines(i, engines int) {
-	g := f.server[i]
-	targets := len(f.servers[g])
+	targets := len(f.slotsOf(i))
 	if engines <= 1 || engines == targets {
 		return
 	}
-	if old, loaded := f.warned.Swap(g, engines); loaded && old.(int) == engines {
+	if old, loaded := f.warned.Swap(f.rt.URL(i), engines); loaded && old.(int) == engines {
 		return
 	}
 	f.cfg.Logger.Warn("replica runs data-parallel engines kvgate does not route to one by one: set data_parallel_size "+
@@ -291,7 +372,7 @@ func (f *Fleet) Health(ctx context.Context, i int) bool {
 	if ctx.Err() != nil {
 		return true
 	}
-	for _, s := range f.servers[f.server[i]] {
+	for _, s := range f.slotsOf(i) {
 		r := f.rt.Replica(s)
 		was := r.Healthy()
 		// A passing /health does not close the breaker: a replica can answer
@@ -336,7 +417,7 @@ func (f *Fleet) fetchModels(ctx context.Context, i int) {
 		}
 		ms = append(ms, m)
 	}
-	for _, s := range f.servers[f.server[i]] {
+	for _, s := range f.slotsOf(i) {
 		var running []string
 		if old := f.rt.Replica(s).Served(); old != nil {
 			running = old.Running
@@ -374,8 +455,8 @@ func (f *Fleet) refreshModels() {
 	set := map[string]router.Model{}
 	for i := range f.rt.Replicas() {
 		s := f.rt.Replica(i).Served()
-		if s == nil {
-			continue
+		if s == nil || f.rt.Replica(i).Removed() {
+			continue // a removed replica's models are no longer served
 		}
 		for _, m := range s.Models {
 			if _, ok := set[m.ID]; !ok {

@@ -13,6 +13,7 @@ import (
 	"sigs.k8s.io/yaml"
 
 	"github.com/kvgate/kvgate/internal/costmodel"
+	"github.com/kvgate/kvgate/internal/discovery"
 	"github.com/kvgate/kvgate/internal/policy"
 	"github.com/kvgate/kvgate/internal/router"
 	"github.com/kvgate/kvgate/internal/sharedstate"
@@ -42,36 +43,23 @@ func (d *Duration) UnmarshalJSON(b []byte) error {
 // D is the time.Duration.
 func (d Duration) D() time.Duration { return time.Duration(d) }
 
-// ReplicaConfig is one upstream replica.
-type ReplicaConfig struct {
-	URL string `json:"url"`
-	// KVEvents is the replica's KV-event publisher (tcp://host:port), for
-	// precise mode: kvgate connects to it (vLLM binds tcp://*:PORT).
-	KVEvents string `json:"kv_events,omitempty"`
-	// KVEventsReplay is its replay endpoint (vLLM's replay_endpoint),
-	// asked for missed batches at start and after a gap.
-	KVEventsReplay string `json:"kv_events_replay,omitempty"`
-	// DataParallelSize is the server's data-parallel ranks, each a routing
-	// target (0: counted from its metrics at start; 1: none).
-	DataParallelSize int `json:"data_parallel_size,omitempty"`
-	// APIKey is sent upstream as a bearer token (replicas started with --api-key).
-	APIKey string `json:"api_key,omitempty"`
-	// Role is the replica's part in prefill/decode disaggregation: both
-	// (the default: it serves whole requests), prefill (vLLM with
-	// kv_role kv_producer or kv_both: it computes prompts for decode
-	// replicas to pull) or decode (kv_consumer or kv_both: it pulls a
-	// prompt's KV and generates). A fleet with a replica of another role
-	// than both is routed in two steps (pd.go).
-	Role string `json:"role,omitempty"`
-}
+// ReplicaConfig is one upstream replica (the config's replicas: entries,
+// a replicas file's, and what discovery finds): one type with
+// internal/discovery, whose sources produce it.
+type ReplicaConfig = discovery.Replica
 
 // Config is the gateway's configuration (YAML file and flags).
 type Config struct {
-	Listen       string          `json:"listen"`
-	Replicas     []ReplicaConfig `json:"replicas"`
-	Policy       string          `json:"policy"`
-	PolicyParams map[string]any  `json:"policy_params,omitempty"`
-	Seed         uint64          `json:"seed"`
+	Listen   string          `json:"listen"`
+	Replicas []ReplicaConfig `json:"replicas"`
+	// ReplicasFile is a YAML file holding the replicas: list (the same
+	// entries as replicas:), watched while the gateway runs (discovery.go).
+	ReplicasFile string `json:"replicas_file,omitempty"`
+	// Discovery finds the replicas by DNS or from Kubernetes EndpointSlices.
+	Discovery    *DiscoveryConfig `json:"discovery,omitempty"`
+	Policy       string           `json:"policy"`
+	PolicyParams map[string]any   `json:"policy_params,omitempty"`
+	Seed         uint64           `json:"seed"`
 	// Tokenizer: "approx" (default) or "remote" (the replica's POST /tokenize).
 	Tokenizer string `json:"tokenizer"`
 	BlockSize int    `json:"block_size"`
@@ -299,30 +287,8 @@ func splitURLs(urls, role string, dp int) []ReplicaConfig {
 
 // Validate checks the configuration and names the first problem.
 func (c *Config) Validate() error {
-	var errs []error
-	if len(c.Replicas) == 0 {
-		errs = append(errs, errors.New("no replicas: give --replicas URL,URL,... or replicas: in the config file"))
-	}
-	seen := map[string]bool{}
-	for i, r := range c.Replicas {
-		u, err := url.Parse(r.URL)
-		if err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
-			errs = append(errs, fmt.Errorf("replicas[%d]: %q is not an http(s) URL", i, r.URL))
-		}
-		if seen[r.URL] {
-			errs = append(errs, fmt.Errorf("replicas[%d]: %q is listed twice", i, r.URL))
-		}
-		seen[r.URL] = true
-		if r.KVEvents != "" && !strings.HasPrefix(r.KVEvents, "tcp://") && !strings.HasPrefix(r.KVEvents, "ipc://") {
-			errs = append(errs, fmt.Errorf("replicas[%d].kv_events: %q is not a tcp:// or ipc:// endpoint", i, r.KVEvents))
-		}
-		if r.KVEventsReplay != "" && !strings.HasPrefix(r.KVEventsReplay, "tcp://") && !strings.HasPrefix(r.KVEventsReplay, "ipc://") {
-			errs = append(errs, fmt.Errorf("replicas[%d].kv_events_replay: %q is not a tcp:// or ipc:// endpoint", i, r.KVEventsReplay))
-		}
-		if r.DataParallelSize < 0 || r.DataParallelSize > maxDataParallel {
-			errs = append(errs, fmt.Errorf("replicas[%d].data_parallel_size %d: want 0 (count at start) to %d", i, r.DataParallelSize, maxDataParallel))
-		}
-	}
+	errs := c.validateSources()
+	errs = append(errs, validateReplicas("replicas", c.Replicas)...)
 	if c.KVEventsListen != "" && !strings.HasPrefix(c.KVEventsListen, "tcp://") {
 		errs = append(errs, fmt.Errorf("kv_events_listen: %q is not a tcp://HOST:PORT endpoint", c.KVEventsListen))
 	}
@@ -353,7 +319,7 @@ func (c *Config) Validate() error {
 	if c.ScrapeInterval <= 0 || c.HealthInterval <= 0 {
 		errs = append(errs, errors.New("scrape_interval and health_interval must be positive"))
 	}
-	errs = append(append(errs, c.validatePrecise()...), c.validateRoles()...)
+	errs = append(append(errs, c.validatePrecise()...), c.validateLimits()...)
 	errs = append(errs, c.Record.validate()...)
 	if c.SharedState != "" {
 		if _, err := sharedstate.ParseURL(c.SharedState); err != nil {
@@ -363,15 +329,43 @@ func (c *Config) Validate() error {
 	return errors.Join(errs...)
 }
 
+// validateReplicas checks a replica list (where names it in messages):
+// http(s) URLs listed once, KV-event endpoints, data-parallel sizes and
+// roles; a prefill/decode list needs a replica that can decode.
+func validateReplicas(where string, list []ReplicaConfig) []error {
+	var errs []error
+	seen := map[string]bool{}
+	for i, r := range list {
+		u, err := url.Parse(r.URL)
+		if err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
+			errs = append(errs, fmt.Errorf("%s[%d]: %q is not an http(s) URL", where, i, r.URL))
+		}
+		if seen[r.URL] {
+			errs = append(errs, fmt.Errorf("%s[%d]: %q is listed twice", where, i, r.URL))
+		}
+		seen[r.URL] = true
+		if r.KVEvents != "" && !strings.HasPrefix(r.KVEvents, "tcp://") && !strings.HasPrefix(r.KVEvents, "ipc://") {
+			errs = append(errs, fmt.Errorf("%s[%d].kv_events: %q is not a tcp:// or ipc:// endpoint", where, i, r.KVEvents))
+		}
+		if r.KVEventsReplay != "" && !strings.HasPrefix(r.KVEventsReplay, "tcp://") && !strings.HasPrefix(r.KVEventsReplay, "ipc://") {
+			errs = append(errs, fmt.Errorf("%s[%d].kv_events_replay: %q is not a tcp:// or ipc:// endpoint", where, i, r.KVEventsReplay))
+		}
+		if r.DataParallelSize < 0 || r.DataParallelSize > maxDataParallel {
+			errs = append(errs, fmt.Errorf("%s[%d].data_parallel_size %d: want 0 (count at start) to %d", where, i, r.DataParallelSize, maxDataParallel))
+		}
+	}
+	return append(errs, validateRoles(where, list)...)
+}
+
 // validateRoles checks the replicas' roles: spelled right, and a
 // prefill/decode fleet with a replica that can decode (stream answers).
-func (c *Config) validateRoles() []error {
+func validateRoles(where string, list []ReplicaConfig) []error {
 	var errs []error
 	disagg, decodes := false, 0
-	for i, r := range c.Replicas {
+	for i, r := range list {
 		role, err := policy.ParseRole(r.Role)
 		if err != nil {
-			errs = append(errs, fmt.Errorf("replicas[%d].role: %w", i, err))
+			errs = append(errs, fmt.Errorf("%s[%d].role: %w", where, i, err))
 			continue
 		}
 		disagg = disagg || role != policy.RoleBoth
@@ -383,6 +377,12 @@ func (c *Config) validateRoles() []error {
 		errs = append(errs, errors.New("a prefill/decode fleet needs at least one replica of role decode or both "+
 			"(--replicas with --prefill-replicas): prefill replicas only compute prompts, they never stream answers"))
 	}
+	return errs
+}
+
+// validateLimits checks the routing thresholds.
+func (c *Config) validateLimits() []error {
+	var errs []error
 	if c.NonCachedTokens < 0 {
 		errs = append(errs, fmt.Errorf("non_cached_tokens %d: want ≥ 0 (0: never skip the prefill step)", c.NonCachedTokens))
 	}

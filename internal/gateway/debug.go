@@ -35,6 +35,7 @@ func (g *Gateway) admin(h http.HandlerFunc) http.HandlerFunc {
 
 type replicaDebug struct {
 	URL            string   `json:"url"`
+	State          string   `json:"state"`          // active, draining (removed, requests in flight) or removed
 	Role           string   `json:"role,omitempty"` // a prefill/decode fleet's
 	Rank           *int     `json:"rank,omitempty"`
 	Healthy        bool     `json:"healthy"`
@@ -52,9 +53,9 @@ type replicaDebug struct {
 func replicaDebugs(g *Gateway, views []policy.ReplicaView, d *policy.Decision) []replicaDebug {
 	out := make([]replicaDebug, len(views))
 	for i, v := range views {
-		rd := replicaDebug{URL: v.URL, Healthy: v.Healthy, MatchBlocks: v.Match, InFlight: v.InFlight,
+		rd := replicaDebug{URL: v.URL, State: replicaState(g.rt.Replica(v.Index)), Healthy: v.Healthy, MatchBlocks: v.Match, InFlight: v.InFlight,
 			PendingPrefill: v.PendingPrefill, IndexBlocks: g.rt.Index().ReplicaLen(v.Index)}
-		if g.pd {
+		if g.pd.Load() {
 			rd.Role = v.Role.String()
 		}
 		if k, ranked := g.rt.Replica(v.Index).Rank(); ranked {
@@ -108,7 +109,7 @@ func (g *Gateway) debug(w http.ResponseWriter, r *http.Request) {
 		"policy":  g.cfg.Policy,
 		"request": map[string]any{"kind": kind.String(), "tokens": req.Tokens, "blocks": len(req.Blocks)},
 	}
-	if g.pd {
+	if g.pd.Load() {
 		g.debugPair(resp, req)
 	} else {
 		g.debugDecision(resp, req)

@@ -48,11 +48,11 @@ func (g *Gateway) serveInference(w http.ResponseWriter, r *http.Request, kind pr
 	}
 	defer release()
 	route := g.routeAttempt
-	if g.pd {
+	if g.pd.Load() {
 		route = g.routePDAttempt
 	}
 	for tries := 0; ; {
-		a, err := route(x, tries >= g.cfg.Retries)
+		a, err := route(x, tries >= g.conf().Retries)
 		if err != nil {
 			g.endUnrouted(x, err)
 			return
@@ -67,7 +67,7 @@ func (g *Gateway) serveInference(w http.ResponseWriter, r *http.Request, kind pr
 		if a.v == skipped {
 			continue // no attempt spent
 		}
-		if tries++; tries > g.cfg.Retries {
+		if tries++; tries > g.conf().Retries {
 			g.endUnrouted(x, errUpstream.with("every replica tried refused the request"))
 			return
 		}
@@ -119,7 +119,7 @@ func (g *Gateway) waitInQueue(x *exchange, w *router.Waiting) (*router.Ticket, e
 	defer g.met.routerQueued.Dec()
 	t0 := g.clock.Now()
 	defer func() { g.met.routerWait.Observe(g.clock.Since(t0).Seconds()) }()
-	timer := g.clock.NewTimer(g.cfg.QueueTimeout.D())
+	timer := g.clock.NewTimer(g.conf().QueueTimeout.D())
 	defer timer.Stop()
 	select {
 	case <-w.Done():
@@ -200,18 +200,19 @@ func (g *Gateway) admit(w http.ResponseWriter, r *http.Request, kind prompt.Kind
 		releaseAll()
 		return nil, nil, err
 	}
-	if err := g.lim.acquire(ctx, g.clock); err != nil {
+	lim := g.lim.Load() // the one released: a reload may swap it meanwhile
+	if err := lim.acquire(ctx, g.clock); err != nil {
 		releaseAll()
 		return nil, nil, err
 	}
 	// Remote tokenization costs the replicas work: only admitted requests.
 	if x.req, err = g.routingKey(ctx, kind, x.parsed, body, r.Header.Get("X-Session-Id")); err != nil {
-		g.lim.release()
+		lim.release()
 		releaseAll()
 		return nil, nil, err
 	}
 	g.inFlight.Add(1)
-	return x, func() { g.lim.release(); releaseAll(); g.inFlight.Add(-1) }, nil
+	return x, func() { lim.release(); releaseAll(); g.inFlight.Add(-1) }, nil
 }
 
 // requestContext derives a request's context: cancelled when the client
@@ -220,7 +221,7 @@ func (g *Gateway) admit(w http.ResponseWriter, r *http.Request, kind prompt.Kind
 func (g *Gateway) requestContext(parent context.Context) (context.Context, func()) {
 	ctx, cancel := context.WithCancelCause(parent)
 	var timer clock.Timer
-	if d := g.cfg.RequestTimeout.D(); d > 0 {
+	if d := g.conf().RequestTimeout.D(); d > 0 {
 		timer = g.clock.AfterFunc(d, func() { cancel(errRequestTimeout) })
 	}
 	stop := context.AfterFunc(g.cut, func() { cancel(errDrained) })

@@ -28,9 +28,11 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 	"golang.org/x/sync/semaphore"
+	"k8s.io/client-go/kubernetes"
 
 	"github.com/kvgate/kvgate/internal/clock"
 	"github.com/kvgate/kvgate/internal/costmodel"
+	"github.com/kvgate/kvgate/internal/discovery"
 	"github.com/kvgate/kvgate/internal/fleet"
 	"github.com/kvgate/kvgate/internal/kvevents"
 	"github.com/kvgate/kvgate/internal/policy"
@@ -41,24 +43,41 @@ import (
 
 // Gateway is the proxy.
 type Gateway struct {
-	cfg       Config
-	rt        *router.Router
-	fleet     *fleet.Fleet
-	client    *http.Client
-	log       *slog.Logger
-	met       *metrics
-	reg       *prometheus.Registry
-	mux       http.Handler // the routes, behind the access log when on
-	ui        *uiStats     // the live view's tallies (/ui)
-	clock     clock.Clock
-	tok       *remoteTokenizer
-	lim       *limiter
-	bodies    *semaphore.Weighted // request-body bytes held at once
-	bodyBytes atomic.Int64        // what bodies holds (a metric)
-	prof      costmodel.Profile
+	cfg    Config
+	rt     *router.Router
+	fleet  *fleet.Fleet
+	client *http.Client
+	log    *slog.Logger
+	met    *metrics
+	reg    *prometheus.Registry
+	mux    http.Handler // the routes, behind the access log when on
+	ui     *uiStats     // the live view's tallies (/ui)
+	clock  clock.Clock
+	tok    *remoteTokenizer
+	// lim bounds the requests proxied at once; live is the configuration
+	// of the moment (reload.go: limits, timeouts and retries change on
+	// SIGHUP; cfg keeps what was given at start).
+	lim  atomic.Pointer[limiter]
+	live atomic.Pointer[Config]
+	// reloadMu serialises ReloadConfig; policySeed is the policy's seed
+	// (the configured one, mixed with the gateway's id when sharing).
+	reloadMu   sync.Mutex
+	policySeed uint64
+	bodies     *semaphore.Weighted // request-body bytes held at once
+	bodyBytes  atomic.Int64        // what bodies holds (a metric)
+	prof       costmodel.Profile
 	// pd: some replica has a role other than both; requests are routed
-	// to prefill/decode pairs (pd.go).
-	pd bool
+	// to prefill/decode pairs (pd.go). It changes with the membership.
+	pd atomic.Bool
+	// source is where the replicas come from while the gateway runs (nil:
+	// the config's static list); memMu serialises applying its lists.
+	source   discovery.Source
+	resolver discovery.Resolver
+	kubeOpt  kubernetes.Interface
+	memMu    sync.Mutex
+	// topics maps kv_events_listen topics to targets; rebuilt when the
+	// membership changes.
+	topics atomic.Pointer[kvTopics]
 
 	// draining: SIGTERM was received; /ready answers 503 and new requests
 	// are refused while in-flight ones finish. cut ends when drain_timeout
@@ -73,8 +92,9 @@ type Gateway struct {
 
 	kvLogged      sync.Map     // replica name + cause already logged
 	unknownTopics atomic.Int64 // batches with an unknown topic (logging bound)
-	// kvModels is, per target, the model its KV-event topic last named.
-	kvModels []atomic.Pointer[string]
+	// kvModels is, per target (slot → string), the model its KV-event
+	// topic last named.
+	kvModels sync.Map
 
 	rec *recorder // the recording (record.path), nil when off
 	// sync shares routing state with the other gateways (shared_state),
@@ -89,6 +109,11 @@ type Options struct {
 	Clock    clock.Clock          // default: the wall clock
 	// Transport for upstream calls (default: a tuned http.Transport).
 	Transport http.RoundTripper
+	// Resolver answers DNS discovery's lookups (default net.DefaultResolver).
+	Resolver discovery.Resolver
+	// Kubernetes is the API client of Kubernetes discovery (default: from
+	// the kubeconfig, or in-cluster).
+	Kubernetes kubernetes.Interface
 }
 
 // New builds a gateway from a validated configuration.
@@ -115,19 +140,29 @@ func New(cfg Config, o Options) (*Gateway, error) {
 	if err != nil {
 		return nil, err
 	}
-	ranks := dataParallelSizes(cfg, &http.Client{Transport: tr}, o.Logger)
-	rcfg := cfg
-	rcfg.Seed = policySeed(cfg.Seed, syncer)
-	rt, err := newRouter(rcfg, prof, o.Clock, ranks, onLearn(syncer))
+	list, err := initialReplicas(cfg)
 	if err != nil {
 		return nil, err
 	}
-	g := &Gateway{cfg: cfg, rt: rt, client: &http.Client{Transport: tr}, log: o.Logger, reg: o.Registry,
+	ranks := dataParallelSizes(list, &http.Client{Transport: tr}, o.Logger)
+	rcfg := cfg
+	rcfg.Seed = policySeed(cfg.Seed, syncer)
+	var g *Gateway
+	rt, err := newRouter(rcfg, targets(list, ranks), prof, o.Clock, onLearn(syncer), drainLog(&g))
+	if err != nil {
+		return nil, err
+	}
+	g = &Gateway{cfg: cfg, rt: rt, client: &http.Client{Transport: tr}, log: o.Logger, reg: o.Registry,
 		clock: o.Clock, prof: prof, jitter: rand.New(rand.NewPCG(cfg.Seed, 99)),
-		bodies: semaphore.NewWeighted(cfg.MaxBodyMemory), sync: syncer, pd: rt.Disaggregated(), ui: newUIStats()}
+		bodies: semaphore.NewWeighted(cfg.MaxBodyMemory), sync: syncer, ui: newUIStats(), resolver: o.Resolver, kubeOpt: o.Kubernetes}
+	g.pd.Store(rt.Disaggregated())
+	g.policySeed = rcfg.Seed
 	g.cut, g.cutNow = context.WithCancel(context.Background())
-	g.kvModels = make([]atomic.Pointer[string], rt.Replicas())
-	g.lim = newLimiter(cfg.MaxConcurrency, cfg.MaxQueue, cfg.QueueTimeout.D())
+	if g.source, err = g.newSource(); err != nil {
+		return nil, err
+	}
+	g.lim.Store(newLimiter(cfg.MaxConcurrency, cfg.MaxQueue, cfg.QueueTimeout.D()))
+	g.live.Store(&cfg)
 	g.fleet = fleet.New(rt, &http.Client{Transport: tr}, fleet.Config{
 		ScrapeInterval: cfg.ScrapeInterval.D(), HealthInterval: cfg.HealthInterval.D(),
 		StaleAfter: cfg.ScrapeStaleAfter.D(), Logger: o.Logger, Clock: o.Clock,
@@ -154,12 +189,12 @@ const probeTimeout = 2 * time.Second
 // dataParallelSizes is each replica's data-parallel ranks: configured, or
 // counted from its metrics at start (1 when it cannot be reached: the
 // fleet warns if it later shows more engines).
-func dataParallelSizes(cfg Config, client *http.Client, log *slog.Logger) []int {
-	out := make([]int, len(cfg.Replicas))
+func dataParallelSizes(list []ReplicaConfig, client *http.Client, log *slog.Logger) []int {
+	out := make([]int, len(list))
 	ctx, cancel := context.WithTimeout(context.Background(), probeTimeout)
 	defer cancel()
 	var wg sync.WaitGroup
-	for i, r := range cfg.Replicas {
+	for i, r := range list {
 		out[i] = r.DataParallelSize
 		if out[i] > 0 {
 			continue
@@ -182,9 +217,9 @@ func dataParallelSizes(cfg Config, client *http.Client, log *slog.Logger) []int 
 // targets are the router's targets: one per replica, or one per rank of a
 // data-parallel replica (its KV events on the endpoint's port + rank, as
 // vLLM publishes them).
-func targets(cfg Config, ranks []int) []router.Spec {
+func targets(list []ReplicaConfig, ranks []int) []router.Spec {
 	var specs []router.Spec
-	for i, r := range cfg.Replicas {
+	for i, r := range list {
 		role, _ := policy.ParseRole(r.Role) // checked by Validate
 		sp := router.Spec{URL: strings.TrimRight(r.URL, "/"), APIKey: r.APIKey, KVEvents: r.KVEvents, KVReplay: r.KVEventsReplay, Role: role}
 		if ranks[i] <= 1 {
@@ -201,20 +236,19 @@ func targets(cfg Config, ranks []int) []router.Spec {
 	return specs
 }
 
-func newRouter(cfg Config, prof costmodel.Profile, clk clock.Clock, ranks []int, learn func(router.Learned)) (*router.Router, error) {
+func newRouter(cfg Config, specs []router.Spec, prof costmodel.Profile, clk clock.Clock, learn func(router.Learned), drained func(int)) (*router.Router, error) {
 	pol, err := policy.New(cfg.Policy, policy.Options{Seed: cfg.Seed, BlockSize: cfg.BlockSize, Profile: prof,
 		MaxBatchTokens: cfg.MaxBatchTokens, Params: cfg.PolicyParams})
 	if err != nil {
 		return nil, err
 	}
-	specs := targets(cfg, ranks)
 	nonCached := cfg.NonCachedTokens
 	if nonCached == 0 {
 		nonCached = -1 // the router's "never skip" (its 0 is its default)
 	}
 	return router.New(router.Config{Specs: specs, Policy: pol, BlockSize: cfg.BlockSize, NonCachedTokens: nonCached,
 		BlocksPerReplica: cfg.BlocksPerReplica, MaxEntries: cfg.IndexMaxEntries, Precise: cfg.Precise(), Now: clk.Now,
-		StaleAfter: cfg.ScrapeStaleAfter.D(), LearnOnAccept: true, OnLearn: learn,
+		StaleAfter: cfg.ScrapeStaleAfter.D(), LearnOnAccept: true, OnLearn: learn, OnDrained: drained, Dynamic: cfg.dynamic(),
 		Breaker: router.BreakerConfig{EjectAfter: cfg.EjectAfter, Cooldown: cfg.EjectCooldown.D()}})
 }
 
@@ -254,6 +288,7 @@ func (g *Gateway) Handler() http.Handler { return g.mux }
 func (g *Gateway) Run(ctx context.Context) {
 	var wg sync.WaitGroup
 	wg.Go(func() { g.fleet.Run(ctx) })
+	wg.Go(func() { g.runDiscovery(ctx) })
 	if g.rec != nil {
 		wg.Go(func() { g.rec.run(ctx) })
 	}
@@ -303,7 +338,7 @@ func (g *Gateway) ready(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	for i := range g.rt.Replicas() {
-		if g.rt.Replica(i).Ready() {
+		if r := g.rt.Replica(i); r.Ready() && !r.Removed() {
 			w.Header().Set("Content-Type", "text/plain")
 			_, _ = io.WriteString(w, "ready\n")
 			return
@@ -354,7 +389,7 @@ func (g *Gateway) readBody(w http.ResponseWriter, r *http.Request) ([]byte, func
 		held = max(r.ContentLength, 1)
 	}
 	ctx, cancel := context.WithCancel(r.Context())
-	wait := g.clock.AfterFunc(g.cfg.QueueTimeout.D(), cancel)
+	wait := g.clock.AfterFunc(g.conf().QueueTimeout.D(), cancel)
 	err := g.bodies.Acquire(ctx, held)
 	wait.Stop()
 	cancel()
@@ -411,12 +446,12 @@ func copyHeaders(dst, src http.Header) {
 // backoff is the wait before retry attempt n (1-based): exponential, capped,
 // with full jitter.
 func (g *Gateway) backoff(n int) time.Duration {
-	base := g.cfg.RetryBackoff.D()
+	base := g.conf().RetryBackoff.D()
 	if base <= 0 {
 		return 0
 	}
 	d := base << min(n-1, 16)
-	if c := g.cfg.RetryBackoffMax.D(); c > 0 && d > c {
+	if c := g.conf().RetryBackoffMax.D(); c > 0 && d > c {
 		d = c
 	}
 	g.jmu.Lock()

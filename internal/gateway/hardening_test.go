@@ -363,8 +363,8 @@ func TestSlowReaderFreesItsSlot(t *testing.T) {
 		fmt.Fprintf(c, "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s", len(body), body)
 		// and never read
 	}
-	eventually(t, "both slow readers admitted", func() bool { return gw.g.lim.inUse() == 2 })
-	eventually(t, "the slow readers' slots freed by the write timeout", func() bool { return gw.g.lim.inUse() == 0 })
+	eventually(t, "both slow readers admitted", func() bool { return gw.g.lim.Load().inUse() == 2 })
+	eventually(t, "the slow readers' slots freed by the write timeout", func() bool { return gw.g.lim.Load().inUse() == 0 })
 	r := testutil.Post(t, nil, gw.srv.URL+"/v1/completions", `{"model":"m","prompt":"x"}`)
 	if r.Status != 200 {
 		t.Fatalf("after two slow readers: %d %s", r.Status, r.Body)

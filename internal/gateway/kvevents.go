@@ -68,7 +68,7 @@ const listedPoll = 20 * time.Millisecond
 // waitListed waits until replica i's models are listed (its first passing
 // health check), or ctx ends (false), unless a topic named its model.
 func (g *Gateway) waitListed(ctx context.Context, i int) bool {
-	for g.rt.Replica(i).Served() == nil && g.kvModels[i].Load() == nil {
+	for g.rt.Replica(i).Served() == nil && g.kvModel(i) == "" {
 		if !clock.Sleep(g.clock, listedPoll, ctx.Done()) {
 			return false
 		}
@@ -101,7 +101,7 @@ func (g *Gateway) subscribeKV(ctx context.Context, i int) *kvevents.Subscriber {
 func (g *Gateway) onKVMessage(ctx context.Context, i int, m kvevents.Message) {
 	km := router.KVFromWire(m)
 	if km.Model != "" {
-		g.kvModels[i].Store(&km.Model)
+		g.kvModels.Store(i, km.Model)
 	} else if !g.waitListed(ctx, i) {
 		return
 	}
@@ -121,8 +121,8 @@ func (g *Gateway) resyncFor(ctx context.Context, i int) router.Resync {
 		defer cancel()
 		var out []router.KVMessage
 		model := "" // a replay's batches name no model (vLLM's 3-frame form): the live topic's
-		if p := g.kvModels[i].Load(); p != nil {
-			model = *p
+		if m := g.kvModel(i); m != "" {
+			model = m
 		}
 		_, err := kvevents.Replay(ctx, ep, from, func(m kvevents.Message) {
 			km := router.KVFromWire(m)
@@ -133,6 +133,14 @@ func (g *Gateway) resyncFor(ctx context.Context, i int) router.Resync {
 		})
 		return out, err
 	}
+}
+
+// kvModel is the model replica i's KV-event topic last named ("": none).
+func (g *Gateway) kvModel(i int) string {
+	if m, ok := g.kvModels.Load(i); ok {
+		return m.(string)
+	}
+	return ""
 }
 
 // reportKV turns what following a batch did into metrics and logs.
@@ -207,7 +215,7 @@ func (g *Gateway) watchKVSilence(ctx context.Context) {
 		}
 		for i := range g.rt.Replicas() {
 			r := g.rt.Replica(i)
-			if r.KVEvents() == "" && g.cfg.KVEventsListen == "" {
+			if (r.KVEvents() == "" && g.cfg.KVEventsListen == "") || r.Removed() {
 				continue
 			}
 			changed, silent := r.KVSilence(g.clock.Now(), kvSilence)

@@ -25,6 +25,9 @@ func (g *Gateway) newKVTopics() *kvTopics {
 	t := &kvTopics{byHostPort: map[string][]int{}, byHost: map[string][]int{}}
 	hostCount := map[string]int{}
 	for i := range g.rt.Replicas() {
+		if g.rt.Replica(i).Removed() {
+			continue
+		}
 		hp := hostPort(g.rt.URL(i))
 		if _, seen := t.byHostPort[hp]; !seen {
 			host, _, _ := net.SplitHostPort(hp)
@@ -41,7 +44,8 @@ func (g *Gateway) newKVTopics() *kvTopics {
 }
 
 // target is the router slot of a batch with topic and rank (ok false: no
-// configured replica has that address).
+// replica has that address, or it was removed: a replica discovered later
+// is found once the membership change rebuilt the topics).
 func (g *Gateway) kvTarget(t *kvTopics, topic string, rank int) (int, bool) {
 	h := strings.ToLower(kvevents.TopicHost(topic))
 	slots, ok := t.byHostPort[h]
@@ -64,7 +68,7 @@ func (g *Gateway) kvTarget(t *kvTopics, topic string, rank int) (int, bool) {
 // ports after it (vLLM's rank k connects to the endpoint's port + k), and
 // returns their closers.
 func (g *Gateway) listenKV(ctx context.Context) []func() error {
-	topics := g.newKVTopics()
+	g.topics.Store(g.newKVTopics())
 	ranks := 1
 	for i := range g.rt.Replicas() {
 		if k, ranked := g.rt.Replica(i).Rank(); ranked {
@@ -74,7 +78,7 @@ func (g *Gateway) listenKV(ctx context.Context) []func() error {
 	var closers []func() error
 	for k := range ranks {
 		ep := kvevents.OffsetPort(g.cfg.KVEventsListen, k)
-		l, err := kvevents.Listen(ctx, ep, func(m kvevents.Message) { g.onListened(ctx, topics, k, m) },
+		l, err := kvevents.Listen(ctx, ep, func(m kvevents.Message) { g.onListened(ctx, g.topics.Load(), k, m) },
 			kvevents.ListenOptions{
 				OnConnect: func(remote net.Addr) {
 					g.log.Info("kv events: a publisher connected", "endpoint", ep, "from", remote.String())

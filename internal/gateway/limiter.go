@@ -73,6 +73,14 @@ func (l *limiter) release() {
 	}
 }
 
+// queued is the number of requests waiting for a slot.
+func (l *limiter) queued() int64 {
+	if l == nil {
+		return 0
+	}
+	return l.waiting.Load()
+}
+
 // inUse is the number of admitted requests.
 func (l *limiter) inUse() int {
 	if l == nil {

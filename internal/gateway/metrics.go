@@ -84,31 +84,8 @@ func newMetrics(reg prometheus.Registerer, rt *router.Router, clk clock.Clock) *
 		m.kvBatches, m.kvDropped, m.kvGaps, m.kvReplayed, m.kvBlockSizeMismatch, m.kvUnknownTopic, m.underpredicted)
 	reg.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "kvgate_index_entries",
 		Help: "(block, replica) entries in the approximate prefix index."}, func() float64 { return float64(rt.Index().Len()) }))
-	for i := range rt.Replicas() {
-		lbl := prometheus.Labels{"replica": rt.Name(i)}
-		reg.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "kvgate_replica_in_flight",
-			Help: "Requests in flight to the replica.", ConstLabels: lbl}, func() float64 { return float64(rt.InFlight(i)) }))
-		reg.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "kvgate_replica_healthy",
-			Help: "1 when the replica is in rotation.", ConstLabels: lbl}, func() float64 {
-			if rt.Healthy(i) {
-				return 1
-			}
-			return 0
-		}))
-		if rt.Precise() != nil {
-			registerPreciseGauges(reg, rt, i, lbl)
-		}
-		reg.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "kvgate_scrape_age_seconds",
-			Help: "Age of the replica's last good /metrics scrape (-1: never scraped). Past scrape_stale_after " +
-				"the replica is routed on the gateway's own counts.", ConstLabels: lbl},
-			func() float64 {
-				age := rt.Replica(i).MetricsAge(clk.Now())
-				if age < 0 {
-					return -1
-				}
-				return age.Seconds()
-			}))
-	}
+	// Per-replica gauges follow the membership (discovery_metrics.go).
+	reg.MustRegister(newReplicaCollector(rt, clk))
 	return m
 }
 
@@ -152,21 +129,6 @@ func (m *metrics) newPDMetrics(reg prometheus.Registerer) {
 	reg.MustRegister(m.pdAttempts, m.prefillSkipped, m.prefillFallback, m.prefillStep)
 }
 
-// registerPreciseGauges exposes replica i's precise-index state.
-func registerPreciseGauges(reg prometheus.Registerer, rt *router.Router, i int, lbl prometheus.Labels) {
-	reg.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "kvgate_kv_events_synced",
-		Help: "1 when the replica's precise index is trusted (its KV events followed in sync), else 0: " +
-			"the approximate index answers for it.", ConstLabels: lbl}, func() float64 {
-		if rt.Replica(i).PreciseSynced() {
-			return 1
-		}
-		return 0
-	}))
-	reg.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "kvgate_precise_index_blocks",
-		Help: "Blocks the precise index holds for the replica, from its KV events.", ConstLabels: lbl},
-		func() float64 { return float64(rt.Precise().Index().ReplicaLen(i)) }))
-}
-
 // ttftRatioBuckets are observed/estimated TTFT ratios: 1 is a perfect
 // estimate; the buckets are finer near it, and symmetric on a log scale
 // (x and 1/x are as far from 1).
@@ -203,13 +165,13 @@ func (g *Gateway) registerLimiterMetrics(reg prometheus.Registerer) {
 	reg.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "kvgate_request_body_bytes",
 		Help: "Bytes of request bodies the gateway holds (bounded by max_body_memory)."},
 		func() float64 { return float64(g.bodyBytes.Load()) }))
-	if g.lim == nil {
+	if g.lim.Load() == nil {
 		return
 	}
 	reg.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "kvgate_admitted_requests",
-		Help: "Requests holding a concurrency slot."}, func() float64 { return float64(g.lim.inUse()) }))
+		Help: "Requests holding a concurrency slot."}, func() float64 { return float64(g.lim.Load().inUse()) }))
 	reg.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "kvgate_queued_requests",
-		Help: "Requests waiting for a concurrency slot."}, func() float64 { return float64(g.lim.waiting.Load()) }))
+		Help: "Requests waiting for a concurrency slot."}, func() float64 { return float64(g.lim.Load().queued()) }))
 }
 
 func codeLabel(code int) string { return strconv.Itoa(code) }

@@ -217,7 +217,7 @@ func (g *Gateway) sendPrefill(x *exchange, a *attempt) {
 	defer cancel(context.Canceled)
 	t0 := g.clock.Now()
 	defer func() { a.took = g.clock.Since(t0) }()
-	if d := g.cfg.FirstByteTimeout.D(); d > 0 {
+	if d := g.conf().FirstByteTimeout.D(); d > 0 {
 		t := g.clock.AfterFunc(d, func() { cancel(errFirstByteTimeout) })
 		defer t.Stop()
 	}

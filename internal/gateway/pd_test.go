@@ -509,7 +509,7 @@ func TestPDDecodeRefusedRoutesAgain(t *testing.T) {
 func TestTargetsCarryRole(t *testing.T) {
 	cfg := baseConfig("http://d:1", "http://p:1")
 	cfg.Replicas[0].Role, cfg.Replicas[1].Role = "decode", "prefill"
-	specs := targets(cfg, []int{1, 2})
+	specs := targets(cfg.Replicas, []int{1, 2})
 	if len(specs) != 3 || specs[0].Role != policy.RoleDecode || specs[1].Role != policy.RolePrefill ||
 		specs[2].Role != policy.RolePrefill || !specs[2].Ranked || specs[2].Rank != 1 {
 		t.Fatalf("%+v", specs)

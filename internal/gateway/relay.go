@@ -127,7 +127,7 @@ func streamErrorEvent(ctx context.Context, err error) []byte {
 
 // write sends bytes to the client and flushes them, within write_timeout.
 func (x *exchange) write(g *Gateway, p []byte) error {
-	if d := g.cfg.WriteTimeout.D(); d > 0 {
+	if d := g.conf().WriteTimeout.D(); d > 0 {
 		_ = x.rc.SetWriteDeadline(time.Now().Add(d)) // the socket's own deadline: wall time
 	}
 	if _, err := x.w.Write(p); err != nil {
@@ -222,7 +222,7 @@ type idleWatch struct {
 }
 
 func (g *Gateway) idleTimer(cancel context.CancelCauseFunc) *idleWatch {
-	d := g.cfg.StreamIdleTimeout.D()
+	d := g.conf().StreamIdleTimeout.D()
 	if d <= 0 {
 		return &idleWatch{}
 	}

@@ -91,7 +91,7 @@ func tokenizeBody(kind prompt.Kind, p *prompt.Parsed, body []byte) ([]byte, erro
 }
 
 func (t *remoteTokenizer) call(ctx context.Context, i int, data []byte) ([]uint32, error) {
-	ctx, cancel := context.WithTimeout(ctx, t.g.cfg.TokenizeTimeout.D())
+	ctx, cancel := context.WithTimeout(ctx, t.g.conf().TokenizeTimeout.D())
 	defer cancel()
 	rep := t.g.rt.Replica(i)
 	req, err := http.NewRequestWithContext(ctx, http.MethodPost, rep.URL()+"/tokenize", bytes.NewReader(data))

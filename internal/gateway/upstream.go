@@ -51,7 +51,7 @@ func (g *Gateway) try(x *exchange, a *attempt) {
 		// the replica has taken the request (vLLM rejects at once).
 		t := g.clock.AfterFunc(g.prefillBound(tk), func() { tk.PrefillDone(); tk.Accept() })
 		defer t.Stop()
-	} else if d := g.cfg.FirstByteTimeout.D(); d > 0 {
+	} else if d := g.conf().FirstByteTimeout.D(); d > 0 {
 		// Streamed answers start at once (vLLM sends the header when it
 		// admits the request): a replica silent this long is stuck.
 		firstByte = g.clock.AfterFunc(d, func() { cancel(errFirstByteTimeout) })

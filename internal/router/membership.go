@@ -150,6 +150,17 @@ func (rt *Router) drained(r *Replica) {
 	}
 }
 
+// SetBreaker configures every replica's circuit breaker, and those of
+// the replicas added from now on (a configuration reload).
+func (rt *Router) SetBreaker(c BreakerConfig) {
+	rt.memMu.Lock()
+	defer rt.memMu.Unlock()
+	rt.cfg.Breaker = c
+	for _, r := range rt.reps() {
+		r.Breaker.Configure(c)
+	}
+}
+
 // Active is the number of replicas not removed.
 func (rt *Router) Active() int {
 	n := 0

@@ -62,7 +62,8 @@ func TestSetReplicasAddsColdAndKeepsTheOthers(t *testing.T) {
 		t.Fatalf("views after the add: %+v", views)
 	}
 	// The new replica takes work: least_load sends there while it is emptiest.
-	rt.pol, _ = policy.New("least_load", policy.Options{Seed: 1})
+	ll, _ := policy.New("least_load", policy.Options{Seed: 1})
+	rt.SetPolicy(ll)
 	got, _ := routeN(t, rt, "x", 3)
 	if !containsInt(got, 2) {
 		t.Fatalf("routed to %v: the added replica never chosen", got)

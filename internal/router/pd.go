@@ -145,17 +145,18 @@ func (rt *Router) pickPair(req *policy.Request, views []policy.ReplicaView) (pol
 	defer func() { req.NoDefer = noDefer }()
 	var pd policy.PairDecision
 	var err error
-	pp, ok := rt.pol.(policy.PairPicker)
+	pol := rt.Policy()
+	pp, ok := pol.(policy.PairPicker)
 	switch {
 	case nPre == 0:
 		var d policy.Decision
-		if d, err = rt.pol.Pick(req, dec); err == nil {
+		if d, err = pol.Pick(req, dec); err == nil {
 			pd = policy.SkipPair(d, reasonNoPrefill)
 		}
 	case ok:
 		pd, err = pp.PickPair(req, pre, dec)
 	default:
-		pd, err = rt.pickPerSide(req, pre, dec)
+		pd, err = rt.pickPerSide(pol, req, pre, dec)
 	}
 	if err != nil {
 		return policy.PairDecision{}, err
@@ -167,8 +168,8 @@ func (rt *Router) pickPair(req *policy.Request, views []policy.ReplicaView) (pol
 // first, then, unless the decode replica lacks fewer than
 // req.SkipPrefillBelow tokens, the prefill side (llm-d's pd-profile-handler
 // order).
-func (rt *Router) pickPerSide(req *policy.Request, pre, dec []policy.ReplicaView) (policy.PairDecision, error) {
-	d, err := rt.pol.Pick(req, dec)
+func (rt *Router) pickPerSide(pol policy.Policy, req *policy.Request, pre, dec []policy.ReplicaView) (policy.PairDecision, error) {
+	d, err := pol.Pick(req, dec)
 	if err != nil {
 		return policy.PairDecision{}, err
 	}
@@ -179,7 +180,7 @@ func (rt *Router) pickPerSide(req *policy.Request, pre, dec []policy.ReplicaView
 		return policy.SkipPair(d, fmt.Sprintf("the decode replica lacks %d prompt tokens, fewer than %d (non_cached_tokens)",
 			n, req.SkipPrefillBelow)), nil
 	}
-	p, err := rt.pol.Pick(req, pre)
+	p, err := pol.Pick(req, pre)
 	if err != nil {
 		return policy.PairDecision{}, err
 	}
@@ -206,7 +207,7 @@ func (rt *Router) checkPair(pd policy.PairDecision, pre, dec []policy.ReplicaVie
 }
 
 func (rt *Router) badReplica(i int) error {
-	return fmt.Errorf("router: policy %s chose replica %d of %d, not a candidate", rt.pol.Name(), i, len(rt.reps()))
+	return fmt.Errorf("router: policy %s chose replica %d of %d, not a candidate", rt.Policy().Name(), i, len(rt.reps()))
 }
 
 // uncached is the prompt tokens of req a replica holding match blocks of

@@ -82,7 +82,7 @@ func TestQueueNeverWaitsForNothing(t *testing.T) {
 		}
 		return policy.Decision{Replica: 0}, nil
 	})
-	rt.pol = always
+	rt.SetPolicy(always)
 	tk, w, err := rt.Submit(rt.Prepare(&prompt.Parsed{Kind: prompt.Completion, Model: "m", Text: "x", KeyText: "x", Prompts: 1}, "", ""))
 	if err != nil || w != nil || tk == nil {
 		t.Fatalf("deferred with nothing in flight: %v %v %v", tk, w, err)

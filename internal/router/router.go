@@ -71,6 +71,9 @@ type Config struct {
 	// by SetReplicas has no request in flight left. It may run on the
 	// request path (the last Ticket.Done): it must not block.
 	OnDrained func(slot int)
+	// Dynamic: the replicas come from a discovery source (SetReplicas),
+	// and the router may start with none (every request ErrNoReplica).
+	Dynamic bool
 }
 
 // DefaultNonCachedTokens is Config.NonCachedTokens' default.
@@ -93,9 +96,10 @@ type Metrics struct {
 
 // Router routes requests.
 type Router struct {
-	cfg     Config
-	pol     policy.Policy
-	obs     policy.Observer
+	cfg Config
+	// pol is the policy and its Observer side (nil: it learns nothing),
+	// swapped whole by SetPolicy (a configuration reload).
+	pol     atomic.Pointer[policies]
 	tok     prompt.Tokenizer
 	approx  *prefixindex.Index
 	precise *prefixindex.Precise
@@ -116,7 +120,7 @@ func New(cfg Config) (*Router, error) {
 			cfg.Specs = append(cfg.Specs, Spec{URL: u})
 		}
 	}
-	if len(cfg.Specs) == 0 {
+	if len(cfg.Specs) == 0 && !cfg.Dynamic {
 		return nil, errors.New("router: no replicas")
 	}
 	if cfg.Policy == nil {
@@ -141,8 +145,8 @@ func New(cfg Config) (*Router, error) {
 	if err != nil {
 		return nil, err
 	}
-	rt := &Router{cfg: cfg, pol: cfg.Policy, tok: cfg.Tokenizer, approx: ix}
-	rt.obs, _ = cfg.Policy.(policy.Observer)
+	rt := &Router{cfg: cfg, tok: cfg.Tokenizer, approx: ix}
+	rt.SetPolicy(cfg.Policy)
 	if cfg.Precise {
 		pix, err := prefixindex.New(prefixindex.Config{Replicas: len(cfg.Specs), MaxEntries: cfg.MaxEntries})
 		if err != nil {
@@ -162,7 +166,23 @@ func New(cfg Config) (*Router, error) {
 }
 
 // Policy is the router's policy.
-func (rt *Router) Policy() policy.Policy { return rt.pol }
+func (rt *Router) Policy() policy.Policy { return rt.pol.Load().pol }
+
+// policies is a policy and its Observer side.
+type policies struct {
+	pol policy.Policy
+	obs policy.Observer
+}
+
+// SetPolicy makes p the router's policy from the next decision on (a
+// configuration reload with new parameters: the policy's own learnt state
+// starts over, the index and the replicas' state are kept). Requests
+// routed before report their outcomes to the policy that routed them.
+func (rt *Router) SetPolicy(p policy.Policy) {
+	ps := &policies{pol: p}
+	ps.obs, _ = p.(policy.Observer)
+	rt.pol.Store(ps)
+}
 
 // Replicas is the number of replica slots.
 func (rt *Router) Replicas() int { return len(rt.reps()) }
@@ -313,7 +333,7 @@ func (rt *Router) DryRun(req *policy.Request) (policy.Decision, []policy.Replica
 	if err := rt.candidates(req, views, nil); err != nil {
 		return policy.Decision{}, views, err
 	}
-	d, err := rt.pol.Pick(req, views)
+	d, err := rt.Policy().Pick(req, views)
 	return d, views, err
 }
 
@@ -332,9 +352,12 @@ func (rt *Router) candidates(req *policy.Request, views []policy.ReplicaView, ex
 	if req.Model == "" {
 		return nil
 	}
-	known, unlisted, available := 0, 0, 0
+	known, unlisted, available, active := 0, 0, 0, 0
 	reps := rt.reps()[:len(views)]
 	for i, r := range reps {
+		if !r.removed.Load() {
+			active++
+		}
 		switch s := r.served.Load(); {
 		case r.removed.Load():
 			views[i].Healthy = false
@@ -349,7 +372,10 @@ func (rt *Router) candidates(req *policy.Request, views []policy.ReplicaView, ex
 			views[i].Healthy = false
 		}
 	}
-	if known+unlisted == 0 {
+	switch {
+	case active == 0:
+		return policy.ErrNoReplica // none discovered yet, or all removed
+	case known+unlisted == 0:
 		return ErrModelNotServed
 	}
 	if available > 0 && unlisted > 0 {
@@ -365,7 +391,8 @@ func (rt *Router) candidates(req *policy.Request, views []policy.ReplicaView, ex
 // Ticket tracks one routed request until it ends.
 type Ticket struct {
 	rt       *Router
-	r        *Replica // the slot's replica (its counters)
+	r        *Replica        // the slot's replica (its counters)
+	obs      policy.Observer // the policy that routed it hears its outcome
 	req      *policy.Request
 	Decision policy.Decision
 	Replica  int
@@ -397,7 +424,7 @@ type Ticket struct {
 // approximate index learns the request at Route, or with LearnOnAccept
 // when the ticket is Accepted.
 func (rt *Router) Route(req *policy.Request, exclude ...int) (*Ticket, error) {
-	return rt.RouteWith(rt.pol, req, exclude...)
+	return rt.RouteWith(rt.Policy(), req, exclude...)
 }
 
 // RouteWith is Route deciding with pol instead of the router's policy: the
@@ -450,14 +477,21 @@ func bestHeld(views []policy.ReplicaView, phase policy.Phase) int {
 	return best
 }
 
-// Serves reports whether some replica serves model (or has not been listed).
+// Serves reports whether some replica serves model (or has not been
+// listed), or the fleet is empty (discovery found none yet: no replica to
+// ask, which Route answers with policy.ErrNoReplica).
 func (rt *Router) Serves(model string) bool {
+	active := false
 	for _, r := range rt.reps() {
-		if !r.removed.Load() && r.Serves(model) {
+		if r.removed.Load() {
+			continue
+		}
+		active = true
+		if r.Serves(model) {
 			return true
 		}
 	}
-	return false
+	return !active
 }
 
 // ModelInfo is what the replicas list for model (the first listing found).
@@ -493,8 +527,8 @@ func (rt *Router) commit(req *policy.Request, d policy.Decision, match, approxMa
 	if !rt.cfg.LearnOnAccept {
 		t.learn()
 	}
-	if rt.obs != nil {
-		rt.obs.Observe(policy.Event{Kind: policy.Routed, At: req.Now, Req: req, Decision: d, Replica: d.Replica, Phase: phase})
+	if t.obs = rt.pol.Load().obs; t.obs != nil {
+		t.obs.Observe(policy.Event{Kind: policy.Routed, At: req.Now, Req: req, Decision: d, Replica: d.Replica, Phase: phase})
 	}
 	return t
 }
@@ -556,8 +590,8 @@ func (t *Ticket) FirstToken(at time.Time) {
 	if !t.prefillDone() {
 		return
 	}
-	if t.rt.obs != nil {
-		t.rt.obs.Observe(policy.Event{Kind: policy.FirstToken, At: at, Req: t.req, Decision: t.Decision,
+	if t.obs != nil {
+		t.obs.Observe(policy.Event{Kind: policy.FirstToken, At: at, Req: t.req, Decision: t.Decision,
 			Replica: t.Replica, Phase: t.phase, TTFT: at.Sub(t.start)})
 	}
 }
@@ -635,8 +669,8 @@ func (t *Ticket) Done(at time.Time, o Outcome) {
 		t.rt.drained(r)
 	}
 	defer t.rt.releaseIfQueued()
-	if t.rt.obs != nil {
-		t.rt.obs.Observe(policy.Event{Kind: policy.Done, At: at, Req: t.req, Decision: t.Decision,
+	if t.obs != nil {
+		t.obs.Observe(policy.Event{Kind: policy.Done, At: at, Req: t.req, Decision: t.Decision,
 			Replica: t.Replica, Phase: t.phase, CachedTokens: o.CachedTokens, OutputTokens: o.OutputTokens, Err: o.Err})
 	}
 }

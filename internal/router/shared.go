@@ -94,10 +94,11 @@ func (rt *Router) ApplyRemote(i int, model string, offset int, blocks []uint64, 
 	if len(blocks) > 0 {
 		_ = rt.approx.Insert(i, blocks)
 	}
-	if rt.obs == nil {
+	obs := rt.pol.Load().obs
+	if obs == nil {
 		return
 	}
 	req := &policy.Request{Now: at, Model: model, Blocks: blocks, BlockOffset: offset, Tokens: tokens}
-	rt.obs.Observe(policy.Event{Kind: policy.Routed, Remote: true, At: at, Req: req, Replica: i,
+	obs.Observe(policy.Event{Kind: policy.Routed, Remote: true, At: at, Req: req, Replica: i,
 		Decision: policy.Decision{Replica: i, Matched: offset, Reason: "another gateway"}})
 }

@@ -1,0 +1,107 @@
+package gateway
+
+import (
+	"bytes"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"os"
+	"strconv"
+
+	"k8s.io/apimachinery/pkg/labels"
+	"k8s.io/client-go/kubernetes"
+
+	"github.com/kvgate/kvgate/internal/discovery"
+)
+
+// DefaultRoleLabel is the label (on the Service, copied by Kubernetes onto
+// its EndpointSlices) that gives discovered replicas their
+// prefill/decode role.
+const DefaultRoleLabel = "kvgate.io/role"
+
+// KubernetesConfig is discovery.kubernetes: the EndpointSlices of a
+// namespace that a label selector matches (a Service's:
+// kubernetes.io/service-name=NAME, or the Service's own labels), their
+// ready endpoints each a replica on port.
+type KubernetesConfig struct {
+	Namespace string `json:"namespace"`
+	Selector  string `json:"selector"`
+	// Port is a number or the EndpointSlice port's name (the Service
+	// port's name).
+	Port PortRef `json:"port"`
+	// Kubeconfig is a kubeconfig file (default $KUBECONFIG; in a pod, none:
+	// the service account's in-cluster configuration).
+	Kubeconfig string `json:"kubeconfig,omitempty"`
+	// RoleLabel gives each slice's replicas their role (default kvgate.io/role).
+	RoleLabel string `json:"role_label,omitempty"`
+}
+
+// PortRef is a port number or name: `port: 8000` or `port: http`.
+type PortRef string
+
+func (p *PortRef) UnmarshalJSON(b []byte) error {
+	b = bytes.TrimSpace(b)
+	var n int
+	if err := json.Unmarshal(b, &n); err == nil {
+		*p = PortRef(strconv.Itoa(n))
+		return nil
+	}
+	var s string
+	if err := json.Unmarshal(b, &s); err != nil {
+		return errors.New("a port is a number or a port name")
+	}
+	*p = PortRef(s)
+	return nil
+}
+
+func (k *KubernetesConfig) validate() []error {
+	var errs []error
+	if k.Namespace == "" {
+		errs = append(errs, errors.New("discovery.kubernetes.namespace: give the replicas' namespace"))
+	}
+	if k.Selector == "" {
+		errs = append(errs, errors.New("discovery.kubernetes.selector: give a label selector of the EndpointSlices "+
+			"(e.g. kubernetes.io/service-name=vllm)"))
+	} else if _, err := labels.Parse(k.Selector); err != nil {
+		errs = append(errs, fmt.Errorf("discovery.kubernetes.selector: %w", err))
+	}
+	if n, err := strconv.Atoi(string(k.Port)); k.Port == "" || (err == nil && (n <= 0 || n > 65535)) {
+		errs = append(errs, fmt.Errorf("discovery.kubernetes.port %q: a port number (1-65535) or an EndpointSlice port name", k.Port))
+	}
+	return errs
+}
+
+// kubeClient makes the API client (tests inject a fake clientset).
+var kubeClient = func(kubeconfig string) (kubernetes.Interface, error) {
+	rc, err := discovery.RestConfig(kubeconfig)
+	if err != nil {
+		return nil, err
+	}
+	return kubernetes.NewForConfig(rc)
+}
+
+// kube is the Kubernetes client: injected, or made from path.
+func (g *Gateway) kube(path string) (kubernetes.Interface, error) {
+	if g.kubeOpt != nil {
+		return g.kubeOpt, nil
+	}
+	return kubeClient(path)
+}
+
+func (g *Gateway) newKubernetesSource(d *DiscoveryConfig) (discovery.Source, error) {
+	k := d.Kubernetes
+	path := k.Kubeconfig
+	if path == "" {
+		path = os.Getenv("KUBECONFIG")
+	}
+	client, err := g.kube(path)
+	if err != nil {
+		return nil, fmt.Errorf("discovery.kubernetes: %w", err)
+	}
+	role := k.RoleLabel
+	if role == "" {
+		role = DefaultRoleLabel
+	}
+	return discovery.NewKubernetes(client, discovery.KubernetesConfig{Namespace: k.Namespace, Selector: k.Selector,
+		Port: string(k.Port), RoleLabel: role, Scheme: d.Scheme, Template: d.template(), Log: g.log})
+}

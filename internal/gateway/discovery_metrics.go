@@ -1,0 +1,83 @@
+package gateway
+
+import (
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/kvgate/kvgate/internal/clock"
+	"github.com/kvgate/kvgate/internal/router"
+)
+
+// replicaCollector exposes the per-replica gauges for the replicas of the
+// moment: replicas join and leave while the gateway runs, so the series
+// are made at each scrape rather than registered once. A removed replica
+// is listed while it drains, then its gauges go away; kvgate_replicas
+// counts the replicas by membership state.
+type replicaCollector struct {
+	rt                                   *router.Router
+	clk                                  clock.Clock
+	inFlight, healthy, age, state        *prometheus.Desc
+	synced, preciseBlocks, replicasCount *prometheus.Desc
+}
+
+func newReplicaCollector(rt *router.Router, clk clock.Clock) *replicaCollector {
+	d := func(name, help string, labels ...string) *prometheus.Desc {
+		return prometheus.NewDesc(name, help, labels, nil)
+	}
+	return &replicaCollector{rt: rt, clk: clk,
+		inFlight: d("kvgate_replica_in_flight", "Requests in flight to the replica.", "replica"),
+		healthy:  d("kvgate_replica_healthy", "1 when the replica is in rotation.", "replica"),
+		age: d("kvgate_scrape_age_seconds", "Age of the replica's last good /metrics scrape (-1: never scraped). Past "+
+			"scrape_stale_after the replica is routed on the gateway's own counts.", "replica"),
+		state: d("kvgate_replica_draining", "1 while a removed replica's requests in flight finish (it gets no new "+
+			"ones), 0 for a replica in the fleet.", "replica"),
+		synced: d("kvgate_kv_events_synced", "1 when the replica's precise index is trusted (its KV events followed in "+
+			"sync), else 0: the approximate index answers for it.", "replica"),
+		preciseBlocks: d("kvgate_precise_index_blocks", "Blocks the precise index holds for the replica, from its KV events.", "replica"),
+		replicasCount: d("kvgate_replicas", "Replicas by membership: active (in the fleet), draining (removed, requests "+
+			"in flight), removed (kept for a revival: no series of their own).", "state"),
+	}
+}
+
+func (c *replicaCollector) Describe(ch chan<- *prometheus.Desc) {
+	for _, d := range []*prometheus.Desc{c.inFlight, c.healthy, c.age, c.state, c.synced, c.preciseBlocks, c.replicasCount} {
+		ch <- d
+	}
+}
+
+func (c *replicaCollector) Collect(ch chan<- prometheus.Metric) {
+	count := map[string]int{"active": 0, "draining": 0, "removed": 0}
+	now := c.clk.Now()
+	for i := range c.rt.Replicas() {
+		r := c.rt.Replica(i)
+		st := replicaState(r)
+		count[st]++
+		if st == "removed" {
+			continue
+		}
+		gauge := func(d *prometheus.Desc, v float64) {
+			ch <- prometheus.MustNewConstMetric(d, prometheus.GaugeValue, v, r.Name())
+		}
+		gauge(c.inFlight, float64(r.InFlight()))
+		gauge(c.healthy, b2f(r.Healthy() && !r.Removed()))
+		gauge(c.state, b2f(st == "draining"))
+		age := -1.0
+		if a := r.MetricsAge(now); a >= 0 {
+			age = a.Seconds()
+		}
+		gauge(c.age, age)
+		if p := c.rt.Precise(); p != nil {
+			gauge(c.synced, b2f(r.PreciseSynced()))
+			gauge(c.preciseBlocks, float64(p.Index().ReplicaLen(i)))
+		}
+	}
+	for st, n := range count {
+		ch <- prometheus.MustNewConstMetric(c.replicasCount, prometheus.GaugeValue, float64(n), st)
+	}
+}
+
+func b2f(b bool) float64 {
+	if b {
+		return 1
+	}
+	return 0
+}
