@@ -10,6 +10,7 @@ import (
 	"strings"
 
 	"github.com/kvgate/kvgate/internal/costmodel"
+	"github.com/kvgate/kvgate/internal/discovery"
 	"github.com/kvgate/kvgate/internal/gateway"
 	"github.com/kvgate/kvgate/internal/policy"
 )
@@ -34,7 +35,21 @@ func checkConfig(cfg gateway.Config) error {
 		errs = append(errs, err)
 	}
 	errs = append(errs, checkListen(cfg.Listen))
+	if cfg.ReplicasFile != "" {
+		_, err := replicasFileList(cfg.ReplicasFile)
+		errs = append(errs, err)
+	}
 	return errors.Join(errs...)
+}
+
+// replicasFileList is the replicas file's list, read and checked as the
+// gateway reads it at start (it refuses to start on a bad one).
+func replicasFileList(path string) ([]gateway.ReplicaConfig, error) {
+	list, err := discovery.NewFile(path, 0, gateway.ParseReplicasFile, nil, nil).Load()
+	if err != nil {
+		return nil, fmt.Errorf("replicas_file: %w", err)
+	}
+	return list, nil
 }
 
 // checkListen checks a listen address's form (HOST:PORT, HOST may be empty
@@ -70,8 +85,16 @@ func writeSummary(w io.Writer, cfg gateway.Config) {
 	fmt.Fprintf(w, "  listen:    %s\n", cfg.Listen)
 	fmt.Fprintf(w, "  policy:    %s%s\n", cfg.Policy, paramsText(cfg.PolicyParams))
 	fmt.Fprintf(w, "  tokenizer: %s, block size %d, profile %s\n", cfg.Tokenizer, cfg.BlockSize, cfg.Profile)
-	fmt.Fprintf(w, "  replicas:  %s\n", fleetSummary(cfg))
-	for _, r := range cfg.Replicas {
+	fmt.Fprintf(w, "  replicas:  %s\n", replicaSummary(cfg))
+	list := cfg.Replicas
+	switch {
+	case cfg.ReplicasFile != "":
+		list, _ = replicasFileList(cfg.ReplicasFile) // checked by checkConfig
+		fmt.Fprintf(w, "    now %s\n", fleetSummary(gateway.Config{Replicas: list}))
+	case cfg.Discovery != nil:
+		fmt.Fprintf(w, "    found while serving (--check-config contacts neither DNS nor the Kubernetes API)\n")
+	}
+	for _, r := range list {
 		fmt.Fprintf(w, "    %s%s\n", r.URL, replicaText(r))
 	}
 	fmt.Fprintf(w, "  enabled:   %s\n", enabledText(cfg))
@@ -133,6 +156,7 @@ func enabledText(cfg gateway.Config) string {
 		{cfg.StateFile != "", "state file " + cfg.StateFile},
 		{cfg.Record.Path != "", "recording to " + cfg.Record.Path},
 		{cfg.MaxConcurrency > 0, fmt.Sprintf("max_concurrency %d (queue %d)", cfg.MaxConcurrency, cfg.MaxQueue)},
+		{cfg.AccessLog, "access log"},
 	} {
 		if o.cond {
 			on = append(on, o.text)

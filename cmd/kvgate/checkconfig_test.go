@@ -96,3 +96,52 @@ func TestCheckConfigInvalid(t *testing.T) {
 		})
 	}
 }
+
+// The replicas' other sources: a replicas file is read and checked as the
+// gateway reads it at start, its replicas listed; discovery is described,
+// and neither DNS nor the Kubernetes API is asked (no kubeconfig exists).
+func TestCheckConfigSources(t *testing.T) {
+	t.Setenv("KUBECONFIG", filepath.Join(t.TempDir(), "none"))
+	file := writeConfig(t, "- {url: http://127.0.0.1:8001, role: prefill}\n- {url: http://127.0.0.1:8002, role: decode}\n")
+	for _, tc := range []struct {
+		name, yaml string
+		flags      []string
+		want       []string
+	}{
+		{"replicas file", "replicas_file: " + file + "\n", nil, []string{"replicas of " + file,
+			"now 1 prefill + 1 decode replicas", "http://127.0.0.1:8001  role prefill"}},
+		{"replicas file by flag", "replicas: [{url: http://127.0.0.1:9}]\n", []string{"--replicas-file", file},
+			[]string{"replicas of " + file, "http://127.0.0.1:8002  role decode"}},
+		{"kubernetes", "discovery: {kubernetes: {namespace: llm, selector: kubernetes.io/service-name=vllm, port: http}}\n", nil,
+			[]string{"replicas of the EndpointSlices kubernetes.io/service-name=vllm in namespace llm", "found while serving"}},
+		{"dns", "discovery: {dns: vllm.llm.svc.cluster.local:8000}\n", nil,
+			[]string{"replicas found by DNS vllm.llm.svc.cluster.local:8000", "found while serving"}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			args := append([]string{"serve", "--check-config", "--config", writeConfig(t, tc.yaml)}, tc.flags...)
+			code, out, errs := runCmd(t, "", args...)
+			if code != 0 {
+				t.Fatalf("exit %d: %s", code, errs)
+			}
+			for _, want := range tc.want {
+				if !strings.Contains(out, want) {
+					t.Errorf("summary lacks %q:\n%s", want, out)
+				}
+			}
+		})
+	}
+	bad := writeConfig(t, "- {url: http://127.0.0.1:8001, kv_events: tcp://127.0.0.1:5557}\n")
+	for _, tc := range []struct{ name, yaml, want string }{
+		{"bad replicas file", "replicas_file: " + bad + "\n", "kv_events and kv_events_replay come from the config file only"},
+		{"missing replicas file", "replicas_file: /nonexistent/replicas.yaml\n", "no such file"},
+		{"two sources", "replicas_file: " + file + "\nreplicas: [{url: http://127.0.0.1:9}]\n", "replicas come from one source"},
+		{"kubernetes without a namespace", "discovery: {kubernetes: {selector: app=vllm, port: 8000}}\n", "discovery.kubernetes.namespace"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			code, out, errs := runCmd(t, "", "serve", "--check-config", "--config", writeConfig(t, tc.yaml))
+			if code != 2 || out != "" || !strings.Contains(errs, tc.want) {
+				t.Fatalf("exit %d, stdout %q, stderr %q; want 2 and %q", code, out, errs, tc.want)
+			}
+		})
+	}
+}
