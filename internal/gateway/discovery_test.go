@@ -409,3 +409,36 @@ func gaugeSeries(t *testing.T, reg *prometheus.Registry, name string) map[string
 	}
 	return out
 }
+
+// TestReplicasFileRoles: roles come with the file's entries; a list that
+// makes the fleet prefill/decode turns the two-step routing on, and a
+// role changed on a listed replica is taken (its state kept).
+func TestReplicasFileRoles(t *testing.T) {
+	a, b := newHeldReplica(t), newHeldReplica(t)
+	path := filepath.Join(t.TempDir(), "replicas.yaml")
+	writeAtomically(t, path, "- url: "+a.srv.URL+"\n")
+	cfg := baseConfig()
+	cfg.ReplicasFile = path
+	tg := startDynamic(t, cfg, Options{})
+	eventually(t, "a routable", func() bool { return routable(tg, a.srv.URL) })
+	if tg.g.pd.Load() {
+		t.Fatal("an aggregated fleet routed in two steps")
+	}
+	writeAtomically(t, path, "- url: "+a.srv.URL+"\n  role: decode\n- url: "+b.srv.URL+"\n  role: prefill\n")
+	tg.g.Reload()
+	eventually(t, "b added", func() bool { return routable(tg, b.srv.URL) })
+	ia, _ := tg.g.rt.Lookup(a.srv.URL)
+	ib, _ := tg.g.rt.Lookup(b.srv.URL)
+	if !tg.g.pd.Load() || tg.g.rt.Replica(ia).Role().String() != "decode" || tg.g.rt.Replica(ib).Role().String() != "prefill" || ia != 0 {
+		t.Fatalf("pd %v, roles %s %s, a's slot %d", tg.g.pd.Load(), tg.g.rt.Replica(ia).Role(), tg.g.rt.Replica(ib).Role(), ia)
+	}
+	// Prefill replicas only: refused, the P/D list kept.
+	writeAtomically(t, path, "- url: "+b.srv.URL+"\n  role: prefill\n")
+	tg.g.Reload()
+	writeAtomically(t, path, "- url: "+a.srv.URL+"\n  role: decode\n- url: "+b.srv.URL+"\n  role: prefill\n- url: http://127.0.0.1:1\n  role: decode\n")
+	tg.g.Reload()
+	eventually(t, "the third listed", func() bool { _, ok := tg.g.rt.Lookup("http://127.0.0.1:1"); return ok })
+	if tg.g.rt.Replica(ia).Removed() {
+		t.Fatal("a list without a decode replica was applied")
+	}
+}

@@ -50,12 +50,15 @@ func (t *remoteTokenizer) tokenize(ctx context.Context, kind prompt.Kind, p *pro
 		return nil, false
 	}
 	n := t.g.rt.Replicas()
+	if n == 0 {
+		return nil, false // discovery has found no replica yet
+	}
 	start := int(t.next.Add(1) % uint64(n))
 	tries := 0
 	var lastErr error
 	for k := range n {
 		i := (start + k) % n
-		if !t.g.rt.Healthy(i) || !t.g.rt.Replica(i).Serves(p.Model) {
+		if r := t.g.rt.Replica(i); !r.Healthy() || r.Removed() || !r.Serves(p.Model) {
 			continue
 		}
 		ids, err := t.call(ctx, i, data)
