@@ -399,23 +399,30 @@ func (f *Fleet) fetchModels(ctx context.Context, i int) {
 	}
 	defer resp.Body.Close()
 	var body struct {
-		Data []struct {
-			ID          string  `json:"id"`
-			Root        string  `json:"root"`
-			Parent      *string `json:"parent"`
-			MaxModelLen int     `json:"max_model_len"`
-		} `json:"data"`
+		Data []json.RawMessage `json:"data"`
 	}
 	if err := json.NewDecoder(io.LimitReader(resp.Body, 1<<20)).Decode(&body); err != nil || len(body.Data) == 0 {
 		return
 	}
 	ms := make([]router.Model, 0, len(body.Data))
-	for _, d := range body.Data {
-		m := router.Model{ID: d.ID, Root: d.Root, MaxModelLen: max(d.MaxModelLen, 0)}
+	for _, raw := range body.Data {
+		var d struct {
+			ID          string  `json:"id"`
+			Root        string  `json:"root"`
+			Parent      *string `json:"parent"`
+			MaxModelLen int     `json:"max_model_len"`
+		}
+		if json.Unmarshal(raw, &d) != nil || d.ID == "" {
+			continue
+		}
+		m := router.Model{ID: d.ID, Root: d.Root, MaxModelLen: max(d.MaxModelLen, 0), Card: string(raw)}
 		if d.Parent != nil {
 			m.Parent = *d.Parent
 		}
 		ms = append(ms, m)
+	}
+	if len(ms) == 0 {
+		return // a listing without one readable model says nothing: keep the last
 	}
 	for _, s := range f.slotsOf(i) {
 		var running []string

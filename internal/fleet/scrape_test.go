@@ -181,8 +181,11 @@ func TestModelsAndRunningAdapters(t *testing.T) {
 		t.Fatalf("after a restart: %+v", rt.Replica(0).Served())
 	}
 	got := f.Models()
-	if len(got) != 2 || got[0] != (router.Model{ID: "base", Root: "/models/base", MaxModelLen: 4096}) ||
-		got[1] != (router.Model{ID: "sql-lora", Root: "/adapters/sql", Parent: "base", MaxModelLen: 4096}) {
+	// Each card is kept as the replica sent it, for the gateway's /v1/models.
+	if len(got) != 2 || got[0] != (router.Model{ID: "base", Root: "/models/base", MaxModelLen: 4096,
+		Card: `{"id":"base","root":"/models/base","parent":null,"max_model_len":4096}`}) ||
+		got[1] != (router.Model{ID: "sql-lora", Root: "/adapters/sql", Parent: "base", MaxModelLen: 4096,
+			Card: `{"id":"sql-lora","root":"/adapters/sql","parent":"base","max_model_len":4096}`}) {
 		t.Fatalf("models %+v", got)
 	}
 }

@@ -37,6 +37,9 @@ var (
 	errBodyMemory  = &apiError{Status: http.StatusServiceUnavailable, Type: "server_error", Code: "overloaded", Message: "the gateway holds as many request bodies as its max_body_memory allows; retry later"}
 	errTimeout     = &apiError{Status: http.StatusGatewayTimeout, Type: "server_error", Code: "request_timeout"}
 	errContentType = &apiError{Status: http.StatusUnsupportedMediaType, Type: "invalid_request_error", Code: "unsupported_media_type", Message: "send the request body as application/json"}
+	// errHolderDown: the replica holding a stored response (passthrough.go)
+	// is out of rotation (health check failing, breaker open); no other has it.
+	errHolderDown = &apiError{Status: http.StatusServiceUnavailable, Type: "server_error", Code: "replica_unavailable", Message: "the replica holding the response named is out of rotation; retry later"}
 )
 
 // with returns a copy of e with a message.

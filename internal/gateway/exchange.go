@@ -6,6 +6,8 @@ import (
 	"fmt"
 	"log/slog"
 	"net/http"
+	"slices"
+	"strings"
 	"time"
 
 	"github.com/kvgate/kvgate/internal/clock"
@@ -35,6 +37,14 @@ type exchange struct {
 	// prefillBody is the body of the request's prefill steps (pd.go),
 	// made at the first one.
 	prefillBody []byte
+	// pol, when set, decides instead of the router's policy (passthrough.go:
+	// by load without a prompt, pinned to the replica holding a response).
+	pol policy.Policy
+	// upload is a streamed non-JSON body (nil: body is the whole body).
+	upload *upload
+	// lookup: the request names a response the gateway has not seen; a 404
+	// means "not on this replica" and the next replica is asked.
+	lookup bool
 }
 
 // serveInference handles POST /v1/completions and /v1/chat/completions:
@@ -51,6 +61,13 @@ func (g *Gateway) serveInference(w http.ResponseWriter, r *http.Request, kind pr
 	if g.pd.Load() {
 		route = g.routePDAttempt
 	}
+	g.run(x, route)
+}
+
+// run routes and attempts an admitted exchange until one attempt is final:
+// another replica is tried after a refusal (within retries, after a
+// backoff) or, for a lookup, after a 404 (each replica once).
+func (g *Gateway) run(x *exchange, route func(*exchange, bool) (*attempt, error)) {
 	for tries := 0; ; {
 		a, err := route(x, tries >= g.conf().Retries)
 		if err != nil {
@@ -58,14 +75,19 @@ func (g *Gateway) serveInference(w http.ResponseWriter, r *http.Request, kind pr
 			return
 		}
 		if a.abort {
-			panic(http.ErrAbortHandler) // after settle; release runs as the panic unwinds
+			panic(http.ErrAbortHandler) // after settle; the caller's release runs as the panic unwinds
 		}
 		if !a.retryable() {
 			return
 		}
 		x.exclude = append(x.exclude, a.tk.Replica)
-		if a.v == skipped {
+		if a.v == skipped || a.notHere {
 			continue // no attempt spent
+		}
+		if !x.replayable() {
+			// Part of a streamed upload went to the replica: it cannot be sent again.
+			g.endUnrouted(x, errUpstream.with("the replica refused the upload after it had started reading it"))
+			return
 		}
 		if tries++; tries > g.conf().Retries {
 			g.endUnrouted(x, errUpstream.with("every replica tried refused the request"))
@@ -86,7 +108,14 @@ func (g *Gateway) serveInference(w http.ResponseWriter, r *http.Request, kind pr
 func (g *Gateway) routeAttempt(x *exchange, _ bool) (*attempt, error) {
 	t0 := g.clock.Now()
 	x.req.Now = t0
-	tk, w, err := g.rt.Submit(x.req, x.exclude...)
+	var tk *router.Ticket
+	var w *router.Waiting
+	var err error
+	if x.pol != nil {
+		tk, err = g.rt.RouteWith(x.pol, x.req, x.exclude...)
+	} else {
+		tk, w, err = g.rt.Submit(x.req, x.exclude...)
+	}
 	if len(x.exclude) == 0 {
 		g.met.decision.Observe(g.clock.Since(t0).Seconds())
 	}
@@ -150,7 +179,9 @@ func (g *Gateway) endUnrouted(x *exchange, err error) {
 	}
 	if x.refusal != nil && (errors.Is(err, policy.ErrNoReplica) || isAPIError(err, errUpstream)) {
 		x.refusal.write(x.w)
-		g.met.errors.WithLabelValues("exhausted").Inc()
+		if x.refusal.status != http.StatusNotFound { // a lookup's last "not here" is an answer
+			g.met.errors.WithLabelValues("exhausted").Inc()
+		}
 		return
 	}
 	if c := context.Cause(x.ctx); c != nil {
@@ -175,44 +206,64 @@ func (g *Gateway) fail(w http.ResponseWriter, r *http.Request, err error) {
 // admit checks, reads and parses a request and gives it a slot. The
 // returned release frees what admission took; it runs when the exchange ends.
 func (g *Gateway) admit(w http.ResponseWriter, r *http.Request, kind prompt.Kind) (*exchange, func(), error) {
-	x := &exchange{w: w, r: r, rc: http.NewResponseController(w), id: requestID(r), start: g.clock.Now(), kind: kind}
-	w.Header().Set("X-Request-Id", x.id)
-	x.log = g.log.With("request_id", x.id)
-	if r.Method != http.MethodPost {
-		w.Header().Set("Allow", http.MethodPost)
-		return nil, nil, errMethod.with("use POST")
-	}
-	if !g.authorized(r) {
-		return nil, nil, errUnauth
-	}
-	if g.cut.Err() != nil {
-		return nil, nil, errDraining // past the drain: the process is stopping
+	x, err := g.begin(w, r, kind, http.MethodPost)
+	if err != nil {
+		return nil, nil, err
 	}
 	body, releaseBody, err := g.readBody(w, r)
 	if err != nil {
 		return nil, nil, err
 	}
 	x.body = body
-	ctx, endCtx := g.requestContext(r.Context())
+	release, err := g.enter(x, releaseBody, func() (*prompt.Parsed, error) { return g.parse(kind, body) })
+	return x, release, err
+}
+
+// begin makes the exchange of a request and checks its method (one of
+// methods), its key and that the gateway is not past its drain.
+func (g *Gateway) begin(w http.ResponseWriter, r *http.Request, kind prompt.Kind, methods ...string) (*exchange, error) {
+	x := &exchange{w: w, r: r, rc: http.NewResponseController(w), id: requestID(r), start: g.clock.Now(), kind: kind}
+	w.Header().Set("X-Request-Id", x.id)
+	x.log = g.log.With("request_id", x.id)
+	if !slices.Contains(methods, r.Method) {
+		w.Header().Set("Allow", strings.Join(methods, ", "))
+		return nil, errMethod.with("use " + strings.Join(methods, " or "))
+	}
+	if !g.authorized(r) {
+		return nil, errUnauth
+	}
+	if g.cut.Err() != nil {
+		return nil, errDraining // past the drain: the process is stopping
+	}
+	return x, nil
+}
+
+// enter admits an exchange whose body is read (releaseBody gives its room
+// back): its context, its parse, a slot of the concurrency limit and its
+// routing key. The returned release frees all of it.
+func (g *Gateway) enter(x *exchange, releaseBody func(), parse func() (*prompt.Parsed, error)) (func(), error) {
+	ctx, endCtx := g.requestContext(x.r.Context())
 	releaseAll := func() { endCtx(); releaseBody() }
 	x.ctx = ctx
-	if x.parsed, err = g.parse(kind, body); err != nil {
+	var err error
+	if x.parsed, err = parse(); err != nil {
 		releaseAll()
-		return nil, nil, err
+		return nil, err
 	}
 	lim := g.lim.Load() // the one released: a reload may swap it meanwhile
 	if err := lim.acquire(ctx, g.clock); err != nil {
 		releaseAll()
-		return nil, nil, err
+		return nil, err
 	}
 	// Remote tokenization costs the replicas work: only admitted requests.
-	if x.req, err = g.routingKey(ctx, kind, x.parsed, body, r.Header.Get("X-Session-Id")); err != nil {
+	x.req, err = g.routingKey(ctx, x.kind, x.parsed, x.body, x.r.Header.Get("X-Session-Id"))
+	if err != nil {
 		lim.release()
 		releaseAll()
-		return nil, nil, err
+		return nil, err
 	}
 	g.inFlight.Add(1)
-	return x, func() { lim.release(); releaseAll(); g.inFlight.Add(-1) }, nil
+	return func() { lim.release(); releaseAll(); g.inFlight.Add(-1) }, nil
 }
 
 // requestContext derives a request's context: cancelled when the client
@@ -258,7 +309,9 @@ func (g *Gateway) parse(kind prompt.Kind, body []byte) (*prompt.Parsed, error) {
 
 // routingKey tokenizes (remotely when configured) and hashes the prompt.
 func (g *Gateway) routingKey(ctx context.Context, kind prompt.Kind, p *prompt.Parsed, body []byte, session string) (*policy.Request, error) {
-	if g.tok != nil && p.TokenIDs == nil {
+	// A client's own /tokenize, and a request without a prompt, need no
+	// remote tokenization to be routed.
+	if g.tok != nil && p.TokenIDs == nil && p.Text != "" && kind != prompt.Tokenize {
 		if ids, ok := g.tok.tokenize(ctx, kind, p, body); ok {
 			p.TokenIDs = ids
 		}

@@ -321,6 +321,7 @@ func (g *Gateway) routes() {
 	m.HandleFunc("/admin/", g.admin(g.adminReplicas))
 	m.HandleFunc("/ui", g.serveUI)
 	m.HandleFunc("/ui/", g.serveUI)
+	g.passthroughRoutes(m) // the rest of the replicas' API (passthrough.go)
 	m.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) { writeError(w, errNotFound) })
 	g.mux = g.withAccessLog(m)
 }

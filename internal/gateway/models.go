@@ -5,9 +5,11 @@ import (
 	"net/http"
 )
 
-// models serves GET /v1/models: the union of what the replicas list, with
-// their root, parent and context length (as vLLM lists them), behind the
-// API keys when keys are configured.
+// models serves GET /v1/models: the union of what the replicas list, each
+// model's card as the first replica listing it sent it (every field vLLM
+// writes: max_model_len, root, parent, permission, created, owned_by …),
+// behind the API keys when keys are configured. A model known otherwise
+// (no card kept) gets a card of the fields the gateway knows.
 func (g *Gateway) models(w http.ResponseWriter, r *http.Request) {
 	if r.Method != http.MethodGet {
 		writeError(w, errMethod.with("use GET"))
@@ -27,13 +29,18 @@ func (g *Gateway) models(w http.ResponseWriter, r *http.Request) {
 		MaxModelLen int     `json:"max_model_len,omitempty"`
 	}
 	ms := g.fleet.Models()
-	data := make([]card, 0, len(ms))
+	data := make([]json.RawMessage, 0, len(ms))
 	for _, m := range ms {
+		if m.Card != "" && json.Valid([]byte(m.Card)) {
+			data = append(data, json.RawMessage(m.Card))
+			continue
+		}
 		c := card{ID: m.ID, Object: "model", OwnedBy: "kvgate", Root: m.Root, MaxModelLen: m.MaxModelLen}
 		if m.Parent != "" {
 			c.Parent = &m.Parent
 		}
-		data = append(data, c)
+		b, _ := json.Marshal(c)
+		data = append(data, b)
 	}
 	w.Header().Set("Content-Type", "application/json")
 	_ = json.NewEncoder(w).Encode(map[string]any{"object": "list", "data": data})

@@ -193,8 +193,8 @@ func newRecorder(cfg RecordConfig, blockSize int, clk clock.Clock, log *slog.Log
 // record hands a served attempt to the writer, never waiting: a full queue
 // drops it. Nil-safe (no recording) and a no-op for other verdicts.
 func (r *recorder) record(x *exchange, a *attempt) {
-	if r == nil || a.v != served {
-		return
+	if r == nil || a.v != served || (x.kind != prompt.Completion && x.kind != prompt.Chat) {
+		return // the trace is of generation requests: embeddings, scores … are not replayed
 	}
 	e := recordEntry{at: x.start, tokens: x.req.Tokens, output: a.output, maxTokens: x.req.MaxTokens,
 		blocks: x.req.Blocks, model: x.req.Model, session: x.req.Session, chat: x.kind == prompt.Chat}

@@ -11,6 +11,7 @@ import (
 
 	"github.com/kvgate/kvgate/internal/clock"
 	"github.com/kvgate/kvgate/internal/openai"
+	"github.com/kvgate/kvgate/internal/prompt"
 )
 
 // relay passes the replica's answer to the client: the header at once, then
@@ -87,14 +88,20 @@ func (g *Gateway) relayStream(x *exchange, a *attempt, ctx context.Context, canc
 			if werr := x.write(g, ev.Raw); werr != nil {
 				return nil, werr
 			}
-			if ev.HasData {
+			switch {
+			case !ev.HasData:
+			case x.kind == prompt.Responses:
+				g.inspectResponses(ev.Data, a, &sawDone)
+			default:
 				g.inspect(ev.Data, a, &sawDone)
 			}
 			continue
 		}
-		if sawDone {
+		if sawDone || (x.kind == prompt.Other && errors.Is(err, io.EOF)) {
 			// The answer was whole: a client that closes on [DONE] may
 			// cancel the read of the replica's EOF, and is still served.
+			// (An endpoint the gateway does not know ends its stream as it
+			// likes: a clean end is an end.)
 			return nil, nil
 		}
 		if errors.Is(err, io.EOF) {
@@ -166,12 +173,15 @@ const usageTail = 64 << 10
 // only its last usageTail bytes to read the usage from.
 func (g *Gateway) relayBody(x *exchange, a *attempt, body io.Reader) (rerr, werr error) {
 	buf := make([]byte, 32<<10)
-	var tail []byte
+	var tail, head []byte
 	for {
 		n, err := body.Read(buf)
 		if n > 0 {
 			if werr := x.write(g, buf[:n]); werr != nil {
 				return nil, werr
+			}
+			if x.kind == prompt.Responses && len(head) < responsesHeadLen {
+				head = append(head, buf[:min(n, responsesHeadLen-len(head))]...)
 			}
 			tail = append(tail, buf[:n]...)
 			if len(tail) > 2*usageTail {
@@ -179,7 +189,12 @@ func (g *Gateway) relayBody(x *exchange, a *attempt, body io.Reader) (rerr, werr
 			}
 		}
 		if errors.Is(err, io.EOF) {
-			if u := usageOf(tail); u != nil {
+			if x.kind == prompt.Responses {
+				a.respID = responseIDOf(head)
+				if u := responsesBodyUsage(tail); u != nil {
+					a.noteUsage(u)
+				}
+			} else if u := usageOf(tail); u != nil {
 				a.noteUsage(u)
 			}
 			return nil, nil

@@ -79,7 +79,7 @@ func (t *remoteTokenizer) tokenize(ctx context.Context, kind prompt.Kind, p *pro
 
 func tokenizeBody(kind prompt.Kind, p *prompt.Parsed, body []byte) ([]byte, error) {
 	req := map[string]any{"model": p.Model}
-	if kind == prompt.Chat {
+	if p.Messages && kind != prompt.Responses {
 		var b struct {
 			Messages json.RawMessage `json:"messages"`
 		}

@@ -58,13 +58,17 @@ func (g *Gateway) try(x *exchange, a *attempt) {
 		defer firstByte.Stop()
 	}
 	resp, err := g.client.Do(up)
+	if x.upload != nil {
+		_ = x.rc.SetReadDeadline(time.Time{}) // the replica answered: the upload's time bound is over
+	}
 	if err != nil {
 		g.transportFailure(x, a, ctx, wrote.Load(), err)
 		return
 	}
 	defer resp.Body.Close()
 	a.status = resp.StatusCode
-	if resp.StatusCode == http.StatusServiceUnavailable || resp.StatusCode == http.StatusTooManyRequests {
+	if resp.StatusCode == http.StatusServiceUnavailable || resp.StatusCode == http.StatusTooManyRequests ||
+		(x.lookup && resp.StatusCode == http.StatusNotFound) {
 		g.refusal(x, a, cancel, resp)
 		return
 	}
@@ -88,7 +92,15 @@ func (g *Gateway) upstreamRequest(ctx context.Context, x *exchange, i int, body 
 		GotFirstResponseByte: gotHeader,
 	})
 	rep := g.rt.Replica(i)
-	up, _ := http.NewRequestWithContext(ctx, http.MethodPost, rep.URL()+x.r.URL.Path, bytes.NewReader(body))
+	var rd io.Reader = http.NoBody
+	length := int64(len(body))
+	switch {
+	case x.upload != nil:
+		rd, length = x.upload, x.upload.length
+	case len(body) > 0:
+		rd = bytes.NewReader(body)
+	}
+	up, _ := http.NewRequestWithContext(ctx, x.r.Method, rep.URL()+x.r.URL.Path, rd)
 	up.URL.RawQuery = x.r.URL.RawQuery
 	copyHeaders(up.Header, x.r.Header)
 	up.Header.Del("Authorization")
@@ -106,7 +118,7 @@ func (g *Gateway) upstreamRequest(ctx context.Context, x *exchange, i int, body 
 	}
 	up.Header.Set("X-Request-Id", x.id)
 	setForwarded(up.Header, x.r)
-	up.ContentLength = int64(len(body))
+	up.ContentLength = length
 	return up, wrote
 }
 
@@ -158,6 +170,15 @@ func setForwarded(h http.Header, r *http.Request) {
 // transportFailure sets the verdict of an attempt that got no response
 // (transportVerdict) and answers the client when it is final.
 func (g *Gateway) transportFailure(x *exchange, a *attempt, ctx context.Context, wrote bool, err error) {
+	if x.upload != nil {
+		if cerr := x.upload.clientErr(); cerr != nil {
+			// The client's upload broke or overran max_body_bytes: its fault,
+			// not the replica's.
+			a.v, a.err = rejected, cerr
+			g.fail(x.w, x.r, uploadError(cerr))
+			return
+		}
+	}
 	a.v, a.err = transportVerdict(x, ctx, wrote, err)
 	if a.v == failed || a.v == gatewayLimit {
 		g.fail(x.w, x.r, upstreamError(a.err))
@@ -210,16 +231,21 @@ func (g *Gateway) refusal(x *exchange, a *attempt, cancel context.CancelCauseFun
 	t := g.clock.AfterFunc(refusalReadTimeout, func() { cancel(errIdleTimeout) })
 	b, _ := io.ReadAll(io.LimitReader(resp.Body, 64<<10))
 	t.Stop()
-	a.v = busy
-	if resp.StatusCode == http.StatusServiceUnavailable {
+	switch resp.StatusCode {
+	case http.StatusServiceUnavailable:
 		a.v = refused
+	case http.StatusNotFound:
+		a.v, a.notHere = rejected, true // a lookup: the replica does not hold the response
+	default:
+		a.v = busy
 	}
 	a.err = fmt.Errorf("replica answered %s", resp.Status)
 	a.refusal = &bufferedResponse{status: resp.StatusCode, header: resp.Header.Clone(), body: b,
 		replica: g.rt.Replica(a.tk.Replica), prefill: a.prefill, id: x.id}
 }
 
-// bufferedResponse is an upstream refusal kept to pass on if no retry works.
+// bufferedResponse is an upstream refusal (or a lookup's 404) kept to pass
+// on if no retry works.
 type bufferedResponse struct {
 	status  int
 	header  http.Header
@@ -234,7 +260,7 @@ func (b *bufferedResponse) write(w http.ResponseWriter) {
 	setTarget(w.Header(), b.replica, b.prefill)
 	w.Header().Set("X-Request-Id", b.id)
 	w.Header().Del("Content-Length")
-	if w.Header().Get("Retry-After") == "" {
+	if w.Header().Get("Retry-After") == "" && b.status != http.StatusNotFound {
 		w.Header().Set("Retry-After", "1") // a refusal the client may retry: say when
 	}
 	w.WriteHeader(b.status)

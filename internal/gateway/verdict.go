@@ -55,7 +55,7 @@ func (v verdict) retryable() bool { return v == refused || v == busy || v == ski
 // its verdict is retryable, or it is a prefill step that failed (nothing
 // reached the client, and no decode step started).
 func (a *attempt) retryable() bool {
-	return a.v.retryable() || (a.step == stepPrefill && a.v == failed && !a.started)
+	return a.v.retryable() || a.notHere || (a.step == stepPrefill && a.v == failed && !a.started)
 }
 
 // Steps of a disaggregated request (attempt.step; "" for a whole request).
@@ -98,6 +98,11 @@ type attempt struct {
 	abort   bool  // a non-streamed body broke midway: abort the client's connection
 	// refusal is a 503/429 kept to pass on if no other replica takes it.
 	refusal *bufferedResponse
+	// notHere: a lookup's 404, kept in refusal: the replica does not hold
+	// the response named; the next replica is asked.
+	notHere bool
+	// respID is the id of the response a Responses call created (relay).
+	respID  string
 	cached  int // the replica's usage.prompt_tokens_details.cached_tokens (-1: none)
 	prompt  int // its usage.prompt_tokens (0: no usage seen)
 	output  int

@@ -1,0 +1,174 @@
+package gateway
+
+import (
+	"net/http"
+	"strings"
+
+	"github.com/kvgate/kvgate/internal/policy"
+	"github.com/kvgate/kvgate/internal/prompt"
+)
+
+// The rest of vLLM's API. Every path the replicas serve besides
+// completions and chat goes through the same request path as they do:
+// admission (keys, drain, body size and memory, the concurrency limit),
+// routing through the router (its load counts and observers), attempts
+// settled by verdict (a client's 4xx never counts against a replica;
+// refusals before any work are retried elsewhere), and the relay (SSE
+// flushed event by event, any other body streamed).
+//
+// Routing:
+//   - a request with a prompt (embeddings' input or messages, a Responses
+//     call's instructions and input, tokenize's prompt or messages) is
+//     routed by the configured policy, cache-aware;
+//   - a request without one (score, rerank, pooling, detokenize, audio, a
+//     GET) is routed by load (least_load) among the replicas serving the
+//     body's model, or among all replicas when it names none;
+//   - a stateful Responses call (previous_response_id, or a path
+//     /v1/responses/{id}...) goes to the replica holding that response:
+//     the gateway remembers which replica created each response it relayed
+//     (a bounded LRU). An id it does not know (evicted, created through
+//     another gateway, or before a restart) is looked up: the replicas are
+//     asked in turn, least loaded first, each at most once; a 404 means
+//     "not here" (vLLM checks the id before any work) and the next one is
+//     asked; the one that answers otherwise is remembered, and when every
+//     replica answered 404 the client gets the last 404.
+//
+// Bodies. A JSON body (or none) is read whole within max_body_bytes and
+// max_body_memory, as completions' are, so that a refused attempt can be
+// sent elsewhere. Any other body (a multipart audio upload) is streamed to
+// the replica within max_body_bytes: the gateway holds only its first 64
+// KiB, where it looks for the form's model and stream fields; such a body
+// is sent to another replica only when the first never read a byte of it.
+
+// passthroughPaths are the replicas' paths the gateway proxies besides
+// completions and chat, with the kind of body routing reads. "/v1/" is
+// every other path under /v1/ (the mux prefers longer patterns, so
+// /v1/completions, /v1/chat/completions and /v1/models keep theirs; /debug/
+// and /admin/ are outside it).
+var passthroughPaths = map[string]prompt.Kind{
+	"/v1/embeddings": prompt.Embedding,
+	"/v1/responses":  prompt.Responses,
+	"/tokenize":      prompt.Tokenize,
+	"/detokenize":    prompt.Other,
+	"/rerank":        prompt.Other,
+	"/v2/rerank":     prompt.Other,
+	"/score":         prompt.Other,
+	"/pooling":       prompt.Other,
+	"/classify":      prompt.Other,
+	"/invocations":   prompt.Other,
+	"/v1/":           prompt.Other,
+}
+
+// passthrough serves passthroughPaths.
+type passthrough struct {
+	g      *Gateway
+	homes  *responseHomes
+	byLoad policy.Policy
+}
+
+// passthroughRoutes registers passthroughPaths on m.
+func (g *Gateway) passthroughRoutes(m *http.ServeMux) {
+	byLoad, err := policy.New("least_load", policy.Options{Seed: g.cfg.Seed})
+	if err != nil {
+		panic(err) // a registered policy without parameters: cannot fail
+	}
+	pt := &passthrough{g: g, homes: newResponseHomes(responseHomesSize), byLoad: byLoad}
+	for path, kind := range passthroughPaths {
+		m.HandleFunc(path, func(w http.ResponseWriter, r *http.Request) { pt.serve(w, r, kind) })
+	}
+}
+
+// serve admits a request, chooses how to route it and attempts it.
+func (pt *passthrough) serve(w http.ResponseWriter, r *http.Request, kind prompt.Kind) {
+	g := pt.g
+	x, release, err := g.admitPassthrough(w, r, kind)
+	if err != nil {
+		g.fail(w, r, err)
+		return
+	}
+	defer release()
+	if err := pt.choose(x); err != nil {
+		g.endUnrouted(x, err)
+		return
+	}
+	g.run(x, pt.attempt)
+}
+
+// choose sets how x is routed: pinned to the holder of the response it
+// names, a lookup of an unknown one, by load without a prompt, or by the
+// configured policy.
+func (pt *passthrough) choose(x *exchange) error {
+	if id := statefulID(x); id != "" {
+		if i, ok := pt.homes.get(id); ok && !pt.g.rt.Replica(i).Removed() {
+			if !pt.g.rt.Replica(i).Healthy() {
+				return errHolderDown
+			}
+			x.pol = pinned(i)
+			return nil
+		}
+		x.pol, x.lookup = pt.byLoad, true
+		return nil
+	}
+	if x.parsed.Text == "" && x.parsed.TokenIDs == nil {
+		x.pol = pt.byLoad
+	}
+	return nil
+}
+
+// attempt routes and tries x once, and remembers which replica holds the
+// response it created or found.
+func (pt *passthrough) attempt(x *exchange, last bool) (*attempt, error) {
+	a, err := pt.g.routeAttempt(x, last)
+	if err != nil || a.v != served {
+		return a, err
+	}
+	if a.respID != "" {
+		pt.homes.add(a.respID, a.tk.Replica)
+	}
+	if id, ok := responsePathID(x.r.URL.Path); ok {
+		if x.r.Method == http.MethodDelete {
+			pt.homes.remove(id)
+		} else if x.lookup {
+			pt.homes.add(id, a.tk.Replica)
+		}
+	} else if x.lookup && x.parsed.PreviousResponseID != "" {
+		pt.homes.add(x.parsed.PreviousResponseID, a.tk.Replica)
+	}
+	return a, nil
+}
+
+// statefulID is the id of the stored response x names: in its path
+// (/v1/responses/{id}, /v1/responses/{id}/cancel …) or as a Responses
+// call's previous_response_id; "" for none.
+func statefulID(x *exchange) string {
+	if id, ok := responsePathID(x.r.URL.Path); ok {
+		return id
+	}
+	return x.parsed.PreviousResponseID
+}
+
+// responsePathID is the response id of a path /v1/responses/{id}[/...].
+func responsePathID(path string) (string, bool) {
+	rest, ok := strings.CutPrefix(path, "/v1/responses/")
+	if !ok {
+		return "", false
+	}
+	id, _, _ := strings.Cut(rest, "/")
+	return id, id != ""
+}
+
+// pinned is the policy of a request that must go to one replica: it picks
+// that replica while it is a candidate.
+type pinned int
+
+var _ policy.Policy = pinned(0)
+
+func (pinned) Name() string { return "pinned" }
+
+func (p pinned) Pick(_ *policy.Request, rs []policy.ReplicaView) (policy.Decision, error) {
+	i := int(p)
+	if i >= len(rs) || !rs[i].Healthy {
+		return policy.Decision{}, policy.ErrNoReplica
+	}
+	return policy.Decision{Replica: i, Reason: "holds the response named", Load: float64(rs[i].InFlight)}, nil
+}

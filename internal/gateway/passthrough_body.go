@@ -1,0 +1,179 @@
+package gateway
+
+import (
+	"bytes"
+	"errors"
+	"fmt"
+	"io"
+	"mime"
+	"mime/multipart"
+	"net/http"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/kvgate/kvgate/internal/prompt"
+)
+
+// admitPassthrough admits a request to a passthrough path: GET, POST or
+// DELETE; a JSON body (or none) read whole, any other body streamed.
+func (g *Gateway) admitPassthrough(w http.ResponseWriter, r *http.Request, kind prompt.Kind) (*exchange, func(), error) {
+	x, err := g.begin(w, r, kind, http.MethodGet, http.MethodPost, http.MethodDelete)
+	if err != nil {
+		return nil, nil, err
+	}
+	if !isJSON(r.Header.Get("Content-Type")) && r.ContentLength != 0 && r.Method != http.MethodGet {
+		if x.upload, err = g.startUpload(w, r); err != nil {
+			return nil, nil, err
+		}
+		// The upload's read deadline ends with the exchange, whatever ends it.
+		endUpload := func() { _ = x.rc.SetReadDeadline(time.Time{}) }
+		release, err := g.enter(x, endUpload, func() (*prompt.Parsed, error) { return g.parseUpload(x) })
+		return x, release, err
+	}
+	var releaseBody = func() {}
+	if r.Method != http.MethodGet {
+		if x.body, releaseBody, err = g.readBody(w, r); err != nil {
+			return nil, nil, err
+		}
+	}
+	release, err := g.enter(x, releaseBody, func() (*prompt.Parsed, error) { return g.parseOther(kind, x.body) })
+	return x, release, err
+}
+
+// isJSON reports whether a Content-Type is JSON's (or absent).
+func isJSON(ct string) bool { return ct == "" || strings.HasPrefix(ct, "application/json") }
+
+// parseOther reads a passthrough body: its prompt where the kind has one,
+// its model (which the replicas must serve, when named) and stream. An
+// empty body has neither: it goes to any replica.
+func (g *Gateway) parseOther(kind prompt.Kind, body []byte) (*prompt.Parsed, error) {
+	if len(bytes.TrimSpace(body)) == 0 {
+		return &prompt.Parsed{Kind: kind}, nil
+	}
+	p, err := prompt.Parse(kind, body)
+	if err != nil {
+		return nil, err
+	}
+	if err := g.checkModel(p.Model); err != nil {
+		return nil, err
+	}
+	return p, g.checkLength(p, 0)
+}
+
+// parseUpload is what routing knows of a streamed upload: the model and
+// stream fields of its form, when they came in its first bytes.
+func (g *Gateway) parseUpload(x *exchange) (*prompt.Parsed, error) {
+	p := &prompt.Parsed{Kind: x.kind, Model: x.upload.model, Stream: x.upload.stream}
+	return p, g.checkModel(p.Model)
+}
+
+// checkModel answers 404 for a model no replica serves ("": none named).
+func (g *Gateway) checkModel(model string) error {
+	if model != "" && !g.rt.Serves(model) {
+		return errModel.with(fmt.Sprintf("The model `%s` does not exist.", model))
+	}
+	return nil
+}
+
+// uploadPeek is how much of a streamed upload the gateway reads before
+// routing it, to find the form's model: OpenAI's clients write the small
+// fields before the file, or right after a short one.
+const uploadPeek = 64 << 10
+
+// upload is a streamed request body on its way to a replica: its first
+// bytes, then the rest of the client's body, within max_body_bytes. It
+// counts what the transport read of it (a body partly sent cannot be sent
+// elsewhere) and keeps the client's side's error (too large, or gone).
+type upload struct {
+	r      io.Reader
+	length int64 // the client's Content-Length (-1: unknown)
+	model  string
+	stream bool
+	read   atomic.Int64
+	mu     sync.Mutex
+	err    error // the client's body failed: too large, or broken
+}
+
+func (u *upload) Read(p []byte) (int, error) {
+	n, err := u.r.Read(p)
+	u.read.Add(int64(n))
+	if err != nil && !errors.Is(err, io.EOF) {
+		u.mu.Lock()
+		u.err = err
+		u.mu.Unlock()
+	}
+	return n, err
+}
+
+// clientErr is the client's side's error, or nil.
+func (u *upload) clientErr() error {
+	u.mu.Lock()
+	defer u.mu.Unlock()
+	return u.err
+}
+
+// replayable reports whether x's body can be sent again: it is held
+// whole, or no replica read a byte of the upload yet.
+func (x *exchange) replayable() bool { return x.upload == nil || x.upload.read.Load() == 0 }
+
+// startUpload reads the first bytes of a streamed body (within
+// body_read_timeout: the deadline holds until the replica answers) and
+// finds the form's model and stream in them.
+func (g *Gateway) startUpload(w http.ResponseWriter, r *http.Request) (*upload, error) {
+	if r.ContentLength > g.cfg.MaxBodyBytes {
+		return nil, errTooLarge.with(fmt.Sprintf("request body larger than %d bytes", g.cfg.MaxBodyBytes))
+	}
+	_ = http.NewResponseController(w).SetReadDeadline(time.Now().Add(g.cfg.BodyReadTimeout.D()))
+	body := http.MaxBytesReader(w, r.Body, g.cfg.MaxBodyBytes)
+	head := make([]byte, uploadPeek)
+	n, err := io.ReadFull(body, head)
+	switch {
+	case errors.Is(err, io.EOF), errors.Is(err, io.ErrUnexpectedEOF):
+		err = nil // the whole body is shorter than the peek
+	case err != nil:
+		_ = http.NewResponseController(w).SetReadDeadline(time.Time{})
+		return nil, uploadError(err)
+	}
+	head = head[:n]
+	u := &upload{r: io.MultiReader(bytes.NewReader(head), body), length: r.ContentLength}
+	u.model, u.stream = formFields(r.Header.Get("Content-Type"), head)
+	return u, nil
+}
+
+// uploadError is the client's error for an upload that failed on its side.
+func uploadError(err error) error {
+	var mbe *http.MaxBytesError
+	if errors.As(err, &mbe) {
+		return errTooLarge.with(fmt.Sprintf("request body larger than %d bytes", mbe.Limit))
+	}
+	return &apiError{Status: http.StatusBadRequest, Type: "invalid_request_error", Message: "reading the request body: " + err.Error()}
+}
+
+// formFields reads the model and stream fields of a multipart form from
+// its first bytes, as far as they go; a field past them is not seen.
+func formFields(contentType string, head []byte) (model string, stream bool) {
+	mt, params, err := mime.ParseMediaType(contentType)
+	if err != nil || !strings.HasPrefix(mt, "multipart/") || params["boundary"] == "" {
+		return "", false
+	}
+	mr := multipart.NewReader(bytes.NewReader(head), params["boundary"])
+	for {
+		part, err := mr.NextPart()
+		if err != nil {
+			return model, stream
+		}
+		switch part.FormName() {
+		case "model":
+			v, err := io.ReadAll(io.LimitReader(part, 1024))
+			if err == nil {
+				model = strings.TrimSpace(string(v))
+			}
+		case "stream":
+			v, _ := io.ReadAll(io.LimitReader(part, 16))
+			stream = strings.EqualFold(strings.TrimSpace(string(v)), "true")
+		}
+		part.Close()
+	}
+}

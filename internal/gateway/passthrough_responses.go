@@ -1,0 +1,152 @@
+package gateway
+
+import (
+	"bytes"
+	"encoding/json"
+	"strings"
+
+	lru "github.com/hashicorp/golang-lru/v2"
+
+	"github.com/kvgate/kvgate/internal/openai"
+)
+
+// responseHomesSize bounds the response ids remembered: at about 100
+// bytes an entry, 64 Ki ids are 6 MiB. An id evicted is looked up again
+// (passthrough.go), never lost.
+const responseHomesSize = 64 << 10
+
+// responseHomes remembers which replica slot holds each stored response
+// (vLLM keeps a Responses API call's state in the memory of the server that
+// answered it). Slots are stable for the router's life, so a slot number
+// names the same replica however the membership changes.
+type responseHomes struct {
+	c *lru.Cache[string, int]
+}
+
+func newResponseHomes(n int) *responseHomes {
+	c, _ := lru.New[string, int](n) // n > 0: cannot fail
+	return &responseHomes{c: c}
+}
+
+func (h *responseHomes) get(id string) (int, bool) { return h.c.Get(id) }
+func (h *responseHomes) add(id string, slot int)   { h.c.Add(id, slot) }
+func (h *responseHomes) remove(id string)          { h.c.Remove(id) }
+
+// responsesHeadLen is what relayBody keeps of a Responses answer's start,
+// where its id is (vLLM writes "id" first).
+const responsesHeadLen = 4 << 10
+
+// responseIDOf reads the top-level "id" of a JSON object from its first
+// bytes; "" when they do not reach it.
+func responseIDOf(head []byte) string {
+	dec := json.NewDecoder(bytes.NewReader(head))
+	if tok, err := dec.Token(); err != nil || tok != json.Delim('{') {
+		return ""
+	}
+	for dec.More() {
+		tok, err := dec.Token()
+		if err != nil {
+			return ""
+		}
+		if tok == "id" {
+			var id string
+			if dec.Decode(&id) != nil {
+				return ""
+			}
+			return id
+		}
+		var skip json.RawMessage
+		if dec.Decode(&skip) != nil {
+			return ""
+		}
+	}
+	return ""
+}
+
+// responsesEvent is what the gateway reads of a Responses API stream
+// event: the response's id (response.created and the other response.*
+// events), whether it carries generated output (the *.delta events: the
+// first one is the first token) and the usage (response.completed).
+type responsesEvent struct {
+	Type     string `json:"type"`
+	Response *struct {
+		ID    string          `json:"id"`
+		Usage *responsesUsage `json:"usage"`
+	} `json:"response"`
+}
+
+// responsesUsage is the Responses API's usage object.
+type responsesUsage struct {
+	InputTokens        int `json:"input_tokens"`
+	OutputTokens       int `json:"output_tokens"`
+	InputTokensDetails *struct {
+		CachedTokens int `json:"cached_tokens"`
+	} `json:"input_tokens_details"`
+}
+
+// usage is u in the chat API's terms (cached -1 when not reported).
+func (u *responsesUsage) usage() *openai.Usage {
+	out := &openai.Usage{PromptTokens: u.InputTokens, CompletionTokens: u.OutputTokens,
+		TotalTokens: u.InputTokens + u.OutputTokens}
+	if u.InputTokensDetails != nil {
+		out.PromptTokensDetails = &openai.PromptTokensDetails{CachedTokens: u.InputTokensDetails.CachedTokens}
+	}
+	return out
+}
+
+// inspectResponses reads one Responses stream event for the response's
+// id, the first token, the usage and the end: the stream has no [DONE];
+// response.completed, response.incomplete or response.failed ends it.
+func (g *Gateway) inspectResponses(data []byte, a *attempt, sawEnd *bool) {
+	if a.respID != "" && !a.firstAt.IsZero() && !bytes.Contains(data, []byte(`"usage"`)) && !isResponsesEnd(data) {
+		return // nothing left to learn from this event: skip the decoding
+	}
+	var ev responsesEvent
+	if json.Unmarshal(data, &ev) != nil {
+		return
+	}
+	switch ev.Type {
+	case "response.completed", "response.incomplete", "response.failed":
+		*sawEnd = true
+	}
+	if ev.Response != nil {
+		if a.respID == "" {
+			a.respID = ev.Response.ID
+		}
+		if ev.Response.Usage != nil {
+			a.noteUsage(ev.Response.Usage.usage())
+		}
+	}
+	if a.firstAt.IsZero() && strings.HasSuffix(ev.Type, ".delta") {
+		a.firstAt = g.clock.Now()
+		a.tk.FirstToken(a.firstAt)
+	}
+}
+
+// responsesBodyUsage reads the usage of a whole Responses answer from its
+// last bytes (nil when absent).
+func responsesBodyUsage(tail []byte) *openai.Usage {
+	var r struct {
+		Usage *responsesUsage `json:"usage"`
+	}
+	if json.Unmarshal(tail, &r) == nil && r.Usage != nil {
+		return r.Usage.usage()
+	}
+	i := bytes.LastIndex(tail, []byte(`"usage"`))
+	if i < 0 {
+		return nil
+	}
+	rest, ok := bytes.CutPrefix(bytes.TrimLeft(tail[i+len(`"usage"`):], " \t\r\n"), []byte(":"))
+	var u responsesUsage
+	if !ok || json.NewDecoder(bytes.NewReader(rest)).Decode(&u) != nil {
+		return nil
+	}
+	return u.usage()
+}
+
+// isResponsesEnd reports whether an event's data may be a stream's last
+// event (checked by decoding it).
+func isResponsesEnd(data []byte) bool {
+	return bytes.Contains(data, []byte("response.completed")) || bytes.Contains(data, []byte("response.incomplete")) ||
+		bytes.Contains(data, []byte("response.failed"))
+}
