@@ -3,6 +3,7 @@ package main
 import (
 	"encoding/json"
 	"fmt"
+	"maps"
 	"net/http"
 	"net/http/httptest"
 	"os"
@@ -233,10 +234,11 @@ func kvgateDeployment(t *testing.T, objs []k8sObject) (k8sWorkload, k8sContainer
 	return d, container(t, d.Template.Spec, "kvgate")
 }
 
-// deployedConfig is the configuration the kvgate container runs with: its
-// command line (after /kvgate) parsed by serve's own flag parsing, with the
-// --config file read from the ConfigMap volume it is mounted from.
-func deployedConfig(t *testing.T, objs []k8sObject) gateway.Config {
+// deployedConfigs are the configurations the kvgate container can run
+// with: its command line (after /kvgate) parsed by serve's own flag parsing,
+// with --config the file it names in the ConfigMap volume mounted there
+// (deployed), or any other file of that ConfigMap (by key).
+func deployedConfigs(t *testing.T, objs []k8sObject) (deployed string, cfgs map[string]gateway.Config) {
 	t.Helper()
 	d, c := kvgateDeployment(t, objs)
 	if len(c.Command) < 2 || c.Command[1] != "serve" {
@@ -248,28 +250,31 @@ func deployedConfig(t *testing.T, objs []k8sObject) gateway.Config {
 		t.Fatalf("kvgate's args %v: no --config FILE", args)
 	}
 	dir, file := path.Split(args[i+1])
-	var volume string
+	var volume, cmName string
 	for _, m := range c.VolumeMounts {
 		if path.Clean(m.MountPath) == path.Clean(dir) {
 			volume = m.Name
 		}
 	}
-	var cmName string
 	for _, v := range d.Template.Spec.Volumes {
 		if v.Name == volume && v.ConfigMap != nil {
 			cmName = v.ConfigMap.Name
 		}
 	}
-	data, ok := find(t, objs, "ConfigMap", cmName).Data[file]
-	if !ok {
+	data := find(t, objs, "ConfigMap", cmName).Data
+	if _, ok := data[file]; !ok {
 		t.Fatalf("ConfigMap %s has no key %q for --config %s", cmName, file, args[i+1])
 	}
-	args[i+1] = writeConfig(t, data)
-	cfg, err := serveConfig(t, args...)
-	if err != nil {
-		t.Fatalf("kvgate serve %v: %v", args, err)
+	cfgs = map[string]gateway.Config{}
+	for key, text := range data {
+		args[i+1] = writeConfig(t, text)
+		cfg, err := serveConfig(t, args...)
+		if err != nil {
+			t.Fatalf("ConfigMap %s, %s: kvgate serve %v: %v", cmName, key, args, err)
+		}
+		cfgs[key] = cfg
 	}
-	return cfg
+	return file, cfgs
 }
 
 // Every manifest parses; the gateway's configuration from the ConfigMap
@@ -277,10 +282,16 @@ func deployedConfig(t *testing.T, objs []k8sObject) gateway.Config {
 // its probes, Service and ServiceMonitor use; the pod outlives the drain.
 func TestKubernetesManifests(t *testing.T) {
 	objs := loadManifests(t)
-	cfg := deployedConfig(t, objs)
-	if err := checkConfig(cfg); err != nil {
-		t.Fatalf("the ConfigMap's configuration fails --check-config: %v", err)
+	deployed, cfgs := deployedConfigs(t, objs)
+	for key, cfg := range cfgs {
+		if err := checkConfig(cfg); err != nil {
+			t.Errorf("the ConfigMap's %s fails --check-config: %v", key, err)
+		}
+		if k := discoveredIn(cfg); k != nil {
+			checkRBAC(t, objs, kvgateServiceAccount(t, objs), k.Namespace)
+		}
 	}
+	cfg := cfgs[deployed]
 	d, c := kvgateDeployment(t, objs)
 	if d.Replicas < 2 || !matches(d.Selector.MatchLabels, d.Template.Metadata.Labels) {
 		t.Errorf("Deployment: replicas %d (want ≥ 2), selector %v over labels %v", d.Replicas, d.Selector.MatchLabels, d.Template.Metadata.Labels)
@@ -302,8 +313,22 @@ func TestKubernetesManifests(t *testing.T) {
 	checkProbes(t, c, port)
 	checkPodLifetime(t, d.Template.Spec, c, cfg)
 	checkService(t, objs, d, c, port)
-	checkRBAC(t, objs, d.Template.Spec.ServiceAccountName)
+	checkRBAC(t, objs, d.Template.Spec.ServiceAccountName, "llm")
 	checkNamespaces(t, objs)
+}
+
+// discoveredIn is a configuration's Kubernetes discovery, or nil.
+func discoveredIn(cfg gateway.Config) *gateway.KubernetesConfig {
+	if cfg.Discovery == nil {
+		return nil
+	}
+	return cfg.Discovery.Kubernetes
+}
+
+func kvgateServiceAccount(t *testing.T, objs []k8sObject) string {
+	t.Helper()
+	d, _ := kvgateDeployment(t, objs)
+	return d.Template.Spec.ServiceAccountName
 }
 
 // checkProbes: readiness on /ready and liveness on /health, both on the
@@ -411,17 +436,20 @@ func checkService(t *testing.T, objs []k8sObject, d k8sWorkload, c k8sContainer,
 }
 
 // checkRBAC: the pods' ServiceAccount may get, list and watch
-// EndpointSlices (discovery: {kubernetes: ...}).
-func checkRBAC(t *testing.T, objs []k8sObject, sa string) {
+// EndpointSlices in namespace ns (discovery: {kubernetes: ...}).
+func checkRBAC(t *testing.T, objs []k8sObject, sa, ns string) {
 	t.Helper()
 	find(t, objs, "ServiceAccount", sa)
 	for _, rb := range objs {
-		if rb.Kind != "RoleBinding" || !slices.ContainsFunc(rb.Subjects, func(s struct{ Kind, Name, Namespace string }) bool {
+		if rb.Kind != "RoleBinding" || rb.Metadata.Namespace != ns || !slices.ContainsFunc(rb.Subjects, func(s struct{ Kind, Name, Namespace string }) bool {
 			return s.Kind == "ServiceAccount" && s.Name == sa
 		}) {
 			continue
 		}
 		role := find(t, objs, rb.RoleRef.Kind, rb.RoleRef.Name)
+		if role.Metadata.Namespace != ns {
+			continue
+		}
 		for _, r := range role.Rules {
 			if slices.Contains(r.APIGroups, "discovery.k8s.io") && slices.Contains(r.Resources, "endpointslices") &&
 				!slices.ContainsFunc([]string{"get", "list", "watch"}, func(v string) bool { return !slices.Contains(r.Verbs, v) }) {
@@ -429,7 +457,7 @@ func checkRBAC(t *testing.T, objs []k8sObject, sa string) {
 			}
 		}
 	}
-	t.Errorf("no RoleBinding gives ServiceAccount %s get, list and watch on discovery.k8s.io endpointslices", sa)
+	t.Errorf("no RoleBinding gives ServiceAccount %s get, list and watch on discovery.k8s.io endpointslices in namespace %s", sa, ns)
 }
 
 // checkNamespaces: every namespaced object is in the Namespace the
@@ -462,29 +490,39 @@ func argValue(args []string, name string) (string, bool) {
 	return "", false
 }
 
-// The vLLM example pairs with the ConfigMap: the StatefulSet's pods by
-// their DNS names are the config's replicas, on vLLM's port, with the KV
-// events and replay endpoints vLLM binds, prefix caching on, and the same
-// block size.
-func TestKubernetesVLLMExample(t *testing.T) {
-	objs := loadManifests(t)
-	cfg := deployedConfig(t, objs)
-	stsObj := find(t, objs, "StatefulSet", "vllm")
-	sts := specOf[k8sWorkload](t, stsObj)
-	svc := specOf[k8sService](t, find(t, objs, "Service", sts.ServiceName))
-	if svc.ClusterIP != "None" || !matches(svc.Selector, sts.Template.Metadata.Labels) {
-		t.Fatalf("Service %s: want headless (clusterIP: None) over the StatefulSet's pods", sts.ServiceName)
+// vllmFleet is what the vLLM example offers kvgate: the StatefulSet, its
+// headless Service, vLLM's container and its serving port.
+type vllmFleet struct {
+	obj    k8sObject
+	sts    k8sWorkload
+	svcObj k8sObject
+	svc    k8sService
+	c      k8sContainer
+	port   string // vLLM's --port
+	evPort string // its KV-event publisher's bound port
+	rpPort string // its replay socket's
+	topic  string
+}
+
+// readVLLMExample checks the example's own shape: a headless Service over
+// the StatefulSet's pods, prefix caching on, KV events bound on ports the
+// container declares.
+func readVLLMExample(t *testing.T, objs []k8sObject) vllmFleet {
+	t.Helper()
+	var f vllmFleet
+	f.obj = find(t, objs, "StatefulSet", "vllm")
+	f.sts = specOf[k8sWorkload](t, f.obj)
+	f.svcObj = find(t, objs, "Service", f.sts.ServiceName)
+	f.svc = specOf[k8sService](t, f.svcObj)
+	if f.svc.ClusterIP != "None" || !matches(f.svc.Selector, f.sts.Template.Metadata.Labels) {
+		t.Fatalf("Service %s: want headless (clusterIP: None) over the StatefulSet's pods", f.sts.ServiceName)
 	}
-	c := container(t, sts.Template.Spec, "vllm")
-	args := c.Args
-	if !slices.Contains(args, "--enable-prefix-caching") {
-		t.Errorf("vLLM args %v: no --enable-prefix-caching", args)
+	f.c = container(t, f.sts.Template.Spec, "vllm")
+	if !slices.Contains(f.c.Args, "--enable-prefix-caching") {
+		t.Errorf("vLLM args %v: no --enable-prefix-caching", f.c.Args)
 	}
-	if bs, _ := argValue(args, "--block-size"); bs != strconv.Itoa(cfg.BlockSize) {
-		t.Errorf("vLLM --block-size %q, kvgate's block_size %d", bs, cfg.BlockSize)
-	}
-	vport, _ := argValue(args, "--port")
-	raw, _ := argValue(args, "--kv-events-config")
+	f.port, _ = argValue(f.c.Args, "--port")
+	raw, _ := argValue(f.c.Args, "--kv-events-config")
 	var kv struct {
 		Enable    bool   `json:"enable_kv_cache_events"`
 		Publisher string `json:"publisher"`
@@ -495,35 +533,109 @@ func TestKubernetesVLLMExample(t *testing.T) {
 	if err := json.Unmarshal([]byte(raw), &kv); err != nil || !kv.Enable || kv.Publisher != "zmq" {
 		t.Fatalf("--kv-events-config %q: want enable_kv_cache_events and the zmq publisher: %v", raw, err)
 	}
-	evPort, okE := strings.CutPrefix(kv.Endpoint, "tcp://*:")
-	rpPort, okR := strings.CutPrefix(kv.Replay, "tcp://*:")
+	var okE, okR bool
+	f.evPort, okE = strings.CutPrefix(kv.Endpoint, "tcp://*:")
+	f.rpPort, okR = strings.CutPrefix(kv.Replay, "tcp://*:")
 	if !okE || !okR {
 		t.Fatalf("vLLM binds its publisher and replay sockets (tcp://*:PORT) for every gateway pod: %q %q", kv.Endpoint, kv.Replay)
 	}
-	if len(cfg.Replicas) != sts.Replicas {
-		t.Fatalf("the config lists %d replicas, the StatefulSet runs %d", len(cfg.Replicas), sts.Replicas)
-	}
-	for i, r := range cfg.Replicas {
-		host := fmt.Sprintf("%s-%d.%s.%s.svc.cluster.local", stsObj.Metadata.Name, i, sts.ServiceName, stsObj.Metadata.Namespace)
-		want := gateway.ReplicaConfig{URL: "http://" + host + ":" + vport, KVEvents: "tcp://" + host + ":" + evPort,
-			KVEventsReplay: "tcp://" + host + ":" + rpPort}
-		if r != want {
-			t.Errorf("replicas[%d] = %+v, want %+v", i, r, want)
-		}
-		// The topic, with the pod's name, names the replica as its URL does.
-		topic := strings.ReplaceAll(kv.Topic, "$(POD_NAME)", fmt.Sprintf("%s-%d", stsObj.Metadata.Name, i))
-		if !strings.HasPrefix(topic, "kv@"+host+":"+vport+"@") {
-			t.Errorf("topic %q does not name replica %s", topic, r.URL)
-		}
-	}
-	for _, p := range []string{vport, evPort, rpPort} {
-		if !slices.ContainsFunc(c.Ports, func(cp struct {
+	f.topic = kv.Topic
+	for _, p := range []string{f.port, f.evPort, f.rpPort} {
+		if !slices.ContainsFunc(f.c.Ports, func(cp struct {
 			Name          string `json:"name"`
 			ContainerPort int    `json:"containerPort"`
 		}) bool {
 			return strconv.Itoa(cp.ContainerPort) == p
 		}) {
 			t.Errorf("vLLM container: no containerPort %s", p)
+		}
+	}
+	return f
+}
+
+// The vLLM example pairs with every configuration of the ConfigMap: the
+// same block size, and its replicas either discovered (the EndpointSlices
+// of its Service, in its namespace, on vLLM's port) or listed (the
+// StatefulSet's pods by their DNS names, on vLLM's port, with the KV-event
+// and replay endpoints vLLM binds). The deployed configuration discovers
+// them; another lists them for precise mode.
+func TestKubernetesVLLMExample(t *testing.T) {
+	objs := loadManifests(t)
+	deployed, cfgs := deployedConfigs(t, objs)
+	f := readVLLMExample(t, objs)
+	bs, _ := argValue(f.c.Args, "--block-size")
+	var precise int
+	for key, cfg := range cfgs {
+		if bs != strconv.Itoa(cfg.BlockSize) {
+			t.Errorf("%s: vLLM --block-size %q, kvgate's block_size %d", key, bs, cfg.BlockSize)
+		}
+		switch k := discoveredIn(cfg); {
+		case k != nil:
+			checkDiscovered(t, key, k, f)
+		case len(cfg.Replicas) > 0:
+			checkListed(t, key, cfg, f)
+			if cfg.Precise() {
+				precise++
+			}
+		default:
+			t.Errorf("%s: the replicas are neither discovered from Kubernetes nor listed", key)
+		}
+	}
+	if discoveredIn(cfgs[deployed]) == nil || precise == 0 {
+		t.Errorf("want the deployed %s to discover the replicas, and a precise-mode alternative listing them (%d)", deployed, precise)
+	}
+}
+
+// checkDiscovered: the selector picks the EndpointSlices of the vLLM
+// Service (a slice carries its Service's labels and
+// kubernetes.io/service-name), in its namespace, on the port vLLM serves.
+func checkDiscovered(t *testing.T, key string, k *gateway.KubernetesConfig, f vllmFleet) {
+	t.Helper()
+	sliceLabels := maps.Clone(f.svcObj.Metadata.Labels)
+	if sliceLabels == nil {
+		sliceLabels = map[string]string{}
+	}
+	sliceLabels["kubernetes.io/service-name"] = f.svcObj.Metadata.Name
+	sel := map[string]string{}
+	for _, term := range strings.Split(k.Selector, ",") {
+		name, value, ok := strings.Cut(strings.TrimSpace(term), "=")
+		if !ok || strings.ContainsAny(name+value, "!=() ") {
+			t.Fatalf("%s: selector %q: this test reads only name=value terms", key, k.Selector)
+		}
+		sel[name] = value
+	}
+	if k.Namespace != f.obj.Metadata.Namespace || !matches(sel, sliceLabels) {
+		t.Errorf("%s: discovery %+v does not select Service %s/%s's EndpointSlices (labels %v)", key, k,
+			f.obj.Metadata.Namespace, f.svcObj.Metadata.Name, sliceLabels)
+	}
+	port := string(k.Port)
+	for _, sp := range f.svc.Ports {
+		if sp.Name == port {
+			port = strconv.Itoa(containerPort(t, f.c, sp.TargetPort))
+		}
+	}
+	if port != f.port {
+		t.Errorf("%s: discovery port %q is %s, vLLM serves on %s", key, k.Port, port, f.port)
+	}
+}
+
+// checkListed: the listed replicas are the StatefulSet's pods by their DNS
+// names, with the endpoints vLLM binds; the topic names each as its URL.
+func checkListed(t *testing.T, key string, cfg gateway.Config, f vllmFleet) {
+	t.Helper()
+	if len(cfg.Replicas) != f.sts.Replicas {
+		t.Fatalf("%s lists %d replicas, the StatefulSet runs %d", key, len(cfg.Replicas), f.sts.Replicas)
+	}
+	for i, r := range cfg.Replicas {
+		host := fmt.Sprintf("%s-%d.%s.%s.svc.cluster.local", f.obj.Metadata.Name, i, f.sts.ServiceName, f.obj.Metadata.Namespace)
+		want := gateway.ReplicaConfig{URL: "http://" + host + ":" + f.port, KVEvents: "tcp://" + host + ":" + f.evPort,
+			KVEventsReplay: "tcp://" + host + ":" + f.rpPort}
+		if r != want {
+			t.Errorf("%s: replicas[%d] = %+v, want %+v", key, i, r, want)
+		}
+		topic := strings.ReplaceAll(f.topic, "$(POD_NAME)", fmt.Sprintf("%s-%d", f.obj.Metadata.Name, i))
+		if !strings.HasPrefix(topic, "kv@"+host+":"+f.port+"@") {
+			t.Errorf("topic %q does not name replica %s", topic, r.URL)
 		}
 	}
 }
