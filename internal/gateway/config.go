@@ -156,6 +156,9 @@ type Config struct {
 	// AccessLog logs one line per request at info (accesslog.go): never
 	// the prompt, the answer or a key.
 	AccessLog bool `json:"access_log,omitempty"`
+	// Tracing turns OpenTelemetry tracing on (tracing.go; also
+	// OTEL_TRACES_EXPORTER=otlp), exported as the OTEL_* variables say.
+	Tracing bool `json:"tracing,omitempty"`
 }
 
 // Defaults returns the configuration with every default set.

@@ -108,6 +108,7 @@ func (g *Gateway) run(x *exchange, route func(*exchange, bool) (*attempt, error)
 func (g *Gateway) routeAttempt(x *exchange, _ bool) (*attempt, error) {
 	t0 := g.clock.Now()
 	x.req.Now = t0
+	span := g.startSpan(x.ctx, "kvgate.route")
 	var tk *router.Ticket
 	var w *router.Waiting
 	var err error
@@ -122,6 +123,7 @@ func (g *Gateway) routeAttempt(x *exchange, _ bool) (*attempt, error) {
 	if w != nil {
 		tk, err = g.waitInQueue(x, w)
 	}
+	g.traceRoute(span, x, tk, nil, err)
 	if err != nil {
 		return nil, err
 	}
@@ -245,18 +247,22 @@ func (g *Gateway) enter(x *exchange, releaseBody func(), parse func() (*prompt.P
 	ctx, endCtx := g.requestContext(x.r.Context())
 	releaseAll := func() { endCtx(); releaseBody() }
 	x.ctx = ctx
+	span := g.startSpan(ctx, "kvgate.parse")
 	var err error
 	if x.parsed, err = parse(); err != nil {
+		endSpan(span, err)
 		releaseAll()
 		return nil, err
 	}
 	lim := g.lim.Load() // the one released: a reload may swap it meanwhile
 	if err := lim.acquire(ctx, g.clock); err != nil {
+		endSpan(span, err)
 		releaseAll()
 		return nil, err
 	}
 	// Remote tokenization costs the replicas work: only admitted requests.
 	x.req, err = g.routingKey(ctx, x.kind, x.parsed, x.body, x.r.Header.Get("X-Session-Id"))
+	endSpan(span, err)
 	if err != nil {
 		lim.release()
 		releaseAll()

@@ -27,6 +27,7 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
+	"go.opentelemetry.io/otel/trace"
 	"golang.org/x/sync/semaphore"
 	"k8s.io/client-go/kubernetes"
 
@@ -100,6 +101,8 @@ type Gateway struct {
 	// sync shares routing state with the other gateways (shared_state),
 	// nil when off.
 	sync *sharedstate.Syncer
+	// tr is OpenTelemetry tracing (tracing.go), nil when off.
+	tr *tracing
 }
 
 // Options are a Gateway's injected parts.
@@ -109,6 +112,9 @@ type Options struct {
 	Clock    clock.Clock          // default: the wall clock
 	// Transport for upstream calls (default: a tuned http.Transport).
 	Transport http.RoundTripper
+	// TracerProvider turns tracing on (nil: off); StartTracing builds
+	// serve's from the configuration and the OTEL_* variables.
+	TracerProvider trace.TracerProvider
 	// Resolver answers DNS discovery's lookups (default net.DefaultResolver).
 	Resolver discovery.Resolver
 	// Kubernetes is the API client of Kubernetes discovery (default: from
@@ -179,6 +185,7 @@ func New(cfg Config, o Options) (*Gateway, error) {
 		}
 	}
 	g.loadStateFile()
+	g.tr = newTracing(o.TracerProvider)
 	g.routes()
 	return g, nil
 }
@@ -323,7 +330,7 @@ func (g *Gateway) routes() {
 	m.HandleFunc("/ui/", g.serveUI)
 	g.passthroughRoutes(m) // the rest of the replicas' API (passthrough.go)
 	m.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) { writeError(w, errNotFound) })
-	g.mux = g.withAccessLog(m)
+	g.mux = g.withAccessLog(g.withTracing(m))
 }
 
 // ready answers 200 while some replica has passed a health check and is in

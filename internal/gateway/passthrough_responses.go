@@ -120,6 +120,7 @@ func (g *Gateway) inspectResponses(data []byte, a *attempt, sawEnd *bool) {
 	if a.firstAt.IsZero() && strings.HasSuffix(ev.Type, ".delta") {
 		a.firstAt = g.clock.Now()
 		a.tk.FirstToken(a.firstAt)
+		traceFirstToken(a)
 	}
 }
 

@@ -100,7 +100,9 @@ func (g *Gateway) routePDAttempt(x *exchange, last bool) (*attempt, error) {
 func (g *Gateway) routePD(x *exchange) (router.PD, error) {
 	t0 := g.clock.Now()
 	x.req.Now = t0
+	span := g.startSpan(x.ctx, "kvgate.route")
 	pd, err := g.rt.RoutePD(x.req, x.exclude...)
+	g.traceRoute(span, x, pd.Decode, pd.Prefill, err)
 	first := len(x.exclude) == 0
 	if first {
 		g.met.decision.Observe(g.clock.Since(t0).Seconds())
@@ -215,6 +217,8 @@ func (g *Gateway) prefillStep(x *exchange, tk *router.Ticket) (*attempt, error) 
 func (g *Gateway) sendPrefill(x *exchange, a *attempt) {
 	ctx, cancel := context.WithCancelCause(x.ctx)
 	defer cancel(context.Canceled)
+	ctx = g.traceAttempt(ctx, x, a)
+	defer endAttempt(a)
 	t0 := g.clock.Now()
 	defer func() { a.took = g.clock.Since(t0) }()
 	if d := g.conf().FirstByteTimeout.D(); d > 0 {

@@ -159,6 +159,7 @@ func (g *Gateway) inspect(data []byte, a *attempt, sawDone *bool) {
 	if a.firstAt.IsZero() && c.HasToken() {
 		a.firstAt = g.clock.Now()
 		a.tk.FirstToken(a.firstAt)
+		traceFirstToken(a)
 	}
 	if c.Usage != nil {
 		a.noteUsage(c.Usage)

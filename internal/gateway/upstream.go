@@ -39,6 +39,8 @@ func (g *Gateway) try(x *exchange, a *attempt) {
 	tk := a.tk
 	ctx, cancel := context.WithCancelCause(x.ctx)
 	defer cancel(context.Canceled)
+	ctx = g.traceAttempt(ctx, x, a)
+	defer endAttempt(a)
 	var firstByte clock.Timer
 	up, wrote := g.upstreamRequest(ctx, x, tk.Replica, a.payload(x), func() {
 		if firstByte != nil {
@@ -117,6 +119,7 @@ func (g *Gateway) upstreamRequest(ctx context.Context, x *exchange, i int, body 
 		up.Header.Set(headerDataParallelRank, strconv.Itoa(k))
 	}
 	up.Header.Set("X-Request-Id", x.id)
+	g.injectTrace(ctx, up.Header)
 	setForwarded(up.Header, x.r)
 	up.ContentLength = length
 	return up, wrote

@@ -5,6 +5,8 @@ import (
 	"log/slog"
 	"time"
 
+	"go.opentelemetry.io/otel/trace"
+
 	"github.com/kvgate/kvgate/internal/openai"
 	"github.com/kvgate/kvgate/internal/router"
 )
@@ -102,7 +104,9 @@ type attempt struct {
 	// the response named; the next replica is asked.
 	notHere bool
 	// respID is the id of the response a Responses call created (relay).
-	respID  string
+	respID string
+	// span is the attempt's upstream span (nil: tracing off).
+	span    trace.Span
 	cached  int // the replica's usage.prompt_tokens_details.cached_tokens (-1: none)
 	prompt  int // its usage.prompt_tokens (0: no usage seen)
 	output  int

@@ -1,0 +1,259 @@
+package gateway
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net/http"
+	"os"
+	"strings"
+
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/codes"
+	"go.opentelemetry.io/otel/exporters/otlp/otlptrace/otlptracehttp"
+	"go.opentelemetry.io/otel/propagation"
+	"go.opentelemetry.io/otel/sdk/resource"
+	sdktrace "go.opentelemetry.io/otel/sdk/trace"
+	"go.opentelemetry.io/otel/trace"
+
+	"github.com/kvgate/kvgate/internal/router"
+)
+
+// OpenTelemetry tracing, off by default. On, every proxied request is a
+// trace: a server span for the request (its parent the client's W3C
+// traceparent, when sent), and inside it a span for the parse (body to
+// routing key, tokenization included), one per routing decision (policy,
+// replica, matched tokens, estimated TTFT), and one per upstream attempt
+// (client kind: replica, step, retry number, status, verdict; an event
+// "first_token" when the first token arrives). Each attempt sends the
+// replica a traceparent naming its own span (tracestate kept), so vLLM's
+// own spans (--otlp-traces-endpoint) nest under it, on every retry and on
+// a disaggregated request's prefill step as on its decode step. Off, a
+// client's traceparent and tracestate still reach the replica unchanged
+// (they are forwarded as any header), and the request path allocates
+// nothing for tracing: every hook returns at a nil check.
+
+// tracing is the gateway's tracer and propagator (nil: off).
+type tracing struct {
+	tracer trace.Tracer
+	prop   propagation.TextMapPropagator
+}
+
+// newTracing is the tracing of a gateway given tp (nil: off).
+func newTracing(tp trace.TracerProvider) *tracing {
+	if tp == nil {
+		return nil
+	}
+	return &tracing{tracer: tp.Tracer("github.com/kvgate/kvgate/internal/gateway"), prop: propagation.TraceContext{}}
+}
+
+// TracingEnabled reports whether tracing is on: `tracing: true` in the
+// configuration, or OTEL_TRACES_EXPORTER set (to otlp), unless
+// OTEL_SDK_DISABLED=true or OTEL_TRACES_EXPORTER=none. An OTLP endpoint
+// variable alone does not turn it on: it is often set for the whole
+// host or pod.
+func TracingEnabled(cfg Config, getenv func(string) string) bool {
+	if strings.EqualFold(getenv("OTEL_SDK_DISABLED"), "true") {
+		return false
+	}
+	exp := strings.TrimSpace(getenv("OTEL_TRACES_EXPORTER"))
+	if exp == "none" {
+		return false
+	}
+	return cfg.Tracing || exp != ""
+}
+
+// errTracingConfig marks an OTEL_* setting kvgate cannot honour.
+var errTracingConfig = errors.New("tracing")
+
+// StartTracing builds the tracer provider of `kvgate serve` when tracing
+// is on (TracingEnabled; else nil, and a no-op shutdown): spans are
+// batched to an OTLP/HTTP exporter configured by the standard variables
+// (OTEL_EXPORTER_OTLP_ENDPOINT or OTEL_EXPORTER_OTLP_TRACES_ENDPOINT,
+// default http://localhost:4318; OTEL_EXPORTER_OTLP_HEADERS,
+// OTEL_EXPORTER_OTLP_TIMEOUT, OTEL_EXPORTER_OTLP_COMPRESSION …), sampled
+// by OTEL_TRACES_SAMPLER (default parentbased_always_on), with the
+// resource of OTEL_SERVICE_NAME (default kvgate) and
+// OTEL_RESOURCE_ATTRIBUTES. Only the http/protobuf protocol is built in
+// (it keeps the binary small): OTEL_EXPORTER_OTLP_PROTOCOL=grpc is
+// refused, as is an exporter other than otlp. shutdown flushes the spans
+// still batched: call it after the drain.
+func StartTracing(ctx context.Context, cfg Config) (trace.TracerProvider, func(context.Context) error, error) {
+	noop := func(context.Context) error { return nil }
+	if !TracingEnabled(cfg, os.Getenv) {
+		return nil, noop, nil
+	}
+	if exp := strings.TrimSpace(os.Getenv("OTEL_TRACES_EXPORTER")); exp != "" && exp != "otlp" {
+		return nil, noop, fmt.Errorf("%w: OTEL_TRACES_EXPORTER=%q: kvgate exports with otlp (or none)", errTracingConfig, exp)
+	}
+	for _, v := range []string{"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL"} {
+		if p := strings.TrimSpace(os.Getenv(v)); p != "" {
+			if p != "http/protobuf" {
+				return nil, noop, fmt.Errorf("%w: %s=%q: kvgate's OTLP exporter speaks http/protobuf only", errTracingConfig, v, p)
+			}
+			break // the traces' own setting wins over the general one
+		}
+	}
+	exp, err := otlptracehttp.New(ctx)
+	if err != nil {
+		return nil, noop, fmt.Errorf("%w: the OTLP exporter: %v", errTracingConfig, err)
+	}
+	res, err := resource.Merge(resource.NewSchemaless(attribute.String("service.name", "kvgate")), resource.Environment())
+	if err != nil {
+		return nil, noop, fmt.Errorf("%w: OTEL_RESOURCE_ATTRIBUTES: %v", errTracingConfig, err)
+	}
+	tp := sdktrace.NewTracerProvider(sdktrace.WithBatcher(exp), sdktrace.WithResource(res))
+	return tp, tp.Shutdown, nil
+}
+
+// withTracing wraps the gateway's handler with a request's server span
+// when tracing is on (probes, scrapes, /ui and the admin endpoints are not
+// traced).
+func (g *Gateway) withTracing(h http.Handler) http.Handler {
+	if g.tr == nil {
+		return h
+	}
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if quietPath(r.URL.Path) || strings.HasPrefix(r.URL.Path, "/debug/") || strings.HasPrefix(r.URL.Path, "/admin/") {
+			h.ServeHTTP(w, r)
+			return
+		}
+		ctx := g.tr.prop.Extract(r.Context(), propagation.HeaderCarrier(r.Header))
+		ctx, span := g.tr.tracer.Start(ctx, r.Method+" "+r.URL.Path, trace.WithSpanKind(trace.SpanKindServer),
+			trace.WithAttributes(attribute.String("http.request.method", r.Method), attribute.String("url.path", r.URL.Path)))
+		sw := &statusWriter{ResponseWriter: w}
+		defer func() { // deferred: an aborted stream (ErrAbortHandler) ends its span too
+			span.SetAttributes(attribute.Int("http.response.status_code", sw.code()),
+				attribute.String("kvgate.request_id", w.Header().Get("X-Request-Id")))
+			if sw.code() >= 500 {
+				span.SetStatus(codes.Error, http.StatusText(sw.code()))
+			}
+			span.End()
+		}()
+		h.ServeHTTP(sw, r.WithContext(ctx))
+	})
+}
+
+// statusWriter keeps the status the client got; Unwrap lets
+// http.ResponseController reach the connection (flush, deadlines).
+type statusWriter struct {
+	http.ResponseWriter
+	status int
+}
+
+func (w *statusWriter) WriteHeader(code int) {
+	if w.status == 0 {
+		w.status = code
+	}
+	w.ResponseWriter.WriteHeader(code)
+}
+
+func (w *statusWriter) Write(p []byte) (int, error) {
+	if w.status == 0 {
+		w.status = http.StatusOK
+	}
+	return w.ResponseWriter.Write(p)
+}
+
+func (w *statusWriter) Unwrap() http.ResponseWriter { return w.ResponseWriter }
+
+func (w *statusWriter) code() int {
+	if w.status == 0 {
+		return http.StatusOK
+	}
+	return w.status
+}
+
+// startSpan starts an internal span under ctx's (nil when tracing is off).
+func (g *Gateway) startSpan(ctx context.Context, name string) trace.Span {
+	if g.tr == nil {
+		return nil
+	}
+	_, span := g.tr.tracer.Start(ctx, name)
+	return span
+}
+
+// endSpan ends a span of startSpan, marking err.
+func endSpan(span trace.Span, err error) {
+	if span == nil {
+		return
+	}
+	if err != nil {
+		span.SetStatus(codes.Error, err.Error())
+	}
+	span.End()
+}
+
+// traceRoute records a routing decision on its span and ends it: the
+// ticket of the replica serving the request (the decode step's, for a
+// pair) and, for a disaggregated request, its prefill step's (nil: none).
+func (g *Gateway) traceRoute(span trace.Span, x *exchange, tk, prefill *router.Ticket, err error) {
+	if span == nil {
+		return
+	}
+	policy := g.cfg.Policy
+	if x.pol != nil {
+		policy = x.pol.Name()
+	}
+	span.SetAttributes(attribute.String("kvgate.policy", policy), attribute.Int("kvgate.retry", len(x.exclude)),
+		attribute.Int("kvgate.prompt_tokens", x.req.Tokens))
+	if tk != nil {
+		d := tk.Decision
+		span.SetAttributes(attribute.String("kvgate.replica", g.rt.Name(tk.Replica)),
+			attribute.Int("kvgate.matched_tokens", d.Matched*g.cfg.BlockSize),
+			attribute.Float64("kvgate.estimated_ttft_ms", float64(d.EstTTFT.Microseconds())/1000),
+			attribute.String("kvgate.reason", d.Reason))
+	}
+	if prefill != nil {
+		span.SetAttributes(attribute.String("kvgate.prefill_replica", g.rt.Name(prefill.Replica)),
+			attribute.Int("kvgate.prefill_matched_tokens", prefill.Decision.Matched*g.cfg.BlockSize))
+	}
+	endSpan(span, err)
+}
+
+// traceAttempt starts the span of an upstream attempt (a.span) and returns
+// the context its request carries: the traceparent sent names this span.
+func (g *Gateway) traceAttempt(ctx context.Context, x *exchange, a *attempt) context.Context {
+	if g.tr == nil {
+		return ctx
+	}
+	ctx, a.span = g.tr.tracer.Start(ctx, "kvgate.upstream", trace.WithSpanKind(trace.SpanKindClient),
+		trace.WithAttributes(attribute.String("kvgate.replica", g.rt.Name(a.tk.Replica)),
+			attribute.Int("kvgate.retry", len(x.exclude)), attribute.String("kvgate.step", a.step),
+			attribute.String("url.path", x.r.URL.Path)))
+	return ctx
+}
+
+// endAttempt ends an attempt's span with its status and verdict.
+func endAttempt(a *attempt) {
+	if a.span == nil {
+		return
+	}
+	a.span.SetAttributes(attribute.String("kvgate.verdict", a.v.String()))
+	if a.status != 0 {
+		a.span.SetAttributes(attribute.Int("http.response.status_code", a.status))
+	}
+	if a.v == failed || a.v == refused {
+		msg := a.v.String()
+		if a.err != nil {
+			msg = a.err.Error()
+		}
+		a.span.SetStatus(codes.Error, msg)
+	}
+	a.span.End()
+}
+
+// traceFirstToken marks the attempt's first token.
+func traceFirstToken(a *attempt) {
+	if a.span != nil {
+		a.span.AddEvent("first_token")
+	}
+}
+
+// injectTrace writes the attempt's traceparent (and the client's
+// tracestate) into an upstream request's header.
+func (g *Gateway) injectTrace(ctx context.Context, h http.Header) {
+	if g.tr != nil {
+		g.tr.prop.Inject(ctx, propagation.HeaderCarrier(h))
+	}
+}
