@@ -313,7 +313,7 @@ func TestKubernetesManifests(t *testing.T) {
 	checkProbes(t, c, port)
 	checkPodLifetime(t, d.Template.Spec, c, cfg)
 	checkService(t, objs, d, c, port)
-	checkRBAC(t, objs, d.Template.Spec.ServiceAccountName, "llm")
+	checkRBAC(t, objs, d.Template.Spec.ServiceAccountName, find(t, objs, "Deployment", "kvgate").Metadata.Namespace)
 	checkNamespaces(t, objs)
 }
 
