@@ -84,6 +84,9 @@ func TestTracingSpansAndPropagation(t *testing.T) {
 	cfg := baseConfig(a.srv.URL, b.srv.URL)
 	cfg.Policy, cfg.EjectAfter = "round_robin", 100 // replica a first, and kept in rotation
 	gw, rec := tracedGateway(t, cfg)
+	eventually(t, "both replicas listed", func() bool { // an unlisted replica is no candidate beside a listed one
+		return gw.g.rt.Replica(0).Served() != nil && gw.g.rt.Replica(1).Served() != nil
+	})
 	resp, body := post(t, gw.srv.URL+"/v1/completions", `{"model":"m","prompt":"`+strings.Repeat("trace me. ", 40)+`","stream":true}`,
 		"traceparent", clientParent, "tracestate", "vendor=1")
 	if resp.StatusCode != 200 || !strings.Contains(body, "[DONE]") || resp.Header.Get("X-Kvgate-Replica") != b.srv.URL {
