@@ -96,7 +96,8 @@ func (pt *passthrough) serve(w http.ResponseWriter, r *http.Request, kind prompt
 
 // choose sets how x is routed: pinned to the holder of the response it
 // names, a lookup of an unknown one, by load without a prompt, or by the
-// configured policy.
+// configured policy (on a prefill/decode fleet, a Responses call among the
+// replicas that decode).
 func (pt *passthrough) choose(x *exchange) error {
 	if id := statefulID(x); id != "" {
 		if i, ok := pt.homes.get(id); ok && !pt.g.rt.Replica(i).Removed() {
@@ -112,7 +113,34 @@ func (pt *passthrough) choose(x *exchange) error {
 	if x.parsed.Text == "" && x.parsed.TokenIDs == nil {
 		x.pol = pt.byLoad
 	}
+	if x.kind == prompt.Responses && pt.g.pd.Load() {
+		// A Responses call generates: on a prefill/decode fleet it goes
+		// whole to a replica that decodes (it is not disaggregated).
+		inner := x.pol
+		if inner == nil {
+			inner = pt.g.rt.Policy()
+			x.req.NoDefer = true // RouteWith has no queue to defer into
+		}
+		x.pol = decodes{inner}
+	}
 	return nil
+}
+
+// decodes decides with its policy among the replicas that decode (role
+// decode or both): a prefill replica's part is the prompt alone.
+type decodes struct{ inner policy.Policy }
+
+var _ policy.Policy = decodes{}
+
+func (p decodes) Name() string { return p.inner.Name() }
+
+func (p decodes) Pick(req *policy.Request, rs []policy.ReplicaView) (policy.Decision, error) {
+	for i := range rs { // the router's views of this decision, made for it
+		if rs[i].Role == policy.RolePrefill {
+			rs[i].Healthy = false
+		}
+	}
+	return p.inner.Pick(req, rs)
 }
 
 // attempt routes and tries x once, and remembers which replica holds the

@@ -392,3 +392,27 @@ func metricValue(t *testing.T, gw *testGW, name, label, value string) float64 {
 	}
 	return sum
 }
+
+// On a prefill/decode fleet a Responses call goes whole to a replica that
+// decodes, never to a prefill replica; other paths may go to either.
+func TestResponsesOnPrefillDecodeFleet(t *testing.T) {
+	pre, dec := newAPIReplica(t, "pre", "m", ""), newAPIReplica(t, "dec", "m", "")
+	cfg := baseConfig()
+	cfg.Replicas = []ReplicaConfig{{URL: pre.srv.URL, Role: "prefill"}, {URL: dec.srv.URL, Role: "decode"}}
+	gw := startGateway(t, cfg)
+	eventually(t, "both listed", func() bool { return gw.g.rt.Replica(0).Served() != nil && gw.g.rt.Replica(1).Served() != nil })
+	for k := range 6 {
+		body := fmt.Sprintf(`{"model":"m","input":"question %d %s"}`, k, strings.Repeat("context ", 50))
+		if k%2 == 1 {
+			body = `{"model":"m"}` // no prompt: by load, among the decoding replicas still
+		}
+		status, h, resp := do(t, "POST", gw.srv.URL+"/v1/responses", "application/json", body)
+		if status != 200 || h.Get("X-Kvgate-Replica") != dec.srv.URL {
+			t.Fatalf("%d %s from %s", status, resp, h.Get("X-Kvgate-Replica"))
+		}
+	}
+	if got := pre.requests(); len(got) != 0 {
+		t.Fatalf("the prefill replica got %v", got)
+	}
+	waitIdle(t, gw)
+}
