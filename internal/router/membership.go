@@ -64,6 +64,9 @@ type Change struct {
 	Added   []int // new slots: cold replicas
 	Revived []int // removed replicas listed again, with their state
 	Removed []int // no new requests; in flight ones drain
+	// Drained are the removed replicas that had nothing in flight: done
+	// at once (OnDrained is not called for them).
+	Drained []int
 	Updated []int // listed with another key, role or KV-event endpoint
 }
 
@@ -83,6 +86,9 @@ func (rt *Router) SetReplicas(specs []Spec) (Change, error) {
 	for _, sp := range specs {
 		if _, dup := want[sp.Name()]; dup {
 			return Change{}, fmt.Errorf("router: replica %s listed twice", sp.Name())
+		}
+		if err := rt.checkPool(sp); err != nil {
+			return Change{}, err
 		}
 		want[sp.Name()] = sp
 	}
@@ -133,8 +139,8 @@ func (rt *Router) SetReplicas(specs []Spec) (Change, error) {
 		r := old.replicas[i]
 		r.draining.Store(true)
 		r.removed.Store(true)
-		if r.inFlight.Load() == 0 {
-			rt.drained(r)
+		if r.inFlight.Load() == 0 && r.draining.CompareAndSwap(true, false) {
+			ch.Drained = append(ch.Drained, i)
 		}
 	}
 	// A queue waiting on replicas that left (or for ones that came) moves.

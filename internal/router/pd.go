@@ -62,10 +62,11 @@ type PD struct {
 // the error, and route again with the prefill replica excluded.
 func (rt *Router) RoutePD(req *policy.Request, exclude ...int) (PD, error) {
 	views, approx := rt.views(req)
-	if err := rt.candidates(req, views, exclude); err != nil {
+	pl, err := rt.candidates(req, views, exclude)
+	if err != nil {
 		return PD{}, err
 	}
-	pd, err := rt.pickPair(req, views)
+	pd, err := rt.pickPair(pl.pol.Load().pol, req, views)
 	if err != nil {
 		return PD{}, err
 	}
@@ -85,10 +86,11 @@ func (rt *Router) RoutePD(req *policy.Request, exclude ...int) (PD, error) {
 // learning, and the views it was made on.
 func (rt *Router) DryRunPD(req *policy.Request) (policy.PairDecision, []policy.ReplicaView, error) {
 	views := rt.Views(req)
-	if err := rt.candidates(req, views, nil); err != nil {
+	pl, err := rt.candidates(req, views, nil)
+	if err != nil {
 		return policy.PairDecision{}, views, err
 	}
-	pd, err := rt.pickPair(req, views)
+	pd, err := rt.pickPair(pl.pol.Load().pol, req, views)
 	return pd, views, err
 }
 
@@ -131,9 +133,9 @@ func SkipReason(pd policy.PairDecision) string {
 	return SkipThreshold
 }
 
-// pickPair asks the policy for a pair among views (the candidates Healthy)
-// and checks it.
-func (rt *Router) pickPair(req *policy.Request, views []policy.ReplicaView) (policy.PairDecision, error) {
+// pickPair asks pol (the policy of the request's pool) for a pair among
+// views (the candidates Healthy) and checks it.
+func (rt *Router) pickPair(pol policy.Policy, req *policy.Request, views []policy.ReplicaView) (policy.PairDecision, error) {
 	pre, nPre := side(views, policy.Role.Prefills)
 	dec, nDec := side(views, policy.Role.Decodes)
 	if nDec == 0 {
@@ -145,7 +147,6 @@ func (rt *Router) pickPair(req *policy.Request, views []policy.ReplicaView) (pol
 	defer func() { req.NoDefer = noDefer }()
 	var pd policy.PairDecision
 	var err error
-	pol := rt.Policy()
 	pp, ok := pol.(policy.PairPicker)
 	switch {
 	case nPre == 0:
@@ -207,7 +208,7 @@ func (rt *Router) checkPair(pd policy.PairDecision, pre, dec []policy.ReplicaVie
 }
 
 func (rt *Router) badReplica(i int) error {
-	return fmt.Errorf("router: policy %s chose replica %d of %d, not a candidate", rt.Policy().Name(), i, len(rt.reps()))
+	return fmt.Errorf("router: the policy chose replica %d of %d, not a candidate", i, len(rt.reps()))
 }
 
 // uncached is the prompt tokens of req a replica holding match blocks of

@@ -14,11 +14,14 @@ import (
 // routed when a replica's prefill work shrinks (a first token, an end) or
 // the router's view changes (a scrape). While requests wait, newcomers
 // queue behind them. A request is never deferred while nothing is in
-// flight, so the queue always has an event to wait for.
+// flight, so the queue always has an event to wait for. Each pool has its
+// own queue (pools.go): a pool whose replicas are all busy holds back its
+// own requests only.
 
 // Waiting is a request held in the router's queue.
 type Waiting struct {
 	req     *policy.Request
+	pl      *pool // whose queue it waits in
 	exclude []int
 	done    chan struct{} // closed once routed (or failed)
 	t       *Ticket
@@ -46,16 +49,20 @@ type queue struct {
 // are already waiting: then it joins the queue and Submit returns its
 // Waiting (nil ticket, nil error).
 func (rt *Router) Submit(req *policy.Request, exclude ...int) (*Ticket, *Waiting, error) {
-	rt.q.mu.Lock()
-	defer rt.q.mu.Unlock()
-	if len(rt.q.waiting) == 0 {
-		t, err := rt.routeOrForce(req, exclude)
+	pl := rt.poolFor(req.Model)
+	if pl == nil {
+		return nil, nil, ErrModelNotServed
+	}
+	pl.q.mu.Lock()
+	defer pl.q.mu.Unlock()
+	if len(pl.q.waiting) == 0 {
+		t, err := rt.routeOrForce(pl, req, exclude)
 		if !errors.Is(err, policy.ErrDefer) {
 			return t, nil, err
 		}
 	}
-	w := &Waiting{req: req, exclude: slices.Clone(exclude), done: make(chan struct{})}
-	rt.q.waiting = append(rt.q.waiting, w)
+	w := &Waiting{req: req, pl: pl, exclude: slices.Clone(exclude), done: make(chan struct{})}
+	pl.q.waiting = append(pl.q.waiting, w)
 	return nil, w, nil
 }
 
@@ -63,40 +70,56 @@ func (rt *Router) Submit(req *policy.Request, exclude ...int) (*Ticket, *Waiting
 // and reports whether it was still waiting; false means it was routed, and
 // the caller owns its ticket.
 func (rt *Router) Cancel(w *Waiting) bool {
-	rt.q.mu.Lock()
-	defer rt.q.mu.Unlock()
-	i := slices.Index(rt.q.waiting, w)
+	q := w.pl.q
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	i := slices.Index(q.waiting, w)
 	if i < 0 {
 		return false
 	}
-	rt.q.waiting = slices.Delete(rt.q.waiting, i, i+1)
+	q.waiting = slices.Delete(q.waiting, i, i+1)
 	return true
 }
 
-// Queued is the number of requests waiting in the router.
+// Queued is the number of requests waiting in the router (every pool's).
 func (rt *Router) Queued() int {
-	rt.q.mu.Lock()
-	defer rt.q.mu.Unlock()
-	return len(rt.q.waiting)
+	n := 0
+	for _, pl := range rt.pools {
+		n += pl.q.len()
+	}
+	return n
 }
 
-// Release routes the queue's head while the policy lets it; the router
-// calls it itself on a first token, an end or a scrape.
+func (q *queue) len() int {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	return len(q.waiting)
+}
+
+// Release routes each pool's queue's head while its policy lets it; the
+// router calls it itself on a first token, an end or a scrape.
 func (rt *Router) Release() {
-	rt.q.mu.Lock()
+	for _, pl := range rt.pools {
+		rt.release(pl)
+	}
+}
+
+// release routes pl's queue's head while pl's policy lets it.
+func (rt *Router) release(pl *pool) {
+	pl.q.mu.Lock()
 	var out []*Waiting
-	for len(rt.q.waiting) > 0 {
-		w := rt.q.waiting[0]
+	for len(pl.q.waiting) > 0 {
+		w := pl.q.waiting[0]
 		w.req.Now = rt.cfg.Now()
-		t, err := rt.routeOrForce(w.req, w.exclude)
+		t, err := rt.routeOrForce(pl, w.req, w.exclude)
 		if errors.Is(err, policy.ErrDefer) {
 			break
 		}
-		rt.q.waiting = rt.q.waiting[1:]
+		pl.q.waiting = pl.q.waiting[1:]
 		w.t, w.err = t, err
 		out = append(out, w)
 	}
-	rt.q.mu.Unlock()
+	pl.q.mu.Unlock()
 	for _, w := range out {
 		close(w.done)
 		if w.OnRouted != nil {
@@ -106,10 +129,10 @@ func (rt *Router) Release() {
 }
 
 // routeOrForce is Route, except that a deferral while nothing is in flight
-// (no event would ever release the queue) is overruled.
-func (rt *Router) routeOrForce(req *policy.Request, exclude []int) (*Ticket, error) {
+// in req's pool pl (no event would ever release its queue) is overruled.
+func (rt *Router) routeOrForce(pl *pool, req *policy.Request, exclude []int) (*Ticket, error) {
 	t, err := rt.Route(req, exclude...)
-	if !errors.Is(err, policy.ErrDefer) || rt.inFlight() > 0 {
+	if !errors.Is(err, policy.ErrDefer) || rt.inFlight(pl) > 0 {
 		return t, err
 	}
 	req.NoDefer = true
@@ -117,11 +140,13 @@ func (rt *Router) routeOrForce(req *policy.Request, exclude []int) (*Ticket, err
 	return rt.Route(req, exclude...)
 }
 
-// inFlight is the requests in flight to all replicas.
-func (rt *Router) inFlight() int {
+// inFlight is the requests in flight to pl's replicas.
+func (rt *Router) inFlight(pl *pool) int {
 	n := 0
 	for _, r := range rt.reps() {
-		n += int(r.inFlight.Load())
+		if pl.has(r) {
+			n += int(r.inFlight.Load())
+		}
 	}
 	return n
 }

@@ -28,6 +28,9 @@ type Spec struct {
 	// ignores it; RoutePD takes prefill steps to prefill and both
 	// replicas, decode steps to decode and both replicas.
 	Role policy.Role
+	// Pool names the pool the replica belongs to (Config.Pools; "" when
+	// none is configured).
+	Pool string
 }
 
 // Replica is kvgate's one home for what it knows of one replica: where it

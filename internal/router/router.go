@@ -74,6 +74,10 @@ type Config struct {
 	// Dynamic: the replicas come from a discovery source (SetReplicas),
 	// and the router may start with none (every request ErrNoReplica).
 	Dynamic bool
+	// Pools partition the replicas by the models they serve, each with its
+	// own policy (pools.go; Spec.Pool names a replica's). None: one pool of
+	// every replica, routed by Policy.
+	Pools []Pool
 }
 
 // DefaultNonCachedTokens is Config.NonCachedTokens' default.
@@ -111,6 +115,8 @@ type Router struct {
 	memMu  sync.Mutex // serialises SetReplicas
 	nextID atomic.Uint64
 	q      queue
+	// pools are the configured pools, or the default one (pools.go).
+	pools []*pool
 }
 
 // New builds a Router.
@@ -147,6 +153,9 @@ func New(cfg Config) (*Router, error) {
 	}
 	rt := &Router{cfg: cfg, tok: cfg.Tokenizer, approx: ix}
 	rt.SetPolicy(cfg.Policy)
+	if err := rt.newPools(cfg.Pools); err != nil {
+		return nil, err
+	}
 	if cfg.Precise {
 		pix, err := prefixindex.New(prefixindex.Config{Replicas: len(cfg.Specs), MaxEntries: cfg.MaxEntries})
 		if err != nil {
@@ -158,6 +167,9 @@ func New(cfg Config) (*Router, error) {
 	for _, sp := range cfg.Specs {
 		if _, dup := m.byName[sp.Name()]; dup {
 			return nil, fmt.Errorf("router: replica %s listed twice", sp.Name())
+		}
+		if err := rt.checkPool(sp); err != nil {
+			return nil, err
 		}
 		m.add(rt.newReplica(len(m.replicas), sp))
 	}
@@ -330,10 +342,11 @@ func (rt *Router) views(req *policy.Request) ([]policy.ReplicaView, []int) {
 // DryRun is the decision for req without sending anything or learning.
 func (rt *Router) DryRun(req *policy.Request) (policy.Decision, []policy.ReplicaView, error) {
 	views := rt.Views(req)
-	if err := rt.candidates(req, views, nil); err != nil {
+	pl, err := rt.candidates(req, views, nil)
+	if err != nil {
 		return policy.Decision{}, views, err
 	}
-	d, err := rt.Policy().Pick(req, views)
+	d, err := pl.pol.Load().pol.Pick(req, views)
 	return d, views, err
 }
 
@@ -342,19 +355,29 @@ func (rt *Router) DryRun(req *policy.Request) (policy.Decision, []policy.Replica
 // or, while none of those can take it, also those not listed yet (they judge
 // for themselves); ErrModelNotServed when no replica serves it at all. A
 // request without a model (a multipart upload whose model part came late, a
-// lookup by id) may go to any replica.
-func (rt *Router) candidates(req *policy.Request, views []policy.ReplicaView, exclude []int) error {
+// lookup by id) may go to any replica of the first pool. Only the replicas
+// of the pool routing req's model are candidates; that pool is returned.
+func (rt *Router) candidates(req *policy.Request, views []policy.ReplicaView, exclude []int) (*pool, error) {
 	for _, x := range exclude {
 		if x >= 0 && x < len(views) {
 			views[x].Healthy = false
 		}
 	}
+	pl := rt.poolFor(req.Model)
+	if pl == nil {
+		return nil, ErrModelNotServed
+	}
+	reps := rt.reps()[:len(views)]
 	if req.Model == "" {
-		return nil
+		restrict(pl, reps, views)
+		return pl, nil
 	}
 	known, unlisted, available, active := 0, 0, 0, 0
-	reps := rt.reps()[:len(views)]
 	for i, r := range reps {
+		if !pl.has(r) {
+			views[i].Healthy = false
+			continue
+		}
 		if !r.removed.Load() {
 			active++
 		}
@@ -374,9 +397,9 @@ func (rt *Router) candidates(req *policy.Request, views []policy.ReplicaView, ex
 	}
 	switch {
 	case active == 0:
-		return policy.ErrNoReplica // none discovered yet, or all removed
+		return nil, policy.ErrNoReplica // none discovered yet, or all removed
 	case known+unlisted == 0:
-		return ErrModelNotServed
+		return nil, ErrModelNotServed
 	}
 	if available > 0 && unlisted > 0 {
 		for i, r := range reps {
@@ -385,7 +408,7 @@ func (rt *Router) candidates(req *policy.Request, views []policy.ReplicaView, ex
 			}
 		}
 	}
-	return nil
+	return pl, nil
 }
 
 // Ticket tracks one routed request until it ends.
@@ -424,17 +447,22 @@ type Ticket struct {
 // approximate index learns the request at Route, or with LearnOnAccept
 // when the ticket is Accepted.
 func (rt *Router) Route(req *policy.Request, exclude ...int) (*Ticket, error) {
-	return rt.RouteWith(rt.Policy(), req, exclude...)
+	return rt.RouteWith(nil, req, exclude...)
 }
 
-// RouteWith is Route deciding with pol instead of the router's policy: the
-// gateway routes requests without a prompt by load, and pins a stateful
-// request to the replica holding its state. The router's observers still
-// hear the request, whose load counts like any other.
+// RouteWith is Route deciding with pol instead of the policy of the
+// request's pool (nil: that policy): the gateway routes requests without a
+// prompt by load, and pins a stateful request to the replica holding its
+// state. The candidates are still the pool's, and its policy's observer
+// still hears the request, whose load counts like any other.
 func (rt *Router) RouteWith(pol policy.Policy, req *policy.Request, exclude ...int) (*Ticket, error) {
 	views, approx := rt.views(req)
-	if err := rt.candidates(req, views, exclude); err != nil {
+	pl, err := rt.candidates(req, views, exclude)
+	if err != nil {
 		return nil, err
+	}
+	if pol == nil {
+		pol = pl.pol.Load().pol
 	}
 	d, err := pol.Pick(req, views)
 	if err != nil {
@@ -477,13 +505,18 @@ func bestHeld(views []policy.ReplicaView, phase policy.Phase) int {
 	return best
 }
 
-// Serves reports whether some replica serves model (or has not been
-// listed), or the fleet is empty (discovery found none yet: no replica to
-// ask, which Route answers with policy.ErrNoReplica).
+// Serves reports whether some replica of the pool routing model serves
+// it (or has not been listed), or the pool is empty (discovery found none
+// yet: no replica to ask, which Route answers with policy.ErrNoReplica).
+// No pool routing model: false.
 func (rt *Router) Serves(model string) bool {
+	pl := rt.poolFor(model)
+	if pl == nil {
+		return false
+	}
 	active := false
 	for _, r := range rt.reps() {
-		if r.removed.Load() {
+		if r.removed.Load() || !pl.has(r) {
 			continue
 		}
 		active = true
@@ -527,7 +560,7 @@ func (rt *Router) commit(req *policy.Request, d policy.Decision, match, approxMa
 	if !rt.cfg.LearnOnAccept {
 		t.learn()
 	}
-	if t.obs = rt.pol.Load().obs; t.obs != nil {
+	if t.obs = rt.observer(d.Replica); t.obs != nil {
 		t.obs.Observe(policy.Event{Kind: policy.Routed, At: req.Now, Req: req, Decision: d, Replica: d.Replica, Phase: phase})
 	}
 	return t
@@ -631,11 +664,10 @@ func (t *Ticket) prefillDone() bool {
 
 // releaseIfQueued moves the queue when requests wait (cheap when none do).
 func (rt *Router) releaseIfQueued() {
-	rt.q.mu.Lock()
-	n := len(rt.q.waiting)
-	rt.q.mu.Unlock()
-	if n > 0 {
-		rt.Release()
+	for _, pl := range rt.pools {
+		if pl.q.len() > 0 {
+			rt.release(pl)
+		}
 	}
 }
 

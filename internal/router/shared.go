@@ -94,7 +94,7 @@ func (rt *Router) ApplyRemote(i int, model string, offset int, blocks []uint64, 
 	if len(blocks) > 0 {
 		_ = rt.approx.Insert(i, blocks)
 	}
-	obs := rt.pol.Load().obs
+	obs := rt.observer(i) // the policy of the replica's pool
 	if obs == nil {
 		return
 	}
