@@ -196,7 +196,7 @@ func (g *Gateway) traceRoute(span trace.Span, x *exchange, tk, prefill *router.T
 		policy = x.pol.Name()
 	}
 	span.SetAttributes(attribute.String("kvgate.policy", policy), attribute.Int("kvgate.retry", len(x.exclude)),
-		attribute.Int("kvgate.prompt_tokens", x.req.Tokens))
+		attribute.String("gen_ai.request.model", x.req.Model), attribute.Int("kvgate.prompt_tokens", x.req.Tokens))
 	if tk != nil {
 		d := tk.Decision
 		span.SetAttributes(attribute.String("kvgate.replica", g.rt.Name(tk.Replica)),
@@ -224,7 +224,7 @@ func (g *Gateway) traceAttempt(ctx context.Context, x *exchange, a *attempt) con
 	return ctx
 }
 
-// endAttempt ends an attempt's span with its status and verdict.
+// endAttempt ends an attempt's span with its status, verdict and usage.
 func endAttempt(a *attempt) {
 	if a.span == nil {
 		return
@@ -232,6 +232,10 @@ func endAttempt(a *attempt) {
 	a.span.SetAttributes(attribute.String("kvgate.verdict", a.v.String()))
 	if a.status != 0 {
 		a.span.SetAttributes(attribute.Int("http.response.status_code", a.status))
+	}
+	if a.cached >= 0 { // the replica's usage: what its cache held, what it generated
+		a.span.SetAttributes(attribute.Int("gen_ai.usage.cached_tokens", a.cached),
+			attribute.Int("gen_ai.usage.output_tokens", a.output))
 	}
 	if a.v == failed || a.v == refused {
 		msg := a.v.String()

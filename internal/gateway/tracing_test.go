@@ -136,6 +136,12 @@ func TestTracingSpansAndPropagation(t *testing.T) {
 		ups[1].Events()[0].Name != "first_token" {
 		t.Fatalf("second attempt verdict %v, events %v", v, ups[1].Events())
 	}
+	if c, _ := attr(ups[1], "gen_ai.usage.cached_tokens"); c.AsInt64() != 8 { // the fake replica's usage
+		t.Fatalf("cached tokens %v", c)
+	}
+	if m, _ := attr(routes[0], "gen_ai.request.model"); m.AsString() != "m" {
+		t.Fatalf("model %v", m)
+	}
 	for k, f := range []*fakeReplica{a, b} {
 		f.mu.Lock()
 		h := f.headers[len(f.headers)-1]
