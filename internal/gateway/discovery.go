@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"slices"
 	"strings"
 
 	"sigs.k8s.io/yaml"
@@ -206,7 +207,8 @@ func (g *Gateway) applyReplicas(list []ReplicaConfig, source string) error {
 	}
 	g.memMu.Lock()
 	defer g.memMu.Unlock()
-	specs := targets(list, g.ranksFor(list))
+	full, pools := g.cfg.withPools(list) // with pools:, the pools' own and list in the discovery pool
+	specs := poolTargets(full, g.ranksFor(full), pools)
 	ch, err := g.rt.SetReplicas(specs)
 	if err != nil || ch.Empty() {
 		return err
@@ -225,6 +227,10 @@ func (g *Gateway) applyReplicas(list []ReplicaConfig, source string) error {
 		g.log.Info("replica updated (key, role or KV-event endpoint)", "replica", g.rt.Name(i), "role", g.rt.Replica(i).Role().String(), "source", source)
 	}
 	for _, i := range ch.Removed {
+		if slices.Contains(ch.Drained, i) {
+			g.log.Info("replica removed: nothing in flight, drained", "replica", g.rt.Name(i), "source", source)
+			continue
+		}
 		g.log.Info("replica removed: draining (no new requests; those in flight finish)", "replica", g.rt.Name(i),
 			"in_flight", g.rt.InFlight(i), "source", source)
 	}

@@ -151,11 +151,12 @@ func TestSetReplicasRemovedIdleDrainsAtOnceAndUpdates(t *testing.T) {
 	if _, err := rt.SetReplicas(specs("http://ra", "http://ra")); err == nil || rt.Active() != 2 {
 		t.Fatal("a replica listed twice was taken")
 	}
-	if _, err := rt.SetReplicas([]Spec{{URL: "http://ra", Role: policy.RoleDecode}}); err != nil {
-		t.Fatal(err)
+	ch, err := rt.SetReplicas([]Spec{{URL: "http://ra", Role: policy.RoleDecode}})
+	if err != nil || len(ch.Drained) != 1 || ch.Drained[0] != 1 || len(ch.Updated) != 1 {
+		t.Fatalf("change %+v, %v: want rb removed and drained at once, ra updated", ch, err)
 	}
-	if drained.Load() != 1 {
-		t.Fatalf("drained %d times, want once (nothing was in flight)", drained.Load())
+	if drained.Load() != 0 {
+		t.Fatalf("OnDrained called %d times for a replica drained at once", drained.Load())
 	}
 	if rt.Replica(0).Role() != policy.RoleDecode {
 		t.Fatal("the updated spec's role was not taken")
