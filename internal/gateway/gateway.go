@@ -333,8 +333,9 @@ func (g *Gateway) routes() {
 	g.mux = g.withAccessLog(g.withTracing(m))
 }
 
-// ready answers 200 while some replica has passed a health check and is in
-// rotation and the gateway is not draining, else 503: a load balancer
+// ready answers 200 while some replica that answers requests (role both
+// or decode) has passed a health check and is in rotation and the gateway
+// is not draining, else 503: a load balancer
 // sends nothing before the fleet is known, and stops at once on SIGTERM.
 func (g *Gateway) ready(w http.ResponseWriter, r *http.Request) {
 	if g.draining.Load() {
@@ -346,7 +347,9 @@ func (g *Gateway) ready(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	for i := range g.rt.Replicas() {
-		if r := g.rt.Replica(i); r.Ready() && !r.Removed() {
+		// A replica that answers: on a prefill/decode fleet a prefill
+		// replica alone serves no request.
+		if r := g.rt.Replica(i); r.Ready() && !r.Removed() && r.Role().Decodes() {
 			w.Header().Set("Content-Type", "text/plain")
 			_, _ = io.WriteString(w, "ready\n")
 			return
