@@ -85,6 +85,11 @@ func writeSummary(w io.Writer, cfg gateway.Config) {
 	fmt.Fprintf(w, "  listen:    %s\n", cfg.Listen)
 	fmt.Fprintf(w, "  policy:    %s%s\n", cfg.Policy, paramsText(cfg.PolicyParams))
 	fmt.Fprintf(w, "  tokenizer: %s, block size %d, profile %s\n", cfg.Tokenizer, cfg.BlockSize, cfg.Profile)
+	if len(cfg.Pools) > 0 {
+		writePools(w, cfg) // each pool lists its replicas
+		fmt.Fprintf(w, "  enabled:   %s\n", enabledText(cfg))
+		return
+	}
 	fmt.Fprintf(w, "  replicas:  %s\n", replicaSummary(cfg))
 	list := cfg.Replicas
 	switch {

@@ -56,10 +56,13 @@ type Config struct {
 	// entries as replicas:), watched while the gateway runs (discovery.go).
 	ReplicasFile string `json:"replicas_file,omitempty"`
 	// Discovery finds the replicas by DNS or from Kubernetes EndpointSlices.
-	Discovery    *DiscoveryConfig `json:"discovery,omitempty"`
-	Policy       string           `json:"policy"`
-	PolicyParams map[string]any   `json:"policy_params,omitempty"`
-	Seed         uint64           `json:"seed"`
+	Discovery *DiscoveryConfig `json:"discovery,omitempty"`
+	// Pools route each model to its own replicas with its own policy
+	// (pools.go); then replicas: is empty and each pool lists its own.
+	Pools        []PoolConfig   `json:"pools,omitempty"`
+	Policy       string         `json:"policy"`
+	PolicyParams map[string]any `json:"policy_params,omitempty"`
+	Seed         uint64         `json:"seed"`
 	// Tokenizer: "approx" (default) or "remote" (the replica's POST /tokenize).
 	Tokenizer string `json:"tokenizer"`
 	BlockSize int    `json:"block_size"`
@@ -291,6 +294,9 @@ func splitURLs(urls, role string, dp int) []ReplicaConfig {
 // Validate checks the configuration and names the first problem.
 func (c *Config) Validate() error {
 	errs := c.validateSources()
+	if len(c.Pools) > 0 {
+		errs = c.validatePools()
+	}
 	errs = append(errs, validateReplicas("replicas", c.Replicas)...)
 	if c.KVEventsListen != "" && !strings.HasPrefix(c.KVEventsListen, "tcp://") {
 		errs = append(errs, fmt.Errorf("kv_events_listen: %q is not a tcp://HOST:PORT endpoint", c.KVEventsListen))
@@ -408,7 +414,7 @@ func (c *Config) validatePrecise() []error {
 	if c.KVEventsListen != "" {
 		return errs
 	}
-	for i, r := range c.Replicas {
+	for i, r := range c.allReplicas() {
 		if r.KVEvents == "" {
 			errs = append(errs, fmt.Errorf("replicas[%d]: precise mode needs kv_events for every replica (or kv_events_listen)", i))
 		}
@@ -421,7 +427,7 @@ func (c *Config) Precise() bool {
 	if c.KVEventsListen != "" {
 		return true
 	}
-	for _, r := range c.Replicas {
+	for _, r := range c.allReplicas() {
 		if r.KVEvents != "" {
 			return true
 		}

@@ -37,6 +37,7 @@ type replicaDebug struct {
 	URL            string   `json:"url"`
 	State          string   `json:"state"`          // active, draining (removed, requests in flight) or removed
 	Role           string   `json:"role,omitempty"` // a prefill/decode fleet's
+	Pool           string   `json:"pool,omitempty"` // with pools: in the config
 	Rank           *int     `json:"rank,omitempty"`
 	Healthy        bool     `json:"healthy"`
 	MatchBlocks    int      `json:"match_blocks"`
@@ -54,7 +55,7 @@ func replicaDebugs(g *Gateway, views []policy.ReplicaView, d *policy.Decision) [
 	out := make([]replicaDebug, len(views))
 	for i, v := range views {
 		rd := replicaDebug{URL: v.URL, State: replicaState(g.rt.Replica(v.Index)), Healthy: v.Healthy, MatchBlocks: v.Match, InFlight: v.InFlight,
-			PendingPrefill: v.PendingPrefill, IndexBlocks: g.rt.Index().ReplicaLen(v.Index)}
+			PendingPrefill: v.PendingPrefill, IndexBlocks: g.rt.Index().ReplicaLen(v.Index), Pool: g.rt.Replica(v.Index).Pool()}
 		if g.pd.Load() {
 			rd.Role = v.Role.String()
 		}
@@ -105,9 +106,13 @@ func (g *Gateway) debug(w http.ResponseWriter, r *http.Request) {
 		writeError(w, err)
 		return
 	}
+	pol, pool, _ := g.policyFor(req.Model)
 	resp := map[string]any{
-		"policy":  g.cfg.Policy,
+		"policy":  pol,
 		"request": map[string]any{"kind": kind.String(), "tokens": req.Tokens, "blocks": len(req.Blocks)},
+	}
+	if pool != "" {
+		resp["pool"] = pool
 	}
 	if g.pd.Load() {
 		g.debugPair(resp, req)

@@ -150,11 +150,12 @@ func New(cfg Config, o Options) (*Gateway, error) {
 	if err != nil {
 		return nil, err
 	}
+	list, pools := cfg.withPools(list)
 	ranks := dataParallelSizes(list, &http.Client{Transport: tr}, o.Logger)
 	rcfg := cfg
 	rcfg.Seed = policySeed(cfg.Seed, syncer)
 	var g *Gateway
-	rt, err := newRouter(rcfg, targets(list, ranks), prof, o.Clock, onLearn(syncer), drainLog(&g))
+	rt, err := newRouter(rcfg, poolTargets(list, ranks, pools), prof, o.Clock, onLearn(syncer), drainLog(&g))
 	if err != nil {
 		return nil, err
 	}
@@ -175,6 +176,9 @@ func New(cfg Config, o Options) (*Gateway, error) {
 		OnEject: func(i int) { g.met.ejections.WithLabelValues(rt.Name(i)).Inc() },
 	})
 	g.met = newMetrics(o.Registry, rt, o.Clock)
+	if len(cfg.Pools) > 0 {
+		registerPoolInfo(o.Registry, rt)
+	}
 	g.registerLimiterMetrics(o.Registry)
 	if cfg.Tokenizer == "remote" {
 		g.tok = newRemoteTokenizer(g, 8192)
@@ -249,11 +253,15 @@ func newRouter(cfg Config, specs []router.Spec, prof costmodel.Profile, clk cloc
 	if err != nil {
 		return nil, err
 	}
+	pools, err := routerPools(cfg, prof)
+	if err != nil {
+		return nil, err
+	}
 	nonCached := cfg.NonCachedTokens
 	if nonCached == 0 {
 		nonCached = -1 // the router's "never skip" (its 0 is its default)
 	}
-	return router.New(router.Config{Specs: specs, Policy: pol, BlockSize: cfg.BlockSize, NonCachedTokens: nonCached,
+	return router.New(router.Config{Specs: specs, Policy: pol, Pools: pools, BlockSize: cfg.BlockSize, NonCachedTokens: nonCached,
 		BlocksPerReplica: cfg.BlocksPerReplica, MaxEntries: cfg.IndexMaxEntries, Precise: cfg.Precise(), Now: clk.Now,
 		StaleAfter: cfg.ScrapeStaleAfter.D(), LearnOnAccept: true, OnLearn: learn, OnDrained: drained, Dynamic: cfg.dynamic(),
 		Breaker: router.BreakerConfig{EjectAfter: cfg.EjectAfter, Cooldown: cfg.EjectCooldown.D()}})

@@ -8,7 +8,8 @@ import (
 // models serves GET /v1/models: the union of what the replicas list, each
 // model's card as the first replica listing it sent it (every field vLLM
 // writes: max_model_len, root, parent, permission, created, owned_by …),
-// behind the API keys when keys are configured. A model known otherwise
+// behind the API keys when keys are configured. With pools, only the
+// models a pool routes to a replica of its own listing them. A model known otherwise
 // (no card kept) gets a card of the fields the gateway knows.
 func (g *Gateway) models(w http.ResponseWriter, r *http.Request) {
 	if r.Method != http.MethodGet {
@@ -28,7 +29,7 @@ func (g *Gateway) models(w http.ResponseWriter, r *http.Request) {
 		Parent      *string `json:"parent"`
 		MaxModelLen int     `json:"max_model_len,omitempty"`
 	}
-	ms := g.fleet.Models()
+	ms := g.servedModels(g.fleet.Models())
 	data := make([]json.RawMessage, 0, len(ms))
 	for _, m := range ms {
 		if m.Card != "" && json.Valid([]byte(m.Card)) {

@@ -236,6 +236,21 @@ func (rt *Router) SetPoolPolicy(name string, pol policy.Policy) error {
 	return fmt.Errorf("%w: no pool %q", ErrPool, name)
 }
 
+// Lists reports whether a replica of the pool routing model (not
+// removed) lists it: what /v1/models shows with pools.
+func (rt *Router) Lists(model string) bool {
+	pl := rt.poolFor(model)
+	if pl == nil {
+		return false
+	}
+	for _, r := range rt.reps() {
+		if s := r.served.Load(); s != nil && !r.removed.Load() && pl.has(r) && s.Has(model) {
+			return true
+		}
+	}
+	return false
+}
+
 // Pool is the name of the pool the replica belongs to ("" with no pools).
 func (r *Replica) Pool() string { return r.sp().Pool }
 
