@@ -25,3 +25,21 @@ func writePools(w io.Writer, cfg gateway.Config) {
 		}
 	}
 }
+
+// poolsSummary is the startup line's replicas with pools: each pool, its
+// replicas and its policy.
+func poolsSummary(cfg gateway.Config) string {
+	parts := make([]string, 0, len(cfg.Pools))
+	for _, p := range cfg.Pools {
+		reps := fleetSummary(gateway.Config{Replicas: p.Replicas})
+		if len(p.Replicas) == 0 {
+			reps = replicaSummary(gateway.Config{ReplicasFile: cfg.ReplicasFile, Discovery: cfg.Discovery})
+		}
+		pol := p.Policy
+		if pol == "" {
+			pol = cfg.Policy
+		}
+		parts = append(parts, fmt.Sprintf("%s (%s, %s)", p.Name, reps, pol))
+	}
+	return "pools " + strings.Join(parts, "; ")
+}

@@ -3,6 +3,8 @@ package main
 import (
 	"strings"
 	"testing"
+
+	"github.com/kvgate/kvgate/internal/gateway"
 )
 
 // --check-config with pools: each pool's models, policy (its own or the
@@ -44,5 +46,20 @@ pools:
 		if code != 2 || out != "" || !strings.Contains(errs, tc.want) {
 			t.Errorf("exit %d, stdout %q, stderr %q; want 2 naming %q", code, out, errs, tc.want)
 		}
+	}
+}
+
+// serve's startup line names each pool, its replicas and its policy.
+func TestPoolsSummary(t *testing.T) {
+	cfg := gateway.Defaults()
+	cfg.ReplicasFile = "/etc/kvgate/qwen.yaml"
+	cfg.Pools = []gateway.PoolConfig{
+		{Name: "llama", Models: []string{"llama-*"}, Policy: "least_load",
+			Replicas: []gateway.ReplicaConfig{{URL: "http://a:1"}, {URL: "http://b:1", Role: "prefill"}}},
+		{Name: "qwen", Models: []string{"Qwen/*"}},
+	}
+	want := "pools llama (1 prefill + 1 both replicas, least_load); qwen (replicas of /etc/kvgate/qwen.yaml (watched; SIGHUP re-reads it), ttft)"
+	if got := replicaSummary(cfg); got != want {
+		t.Fatalf("got  %s\nwant %s", got, want)
 	}
 }

@@ -64,6 +64,8 @@ func reload(f *serveFlags, set map[string]bool, g *gateway.Gateway, log *slog.Lo
 // replicaSummary says where the replicas come from, for the startup line.
 func replicaSummary(cfg gateway.Config) string {
 	switch {
+	case len(cfg.Pools) > 0:
+		return poolsSummary(cfg)
 	case cfg.ReplicasFile != "":
 		return fmt.Sprintf("replicas of %s (watched; SIGHUP re-reads it)", cfg.ReplicasFile)
 	case cfg.Discovery != nil && cfg.Discovery.DNS != "":

@@ -23,7 +23,7 @@ func (g *Gateway) conf() *Config { return g.live.Load() }
 // reloadable are the keys ReloadConfig applies (the JSON names, for logs).
 var reloadable = []string{"policy_params", "eject_after", "eject_cooldown", "retries", "retry_backoff",
 	"retry_backoff_max", "first_byte_timeout", "stream_idle_timeout", "write_timeout", "request_timeout",
-	"queue_timeout", "tokenize_timeout", "max_concurrency", "max_queue"}
+	"queue_timeout", "tokenize_timeout", "max_concurrency", "max_queue", "pools"} // pools: their policy_params (pools.go)
 
 // withReloadable is cur with next's reloadable settings.
 func withReloadable(cur, next Config) Config {
@@ -33,6 +33,7 @@ func withReloadable(cur, next Config) Config {
 	out.FirstByteTimeout, out.StreamIdleTimeout, out.WriteTimeout = next.FirstByteTimeout, next.StreamIdleTimeout, next.WriteTimeout
 	out.RequestTimeout, out.QueueTimeout, out.TokenizeTimeout = next.RequestTimeout, next.QueueTimeout, next.TokenizeTimeout
 	out.MaxConcurrency, out.MaxQueue = next.MaxConcurrency, next.MaxQueue
+	out.Pools = withPoolParams(cur.Pools, next.Pools)
 	return out
 }
 
@@ -51,6 +52,10 @@ func (g *Gateway) ReloadConfig(next Config) (applied, ignored []string, err erro
 	merged := withReloadable(*cur, next)
 	applied = changedKeys(*cur, merged)
 	ignored = changedKeys(merged, next)
+	swapPools, err := g.reloadPools(*cur, merged)
+	if err != nil {
+		return nil, nil, fmt.Errorf("config reload: %w", err)
+	}
 	if slices.Contains(applied, "policy_params") {
 		p, err := policy.New(cur.Policy, policy.Options{Seed: g.policySeed, BlockSize: cur.BlockSize, Profile: g.prof,
 			MaxBatchTokens: cur.MaxBatchTokens, Params: next.PolicyParams})
@@ -59,6 +64,7 @@ func (g *Gateway) ReloadConfig(next Config) (applied, ignored []string, err erro
 		}
 		g.rt.SetPolicy(p)
 	}
+	swapPools()
 	if cur.EjectAfter != next.EjectAfter || cur.EjectCooldown != next.EjectCooldown {
 		g.rt.SetBreaker(router.BreakerConfig{EjectAfter: next.EjectAfter, Cooldown: next.EjectCooldown.D()})
 	}
@@ -108,4 +114,9 @@ func configMap(c Config) map[string]any {
 
 // jsonValue is key's value in c as the config file writes it (secrets
 // are never among the reloadable keys).
-func jsonValue(c Config, key string) any { return configMap(c)[key] }
+func jsonValue(c Config, key string) any {
+	if key == "pools" {
+		return poolParams(c.Pools) // their parameters only: replicas may carry keys
+	}
+	return configMap(c)[key]
+}
