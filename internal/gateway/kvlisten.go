@@ -66,10 +66,17 @@ func (g *Gateway) kvTarget(t *kvTopics, topic string, rank int) (int, bool) {
 
 // listenKV binds kv_events_listen, and for data-parallel replicas the
 // ports after it (vLLM's rank k connects to the endpoint's port + k), and
-// returns their closers.
+// returns their closers. The ports are bound at start: for the ranks of
+// the replicas known then, and the data_parallel_size discovery gives
+// every replica it finds (a data-parallel server discovered later, with
+// its size counted rather than configured, has its ranks past those
+// unheard).
 func (g *Gateway) listenKV(ctx context.Context) []func() error {
 	g.topics.Store(g.newKVTopics())
 	ranks := 1
+	if d := g.cfg.Discovery; d != nil {
+		ranks = max(ranks, d.DataParallelSize)
+	}
 	for i := range g.rt.Replicas() {
 		if k, ranked := g.rt.Replica(i).Rank(); ranked {
 			ranks = max(ranks, k+1)
