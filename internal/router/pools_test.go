@@ -3,6 +3,8 @@ package router
 import (
 	"errors"
 	"fmt"
+	"math/rand/v2"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -301,4 +303,46 @@ func TestGlob(t *testing.T) {
 			t.Errorf("glob(%q, %q) = %v", c.pattern, c.s, got)
 		}
 	}
+}
+
+// BenchmarkDecisionPools is BenchmarkDecision's decision (16 replicas, a
+// 32,000-character prompt, an index of 2^20 entries) with the replicas in
+// two pools of 8, the request's matched by a pattern after an exact name
+// of the other pool: the pools' cost on the request path.
+func BenchmarkDecisionPools(b *testing.B) {
+	pa, _ := policy.New("ttft", policy.Options{Seed: 1})
+	pb, _ := policy.New("ttft", policy.Options{Seed: 2})
+	specs := make([]Spec, 16)
+	for i := range specs {
+		specs[i] = Spec{URL: "http://r" + string(rune('a'+i)), Pool: map[bool]string{true: "a", false: "b"}[i < 8]}
+	}
+	rt, err := New(Config{Specs: specs, Policy: pa, Now: func() time.Time { return time.Unix(0, 0) }, MaxEntries: 2 << 20, BlocksPerReplica: 1 << 20,
+		Pools: []Pool{{Name: "a", Models: []string{"other"}, Policy: pa}, {Name: "b", Models: []string{"x-*", "m*"}, Policy: pb}}})
+	if err != nil {
+		b.Fatal(err)
+	}
+	rng := rand.New(rand.NewPCG(1, 2))
+	hs := make([]uint64, 500)
+	for i := 0; rt.Index().Len() < 1<<20; i++ {
+		for j := range hs {
+			hs[j] = rng.Uint64()
+		}
+		_ = rt.Index().Insert(i%16, hs)
+	}
+	text := strings.Repeat("The quick brown fox jumps over the lazy dog. ", 32000/45+1)[:32000]
+	p := parse(b, text)
+	rt.Index().Insert(13, rt.Prepare(p, "", "").Blocks[:300])
+	b.ResetTimer()
+	var lat []time.Duration
+	for b.Loop() {
+		t0 := time.Now()
+		d, _, err := rt.DryRun(rt.Prepare(p, "", ""))
+		if err != nil || d.Replica < 8 {
+			b.Fatal(d, err)
+		}
+		lat = append(lat, time.Since(t0))
+	}
+	slices.Sort(lat)
+	b.ReportMetric(float64(lat[len(lat)/2].Nanoseconds()), "p50-ns")
+	b.ReportMetric(float64(lat[len(lat)*99/100].Nanoseconds()), "p99-ns")
 }
