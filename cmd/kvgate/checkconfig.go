@@ -34,7 +34,7 @@ func checkConfig(cfg gateway.Config) error {
 			MaxBatchTokens: cfg.MaxBatchTokens, Params: cfg.PolicyParams})
 		errs = append(errs, err)
 	}
-	errs = append(errs, checkListen(cfg.Listen))
+	errs = append(errs, checkListen(cfg.Listen), checkPoolFiles(cfg))
 	if cfg.ReplicasFile != "" {
 		_, err := replicasFileList(cfg.ReplicasFile)
 		errs = append(errs, err)

@@ -1,6 +1,7 @@
 package main
 
 import (
+	"errors"
 	"fmt"
 	"io"
 	"strings"
@@ -18,7 +19,7 @@ func writePools(w io.Writer, cfg gateway.Config) {
 		}
 		fmt.Fprintf(w, "  pool %s: models %s; policy %s%s\n", p.Name, strings.Join(p.Models, ", "), pol, paramsText(params))
 		if len(p.Replicas) == 0 {
-			fmt.Fprintf(w, "    replicas: %s\n", replicaSummary(gateway.Config{ReplicasFile: cfg.ReplicasFile, Discovery: cfg.Discovery}))
+			fmt.Fprintf(w, "    replicas: %s\n", replicaSummary(poolSource(cfg, p)))
 		}
 		for _, r := range p.Replicas {
 			fmt.Fprintf(w, "    %s%s\n", r.URL, replicaText(r))
@@ -33,7 +34,7 @@ func poolsSummary(cfg gateway.Config) string {
 	for _, p := range cfg.Pools {
 		reps := fleetSummary(gateway.Config{Replicas: p.Replicas})
 		if len(p.Replicas) == 0 {
-			reps = replicaSummary(gateway.Config{ReplicasFile: cfg.ReplicasFile, Discovery: cfg.Discovery})
+			reps = replicaSummary(poolSource(cfg, p))
 		}
 		pol := p.Policy
 		if pol == "" {
@@ -42,4 +43,27 @@ func poolsSummary(cfg gateway.Config) string {
 		parts = append(parts, fmt.Sprintf("%s (%s, %s)", p.Name, reps, pol))
 	}
 	return "pools " + strings.Join(parts, "; ")
+}
+
+// poolSource is where a pool without listed replicas finds them: its own
+// replicas file or discovery, else the top-level ones.
+func poolSource(cfg gateway.Config, p gateway.PoolConfig) gateway.Config {
+	if p.ReplicasFile != "" || p.Discovery != nil {
+		return gateway.Config{ReplicasFile: p.ReplicasFile, Discovery: p.Discovery}
+	}
+	return gateway.Config{ReplicasFile: cfg.ReplicasFile, Discovery: cfg.Discovery}
+}
+
+// checkPoolFiles reads the pools' replicas files as the gateway reads
+// them at start (it refuses to start on a bad one).
+func checkPoolFiles(cfg gateway.Config) error {
+	var errs []error
+	for _, p := range cfg.Pools {
+		if p.ReplicasFile != "" {
+			if _, err := replicasFileList(p.ReplicasFile); err != nil {
+				errs = append(errs, fmt.Errorf("pool %s: %w", p.Name, err))
+			}
+		}
+	}
+	return errors.Join(errs...)
 }

@@ -41,6 +41,7 @@ pools:
 		{`pools: [{name: a, models: [m], policy: fastest, replicas: [{url: "http://127.0.0.1:1"}]}]`, `pools[0] (a): policy: unknown policy "fastest"`},
 		{`pools: [{name: a, models: [m], policy: sglang, policy_params: {cache_treshold: 1}, replicas: [{url: "http://127.0.0.1:1"}]}]`, `cache_treshold`},
 		{`pools: [{name: a, models: [], replicas: [{url: "http://127.0.0.1:1"}]}]`, `models: is empty`},
+		{`pools: [{name: a, models: [m], replicas_file: /nonexistent/a.yaml}]`, `pool a: replicas_file`},
 	} {
 		code, out, errs := runCmd(t, "", "serve", "--check-config", "--config", writeConfig(t, tc.yaml))
 		if code != 2 || out != "" || !strings.Contains(errs, tc.want) {

@@ -50,7 +50,7 @@ type DiscoveryConfig struct {
 
 // dynamic reports whether the replicas come from a source that changes
 // while the gateway runs.
-func (c *Config) dynamic() bool { return c.ReplicasFile != "" || c.Discovery != nil }
+func (c *Config) dynamic() bool { return c.ReplicasFile != "" || c.Discovery != nil || c.poolSourced() }
 
 // validateSources checks that the replicas come from exactly one source.
 func (c *Config) validateSources() []error {
@@ -151,16 +151,20 @@ func ParseReplicasFile(data []byte) ([]ReplicaConfig, error) {
 
 // newSources is the configured source of replicas (nil: static).
 func (g *Gateway) newSource() (discovery.Source, error) {
-	c := g.cfg
+	return g.sourceOf(g.cfg.ReplicasFile, g.cfg.Discovery)
+}
+
+// sourceOf is the source of a replicas file or a discovery entry (the
+// top-level one, or a pool's; nil: neither).
+func (g *Gateway) sourceOf(file string, d *DiscoveryConfig) (discovery.Source, error) {
 	switch {
-	case c.ReplicasFile != "":
-		return discovery.NewFile(c.ReplicasFile, 0, ParseReplicasFile, g.clock, g.log), nil
-	case c.Discovery != nil && c.Discovery.DNS != "":
-		d := c.Discovery
+	case file != "":
+		return discovery.NewFile(file, 0, ParseReplicasFile, g.clock, g.log), nil
+	case d != nil && d.DNS != "":
 		return discovery.NewDNS(discovery.DNSConfig{Name: d.DNS, Scheme: d.Scheme, Interval: d.Interval.D(),
 			RemoveAfter: d.RemoveAfter, Template: d.template(), Resolver: g.resolver, Clock: g.clock, Log: g.log})
-	case c.Discovery != nil:
-		return g.newKubernetesSource(c.Discovery)
+	case d != nil:
+		return g.newKubernetesSource(d)
 	}
 	return nil, nil
 }
@@ -195,21 +199,32 @@ func (g *Gateway) runDiscovery(ctx context.Context) {
 // Reload re-reads the replicas file at once (SIGHUP); a no-op with any
 // other source (DNS and Kubernetes follow their own intervals and watch).
 func (g *Gateway) Reload() {
-	if f, ok := g.source.(*discovery.File); ok {
-		f.Reload()
+	for _, s := range append([]discovery.Source{g.source}, g.poolSourceList()...) {
+		if f, ok := s.(*discovery.File); ok {
+			f.Reload()
+		}
 	}
 }
 
 // applyReplicas makes list the gateway's replicas.
 func (g *Gateway) applyReplicas(list []ReplicaConfig, source string) error {
+	return g.applyFrom("", list, source)
+}
+
+// applyFrom makes list what the source of pool ("": the top-level
+// source) gives, with the other sources' last lists (pools_sources.go).
+func (g *Gateway) applyFrom(pool string, list []ReplicaConfig, source string) error {
 	if errs := validateReplicas("replicas", list); len(errs) > 0 {
 		return errors.Join(errs...)
 	}
 	g.memMu.Lock()
 	defer g.memMu.Unlock()
-	full, pools := g.cfg.withPools(list) // with pools:, the pools' own and list in the discovery pool
+	full, pools := g.cfg.withPools(g.foundWith(pool, list)) // with pools:, every pool's replicas
 	specs := poolTargets(full, g.ranksFor(full), pools)
 	ch, err := g.rt.SetReplicas(specs)
+	if err == nil {
+		g.found[pool] = list
+	}
 	if err != nil || ch.Empty() {
 		return err
 	}

@@ -72,10 +72,14 @@ type Gateway struct {
 	pd atomic.Bool
 	// source is where the replicas come from while the gateway runs (nil:
 	// the config's static list); memMu serialises applying its lists.
-	source   discovery.Source
-	resolver discovery.Resolver
-	kubeOpt  kubernetes.Interface
-	memMu    sync.Mutex
+	source discovery.Source
+	// poolSources are the pools' own sources, found the last list of each
+	// source by pool ("": the top-level one), under memMu (pools_sources.go).
+	poolSources map[string]discovery.Source
+	found       map[string][]ReplicaConfig
+	resolver    discovery.Resolver
+	kubeOpt     kubernetes.Interface
+	memMu       sync.Mutex
 	// topics maps kv_events_listen topics to targets; rebuilt when the
 	// membership changes.
 	topics atomic.Pointer[kvTopics]
@@ -146,11 +150,11 @@ func New(cfg Config, o Options) (*Gateway, error) {
 	if err != nil {
 		return nil, err
 	}
-	list, err := initialReplicas(cfg)
+	found, err := initialFound(cfg)
 	if err != nil {
 		return nil, err
 	}
-	list, pools := cfg.withPools(list)
+	list, pools := cfg.withPools(found)
 	ranks := dataParallelSizes(list, &http.Client{Transport: tr}, o.Logger)
 	rcfg := cfg
 	rcfg.Seed = policySeed(cfg.Seed, syncer)
@@ -166,6 +170,10 @@ func New(cfg Config, o Options) (*Gateway, error) {
 	g.policySeed = rcfg.Seed
 	g.cut, g.cutNow = context.WithCancel(context.Background())
 	if g.source, err = g.newSource(); err != nil {
+		return nil, err
+	}
+	g.found = found
+	if err = g.newPoolSources(); err != nil {
 		return nil, err
 	}
 	g.lim.Store(newLimiter(cfg.MaxConcurrency, cfg.MaxQueue, cfg.QueueTimeout.D()))
@@ -304,6 +312,7 @@ func (g *Gateway) Run(ctx context.Context) {
 	var wg sync.WaitGroup
 	wg.Go(func() { g.fleet.Run(ctx) })
 	wg.Go(func() { g.runDiscovery(ctx) })
+	wg.Go(func() { g.runPoolSources(ctx) })
 	if g.rec != nil {
 		wg.Go(func() { g.rec.run(ctx) })
 	}

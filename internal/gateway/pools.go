@@ -18,8 +18,9 @@ import (
 // one replica table partitioned by pool). A pool lists its model names
 // and patterns, its policy and parameters (default: the top-level ones,
 // a policy instance of its own with a seed of its own), and its
-// replicas. At most one pool may list none: the top-level replicas_file:
-// or discovery: then feeds it, the others' replicas staying as listed.
+// replicas (listed, or found by its own replicas_file: or discovery:). At
+// most one pool may have none: the top-level replicas_file: or
+// discovery: then feeds it, the others' replicas staying as they are.
 // Without pools:, one pool of every replica, routed as before.
 
 // PoolConfig is one entry of the config's pools:.
@@ -34,9 +35,12 @@ type PoolConfig struct {
 	Policy       string         `json:"policy,omitempty"`
 	PolicyParams map[string]any `json:"policy_params,omitempty"`
 	// Replicas are the pool's (the same entries as the top-level
-	// replicas:). None: the pool takes what replicas_file: or discovery:
-	// finds.
-	Replicas []ReplicaConfig `json:"replicas,omitempty"`
+	// replicas:); or ReplicasFile or Discovery find them (as the
+	// top-level ones do, pools_sources.go). None of the three: the pool
+	// takes what the top-level replicas_file: or discovery: finds.
+	Replicas     []ReplicaConfig  `json:"replicas,omitempty"`
+	ReplicasFile string           `json:"replicas_file,omitempty"`
+	Discovery    *DiscoveryConfig `json:"discovery,omitempty"`
 }
 
 // policyOf is the pool's policy name and parameters, the top-level ones
@@ -84,6 +88,7 @@ func (c *Config) validatePools() []error {
 		}
 		errs = append(errs, c.validatePoolPolicy(where, p)...)
 		errs = append(errs, validateReplicas(where+".replicas", p.Replicas)...)
+		errs = append(errs, p.validateSource(where)...)
 		for _, r := range p.Replicas {
 			if o, dup := owner[r.URL]; dup && o != p.Name {
 				errs = append(errs, fmt.Errorf("%s: replica %q is also in pool %q: a replica belongs to one pool "+
@@ -91,20 +96,20 @@ func (c *Config) validatePools() []error {
 			}
 			owner[r.URL] = p.Name
 		}
-		if len(p.Replicas) == 0 {
+		if len(p.Replicas) == 0 && !p.sourced() {
 			open = append(open, p.Name)
 		}
 	}
 	switch {
 	case len(open) > 1:
-		errs = append(errs, fmt.Errorf("pools %q list no replicas: at most one pool may take its replicas from "+
-			"replicas_file: or discovery:", open))
+		errs = append(errs, fmt.Errorf("pools %q have no replicas: at most one pool may take its replicas from "+
+			"the top-level replicas_file: or discovery:; give the others replicas:, replicas_file: or discovery:", open))
 	case len(open) == 1 && !dynamic:
-		errs = append(errs, fmt.Errorf("pool %q lists no replicas: give it replicas:, or replicas_file: or discovery: "+
-			"at the top level to feed it", open[0]))
+		errs = append(errs, fmt.Errorf("pool %q has no replicas: give it replicas:, replicas_file: or discovery:, "+
+			"or give replicas_file: or discovery: at the top level to feed it", open[0]))
 	case len(open) == 0 && dynamic:
-		errs = append(errs, errors.New("replicas_file: or discovery: with pools feeds the one pool without replicas:, "+
-			"and every pool lists its own"))
+		errs = append(errs, errors.New("the top-level replicas_file: or discovery: with pools feeds the one pool "+
+			"without replicas of its own, and every pool has its own"))
 	}
 	return errs
 }
@@ -127,17 +132,6 @@ func (c *Config) validatePoolPolicy(where string, p PoolConfig) []error {
 	return nil
 }
 
-// discoveryPool is the pool the replicas file or discovery feeds ("":
-// none, or no pools).
-func (c *Config) discoveryPool() string {
-	for _, p := range c.Pools {
-		if len(p.Replicas) == 0 {
-			return p.Name
-		}
-	}
-	return ""
-}
-
 // allReplicas is every replica listed in the config: the top-level ones
 // and the pools'.
 func (c *Config) allReplicas() []ReplicaConfig {
@@ -148,23 +142,28 @@ func (c *Config) allReplicas() []ReplicaConfig {
 	return out
 }
 
-// withPools is the gateway's whole replica list from what the source
-// gave (found: the top-level replicas, or the replicas file's or
-// discovery's list) and the pool of each entry: with pools, every pool's
-// own replicas, then those found, in the discovery pool.
-func (c *Config) withPools(found []ReplicaConfig) ([]ReplicaConfig, []string) {
+// withPools is the gateway's whole replica list from what the sources
+// found (by pool; "": the top-level replicas, or the top-level replicas
+// file's or discovery's list) and the pool of each entry: with pools,
+// every pool's own replicas (listed, or its source's), and the top-level
+// source's in the pool without either.
+func (c *Config) withPools(found map[string][]ReplicaConfig) ([]ReplicaConfig, []string) {
 	if len(c.Pools) == 0 {
-		return found, make([]string, len(found))
+		return found[""], make([]string, len(found[""]))
 	}
 	var list []ReplicaConfig
 	var pools []string
 	for _, p := range c.Pools {
-		for _, r := range p.Replicas {
+		reps := p.Replicas
+		switch {
+		case p.sourced():
+			reps = found[p.Name]
+		case len(reps) == 0:
+			reps = found[""]
+		}
+		for _, r := range reps {
 			list, pools = append(list, r), append(pools, p.Name)
 		}
-	}
-	for _, r := range found {
-		list, pools = append(list, r), append(pools, c.discoveryPool())
 	}
 	return list, pools
 }

@@ -30,7 +30,7 @@ func TestPoolsConfigParses(t *testing.T) {
 	if len(cfg.Pools) != 2 || cfg.Pools[0].PolicyParams["margin_ms"] != float64(5) || len(cfg.Pools[1].Replicas) != 1 {
 		t.Fatalf("parsed %+v", cfg.Pools)
 	}
-	list, pools := cfg.withPools(nil)
+	list, pools := cfg.withPools(map[string][]ReplicaConfig{})
 	if len(list) != 3 || strings.Join(pools, ",") != "llama,llama,qwen" {
 		t.Fatalf("withPools: %v %v", list, pools)
 	}
@@ -50,10 +50,12 @@ func TestPoolsConfigErrors(t *testing.T) {
 		{"duplicate", `pools: [{name: a, models: [m], replicas: [{url: "http://a:1"}]}, {name: a, models: [other], replicas: [{url: "http://b:1"}]}]`, `configured twice`},
 		{"replica in two pools", `pools: [{name: a, models: [m], replicas: [{url: "http://a:1"}]}, {name: b, models: [other], replicas: [{url: "http://a:1"}]}]`, `also in pool "a"`},
 		{"top-level replicas too", "replicas: [{url: \"http://z:1\"}]\npools: [{name: a, models: [m], replicas: [{url: \"http://a:1\"}]}]", `cannot be given with pools`},
-		{"a pool without replicas", `pools: [{name: a, models: [m]}]`, `lists no replicas`},
+		{"a pool without replicas", `pools: [{name: a, models: [m]}]`, `has no replicas`},
 		{"two pools without replicas", "replicas_file: x.yaml\npools: [{name: a, models: [m]}, {name: b, models: [other]}]", `at most one pool`},
 		{"discovery without an open pool", "replicas_file: x.yaml\npools: [{name: a, models: [m], replicas: [{url: \"http://a:1\"}]}]", `feeds the one pool`},
 		{"bad replica url", `pools: [{name: a, models: [m], replicas: [{url: "a:1"}]}]`, `pools[0].replicas[0]`},
+		{"replicas and a file", `pools: [{name: a, models: [m], replicas_file: a.yaml, replicas: [{url: "http://a:1"}]}]`, `pools[0] (a): a pool's replicas come from one source`},
+		{"a pool's bad discovery", `pools: [{name: a, models: [m], discovery: {dns: "nope"}}]`, `pools[0] (a): discovery`},
 		{"unknown field", `pools: [{name: a, models: [m], replica: [{url: "http://a:1"}]}]`, `unknown field`},
 	} {
 		cfg, err := ParseConfig([]byte(c.yaml))
@@ -76,8 +78,27 @@ func TestPoolsFedByTheReplicasFile(t *testing.T) {
 	if err := cfg.Validate(); err != nil {
 		t.Fatal(err)
 	}
-	list, pools := cfg.withPools([]ReplicaConfig{{URL: "http://d:1"}, {URL: "http://e:1"}})
+	list, pools := cfg.withPools(map[string][]ReplicaConfig{"": {{URL: "http://d:1"}, {URL: "http://e:1"}}})
 	if len(list) != 3 || list[1].URL != "http://d:1" || strings.Join(pools, ",") != "a,b,b" {
+		t.Fatalf("withPools: %v %v", list, pools)
+	}
+}
+
+// Pools with sources of their own need no top-level one.
+func TestPoolsOwnSourcesConfig(t *testing.T) {
+	cfg, err := ParseConfig([]byte("pools: [{name: a, models: [m], replicas_file: a.yaml}, " +
+		"{name: b, models: [other], discovery: {dns: \"vllm.default.svc:8000\"}}, {name: c, models: [c], replicas: [{url: \"http://c:1\"}]}]"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := cfg.Validate(); err != nil {
+		t.Fatal(err)
+	}
+	if !cfg.dynamic() {
+		t.Fatal("pools with their own sources: the router must take replicas at run time")
+	}
+	list, pools := cfg.withPools(map[string][]ReplicaConfig{"a": {{URL: "http://a:1"}}, "b": {{URL: "http://b:1"}, {URL: "http://b:2"}}})
+	if len(list) != 4 || strings.Join(pools, ",") != "a,b,b,c" || list[3].URL != "http://c:1" {
 		t.Fatalf("withPools: %v %v", list, pools)
 	}
 }

@@ -216,3 +216,50 @@ func TestPoolsFedByTheReplicasFileLive(t *testing.T) {
 		t.Fatalf("after a refused file: replica 0 in %q, %d slots, %d active", tg.g.rt.Replica(0).Pool(), tg.g.rt.Replicas(), tg.g.rt.Active())
 	}
 }
+
+// Each pool's own replicas file: a change of one pool's file changes that
+// pool only, and a list naming another pool's replica is refused whole.
+func TestPoolsOwnReplicasFiles(t *testing.T) {
+	llama := startSim(t, sim.Config{Replicas: 2, Model: "llama-3-8b"})
+	qwen := startSim(t, sim.Config{Replicas: 2, Model: "Qwen/Qwen2.5-7B"})
+	dir := t.TempDir()
+	lpath, qpath := filepath.Join(dir, "llama.yaml"), filepath.Join(dir, "qwen.yaml")
+	writeAtomically(t, lpath, "- url: "+llama.URLs()[0]+"\n- url: "+llama.URLs()[1]+"\n")
+	writeAtomically(t, qpath, "- url: "+qwen.URLs()[0]+"\n")
+	cfg := baseConfig()
+	cfg.Pools = []PoolConfig{
+		{Name: "llama", Models: []string{"llama-*"}, ReplicasFile: lpath},
+		{Name: "qwen", Models: []string{"Qwen/*"}, ReplicasFile: qpath},
+	}
+	tg := startDynamic(t, cfg, Options{})
+	eventually(t, "the pools' replicas routable", func() bool {
+		return routable(tg, llama.URLs()[0]) && routable(tg, llama.URLs()[1]) && routable(tg, qwen.URLs()[0])
+	})
+	writeAtomically(t, qpath, "- url: "+qwen.URLs()[0]+"\n- url: "+qwen.URLs()[1]+"\n")
+	tg.g.Reload()
+	eventually(t, "qwen's second replica added", func() bool { return routable(tg, qwen.URLs()[1]) })
+	writeAtomically(t, lpath, "- url: "+llama.URLs()[0]+"\n")
+	tg.g.Reload()
+	eventually(t, "llama's second replica removed", func() bool { return replicaStateOf(tg, llama.URLs()[1]) == "removed" })
+	// A qwen list naming a llama replica is refused; the next good one,
+	// processed after it, is applied.
+	writeAtomically(t, qpath, "- url: "+qwen.URLs()[0]+"\n- url: "+llama.URLs()[0]+"\n")
+	tg.g.Reload()
+	writeAtomically(t, qpath, "- url: "+qwen.URLs()[1]+"\n")
+	tg.g.Reload()
+	eventually(t, "qwen's first replica removed", func() bool { return replicaStateOf(tg, qwen.URLs()[0]) == "removed" })
+	want := map[string]string{llama.URLs()[0]: "llama/active", llama.URLs()[1]: "llama/removed",
+		qwen.URLs()[0]: "qwen/removed", qwen.URLs()[1]: "qwen/active"}
+	for url, w := range want {
+		i, ok := tg.g.rt.Lookup(url)
+		if got := tg.g.rt.Replica(i).Pool() + "/" + replicaStateOf(tg, url); !ok || got != w {
+			t.Errorf("%s: %s, want %s", url, got, w)
+		}
+	}
+	for model, url := range map[string]string{"llama-3-8b": llama.URLs()[0], "Qwen/Qwen2.5-7B": qwen.URLs()[1]} {
+		resp, out := post(t, tg.srv.URL+"/v1/completions", fmt.Sprintf(`{"model":%q,"prompt":"p","max_tokens":1}`, model))
+		if resp.StatusCode != 200 || resp.Header.Get("X-Kvgate-Replica") != url {
+			t.Fatalf("%s: %d from %s (%s), want %s", model, resp.StatusCode, resp.Header.Get("X-Kvgate-Replica"), out, url)
+		}
+	}
+}
