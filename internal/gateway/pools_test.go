@@ -3,13 +3,17 @@ package gateway
 import (
 	"encoding/json"
 	"fmt"
+	"io"
+	"net/http"
 	"path/filepath"
 	"slices"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/kvgate/kvgate/internal/sim"
+	"github.com/kvgate/kvgate/internal/testutil"
 )
 
 // twoPoolGateway is a gateway with pools llama (two replicas of
@@ -261,5 +265,43 @@ func TestPoolsOwnReplicasFiles(t *testing.T) {
 		if resp.StatusCode != 200 || resp.Header.Get("X-Kvgate-Replica") != url {
 			t.Fatalf("%s: %d from %s (%s), want %s", model, resp.StatusCode, resp.Header.Get("X-Kvgate-Replica"), out, url)
 		}
+	}
+}
+
+// Remote tokenization asks a replica of the model's pool only, even when
+// another pool's replica lists the model too.
+func TestPoolsRemoteTokenizerStaysInThePool(t *testing.T) {
+	var own, other atomic.Int64
+	mk := func(models string, calls *atomic.Int64) *stub {
+		s := newStub(t, models, okStream(1))
+		mux := http.NewServeMux()
+		mux.Handle("/", s.srv.Config.Handler)
+		mux.HandleFunc("/tokenize", func(w http.ResponseWriter, r *http.Request) {
+			calls.Add(1)
+			_, _ = io.WriteString(w, `{"tokens":[1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,16,17]}`)
+		})
+		s.srv.Config.Handler = mux
+		return s
+	}
+	a := mk(`{"object":"list","data":[{"id":"m","object":"model"}]}`, &own)
+	b := mk(`{"object":"list","data":[{"id":"m","object":"model"},{"id":"other","object":"model"}]}`, &other)
+	cfg := baseConfig()
+	cfg.Tokenizer = "remote"
+	cfg.Pools = []PoolConfig{
+		{Name: "a", Models: []string{"m"}, Replicas: []ReplicaConfig{{URL: a.srv.URL}}},
+		{Name: "b", Models: []string{"other"}, Replicas: []ReplicaConfig{{URL: b.srv.URL}}},
+	}
+	gw := startGateway(t, cfg)
+	eventually(t, "both replicas listed", func() bool {
+		return gw.g.rt.Replica(0).Served() != nil && gw.g.rt.Replica(1).Served() != nil
+	})
+	for i := range 6 {
+		r := testutil.Post(t, nil, gw.srv.URL+"/v1/completions", `{"model":"m","prompt":"distinct prompt `+strings.Repeat("z", i)+`"}`)
+		if r.Status != 200 || r.Header.Get("X-Kvgate-Replica") != a.srv.URL {
+			t.Fatalf("%d from %s: %s", r.Status, r.Header.Get("X-Kvgate-Replica"), r.Body)
+		}
+	}
+	if own.Load() != 6 || other.Load() != 0 {
+		t.Fatalf("tokenize calls: the pool's replica %d, the other pool's %d; want 6 and 0", own.Load(), other.Load())
 	}
 }

@@ -56,9 +56,13 @@ func (t *remoteTokenizer) tokenize(ctx context.Context, kind prompt.Kind, p *pro
 	start := int(t.next.Add(1) % uint64(n))
 	tries := 0
 	var lastErr error
+	// With pools, only a replica of the model's pool tokenizes it: another
+	// pool's replica, not listed yet, would take it with another model's
+	// tokenizer.
+	pool, _ := t.g.rt.PoolFor(p.Model)
 	for k := range n {
 		i := (start + k) % n
-		if r := t.g.rt.Replica(i); !r.Healthy() || r.Removed() || !r.Serves(p.Model) {
+		if r := t.g.rt.Replica(i); !r.Healthy() || r.Removed() || !r.Serves(p.Model) || r.Pool() != pool {
 			continue
 		}
 		ids, err := t.call(ctx, i, data)
