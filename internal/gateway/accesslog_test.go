@@ -3,12 +3,10 @@ package gateway
 import (
 	"bufio"
 	"bytes"
-	"context"
 	"encoding/json"
 	"io"
 	"log/slog"
 	"net/http"
-	"net/http/httptest"
 	"strings"
 	"sync"
 	"testing"
@@ -73,19 +71,7 @@ func (b *lockedBuffer) accessLines(t *testing.T) []map[string]any {
 
 func startLoggedGateway(t *testing.T, cfg Config, sink *lockedBuffer) *testGW {
 	t.Helper()
-	g, err := New(cfg, Options{Logger: slog.New(slog.NewJSONHandler(sink, nil))})
-	if err != nil {
-		t.Fatal(err)
-	}
-	ctx, cancel := context.WithCancel(context.Background())
-	tg := &testGW{g: g, srv: httptest.NewServer(g.Handler()), cancel: cancel, done: make(chan struct{})}
-	go func() { defer close(tg.done); g.Run(ctx) }()
-	t.Cleanup(func() {
-		tg.srv.Close()
-		cancel()
-		<-tg.done
-	})
-	return tg
+	return startGatewayWith(t, cfg, Options{Logger: slog.New(slog.NewJSONHandler(sink, nil))})
 }
 
 func TestAccessLog(t *testing.T) {

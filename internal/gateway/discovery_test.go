@@ -8,7 +8,6 @@ import (
 	"io"
 	"net"
 	"net/http"
-	"net/http/httptest"
 	"os"
 	"path/filepath"
 	"strings"
@@ -58,24 +57,6 @@ func newHeldReplica(t *testing.T) *heldReplica {
 func (h *heldReplica) free() { h.once.Do(func() { close(h.release) }) }
 
 func (h *heldReplica) hostPort() string { return strings.TrimPrefix(h.srv.URL, "http://") }
-
-// startDynamic starts a gateway with o (a fake clock among them).
-func startDynamic(t *testing.T, cfg Config, o Options) *testGW {
-	t.Helper()
-	g, err := New(cfg, o)
-	if err != nil {
-		t.Fatal(err)
-	}
-	ctx, cancel := context.WithCancel(context.Background())
-	tg := &testGW{g: g, srv: httptest.NewServer(g.Handler()), cancel: cancel, done: make(chan struct{})}
-	go func() { defer close(tg.done); g.Run(ctx) }()
-	t.Cleanup(func() {
-		tg.srv.Close()
-		cancel()
-		<-tg.done
-	})
-	return tg
-}
 
 // routable reports whether the gateway routes to url now: listed in the
 // fleet, not removed, and its models known.
@@ -173,7 +154,7 @@ func TestReplicasFileAddRemoveDrainAndBadFile(t *testing.T) {
 	cfg := baseConfig()
 	cfg.ReplicasFile = path
 	cfg.Policy = "least_load"
-	tg := startDynamic(t, cfg, Options{})
+	tg := startGatewayWith(t, cfg, Options{})
 	eventually(t, "a routable", func() bool { return routable(tg, a.srv.URL) })
 	writeAtomically(t, path, "- url: "+a.srv.URL+"\n- url: "+b.srv.URL+"\n  role: both\n")
 	tg.g.Reload() // SIGHUP: at once
@@ -218,7 +199,7 @@ func TestReplicasFileBadFileKeepsTheList(t *testing.T) {
 	cfg := baseConfig()
 	cfg.ReplicasFile = path
 	clk := clock.NewFake(time.Unix(0, 0))
-	tg := startDynamic(t, cfg, Options{Clock: clk})
+	tg := startGatewayWith(t, cfg, Options{Clock: clk})
 	eventually(t, "a routable", func() bool { return routable(tg, a.srv.URL) })
 	writeAtomically(t, path, "- url: [broken\n")
 	clk.Advance(5 * time.Second) // the file's interval passes: it is read and refused
@@ -277,7 +258,7 @@ func TestDNSDiscoveryAddFlapRemove(t *testing.T) {
 	cfg.Policy = "least_load"
 	cfg.Discovery = &DiscoveryConfig{DNS: "_http._tcp.vllm.test", Interval: Duration(5 * time.Second)}
 	clk := clock.NewFake(time.Unix(0, 0))
-	tg := startDynamic(t, cfg, Options{Clock: clk, Resolver: res})
+	tg := startGatewayWith(t, cfg, Options{Clock: clk, Resolver: res})
 	lookup := func() {
 		t.Helper()
 		select {
@@ -349,7 +330,7 @@ func TestKubernetesDiscoveryAddNotReadyRemove(t *testing.T) {
 	cfg := baseConfig()
 	cfg.Policy = "least_load"
 	cfg.Discovery = &DiscoveryConfig{Kubernetes: &KubernetesConfig{Namespace: "llm", Selector: "kubernetes.io/service-name=vllm", Port: "http"}}
-	tg := startDynamic(t, cfg, Options{Kubernetes: kube})
+	tg := startGatewayWith(t, cfg, Options{Kubernetes: kube})
 	eventually(t, "a routable", func() bool { return routable(tg, a.srv.URL) })
 	slices := kube.DiscoveryV1().EndpointSlices("llm")
 	ctx := context.Background()
@@ -419,7 +400,7 @@ func TestReplicasFileRoles(t *testing.T) {
 	writeAtomically(t, path, "- url: "+a.srv.URL+"\n")
 	cfg := baseConfig()
 	cfg.ReplicasFile = path
-	tg := startDynamic(t, cfg, Options{})
+	tg := startGatewayWith(t, cfg, Options{})
 	eventually(t, "a routable", func() bool { return routable(tg, a.srv.URL) })
 	if tg.g.pd.Load() {
 		t.Fatal("an aggregated fleet routed in two steps")

@@ -98,7 +98,14 @@ type testGW struct {
 
 func startGateway(t *testing.T, cfg Config) *testGW {
 	t.Helper()
-	g, err := New(cfg, Options{})
+	return startGatewayWith(t, cfg, Options{})
+}
+
+// startGatewayWith starts a gateway with o (a logger, a fake clock) on an
+// httptest server, stopped at the test's end.
+func startGatewayWith(t *testing.T, cfg Config, o Options) *testGW {
+	t.Helper()
+	g, err := New(cfg, o)
 	if err != nil {
 		t.Fatal(err)
 	}

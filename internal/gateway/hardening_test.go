@@ -78,19 +78,8 @@ func okStream(n int) http.HandlerFunc {
 func gwWithClock(t *testing.T, cfg Config) (*testGW, *clock.Fake) {
 	t.Helper()
 	clk := clock.NewFake(time.Time{})
-	g, err := New(cfg, Options{Clock: clk})
-	if err != nil {
-		t.Fatal(err)
-	}
-	ctx, cancel := context.WithCancel(context.Background())
-	tg := &testGW{g: g, srv: httptest.NewServer(g.Handler()), cancel: cancel, done: make(chan struct{})}
-	go func() { defer close(tg.done); g.Run(ctx) }()
-	t.Cleanup(func() {
-		tg.srv.Close()
-		cancel()
-		<-tg.done
-	})
-	eventually(t, "models listed", func() bool { return len(g.Fleet().Models()) > 0 })
+	tg := startGatewayWith(t, cfg, Options{Clock: clk})
+	eventually(t, "models listed", func() bool { return len(tg.g.Fleet().Models()) > 0 })
 	return tg, clk
 }
 

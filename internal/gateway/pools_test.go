@@ -188,7 +188,7 @@ func TestPoolsFedByTheReplicasFileLive(t *testing.T) {
 		{Name: "llama", Models: []string{"llama-*"}, Replicas: []ReplicaConfig{{URL: llama.URLs()[0]}}},
 		{Name: "qwen", Models: []string{"Qwen/*"}, Policy: "least_load"},
 	}
-	tg := startDynamic(t, cfg, Options{})
+	tg := startGatewayWith(t, cfg, Options{})
 	eventually(t, "both pools routable", func() bool {
 		return routable(tg, llama.URLs()[0]) && routable(tg, qwen.URLs()[0])
 	})
