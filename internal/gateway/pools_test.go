@@ -235,7 +235,7 @@ func TestPoolsOwnReplicasFiles(t *testing.T) {
 		{Name: "llama", Models: []string{"llama-*"}, ReplicasFile: lpath},
 		{Name: "qwen", Models: []string{"Qwen/*"}, ReplicasFile: qpath},
 	}
-	tg := startDynamic(t, cfg, Options{})
+	tg := startGatewayWith(t, cfg, Options{})
 	eventually(t, "the pools' replicas routable", func() bool {
 		return routable(tg, llama.URLs()[0]) && routable(tg, llama.URLs()[1]) && routable(tg, qwen.URLs()[0])
 	})
