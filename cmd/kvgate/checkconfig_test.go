@@ -145,3 +145,27 @@ func TestCheckConfigSources(t *testing.T) {
 		})
 	}
 }
+
+// Every YAML block of the README that is a whole gateway configuration
+// (it names listen, replicas or pools) passes --check-config as written.
+func TestREADMEConfigsCheck(t *testing.T) {
+	readme, err := os.ReadFile(filepath.Join("..", "..", "README.md"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	n := 0
+	for i, block := range strings.Split(string(readme), "```yaml\n")[1:] {
+		body, _, _ := strings.Cut(block, "```")
+		if !strings.Contains(body, "\nreplicas:") && !strings.HasPrefix(body, "listen:") && !strings.Contains(body, "\npools:") {
+			continue
+		}
+		n++
+		path := writeConfig(t, body)
+		if code, _, errs := runCmd(t, "", "serve", "--check-config", "--config", path); code != 0 {
+			t.Errorf("README yaml block %d: exit %d: %s\n%s", i+1, code, errs, body)
+		}
+	}
+	if n < 2 {
+		t.Fatalf("%d whole configurations found in README.md: want the gateway's and the pools' at least", n)
+	}
+}

@@ -114,7 +114,12 @@ func (f *serveFlags) run(ctx context.Context, inv invocation) error {
 		return err
 	}
 	defer watchSIGHUP(f, inv.set, g, log)()
-	fmt.Fprintf(inv.stdout, "kvgate serving http://%s → %s, policy %s\n", ln.Addr(), replicaSummary(cfg), cfg.Policy)
+	if len(cfg.Pools) > 0 {
+		// The pools name each one's policy.
+		fmt.Fprintf(inv.stdout, "kvgate serving http://%s → %s\n", ln.Addr(), replicaSummary(cfg))
+	} else {
+		fmt.Fprintf(inv.stdout, "kvgate serving http://%s → %s, policy %s\n", ln.Addr(), replicaSummary(cfg), cfg.Policy)
+	}
 	if cfg.Record.Path != "" {
 		fmt.Fprintf(inv.stdout, "recording served requests to %s (replay it with: kvgate replay --trace %s)\n", cfg.Record.Path, cfg.Record.Path)
 	}
