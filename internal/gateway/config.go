@@ -293,9 +293,11 @@ func splitURLs(urls, role string, dp int) []ReplicaConfig {
 
 // Validate checks the configuration and names the first problem.
 func (c *Config) Validate() error {
-	errs := c.validateSources()
+	var errs []error
 	if len(c.Pools) > 0 {
-		errs = c.validatePools()
+		errs = c.validatePools() // each pool's source, and the top-level one feeding a pool
+	} else {
+		errs = c.validateSources()
 	}
 	errs = append(errs, validateReplicas("replicas", c.Replicas)...)
 	if c.KVEventsListen != "" && !strings.HasPrefix(c.KVEventsListen, "tcp://") {
@@ -324,6 +326,9 @@ func (c *Config) Validate() error {
 	}
 	if c.ReadHeaderTimeout <= 0 || c.BodyReadTimeout <= 0 {
 		errs = append(errs, errors.New("read_header_timeout and body_read_timeout must be positive"))
+	}
+	if c.IndexMaxEntries < 0 || c.BlocksPerReplica < 0 {
+		errs = append(errs, errors.New("index_max_entries and blocks_per_replica must be ≥ 0"))
 	}
 	if c.ScrapeInterval <= 0 || c.HealthInterval <= 0 {
 		errs = append(errs, errors.New("scrape_interval and health_interval must be positive"))

@@ -100,3 +100,23 @@ func TestParseReplicaListPrefill(t *testing.T) {
 		t.Fatalf("without --prefill-replicas the role is the default: %+v", rs)
 	}
 }
+
+// Index sizes are ≥ 0 (0: the router's default): a negative one is refused
+// at validation, naming the keys, instead of later by New.
+func TestIndexSizesValidated(t *testing.T) {
+	for _, set := range []func(c *Config){
+		func(c *Config) { c.IndexMaxEntries = -1 },
+		func(c *Config) { c.BlocksPerReplica = -1 },
+	} {
+		cfg := baseConfig("http://127.0.0.1:1")
+		set(&cfg)
+		if err := cfg.Validate(); err == nil || !strings.Contains(err.Error(), "index_max_entries and blocks_per_replica") {
+			t.Fatalf("negative index size: %v", err)
+		}
+	}
+	cfg := baseConfig("http://127.0.0.1:1")
+	cfg.IndexMaxEntries, cfg.BlocksPerReplica = 0, 0
+	if err := cfg.Validate(); err != nil {
+		t.Fatalf("zero (the defaults): %v", err)
+	}
+}
