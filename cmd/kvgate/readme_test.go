@@ -469,7 +469,7 @@ func checkOutputs(dir string, args []string) error {
 func (env readmeEnv) start(t *testing.T, where string, args []string) {
 	t.Helper()
 	ctx, cancel := context.WithCancel(context.Background())
-	out, errb := &syncBuffer{}, &syncBuffer{}
+	out, errb := &testutil.SyncBuffer{}, &testutil.SyncBuffer{}
 	cmd := env.command(ctx, args, out, errb)
 	if err := cmd.Start(); err != nil {
 		cancel()

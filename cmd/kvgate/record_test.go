@@ -96,7 +96,7 @@ func recordLive(t *testing.T, policy string, replicas int, file string, reqs []w
 	defer fl.Close()
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
-	out, errOut := &syncBuffer{}, &syncBuffer{}
+	out, errOut := &testutil.SyncBuffer{}, &testutil.SyncBuffer{}
 	code := make(chan int, 1)
 	go func() {
 		code <- run(ctx, []string{"serve", "--replicas", strings.Join(fl.URLs(), ","), "--listen", "127.0.0.1:0",

@@ -51,7 +51,7 @@ func TestSIGHUPReloadsTheReplicasFileAndTheConfig(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	logs := &syncBuffer{}
+	logs := &testutil.SyncBuffer{}
 	log := slog.New(slog.NewTextHandler(logs, nil))
 	g, err := gateway.New(cfg, gateway.Options{Logger: log})
 	if err != nil {

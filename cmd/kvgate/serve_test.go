@@ -26,7 +26,7 @@ func TestServeExitsZeroAfterDrain(t *testing.T) {
 	}))
 	defer up.Close()
 	ctx, cancel := context.WithCancel(context.Background())
-	out, errOut := &syncBuffer{}, &syncBuffer{}
+	out, errOut := &testutil.SyncBuffer{}, &testutil.SyncBuffer{}
 	code := make(chan int, 1)
 	go func() {
 		code <- run(ctx, []string{"serve", "--replicas", up.URL, "--listen", "127.0.0.1:0", "--drain-timeout", "200ms",
@@ -92,7 +92,7 @@ func TestServePrefillDecode(t *testing.T) {
 	}
 	defer fl.Close()
 	ctx, cancel := context.WithCancel(context.Background())
-	out, errOut := &syncBuffer{}, &syncBuffer{}
+	out, errOut := &testutil.SyncBuffer{}, &testutil.SyncBuffer{}
 	code := make(chan int, 1)
 	go func() {
 		code <- run(ctx, []string{"serve", "--replicas", fl.URLs()[1], "--prefill-replicas", fl.URLs()[0],

@@ -1,7 +1,6 @@
 package main
 
 import (
-	"bytes"
 	"context"
 	"encoding/json"
 	"fmt"
@@ -65,24 +64,6 @@ func TestSimFlagErrors(t *testing.T) {
 	}
 }
 
-// syncBuffer is a bytes.Buffer safe for one writer and one poller.
-type syncBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (s *syncBuffer) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.Write(p)
-}
-
-func (s *syncBuffer) String() string {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.String()
-}
-
 // freePorts finds a run of n consecutive free loopback ports, avoiding
 // those in skip. Another process may take one before the sim binds it; the
 // caller then retries.
@@ -125,7 +106,7 @@ func freePorts(t *testing.T, n int, skip ...int) int {
 
 // startSim runs `kvgate sim` with args plus --port and --kv-events-port on
 // free ports, until the test ends.
-func startSim(t *testing.T, replicas int, args ...string) (port, kvPort int, out *syncBuffer) {
+func startSim(t *testing.T, replicas int, args ...string) (port, kvPort int, out *testutil.SyncBuffer) {
 	t.Helper()
 	port, ports, out := startSimPorts(t, replicas, []int{replicas}, func(p []int) []string {
 		return append([]string{"--kv-events-port", strconv.Itoa(p[0])}, args...)
@@ -136,7 +117,7 @@ func startSim(t *testing.T, replicas int, args ...string) (port, kvPort int, out
 // startSimPorts runs `kvgate sim` with --replicas, --port on free ports and
 // args(ports) until the test ends: ports[j] is the first of spans[j] free
 // consecutive ports, none of them another's.
-func startSimPorts(t *testing.T, replicas int, spans []int, args func(ports []int) []string) (port int, ports []int, out *syncBuffer) {
+func startSimPorts(t *testing.T, replicas int, spans []int, args func(ports []int) []string) (port int, ports []int, out *testutil.SyncBuffer) {
 	t.Helper()
 	for attempt := 0; ; attempt++ {
 		port = freePorts(t, replicas)
@@ -153,8 +134,8 @@ func startSimPorts(t *testing.T, replicas int, spans []int, args func(ports []in
 			}
 		}
 		ctx, cancel := context.WithCancel(context.Background())
-		out = &syncBuffer{}
-		errOut := &syncBuffer{}
+		out = &testutil.SyncBuffer{}
+		errOut := &testutil.SyncBuffer{}
 		done := make(chan int, 1)
 		full := append([]string{"sim", "--replicas", strconv.Itoa(replicas), "--port", strconv.Itoa(port)}, args(ports)...)
 		go func() { done <- run(ctx, full, strings.NewReader(""), out, errOut) }()

@@ -1,16 +1,16 @@
 package fleet
 
 import (
-	"bytes"
 	"context"
 	"io"
 	"log/slog"
 	"net/http"
 	"strings"
-	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
+
+	"github.com/kvgate/kvgate/internal/testutil"
 )
 
 // healthTransport answers every /health with 200 while up, else 503, and
@@ -29,23 +29,12 @@ func (h *healthTransport) RoundTrip(r *http.Request) (*http.Response, error) {
 		Header: http.Header{}, Request: r}, nil
 }
 
-type logSink struct {
-	mu  sync.Mutex
-	buf bytes.Buffer
-}
-
-func (s *logSink) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.buf.Write(p)
-}
+type logSink struct{ testutil.SyncBuffer }
 
 // lines are the info lines logged so far, by message prefix.
 func (s *logSink) count(prefix string) int {
-	s.mu.Lock()
-	defer s.mu.Unlock()
 	n := 0
-	for _, l := range strings.Split(s.buf.String(), "\n") {
+	for _, l := range strings.Split(s.String(), "\n") {
 		if strings.Contains(l, "level=INFO") && strings.Contains(l, `msg="`+prefix) {
 			n++
 		}
@@ -67,7 +56,7 @@ func TestRotationChangesLoggedOncePerTransition(t *testing.T) {
 		t.Helper()
 		got := [3]int{sink.count("replica unhealthy"), sink.count("replica ejected"), sink.count("replica back in rotation")}
 		if got != [3]int{unhealthy, ejected, back} {
-			t.Fatalf("logged unhealthy, ejected, back: %v, want %v\n%s", got, [3]int{unhealthy, ejected, back}, sink.buf.String())
+			t.Fatalf("logged unhealthy, ejected, back: %v, want %v\n%s", got, [3]int{unhealthy, ejected, back}, sink.String())
 		}
 	}
 	f.Health(ctx, 0)

@@ -2,16 +2,15 @@ package gateway
 
 import (
 	"bufio"
-	"bytes"
 	"encoding/json"
 	"io"
 	"log/slog"
 	"net/http"
 	"strings"
-	"sync"
 	"testing"
 
 	"github.com/kvgate/kvgate/internal/sim"
+	"github.com/kvgate/kvgate/internal/testutil"
 )
 
 // get sends a GET with optional headers through a client that does not
@@ -39,24 +38,13 @@ func get(t *testing.T, url string, hdr ...string) (*http.Response, string) {
 }
 
 // lockedBuffer is a log sink the handlers write to while the test reads.
-type lockedBuffer struct {
-	mu  sync.Mutex
-	buf bytes.Buffer
-}
-
-func (b *lockedBuffer) Write(p []byte) (int, error) {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.buf.Write(p)
-}
+type lockedBuffer struct{ testutil.SyncBuffer }
 
 // accessLines are the access log's lines so far, decoded.
 func (b *lockedBuffer) accessLines(t *testing.T) []map[string]any {
 	t.Helper()
-	b.mu.Lock()
-	defer b.mu.Unlock()
 	var out []map[string]any
-	sc := bufio.NewScanner(bytes.NewReader(b.buf.Bytes()))
+	sc := bufio.NewScanner(strings.NewReader(b.String()))
 	for sc.Scan() {
 		var m map[string]any
 		if err := json.Unmarshal(sc.Bytes(), &m); err != nil {
@@ -124,9 +112,7 @@ func TestAccessLog(t *testing.T) {
 	if e := byID["r-401"]; e["status"] != 401.0 {
 		t.Errorf("bad key's line: %v", e)
 	}
-	sink.mu.Lock()
-	all := sink.buf.String()
-	sink.mu.Unlock()
+	all := sink.String()
 	for _, secret := range []string{secretPrompt, "client-key-123", "admin-456", "wrong"} {
 		if strings.Contains(all, secret) {
 			t.Errorf("the log holds %q", secret)

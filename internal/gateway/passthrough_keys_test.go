@@ -8,8 +8,9 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"strings"
-	"sync"
 	"testing"
+
+	"github.com/kvgate/kvgate/internal/testutil"
 )
 
 // Replicas started with --api-key get their key on every call the gateway
@@ -26,7 +27,7 @@ func TestReplicaKeysOnEveryCall(t *testing.T) {
 	cfg.Tokenizer = "remote"
 	cfg.APIKeys = []string{"client-key"}
 	cfg.AdminToken = "admin-token"
-	var logs logSink
+	var logs testutil.SyncBuffer
 	g, err := New(cfg, Options{Logger: slog.New(slog.NewTextHandler(&logs, &slog.HandlerOptions{Level: slog.LevelDebug}))})
 	if err != nil {
 		t.Fatal(err)
@@ -110,22 +111,4 @@ func TestReplicaKeysOnEveryCall(t *testing.T) {
 	if l := logs.String(); strings.Contains(l, "secret") || strings.Contains(l, "client-key") || l == "" {
 		t.Fatalf("the logs show a key (or are empty): %s", l)
 	}
-}
-
-// logSink is a log sink safe for the gateway's goroutines.
-type logSink struct {
-	mu sync.Mutex
-	b  strings.Builder
-}
-
-func (l *logSink) Write(p []byte) (int, error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.Write(p)
-}
-
-func (l *logSink) String() string {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.String()
 }

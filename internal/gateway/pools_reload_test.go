@@ -7,13 +7,6 @@ import (
 	"testing"
 )
 
-// logText is what was logged so far.
-func logText(l *lockedBuffer) string {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.buf.String()
-}
-
 // A reload changes a pool's parameters at once (its own, or the top-level
 // ones a pool without a policy inherits), never logs a replica's key, and
 // leaves any other change of pools: to a restart.
@@ -46,8 +39,8 @@ func TestReloadPoolParams(t *testing.T) {
 	if p, _ := g.rt.PoolPolicy("inherits"); p != inh {
 		t.Fatal("a pool whose parameters did not change lost its policy's state")
 	}
-	if strings.Contains(logText(&logs), "secret-key") || !strings.Contains(logText(&logs), "cache_threshold") {
-		t.Fatalf("reload log: %s", logText(&logs))
+	if strings.Contains(logs.String(), "secret-key") || !strings.Contains(logs.String(), "cache_threshold") {
+		t.Fatalf("reload log: %s", logs.String())
 	}
 
 	// The top-level parameters reach the pool that inherits them.
