@@ -372,6 +372,11 @@ func (f *Fleet) Health(ctx context.Context, i int) bool {
 	if ctx.Err() != nil {
 		return true
 	}
+	if ok {
+		// Listed before it is in rotation: a replica passing its first
+		// check is routable (a candidate for its models) once it is Ready.
+		f.fetchModels(ctx, i)
+	}
 	for _, s := range f.slotsOf(i) {
 		r := f.rt.Replica(s)
 		was := r.Healthy()
@@ -385,9 +390,6 @@ func (f *Fleet) Health(ctx context.Context, i int) bool {
 		case !ok:
 			f.logRotation(s, false, "replica unhealthy: out of rotation until its /health passes")
 		}
-	}
-	if ok {
-		f.fetchModels(ctx, i)
 	}
 	return ok
 }

@@ -88,6 +88,8 @@ type Gateway struct {
 	// are refused while in-flight ones finish. cut ends when drain_timeout
 	// has passed: the requests still in flight are cut.
 	draining atomic.Bool
+	// probed: every replica's first health check has ended (fleetProbed).
+	probed   atomic.Bool
 	inFlight atomic.Int64 // exchanges admitted and not ended
 	cut      context.Context
 	cutNow   context.CancelFunc
@@ -352,15 +354,22 @@ func (g *Gateway) routes() {
 
 // ready answers 200 while some replica that answers requests (role both
 // or decode) has passed a health check and is in rotation and the gateway
-// is not draining, else 503: a load balancer
-// sends nothing before the fleet is known, and stops at once on SIGTERM.
+// is not draining, else 503: a load balancer sends nothing before the
+// fleet is known, and stops at once on SIGTERM. At start it also waits
+// until every replica's first health check has ended (passed or not), so
+// that the first requests are routed over the whole fleet, not to the one
+// replica that answered first (on a prefill/decode fleet, without a
+// prefill step).
 func (g *Gateway) ready(w http.ResponseWriter, r *http.Request) {
-	if g.draining.Load() {
+	switch {
+	case g.draining.Load():
 		writeError(w, errDraining)
 		return
-	}
-	if g.warming() {
+	case g.warming():
 		writeError(w, errWarming)
+		return
+	case !g.fleetProbed():
+		writeError(w, errProbing)
 		return
 	}
 	for i := range g.rt.Replicas() {
@@ -373,6 +382,26 @@ func (g *Gateway) ready(w http.ResponseWriter, r *http.Request) {
 		}
 	}
 	writeError(w, errNoReplica)
+}
+
+// errProbing: /ready before every replica's first health check has ended.
+var errProbing = &apiError{Status: http.StatusServiceUnavailable, Type: "server_error", Code: "probing_replicas",
+	Message: "the gateway is checking its replicas' health for the first time; retry shortly"}
+
+// fleetProbed reports whether every replica's first health check has
+// ended; once true it stays true (a replica added later by discovery does
+// not take the gateway out of its load balancer while it is probed).
+func (g *Gateway) fleetProbed() bool {
+	if g.probed.Load() {
+		return true
+	}
+	for i := range g.rt.Replicas() {
+		if r := g.rt.Replica(i); !r.Removed() && !r.Probed() {
+			return false
+		}
+	}
+	g.probed.Store(true)
+	return true
 }
 
 // requestID is the client's X-Request-Id, or a new one.

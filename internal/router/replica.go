@@ -55,6 +55,7 @@ type Replica struct {
 
 	healthy        atomic.Bool // in rotation: health checks pass and the breaker is not open
 	checked        atomic.Bool // a health check has passed at least once
+	probed         atomic.Bool // a health check has ended at least once (passed or not)
 	inFlight       atomic.Int64
 	inFlightTokens atomic.Int64
 	pendingPrefill atomic.Int64
@@ -135,6 +136,10 @@ func (r *Replica) Name() string { return r.name }
 // Ready reports whether the replica is in rotation and has passed a health
 // check (a replica starts in rotation, before its first check).
 func (r *Replica) Ready() bool { return r.checked.Load() && r.healthy.Load() }
+
+// Probed reports whether a health check of the replica has ended, passed
+// or not.
+func (r *Replica) Probed() bool { return r.probed.Load() }
 
 // Healthy reports whether the replica is in rotation.
 func (r *Replica) Healthy() bool { return r.healthy.Load() }
@@ -249,6 +254,7 @@ func (r *Replica) SetHealthOK(ok bool, now time.Time) bool {
 	if ok {
 		r.checked.Store(true)
 	}
+	r.probed.Store(true)
 	r.probeMu.Lock()
 	r.healthOK = ok
 	r.probeMu.Unlock()
