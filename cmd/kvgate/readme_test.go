@@ -330,17 +330,24 @@ var reserved struct {
 
 // freeOffset finds an offset that puts every port, and the 15 after each
 // (a sim's further replicas), on a loopback port that is free now and given
-// to no other block, below Linux's ephemeral range.
+// to no other block, below Linux's ephemeral range. Only those runs of 16
+// are reserved, not the span between a block's lowest and highest port (a
+// block with ports 5557 and 8080 would take 2,500 ports, and a dozen such
+// blocks the whole range).
 func freeOffset(t *testing.T, ports []int) int {
 	t.Helper()
 	lo, hi := slices.Min(ports), slices.Max(ports)+16
 	reserved.Lock()
 	defer reserved.Unlock()
-	for range 100 {
+	for range 1000 {
 		off := 10000 + rand.IntN(22000-(hi-lo)) - lo
-		taken := slices.ContainsFunc(reserved.ranges, func(r [2]int) bool { return lo+off <= r[1] && r[0] <= hi+off })
+		taken := slices.ContainsFunc(ports, func(p int) bool {
+			return slices.ContainsFunc(reserved.ranges, func(r [2]int) bool { return p+off <= r[1] && r[0] <= p+off+15 })
+		})
 		if !taken && allFree(ports, off) {
-			reserved.ranges = append(reserved.ranges, [2]int{lo + off, hi + off})
+			for _, p := range ports {
+				reserved.ranges = append(reserved.ranges, [2]int{p + off, p + off + 15})
+			}
 			return off
 		}
 	}
