@@ -203,3 +203,34 @@ func TestSLOITL(t *testing.T) {
 		t.Fatalf("probe %+v: want the ITL's excess, failing", p)
 	}
 }
+
+// Each request's longest inter-token gap is at least its mean gap, so the
+// distribution of the one dominates the other's; and on a prefill/decode
+// fleet, where no prompt is computed beside the decodes but a last token,
+// the longest gaps are shorter than on aggregated replicas of the same
+// count under the same load.
+func TestLongestGap(t *testing.T) {
+	reqs, err := workload.Generate(workload.Spec{Name: "multiturn", Seed: 3, Params: map[string]float64{
+		"conversations": 32, "turns": 4, "system_prompt_len": 4096}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	workload.Arrivals(reqs, 40, 3)
+	stall := func(cfg Config) report.Run {
+		run, err := Run(context.Background(), cfg, reqs, PolicySpec{Name: "ttft"})
+		if err != nil || run.Errors != 0 {
+			t.Fatalf("%+v: %v, %d errors", cfg, err, run.Errors)
+		}
+		if run.Extra["itl_max_p50_ms"] < run.ITLms.P50 || run.Extra["itl_max_p99_ms"] < run.ITLms.P99 {
+			t.Fatalf("longest gaps p50 %.1f p99 %.1f ms below the mean gaps' p50 %.1f p99 %.1f",
+				run.Extra["itl_max_p50_ms"], run.Extra["itl_max_p99_ms"], run.ITLms.P50, run.ITLms.P99)
+		}
+		return run
+	}
+	agg := stall(Config{Replicas: 4, Seed: 3})
+	pd := stall(Config{PrefillReplicas: 2, DecodeReplicas: 2, Seed: 3})
+	if pd.Extra["itl_max_p99_ms"] >= agg.Extra["itl_max_p99_ms"] {
+		t.Errorf("longest gap p99: P/D %.1f ms, aggregated %.1f ms: want P/D below",
+			pd.Extra["itl_max_p99_ms"], agg.Extra["itl_max_p99_ms"])
+	}
+}

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"time"
 
 	"github.com/kvgate/kvgate/internal/engine"
@@ -36,6 +37,8 @@ type liveRequest struct {
 	gw     int // the gateway it reached
 	arrive time.Duration
 	first  time.Duration
+	last   time.Duration // its last output token so far
+	stall  time.Duration // its longest gap between two output tokens so far
 	cached int
 	tokens int
 	hashes []uint64 // its engine block hashes (the engine keeps them while live)
@@ -105,6 +108,9 @@ type virtualRun struct {
 	ended           int             // requests finished or failed
 	released        []released      // requests the router's queue let go, to dispatch
 	pd              pdStats         // prefill/decode fleets: what the steps did
+	// stalls are the finished requests' longest inter-token gaps (those
+	// with two output tokens or more).
+	stalls []time.Duration
 }
 
 // newVirtualRun builds cfg.Gateways routers, each with its own instance
@@ -518,9 +524,15 @@ func (vr *virtualRun) output(i, e int, o engine.Output, at time.Time) {
 		st.first, st.cached = vr.now, o.CachedTokens
 		st.ticket.FirstToken(at)
 		vr.loadsChanged(st.gw)
+	} else {
+		st.stall = max(st.stall, vr.now-st.last)
 	}
+	st.last = vr.now
 	if !o.Finished {
 		return
+	}
+	if out := max(vr.plan.reqs[i].MaxTokens, 1); out > 1 {
+		vr.stalls = append(vr.stalls, st.stall)
 	}
 	out := max(vr.plan.reqs[i].MaxTokens, 1)
 	st.ticket.Done(at, router.Outcome{CachedTokens: st.cached, OutputTokens: out})
@@ -619,6 +631,23 @@ func (vr *virtualRun) summary(label string) report.Run {
 	}
 	vr.syncSummary(extra)
 	vr.pdSummary(extra)
+	vr.stallSummary(extra)
 	run.Extra = extra
 	return run
+}
+
+// stallSummary adds the distribution of the requests' longest inter-token
+// gap: report.Run's ITL is each request's mean gap, which one long stall
+// (a prefill computed beside its decode) barely moves in a long answer;
+// the longest gap is what a reader of the stream sees freeze.
+func (vr *virtualRun) stallSummary(extra map[string]float64) {
+	if len(vr.stalls) == 0 {
+		return
+	}
+	ms := make([]float64, len(vr.stalls))
+	for i, d := range vr.stalls {
+		ms[i] = d.Seconds() * 1000
+	}
+	slices.Sort(ms)
+	extra["itl_max_p50_ms"], extra["itl_max_p99_ms"] = report.Percentile(ms, 0.5), report.Percentile(ms, 0.99)
 }
