@@ -301,17 +301,7 @@ func (rt *Router) views(req *policy.Request) ([]policy.ReplicaView, []int) {
 		v := &views[i]
 		// A removed replica (draining, or gone) is never a candidate.
 		v.Index, v.URL, v.Healthy, v.Role = i, r.name, r.healthy.Load() && !r.removed.Load(), r.sp().Role
-		v.InFlight = int(r.inFlight.Load())
-		v.InFlightTokens = int(r.inFlightTokens.Load())
-		v.PendingPrefill = int(r.pendingPrefill.Load())
-		v.PendingCount = int(r.pendingCount.Load())
-		v.PendingTransfer = int(r.pendingTransfer.Load())
-		if l := r.remote.Load(); l != nil { // the other gateways' counts
-			v.InFlight += int(l.InFlight)
-			v.InFlightTokens += int(l.InFlightTokens)
-			v.PendingPrefill += int(l.PendingPrefill)
-			v.PendingCount += int(l.PendingCount)
-		}
+		r.loadView(v)
 		if s := r.scrape.Load(); s != nil {
 			v.MetricsAge = req.Now.Sub(s.at)
 			// Stale metrics are not used: the gateway's own counts decide.
@@ -339,6 +329,22 @@ func (rt *Router) views(req *policy.Request) ([]policy.ReplicaView, []int) {
 	return views, approx
 }
 
+// loadView sets v's loads: this gateway's counts of the replica, plus the
+// other gateways' (shared state).
+func (r *Replica) loadView(v *policy.ReplicaView) {
+	v.InFlight = int(r.inFlight.Load())
+	v.InFlightTokens = int(r.inFlightTokens.Load())
+	v.PendingPrefill = int(r.pendingPrefill.Load())
+	v.PendingCount = int(r.pendingCount.Load())
+	v.PendingTransfer = int(r.pendingTransfer.Load())
+	if l := r.remote.Load(); l != nil {
+		v.InFlight += int(l.InFlight)
+		v.InFlightTokens += int(l.InFlightTokens)
+		v.PendingPrefill += int(l.PendingPrefill)
+		v.PendingCount += int(l.PendingCount)
+	}
+}
+
 // DryRun is the decision for req without sending anything or learning.
 func (rt *Router) DryRun(req *policy.Request) (policy.Decision, []policy.ReplicaView, error) {
 	views := rt.Views(req)
@@ -358,11 +364,7 @@ func (rt *Router) DryRun(req *policy.Request) (policy.Decision, []policy.Replica
 // lookup by id) may go to any replica of the first pool. Only the replicas
 // of the pool routing req's model are candidates; that pool is returned.
 func (rt *Router) candidates(req *policy.Request, views []policy.ReplicaView, exclude []int) (*pool, error) {
-	for _, x := range exclude {
-		if x >= 0 && x < len(views) {
-			views[x].Healthy = false
-		}
-	}
+	excludeViews(views, exclude)
 	pl := rt.poolFor(req.Model)
 	if pl == nil {
 		return nil, ErrModelNotServed
@@ -409,6 +411,16 @@ func (rt *Router) candidates(req *policy.Request, views []policy.ReplicaView, ex
 		}
 	}
 	return pl, nil
+}
+
+// excludeViews takes the replicas of exclude (the ones a request already
+// tried) out of views.
+func excludeViews(views []policy.ReplicaView, exclude []int) {
+	for _, x := range exclude {
+		if x >= 0 && x < len(views) {
+			views[x].Healthy = false
+		}
+	}
 }
 
 // Ticket tracks one routed request until it ends.
