@@ -173,6 +173,10 @@ func TestBenchEmbeddedPD(t *testing.T) {
 	if r.Errors != 0 || r.Requests != 8 || len(r.ReplicaShare) != 2 {
 		t.Errorf("run: %d requests, %d errors, shares %v", r.Requests, r.Errors, r.ReplicaShare)
 	}
+	// The live stream's longest gaps are measured (4 tokens an answer).
+	if d := r.ITLMaxms; d == nil || d.P50 <= 0 || d.P99 > r.E2Ems.P99 {
+		t.Errorf("itl_max_ms %+v (e2e p99 %.1f ms)", d, r.E2Ems.P99)
+	}
 }
 
 func TestBenchTargetRun(t *testing.T) {

@@ -384,6 +384,7 @@ func (r *runner) do(ctx context.Context, q *workload.Request) report.Record {
 	}
 	rec.TTFT = time.Duration(float64(s.first) * r.cfg.TimeScale)
 	rec.E2E = time.Duration(float64(e2e) * r.cfg.TimeScale)
+	rec.MaxITL = time.Duration(float64(s.maxGap) * r.cfg.TimeScale)
 	return rec
 }
 
@@ -415,6 +416,8 @@ func (r *runner) request(ctx context.Context, q *workload.Request) (*http.Reques
 // streamed is what one SSE answer carried.
 type streamed struct {
 	first   time.Duration // to the first chunk with a token (openai.Chunk.HasToken)
+	last    time.Duration // to the last chunk with a token so far
+	maxGap  time.Duration // the longest gap between two chunks with a token
 	tokens  int           // chunks with a token
 	usage   *openai.Usage // the last usage seen
 	done    bool          // data: [DONE] arrived
@@ -453,9 +456,13 @@ func readStream(body io.Reader, t0 time.Time) streamed {
 			return s
 		}
 		if c.HasToken() {
+			now := time.Since(t0)
 			if s.tokens == 0 {
-				s.first = time.Since(t0)
+				s.first = now
+			} else {
+				s.maxGap = max(s.maxGap, now-s.last)
 			}
+			s.last = now
 			s.tokens++
 		}
 		if c.Usage != nil {

@@ -218,19 +218,18 @@ func TestLongestGap(t *testing.T) {
 	workload.Arrivals(reqs, 40, 3)
 	stall := func(cfg Config) report.Run {
 		run, err := Run(context.Background(), cfg, reqs, PolicySpec{Name: "ttft"})
-		if err != nil || run.Errors != 0 {
-			t.Fatalf("%+v: %v, %d errors", cfg, err, run.Errors)
+		if err != nil || run.Errors != 0 || run.ITLMaxms == nil {
+			t.Fatalf("%+v: %v, %d errors, longest gaps %v", cfg, err, run.Errors, run.ITLMaxms)
 		}
-		if run.Extra["itl_max_p50_ms"] < run.ITLms.P50 || run.Extra["itl_max_p99_ms"] < run.ITLms.P99 {
+		if run.ITLMaxms.P50 < run.ITLms.P50 || run.ITLMaxms.P99 < run.ITLms.P99 {
 			t.Fatalf("longest gaps p50 %.1f p99 %.1f ms below the mean gaps' p50 %.1f p99 %.1f",
-				run.Extra["itl_max_p50_ms"], run.Extra["itl_max_p99_ms"], run.ITLms.P50, run.ITLms.P99)
+				run.ITLMaxms.P50, run.ITLMaxms.P99, run.ITLms.P50, run.ITLms.P99)
 		}
 		return run
 	}
 	agg := stall(Config{Replicas: 4, Seed: 3})
 	pd := stall(Config{PrefillReplicas: 2, DecodeReplicas: 2, Seed: 3})
-	if pd.Extra["itl_max_p99_ms"] >= agg.Extra["itl_max_p99_ms"] {
-		t.Errorf("longest gap p99: P/D %.1f ms, aggregated %.1f ms: want P/D below",
-			pd.Extra["itl_max_p99_ms"], agg.Extra["itl_max_p99_ms"])
+	if pd.ITLMaxms.P99 >= agg.ITLMaxms.P99 {
+		t.Errorf("longest gap p99: P/D %.1f ms, aggregated %.1f ms: want P/D below", pd.ITLMaxms.P99, agg.ITLMaxms.P99)
 	}
 }

@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"slices"
 	"time"
 
 	"github.com/kvgate/kvgate/internal/engine"
@@ -108,9 +107,6 @@ type virtualRun struct {
 	ended           int             // requests finished or failed
 	released        []released      // requests the router's queue let go, to dispatch
 	pd              pdStats         // prefill/decode fleets: what the steps did
-	// stalls are the finished requests' longest inter-token gaps (those
-	// with two output tokens or more).
-	stalls []time.Duration
 }
 
 // newVirtualRun builds cfg.Gateways routers, each with its own instance
@@ -531,15 +527,12 @@ func (vr *virtualRun) output(i, e int, o engine.Output, at time.Time) {
 	if !o.Finished {
 		return
 	}
-	if out := max(vr.plan.reqs[i].MaxTokens, 1); out > 1 {
-		vr.stalls = append(vr.stalls, st.stall)
-	}
 	out := max(vr.plan.reqs[i].MaxTokens, 1)
 	st.ticket.Done(at, router.Outcome{CachedTokens: st.cached, OutputTokens: out})
 	vr.loadsChanged(st.gw)
 	vr.records[i] = report.Record{
 		Start: st.arrive, TTFT: st.first - st.arrive, E2E: vr.now - st.arrive,
-		PromptTokens: st.tokens, CachedTokens: vr.computedHit(st), OutputTokens: out, Replica: e,
+		PromptTokens: st.tokens, CachedTokens: vr.computedHit(st), OutputTokens: out, Replica: e, MaxITL: st.stall,
 	}
 	vr.release(st)
 	vr.finished(i)
@@ -631,23 +624,6 @@ func (vr *virtualRun) summary(label string) report.Run {
 	}
 	vr.syncSummary(extra)
 	vr.pdSummary(extra)
-	vr.stallSummary(extra)
 	run.Extra = extra
 	return run
-}
-
-// stallSummary adds the distribution of the requests' longest inter-token
-// gap: report.Run's ITL is each request's mean gap, which one long stall
-// (a prefill computed beside its decode) barely moves in a long answer;
-// the longest gap is what a reader of the stream sees freeze.
-func (vr *virtualRun) stallSummary(extra map[string]float64) {
-	if len(vr.stalls) == 0 {
-		return
-	}
-	ms := make([]float64, len(vr.stalls))
-	for i, d := range vr.stalls {
-		ms[i] = d.Seconds() * 1000
-	}
-	slices.Sort(ms)
-	extra["itl_max_p50_ms"], extra["itl_max_p99_ms"] = report.Percentile(ms, 0.5), report.Percentile(ms, 0.99)
 }

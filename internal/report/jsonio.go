@@ -89,6 +89,12 @@ func checkFinite(res Result) error {
 			{"throughput_rps", r.ThroughputRPS}, {"output_tokens_per_s", r.OutputTokensPerS},
 			{"hit_rate", r.HitRate}, {"imbalance", r.Imbalance},
 		}
+		if d := r.ITLMaxms; d != nil {
+			fields = append(fields, []struct {
+				name string
+				v    float64
+			}{{"itl_max_ms.mean", d.Mean}, {"itl_max_ms.p50", d.P50}, {"itl_max_ms.p90", d.P90}, {"itl_max_ms.p99", d.P99}}...)
+		}
 		for _, f := range fields {
 			if bad(f.v) {
 				return fmt.Errorf("%w: run %q field %s = %v", ErrNonFinite, r.Policy, f.name, f.v)

@@ -23,6 +23,10 @@ type Record struct {
 	PromptTokens int // prompt tokens as counted by the replica (usage.prompt_tokens)
 	CachedTokens int // of which served from its prefix cache (usage.prompt_tokens_details.cached_tokens)
 	OutputTokens int // generated tokens (usage.completion_tokens)
+	// MaxITL is the longest gap between two of its output tokens (0: not
+	// measured): what a reader of the stream sees freeze, which the mean
+	// gap (ITL) hides in a long answer.
+	MaxITL time.Duration
 
 	Replica int    // index of the replica that served (or was sent) it; -1 if none
 	Err     bool   // the request failed: excluded from latency, throughput and hit rate, counted in Errors
@@ -72,12 +76,15 @@ type Series struct {
 // could move on another run of the same kind; absent without successful requests. capacity_below, with a capacity_speedup of 0, is the lowest speed-up the
 // capacity search tried, at which the run already failed: the capacity is below it.
 type Run struct {
-	Policy           string             `json:"policy"`
-	Requests         int                `json:"requests"`
-	Errors           int                `json:"errors"`
-	TTFTms           Dist               `json:"ttft_ms"`
-	TTFTP90CI        *Interval          `json:"ttft_p90_ci_ms,omitempty"`
-	ITLms            Dist               `json:"itl_ms"`
+	Policy    string    `json:"policy"`
+	Requests  int       `json:"requests"`
+	Errors    int       `json:"errors"`
+	TTFTms    Dist      `json:"ttft_ms"`
+	TTFTP90CI *Interval `json:"ttft_p90_ci_ms,omitempty"`
+	ITLms     Dist      `json:"itl_ms"`
+	// ITLMaxms is the distribution of each request's longest inter-token
+	// gap (Record.MaxITL), absent when no record measured it.
+	ITLMaxms         *Dist              `json:"itl_max_ms,omitempty"`
 	E2Ems            Dist               `json:"e2e_ms"`
 	ThroughputRPS    float64            `json:"throughput_rps"`
 	OutputTokensPerS float64            `json:"output_tokens_per_s"`
@@ -106,7 +113,8 @@ const (
 //     default of numpy and R): for sorted x[0..n-1], p → x[h] interpolated at h = (n−1)·p.
 //   - ITL per request is (E2E − TTFT) / (OutputTokens − 1): the mean gap between consecutive
 //     tokens, since the gaps telescope from the first token to the last. Requests with fewer
-//     than two output tokens have no gap and are left out of the ITL distribution.
+//     than two output tokens have no gap and are left out of the ITL distribution. itl_max_ms
+//     is the distribution of the records' MaxITL, where measured (two tokens or more).
 //   - Throughput is successful requests (and their output tokens) per second of wall; when
 //     wall is 0 it is the span from the first arrival to the last completion.
 //   - hit_rate = Σ cached prompt tokens / Σ prompt tokens over successful requests.
@@ -131,6 +139,11 @@ func Summarize(policy string, recs []Record, replicas int, wall time.Duration) R
 	slices.Sort(t.itl)
 	slices.Sort(t.e2e)
 	run.TTFTms, run.ITLms, run.E2Ems = distOf(t.ttft), distOf(t.itl), distOf(t.e2e)
+	if len(t.maxITL) > 0 {
+		slices.Sort(t.maxITL)
+		d := distOf(t.maxITL)
+		run.ITLMaxms = &d
+	}
 	if len(t.ttft) > 0 {
 		ci := QuantileInterval(t.ttft, 0.90, 0.90)
 		run.TTFTP90CI = &ci
@@ -159,6 +172,7 @@ func Summarize(policy string, recs []Record, replicas int, wall time.Duration) R
 type tally struct {
 	perReplica                []int     // requests routed to each replica, errors included
 	ttft, itl, e2e            []float64 // ms, successful requests
+	maxITL                    []float64 // ms, successful requests that measured it
 	prompt, cached, outTokens int64     // tokens of successful requests
 	ok, errors                int
 	first, last               time.Duration // first arrival, last completion
@@ -198,6 +212,9 @@ func (t *tally) add(r Record) {
 	t.e2e = append(t.e2e, ms(r.E2E))
 	if r.OutputTokens >= 2 {
 		t.itl = append(t.itl, ms(r.E2E-r.TTFT)/float64(r.OutputTokens-1))
+		if r.MaxITL > 0 {
+			t.maxITL = append(t.maxITL, ms(r.MaxITL))
+		}
 	}
 	t.prompt += int64(r.PromptTokens)
 	t.cached += int64(r.CachedTokens)

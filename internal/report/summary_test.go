@@ -1,6 +1,8 @@
 package report
 
 import (
+	"bytes"
+	"encoding/json"
 	"math"
 	"slices"
 	"testing"
@@ -340,4 +342,29 @@ func TestSummarizeProperties(t *testing.T) {
 			t.Fatalf("requests %d, want %d", run.Requests, n)
 		}
 	})
+}
+
+// itl_max_ms is the distribution of the records' longest gaps, over those
+// that measured one (two tokens or more), and absent when none did.
+func TestSummarizeLongestGap(t *testing.T) {
+	recs := []Record{
+		rec(0, 10, 1, 11, 100, 0, 0),
+		rec(0, 10, 1, 11, 100, 0, 0),
+		rec(0, 10, 1, 11, 100, 0, 0),
+		rec(0, 10, 0, 1, 100, 0, 0), // one token: no gap
+	}
+	if run := Summarize("p", recs, 1, time.Second); run.ITLMaxms != nil {
+		t.Fatalf("no record measured a gap: itl_max_ms %+v", run.ITLMaxms)
+	}
+	for i, gap := range []time.Duration{2, 4, 6, 100} {
+		recs[i].MaxITL = gap * time.Millisecond
+	}
+	run := Summarize("p", recs, 1, time.Second)
+	if d := run.ITLMaxms; d == nil || d.P50 != 4 || d.Mean != 4 || d.P99 != 5.96 {
+		t.Fatalf("itl_max_ms %+v, want mean 4, p50 4, p99 5.96 over the three records with two tokens or more", d)
+	}
+	b, err := json.Marshal(run)
+	if err != nil || !bytes.Contains(b, []byte(`"itl_max_ms":{"mean":4`)) {
+		t.Fatalf("JSON %s, %v", b, err)
+	}
 }
