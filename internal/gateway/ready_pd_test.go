@@ -55,7 +55,10 @@ func TestReadyWaitsForTheFirstHealthChecks(t *testing.T) {
 		resp.Body.Close()
 		return resp.StatusCode
 	}
-	if s := status(); s != http.StatusServiceUnavailable {
+	// The slow replica's check ends only when released, or at the probe
+	// timeout (2 s of wall clock): on a machine so busy that it passed,
+	// there is nothing left to observe before the release.
+	if s := status(); s != http.StatusServiceUnavailable && !gw.g.rt.Replica(1).Probed() {
 		t.Fatalf("/ready %d while a replica's first check is under way, want 503", s)
 	}
 	close(release) // its check ends, failed

@@ -3,8 +3,6 @@ package router
 import (
 	"errors"
 	"fmt"
-	"math/rand/v2"
-	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -321,28 +319,5 @@ func BenchmarkDecisionPools(b *testing.B) {
 	if err != nil {
 		b.Fatal(err)
 	}
-	rng := rand.New(rand.NewPCG(1, 2))
-	hs := make([]uint64, 500)
-	for i := 0; rt.Index().Len() < 1<<20; i++ {
-		for j := range hs {
-			hs[j] = rng.Uint64()
-		}
-		_ = rt.Index().Insert(i%16, hs)
-	}
-	text := strings.Repeat("The quick brown fox jumps over the lazy dog. ", 32000/45+1)[:32000]
-	p := parse(b, text)
-	rt.Index().Insert(13, rt.Prepare(p, "", "").Blocks[:300])
-	b.ResetTimer()
-	var lat []time.Duration
-	for b.Loop() {
-		t0 := time.Now()
-		d, _, err := rt.DryRun(rt.Prepare(p, "", ""))
-		if err != nil || d.Replica < 8 {
-			b.Fatal(d, err)
-		}
-		lat = append(lat, time.Since(t0))
-	}
-	slices.Sort(lat)
-	b.ReportMetric(float64(lat[len(lat)/2].Nanoseconds()), "p50-ns")
-	b.ReportMetric(float64(lat[len(lat)*99/100].Nanoseconds()), "p99-ns")
+	benchDecision(b, rt, 13, func(d policy.Decision) bool { return d.Replica >= 8 })
 }
