@@ -51,7 +51,7 @@ type replayFlags struct {
 	maxSeqs                                       int
 	rate, speedup                                 float64
 	staleness, scrape, slo, sloITL                time.Duration
-	capacity                                      bool
+	capacity, oracle                              bool
 	seed                                          uint64
 	out                                           outputFlags
 	set                                           map[string]bool
@@ -90,6 +90,9 @@ func (f *replayFlags) register(fs *flag.FlagSet) {
 	fs.DurationVar(&f.scrape, "scrape-interval", 0, "period of the metric scrapes (0: each policy's upstream period: llm-d's 50 ms for llmd and precise, else 250 ms, the gateway's)")
 	fs.BoolVar(&f.capacity, "capacity", false, "search each policy's largest speed-up meeting --slo-ttft-p90")
 	fs.DurationVar(&f.slo, "slo-ttft-p90", 2*time.Second, "the p90 TTFT objective of --capacity")
+	fs.BoolVar(&f.oracle, "oracle", true, "compute the oracle bound beside the hit-rate bounds: every request hits as in one LRU of the fleet's "+
+		"capacity and goes where the engines' exact queues give it its first token soonest (its TTFT, and with --capacity its capacity "+
+		"and each run's capacity_vs_bound); one gateway, aggregated replicas")
 	fs.DurationVar(&f.sloITL, "slo-itl-p99", 0, "with --capacity, an objective on the p99 of the requests' mean inter-token latency too (0: none)")
 	f.out.register(fs, "")
 	fs.Uint64Var(&f.seed, "seed", 1, "seed of the workload and the policies")
@@ -161,6 +164,7 @@ type replayConfig struct {
 	rate     float64
 	question string
 	capacity *replay.SLO
+	oracle   bool
 	meta     map[string]any
 	out      report.Outputs
 }
@@ -174,7 +178,8 @@ func (f *replayFlags) config(inv invocation) (replayConfig, error) {
 	if err != nil {
 		return replayConfig{}, fmt.Errorf("%w: --profile: %v", errUsage, err)
 	}
-	c := replayConfig{rate: f.rate, question: f.question}
+	c := replayConfig{rate: f.rate, question: f.question,
+		oracle: f.oracle && f.gateways <= 1 && f.prefillReplicas == 0 && f.decodeReplicas == 0}
 	c.replay = replay.Config{
 		Replicas: f.aggregated(), PrefillReplicas: f.prefillReplicas, DecodeReplicas: f.decodeReplicas,
 		NonCachedTokens: nonCachedConfig(f.nonCached), Profile: prof, MaxSeqs: f.maxSeqs, KVBlocks: f.kvBlocks, Speedup: f.speedup,
@@ -300,6 +305,8 @@ func (f *replayFlags) check() error {
 		return bad("--capacity and --question do not combine")
 	case f.set["slo-ttft-p90"] && !f.capacity:
 		return bad("--slo-ttft-p90 needs --capacity")
+	case f.set["oracle"] && f.oracle && (f.gateways > 1 || f.decodeReplicas > 0):
+		return bad("--oracle is computed for one gateway in front of aggregated replicas")
 	}
 	return f.checkQuestion(bad)
 }
@@ -482,7 +489,7 @@ func (c replayConfig) execute(ctx context.Context, progress func(replay.PolicySp
 	case questionStaleness:
 		return replay.Staleness(ctx, c.replay, reqs, replay.DefaultStaleness(), c.specs, progress)
 	}
-	res, err := replay.Compare(ctx, c.replay, reqs, c.specs, replay.Options{Progress: progress, Capacity: c.capacity})
+	res, err := replay.Compare(ctx, c.replay, reqs, c.specs, replay.Options{Progress: progress, Capacity: c.capacity, Oracle: c.oracle})
 	return res, nil, err
 }
 

@@ -161,6 +161,13 @@ type Request struct {
 	// transfer (StepResult.Pulls) that computes nothing, then recomputes
 	// only the last prompt token, which samples its first output token.
 	RemotePrefill bool
+	// AssumedCached (the replay's oracle bound, never a real replica) is
+	// how many leading prompt tokens the engine treats as cached whether or
+	// not it holds them, as if the whole fleet shared one cache: at
+	// admission the request takes the longer of its own hit and this, in
+	// whole blocks and at most the prompt less its last token. The assumed
+	// blocks are allocated, counted as hit and cached like computed ones.
+	AssumedCached int
 }
 
 // Output reports one request's progress in one step.
@@ -304,6 +311,7 @@ type seq struct {
 	outputs  int     // output tokens emitted
 	nHashed  int     // leading blocks already matched or offered to the cache
 	cached   int     // prefix hit in tokens at first scheduling; −1 before
+	assumed  int     // Request.AssumedCached
 
 	state     seqState
 	preempted bool   // waiting after a preemption: keeps its place at the head
@@ -429,6 +437,7 @@ func (e *Engine) Add(r *Request, now time.Duration) error {
 	s.hashes, s.tokenIDs, s.lora = r.BlockHashes, r.TokenIDs, r.LoraName
 	s.arrival, s.cached, s.state = now, -1, stWaiting
 	s.remoteDecode, s.remotePrefill = r.RemoteDecode, r.RemotePrefill
+	s.assumed = max(r.AssumedCached, 0)
 	// Size the block table for the request's whole life once, so that
 	// decode steps never allocate.
 	if need := e.blocksFor(r.PromptTokens + r.MaxTokens - 1); cap(s.blocks) < need {
@@ -505,6 +514,45 @@ func (e *Engine) Stats() Stats {
 	s.CachedBlocks = e.pool.cache.Len()
 	s.EvictedBlocks = e.pool.evicted
 	return s
+}
+
+// Backlog is the exact work an engine holds, what a router with perfect
+// knowledge would weigh (the replay's oracle bound; replicas report only
+// Stats' gauges).
+type Backlog struct {
+	// Prefill is the prompt tokens still to compute, of the waiting
+	// requests (less the hits they were promised: AssumedCached, or what
+	// they computed before a preemption) and of the running ones that have
+	// not sampled their first token.
+	Prefill int
+	// Pending counts the requests without a first token yet; Live every
+	// request waiting or running.
+	Pending, Live int
+	// Footprint is the prompt plus max output tokens of the live requests.
+	Footprint int
+}
+
+// Backlog sums the engine's queued and running work (O(live requests)).
+func (e *Engine) Backlog() Backlog {
+	var b Backlog
+	add := func(s *seq, computed int) {
+		b.Live++
+		b.Footprint += s.prompt + s.maxTokens
+		if s.outputs == 0 {
+			b.Pending++
+			b.Prefill += max(s.prompt-computed, 0)
+		}
+	}
+	for _, s := range e.running {
+		if s.state == stRunning {
+			add(s, s.computed)
+		}
+	}
+	for i := range e.waiting.len() {
+		s := e.waiting.at(i)
+		add(s, max(s.computed, min(s.assumed, s.prompt-1)/e.bs*e.bs))
+	}
+	return b
 }
 
 // LoraRequests counts the live requests of each LoRA adapter, running and
@@ -712,7 +760,7 @@ func (e *Engine) admit() {
 			s.blocks = append(s.blocks, b)
 		}
 		hit := len(s.blocks)
-		computed := hit * e.bs
+		computed := max(hit, min(s.assumed/e.bs, limit)) * e.bs
 		if s.remotePrefill {
 			if !e.admitPull(s, hit, evictable) {
 				return

@@ -12,6 +12,10 @@ type Options struct {
 	// Capacity, when set, searches each policy's capacity speed-up for it
 	// (Run.CapacitySpeedup).
 	Capacity *SLO
+	// Oracle, when set, computes the oracle bound (oracle.go) into the
+	// result's bound: its TTFT and hit rate, and with Capacity its
+	// capacity, and each run's capacity_vs_bound.
+	Oracle bool
 	// Progress, when set, is called after each policy's run (and capacity
 	// search) with its summary.
 	Progress func(spec PolicySpec, run report.Run)
@@ -25,6 +29,11 @@ func Compare(ctx context.Context, cfg Config, reqs []workload.Request, specs []P
 	cfg, pl, bound, err := prepareBounded(ctx, cfg, reqs)
 	if err != nil {
 		return report.Result{}, err
+	}
+	if opt.Oracle {
+		if err := oracleBound(ctx, cfg, pl, opt.Capacity, &bound); err != nil {
+			return report.Result{}, err
+		}
 	}
 	res := report.Result{Bound: &bound}
 	for _, spec := range specs {
@@ -45,6 +54,9 @@ func Compare(ctx context.Context, cfg Config, reqs []workload.Request, specs []P
 				return report.Result{}, err
 			}
 			run.CapacitySpeedup = &c
+			if o := bound.OracleCapacity; o != nil && *o > 0 {
+				run.Extra["capacity_vs_bound"] = c / *o
+			}
 		}
 		if opt.Progress != nil {
 			opt.Progress(spec, run)

@@ -107,6 +107,9 @@ type virtualRun struct {
 	ended           int             // requests finished or failed
 	released        []released      // requests the router's queue let go, to dispatch
 	pd              pdStats         // prefill/decode fleets: what the steps did
+	// oracle: the run is the oracle bound's (oracle.go): each engine
+	// treats the prefix the router credited as cached.
+	oracle bool
 }
 
 // newVirtualRun builds cfg.Gateways routers, each with its own instance
@@ -177,6 +180,10 @@ func newVirtualRun(cfg Config, p *plan, spec PolicySpec) (*virtualRun, error) {
 		gw.name = gatewayName(g)
 		if gw.router, err = router.New(rc); err != nil {
 			return nil, fmt.Errorf("%w: %w", ErrConfig, err)
+		}
+		if ea, ok := pol.(engineAware); ok {
+			ea.attach(vr)
+			vr.oracle = true
 		}
 	}
 	return vr, nil
@@ -320,6 +327,9 @@ func (vr *virtualRun) dispatch(i int, text string, tk *router.Ticket, err error)
 	st.ticket = tk
 	vr.loadsChanged(st.gw)
 	er := vr.engineRequest(i, text)
+	if vr.oracle {
+		er.AssumedCached = tk.Decision.Matched * vr.cfg.BlockSize
+	}
 	return vr.submit(i, tk.Replica, &er)
 }
 

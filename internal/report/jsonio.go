@@ -13,6 +13,13 @@ import (
 type Bound struct {
 	PrefixReuse float64 `json:"prefix_reuse"` // one unbounded cache: every repeated prefix hits
 	MergedLRU   float64 `json:"merged_lru"`   // one LRU cache with the whole fleet's capacity
+	// The oracle bound (replay --oracle): every request hits as in
+	// merged_lru and goes where the engines' exact queues give it its first
+	// token soonest. Its TTFT and hit rate at the replay's speed-up, and
+	// with --capacity its capacity speed-up at the same SLO.
+	OracleTTFTms   *Dist    `json:"oracle_ttft_ms,omitempty"`
+	OracleHitRate  *float64 `json:"oracle_hit_rate,omitempty"`
+	OracleCapacity *float64 `json:"oracle_capacity,omitempty"`
 }
 
 // Result is what bench and replay write: the runs, and for replay the bounds.
@@ -76,6 +83,12 @@ func checkFinite(res Result) error {
 	if b := res.Bound; b != nil {
 		if bad(b.PrefixReuse) || bad(b.MergedLRU) {
 			return fmt.Errorf("%w: bound", ErrNonFinite)
+		}
+		if d := b.OracleTTFTms; d != nil && (bad(d.Mean) || bad(d.P50) || bad(d.P90) || bad(d.P99)) {
+			return fmt.Errorf("%w: bound oracle_ttft_ms", ErrNonFinite)
+		}
+		if (b.OracleHitRate != nil && bad(*b.OracleHitRate)) || (b.OracleCapacity != nil && bad(*b.OracleCapacity)) {
+			return fmt.Errorf("%w: bound oracle", ErrNonFinite)
 		}
 	}
 	for _, r := range res.Runs {

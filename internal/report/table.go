@@ -87,8 +87,16 @@ func boundLine(b *Bound) string {
 	if b == nil {
 		return ""
 	}
-	return fmt.Sprintf("hit-rate bounds: prefix reuse %s%% (unbounded cache), merged LRU %s%% (one LRU with the fleet's capacity)",
+	line := fmt.Sprintf("hit-rate bounds: prefix reuse %s%% (unbounded cache), merged LRU %s%% (one LRU with the fleet's capacity)",
 		fmtPercent(b.PrefixReuse), fmtPercent(b.MergedLRU))
+	if b.OracleTTFTms != nil {
+		line += fmt.Sprintf("\noracle bound (merged-LRU hits, placed by the exact queues): ttft p50 %s p90 %s p99 %s ms",
+			fmtMs(b.OracleTTFTms.P50), fmtMs(b.OracleTTFTms.P90), fmtMs(b.OracleTTFTms.P99))
+		if b.OracleCapacity != nil {
+			line += ", capacity " + fmtSpeedup(*b.OracleCapacity)
+		}
+	}
+	return line
 }
 
 // WriteTable writes res as an aligned plain-text table (policy left-aligned, figures

@@ -1,0 +1,85 @@
+package replay
+
+import (
+	"context"
+	"math"
+	"testing"
+	"time"
+
+	"github.com/kvgate/kvgate/internal/workload"
+)
+
+// The oracle bound gets the fleet-wide cache's hits (between merged_lru and
+// prefix_reuse: it is merged_lru in routing order), and beats every policy
+// on p90 TTFT and capacity, on a workload where placement matters (shared
+// prefixes) and one whose working set overflows the engines (multiturn on
+// small caches, where a cache-aware policy must trade hits for load).
+func TestOracleBoundsEveryPolicy(t *testing.T) {
+	multiturn, err := workload.Generate(workload.Spec{Name: "multiturn", Seed: 3, Params: map[string]float64{
+		"conversations": 24, "turns": 4, "system_prompts": 3, "system_prompt_len": 1024, "output_len": 64}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	workload.Arrivals(multiturn, 12, 3)
+	tests := []struct {
+		name string
+		reqs []workload.Request
+		cfg  Config
+	}{
+		{"shared_prefix", smallShared(t, 2), Config{Replicas: 4, Seed: 2}},
+		{"multiturn small cache", multiturn, Config{Replicas: 3, KVBlocks: 600, Seed: 3}},
+	}
+	slo := SLO{TTFTP90: 150 * time.Millisecond}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			res, err := Compare(context.Background(), tc.cfg, tc.reqs, specsOf(t, "round_robin", "llmd", "dynamo", "ttft"),
+				Options{Oracle: true, Capacity: &slo})
+			if err != nil {
+				t.Fatal(err)
+			}
+			b := res.Bound
+			if b.OracleTTFTms == nil || b.OracleHitRate == nil || b.OracleCapacity == nil {
+				t.Fatalf("no oracle in the bound: %+v", *b)
+			}
+			if h := *b.OracleHitRate; h < b.MergedLRU-0.01 || h > b.PrefixReuse+1e-12 {
+				t.Errorf("oracle hit rate %.4f outside [merged_lru %.4f − 1%%, prefix_reuse %.4f]", h, b.MergedLRU, b.PrefixReuse)
+			}
+			for _, r := range res.Runs {
+				if r.TTFTms.P90 < b.OracleTTFTms.P90 {
+					t.Errorf("%s: p90 TTFT %.1f ms below the oracle's %.1f ms", r.Policy, r.TTFTms.P90, b.OracleTTFTms.P90)
+				}
+				c := *r.CapacitySpeedup
+				if c > *b.OracleCapacity*(1+CapacityPrecision) {
+					t.Errorf("%s: capacity %.3f× above the oracle's %.3f×", r.Policy, c, *b.OracleCapacity)
+				}
+				if v, ok := r.Extra["capacity_vs_bound"]; !ok || math.Abs(v - c / *b.OracleCapacity) > 1e-12 {
+					t.Errorf("%s: capacity_vs_bound %v (present %v), want %v", r.Policy, v, ok, c / *b.OracleCapacity)
+				}
+			}
+		})
+	}
+}
+
+// The oracle is a replay of its own: deterministic, and refused where it is
+// not defined.
+func TestOracleDeterministicAndAggregatedOnly(t *testing.T) {
+	reqs := smallShared(t, 4)
+	run := func() float64 {
+		res, err := Compare(context.Background(), Config{Replicas: 3, Seed: 4}, reqs, specsOf(t, "ttft"), Options{Oracle: true})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if res.Bound.OracleCapacity != nil {
+			t.Error("an oracle capacity without a capacity search")
+		}
+		return res.Bound.OracleTTFTms.P90
+	}
+	if a, b := run(), run(); a != b {
+		t.Errorf("two oracle runs: p90 %v and %v", a, b)
+	}
+	for _, cfg := range []Config{{Replicas: 2, Gateways: 2}, {PrefillReplicas: 1, DecodeReplicas: 2}} {
+		if _, err := Compare(context.Background(), cfg, reqs, specsOf(t, "ttft"), Options{Oracle: true}); err == nil {
+			t.Errorf("%+v: the oracle ran", cfg)
+		}
+	}
+}
