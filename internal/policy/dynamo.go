@@ -191,10 +191,16 @@ func (*Dynamo) WantsKVEvents() bool { return true }
 // cost is the Dynamo cost of sending req to v, in blocks; set is v's
 // active blocks (read-locked by the caller).
 func (p *Dynamo) cost(req *Request, v *ReplicaView, set map[uint64]int32) float64 {
-	prefill := float64(v.PendingPrefill+req.Tokens) / p.blockSize
-	credit := p.params.OverlapScoreCredit * float64(v.Match)
 	decode := len(set) + len(req.Blocks) - activePrefix(req.Blocks, set)
-	return p.params.PrefillLoadScale*max(prefill-credit, 0) + float64(decode)
+	return p.prefillCost(req, v) + float64(decode)
+}
+
+// prefillCost is the prefill term of v's cost: prefill_load_scale ×
+// max(prefill blocks − credit × matched blocks, 0), counts clamped (count:
+// a sum of two impossible counts must not wrap around).
+func (p *Dynamo) prefillCost(req *Request, v *ReplicaView) float64 {
+	prefill := float64(count(v.PendingPrefill)+count(req.Tokens)) / p.blockSize
+	return p.params.PrefillLoadScale * max(prefill-p.params.OverlapScoreCredit*float64(count(v.Match)), 0)
 }
 
 // activePrefix is the number of blocks (hashes) in set. A chained hash
@@ -266,7 +272,7 @@ func (p *Dynamo) pickBy(rs []ReplicaView, c []int, cost func(*ReplicaView) float
 	} else {
 		i = argBest(c, func(i int) float64 { return costs[i] }, true, p.g)
 	}
-	d := decide(rs, i, reason, rs[i].Match, costs[i])
+	d := decide(rs, i, reason, count(rs[i].Match), costs[i])
 	d.Scores = costs
 	return d, i
 }
@@ -371,10 +377,8 @@ func (p *Dynamo) PickPair(req *Request, prefill, decode []ReplicaView) (PairDeci
 				n, p.params.ConditionalPrefillMaxNewTokens)), nil
 		}
 	}
-	pd, _ := p.pickBy(prefill, pc, func(v *ReplicaView) float64 {
-		prefill := float64(v.PendingPrefill+req.Tokens) / p.blockSize
-		return p.params.PrefillLoadScale * max(prefill-p.params.OverlapScoreCredit*float64(v.Match), 0)
-	}, "prefill router: lowest prefill cost")
+	pd, _ := p.pickBy(prefill, pc, func(v *ReplicaView) float64 { return p.prefillCost(req, v) },
+		"prefill router: lowest prefill cost")
 	dd, _ := p.pickBy(decode, dc, func(v *ReplicaView) float64 {
 		return float64(p.total[v.Index] + len(req.Blocks))
 	}, "decode router: fewest active blocks (overlap off)")

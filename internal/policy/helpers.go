@@ -78,6 +78,42 @@ func argBest(cands []int, val func(int) float64, lower bool, g *rng) int {
 	return best
 }
 
+// viewCeiling bounds the counts a policy computes with (requests, tokens,
+// blocks of one replica): 2^40, about a million times what any real
+// replica holds or queues (a few million tokens of KV, thousands of
+// requests), and low enough that a product of two such counts stays far
+// within float64's range and a sum of a few within int64's. The router
+// bounds what enters its views (peer gateways' loads, scrapes) well below
+// it; a policy clamps again, where its arithmetic would break on an
+// impossible number (a negative queue, an overflowing sum), so that its
+// answer never depends on every door being right.
+const viewCeiling = 1 << 40
+
+// count is x within [0, viewCeiling].
+func count(x int) int { return min(max(x, 0), viewCeiling) }
+
+// fraction is x within [0, 1]; NaN is 0 (Go's min and max keep a NaN).
+func fraction(x float64) float64 {
+	if !(x > 0) {
+		return 0
+	}
+	return min(x, 1)
+}
+
+// sane is v with every count within [0, viewCeiling], the KV usage within
+// [0, 1] and the metrics' age at least 0: the view a policy's arithmetic
+// may assume. A copy, so that Pick leaves its input alone.
+func sane(v *ReplicaView) ReplicaView {
+	s := *v
+	s.InFlight, s.InFlightTokens = count(s.InFlight), count(s.InFlightTokens)
+	s.PendingPrefill, s.PendingCount, s.PendingTransfer = count(s.PendingPrefill), count(s.PendingCount), count(s.PendingTransfer)
+	s.Waiting, s.Running, s.NumBlocks = count(s.Waiting), count(s.Running), count(s.NumBlocks)
+	s.Match, s.Cached = count(s.Match), count(s.Cached)
+	s.KVUsage = fraction(s.KVUsage)
+	s.MetricsAge = max(s.MetricsAge, 0)
+	return s
+}
+
 // decide builds a Decision for position i.
 func decide(replicas []ReplicaView, i int, reason string, matched int, load float64) Decision {
 	return Decision{Replica: replicas[i].Index, Reason: reason, Matched: matched, Load: load}

@@ -115,19 +115,19 @@ func (w scorerWeights) validate() error {
 //
 // waiting and KV usage are the scraped vllm:num_requests_waiting and
 // vllm:kv_cache_usage_perc, 0 before the first scrape (queue-scorer,
-// kv-cache-utilization-scorer).
+// kv-cache-utilization-scorer), clamped (a NaN usage is 0).
 func (w scorerWeights) fill(rs []ReplicaView, c []int, prefix, out []float64) {
 	waiting := func(v *ReplicaView) float64 {
 		if !v.HaveMetrics {
 			return 0
 		}
-		return float64(v.Waiting)
+		return float64(count(v.Waiting))
 	}
 	kvUsage := func(v *ReplicaView) float64 {
 		if !v.HaveMetrics {
 			return 0
 		}
-		return min(max(v.KVUsage, 0), 1)
+		return fraction(v.KVUsage)
 	}
 	lo, hi := waiting(&rs[c[0]]), waiting(&rs[c[0]])
 	for _, i := range c[1:] {

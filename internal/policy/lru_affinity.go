@@ -41,7 +41,7 @@ func NewAffinity(replicas, capacity int) (*Affinity, error) {
 
 // Holds reports whether replica r holds key, without touching recency.
 func (a *Affinity) Holds(r int, key string) bool {
-	return a.capacity > 0 && r < len(a.lrus) && a.lrus[r].Contains(key)
+	return a.capacity > 0 && r >= 0 && r < len(a.lrus) && a.lrus[r].Contains(key)
 }
 
 // Choose applies the rule over the candidate replicas (ascending indexes)
@@ -67,7 +67,7 @@ func (a *Affinity) Choose(key string, cands []int, load func(int) int) (int, boo
 // Record makes key the most recent entry of replica r, inserting it
 // (evicting the least recent when full) if absent.
 func (a *Affinity) Record(r int, key string) {
-	if a.capacity > 0 && r < len(a.lrus) {
+	if a.capacity > 0 && r >= 0 && r < len(a.lrus) {
 		a.lrus[r].Add(key, struct{}{})
 	}
 }
@@ -194,7 +194,7 @@ func (p *LRUAffinity) Pick(req *Request, rs []ReplicaView) (Decision, error) {
 }
 
 func (p *LRUAffinity) Observe(ev Event) {
-	if ev.Kind != Routed || ev.Req == nil {
+	if ev.Kind != Routed || ev.Req == nil || ev.Replica < 0 {
 		return
 	}
 	key := p.key(ev.Req)

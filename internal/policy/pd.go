@@ -107,8 +107,10 @@ func Pair(p, d Decision, reason string) PairDecision {
 }
 
 // uncachedOn is the prompt tokens v lacks of req: the prompt less its
-// matched blocks, at least the last token (as the engines recompute it).
+// matched blocks, at least the last token (as the engines recompute it),
+// 0 for an empty prompt.
 func uncachedOn(req *Request, v *ReplicaView, blockSize int) int {
-	cached := min(min(v.Match, len(req.Blocks))*blockSize, max(req.Tokens-1, 0))
-	return req.Tokens - cached
+	tokens := count(req.Tokens)
+	cached := min(min(count(v.Match), len(req.Blocks))*blockSize, max(tokens-1, 0))
+	return tokens - cached
 }

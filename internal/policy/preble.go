@@ -273,31 +273,24 @@ func (p *Preble) Pick(req *Request, rs []ReplicaView) (Decision, error) {
 	if evict {
 		costs = make([]float64, len(rs))
 	}
-	p.mu.RLock()
-	for _, i := range c {
-		loads[i] = p.loadMs(rs[i].Index, now)
-		if evict {
-			costs[i] = loads[i] + p.evictionMs(p.replicas[rs[i].Index], req, req.Tokens-rs[i].Match*p.blockSize)
-		}
-	}
-	p.mu.RUnlock()
+	p.fillCosts(req, rs, c, now, loads, costs)
 	cost := func(i int) float64 { return costs[i] }
 
 	best := 0
 	for _, i := range c {
-		best = max(best, rs[i].Match)
+		best = max(best, count(rs[i].Match))
 	}
 	least := argBest(c, cost, true, p.g)
 	matchTok := best * p.blockSize
 	if best == 0 || matchTok <= req.Tokens-matchTok {
-		d := decide(rs, least, "explore: least cost", rs[least].Match, costs[least])
+		d := decide(rs, least, "explore: least cost", count(rs[least].Match), costs[least])
 		d.Scores = costs
 		return d, nil
 	}
 	var hbuf [scratchLen]int
 	holders := scratch(&hbuf, len(c))[:0]
 	for _, i := range c {
-		if rs[i].Match == best {
+		if count(rs[i].Match) == best {
 			holders = append(holders, i)
 		}
 	}
@@ -310,9 +303,23 @@ func (p *Preble) Pick(req *Request, rs []ReplicaView) (Decision, error) {
 	if loads[i] > p.params.RebalanceRatio*loads[leastLoaded] {
 		i, reason = leastLoaded, "rebalance: prefix holder overloaded, least load cost replicates it"
 	}
-	d := decide(rs, i, reason, rs[i].Match, costs[i])
+	d := decide(rs, i, reason, count(rs[i].Match), costs[i])
 	d.Scores = costs
 	return d, nil
+}
+
+// fillCosts sets, for the candidates c, loads to their load cost at second
+// now and, when costs is not loads (eviction_cost), costs to the load plus
+// the eviction cost.
+func (p *Preble) fillCosts(req *Request, rs []ReplicaView, c []int, now int64, loads, costs []float64) {
+	p.mu.RLock()
+	defer p.mu.RUnlock() // deferred: a panic in a Pick must leave no lock held (the router recovers it)
+	for _, i := range c {
+		loads[i] = p.loadMs(rs[i].Index, now)
+		if p.params.EvictionCost {
+			costs[i] = loads[i] + p.evictionMs(p.replicas[rs[i].Index], req, req.Tokens-count(rs[i].Match)*p.blockSize)
+		}
+	}
 }
 
 // evictionMs is Preble's eviction cost of sending req to r (read only):

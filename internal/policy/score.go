@@ -52,7 +52,7 @@ func (p *Score) Pick(req *Request, rs []ReplicaView) (Decision, error) {
 	for _, i := range c {
 		cache, load := 0.0, 1.0
 		if n > 0 {
-			cache = float64(min(rs[i].Match, n)) / float64(n)
+			cache = float64(min(count(rs[i].Match), n)) / float64(n)
 		}
 		if maxLoad > 0 {
 			load = 1 - float64(rs[i].InFlight)/float64(maxLoad)
@@ -60,7 +60,7 @@ func (p *Score) Pick(req *Request, rs []ReplicaView) (Decision, error) {
 		scores[i] = p.params.CacheWeight*cache + p.params.LoadWeight*load
 	}
 	i := argBest(c, func(i int) float64 { return scores[i] }, false, p.g)
-	d := decide(rs, i, "max weighted cache + load score", min(rs[i].Match, n), float64(rs[i].InFlight))
+	d := decide(rs, i, "max weighted cache + load score", min(count(rs[i].Match), n), float64(rs[i].InFlight))
 	d.Scores = scores
 	return d, nil
 }

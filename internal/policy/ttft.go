@@ -178,7 +178,8 @@ func (*TTFT) Name() string { return "ttft" }
 // Estimate returns the uncorrected estimated TTFT on v in milliseconds and
 // the blocks credited.
 func (t *TTFT) Estimate(req *Request, v *ReplicaView, meanPrompt float64) (float64, int) {
-	e := t.estimate(req, v, meanPrompt, 0)
+	sv := sane(v)
+	e := t.estimate(req, &sv, meanPrompt, 0)
 	return e.ms, e.matched
 }
 
@@ -235,7 +236,7 @@ func (t *TTFT) kvWaitMs(v *ReplicaView, l *ttftLoad, tokens int, out float64) fl
 	if v.NumBlocks <= 0 {
 		return 0
 	}
-	capacity := float64(v.NumBlocks * t.o.BlockSize)
+	capacity := float64(v.NumBlocks) * float64(t.o.BlockSize)
 	footprint := float64(v.InFlightTokens)
 	if v.HaveMetrics {
 		footprint = max(footprint, v.KVUsage*capacity)
@@ -247,8 +248,12 @@ func (t *TTFT) kvWaitMs(v *ReplicaView, l *ttftLoad, tokens int, out float64) fl
 }
 
 // evictShare is the share of own tokens written into v's cache that evict
-// other prefixes (its cache full; unknown size: taken as full).
+// other prefixes (its cache full; unknown size: taken as full; nothing
+// written: 0).
 func (t *TTFT) evictShare(v *ReplicaView, own int) float64 {
+	if own <= 0 {
+		return 0
+	}
 	if v.NumBlocks <= 0 {
 		return 1
 	}
@@ -256,18 +261,20 @@ func (t *TTFT) evictShare(v *ReplicaView, own int) float64 {
 	return min(max((float64(v.Cached)+ownBlocks-float64(v.NumBlocks))/ownBlocks, 0), 1)
 }
 
-// estimate estimates sending req to v, for out expected output tokens.
+// estimate estimates sending req to v, for out expected output tokens. v
+// is sane (see sane): every term is then finite and at least 0.
 func (t *TTFT) estimate(req *Request, v *ReplicaView, meanPrompt, out float64) ttftEstimate {
 	prof, bs := t.o.Profile, t.o.BlockSize
 	matched := min(v.Match, len(req.Blocks))
-	cached := min(matched*bs, max(req.Tokens-1, 0))
-	own := max(req.Tokens-cached, 1)
+	tokens := count(req.Tokens)
+	cached := min(matched*bs, max(tokens-1, 0))
+	own := max(tokens-cached, 1)
 
 	l := t.load(v, meanPrompt)
 	work := l.queued + float64(own)
 	steps := math.Ceil(work / l.chunk)
 	ms := steps*l.stepMs + prof.C1*work + prof.C2*float64(own)*float64(cached+own)
-	ms += t.kvWaitMs(v, &l, req.Tokens, out)
+	ms += t.kvWaitMs(v, &l, tokens, out)
 	// The decode cost of the choice: the request's own tokens slowed by r's
 	// batch, and the request's prefill stalling r's running decodes.
 	perStep := prof.C1 + prof.C3*l.meanCtx
@@ -301,7 +308,7 @@ func (t *TTFT) Pick(req *Request, rs []ReplicaView) (Decision, error) {
 	if scores[choice] > best {
 		reason = "deepest match within the margin of the lowest score"
 	}
-	d := decide(rs, choice, reason, matched[choice], float64(rs[choice].PendingPrefill))
+	d := decide(rs, choice, reason, matched[choice], float64(count(rs[choice].PendingPrefill)))
 	d.EstTTFT = msDuration(ttfts[choice])
 	t.picks[req.ID%ttftPickSlots] = ttftPick{id: req.ID, replica: d.Replica, est: d.EstTTFT, corr: t.corr(d.Replica), learnt: d.Replica}
 	for i := range scores {
@@ -318,24 +325,15 @@ func (t *TTFT) Pick(req *Request, rs []ReplicaView) (Decision, error) {
 // blocks credited; unhealthy replicas score +Inf. It returns the lowest
 // score and the shortest corrected queue ahead (ms). t.mu must be held.
 func (t *TTFT) estimateAll(req *Request, rs []ReplicaView, scores, ttfts []float64, matched []int) (float64, float64) {
-	meanPrompt := t.meanPrompt
-	if meanPrompt == 0 {
-		meanPrompt = float64(req.Tokens)
-	}
-	out := float64(req.MaxTokens)
-	if out <= 0 {
-		out = t.meanOutput
-		if out == 0 {
-			out = ttftDefaultOutput
-		}
-	}
+	meanPrompt, out := t.means(req)
 	best, queue := math.Inf(1), math.Inf(1)
 	for i := range rs {
 		if !rs[i].Healthy {
 			scores[i] = math.Inf(1)
 			continue
 		}
-		e := t.estimate(req, &rs[i], meanPrompt, out)
+		v := sane(&rs[i])
+		e := t.estimate(req, &v, meanPrompt, out)
 		c := t.corr(rs[i].Index)
 		ttfts[i] = e.ms * c
 		scores[i], matched[i] = ttfts[i]+e.cost, e.matched
@@ -344,11 +342,18 @@ func (t *TTFT) estimateAll(req *Request, rs []ReplicaView, scores, ttfts []float
 	return best, queue
 }
 
+// limit is the highest score within the margin of best. best ≥ 0 for
+// sane views; the margin is taken on its magnitude all the same, so that
+// the limit is never below best itself and best is always chosen from.
+func (t *TTFT) limit(best float64) float64 {
+	return best + math.Abs(best)*t.params.MarginRel + t.params.MarginMs
+}
+
 // choose returns the position to send the request to: among the scores
 // within the margin of best, the deepest match, then the lowest score, then
 // one at random.
 func (t *TTFT) choose(scores []float64, matched []int, best float64) int {
-	limit := best*(1+t.params.MarginRel) + t.params.MarginMs
+	limit := t.limit(best)
 	choice, seen := -1, 0
 	for i := range scores {
 		if scores[i] > limit {
@@ -399,6 +404,9 @@ func (t *TTFT) corr(replica int) float64 {
 
 // learn moves the corrections towards an observed log ratio l on replica.
 func (t *TTFT) learn(replica int, l float64) {
+	if math.IsNaN(l) {
+		return
+	}
 	lim := math.Log(t.params.MaxCorrection)
 	l = min(max(l, -lim), lim)
 	dev := l - t.fleetLog // against the fleet's correction before this observation

@@ -93,23 +93,25 @@ func (t *TTFT) PickPair(req *Request, prefill, decode []ReplicaView) (PairDecisi
 func (t *TTFT) pairSides(req *Request, prefill, decode []ReplicaView, pre, dec []ttftSide) {
 	meanPrompt, out := t.means(req)
 	for i := range prefill {
-		if v := &prefill[i]; v.Healthy {
-			e := t.estimate(req, v, meanPrompt, 1)
+		if prefill[i].Healthy {
+			v := sane(&prefill[i])
+			e := t.estimate(req, &v, meanPrompt, 1)
 			pre[i] = ttftSide{ok: true, preMs: e.ms, preCost: e.cost, corr: t.corr(v.Index), matched: e.matched}
 		}
 	}
 	prof := t.o.Profile
 	for j := range decode {
-		v := &decode[j]
-		if !v.Healthy {
+		if !decode[j].Healthy {
 			continue
 		}
-		s := &dec[j]
+		sv := sane(&decode[j])
+		v, s := &sv, &dec[j]
 		*s = ttftSide{ok: true, corr: t.corr(v.Index), matched: min(v.Match, len(req.Blocks))}
 		s.uncached = uncachedOn(req, v, t.o.BlockSize)
 		l := t.load(v, meanPrompt)
 		s.admitMs, s.linkMs, s.pullMs = t.queueMs(&l), prof.TransferWireMs(v.PendingTransfer), prof.TransferMs(s.uncached)
-		s.lastMs = l.stepMs + prof.C1 + prof.C2*float64(req.Tokens) + t.kvWaitMs(v, &l, req.Tokens, out)
+		tokens := count(req.Tokens)
+		s.lastMs = l.stepMs + prof.C1 + prof.C2*float64(tokens) + t.kvWaitMs(v, &l, tokens, out)
 		s.decCost = t.params.DecodeWeight*out*(prof.C1+prof.C3*l.meanCtx)*float64(l.decodes) +
 			t.params.InterferenceWeight*float64(l.decodes)*prof.C1 +
 			t.params.EvictionWeight*t.evictShare(v, s.uncached)*s.pullMs
@@ -126,7 +128,7 @@ func (t *TTFT) pairSides(req *Request, prefill, decode []ReplicaView, pre, dec [
 func (t *TTFT) means(req *Request) (meanPrompt, out float64) {
 	meanPrompt = t.meanPrompt
 	if meanPrompt == 0 {
-		meanPrompt = float64(req.Tokens)
+		meanPrompt = float64(count(req.Tokens))
 	}
 	out = float64(req.MaxTokens)
 	if out <= 0 {
@@ -165,7 +167,7 @@ func eachOption(prefill, decode []ReplicaView, pre, dec []ttftSide, f func(i, j 
 // best: the deepest key, then the lowest score, then one at random; with
 // its corrected estimated TTFT and its score.
 func (t *TTFT) choosePair(prefill, decode []ReplicaView, pre, dec []ttftSide, best float64) (ci, cj int, cest, cscore float64) {
-	limit := best*(1+t.params.MarginRel) + t.params.MarginMs
+	limit := t.limit(best)
 	ci, cj = -2, -1
 	ckey, seen := -1, 0
 	eachOption(prefill, decode, pre, dec, func(i, j int, score, est float64, key int) {
@@ -190,7 +192,7 @@ func (t *TTFT) choosePair(prefill, decode []ReplicaView, pre, dec []ttftSide, be
 // estimated TTFT is est, and records the pick for Observe. t.mu must be held.
 func (t *TTFT) pairDecision(req *Request, prefill, decode []ReplicaView, pre, dec []ttftSide,
 	i, j int, est float64, reason string) PairDecision {
-	d := decide(decode, j, reason, dec[j].matched, float64(decode[j].PendingPrefill))
+	d := decide(decode, j, reason, dec[j].matched, float64(count(decode[j].PendingPrefill)))
 	d.EstTTFT = msDuration(est)
 	if i < 0 {
 		t.picks[req.ID%ttftPickSlots] = ttftPick{id: req.ID, replica: d.Replica, est: d.EstTTFT, corr: dec[j].corr, learnt: d.Replica}
@@ -201,7 +203,7 @@ func (t *TTFT) pairDecision(req *Request, prefill, decode []ReplicaView, pre, de
 		}
 		return SkipPair(d, why)
 	}
-	p := decide(prefill, i, reason, pre[i].matched, float64(prefill[i].PendingPrefill))
+	p := decide(prefill, i, reason, pre[i].matched, float64(count(prefill[i].PendingPrefill)))
 	p.EstTTFT = msDuration(pre[i].corr * pre[i].preMs)
 	t.picks[req.ID%ttftPickSlots] = ttftPick{id: req.ID, replica: d.Replica, est: d.EstTTFT, corr: pre[i].corr, learnt: p.Replica}
 	return PairDecision{Prefill: p, Decode: d, Reason: reason}
