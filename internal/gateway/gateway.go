@@ -161,7 +161,7 @@ func New(cfg Config, o Options) (*Gateway, error) {
 	rcfg := cfg
 	rcfg.Seed = policySeed(cfg.Seed, syncer)
 	var g *Gateway
-	rt, err := newRouter(rcfg, poolTargets(list, ranks, pools), prof, o.Clock, onLearn(syncer), drainLog(&g))
+	rt, err := newRouter(rcfg, poolTargets(list, ranks, pools), prof, o.Clock, onLearn(syncer), drainLog(&g), policyPanicked(&g))
 	if err != nil {
 		return nil, err
 	}
@@ -257,7 +257,8 @@ func targets(list []ReplicaConfig, ranks []int) []router.Spec {
 	return specs
 }
 
-func newRouter(cfg Config, specs []router.Spec, prof costmodel.Profile, clk clock.Clock, learn func(router.Learned), drained func(int)) (*router.Router, error) {
+func newRouter(cfg Config, specs []router.Spec, prof costmodel.Profile, clk clock.Clock, learn func(router.Learned), drained func(int),
+	panicked func(router.PolicyPanic)) (*router.Router, error) {
 	pol, err := policy.New(cfg.Policy, policy.Options{Seed: cfg.Seed, BlockSize: cfg.BlockSize, Profile: prof,
 		MaxBatchTokens: cfg.MaxBatchTokens, Params: cfg.PolicyParams})
 	if err != nil {
@@ -273,7 +274,7 @@ func newRouter(cfg Config, specs []router.Spec, prof costmodel.Profile, clk cloc
 	}
 	return router.New(router.Config{Specs: specs, Policy: pol, Pools: pools, BlockSize: cfg.BlockSize, NonCachedTokens: nonCached,
 		BlocksPerReplica: cfg.BlocksPerReplica, MaxEntries: cfg.IndexMaxEntries, Precise: cfg.Precise(), Now: clk.Now,
-		StaleAfter: cfg.ScrapeStaleAfter.D(), LearnOnAccept: true, OnLearn: learn, OnDrained: drained, Dynamic: cfg.dynamic(),
+		StaleAfter: cfg.ScrapeStaleAfter.D(), LearnOnAccept: true, OnLearn: learn, OnDrained: drained, OnPolicyPanic: panicked, Dynamic: cfg.dynamic(),
 		Breaker: router.BreakerConfig{EjectAfter: cfg.EjectAfter, Cooldown: cfg.EjectCooldown.D()}})
 }
 

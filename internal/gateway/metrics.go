@@ -1,6 +1,7 @@
 package gateway
 
 import (
+	"fmt"
 	"strconv"
 	"time"
 
@@ -29,6 +30,7 @@ type metrics struct {
 	kvReplayed, kvBlockSizeMismatch, underpredicted *prometheus.CounterVec // replica
 	kvUnknownTopic                                  prometheus.Counter
 	routerQueued                                    prometheus.Gauge
+	policyPanics                                    *prometheus.CounterVec // policy
 	routerWait                                      prometheus.Histogram
 	// Prefill/decode disaggregation.
 	pdAttempts      *prometheus.CounterVec // step, replica, verdict
@@ -77,7 +79,10 @@ func newMetrics(reg prometheus.Registerer, rt *router.Router, clk clock.Clock) *
 		Help: "Requests waiting in the router's queue (a policy deferred them: late binding, e.g. dynamo's router queue)."})
 	m.routerWait = prometheus.NewHistogram(prometheus.HistogramOpts{Name: "kvgate_router_queue_wait_seconds",
 		Help: "Time requests waited in the router's queue.", Buckets: prometheus.ExponentialBuckets(0.001, 4, 10)})
-	reg.MustRegister(m.routerQueued, m.routerWait)
+	m.policyPanics = prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvgate_policy_panics_total",
+		Help: "Panics recovered from a routing policy's pick, by policy (a pool's own included): each such request " +
+			"was routed by least load instead; the stack is logged at most once a minute per policy."}, []string{"policy"})
+	reg.MustRegister(m.routerQueued, m.routerWait, m.policyPanics)
 	m.newPDMetrics(reg)
 	m.newOutcomeMetrics(reg)
 	reg.MustRegister(m.requests, m.errors, m.ttft, m.e2e, m.decision, m.matchRatio, m.retries, m.ejections, m.attempts, m.tokenize,
@@ -87,6 +92,23 @@ func newMetrics(reg prometheus.Registerer, rt *router.Router, clk clock.Clock) *
 	// Per-replica gauges follow the membership (discovery_metrics.go).
 	reg.MustRegister(newReplicaCollector(rt, clk))
 	return m
+}
+
+// policyPanicked is the router's OnPolicyPanic: every panic counted, and
+// logged with its stack when the router attaches one (at most once a
+// minute per policy, on the gateway's clock).
+func policyPanicked(g **Gateway) func(router.PolicyPanic) {
+	return func(p router.PolicyPanic) {
+		gw := *g
+		if gw == nil || gw.met == nil {
+			return // no request is routed before New returns
+		}
+		gw.met.policyPanics.WithLabelValues(p.Policy).Inc()
+		if p.Stack != nil {
+			gw.log.Error("routing policy panicked: the request was routed by least load", "policy", p.Policy,
+				"panic", fmt.Sprint(p.Value), "suppressed_since_last_log", p.Suppressed, "stack", string(p.Stack))
+		}
+	}
 }
 
 // newKVMetrics makes the KV-event counters (precise mode).

@@ -151,11 +151,11 @@ func (rt *Router) pickPair(pol policy.Policy, req *policy.Request, views []polic
 	switch {
 	case nPre == 0:
 		var d policy.Decision
-		if d, err = pol.Pick(req, dec); err == nil {
+		if d, err = rt.pick(pol, req, dec); err == nil {
 			pd = policy.SkipPair(d, reasonNoPrefill)
 		}
 	case ok:
-		pd, err = pp.PickPair(req, pre, dec)
+		pd, err = rt.pickPairBy(pol, pp, req, pre, dec)
 	default:
 		pd, err = rt.pickPerSide(pol, req, pre, dec)
 	}
@@ -170,7 +170,7 @@ func (rt *Router) pickPair(pol policy.Policy, req *policy.Request, views []polic
 // req.SkipPrefillBelow tokens, the prefill side (llm-d's pd-profile-handler
 // order).
 func (rt *Router) pickPerSide(pol policy.Policy, req *policy.Request, pre, dec []policy.ReplicaView) (policy.PairDecision, error) {
-	d, err := pol.Pick(req, dec)
+	d, err := rt.pick(pol, req, dec)
 	if err != nil {
 		return policy.PairDecision{}, err
 	}
@@ -181,7 +181,7 @@ func (rt *Router) pickPerSide(pol policy.Policy, req *policy.Request, pre, dec [
 		return policy.SkipPair(d, fmt.Sprintf("the decode replica lacks %d prompt tokens, fewer than %d (non_cached_tokens)",
 			n, req.SkipPrefillBelow)), nil
 	}
-	p, err := pol.Pick(req, pre)
+	p, err := rt.pick(pol, req, pre)
 	if err != nil {
 		return policy.PairDecision{}, err
 	}

@@ -71,6 +71,11 @@ type Config struct {
 	// by SetReplicas has no request in flight left. It may run on the
 	// request path (the last Ticket.Done): it must not block.
 	OnDrained func(slot int)
+	// OnPolicyPanic, when set, hears every panic recovered from a policy's
+	// Pick or PickPair (guard.go: the request is routed by least load
+	// instead), with the stack at most once per PanicReportEvery and
+	// policy. It runs on the request path: it must not block.
+	OnPolicyPanic func(PolicyPanic)
 	// Dynamic: the replicas come from a discovery source (SetReplicas),
 	// and the router may start with none (every request ErrNoReplica).
 	Dynamic bool
@@ -117,6 +122,9 @@ type Router struct {
 	q      queue
 	// pools are the configured pools, or the default one (pools.go).
 	pools []*pool
+	// leastLoad routes a request whose policy panicked (guard.go).
+	leastLoad policy.Policy
+	panics    panicReports
 }
 
 // New builds a Router.
@@ -151,7 +159,11 @@ func New(cfg Config) (*Router, error) {
 	if err != nil {
 		return nil, err
 	}
-	rt := &Router{cfg: cfg, tok: cfg.Tokenizer, approx: ix}
+	ll, err := policy.New("least_load", policy.Options{})
+	if err != nil {
+		return nil, err
+	}
+	rt := &Router{cfg: cfg, tok: cfg.Tokenizer, approx: ix, leastLoad: ll}
 	rt.SetPolicy(cfg.Policy)
 	if err := rt.newPools(cfg.Pools); err != nil {
 		return nil, err
@@ -352,7 +364,7 @@ func (rt *Router) DryRun(req *policy.Request) (policy.Decision, []policy.Replica
 	if err != nil {
 		return policy.Decision{}, views, err
 	}
-	d, err := pl.pol.Load().pol.Pick(req, views)
+	d, err := rt.pick(pl.pol.Load().pol, req, views)
 	return d, views, err
 }
 
@@ -476,12 +488,12 @@ func (rt *Router) RouteWith(pol policy.Policy, req *policy.Request, exclude ...i
 	if pol == nil {
 		pol = pl.pol.Load().pol
 	}
-	d, err := pol.Pick(req, views)
+	d, err := rt.pick(pol, req, views)
 	if err != nil {
 		return nil, err
 	}
-	if d.Replica < 0 || d.Replica >= len(views) {
-		return nil, fmt.Errorf("router: policy %s chose replica %d of %d", pol.Name(), d.Replica, len(views))
+	if d.Replica < 0 || d.Replica >= len(views) || !views[d.Replica].Healthy {
+		return nil, fmt.Errorf("router: policy %s chose replica %d of %d, not a candidate", pol.Name(), d.Replica, len(views))
 	}
 	return rt.commitView(req, d, views, approx, policy.PhaseNone), nil
 }
