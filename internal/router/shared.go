@@ -4,6 +4,7 @@ import (
 	"time"
 
 	"github.com/kvgate/kvgate/internal/policy"
+	"github.com/kvgate/kvgate/internal/prompt"
 )
 
 // Several gateways in front of one fleet each route on their own Router.
@@ -40,6 +41,38 @@ type Load struct {
 	PendingCount   int64 `json:"pending_count"`
 }
 
+// What another gateway reports comes from outside the process (anyone who
+// can write to the shared Redis): each value is clamped where it is
+// applied, so that a policy never sees a negative queue or a sum that
+// wraps around, whatever a peer sends.
+const (
+	// remoteMaxRequests bounds the requests (in flight, pending) the other
+	// gateways may report on one replica: 2^20, a thousand times what a
+	// vLLM replica runs at once (max_num_seqs, 256 to 1,024), and more than
+	// any fleet of gateways queues on one replica.
+	remoteMaxRequests = 1 << 20
+	// remoteMaxTokens bounds the tokens (in flight, pending prefill) they
+	// may report on one replica: 2^40, about a million times the KV a
+	// replica holds (a few million tokens); policies clamp what they
+	// compute with at the same bound, far below where a product of two
+	// counts leaves float64's exact range or a sum of a few int64's.
+	remoteMaxTokens = 1 << 40
+	// remoteMaxPrompt bounds a shared decision's prompt (tokens, and the
+	// block offset plus blocks at the router's block size): a prompt
+	// longer than any served context (prompt.MaxTokensLimit, 2^24 tokens).
+	remoteMaxPrompt = prompt.MaxTokensLimit
+)
+
+// clamped is l with each field within [0, its bound].
+func (l Load) clamped() Load {
+	return Load{
+		InFlight:       min(max(l.InFlight, 0), remoteMaxRequests),
+		InFlightTokens: min(max(l.InFlightTokens, 0), remoteMaxTokens),
+		PendingPrefill: min(max(l.PendingPrefill, 0), remoteMaxTokens),
+		PendingCount:   min(max(l.PendingCount, 0), remoteMaxRequests),
+	}
+}
+
 // Add is the sum of two loads.
 func (l Load) Add(o Load) Load {
 	return Load{l.InFlight + o.InFlight, l.InFlightTokens + o.InFlightTokens,
@@ -61,8 +94,10 @@ func (rt *Router) LocalLoad(i int) Load {
 
 // SetRemoteLoad sets the load the other gateways report for replica i (the
 // sum of their live heartbeats; the zero Load when none): the policies see
-// it added to this router's own counts.
+// it added to this router's own counts. Each field is clamped to [0, its
+// bound] (remoteMaxRequests, remoteMaxTokens).
 func (rt *Router) SetRemoteLoad(i int, l Load) {
+	l = l.clamped()
 	r := rt.reps()[i]
 	if old := r.remote.Load(); old != nil && *old == l {
 		return
@@ -86,11 +121,16 @@ func (rt *Router) RemoteLoad(i int) Load {
 // ApplyRemote applies a decision another gateway made at `at`: the
 // approximate index learns blocks (the prompt's from offset on) on replica
 // i, and an Observer policy hears a remote Routed event (policy.Event.Remote).
-// blocks is not kept.
+// blocks is not kept. The prompt is bounded as a request's is: tokens
+// within [0, remoteMaxPrompt], offset at least 0, and the blocks past that
+// many tokens at the router's block size dropped.
 func (rt *Router) ApplyRemote(i int, model string, offset int, blocks []uint64, tokens int, at time.Time) {
 	if i < 0 || i >= len(rt.reps()) {
 		return
 	}
+	maxBlocks := remoteMaxPrompt / rt.cfg.BlockSize
+	tokens, offset = min(max(tokens, 0), remoteMaxPrompt), min(max(offset, 0), maxBlocks)
+	blocks = blocks[:min(len(blocks), maxBlocks-offset)]
 	if len(blocks) > 0 {
 		_ = rt.approx.Insert(i, blocks)
 	}

@@ -1,6 +1,8 @@
 package router
 
 import (
+	"fmt"
+	"math"
 	"slices"
 	"strings"
 	"testing"
@@ -104,5 +106,100 @@ func TestApplyRemoteTellsTheObserver(t *testing.T) {
 	}
 	if !rt.Index().Holds(1, 8) || rt.Index().Holds(0, 8) {
 		t.Fatal("index did not learn the remote blocks on replica 1 only")
+	}
+}
+
+// Finding 1 of #22: a peer gateway (anyone who can write to the shared
+// Redis) reported -1,000,000 requests in flight on one replica; the
+// default ttft policy's scores went negative, its margin fell below the
+// best score, and every Pick indexed scores[-1]. Peer loads are clamped
+// when applied, and the policy computes on sane counts: whatever a peer
+// reports, every request gets a healthy replica, and no policy panics
+// (the router's recovery is not what saves it).
+func TestForgedRemoteLoadsRouteEveryRequest(t *testing.T) {
+	const m = -1_000_000
+	cases := []struct {
+		name string
+		load Load
+	}{
+		{"in flight -1e6", Load{InFlight: m}},
+		{"every count -1e6", Load{InFlight: m, InFlightTokens: m, PendingPrefill: m, PendingCount: m}},
+		{"pending prefill -1e6", Load{PendingPrefill: m}},
+		{"min int64", Load{math.MinInt64, math.MinInt64, math.MinInt64, math.MinInt64}},
+		{"max int64", Load{math.MaxInt64, math.MaxInt64, math.MaxInt64, math.MaxInt64}},
+		{"mixed", Load{InFlight: math.MaxInt64, InFlightTokens: m, PendingPrefill: math.MinInt64, PendingCount: math.MaxInt64}},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			rt := newRouter(t, policy.Default, 4)
+			panics := 0
+			rt.cfg.OnPolicyPanic = func(PolicyPanic) { panics++ }
+			rt.SetHealthy(3, false)
+			rt.SetRemoteLoad(1, c.load)
+			var open []*Ticket
+			for k := range 400 {
+				text := strings.Repeat(fmt.Sprintf("conversation %d. ", k%7), 20+k%50)
+				tk, err := rt.Route(rt.Prepare(parse(t, text), "", ""))
+				if err != nil {
+					t.Fatalf("request %d: %v", k, err)
+				}
+				if tk.Replica == 3 || tk.Decision.EstTTFT < 0 {
+					t.Fatalf("request %d: replica %d (3 is down), estimate %v", k, tk.Replica, tk.Decision.EstTTFT)
+				}
+				open = append(open, tk)
+				if k%3 == 0 { // some requests end, others stay in flight
+					open[0].Done(rt.Now(), Outcome{CachedTokens: -1, OutputTokens: 16})
+					open = open[1:]
+				}
+			}
+			if panics != 0 {
+				t.Fatalf("%d policy panics recovered", panics)
+			}
+			if got := rt.RemoteLoad(1); min(got.InFlight, got.InFlightTokens, got.PendingPrefill, got.PendingCount) < 0 ||
+				max(got.InFlight, got.PendingCount) > remoteMaxRequests || max(got.InFlightTokens, got.PendingPrefill) > remoteMaxTokens {
+				t.Fatalf("remote load applied as %+v", got)
+			}
+			for _, tk := range open {
+				tk.Done(rt.Now(), Outcome{CachedTokens: -1})
+			}
+		})
+	}
+}
+
+// A remote decision is bounded as a request is: a negative offset or
+// token count is 0, and an offset, token count or block list past the
+// longest prompt is cut there.
+func TestApplyRemoteClampsTheDecision(t *testing.T) {
+	p, _ := policy.New("round_robin", policy.Options{Seed: 1})
+	rec := &recorder{Policy: p}
+	rt, err := New(Config{Replicas: []string{"a", "b"}, Policy: rec})
+	if err != nil {
+		t.Fatal(err)
+	}
+	maxBlocks := remoteMaxPrompt / rt.cfg.BlockSize
+	long := make([]uint64, maxBlocks+5)
+	for i := range long {
+		long[i] = uint64(i + 1)
+	}
+	cases := []struct {
+		offset, tokens       int
+		blocks               []uint64
+		wantOff, wantTok, nB int
+	}{
+		{-5, -80, []uint64{1, 2, 3}, 0, 0, 3},
+		{math.MinInt, math.MinInt, nil, 0, 0, 0},
+		{math.MaxInt, math.MaxInt, []uint64{1, 2}, maxBlocks, remoteMaxPrompt, 0},
+		{0, 16 * len(long), long, 0, remoteMaxPrompt, maxBlocks},
+		{maxBlocks - 2, 100, long[:10], maxBlocks - 2, 100, 2},
+		{3, 80, []uint64{7, 8}, 3, 80, 2},
+	}
+	for k, c := range cases {
+		rt.ApplyRemote(1, "m", c.offset, c.blocks, c.tokens, time.Unix(5, 0))
+		ev := rec.evs[len(rec.evs)-1]
+		if len(rec.evs) != k+1 || ev.Req.BlockOffset != c.wantOff || ev.Req.Tokens != c.wantTok || len(ev.Req.Blocks) != c.nB ||
+			ev.Decision.Matched != c.wantOff {
+			t.Fatalf("case %d: event offset %d, tokens %d, %d blocks, matched %d; want %d, %d, %d",
+				k, ev.Req.BlockOffset, ev.Req.Tokens, len(ev.Req.Blocks), ev.Decision.Matched, c.wantOff, c.wantTok, c.nB)
+		}
 	}
 }
