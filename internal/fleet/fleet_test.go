@@ -40,10 +40,54 @@ vllm:cache_config_info{block_size="16",num_gpu_blocks="30000",enable_prefix_cach
 	if m, err := ParseMetrics(strings.NewReader(old)); err != nil || m.KVUsage != 0.25 {
 		t.Fatalf("old name: %+v %v", m, err)
 	}
-	for _, bad := range []string{"", "garbage{", "# TYPE x gauge\nx 1\n", "vllm:kv_cache_usage_perc NaN\n", "vllm:num_requests_waiting -1\n"} {
+	for _, bad := range []string{"", "garbage{", "# TYPE x gauge\nx 1\n", "vllm:kv_cache_usage_perc NaN\n"} {
 		if _, err := ParseMetrics(strings.NewReader(bad)); err == nil {
 			t.Errorf("%q parsed", bad)
 		}
+	}
+}
+
+// TestParseMetricsBounds: what a replica's page says is bounded where it
+// is parsed (#22): a NaN or infinite sample refuses the scrape, a negative
+// one is 0 (one series' negative count takes nothing from another's),
+// counts are at most maxCount and the KV usage within [0, 1].
+func TestParseMetricsBounds(t *testing.T) {
+	const kv = "vllm:kv_cache_usage_perc 0.5\n"
+	cases := []struct {
+		name, page string
+		want       router.Metrics // with err false
+		err        bool
+	}{
+		{"negative waiting", "vllm:num_requests_waiting -1\n" + kv, router.Metrics{KVUsage: 0.5}, false},
+		{"negative running", "vllm:num_requests_running -7\n" + kv, router.Metrics{KVUsage: 0.5}, false},
+		{"negative series among others", "vllm:num_requests_waiting{model_name=\"a\"} -1000000\n" +
+			"vllm:num_requests_waiting{model_name=\"b\"} 3\n" + kv, router.Metrics{Waiting: 3, KVUsage: 0.5}, false},
+		{"huge waiting", "vllm:num_requests_waiting 1e300\n" + kv, router.Metrics{Waiting: maxCount, KVUsage: 0.5}, false},
+		{"huge running summed", "vllm:num_requests_running{engine=\"0\"} 2e9\nvllm:num_requests_running{engine=\"1\"} 2e9\n" + kv,
+			router.Metrics{Running: maxCount, KVUsage: 0.5}, false},
+		{"NaN waiting", "vllm:num_requests_waiting NaN\n" + kv, router.Metrics{}, true},
+		{"+Inf running", "vllm:num_requests_running +Inf\n" + kv, router.Metrics{}, true},
+		{"-Inf waiting", "vllm:num_requests_waiting -Inf\n" + kv, router.Metrics{}, true},
+		{"NaN KV usage", "vllm:num_requests_waiting 1\nvllm:kv_cache_usage_perc NaN\n", router.Metrics{}, true},
+		{"+Inf KV usage", "vllm:kv_cache_usage_perc +Inf\n", router.Metrics{}, true},
+		{"-Inf KV usage (old name)", "vllm:gpu_cache_usage_perc -Inf\n", router.Metrics{}, true},
+		{"KV usage over 1", "vllm:kv_cache_usage_perc 1.5\n", router.Metrics{KVUsage: 1}, false},
+		{"KV usage barely over 1", "vllm:kv_cache_usage_perc 1.00005\n", router.Metrics{KVUsage: 1}, false},
+		{"negative KV usage", "vllm:kv_cache_usage_perc -0.5\n", router.Metrics{}, false},
+		{"negative num_gpu_blocks", "vllm:cache_config_info{block_size=\"16\",num_gpu_blocks=\"-5\"} 1\n" + kv,
+			router.Metrics{KVUsage: 0.5, BlockSize: 16}, false},
+		{"huge num_gpu_blocks", "vllm:cache_config_info{block_size=\"16\",num_gpu_blocks=\"99999999999\"} 1\n" + kv,
+			router.Metrics{KVUsage: 0.5, NumBlocks: maxCount, BlockSize: 16}, false},
+		{"block_size out of range", "vllm:cache_config_info{block_size=\"999999999\",num_gpu_blocks=\"10\"} 1\n" + kv,
+			router.Metrics{}, true},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			m, err := ParseMetrics(strings.NewReader(c.page))
+			if (err != nil) != c.err || (!c.err && m != c.want) {
+				t.Fatalf("%+v, %v; want %+v, error %v", m, err, c.want, c.err)
+			}
+		})
 	}
 }
 
@@ -52,7 +96,8 @@ func FuzzParseMetrics(f *testing.F) {
 	f.Add("vllm:cache_config_info{num_gpu_blocks=\"x\"} 1\nvllm:num_requests_running 1\n")
 	f.Fuzz(func(t *testing.T, page string) {
 		m, err := ParseMetrics(strings.NewReader(page))
-		if err == nil && (m.KVUsage < 0 || m.KVUsage > 1.0001 || m.Waiting < 0 || m.Running < 0) {
+		if err == nil && (!(m.KVUsage >= 0 && m.KVUsage <= 1) || m.Waiting < 0 || m.Running < 0 || m.Waiting > maxCount ||
+			m.Running > maxCount || m.NumBlocks < 0 || m.NumBlocks > maxCount || m.BlockSize < 0 || m.BlockSize > maxBlockSize) {
 			t.Fatalf("out of range accepted: %+v", m)
 		}
 	})

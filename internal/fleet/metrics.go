@@ -60,53 +60,75 @@ func Engines(fams map[string]*dto.MetricFamily) int {
 	return len(seen)
 }
 
+// A replica's /metrics page comes from outside the process, and what
+// routing reads of it is bounded here, where it is parsed: a NaN or
+// infinite sample is refused (the whole scrape: the page means no number),
+// a negative one is 0, counts are at most maxCount and the KV usage within
+// [0, 1], so that a policy never sees an impossible number.
 func metricsOf(fams map[string]*dto.MetricFamily, engine int) (router.Metrics, error) {
 	var m router.Metrics
 	found := false
-	sum := func(name string) (float64, bool) {
-		f, ok := fams[name]
-		if !ok {
-			return 0, false
-		}
+	// sum is the engine's series of name summed, each sample checked.
+	sum := func(name string) (float64, bool, error) {
 		t, any := 0.0, false
-		for _, s := range f.GetMetric() {
+		for _, s := range fams[name].GetMetric() {
 			if ofEngine(s, engine) {
-				t += value(s)
-				any = true
+				v, err := sample(name, s)
+				if err != nil {
+					return 0, false, err
+				}
+				t, any = t+v, true
 			}
 		}
-		return t, any
+		return t, any, nil
 	}
-	if v, ok := sum("vllm:num_requests_waiting"); ok {
-		m.Waiting, found = toCount(v), true
+	for _, c := range []struct {
+		name string
+		dst  *int
+	}{{"vllm:num_requests_waiting", &m.Waiting}, {"vllm:num_requests_running", &m.Running}} {
+		v, ok, err := sum(c.name)
+		if err != nil {
+			return router.Metrics{}, err
+		}
+		if ok {
+			*c.dst, found = toCount(v), true
+		}
 	}
-	if v, ok := sum("vllm:num_requests_running"); ok {
-		m.Running, found = toCount(v), true
+	usage := "vllm:kv_cache_usage_perc"
+	if _, ok := fams[usage]; !ok {
+		usage = "vllm:gpu_cache_usage_perc" // vLLM < 0.10
 	}
-	for _, name := range []string{"vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"} {
-		if f, ok := fams[name]; ok {
-			for _, s := range f.GetMetric() {
-				if ofEngine(s, engine) {
-					m.KVUsage = max(m.KVUsage, value(s))
-					found = true
-				}
+	for _, s := range fams[usage].GetMetric() {
+		if ofEngine(s, engine) {
+			v, err := sample(usage, s)
+			if err != nil {
+				return router.Metrics{}, err
 			}
-			break
+			m.KVUsage, found = max(m.KVUsage, min(v, 1)), true
 		}
 	}
 	m.NumBlocks, m.BlockSize = cacheConfig(fams, engine)
-	if !found && engine != allEngines {
+	switch {
+	case !found && engine != allEngines:
 		return router.Metrics{}, fmt.Errorf("metrics: no series of data-parallel engine %d (label engine=%q)", engine, strconv.Itoa(engine))
-	}
-	if !found {
+	case !found:
 		return router.Metrics{}, fmt.Errorf("metrics: no vllm:num_requests_waiting, vllm:num_requests_running or KV usage series")
-	}
-	if math.IsNaN(m.KVUsage) || m.KVUsage < 0 || m.KVUsage > 1.0001 || m.Waiting < 0 || m.Running < 0 ||
-		m.Waiting > maxCount || m.Running > maxCount || m.NumBlocks < 0 || m.NumBlocks > maxCount ||
-		m.BlockSize < 0 || m.BlockSize > maxBlockSize {
-		return router.Metrics{}, fmt.Errorf("metrics: values out of range (waiting %d, running %d, kv usage %g)", m.Waiting, m.Running, m.KVUsage)
+	case m.BlockSize < 0 || m.BlockSize > maxBlockSize:
+		// A configuration value, not a count: clamping it would scale the
+		// block count wrongly.
+		return router.Metrics{}, fmt.Errorf("metrics: block_size %d out of range [0, %d]", m.BlockSize, maxBlockSize)
 	}
 	return m, nil
+}
+
+// sample is s's value, a sample of the series name: a NaN or infinite
+// value is an error, a negative one 0.
+func sample(name string, s *dto.Metric) (float64, error) {
+	v := value(s)
+	if math.IsNaN(v) || math.IsInf(v, 0) {
+		return 0, fmt.Errorf("metrics: %s is %v", name, v)
+	}
+	return max(v, 0), nil
 }
 
 // cacheConfig is an engine's num_gpu_blocks and block_size from
@@ -127,7 +149,7 @@ func cacheConfig(fams map[string]*dto.MetricFamily, engine int) (blocks, blockSi
 			}
 			switch l.GetName() {
 			case "num_gpu_blocks":
-				blocks = n
+				blocks = min(max(n, 0), maxCount) // negative: unknown
 			case "block_size":
 				blockSize = n
 			}
@@ -143,14 +165,10 @@ const (
 	maxBlockSize = 1 << 16
 )
 
-// toCount converts a sample to a count; NaN and values out of range become
-// -1, which the range check rejects (a float's conversion to int is not
-// defined out of range).
+// toCount converts a checked sample (finite, at least 0) to a count, at
+// most maxCount (a float's conversion to int is not defined out of range).
 func toCount(v float64) int {
-	if math.IsNaN(v) || v < 0 || v > maxCount {
-		return -1
-	}
-	return int(v)
+	return int(min(v, maxCount))
 }
 
 // ParseAdapters is the LoRA adapters a vLLM page reports running or waiting
