@@ -100,20 +100,6 @@ func fraction(x float64) float64 {
 	return min(x, 1)
 }
 
-// sane is v with every count within [0, viewCeiling], the KV usage within
-// [0, 1] and the metrics' age at least 0: the view a policy's arithmetic
-// may assume. A copy, so that Pick leaves its input alone.
-func sane(v *ReplicaView) ReplicaView {
-	s := *v
-	s.InFlight, s.InFlightTokens = count(s.InFlight), count(s.InFlightTokens)
-	s.PendingPrefill, s.PendingCount, s.PendingTransfer = count(s.PendingPrefill), count(s.PendingCount), count(s.PendingTransfer)
-	s.Waiting, s.Running, s.NumBlocks = count(s.Waiting), count(s.Running), count(s.NumBlocks)
-	s.Match, s.Cached = count(s.Match), count(s.Cached)
-	s.KVUsage = fraction(s.KVUsage)
-	s.MetricsAge = max(s.MetricsAge, 0)
-	return s
-}
-
 // decide builds a Decision for position i.
 func decide(replicas []ReplicaView, i int, reason string, matched int, load float64) Decision {
 	return Decision{Replica: replicas[i].Index, Reason: reason, Matched: matched, Load: load}

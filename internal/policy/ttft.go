@@ -178,8 +178,7 @@ func (*TTFT) Name() string { return "ttft" }
 // Estimate returns the uncorrected estimated TTFT on v in milliseconds and
 // the blocks credited.
 func (t *TTFT) Estimate(req *Request, v *ReplicaView, meanPrompt float64) (float64, int) {
-	sv := sane(v)
-	e := t.estimate(req, &sv, meanPrompt, 0)
+	e := t.estimate(req, v, meanPrompt, 0)
 	return e.ms, e.matched
 }
 
@@ -201,20 +200,23 @@ type ttftLoad struct {
 }
 
 // load reads v's load; meanPrompt is the uncached prompt of a request
-// waiting there that the gateway did not send.
+// waiting there that the gateway did not send. The estimate reads every
+// count of a view through count: a negative queue made every score
+// negative (finding 1 of #22), a huge one must not wrap around.
 func (t *TTFT) load(v *ReplicaView, meanPrompt float64) ttftLoad {
 	prof := t.o.Profile
-	queued := float64(v.PendingPrefill)
-	if v.HaveMetrics && v.Waiting > v.PendingCount {
-		queued += float64(v.Waiting-v.PendingCount) * meanPrompt
+	pending, inFlight := count(v.PendingCount), count(v.InFlight)
+	queued := float64(count(v.PendingPrefill))
+	if v.HaveMetrics && count(v.Waiting) > pending {
+		queued += float64(count(v.Waiting)-pending) * meanPrompt
 	}
-	decodes := max(v.InFlight-v.PendingCount, 0)
+	decodes := max(inFlight-pending, 0)
 	if v.HaveMetrics {
-		decodes = max(decodes, v.Running-v.PendingCount)
+		decodes = max(decodes, count(v.Running)-pending)
 	}
 	meanCtx := 0.0
-	if v.InFlight > 0 {
-		meanCtx = float64(v.InFlightTokens) / float64(v.InFlight)
+	if inFlight > 0 {
+		meanCtx = float64(count(v.InFlightTokens)) / float64(inFlight)
 	}
 	budget := float64(t.o.MaxBatchTokens)
 	chunk := max(budget-float64(decodes), budget/ttftMinChunkDiv)
@@ -236,10 +238,10 @@ func (t *TTFT) kvWaitMs(v *ReplicaView, l *ttftLoad, tokens int, out float64) fl
 	if v.NumBlocks <= 0 {
 		return 0
 	}
-	capacity := float64(v.NumBlocks) * float64(t.o.BlockSize)
-	footprint := float64(v.InFlightTokens)
+	capacity := float64(count(v.NumBlocks)) * float64(t.o.BlockSize)
+	footprint := float64(count(v.InFlightTokens))
 	if v.HaveMetrics {
-		footprint = max(footprint, v.KVUsage*capacity)
+		footprint = max(footprint, fraction(v.KVUsage)*capacity)
 	}
 	if excess := footprint + float64(tokens) + out - capacity; excess > 0 && footprint > 0 {
 		return min(excess/footprint, 1) * out * l.stepMs
@@ -258,14 +260,15 @@ func (t *TTFT) evictShare(v *ReplicaView, own int) float64 {
 		return 1
 	}
 	ownBlocks := math.Ceil(float64(own) / float64(t.o.BlockSize))
-	return min(max((float64(v.Cached)+ownBlocks-float64(v.NumBlocks))/ownBlocks, 0), 1)
+	return min(max((float64(count(v.Cached))+ownBlocks-float64(count(v.NumBlocks)))/ownBlocks, 0), 1)
 }
 
-// estimate estimates sending req to v, for out expected output tokens. v
-// is sane (see sane): every term is then finite and at least 0.
+// estimate estimates sending req to v, for out expected output tokens.
+// Counts read through count (see load), every term is finite and at
+// least 0.
 func (t *TTFT) estimate(req *Request, v *ReplicaView, meanPrompt, out float64) ttftEstimate {
 	prof, bs := t.o.Profile, t.o.BlockSize
-	matched := min(v.Match, len(req.Blocks))
+	matched := min(count(v.Match), len(req.Blocks))
 	tokens := count(req.Tokens)
 	cached := min(matched*bs, max(tokens-1, 0))
 	own := max(tokens-cached, 1)
@@ -332,8 +335,7 @@ func (t *TTFT) estimateAll(req *Request, rs []ReplicaView, scores, ttfts []float
 			scores[i] = math.Inf(1)
 			continue
 		}
-		v := sane(&rs[i])
-		e := t.estimate(req, &v, meanPrompt, out)
+		e := t.estimate(req, &rs[i], meanPrompt, out)
 		c := t.corr(rs[i].Index)
 		ttfts[i] = e.ms * c
 		scores[i], matched[i] = ttfts[i]+e.cost, e.matched
@@ -342,9 +344,10 @@ func (t *TTFT) estimateAll(req *Request, rs []ReplicaView, scores, ttfts []float
 	return best, queue
 }
 
-// limit is the highest score within the margin of best. best ≥ 0 for
-// sane views; the margin is taken on its magnitude all the same, so that
-// the limit is never below best itself and best is always chosen from.
+// limit is the highest score within the margin of best. best ≥ 0 (every
+// term of a score is); the margin is taken on its magnitude all the same,
+// so that the limit is never below best itself and best's option is always
+// among those chosen from.
 func (t *TTFT) limit(best float64) float64 {
 	return best + math.Abs(best)*t.params.MarginRel + t.params.MarginMs
 }

@@ -93,23 +93,21 @@ func (t *TTFT) PickPair(req *Request, prefill, decode []ReplicaView) (PairDecisi
 func (t *TTFT) pairSides(req *Request, prefill, decode []ReplicaView, pre, dec []ttftSide) {
 	meanPrompt, out := t.means(req)
 	for i := range prefill {
-		if prefill[i].Healthy {
-			v := sane(&prefill[i])
-			e := t.estimate(req, &v, meanPrompt, 1)
+		if v := &prefill[i]; v.Healthy {
+			e := t.estimate(req, v, meanPrompt, 1)
 			pre[i] = ttftSide{ok: true, preMs: e.ms, preCost: e.cost, corr: t.corr(v.Index), matched: e.matched}
 		}
 	}
 	prof := t.o.Profile
 	for j := range decode {
-		if !decode[j].Healthy {
+		v, s := &decode[j], &dec[j]
+		if !v.Healthy {
 			continue
 		}
-		sv := sane(&decode[j])
-		v, s := &sv, &dec[j]
-		*s = ttftSide{ok: true, corr: t.corr(v.Index), matched: min(v.Match, len(req.Blocks))}
+		*s = ttftSide{ok: true, corr: t.corr(v.Index), matched: min(count(v.Match), len(req.Blocks))}
 		s.uncached = uncachedOn(req, v, t.o.BlockSize)
 		l := t.load(v, meanPrompt)
-		s.admitMs, s.linkMs, s.pullMs = t.queueMs(&l), prof.TransferWireMs(v.PendingTransfer), prof.TransferMs(s.uncached)
+		s.admitMs, s.linkMs, s.pullMs = t.queueMs(&l), prof.TransferWireMs(count(v.PendingTransfer)), prof.TransferMs(s.uncached)
 		tokens := count(req.Tokens)
 		s.lastMs = l.stepMs + prof.C1 + prof.C2*float64(tokens) + t.kvWaitMs(v, &l, tokens, out)
 		s.decCost = t.params.DecodeWeight*out*(prof.C1+prof.C3*l.meanCtx)*float64(l.decodes) +
