@@ -34,6 +34,7 @@ const (
 	questionSharing   = "sharing"
 	questionScore     = "score-surface"
 	questionStaleness = "staleness"
+	questionPressure  = "cache-pressure"
 )
 
 // replayFlags are the flags of `kvgate replay`.
@@ -97,7 +98,8 @@ func (f *replayFlags) register(fs *flag.FlagSet) {
 	f.out.register(fs, "")
 	fs.Uint64Var(&f.seed, "seed", 1, "seed of the workload and the policies")
 	fs.StringVar(&f.question, "question", "", "answer one question instead: sharing (TTFT and hit rate against the sharing ratio), "+
-		"score-surface (score's cache weight against load weight), staleness (p90 TTFT against staleness); "+
+		"score-surface (score's cache weight against load weight), staleness (p90 TTFT against staleness), "+
+		"cache-pressure (p90 TTFT and hit rate against --kv-blocks from 1000 to 8000); "+
 		"without --trace or --workload, on the "+replayDefaultWorkload+" workload at --rate")
 }
 
@@ -260,7 +262,7 @@ func (f *replayFlags) check() error {
 	case f.trace != "" && f.workload != "":
 		return bad("give --trace or --workload, not both")
 	case f.trace == "" && f.workload == "" && f.question == "":
-		return bad("give --trace FILE or --workload NAME (or --question %s|%s|%s)", questionSharing, questionScore, questionStaleness)
+		return bad("give --trace FILE or --workload NAME (or --question %s|%s|%s|%s)", questionSharing, questionScore, questionStaleness, questionPressure)
 	case f.replicas < 0 || f.prefillReplicas < 0 || f.decodeReplicas < 0:
 		return bad("--replicas, --prefill-replicas and --decode-replicas must be ≥ 0")
 	case (f.prefillReplicas > 0) != (f.decodeReplicas > 0):
@@ -314,9 +316,9 @@ func (f *replayFlags) check() error {
 // checkQuestion rejects --question values and the flags a question sweeps.
 func (f *replayFlags) checkQuestion(bad func(format string, a ...any) error) error {
 	switch f.question {
-	case "", questionSharing, questionScore, questionStaleness:
+	case "", questionSharing, questionScore, questionStaleness, questionPressure:
 	default:
-		return bad("--question %q: want %s, %s or %s", f.question, questionSharing, questionScore, questionStaleness)
+		return bad("--question %q: want %s, %s, %s or %s", f.question, questionSharing, questionScore, questionStaleness, questionPressure)
 	}
 	switch {
 	case f.question == questionScore && (f.set["policies"] || len(f.policyParams) > 0):
@@ -325,6 +327,8 @@ func (f *replayFlags) checkQuestion(bad func(format string, a ...any) error) err
 		return bad("--question sharing sweeps a generated workload (%s), not a trace", strings.Join(replay.SharingWorkloads(), ", "))
 	case f.question == questionStaleness && f.set["staleness"]:
 		return bad("--question staleness sweeps the staleness: drop --staleness")
+	case f.question == questionPressure && f.set["kv-blocks"]:
+		return bad("--question cache-pressure sweeps --kv-blocks: drop it")
 	}
 	return nil
 }
@@ -337,7 +341,7 @@ func (f *replayFlags) specs() ([]replay.PolicySpec, error) {
 		switch f.question {
 		case questionSharing:
 			names = replay.SharingPolicies()
-		case questionStaleness:
+		case questionStaleness, questionPressure:
 			names = replay.CacheAware()
 		}
 	}
@@ -488,6 +492,8 @@ func (c replayConfig) execute(ctx context.Context, progress func(replay.PolicySp
 		return replay.ScoreSurface(ctx, c.replay, reqs, replay.DefaultScoreWeights(), progress)
 	case questionStaleness:
 		return replay.Staleness(ctx, c.replay, reqs, replay.DefaultStaleness(), c.specs, progress)
+	case questionPressure:
+		return replay.CachePressure(ctx, c.replay, reqs, replay.DefaultPressureBlocks(), c.specs, progress)
 	}
 	res, err := replay.Compare(ctx, c.replay, reqs, c.specs, replay.Options{Progress: progress, Capacity: c.capacity, Oracle: c.oracle})
 	return res, nil, err

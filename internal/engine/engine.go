@@ -530,14 +530,19 @@ type Backlog struct {
 	Pending, Live int
 	// Footprint is the prompt plus max output tokens of the live requests.
 	Footprint int
+	// KV is the tokens of KV they hold or will: the blocks running
+	// requests hold (shared ones once), the tokens they have still to add,
+	// and the waiting requests' uncomputed prompt and output.
+	KV int
 }
 
 // Backlog sums the engine's queued and running work (O(live requests)).
 func (e *Engine) Backlog() Backlog {
-	var b Backlog
+	b := Backlog{KV: e.pool.used() * e.bs}
 	add := func(s *seq, computed int) {
 		b.Live++
 		b.Footprint += s.prompt + s.maxTokens
+		b.KV += max(s.prompt+s.maxTokens-1-computed, 0)
 		if s.outputs == 0 {
 			b.Pending++
 			b.Prefill += max(s.prompt-computed, 0)

@@ -82,7 +82,13 @@ type ReplicaView struct {
 
 	// The gateway's own counts (exact for this gateway).
 	InFlight       int // requests sent and not finished
-	InFlightTokens int // prompt + max output tokens of those requests (KV footprint)
+	InFlightTokens int // prompt + max output tokens of those requests (their contexts)
+	// InFlightKV is the KV those requests add to the replica's cache beyond
+	// the prefixes they were credited at routing: uncached prompt (and a
+	// decode step's pulled prompt) + max output tokens. Requests sharing a
+	// cached prefix hold its blocks once, not once each as InFlightTokens
+	// counts them.
+	InFlightKV     int
 	PendingPrefill int // uncached prompt tokens of requests without a first token yet
 	PendingCount   int // requests without a first token yet
 	// PendingTransfer is the prompt tokens the decode steps sent to the

@@ -229,21 +229,27 @@ func (t *TTFT) queueMs(l *ttftLoad) float64 {
 	return math.Ceil(l.queued/l.chunk)*l.stepMs + t.o.Profile.C1*l.queued
 }
 
-// kvWaitMs is KV admission: a request of tokens + out tokens whose blocks
-// do not fit beside those of the requests running on v waits until enough
-// of them finish. Footprints finish at about the same rate as the
-// in-flight requests decode: the excess share of the footprint times a
-// request's decode time.
-func (t *TTFT) kvWaitMs(v *ReplicaView, l *ttftLoad, tokens int, out float64) float64 {
+// kvWaitMs is KV admission: a request whose new blocks (own uncached
+// tokens + out) do not fit beside those the requests running on v hold
+// waits until enough of them finish. Footprints finish at about the same
+// rate as the in-flight requests decode: the excess share of the
+// footprint times a request's decode time. The footprint is the KV the
+// requests in flight add (InFlightKV: a prefix they share is held once),
+// or the replica's own usage when scraped and larger; not their contexts
+// summed, which counts a shared system prompt once per request and, under
+// cache pressure, made every holder of a hot prefix look full (a
+// multiturn replay on 1,500-block replicas: p90 TTFT 60.3 ms against 35.8
+// ms for llm-d's rule).
+func (t *TTFT) kvWaitMs(v *ReplicaView, l *ttftLoad, own int, out float64) float64 {
 	if v.NumBlocks <= 0 {
 		return 0
 	}
 	capacity := float64(count(v.NumBlocks)) * float64(t.o.BlockSize)
-	footprint := float64(count(v.InFlightTokens))
+	footprint := float64(count(v.InFlightKV))
 	if v.HaveMetrics {
 		footprint = max(footprint, fraction(v.KVUsage)*capacity)
 	}
-	if excess := footprint + float64(tokens) + out - capacity; excess > 0 && footprint > 0 {
+	if excess := footprint + float64(own) + out - capacity; excess > 0 && footprint > 0 {
 		return min(excess/footprint, 1) * out * l.stepMs
 	}
 	return 0
@@ -277,7 +283,7 @@ func (t *TTFT) estimate(req *Request, v *ReplicaView, meanPrompt, out float64) t
 	work := l.queued + float64(own)
 	steps := math.Ceil(work / l.chunk)
 	ms := steps*l.stepMs + prof.C1*work + prof.C2*float64(own)*float64(cached+own)
-	ms += t.kvWaitMs(v, &l, tokens, out)
+	ms += t.kvWaitMs(v, &l, own, out)
 	// The decode cost of the choice: the request's own tokens slowed by r's
 	// batch, and the request's prefill stalling r's running decodes.
 	perStep := prof.C1 + prof.C3*l.meanCtx

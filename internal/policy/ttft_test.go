@@ -336,3 +336,38 @@ func TestTTFTDefersWhileEveryQueueIsLong(t *testing.T) {
 		}
 	}
 }
+
+// KV admission counts a prefix the requests in flight share once: a holder
+// running 30 requests on one 1,600-token prompt holds about one prompt and
+// their own tokens (InFlightKV), not 30 prompts (InFlightTokens), and keeps
+// the next request on the prompt; once their own tokens overflow its KV,
+// the wait sends it away.
+func TestTTFTKVWaitCountsSharedPrefixesOnce(t *testing.T) {
+	p := peerNew(t, "ttft", map[string]any{"margin_rel": 0, "margin_ms": 0, "decode_weight": 0, "eviction_weight": 0})
+	req := ttftReq(1)
+	req.MaxTokens = 128
+	views := func(kv int, usage float64) []ReplicaView {
+		rs := peerViews(2)
+		for i := range rs {
+			rs[i].NumBlocks = 1500 // 24,000 tokens
+		}
+		rs[0].Match, rs[0].Cached = len(req.Blocks), len(req.Blocks)
+		rs[0].InFlight, rs[0].InFlightTokens, rs[0].InFlightKV = 30, 30*(1600+128), kv
+		rs[0].HaveMetrics, rs[0].KVUsage = usage > 0, usage
+		return rs
+	}
+	for _, c := range []struct {
+		name  string
+		kv    int
+		usage float64
+		want  int
+	}{
+		{"a shared prompt held once", 30 * (1 + 128), 0, 0},
+		{"scraped usage agrees", 30 * (1 + 128), 0.25, 0},
+		{"their own tokens overflow the cache", 36000, 0, 1},
+	} {
+		if pos, d := peerPick(t, p, req, views(c.kv, c.usage)); pos != c.want {
+			t.Errorf("%s: chose %d, want %d (scores %v)", c.name, pos, c.want, d.Scores)
+		}
+	}
+}

@@ -88,7 +88,7 @@ func (o *oracle) Pick(req *policy.Request, rs []policy.ReplicaView) (policy.Deci
 			continue
 		}
 		b := o.vr.replicas[rs[i].Index].engine.Backlog()
-		v := policy.ReplicaView{Index: rs[i].Index, Healthy: true, InFlight: b.Live, InFlightTokens: b.Footprint,
+		v := policy.ReplicaView{Index: rs[i].Index, Healthy: true, InFlight: b.Live, InFlightTokens: b.Footprint, InFlightKV: b.KV,
 			PendingPrefill: b.Prefill, PendingCount: b.Pending, NumBlocks: o.vr.cfg.KVBlocks, Match: hit}
 		if ms, _ := o.est.Estimate(req, &v, 0); ms < bestMs {
 			best, bestMs = i, ms

@@ -241,42 +241,18 @@ func ScoreSurface(ctx context.Context, cfg Config, reqs []workload.Request, weig
 // change; those that read scraped metrics do. Runs are labelled
 // "POLICY staleness=D".
 func Staleness(ctx context.Context, cfg Config, reqs []workload.Request, staleness []time.Duration, specs []PolicySpec, progress func(PolicySpec, report.Run)) (report.Result, []report.Chart, error) {
-	cfg, pl, b, err := prepareBounded(ctx, cfg, reqs)
+	cats := make([]string, len(staleness))
+	xs := make([]float64, len(staleness))
+	for i, d := range staleness {
+		cats[i], xs[i] = d.String(), float64(d)/float64(time.Millisecond)
+	}
+	sw := sweepSpec{name: "staleness", extra: "staleness_ms", cats: cats, xs: xs,
+		set: func(c *Config, i int) { c.Staleness = staleness[i] }}
+	res, b, ttft, hit, err := sw.run(ctx, cfg, reqs, specs, progress)
 	if err != nil {
 		return report.Result{}, nil, err
 	}
-	res := report.Result{Bound: &b}
-	cats := make([]string, len(staleness))
-	for i, d := range staleness {
-		cats[i] = d.String()
-	}
-	ttft := map[string]*report.ChartSeries{}
-	hit := map[string]*report.ChartSeries{}
-	// Staleness outermost: the first len(specs) runs name the policies' colours.
-	for _, d := range staleness {
-		for _, spec := range specs {
-			c := cfg
-			c.Staleness = d
-			if err := c.validate(); err != nil {
-				return report.Result{}, nil, err
-			}
-			s := spec
-			s.Label = fmt.Sprintf("%s staleness=%s", spec.RunName(), d)
-			run, err := runPlan(ctx, c, pl, s)
-			if err != nil {
-				return report.Result{}, nil, err
-			}
-			run.Extra["staleness_ms"] = float64(d) / float64(time.Millisecond)
-			setVsBound(&run, b)
-			if progress != nil {
-				progress(s, run)
-			}
-			res.Runs = append(res.Runs, run)
-			x := float64(d) / float64(time.Millisecond)
-			addPoint(ttft, spec.RunName(), x, run.TTFTms.P90)
-			addPoint(hit, spec.RunName(), x, run.HitRate)
-		}
-	}
+	res.Bound = &b
 	charts := []report.Chart{
 		{
 			Name: "staleness_ttft_p90", Title: "p90 TTFT against the staleness of the replicas' metrics",
@@ -294,6 +270,104 @@ func Staleness(ctx context.Context, cfg Config, reqs []workload.Request, stalene
 		},
 	}
 	return res, logTTFT(charts), nil
+}
+
+// DefaultPressureBlocks are the KV cache sizes (blocks per replica) the
+// cache-pressure question sweeps: from a cache that holds a few prompts to
+// one that holds most of a workload's working set.
+func DefaultPressureBlocks() []int { return []int{1000, 1500, 2000, 3000, 4000, 6000, 8000} }
+
+// CachePressure answers "how does each policy hold up as the replicas'
+// KV caches shrink?": it replays reqs with every policy at every cache size
+// (blocks per replica). A smaller cache evicts prefixes sooner, so a policy
+// that scatters a conversation or a shared prefix pays for it in prefills.
+// Runs are labelled "POLICY kv_blocks=N" and carry extra.kv_blocks and, as
+// the bounds differ per size, extra.bound_merged_lru (the Result has none).
+func CachePressure(ctx context.Context, cfg Config, reqs []workload.Request, blocks []int, specs []PolicySpec, progress func(PolicySpec, report.Run)) (report.Result, []report.Chart, error) {
+	cats := make([]string, len(blocks))
+	xs := make([]float64, len(blocks))
+	for i, n := range blocks {
+		cats[i], xs[i] = strconv.Itoa(n), float64(n)
+	}
+	sw := sweepSpec{name: "kv_blocks", extra: "kv_blocks", cats: cats, xs: xs, perPointBound: true,
+		set: func(c *Config, i int) { c.KVBlocks = blocks[i] }}
+	res, _, ttft, hit, err := sw.run(ctx, cfg, reqs, specs, progress)
+	if err != nil {
+		return report.Result{}, nil, err
+	}
+	charts := []report.Chart{
+		{
+			Name: "pressure_ttft_p90", Title: "p90 TTFT against the replicas' KV cache size",
+			XLabel: "KV blocks per replica (16 tokens each)", YLabel: "p90 TTFT (ms)",
+			Caption: "The same requests on ever smaller caches: a policy that keeps prefixes together holds its TTFT longer.",
+			Series:  seriesOf(ttft, specs, res.Runs),
+		},
+		{
+			Name: "pressure_hit_rate", Title: "Hit rate against the replicas' KV cache size",
+			XLabel: "KV blocks per replica (16 tokens each)", YLabel: "hit rate (cached / prompt tokens)", YMin: 0, YMax: 1,
+			Series: seriesOf(hit, specs, res.Runs),
+		},
+	}
+	return res, logTTFT(charts), nil
+}
+
+// sweepSpec is a question that replays every policy at every point of one
+// setting of the fleet (set applies point i to a Config).
+type sweepSpec struct {
+	name  string    // the setting's name in run labels
+	extra string    // the Extra key of the point's value (xs[i])
+	cats  []string  // the points as labels
+	xs    []float64 // the points as numbers
+	set   func(c *Config, i int)
+	// perPointBound: the setting changes the bounds; each run carries its
+	// point's merged_lru and prefix_reuse bounds in Extra.
+	perPointBound bool
+}
+
+// run replays every spec at every point, the point outermost (so that the
+// first len(specs) runs name the policies' colours), and returns the runs,
+// the bound of cfg, and the series of p90 TTFT and hit rate by policy.
+func (sw sweepSpec) run(ctx context.Context, cfg Config, reqs []workload.Request, specs []PolicySpec,
+	progress func(PolicySpec, report.Run)) (report.Result, report.Bound, map[string]*report.ChartSeries, map[string]*report.ChartSeries, error) {
+	cfg, pl, b, err := prepareBounded(ctx, cfg, reqs)
+	if err != nil {
+		return report.Result{}, b, nil, nil, err
+	}
+	var res report.Result
+	ttft, hit := map[string]*report.ChartSeries{}, map[string]*report.ChartSeries{}
+	for i := range sw.xs {
+		c := cfg
+		sw.set(&c, i)
+		if err := c.validate(); err != nil {
+			return report.Result{}, b, nil, nil, err
+		}
+		pb := b
+		if sw.perPointBound {
+			if pb, err = boundsPlan(ctx, c, pl); err != nil {
+				return report.Result{}, b, nil, nil, err
+			}
+		}
+		for _, spec := range specs {
+			s := spec
+			s.Label = fmt.Sprintf("%s %s=%s", spec.RunName(), sw.name, sw.cats[i])
+			run, err := runPlan(ctx, c, pl, s)
+			if err != nil {
+				return report.Result{}, b, nil, nil, err
+			}
+			run.Extra[sw.extra] = sw.xs[i]
+			setVsBound(&run, pb)
+			if sw.perPointBound {
+				run.Extra["bound_prefix_reuse"], run.Extra["bound_merged_lru"] = pb.PrefixReuse, pb.MergedLRU
+			}
+			if progress != nil {
+				progress(s, run)
+			}
+			res.Runs = append(res.Runs, run)
+			addPoint(ttft, spec.RunName(), sw.xs[i], run.TTFTms.P90)
+			addPoint(hit, spec.RunName(), sw.xs[i], run.HitRate)
+		}
+	}
+	return res, b, ttft, hit, nil
 }
 
 func addPoint(m map[string]*report.ChartSeries, name string, x, y float64) {

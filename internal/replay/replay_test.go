@@ -640,6 +640,31 @@ func TestQuestions(t *testing.T) {
 			t.Fatal(err)
 		}
 	})
+	t.Run("cache-pressure", func(t *testing.T) {
+		blocks := []int{80, 3000}
+		res, charts, err := CachePressure(ctx, Config{Replicas: 4}, reqs, blocks, specsOf(t, "round_robin", "ttft"), nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if len(res.Runs) != 4 || len(charts) != 2 || res.Bound != nil {
+			t.Fatalf("%d runs, %d charts, bound %v", len(res.Runs), len(charts), res.Bound)
+		}
+		// A smaller cache holds less: the bound and the hits fall with it,
+		// and each run carries its own point's bound.
+		small, large := runOf(t, res, "ttft kv_blocks=80"), runOf(t, res, "ttft kv_blocks=3000")
+		if small.Extra["kv_blocks"] != 80 || small.Extra["bound_merged_lru"] >= large.Extra["bound_merged_lru"] ||
+			small.HitRate >= large.HitRate {
+			t.Errorf("80 blocks %v, 3000 blocks %v", small.Extra, large.Extra)
+		}
+		for _, r := range res.Runs {
+			if r.HitRate > r.Extra["bound_prefix_reuse"]+1e-12 {
+				t.Errorf("%s above its bound", r.Policy)
+			}
+		}
+		if err := report.WriteReport(t.TempDir(), res, "pressure", charts...); err != nil {
+			t.Fatal(err)
+		}
+	})
 }
 
 func TestConversationTraceHead(t *testing.T) {

@@ -211,10 +211,13 @@ func TestRoutePDAccounting(t *testing.T) {
 		t.Fatal(err)
 	}
 	v := rt.Views(rt.Prepare(parse(t, "other"), "", ""))
-	if v[0].PendingPrefill != 800 || v[0].InFlight != 1 || v[0].InFlightTokens != 801 || v[0].PendingTransfer != 0 {
+	// The KV each step adds: the prefill its prompt and one output
+	// token; the decode its last token, what it pulls and its output.
+	if v[0].PendingPrefill != 800 || v[0].InFlight != 1 || v[0].InFlightTokens != 801 || v[0].InFlightKV != 801 || v[0].PendingTransfer != 0 {
 		t.Fatalf("prefill replica %+v", v[0])
 	}
-	if v[1].PendingPrefill != 1 || v[1].PendingCount != 1 || v[1].PendingTransfer != 800-320 || v[1].InFlightTokens != 816 {
+	if v[1].PendingPrefill != 1 || v[1].PendingCount != 1 || v[1].PendingTransfer != 800-320 || v[1].InFlightTokens != 816 ||
+		v[1].InFlightKV != 1+480+16 {
 		t.Fatalf("decode replica %+v", v[1])
 	}
 	if pd.Decode.TransferTokens() != 480 || pd.Decode.UncachedTokens() != 1 || pd.Prefill.UncachedTokens() != 800 {

@@ -58,6 +58,7 @@ type Replica struct {
 	probed         atomic.Bool // a health check has ended at least once (passed or not)
 	inFlight       atomic.Int64
 	inFlightTokens atomic.Int64
+	inFlightKV     atomic.Int64 // ReplicaView.InFlightKV, this gateway's
 	pendingPrefill atomic.Int64
 	pendingCount   atomic.Int64
 	// pendingTransfer is the prompt tokens decode steps will pull

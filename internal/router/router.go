@@ -346,15 +346,28 @@ func (rt *Router) views(req *policy.Request) ([]policy.ReplicaView, []int) {
 func (r *Replica) loadView(v *policy.ReplicaView) {
 	v.InFlight = int(r.inFlight.Load())
 	v.InFlightTokens = int(r.inFlightTokens.Load())
+	v.InFlightKV = int(r.inFlightKV.Load())
 	v.PendingPrefill = int(r.pendingPrefill.Load())
 	v.PendingCount = int(r.pendingCount.Load())
 	v.PendingTransfer = int(r.pendingTransfer.Load())
 	if l := r.remote.Load(); l != nil {
 		v.InFlight += int(l.InFlight)
+		v.InFlightKV += remoteKV(l.InFlightTokens, v.InFlightTokens, v.InFlightKV)
 		v.InFlightTokens += int(l.InFlightTokens)
 		v.PendingPrefill += int(l.PendingPrefill)
 		v.PendingCount += int(l.PendingCount)
 	}
+}
+
+// remoteKV is the KV of the other gateways' requests in flight to a
+// replica, which share only their contexts' sum (remoteTokens): scaled by
+// this gateway's own ratio of KV to contexts on it (all of it when this
+// gateway has nothing there).
+func remoteKV(remoteTokens int64, localTokens, localKV int) int {
+	if localTokens <= 0 {
+		return int(remoteTokens)
+	}
+	return int(float64(remoteTokens) * float64(localKV) / float64(localTokens))
 }
 
 // DryRun is the decision for req without sending anything or learning.
@@ -447,6 +460,7 @@ type Ticket struct {
 	phase    policy.Phase
 	uncached int64
 	transfer int64 // prompt tokens a decode step pulls (PhaseDecode)
+	kv       int64 // the KV it adds beyond its credited prefix (ReplicaView.InFlightKV)
 	tokens   int64
 	match    int // the approximate index's match on the replica at routing
 	// predicted is the prompt tokens the precise index, trusted, said the
@@ -576,8 +590,10 @@ func (rt *Router) commit(req *policy.Request, d policy.Decision, match, approxMa
 		t.transfer, t.uncached = t.uncached, min(t.uncached, 1)
 	}
 	t.match = approxMatch
+	t.kv = t.uncached + t.transfer + int64(max(req.MaxTokens, 0))
 	r.inFlight.Add(1)
 	r.inFlightTokens.Add(t.tokens)
+	r.inFlightKV.Add(t.kv)
 	r.pendingPrefill.Add(t.uncached)
 	r.pendingCount.Add(1)
 	r.pendingTransfer.Add(t.transfer)
@@ -721,6 +737,7 @@ func (t *Ticket) Done(at time.Time, o Outcome) {
 		r.pendingTransfer.Add(-t.transfer)
 	}
 	r.inFlightTokens.Add(-t.tokens)
+	r.inFlightKV.Add(-t.kv)
 	if r.inFlight.Add(-1) == 0 && r.removed.Load() {
 		t.rt.drained(r)
 	}

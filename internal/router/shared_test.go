@@ -203,3 +203,41 @@ func TestApplyRemoteClampsTheDecision(t *testing.T) {
 		}
 	}
 }
+
+// InFlightKV counts what each request adds beyond the prefix it was
+// credited (a shared prefix once, not once per request as InFlightTokens),
+// returns to zero when the requests end, and the other gateways' contexts
+// count at this gateway's ratio of KV to contexts.
+func TestInFlightKVCountsSharedPrefixesOnce(t *testing.T) {
+	rt := newRouter(t, "least_load", 1)
+	text := strings.Repeat("a", 4*640) // 640 tokens, 40 blocks
+	var tickets []*Ticket
+	for range 4 {
+		req := rt.Prepare(parse(t, text), "", "")
+		req.MaxTokens = 100
+		if err := rt.Index().Insert(0, req.Blocks); err != nil {
+			t.Fatal(err)
+		}
+		tk, err := rt.Route(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		tickets = append(tickets, tk)
+	}
+	v := rt.Views(rt.Prepare(parse(t, "x"), "", ""))[0]
+	// Each: 640 − 639 cached (all but the last token) = 1, + 100 out.
+	if v.InFlightTokens != 4*740 || v.InFlightKV != 4*101 {
+		t.Fatalf("in flight %d tokens, %d KV; want %d, %d", v.InFlightTokens, v.InFlightKV, 4*740, 4*101)
+	}
+	rt.SetRemoteLoad(0, Load{InFlight: 2, InFlightTokens: 2 * 740})
+	if v := rt.Views(rt.Prepare(parse(t, "x"), "", ""))[0]; v.InFlightKV != 6*101 {
+		t.Errorf("with a peer's 2 requests: KV %d, want %d", v.InFlightKV, 6*101)
+	}
+	rt.SetRemoteLoad(0, Load{})
+	for _, tk := range tickets {
+		tk.Done(time.Time{}, Outcome{})
+	}
+	if v := rt.Views(rt.Prepare(parse(t, "x"), "", ""))[0]; v.InFlightKV != 0 || v.InFlightTokens != 0 {
+		t.Errorf("after the requests: %+v", v)
+	}
+}
