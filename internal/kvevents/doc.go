@@ -33,6 +33,20 @@
 // In both the ZMTP roles are ZMQ's: the SUB side sends a subscription
 // message (0x01 + topic prefix) after the handshake, whichever side dialed.
 //
+// # Who may publish on a bound SUB socket
+//
+// Anyone who reaches a Listen socket can connect and publish under any
+// topic, and a topic kv@HOST:PORT@MODEL only claims a replica. The Listener
+// bounds what a peer may cost (connections per source address and in all,
+// with the longest-idle slot of the busiest address going to a newcomer
+// when full; the handshake's time and size; each frame's size, refused at
+// its header before anything is allocated; the silence between messages)
+// and hands each connection's source address to the caller's checks:
+// ListenOptions.AcceptFrom at accept, Authorize per message before
+// decoding. Trust and AddrBook are the pieces kvgate builds them from: a
+// publisher speaks for the replicas at its own address (an IP, or a name
+// resolved in the background), unless a CIDR list or "any" trusts more.
+//
 // # Replay
 //
 // An engine may also bind a ZMQ ROUTER socket (replay_endpoint) serving the
@@ -48,6 +62,8 @@
 // and then the end marker ["", END, ""], END being the 8 bytes of -1
 // (0xFF...FF). Some vLLM versions put the topic in as well: ["", topic,
 // seq, payload] and ["", "", END, ""]. A malformed request gets no answer.
+// The socket answers anyone who connects with every buffered batch, token
+// ids included: what the engine's cache holds of its users' prompts.
 // NewPublisher serves the 3-frame form when given ReplayEndpoint; Replay is
 // the client and reads both forms. A subscriber that finds a gap asks the
 // replay socket for the missing batches; those older than the buffer are

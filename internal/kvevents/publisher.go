@@ -42,6 +42,10 @@ type PublisherOptions struct {
 	// to one bound SUB socket (see Listen). Batches published while not
 	// connected are dropped, as a ZMQ PUB socket drops them.
 	Connect bool
+	// LocalAddr, in connect mode, is the address to dial from (as libzmq's
+	// "tcp://SOURCE;HOST:PORT" does): a listener that checks a publisher's
+	// source address sees this one. nil: the system's choice.
+	LocalAddr net.Addr
 	// ReplayEndpoint, when set, is bound as vLLM's replay socket (a ZMQ
 	// ROUTER): a client sends a start sequence number and gets the buffered
 	// batches from there on (see Replay).
@@ -79,8 +83,9 @@ type zmqPublisher struct {
 	hwm   int
 
 	ln      net.Listener // the bound PUB socket; nil in connect mode
-	network string       // connect mode: what to dial
+	network string       // connect mode: what to dial, and from where
 	addr    string
+	local   net.Addr
 	rln     net.Listener // the replay socket; nil without one
 	cancel  context.CancelFunc
 
@@ -180,6 +185,7 @@ func newPublisher(ctx context.Context, endpoint string, o PublisherOptions) (*zm
 		hwm:     o.HWM,
 		network: network,
 		addr:    addr,
+		local:   o.LocalAddr,
 		seq:     o.FirstSeq,
 		conns:   make(map[net.Conn]connKind),
 		peers:   make(map[*pubPeer]struct{}),
@@ -331,7 +337,7 @@ func (p *zmqPublisher) connectLoop(ctx context.Context) {
 // connectOnce makes one connection and serves it until it drops; true when
 // its handshake succeeded.
 func (p *zmqPublisher) connectOnce(ctx context.Context) bool {
-	d := net.Dialer{Timeout: handshakeTimeout}
+	d := net.Dialer{Timeout: handshakeTimeout, LocalAddr: p.local}
 	conn, err := d.DialContext(ctx, p.network, p.addr)
 	if err != nil || !p.track(conn, connPeer) {
 		return false
@@ -353,7 +359,7 @@ func (p *zmqPublisher) session(conn net.Conn, server bool) (connected bool) {
 			_ = conn.Close()
 		}
 	}()
-	zc, err := openZMTP(conn, zmq4.Pub, server)
+	zc, err := openZMTP(conn, zmq4.Pub, server, controlLimits) // it reads only subscriptions
 	if err != nil {
 		return false
 	}

@@ -83,7 +83,7 @@ func (p *zmqPublisher) serveReplay(conn net.Conn) {
 		p.untrack(conn)
 		_ = conn.Close()
 	}()
-	zc, err := openZMTP(conn, zmq4.Router, true)
+	zc, err := openZMTP(conn, zmq4.Router, true, controlLimits) // it reads only requests
 	if err != nil {
 		return
 	}
@@ -162,10 +162,25 @@ type ReplayResult struct {
 // gives up with ErrReplayTooLong. The result counts what was delivered even
 // when an error ends the exchange.
 func Replay(ctx context.Context, endpoint string, from uint64, fn func(Message)) (ReplayResult, error) {
-	return replay(ctx, endpoint, from, fn, maxReplayBatches)
+	return ReplayWithOptions(ctx, endpoint, from, fn, ReplayOptions{})
 }
 
-func replay(ctx context.Context, endpoint string, from uint64, fn func(Message), limit int) (ReplayResult, error) {
+// ReplayOptions tunes a Replay; the zero value gives the defaults.
+type ReplayOptions struct {
+	// MaxFrameBytes caps one frame of a reply (a batch); a server that
+	// announces a larger one ends the exchange with an error wrapping
+	// ErrFrameSize. Default DefaultMaxFrameBytes.
+	MaxFrameBytes int
+	// maxBatches bounds the replies read (tests lower it); default
+	// maxReplayBatches.
+	maxBatches int
+}
+
+// ReplayWithOptions is Replay with tuning; see ReplayOptions.
+func ReplayWithOptions(ctx context.Context, endpoint string, from uint64, fn func(Message), o ReplayOptions) (ReplayResult, error) {
+	if o.maxBatches <= 0 {
+		o.maxBatches = maxReplayBatches
+	}
 	if fn == nil {
 		return ReplayResult{}, ErrNilHandler
 	}
@@ -191,7 +206,7 @@ func replay(ctx context.Context, endpoint string, from uint64, fn func(Message),
 		_ = conn.Close()
 	}()
 	_ = conn.SetDeadline(time.Now().Add(handshakeTimeout))
-	zc, err := openZMTP(conn, zmq4.Dealer, false)
+	zc, err := openZMTP(conn, zmq4.Dealer, false, batchLimits(o.MaxFrameBytes))
 	if err != nil {
 		return ReplayResult{}, fail(err)
 	}
@@ -199,7 +214,7 @@ func replay(ctx context.Context, endpoint string, from uint64, fn func(Message),
 	if err := zc.SendMsg(zmq4.NewMsgFrom([]byte{}, seqFrame(from))); err != nil {
 		return ReplayResult{}, fail(err)
 	}
-	res, err := readReplay(zc, fn, limit)
+	res, err := readReplay(zc, fn, o.maxBatches)
 	if err != nil && !errors.Is(err, ErrReplayTooLong) {
 		err = fail(err)
 	}

@@ -253,7 +253,7 @@ func TestReplayGivesUpOnEndlessServer(t *testing.T) {
 	})
 	ctx, cancel := context.WithTimeout(t.Context(), waitTimeout)
 	defer cancel()
-	res, err := replay(ctx, ep, 0, func(Message) {}, 3)
+	res, err := ReplayWithOptions(ctx, ep, 0, func(Message) {}, ReplayOptions{maxBatches: 3})
 	if !errors.Is(err, ErrReplayTooLong) || res.Batches != 4 {
 		t.Fatalf("result %+v, error %v", res, err)
 	}

@@ -54,6 +54,10 @@ type SubscribeOptions struct {
 	MinBackoff, MaxBackoff time.Duration
 	// HandshakeTimeout bounds dialing plus the ZMTP handshake. Default 5 s.
 	HandshakeTimeout time.Duration
+	// MaxFrameBytes caps one frame of a batch; a publisher that announces
+	// a larger one is disconnected (and redialled). Default
+	// DefaultMaxFrameBytes.
+	MaxFrameBytes int
 }
 
 // SubscriberStats counts what a subscriber saw.
@@ -223,7 +227,7 @@ func (s *Subscriber) session(ctx context.Context, seqs *seqTracker) (connected b
 	}()
 
 	_ = conn.SetDeadline(time.Now().Add(s.opts.HandshakeTimeout))
-	zc, err := openZMTP(conn, zmq4.Sub, false)
+	zc, err := openZMTP(conn, zmq4.Sub, false, batchLimits(s.opts.MaxFrameBytes))
 	if err != nil {
 		return false, err
 	}

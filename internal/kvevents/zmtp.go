@@ -15,13 +15,41 @@ import (
 // Limits on what one peer may send. zmq4 allocates a frame's declared size
 // before reading its body and gathers the frames of a message without bound,
 // so without them one header claiming 2^40 bytes, or an endless run of
-// frames flagged MORE, would exhaust the process's memory. A vLLM batch is a
-// few hundred kilobytes even for a long prompt's prefill.
+// frames flagged MORE, would exhaust the process's memory.
+//
+// DefaultMaxFrameBytes is the default cap on one frame of a KV-event batch
+// (and on the message, plus messageSlack for the topic and sequence
+// frames). vLLM publishes one batch per engine step, whose stored blocks
+// carry at most the step's tokens (max_num_batched_tokens, 8192 by default
+// with chunked prefill): about 9 bytes per token id plus a hash per block,
+// under 100 KiB by default and under 4 MiB up to ~400k tokens per step.
 const (
-	maxFrameBytes   = 64 << 20
-	maxMessageBytes = 64 << 20
-	maxMessageParts = 16 // our protocols use at most 4 frames per message
+	DefaultMaxFrameBytes = 4 << 20
+	messageSlack         = 64 << 10
+	maxMessageParts      = 16 // our protocols use at most 4 frames per message
+	// controlFrameBytes caps every frame of the ZMTP handshake (a READY
+	// command carries the socket type and an identity of at most 255
+	// bytes) and what the publisher reads (subscriptions, replay requests).
+	controlFrameBytes = 64 << 10
 )
+
+// frameLimits bound what a frameGuard lets through.
+type frameLimits struct {
+	frame, message uint64
+	parts          int
+}
+
+// batchLimits are the limits for reading batches of at most maxFrame bytes
+// (DefaultMaxFrameBytes when maxFrame ≤ 0).
+func batchLimits(maxFrame int) frameLimits {
+	if maxFrame <= 0 {
+		maxFrame = DefaultMaxFrameBytes
+	}
+	return frameLimits{frame: uint64(maxFrame), message: uint64(maxFrame) + messageSlack, parts: maxMessageParts}
+}
+
+// controlLimits are the limits of the handshake and of control messages.
+var controlLimits = frameLimits{frame: controlFrameBytes, message: controlFrameBytes, parts: 4}
 
 // Connection backoff (vLLM relies on libzmq's reconnect, which retries with
 // a similar capped interval).
@@ -30,8 +58,13 @@ const (
 	maxBackoff = 2 * time.Second
 )
 
-// ErrPeer: a peer broke the ZMTP framing limits or the handshake.
-var ErrPeer = errors.New("kvevents: misbehaving peer")
+var (
+	// ErrPeer: a peer broke the ZMTP framing limits or the handshake.
+	ErrPeer = errors.New("kvevents: misbehaving peer")
+	// ErrFrameSize: a peer announced a frame (or a message) over the
+	// limits; it comes with ErrPeer.
+	ErrFrameSize = errors.New("frame over the size limit")
+)
 
 // ZMTP frame flags (RFC 23).
 const (
@@ -45,6 +78,7 @@ const (
 // the limits above, before zmq4 can allocate for it.
 type frameGuard struct {
 	net.Conn
+	lim      frameLimits
 	greeting int     // greeting bytes still to pass
 	hdr      [9]byte // the current frame header, as far as read
 	hdrN     int
@@ -54,7 +88,9 @@ type frameGuard struct {
 	err      error
 }
 
-func newFrameGuard(c net.Conn) *frameGuard { return &frameGuard{Conn: c, greeting: greetingLen} }
+func newFrameGuard(c net.Conn, lim frameLimits) *frameGuard {
+	return &frameGuard{Conn: c, lim: lim, greeting: greetingLen}
+}
 
 func (g *frameGuard) Read(p []byte) (int, error) {
 	if g.err != nil {
@@ -108,9 +144,9 @@ func (g *frameGuard) header() error {
 		size = binary.BigEndian.Uint64(g.hdr[1:9])
 	}
 	g.msgParts++
-	if size > maxFrameBytes || size > maxMessageBytes-g.msgBytes || g.msgParts > maxMessageParts {
-		return fmt.Errorf("%w: frame of %d bytes, part %d of a message of %d bytes so far (limits %d, %d, %d)",
-			ErrPeer, size, g.msgParts, g.msgBytes, maxFrameBytes, maxMessageBytes, maxMessageParts)
+	if size > g.lim.frame || size > g.lim.message-g.msgBytes || g.msgParts > g.lim.parts {
+		return fmt.Errorf("%w: %w: frame of %d bytes, part %d of a message of %d bytes so far (limits %d, %d, %d)",
+			ErrPeer, ErrFrameSize, size, g.msgParts, g.msgBytes, g.lim.frame, g.lim.message, g.lim.parts)
 	}
 	g.msgBytes += size
 	if flags&flagMore == 0 {
@@ -121,16 +157,22 @@ func (g *frameGuard) header() error {
 }
 
 // openZMTP runs the ZMTP 3.0 greeting and NULL-security handshake on conn as
-// a socket of type t, behind a frameGuard. zmq4 panics on a peer that
-// announces an unknown socket type or malformed metadata; here that is an
-// error, so that no peer can crash the process.
-func openZMTP(conn net.Conn, t zmq4.SocketType, server bool) (zc *zmq4.Conn, err error) {
+// a socket of type t, behind a frameGuard: the handshake's frames within
+// controlLimits, the messages after it within lim. zmq4 panics on a peer
+// that announces an unknown socket type or malformed metadata; here that is
+// an error, so that no peer can crash the process.
+func openZMTP(conn net.Conn, t zmq4.SocketType, server bool, lim frameLimits) (zc *zmq4.Conn, err error) {
 	defer func() {
 		if r := recover(); r != nil {
 			zc, err = nil, fmt.Errorf("%w: ZMTP handshake: %v", ErrPeer, r)
 		}
 	}()
-	return zmq4.Open(newFrameGuard(conn), null.Security(), t, nil, server, nil)
+	g := newFrameGuard(conn, controlLimits)
+	zc, err = zmq4.Open(g, null.Security(), t, nil, server, nil)
+	// zmq4 reads only in Open and RecvMsg, exactly the bytes it needs: no
+	// read of a message can have begun before this.
+	g.lim = lim
+	return zc, err
 }
 
 // acceptLoop hands every connection ln accepts to handle (which takes it

@@ -28,9 +28,12 @@ func zmtpStream(frames ...[]byte) []byte {
 	return out
 }
 
+// testLimits are the default batch limits.
+var testLimits = batchLimits(0)
+
 // scanChunks feeds b to a fresh guard in chunks of n bytes.
 func scanChunks(b []byte, n int) error {
-	g := newFrameGuard(nil)
+	g := newFrameGuard(nil, testLimits)
 	for len(b) > 0 {
 		k := min(n, len(b))
 		if err := g.scan(b[:k]); err != nil {
@@ -55,28 +58,28 @@ func TestFrameGuard(t *testing.T) {
 	}{
 		{"three-frames-then-empty", ok, false},
 		{"huge-frame", longHdr(1 << 40), true},
-		{"frame-at-limit", longHdr(maxFrameBytes), false},
-		{"frame-over-limit", longHdr(maxFrameBytes + 1), true},
+		{"frame-at-limit", longHdr(DefaultMaxFrameBytes), false},
+		{"frame-over-limit", longHdr(DefaultMaxFrameBytes + 1), true},
 		{"too-many-parts", zmtpStream(many...), true},
 		{"parts-at-limit", zmtpStream(many[1:]...), false},
 	}
 	for _, tc := range tests {
 		for _, n := range []int{1, 2, 7, 64, 1 << 20} {
 			err := scanChunks(tc.stream, n)
-			if (err != nil) != tc.fail || (err != nil && !errors.Is(err, ErrPeer)) {
+			if (err != nil) != tc.fail || (err != nil && (!errors.Is(err, ErrPeer) || !errors.Is(err, ErrFrameSize))) {
 				t.Errorf("%s in chunks of %d: %v", tc.name, n, err)
 			}
 		}
 	}
 	// The message size counts across frames and starts over per message.
-	half := longHdr(maxMessageBytes / 2)
+	half := longHdr(testLimits.message / 2)
 	half[greetingLen] |= flagMore
-	g := newFrameGuard(nil)
+	g := newFrameGuard(nil, testLimits)
 	if err := g.scan(half); err != nil {
 		t.Fatal(err)
 	}
 	g.body = 0 // as if the body had passed
-	hdr := binary.BigEndian.AppendUint64([]byte{flagLong}, maxMessageBytes/2+1)
+	hdr := binary.BigEndian.AppendUint64([]byte{flagLong}, testLimits.message/2+1)
 	if err := g.scan(hdr); !errors.Is(err, ErrPeer) {
 		t.Errorf("message over the limit: %v", err)
 	}
