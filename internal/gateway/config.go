@@ -14,6 +14,7 @@ import (
 
 	"github.com/kvgate/kvgate/internal/costmodel"
 	"github.com/kvgate/kvgate/internal/discovery"
+	"github.com/kvgate/kvgate/internal/kvevents"
 	"github.com/kvgate/kvgate/internal/policy"
 	"github.com/kvgate/kvgate/internal/router"
 	"github.com/kvgate/kvgate/internal/sharedstate"
@@ -71,6 +72,27 @@ type Config struct {
 	// --kv-events-config endpoint, llm-d's topology); the topic
 	// kv@HOST:PORT@MODEL names the replica. Precise mode.
 	KVEventsListen string `json:"kv_events_listen,omitempty"`
+	// The KV-event socket's trust and bounds (kvlisten.go).
+	//
+	// KVEventsTrust says who may publish on kv_events_listen:
+	// replica_address (the default: a publisher speaks only for the
+	// replicas whose host, an IP or a name resolved to it, is its source
+	// address), CIDRs (publishers from those networks speak for any
+	// replica, e.g. behind NAT), both, or any (no check).
+	KVEventsTrust TrustList `json:"kv_events_trust"`
+	// KVEventsMaxFrameBytes caps one frame of a KV-event batch, on every
+	// socket (listening, subscribed, replay): a peer announcing a larger
+	// one is disconnected before anything is allocated for it.
+	KVEventsMaxFrameBytes int `json:"kv_events_max_frame_bytes"`
+	// KVEventsMaxConnections and KVEventsMaxConnectionsPerAddress cap the
+	// listening socket's connections, in all and per source address.
+	KVEventsMaxConnections           int `json:"kv_events_max_connections"`
+	KVEventsMaxConnectionsPerAddress int `json:"kv_events_max_connections_per_address"`
+	// KVEventsIdleTimeout closes a listened connection silent this long
+	// (vLLM sends no heartbeat; an idle engine reconnects at once);
+	// KVEventsHandshakeTimeout bounds its ZMTP handshake.
+	KVEventsIdleTimeout      Duration `json:"kv_events_idle_timeout"`
+	KVEventsHandshakeTimeout Duration `json:"kv_events_handshake_timeout"`
 	// NonCachedTokens (prefill/decode fleets): when the decode replica
 	// chosen lacks fewer than this many tokens of the prompt, the prefill
 	// step is skipped and the decode replica computes the rest itself
@@ -200,6 +222,14 @@ func Defaults() Config {
 		IndexMaxEntries:    4 << 20,
 		BlocksPerReplica:   30000,
 		Record:             DefaultRecord(),
+
+		// The KV-event socket's trust and bounds.
+		KVEventsTrust:                    TrustList{kvevents.TrustReplicaAddress},
+		KVEventsMaxFrameBytes:            kvevents.DefaultMaxFrameBytes,
+		KVEventsMaxConnections:           1024,
+		KVEventsMaxConnectionsPerAddress: kvevents.DefaultMaxConnectionsPerAddress,
+		KVEventsIdleTimeout:              Duration(kvevents.DefaultIdleTimeout),
+		KVEventsHandshakeTimeout:         Duration(5 * time.Second),
 	}
 }
 
@@ -334,6 +364,7 @@ func (c *Config) Validate() error {
 		errs = append(errs, errors.New("scrape_interval and health_interval must be positive"))
 	}
 	errs = append(append(errs, c.validatePrecise()...), c.validateLimits()...)
+	errs = append(errs, c.validateKVEvents()...)
 	errs = append(errs, c.Record.validate()...)
 	if c.SharedState != "" {
 		if _, err := sharedstate.ParseURL(c.SharedState); err != nil {
@@ -399,6 +430,52 @@ func (c *Config) validateLimits() []error {
 	var errs []error
 	if c.NonCachedTokens < 0 {
 		errs = append(errs, fmt.Errorf("non_cached_tokens %d: want ≥ 0 (0: never skip the prefill step)", c.NonCachedTokens))
+	}
+	return errs
+}
+
+// TrustList is kv_events_trust: a list, or one entry as a string
+// ("any", "replica_address", "10.0.0.0/8").
+type TrustList []string
+
+func (t *TrustList) UnmarshalJSON(b []byte) error {
+	var one string
+	if json.Unmarshal(b, &one) == nil {
+		*t = TrustList{one}
+		return nil
+	}
+	var list []string
+	if err := json.Unmarshal(b, &list); err != nil {
+		return errors.New("kv_events_trust: want replica_address, any, a CIDR, or a list of them")
+	}
+	*t = list
+	return nil
+}
+
+// Bounds of the KV-event socket's settings.
+const (
+	minKVFrameBytes = 64 << 10
+	maxKVFrameBytes = 1 << 30
+	maxKVConns      = 1 << 16
+)
+
+// validateKVEvents checks the KV-event socket's trust and bounds.
+func (c *Config) validateKVEvents() []error {
+	var errs []error
+	if _, err := kvevents.ParseTrust(c.KVEventsTrust); err != nil {
+		errs = append(errs, fmt.Errorf("kv_events_trust: %w", err))
+	}
+	if c.KVEventsMaxFrameBytes < minKVFrameBytes || c.KVEventsMaxFrameBytes > maxKVFrameBytes {
+		errs = append(errs, fmt.Errorf("kv_events_max_frame_bytes %d: want %d (64 KiB) to %d (1 GiB); vLLM's batches are "+
+			"under 100 KiB at its default max_num_batched_tokens", c.KVEventsMaxFrameBytes, minKVFrameBytes, maxKVFrameBytes))
+	}
+	if c.KVEventsMaxConnections < 1 || c.KVEventsMaxConnections > maxKVConns ||
+		c.KVEventsMaxConnectionsPerAddress < 1 || c.KVEventsMaxConnectionsPerAddress > c.KVEventsMaxConnections {
+		errs = append(errs, fmt.Errorf("kv_events_max_connections %d and kv_events_max_connections_per_address %d: "+
+			"want 1 ≤ per address ≤ in all ≤ %d", c.KVEventsMaxConnections, c.KVEventsMaxConnectionsPerAddress, maxKVConns))
+	}
+	if c.KVEventsIdleTimeout.D() < time.Second || c.KVEventsHandshakeTimeout <= 0 || c.KVEventsHandshakeTimeout.D() > time.Minute {
+		errs = append(errs, errors.New("kv_events_idle_timeout must be at least 1s, kv_events_handshake_timeout from above 0 to 1m"))
 	}
 	return errs
 }

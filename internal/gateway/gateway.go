@@ -102,6 +102,7 @@ type Gateway struct {
 	// kvModels is, per target (slot → string), the model its KV-event
 	// topic last named.
 	kvModels sync.Map
+	kv       kvState // the KV-event logs' and replays' rates, the listening socket's checks (kvevents.go)
 
 	rec *recorder // the recording (record.path), nil when off
 	// sync shares routing state with the other gateways (shared_state),

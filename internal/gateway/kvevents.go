@@ -2,12 +2,16 @@ package gateway
 
 import (
 	"context"
+	"errors"
 	"log/slog"
 	"net"
 	"net/url"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/kvgate/kvgate/internal/clock"
 	"github.com/kvgate/kvgate/internal/kvevents"
@@ -16,6 +20,114 @@ import (
 
 // replayTimeout bounds one exchange with a replica's replay endpoint.
 const replayTimeout = 2 * time.Second
+
+// kvState is the gateway's own KV-event state beside the router's
+// follower: the rate limits of the logs and of the replay dials, and what
+// the listening socket checks publishers against (kvlisten.go).
+type kvState struct {
+	logs    sync.Map // key (replica name and cause) → *logGate
+	replays sync.Map // replica name → *replayGate
+	// book knows the replicas' addresses (kv_events_listen; nil before).
+	book atomic.Pointer[kvevents.AddrBook]
+	// conns counts the listening socket's connections refused or closed,
+	// by reason (registered when it listens).
+	conns atomic.Pointer[prometheus.CounterVec]
+}
+
+// kvLogEvery: at most one line per replica and cause this often. The
+// lines between are counted in the next one ("suppressed"), and the
+// metrics count every event: a stream out of order, or a forger, cannot
+// flood the log.
+const kvLogEvery = time.Minute
+
+// logGate rate-limits one kind of line.
+type logGate struct {
+	mu         sync.Mutex
+	last       time.Time
+	logged     bool
+	suppressed int
+}
+
+// pass reports whether a line may be written at now, and how many were
+// suppressed since the last one.
+func (l *logGate) pass(now time.Time) (ok bool, suppressed int) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.logged && now.Sub(l.last) < kvLogEvery {
+		l.suppressed++
+		return false, 0
+	}
+	suppressed, l.suppressed = l.suppressed, 0
+	l.last, l.logged = now, true
+	return true, suppressed
+}
+
+// logEvery logs msg at most once per kvLogEvery per key (a bounded set:
+// replica names and causes, or the listening socket's reasons).
+func (g *Gateway) logEvery(key string, level slog.Level, msg string, args ...any) {
+	v, _ := g.kv.logs.LoadOrStore(key, &logGate{})
+	ok, n := v.(*logGate).pass(g.clock.Now())
+	if !ok {
+		return
+	}
+	if n > 0 {
+		args = append(args, "suppressed", n)
+	}
+	g.log.Log(context.Background(), level, msg+" (at most one line a minute)", args...)
+}
+
+// logKV logs msg about replica name at most once per kvLogEvery per cause.
+func (g *Gateway) logKV(name, cause string, level slog.Level, msg string, args ...any) {
+	g.logEvery(name+"\x00"+cause, level, msg, append([]any{"replica", name}, args...)...)
+}
+
+// Replay dials per replica: at most one in flight, and kvReplayBurst at
+// most, refilled one per kvReplayEvery (a token bucket). Each dial makes
+// the replica send its buffer from the gap on (up to 10,000 batches from a
+// restart), so a stream out of order must not make it do that per batch;
+// the burst lets a few real gaps in a row (a subscriber's HWM drops come
+// in bursts) still be filled.
+const (
+	kvReplayEvery = time.Second
+	kvReplayBurst = 3
+)
+
+// errReplayThrottled: a replay asked for while one was in flight or past
+// the rate; the batch is applied without it (the replica falls out of
+// sync, as after a failed replay, until a later one fills it).
+var errReplayThrottled = errors.New("replay skipped: asked too often (at most one in flight, one a second)")
+
+// replayGate is one replica's replay rate limit.
+type replayGate struct {
+	mu     sync.Mutex
+	busy   bool
+	tokens float64
+	at     time.Time // when tokens was counted
+	used   bool      // a dial was made (tokens start full)
+}
+
+// begin reports whether a dial may start at now, and marks it in flight.
+func (r *replayGate) begin(now time.Time) bool {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if !r.used {
+		r.tokens, r.at, r.used = kvReplayBurst, now, true
+	}
+	r.tokens = min(kvReplayBurst, r.tokens+now.Sub(r.at).Seconds()/kvReplayEvery.Seconds())
+	r.at = now
+	if r.busy || r.tokens < 1 {
+		return false
+	}
+	r.tokens--
+	r.busy = true
+	return true
+}
+
+func (r *replayGate) end() {
+	r.mu.Lock()
+	r.busy = false
+	r.mu.Unlock()
+}
 
 // runKVEvents follows every replica's KV events until ctx ends: it dials
 // the endpoints configured per replica (each rank of a data-parallel one on
@@ -83,7 +195,8 @@ func (g *Gateway) subscribeKV(ctx context.Context, i int) *kvevents.Subscriber {
 	sub, err := kvevents.SubscribeWithOptions(ctx, r.KVEvents(), "",
 		func(m kvevents.Message) { g.onKVMessage(ctx, i, m) }, nil,
 		kvevents.SubscribeOptions{
-			OnConnect: func() { g.resyncAtStart(ctx, i) },
+			MaxFrameBytes: g.cfg.KVEventsMaxFrameBytes,
+			OnConnect:     func() { g.resyncAtStart(ctx, i) },
 			OnError: func(err error) {
 				g.log.Debug("kv events", "replica", r.Name(), "endpoint", r.KVEvents(), "err", err)
 			}})
@@ -110,13 +223,19 @@ func (g *Gateway) onKVMessage(ctx context.Context, i int, m kvevents.Message) {
 }
 
 // resyncFor is replica i's replay endpoint as the follower asks it (nil
-// without one).
+// without one), within the replica's replay rate (replayGate).
 func (g *Gateway) resyncFor(ctx context.Context, i int) router.Resync {
 	ep := g.rt.Replica(i).KVReplay()
 	if ep == "" {
 		return nil
 	}
 	return func(from uint64) ([]router.KVMessage, error) {
+		v, _ := g.kv.replays.LoadOrStore(g.rt.Name(i), &replayGate{})
+		gate := v.(*replayGate)
+		if !gate.begin(g.clock.Now()) {
+			return nil, errReplayThrottled
+		}
+		defer gate.end()
 		ctx, cancel := context.WithTimeout(ctx, replayTimeout)
 		defer cancel()
 		var out []router.KVMessage
@@ -124,13 +243,13 @@ func (g *Gateway) resyncFor(ctx context.Context, i int) router.Resync {
 		if m := g.kvModel(i); m != "" {
 			model = m
 		}
-		_, err := kvevents.Replay(ctx, ep, from, func(m kvevents.Message) {
+		_, err := kvevents.ReplayWithOptions(ctx, ep, from, func(m kvevents.Message) {
 			km := router.KVFromWire(m)
 			if km.Model == "" {
 				km.Model = model
 			}
 			out = append(out, km)
-		})
+		}, kvevents.ReplayOptions{MaxFrameBytes: g.cfg.KVEventsMaxFrameBytes})
 		return out, err
 	}
 }
@@ -143,25 +262,31 @@ func (g *Gateway) kvModel(i int) string {
 	return ""
 }
 
-// reportKV turns what following a batch did into metrics and logs.
+// reportKV turns what following a batch did into metrics and logs (each
+// kind of line at most once a minute per replica: logKV).
 func (g *Gateway) reportKV(i int, rep router.KVReport) {
 	name := g.rt.Name(i)
 	if rep.Replayed > 0 {
 		g.met.kvReplayed.WithLabelValues(name).Add(float64(rep.Replayed))
 	}
-	if rep.ResyncErr != nil {
-		g.logOnce(i, "replay_error", slog.LevelWarn, "kv events: the replay endpoint failed; the replica follows the fallback rule "+
+	switch {
+	case errors.Is(rep.ResyncErr, errReplayThrottled):
+		g.logKV(name, "replay_throttled", slog.LevelInfo, "kv events: a replay skipped, the replica's replay endpoint "+
+			"was asked too often; the replica follows the fallback rule until resynchronised", "err", rep.ResyncErr)
+	case rep.ResyncErr != nil:
+		g.logKV(name, "replay_error", slog.LevelWarn, "kv events: the replay endpoint failed; the replica follows the fallback rule "+
 			"(its reported blocks count, their absence does not) until resynchronised", "err", rep.ResyncErr)
 	}
 	switch {
 	case rep.Gap:
 		g.met.kvGaps.WithLabelValues(name).Inc()
-		g.log.Warn("kv events: sequence gap", "replica", name, "expected", rep.Expected,
+		g.logKV(name, "gap", slog.LevelWarn, "kv events: sequence gap (kvgate_kv_events_gaps_total counts them)", "expected", rep.Expected,
 			"filled_from_replay", rep.Replayed, "in_sync", rep.Synced)
 	case rep.Restart:
-		g.log.Info("kv events: the replica's publisher restarted; its precise index starts over", "replica", name, "in_sync", rep.Synced)
+		g.logKV(name, "restart", slog.LevelInfo, "kv events: the replica's publisher restarted; its precise index starts over",
+			"in_sync", rep.Synced)
 	case rep.SyncChanged:
-		g.log.Info("kv events: sync changed", "replica", name, "in_sync", rep.Synced, "replayed", rep.Replayed)
+		g.logKV(name, "sync", slog.LevelInfo, "kv events: sync changed", "in_sync", rep.Synced, "replayed", rep.Replayed)
 	}
 	for _, d := range rep.Drops {
 		g.met.kvDropped.WithLabelValues(name, d.Reason).Inc()
@@ -169,8 +294,8 @@ func (g *Gateway) reportKV(i int, rep router.KVReport) {
 		if d.Reason == "unknown_parent" {
 			level = slog.LevelInfo // expected after a late join: the parent was stored before we listened
 		}
-		g.logOnce(i, d.Reason, level, "kv events: stored blocks dropped from the precise index (logged once per cause)",
-			"reason", d.Reason, "err", d.Err)
+		g.logKV(name, d.Reason, level, "kv events: stored blocks dropped from the precise index "+
+			"(kvgate_kv_events_dropped_total counts them)", "reason", d.Reason, "err", d.Err)
 	}
 	g.checkBlockSize(i, rep.BlockSize)
 }

@@ -2,9 +2,16 @@ package gateway
 
 import (
 	"context"
+	"errors"
+	"log/slog"
 	"net"
+	"net/netip"
+	"net/url"
+	"slices"
 	"strconv"
 	"strings"
+
+	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/kvgate/kvgate/internal/kvevents"
 )
@@ -12,6 +19,10 @@ import (
 // maxUnknownTopicsLogged bounds the distinct unknown topics logged (a
 // misconfigured fleet logs each once; a hostile one cannot flood the log).
 const maxUnknownTopicsLogged = 64
+
+// errPeerAddress: a batch whose topic names a replica, published from an
+// address kv_events_trust does not trust for it.
+var errPeerAddress = errors.New("kv events: the publisher's address is not its replica's (kv_events_trust)")
 
 // kvTopics finds the target of a batch received on the listening socket:
 // the topic's HOST:PORT is a replica's URL, its rank the batch's
@@ -21,6 +32,8 @@ type kvTopics struct {
 	byHost     map[string][]int // host → the server's targets, when one server has that host
 }
 
+// newKVTopics maps the replicas' topics, and has the address book (when
+// listening) follow their hosts.
 func (g *Gateway) newKVTopics() *kvTopics {
 	t := &kvTopics{byHostPort: map[string][]int{}, byHost: map[string][]int{}}
 	hostCount := map[string]int{}
@@ -40,18 +53,33 @@ func (g *Gateway) newKVTopics() *kvTopics {
 			t.byHost[host] = slots
 		}
 	}
+	if b := g.kv.book.Load(); b != nil {
+		hosts := make([]string, 0, len(hostCount))
+		for h := range hostCount {
+			if h != "" {
+				hosts = append(hosts, h)
+			}
+		}
+		b.SetHosts(hosts)
+	}
 	return t
 }
 
-// target is the router slot of a batch with topic and rank (ok false: no
-// replica has that address, or it was removed: a replica discovered later
-// is found once the membership change rebuilt the topics).
-func (g *Gateway) kvTarget(t *kvTopics, topic string, rank int) (int, bool) {
+// slots are the targets of the server a topic names (ok false: no replica
+// has that address, or it was removed: a replica discovered later is found
+// once the membership change rebuilt the topics).
+func (t *kvTopics) slots(topic string) ([]int, bool) {
 	h := strings.ToLower(kvevents.TopicHost(topic))
 	slots, ok := t.byHostPort[h]
 	if !ok {
 		slots, ok = t.byHost[strings.Trim(h, "[]")]
 	}
+	return slots, ok
+}
+
+// kvTarget is the router slot of a batch with topic and rank.
+func (g *Gateway) kvTarget(t *kvTopics, topic string, rank int) (int, bool) {
+	slots, ok := t.slots(topic)
 	if !ok {
 		return 0, false
 	}
@@ -72,7 +100,15 @@ func (g *Gateway) kvTarget(t *kvTopics, topic string, rank int) (int, bool) {
 // its size counted rather than configured, has its ranks past those
 // unheard).
 func (g *Gateway) listenKV(ctx context.Context) []func() error {
+	trust, _ := kvevents.ParseTrust(g.cfg.KVEventsTrust) // Validate checked it
+	book := kvevents.NewAddrBook(g.lookupAddrs, g.clock, kvevents.AddrBookOptions{})
+	g.kv.book.Store(book)
+	g.kv.conns.Store(g.kvConnsMetric())
 	g.topics.Store(g.newKVTopics())
+	bookCtx, stopBook := context.WithCancel(ctx)
+	bookDone := make(chan struct{})
+	go func() { defer close(bookDone); book.Run(bookCtx) }()
+	closers := []func() error{func() error { stopBook(); <-bookDone; return nil }}
 	ranks := 1
 	if d := g.cfg.Discovery; d != nil {
 		ranks = max(ranks, d.DataParallelSize)
@@ -82,25 +118,145 @@ func (g *Gateway) listenKV(ctx context.Context) []func() error {
 			ranks = max(ranks, k+1)
 		}
 	}
-	var closers []func() error
 	for k := range ranks {
 		ep := kvevents.OffsetPort(g.cfg.KVEventsListen, k)
 		l, err := kvevents.Listen(ctx, ep, func(m kvevents.Message) { g.onListened(ctx, g.topics.Load(), k, m) },
-			kvevents.ListenOptions{
-				OnConnect: func(remote net.Addr) {
-					g.log.Info("kv events: a publisher connected", "endpoint", ep, "from", remote.String())
-				},
-				OnError: func(err error) { g.log.Debug("kv events", "endpoint", ep, "err", err) },
-			})
+			g.listenOptions(ep, k, trust))
 		if err != nil {
 			g.log.Error("kv events: cannot listen; replicas that connect there stay on the approximate index",
 				"endpoint", ep, "err", err)
 			continue
 		}
-		g.log.Info("kv events: listening", "endpoint", ep, "addr", l.Addr().String())
+		g.log.Info("kv events: listening", "endpoint", ep, "addr", l.Addr().String(), "trust", trust.String())
 		closers = append(closers, l.Close)
 	}
 	return closers
+}
+
+// listenOptions are the bounds and checks of the listening socket at port
+// offset k.
+func (g *Gateway) listenOptions(ep string, k int, trust kvevents.Trust) kvevents.ListenOptions {
+	return kvevents.ListenOptions{
+		OnConnect: func(remote net.Addr) {
+			g.log.Info("kv events: a publisher connected", "endpoint", ep, "from", remote.String())
+		},
+		OnError:                  func(err error) { g.onListenError(ep, err) },
+		HandshakeTimeout:         g.cfg.KVEventsHandshakeTimeout.D(),
+		MaxConnections:           g.cfg.KVEventsMaxConnections,
+		MaxConnectionsPerAddress: g.cfg.KVEventsMaxConnectionsPerAddress,
+		MaxFrameBytes:            g.cfg.KVEventsMaxFrameBytes,
+		IdleTimeout:              g.cfg.KVEventsIdleTimeout.D(),
+		AcceptFrom:               func(a netip.Addr) bool { return g.kvMayConnect(trust, a) },
+		Authorize:                func(a netip.Addr, topic string) error { return g.kvAuthorize(trust, k, a, topic) },
+	}
+}
+
+// kvMayConnect reports whether a publisher from a may connect at all:
+// trusted for every replica, or at a replica's address. A refusal asks
+// the address book for a round (a pod back under its name with a new IP
+// is let in on its next reconnection).
+func (g *Gateway) kvMayConnect(trust kvevents.Trust, a netip.Addr) bool {
+	if trust.ForAll(a) {
+		return true
+	}
+	b := g.kv.book.Load()
+	if trust.ReplicaAddress() && b.Has(a) {
+		return true
+	}
+	b.Kick()
+	return false
+}
+
+// kvAuthorize checks, before a batch is decoded, that its publisher at a
+// may publish under topic: a topic that names a replica must come from
+// that replica's address, unless kv_events_trust trusts a for every
+// replica. A refused batch changes nothing (no restart, gap, resync or
+// sync change: it never reaches the follower); it is counted as a drop
+// with reason peer_address. A topic that names no replica passes here and
+// is counted as unknown once decoded (onListened).
+func (g *Gateway) kvAuthorize(trust kvevents.Trust, k int, a netip.Addr, topic string) error {
+	t := g.topics.Load()
+	slots, ok := t.slots(topic)
+	if !ok || trust.ForAll(a) {
+		return nil
+	}
+	b := g.kv.book.Load()
+	if trust.ReplicaAddress() && slices.Contains(b.Addrs(urlHost(g.rt.URL(slots[0]))), a) {
+		return nil
+	}
+	b.Kick()
+	i, ok := g.kvTarget(t, topic, k)
+	if !ok {
+		i = slots[0]
+	}
+	name := g.rt.Name(i)
+	g.met.kvDropped.WithLabelValues(name, "peer_address").Inc()
+	g.logKV(name, "peer_address", slog.LevelWarn, "kv events: a batch for this replica from another address, dropped "+
+		"(a publisher may speak only for the replica at its own address: kv_events_trust)", "from", a.String(), "topic", topic)
+	return errPeerAddress
+}
+
+// onListenError counts (and logs, at most once a minute per reason) the
+// connections the listening socket refused or closed on its own.
+func (g *Gateway) onListenError(ep string, err error) {
+	var ce *kvevents.ConnError
+	if !errors.As(err, &ce) || ce.Reason == kvevents.ReasonClosed {
+		g.log.Debug("kv events", "endpoint", ep, "err", err)
+		return
+	}
+	g.kv.conns.Load().WithLabelValues(string(ce.Reason)).Inc()
+	switch ce.Reason {
+	case kvevents.ReasonPeerAddress, kvevents.ReasonFrameSize:
+		g.logEvery("listen\x00"+string(ce.Reason), slog.LevelWarn, "kv events: a connection refused (peer_address: its source "+
+			"address is no replica's, kv_events_trust; frame_size: a frame over kv_events_max_frame_bytes)",
+			"endpoint", ep, "reason", string(ce.Reason), "from", ce.Remote.String())
+	default:
+		g.log.Debug("kv events", "endpoint", ep, "err", err)
+	}
+}
+
+// kvConnsMetric is kvgate_kv_events_connections_closed_total, registered
+// once.
+func (g *Gateway) kvConnsMetric() *prometheus.CounterVec {
+	c := prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvgate_kv_events_connections_closed_total",
+		Help: "Connections to kv_events_listen refused or closed by kvgate, by reason: peer_address (the source address is " +
+			"no replica's, kv_events_trust), per_address and max_connections (the caps), evicted (an idle one's slot went to " +
+			"a newcomer), handshake, frame_size (over kv_events_max_frame_bytes), idle (kv_events_idle_timeout)."},
+		[]string{"reason"})
+	var dup prometheus.AlreadyRegisteredError
+	if err := g.reg.Register(c); errors.As(err, &dup) {
+		return dup.ExistingCollector.(*prometheus.CounterVec)
+	}
+	return c
+}
+
+// lookupAddrs resolves a replica's host name for the address book, with
+// the gateway's resolver (DNS discovery's).
+func (g *Gateway) lookupAddrs(ctx context.Context, host string) ([]netip.Addr, error) {
+	r := g.resolver
+	if r == nil {
+		r = net.DefaultResolver
+	}
+	ips, err := r.LookupIPAddr(ctx, host)
+	if err != nil {
+		return nil, err
+	}
+	out := make([]netip.Addr, 0, len(ips))
+	for _, ip := range ips {
+		if a, ok := netip.AddrFromSlice(ip.IP); ok {
+			out = append(out, a.Unmap())
+		}
+	}
+	return out, nil
+}
+
+// urlHost is a replica URL's host (name or address), lowercased.
+func urlHost(u string) string {
+	p, err := url.Parse(u)
+	if err != nil {
+		return ""
+	}
+	return strings.ToLower(p.Hostname())
 }
 
 // onListened follows a batch received on the listening socket at port
