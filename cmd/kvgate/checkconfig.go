@@ -150,6 +150,9 @@ func enabledText(cfg gateway.Config) string {
 			p += " bound at " + cfg.KVEventsListen
 		}
 		on = append(on, p+")")
+		if cfg.KVEventsListen != "" {
+			on = append(on, "KV-event publishers trusted: "+strings.Join(cfg.KVEventsTrust, ","))
+		}
 	}
 	for _, o := range []struct {
 		cond bool

@@ -17,6 +17,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/collectors"
 
 	"github.com/kvgate/kvgate/internal/gateway"
+	"github.com/kvgate/kvgate/internal/kvevents"
 	"github.com/kvgate/kvgate/internal/policy"
 	"github.com/kvgate/kvgate/internal/router"
 )
@@ -27,7 +28,7 @@ type serveFlags struct {
 	configPath, listen, replicas, policy, kvEvents, tokenizer string
 	prefillReplicas                                           string
 	nonCached                                                 int
-	kvReplay, kvListen                                        string
+	kvReplay, kvListen, kvTrust                               string
 	dataParallel                                              int
 	adminToken, apiKeys, profile, logLevel                    string
 	record, sharedState, stateFile                            string
@@ -61,6 +62,9 @@ func (f *serveFlags) register(fs *flag.FlagSet) {
 		"missed batches are fetched from it at start and after a gap")
 	fs.StringVar(&f.kvListen, "kv-events-listen", "", "precise mode: bind this SUB socket (tcp://HOST:PORT) for replicas that connect their KV-event "+
 		"publishers (vLLM with a host in its --kv-events-config endpoint); the topic kv@HOST:PORT@MODEL names the replica")
+	fs.StringVar(&f.kvTrust, "kv-events-trust", kvevents.TrustReplicaAddress, "who may publish on --kv-events-listen, comma-separated: "+
+		"replica_address (a publisher speaks only for the replicas at its own source address), CIDRs (publishers from those "+
+		"networks speak for any replica, e.g. 10.0.0.0/8), or any (no check)")
 	fs.IntVar(&f.dataParallel, "data-parallel-size", 0, "data-parallel ranks of every replica, each a routing target (0: counted from each replica's metrics at start)")
 	fs.StringVar(&f.tokenizer, "tokenizer", "approx", "approx (kvgate's own) or remote (the replicas' POST /tokenize; precise mode needs it)")
 	fs.StringVar(&f.adminToken, "admin-token", "", "enables /debug/* and /admin/* behind this bearer token (or $KVGATE_ADMIN_TOKEN)")
@@ -158,6 +162,9 @@ func (f *serveFlags) override(cfg *gateway.Config, set map[string]bool) error {
 	}
 	if set["kv-events-listen"] {
 		cfg.KVEventsListen = f.kvListen
+	}
+	if set["kv-events-trust"] {
+		cfg.KVEventsTrust = strings.Split(f.kvTrust, ",")
 	}
 	overrideSource(cfg, set, f.replicasFile)
 	if set["replicas"] || set["prefill-replicas"] || set["kv-events"] || set["kv-events-replay"] {
