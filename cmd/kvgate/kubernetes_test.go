@@ -87,6 +87,14 @@ type k8sContainer struct {
 		Name          string `json:"name"`
 		ContainerPort int    `json:"containerPort"`
 	} `json:"ports"`
+	Env []struct {
+		Name      string `json:"name"`
+		ValueFrom *struct {
+			FieldRef *struct {
+				FieldPath string `json:"fieldPath"`
+			} `json:"fieldRef"`
+		} `json:"valueFrom"`
+	} `json:"env"`
 	ReadinessProbe, LivenessProbe *k8sProbe
 	SecurityContext               struct {
 		ReadOnlyRootFilesystem   *bool `json:"readOnlyRootFilesystem"`
@@ -637,5 +645,128 @@ func checkListed(t *testing.T, key string, cfg gateway.Config, f vllmFleet) {
 		if !strings.HasPrefix(topic, "kv@"+host+":"+f.port+"@") {
 			t.Errorf("topic %q does not name replica %s", topic, r.URL)
 		}
+	}
+}
+
+// k8sNetworkPolicy is a NetworkPolicy's spec (ingress only).
+type k8sNetworkPolicy struct {
+	PodSelector k8sSelector `json:"podSelector"`
+	PolicyTypes []string    `json:"policyTypes"`
+	Ingress     []struct {
+		From []struct {
+			PodSelector       *k8sSelector `json:"podSelector"`
+			NamespaceSelector *k8sSelector `json:"namespaceSelector"`
+			IPBlock           *struct {
+				CIDR string `json:"cidr"`
+			} `json:"ipBlock"`
+		} `json:"from"`
+		Ports []struct {
+			Port     json.RawMessage `json:"port"`
+			Protocol string          `json:"protocol"`
+		} `json:"ports"`
+	} `json:"ingress"`
+}
+
+// admitted is, per container port of the pods with labels, who the
+// NetworkPolicies selecting them admit: "*" anyone, "pods:NAME" the pods
+// of app.kubernetes.io/name NAME (in the namespace), "namespace:..." and
+// "ipBlock:..." others. A port absent is closed once a policy selects the
+// pods; nil when none does (all open).
+func admitted(t *testing.T, objs []k8sObject, labels map[string]string, c k8sContainer) map[int][]string {
+	t.Helper()
+	var out map[int][]string
+	for _, o := range objs {
+		if o.Kind != "NetworkPolicy" {
+			continue
+		}
+		np := specOf[k8sNetworkPolicy](t, o)
+		if o.APIVersion != "networking.k8s.io/v1" || !slices.Contains(np.PolicyTypes, "Ingress") {
+			t.Errorf("NetworkPolicy %s: want networking.k8s.io/v1 with policyTypes [Ingress]", o.Metadata.Name)
+		}
+		if !matches(np.PodSelector.MatchLabels, labels) {
+			continue
+		}
+		if out == nil {
+			out = map[int][]string{}
+		}
+		for _, rule := range np.Ingress {
+			var who []string
+			for _, f := range rule.From {
+				switch {
+				case f.IPBlock != nil:
+					who = append(who, "ipBlock:"+f.IPBlock.CIDR)
+				case f.NamespaceSelector != nil:
+					who = append(who, fmt.Sprint("namespace:", f.NamespaceSelector.MatchLabels))
+				case f.PodSelector != nil && len(f.PodSelector.MatchLabels) == 1 && f.PodSelector.MatchLabels["app.kubernetes.io/name"] != "":
+					who = append(who, "pods:"+f.PodSelector.MatchLabels["app.kubernetes.io/name"])
+				default:
+					t.Fatalf("NetworkPolicy %s: a peer this test does not read: %+v", o.Metadata.Name, f)
+				}
+			}
+			if len(rule.From) == 0 {
+				who = []string{"*"}
+			}
+			if len(rule.Ports) == 0 {
+				t.Fatalf("NetworkPolicy %s: a rule for every port; name them", o.Metadata.Name)
+			}
+			for _, p := range rule.Ports {
+				port := containerPort(t, c, p.Port)
+				out[port] = append(out[port], who...)
+			}
+		}
+	}
+	return out
+}
+
+// Finding 6 (issue 22): vLLM's replay socket serves every cached prompt's
+// token ids to whoever asks, and its PUB socket streams them. A
+// NetworkPolicy admits only the gateway pods to both (and the gateways and
+// Prometheus to vLLM's API), and only the vLLM pods to the gateway's
+// KV-event port, whose socket a pod binds on its own address ($(POD_IP)).
+func TestKubernetesNetworkPolicies(t *testing.T) {
+	objs := loadManifests(t)
+	f := readVLLMExample(t, objs)
+	d, gw := kvgateDeployment(t, objs)
+	gwName := d.Template.Metadata.Labels["app.kubernetes.io/name"]
+	vName := f.sts.Template.Metadata.Labels["app.kubernetes.io/name"]
+	vllm := admitted(t, objs, f.sts.Template.Metadata.Labels, f.c)
+	if vllm == nil {
+		t.Fatal("no NetworkPolicy selects the vLLM pods: their KV-event and replay sockets are open to every pod")
+	}
+	for _, p := range []string{f.evPort, f.rpPort} {
+		n, _ := strconv.Atoi(p)
+		if who := vllm[n]; !slices.Equal(who, []string{"pods:" + gwName}) {
+			t.Errorf("vLLM's port %d (KV events or replay) admits %v, want the gateway pods only", n, who)
+		}
+	}
+	api, _ := strconv.Atoi(f.port)
+	if who := vllm[api]; !slices.Contains(who, "pods:"+gwName) || slices.Contains(who, "*") {
+		t.Errorf("vLLM's API port %d admits %v: want the gateways (and monitoring), not everyone", api, who)
+	}
+	kv := 0
+	for _, p := range gw.Ports {
+		if p.Name == "kv-events" {
+			kv = p.ContainerPort
+		}
+	}
+	gate := admitted(t, objs, d.Template.Metadata.Labels, gw)
+	if kv == 0 || gate == nil || !slices.Equal(gate[kv], []string{"pods:" + vName}) {
+		t.Errorf("the gateway's kv-events port %d admits %v, want the vLLM pods only", kv, gate[kv])
+	}
+	http := containerPort(t, gw, json.RawMessage(`"http"`))
+	if !slices.Contains(gate[http], "*") {
+		t.Errorf("the gateway's API port %d admits %v, want every client", http, gate[http])
+	}
+	podIP := false
+	for _, e := range gw.Env {
+		podIP = podIP || (e.Name == "POD_IP" && e.ValueFrom != nil && e.ValueFrom.FieldRef != nil && e.ValueFrom.FieldRef.FieldPath == "status.podIP")
+	}
+	if !podIP {
+		t.Error("the gateway has no POD_IP from status.podIP to bind --kv-events-listen=tcp://$(POD_IP):PORT on the pod's own address")
+	}
+	cfg, err := serveConfig(t, "--replicas", "http://10.0.0.1:8000", "--tokenizer", "remote",
+		"--kv-events-listen", fmt.Sprintf("tcp://$(POD_IP):%d", kv))
+	if err != nil || checkConfig(cfg) != nil || !strings.HasSuffix(cfg.KVEventsListen, fmt.Sprint(":", kv)) {
+		t.Errorf("kvgate serve --kv-events-listen tcp://$(POD_IP):%d: %v", kv, err)
 	}
 }
