@@ -101,14 +101,7 @@ func (g *Gateway) kvTarget(t *kvTopics, topic string, rank int) (int, bool) {
 // unheard).
 func (g *Gateway) listenKV(ctx context.Context) []func() error {
 	trust, _ := kvevents.ParseTrust(g.cfg.KVEventsTrust) // Validate checked it
-	book := kvevents.NewAddrBook(g.lookupAddrs, g.clock, kvevents.AddrBookOptions{})
-	g.kv.book.Store(book)
-	g.kv.conns.Store(g.kvConnsMetric())
-	g.topics.Store(g.newKVTopics())
-	bookCtx, stopBook := context.WithCancel(ctx)
-	bookDone := make(chan struct{})
-	go func() { defer close(bookDone); book.Run(bookCtx) }()
-	closers := []func() error{func() error { stopBook(); <-bookDone; return nil }}
+	closers := []func() error{g.followKVAddrs(ctx)}
 	ranks := 1
 	if d := g.cfg.Discovery; d != nil {
 		ranks = max(ranks, d.DataParallelSize)
@@ -131,6 +124,21 @@ func (g *Gateway) listenKV(ctx context.Context) []func() error {
 		closers = append(closers, l.Close)
 	}
 	return closers
+}
+
+// followKVAddrs starts what the listening socket checks publishers
+// against: the replicas' topics and addresses (their names resolved in the
+// background until the returned stop is called or ctx ends), and the
+// count of what it refuses.
+func (g *Gateway) followKVAddrs(ctx context.Context) (stop func() error) {
+	book := kvevents.NewAddrBook(g.lookupAddrs, g.clock, kvevents.AddrBookOptions{})
+	g.kv.book.Store(book)
+	g.kv.conns.Store(g.kvConnsMetric())
+	g.topics.Store(g.newKVTopics())
+	ctx, cancel := context.WithCancel(ctx)
+	done := make(chan struct{})
+	go func() { defer close(done); book.Run(ctx) }()
+	return func() error { cancel(); <-done; return nil }
 }
 
 // listenOptions are the bounds and checks of the listening socket at port

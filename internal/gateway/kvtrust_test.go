@@ -7,6 +7,7 @@ import (
 	"io"
 	"log/slog"
 	"net"
+	"net/netip"
 	"runtime"
 	"strings"
 	"sync/atomic"
@@ -19,6 +20,7 @@ import (
 	"github.com/kvgate/kvgate/internal/clock"
 	"github.com/kvgate/kvgate/internal/kvevents"
 	"github.com/kvgate/kvgate/internal/sim"
+	"github.com/kvgate/kvgate/internal/testutil"
 )
 
 // Tests of the KV-event door (issue 22, findings 2, 3 and 8): who may
@@ -373,6 +375,86 @@ func TestKVEventsConfigValidated(t *testing.T) {
 				t.Fatalf("err %v, want one naming %q", err, tc.err)
 			case tc.err == "" && strings.Join(cfg.KVEventsTrust, ",") != strings.Join(tc.trust, ","):
 				t.Fatalf("trust %v, want %v", cfg.KVEventsTrust, tc.trust)
+			}
+		})
+	}
+}
+
+// nameResolver answers A lookups from a table.
+type nameResolver map[string]string
+
+func (r nameResolver) LookupIPAddr(_ context.Context, host string) ([]net.IPAddr, error) {
+	if ip, ok := r[host]; ok {
+		return []net.IPAddr{{IP: net.ParseIP(ip)}}, nil
+	}
+	return nil, &net.DNSError{Err: "no such host", Name: host, IsNotFound: true}
+}
+
+func (r nameResolver) LookupSRV(context.Context, string, string, string) (string, []*net.SRV, error) {
+	return "", nil, errors.New("not used")
+}
+
+// Who may connect, and for which replica a publisher may publish, under
+// each kv_events_trust: replicas listed by address or by a name resolved
+// through the gateway's resolver. (Nothing is dialled: the replicas'
+// data-parallel sizes are given.)
+func TestKVPublisherTrust(t *testing.T) {
+	const a, b = "kv@127.0.0.11:8000@m", "kv@engine-b.test:8000@m" // b resolves to 127.0.0.12
+	type check struct {
+		from, topic      string
+		connect, publish bool
+	}
+	tests := []struct {
+		trust  []string
+		checks []check
+	}{
+		{[]string{"replica_address"}, []check{
+			{"127.0.0.11", a, true, true}, {"127.0.0.11", b, true, false}, {"127.0.0.12", b, true, true},
+			{"127.0.0.12", a, true, false}, {"127.0.0.13", a, false, false}, {"127.0.0.11", "kv@10.9.9.9:1@m", true, true}}},
+		{[]string{"127.0.0.8/30"}, []check{
+			{"127.0.0.9", a, true, true}, {"127.0.0.9", b, true, true}, {"127.0.0.12", b, false, false}, {"127.0.0.11", b, true, true}}},
+		{[]string{"replica_address", "192.168.0.0/16"}, []check{
+			{"192.168.7.7", a, true, true}, {"127.0.0.12", b, true, true}, {"127.0.0.12", a, true, false}, {"127.0.0.19", b, false, false}}},
+		{[]string{"any"}, []check{{"203.0.113.9", a, true, true}, {"127.0.0.12", a, true, true}}},
+	}
+	for _, tc := range tests {
+		t.Run(strings.Join(tc.trust, ","), func(t *testing.T) {
+			cfg := baseConfig("http://127.0.0.11:8000", "http://engine-b.test:8000")
+			for i := range cfg.Replicas {
+				cfg.Replicas[i].DataParallelSize = 1
+			}
+			cfg.Tokenizer = "remote"
+			cfg.KVEventsListen = "tcp://127.0.0.1:5557" // not bound: the test asks the checks directly
+			cfg.KVEventsTrust = tc.trust
+			g, err := New(cfg, Options{Resolver: nameResolver{"engine-b.test": "127.0.0.12"}})
+			if err != nil {
+				t.Fatal(err)
+			}
+			stop := g.followKVAddrs(t.Context())
+			defer stop()
+			testutil.Eventually(t, 10*time.Second, "the name resolved", func() bool {
+				return g.kv.book.Load().Has(netip.MustParseAddr("127.0.0.12"))
+			})
+			trust, err := kvevents.ParseTrust(tc.trust)
+			if err != nil {
+				t.Fatal(err)
+			}
+			refused := 0
+			for _, c := range tc.checks {
+				from := netip.MustParseAddr(c.from)
+				if got := g.kvMayConnect(trust, from); got != c.connect {
+					t.Errorf("%s may connect: %v, want %v", c.from, got, c.connect)
+				}
+				err := g.kvAuthorize(trust, 0, from, c.topic)
+				if (err == nil) != c.publish || (err != nil && !errors.Is(err, errPeerAddress)) {
+					t.Errorf("%s publishing %s: %v, want allowed %v", c.from, c.topic, err, c.publish)
+				}
+				if err != nil {
+					refused++
+				}
+			}
+			if n := counterValue(t, g.reg, "kvgate_kv_events_dropped_total", map[string]string{"reason": "peer_address"}); n != float64(refused) {
+				t.Errorf("%v drops counted for %d refused", n, refused)
 			}
 		})
 	}
