@@ -73,7 +73,7 @@ func (g *Gateway) logEvery(key string, level slog.Level, msg string, args ...any
 	if n > 0 {
 		args = append(args, "suppressed", n)
 	}
-	g.log.Log(context.Background(), level, msg+" (at most one line a minute)", args...)
+	g.log.Log(context.Background(), level, msg+" (logged at most once a minute; the metrics count every one)", args...)
 }
 
 // logKV logs msg about replica name at most once per kvLogEvery per cause.
@@ -280,7 +280,7 @@ func (g *Gateway) reportKV(i int, rep router.KVReport) {
 	switch {
 	case rep.Gap:
 		g.met.kvGaps.WithLabelValues(name).Inc()
-		g.logKV(name, "gap", slog.LevelWarn, "kv events: sequence gap (kvgate_kv_events_gaps_total counts them)", "expected", rep.Expected,
+		g.logKV(name, "gap", slog.LevelWarn, "kv events: sequence gap", "expected", rep.Expected,
 			"filled_from_replay", rep.Replayed, "in_sync", rep.Synced)
 	case rep.Restart:
 		g.logKV(name, "restart", slog.LevelInfo, "kv events: the replica's publisher restarted; its precise index starts over",
@@ -294,8 +294,7 @@ func (g *Gateway) reportKV(i int, rep router.KVReport) {
 		if d.Reason == "unknown_parent" {
 			level = slog.LevelInfo // expected after a late join: the parent was stored before we listened
 		}
-		g.logKV(name, d.Reason, level, "kv events: stored blocks dropped from the precise index "+
-			"(kvgate_kv_events_dropped_total counts them)", "reason", d.Reason, "err", d.Err)
+		g.logKV(name, d.Reason, level, "kv events: stored blocks dropped from the precise index", "reason", d.Reason, "err", d.Err)
 	}
 	g.checkBlockSize(i, rep.BlockSize)
 }

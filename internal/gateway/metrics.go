@@ -118,7 +118,8 @@ func (m *metrics) newKVMetrics() {
 	m.kvDropped = prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvgate_kv_events_dropped_total",
 		Help: "Stored-block events the precise index could not take, by reason: unknown_parent (stored before " +
 			"kvgate listened), block_size (the replica's block size is not a multiple of block_size, or the " +
-			"token ids do not fill the blocks), other."}, []string{"replica", "reason"})
+			"token ids do not fill the blocks), other; and whole batches: peer_address (published for the replica from another " +
+			"address, kv_events_trust)."}, []string{"replica", "reason"})
 	m.kvGaps = prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvgate_kv_events_gaps_total",
 		Help: "Sequence gaps in the replica's KV-event stream (filled from its replay endpoint when it has one; " +
 			"otherwise the replica is out of sync until resynchronised)."}, []string{"replica"})
