@@ -130,7 +130,7 @@ func TestAccessLogOff(t *testing.T) {
 	if n := len(sink.accessLines(t)); n != 0 {
 		t.Errorf("%d access lines with the access log off", n)
 	}
-	if _, ok := gw.g.Handler().(*http.ServeMux); !ok {
+	if _, ok := gw.g.Handler().(*guard); !ok {
 		t.Errorf("the handler is wrapped (%T) with the access log off", gw.g.Handler())
 	}
 }

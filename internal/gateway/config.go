@@ -178,6 +178,11 @@ type Config struct {
 	AdminToken string `json:"admin_token,omitempty"`
 	// APIKeys, when set, are the only bearer tokens clients may use.
 	APIKeys []string `json:"api_keys,omitempty"`
+	// Passthrough opts replica paths in beyond the default allow-list
+	// (passthroughPaths: vLLM's inference and read-only endpoints): exact
+	// paths such as /v1/load_lora_adapter, open to every client the
+	// gateway admits, with the replica's api_key attached.
+	Passthrough []string `json:"passthrough,omitempty"`
 	// AccessLog logs one line per request at info (accesslog.go): never
 	// the prompt, the answer or a key.
 	AccessLog bool `json:"access_log,omitempty"`
@@ -366,6 +371,7 @@ func (c *Config) Validate() error {
 	errs = append(append(errs, c.validatePrecise()...), c.validateLimits()...)
 	errs = append(errs, c.validateKVEvents()...)
 	errs = append(errs, c.Record.validate()...)
+	errs = append(errs, validatePassthrough(c.Passthrough)...)
 	if c.SharedState != "" {
 		if _, err := sharedstate.ParseURL(c.SharedState); err != nil {
 			errs = append(errs, fmt.Errorf("shared_state: %w", err))

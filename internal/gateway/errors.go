@@ -40,6 +40,13 @@ var (
 	// errHolderDown: the replica holding a stored response (passthrough.go)
 	// is out of rotation (health check failing, breaker open); no other has it.
 	errHolderDown = &apiError{Status: http.StatusServiceUnavailable, Type: "server_error", Code: "replica_unavailable", Message: "the replica holding the response named is out of rotation; retry later"}
+	// errBadPath: a request path that does not name one resource plainly
+	// (checkPath: dot segments, //, encoded / ? # % or control characters).
+	errBadPath = &apiError{Status: http.StatusBadRequest, Type: "invalid_request_error", Code: "invalid_path"}
+	// errUnknownPath: a path outside the gateway's own and the passthrough
+	// allow-list (passthrough.go).
+	errUnknownPath = errNotFound.with("no such endpoint: the gateway serves the OpenAI API paths it knows, " +
+		"and other replica paths only when its passthrough: list opts them in")
 )
 
 // with returns a copy of e with a message.

@@ -350,8 +350,23 @@ func (g *Gateway) routes() {
 	m.HandleFunc("/ui", g.serveUI)
 	m.HandleFunc("/ui/", g.serveUI)
 	g.passthroughRoutes(m) // the rest of the replicas' API (passthrough.go)
-	m.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) { writeError(w, errNotFound) })
-	g.mux = g.withAccessLog(g.withTracing(m))
+	m.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) { writeError(w, errUnknownPath) })
+	g.mux = g.withAccessLog(g.withTracing(&guard{g: g, mux: m}))
+}
+
+// guard checks what every request must pass before the mux routes it: a
+// plain path (checkPath; the allow-list compares paths).
+type guard struct {
+	g   *Gateway
+	mux *http.ServeMux
+}
+
+func (gd *guard) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	if err := checkPath(r.URL); err != nil {
+		gd.g.fail(w, r, err)
+		return
+	}
+	gd.mux.ServeHTTP(w, r)
 }
 
 // ready answers 200 while some replica that answers requests (role both

@@ -1,6 +1,7 @@
 package gateway
 
 import (
+	"maps"
 	"net/http"
 	"strings"
 
@@ -41,39 +42,62 @@ import (
 // is sent to another replica only when the first never read a byte of it.
 
 // passthroughPaths are the replicas' paths the gateway proxies besides
-// completions and chat, with the kind of body routing reads. "/v1/" is
-// every other path under /v1/ (the mux prefers longer patterns, so
-// /v1/completions, /v1/chat/completions and /v1/models keep theirs; /debug/
-// and /admin/ are outside it).
+// completions and chat, with the kind of body routing reads: an
+// allow-list. Every other path is 404 (the mux's catch-all) unless the
+// config's passthrough: list opts it in, so that an API-key holder cannot
+// reach a replica's admin endpoints (/v1/load_lora_adapter,
+// /reset_prefix_cache, /sleep, /collective_rpc …) with the replica's own
+// key attached. The list is the inference and read-only paths of vLLM's
+// OpenAI server as vLLM's own routers pass them (vllm-project/router's
+// src/server.rs; production-stack's routers/main_router.py, less its
+// /sleep, /wake_up and /is_sleeping), and vLLM's other inference
+// endpoints (pooling, classify, the Cohere-style /v2/rerank, SageMaker's
+// /invocations, audio translations, the Anthropic-style /v1/messages).
+// /v1/models and /health are the gateway's own.
 var passthroughPaths = map[string]prompt.Kind{
-	"/v1/embeddings": prompt.Embedding,
-	"/v1/responses":  prompt.Responses,
-	"/tokenize":      prompt.Tokenize,
-	"/detokenize":    prompt.Other,
-	"/rerank":        prompt.Other,
-	"/v2/rerank":     prompt.Other,
-	"/score":         prompt.Other,
-	"/pooling":       prompt.Other,
-	"/classify":      prompt.Other,
-	"/invocations":   prompt.Other,
-	"/v1/":           prompt.Other,
+	"/v1/embeddings":            prompt.Embedding,
+	"/v1/responses":             prompt.Responses,
+	"/v1/responses/{id}":        prompt.Other, // GET a stored response (DELETE it)
+	"/v1/responses/{id}/cancel": prompt.Other,
+	"/tokenize":                 prompt.Tokenize,
+	"/detokenize":               prompt.Other,
+	"/rerank":                   prompt.Other,
+	"/v1/rerank":                prompt.Other,
+	"/v2/rerank":                prompt.Other,
+	"/score":                    prompt.Other,
+	"/v1/score":                 prompt.Other,
+	"/pooling":                  prompt.Other,
+	"/classify":                 prompt.Other,
+	"/invocations":              prompt.Other,
+	"/v1/audio/transcriptions":  prompt.Other,
+	"/v1/audio/translations":    prompt.Other,
+	"/v1/messages":              prompt.Other,
+	"/v1/messages/count_tokens": prompt.Other,
 }
 
-// passthrough serves passthroughPaths.
+// passthrough serves passthroughPaths and the paths config opts in.
 type passthrough struct {
 	g      *Gateway
 	homes  *responseHomes
 	byLoad policy.Policy
 }
 
-// passthroughRoutes registers passthroughPaths on m.
+// passthroughRoutes registers passthroughPaths and the config's
+// passthrough: paths on m. An opted-in path is routed by load (its body is
+// not one routing reads) and gets the replica's api_key like the others.
 func (g *Gateway) passthroughRoutes(m *http.ServeMux) {
 	byLoad, err := policy.New("least_load", policy.Options{Seed: g.cfg.Seed})
 	if err != nil {
 		panic(err) // a registered policy without parameters: cannot fail
 	}
 	pt := &passthrough{g: g, homes: newResponseHomes(responseHomesSize), byLoad: byLoad}
-	for path, kind := range passthroughPaths {
+	paths := maps.Clone(passthroughPaths)
+	for _, p := range g.cfg.Passthrough {
+		if _, ok := paths[p]; !ok {
+			paths[p] = prompt.Other
+		}
+	}
+	for path, kind := range paths {
 		m.HandleFunc(path, func(w http.ResponseWriter, r *http.Request) { pt.serve(w, r, kind) })
 	}
 }

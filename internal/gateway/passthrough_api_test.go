@@ -34,9 +34,9 @@ func TestPassthroughPaths(t *testing.T) {
 		{"POST", "/score", `{"model":"m","text_1":"a","text_2":"b"}`},
 		{"POST", "/pooling", `{"model":"m","input":"x"}`},
 		{"POST", "/classify", `{"model":"m","input":"x"}`},
-		{"POST", "/v1/some/future/endpoint?verbose=1", `{"model":"m","x":1.000}`},
-		{"GET", "/v1/some/thing", ""},
-		{"DELETE", "/v1/some/thing/7", ""},
+		{"POST", "/v1/audio/translations?verbose=1", `{"model":"m","x":1.000}`},
+		{"POST", "/v1/messages/count_tokens", `{"model":"m","messages":[{"role":"user","content":"hi"}]}`},
+		{"POST", "/invocations", `{"model":"m","input":"x"}`},
 	}
 	for _, c := range cases {
 		status, h, body := do(t, c.method, gw.srv.URL+c.path, "application/json", c.body)
@@ -58,18 +58,16 @@ func TestPassthroughPaths(t *testing.T) {
 		{"PUT", "/v1/embeddings", 405},     // not a method the gateway forwards
 		{"POST", "/debug/route", 404},      // admin endpoints without a token do not exist
 		{"POST", "/admin/replicas", 404},   //
-		{"POST", "/not/an/api/path", 404},  // outside /v1/ and the listed paths
+		{"POST", "/not/an/api/path", 404},  // outside the allow-list
+		{"GET", "/v1/some/thing", 404},     // any other /v1/ path too
 		{"GET", "/v1/completions", 405},    // completions keeps its handler
 		{"POST", "/v1/models", 405},        // the gateway's own listing
 		{"POST", "/v1/embeddings", 404},    // model not served (body below)
-		{"POST", "/v1/responses/x/y", 200}, // any /v1/ path
+		{"POST", "/v1/responses/x/y", 404}, // only a response's own paths
 	} {
 		body := `{"model":"m","input":"x"}`
 		if c.status == 404 && c.path == "/v1/embeddings" {
 			body = `{"model":"nope","input":"x"}`
-		}
-		if c.path == "/v1/responses/x/y" {
-			continue // covered by the Responses test
 		}
 		if status, _, b := do(t, c.method, gw.srv.URL+c.path, "application/json", body); status != c.status {
 			t.Fatalf("%s %s: %d %s, want %d", c.method, c.path, status, b, c.status)

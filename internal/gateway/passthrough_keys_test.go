@@ -63,7 +63,7 @@ func TestReplicaKeysOnEveryCall(t *testing.T) {
 			{"POST", "/v1/embeddings", fmt.Sprintf(`{"model":"m","input":"text %d to embed"}`, k)},
 			{"POST", "/v1/score", `{"model":"m","text_1":"a","text_2":"b"}`},
 			{"POST", "/v1/responses", `{"model":"m","input":"hi"}`},
-			{"GET", "/v1/some/path", ""},
+			{"POST", "/v1/rerank", `{"model":"m","query":"q","documents":["a"]}`},
 		} {
 			if status, body := send(c.method, c.path, c.body); status != 200 {
 				t.Fatalf("%s %s: %d %s", c.method, c.path, status, body)

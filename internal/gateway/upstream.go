@@ -102,7 +102,12 @@ func (g *Gateway) upstreamRequest(ctx context.Context, x *exchange, i int, body 
 	case len(body) > 0:
 		rd = bytes.NewReader(body)
 	}
-	up, _ := http.NewRequestWithContext(ctx, x.r.Method, rep.URL()+x.r.URL.Path, rd)
+	// The replica's URL (checked at config, so it parses) with the client's
+	// decoded path set as a path, never re-parsed from a string: net/url
+	// escapes it afresh, so nothing in it is decoded a second time
+	// (checkPath refused the characters that would change its meaning).
+	up, _ := http.NewRequestWithContext(ctx, x.r.Method, rep.URL(), rd)
+	up.URL.Path, up.URL.RawPath = strings.TrimSuffix(up.URL.Path, "/")+x.r.URL.Path, ""
 	up.URL.RawQuery = x.r.URL.RawQuery
 	copyHeaders(up.Header, x.r.Header)
 	up.Header.Del("Authorization")
