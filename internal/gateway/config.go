@@ -372,6 +372,7 @@ func (c *Config) Validate() error {
 	errs = append(errs, c.validateKVEvents()...)
 	errs = append(errs, c.Record.validate()...)
 	errs = append(errs, validatePassthrough(c.Passthrough)...)
+	errs = append(errs, c.validateNoSelf()...)
 	if c.SharedState != "" {
 		if _, err := sharedstate.ParseURL(c.SharedState); err != nil {
 			errs = append(errs, fmt.Errorf("shared_state: %w", err))

@@ -214,6 +214,7 @@ func (g *Gateway) applyReplicas(list []ReplicaConfig, source string) error {
 // applyFrom makes list what the source of pool ("": the top-level
 // source) gives, with the other sources' last lists (pools_sources.go).
 func (g *Gateway) applyFrom(pool string, list []ReplicaConfig, source string) error {
+	list = dropSelf(g.cfg.Listen, list, g.log, source) // a replica that is this gateway would loop (loop.go)
 	if errs := validateReplicas("replicas", list); len(errs) > 0 {
 		return errors.Join(errs...)
 	}

@@ -110,6 +110,8 @@ type Gateway struct {
 	sync *sharedstate.Syncer
 	// tr is OpenTelemetry tracing (tracing.go), nil when off.
 	tr *tracing
+	// via is this gateway's Via pseudonym (loop.go): kvgate-<its id>.
+	via string
 }
 
 // Options are a Gateway's injected parts.
@@ -157,6 +159,9 @@ func New(cfg Config, o Options) (*Gateway, error) {
 	if err != nil {
 		return nil, err
 	}
+	for pool, l := range found { // the config's own replicas were checked by Validate
+		found[pool] = dropSelf(cfg.Listen, l, o.Logger, "replicas_file")
+	}
 	list, pools := cfg.withPools(found)
 	ranks := dataParallelSizes(list, &http.Client{Transport: tr}, o.Logger)
 	rcfg := cfg
@@ -168,7 +173,8 @@ func New(cfg Config, o Options) (*Gateway, error) {
 	}
 	g = &Gateway{cfg: cfg, rt: rt, client: &http.Client{Transport: tr}, log: o.Logger, reg: o.Registry,
 		clock: o.Clock, prof: prof, jitter: rand.New(rand.NewPCG(cfg.Seed, 99)),
-		bodies: semaphore.NewWeighted(cfg.MaxBodyMemory), sync: syncer, ui: newUIStats(), resolver: o.Resolver, kubeOpt: o.Kubernetes}
+		bodies: semaphore.NewWeighted(cfg.MaxBodyMemory), sync: syncer, ui: newUIStats(), resolver: o.Resolver, kubeOpt: o.Kubernetes,
+		via: viaName(gatewayID(syncer))}
 	g.pd.Store(rt.Disaggregated())
 	g.policySeed = rcfg.Seed
 	g.cut, g.cutNow = context.WithCancel(context.Background())
@@ -354,14 +360,19 @@ func (g *Gateway) routes() {
 	g.mux = g.withAccessLog(g.withTracing(&guard{g: g, mux: m}))
 }
 
-// guard checks what every request must pass before the mux routes it: a
-// plain path (checkPath; the allow-list compares paths).
+// guard checks what every request must pass before the mux routes it:
+// not a loop (its Via does not name this gateway: loop.go), and a plain
+// path (checkPath; the allow-list compares paths).
 type guard struct {
 	g   *Gateway
 	mux *http.ServeMux
 }
 
 func (gd *guard) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	if looped(r.Header, gd.g.via) {
+		gd.g.fail(w, r, errLoop)
+		return
+	}
 	if err := checkPath(r.URL); err != nil {
 		gd.g.fail(w, r, err)
 		return

@@ -78,6 +78,12 @@ func (g *Gateway) try(x *exchange, a *attempt) {
 		tk.Accept()
 	}
 	g.relay(x, a, ctx, cancel, resp)
+	if a.v == failed && resp.StatusCode == http.StatusLoopDetected {
+		// A hop (another kvgate, or any proxy that detects loops) found
+		// that the request's path loops: a configuration's fault, not the
+		// replica's, which did no work. Passed on; counts against none.
+		a.v = rejected
+	}
 }
 
 // upstreamRequest builds the request to replica i; wrote turns true once
@@ -110,6 +116,7 @@ func (g *Gateway) upstreamRequest(ctx context.Context, x *exchange, i int, body 
 	up.URL.Path, up.URL.RawPath = strings.TrimSuffix(up.URL.Path, "/")+x.r.URL.Path, ""
 	up.URL.RawQuery = x.r.URL.RawQuery
 	copyHeaders(up.Header, x.r.Header)
+	up.Header.Add("Via", viaEntry(x.r, g.via)) // after the client's: loop detection (loop.go)
 	up.Header.Del("Authorization")
 	if k := rep.APIKey(); k != "" {
 		up.Header.Set("Authorization", "Bearer "+k)
