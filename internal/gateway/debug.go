@@ -5,7 +5,6 @@ import (
 	"encoding/json"
 	"net/http"
 	"slices"
-	"strings"
 
 	"github.com/kvgate/kvgate/internal/policy"
 	"github.com/kvgate/kvgate/internal/prompt"
@@ -24,7 +23,7 @@ func (g *Gateway) admin(h http.HandlerFunc) http.HandlerFunc {
 			writeError(w, errNotFound)
 			return
 		}
-		got, ok := strings.CutPrefix(r.Header.Get("Authorization"), "Bearer ")
+		got, ok := bearer(r.Header)
 		if !ok || subtle.ConstantTimeCompare([]byte(got), []byte(tok)) != 1 {
 			writeError(w, errUnauth.with("admin endpoints need Authorization: Bearer <admin token>"))
 			return

@@ -447,7 +447,7 @@ func (g *Gateway) authorized(r *http.Request) bool {
 	if len(g.cfg.APIKeys) == 0 {
 		return true
 	}
-	tok, ok := strings.CutPrefix(r.Header.Get("Authorization"), "Bearer ")
+	tok, ok := bearer(r.Header)
 	if !ok {
 		return false
 	}
@@ -457,6 +457,19 @@ func (g *Gateway) authorized(r *http.Request) bool {
 		}
 	}
 	return false
+}
+
+// bearer is the token of h's "Authorization: Bearer TOKEN", the one check
+// of every door (API keys, the admin token, /ui). The scheme is matched
+// case-insensitively (RFC 9110 §11.1: "bearer" is as good as "Bearer"),
+// and one or more spaces may follow it; an empty token is none.
+func bearer(h http.Header) (string, bool) {
+	scheme, tok, ok := strings.Cut(h.Get("Authorization"), " ")
+	if !ok || !strings.EqualFold(scheme, "Bearer") {
+		return "", false
+	}
+	tok = strings.TrimLeft(tok, " ")
+	return tok, tok != ""
 }
 
 // readBody reads at most MaxBodyBytes, within the gateway's budget of

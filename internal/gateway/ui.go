@@ -116,7 +116,7 @@ func overTLS(r *http.Request) bool {
 // uiAuthorized accepts the bearer token or the session cookie, each
 // compared in constant time.
 func uiAuthorized(r *http.Request, tok string) bool {
-	if got, ok := strings.CutPrefix(r.Header.Get("Authorization"), "Bearer "); ok {
+	if got, ok := bearer(r.Header); ok {
 		return subtle.ConstantTimeCompare([]byte(got), []byte(tok)) == 1
 	}
 	c, err := r.Cookie(uiCookie)

@@ -9,6 +9,7 @@ import (
 	"net"
 	"net/http"
 	"net/http/httptrace"
+	"net/textproto"
 	"strconv"
 	"strings"
 	"sync/atomic"
@@ -116,17 +117,19 @@ func (g *Gateway) upstreamRequest(ctx context.Context, x *exchange, i int, body 
 	up.URL.Path, up.URL.RawPath = strings.TrimSuffix(up.URL.Path, "/")+x.r.URL.Path, ""
 	up.URL.RawQuery = x.r.URL.RawQuery
 	copyHeaders(up.Header, x.r.Header)
+	dropGatewayHeaders(up.Header)
 	up.Header.Add("Via", viaEntry(x.r, g.via)) // after the client's: loop detection (loop.go)
-	up.Header.Del("Authorization")
 	if k := rep.APIKey(); k != "" {
 		up.Header.Set("Authorization", "Bearer "+k)
 	} else if len(g.cfg.APIKeys) == 0 && x.r.Header.Get("Authorization") != "" {
-		// No gateway keys: the client's key is meant for the replicas.
+		// No gateway keys: the client's key is meant for the replicas (its
+		// scheme spelt as vLLM's --api-key check compares it).
 		up.Header.Set("Authorization", x.r.Header.Get("Authorization"))
+		if tok, ok := bearer(x.r.Header); ok {
+			up.Header.Set("Authorization", "Bearer "+tok)
+		}
 	}
 	up.Header.Del("Accept-Encoding")
-	// The gateway picks the rank: a client's pin would bypass its accounting.
-	up.Header.Del(headerDataParallelRank)
 	if k, ranked := rep.Rank(); ranked {
 		up.Header.Set(headerDataParallelRank, strconv.Itoa(k))
 	}
@@ -140,6 +143,22 @@ func (g *Gateway) upstreamRequest(ctx context.Context, x *exchange, i int, body 
 // headerDataParallelRank pins a request to one data-parallel engine of a
 // vLLM or SGLang server.
 const headerDataParallelRank = "X-Data-Parallel-Rank"
+
+// dropGatewayHeaders removes from a client's headers, copied upstream,
+// the ones only the gateway may set there: X-Kvgate-* (its own, which a
+// replica or a gateway behind it may read), Authorization (the replica's
+// key, or the client's own below) and X-Data-Parallel-Rank (the gateway
+// picks the rank: a client's pin would bypass its accounting).
+// X-Request-Id is set over the client's; Via is appended to.
+func dropGatewayHeaders(h http.Header) {
+	for k := range h {
+		if strings.HasPrefix(textproto.CanonicalMIMEHeaderKey(k), "X-Kvgate-") {
+			delete(h, k)
+		}
+	}
+	h.Del("Authorization")
+	h.Del(headerDataParallelRank)
+}
 
 // setTarget names the target that answered: X-Kvgate-Replica (its URL)
 // and, for a data-parallel rank, X-Kvgate-Rank; and the prefill replica
