@@ -76,6 +76,9 @@ func viaEntry(r *http.Request, name string) string {
 // [comment]"; entries are comma-separated, on one line or several.
 func looped(h http.Header, name string) bool {
 	for _, v := range h.Values("Via") {
+		if !strings.Contains(v, name) {
+			continue // the common case, without splitting
+		}
 		for _, e := range strings.Split(v, ",") {
 			f := strings.Fields(e)
 			if len(f) >= 2 && f[1] == name {
