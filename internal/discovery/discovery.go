@@ -1,7 +1,8 @@
 // Package discovery finds the replicas a gateway routes to while it runs:
 // a YAML file watched for changes, a DNS name re-resolved (A/AAAA, or SRV
 // for a _service._proto name), or the EndpointSlices of a Kubernetes
-// Service. Each Source produces the whole desired list each time it
+// Service (in its own package, internal/discovery/kubernetes, which
+// registers itself: registry.go). Each Source produces the whole desired list each time it
 // changes; the gateway reconciles its router with it (adding replicas
 // cold, draining removed ones). A source that cannot read its answer (a
 // bad file, a failed lookup, a lost watch) keeps the last list it gave:

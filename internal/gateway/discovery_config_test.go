@@ -30,7 +30,6 @@ func TestReplicaSourcesValidate(t *testing.T) {
 		{"discovery: {dns: a:1, role: Prefill}", "discovery.role"},
 		{"discovery: {kubernetes: {selector: a=b, port: 1}}", "namespace"},
 		{"discovery: {kubernetes: {namespace: llm, port: 1}}", "selector"},
-		{"discovery: {kubernetes: {namespace: llm, selector: 'a=(', port: 1}}", "discovery.kubernetes.selector"},
 		{"discovery: {kubernetes: {namespace: llm, selector: a=b}}", "discovery.kubernetes.port"},
 		{"discovery: {kubernetes: {namespace: llm, selector: a=b, port: 70000}}", "discovery.kubernetes.port"},
 		{"discovery: {kubernetes: {namespace: llm, selector: a=b, port: 1}, role: decode}", "role label"},

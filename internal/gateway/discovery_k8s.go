@@ -5,11 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"os"
 	"strconv"
-
-	"k8s.io/apimachinery/pkg/labels"
-	"k8s.io/client-go/kubernetes"
 
 	"github.com/kvgate/kvgate/internal/discovery"
 )
@@ -62,46 +58,34 @@ func (k *KubernetesConfig) validate() []error {
 	if k.Selector == "" {
 		errs = append(errs, errors.New("discovery.kubernetes.selector: give a label selector of the EndpointSlices "+
 			"(e.g. kubernetes.io/service-name=vllm)"))
-	} else if _, err := labels.Parse(k.Selector); err != nil {
-		errs = append(errs, fmt.Errorf("discovery.kubernetes.selector: %w", err))
 	}
 	if n, err := strconv.Atoi(string(k.Port)); k.Port == "" || (err == nil && (n <= 0 || n > 65535)) {
 		errs = append(errs, fmt.Errorf("discovery.kubernetes.port %q: a port number (1-65535) or an EndpointSlice port name", k.Port))
 	}
-	return errs
+	// The rest (the selector's syntax, names the API server would refuse)
+	// is the plugin's to check; a kvgate built without it says so here.
+	return append(errs, discovery.Kubernetes.Validate(k.spec(nil))...)
 }
 
-// kubeClient makes the API client (tests inject a fake clientset).
-var kubeClient = func(kubeconfig string) (kubernetes.Interface, error) {
-	rc, err := discovery.RestConfig(kubeconfig)
-	if err != nil {
-		return nil, err
-	}
-	return kubernetes.NewForConfig(rc)
-}
-
-// kube is the Kubernetes client: injected, or made from path.
-func (g *Gateway) kube(path string) (kubernetes.Interface, error) {
-	if g.kubeOpt != nil {
-		return g.kubeOpt, nil
-	}
-	return kubeClient(path)
-}
-
-func (g *Gateway) newKubernetesSource(d *DiscoveryConfig) (discovery.Source, error) {
-	k := d.Kubernetes
-	path := k.Kubeconfig
-	if path == "" {
-		path = os.Getenv("KUBECONFIG")
-	}
-	client, err := g.kube(path)
-	if err != nil {
-		return nil, fmt.Errorf("discovery.kubernetes: %w", err)
-	}
+// spec is the plugin's configuration of discovery entry d (nil: for
+// validation only).
+func (k *KubernetesConfig) spec(d *DiscoveryConfig) discovery.KubernetesConfig {
 	role := k.RoleLabel
 	if role == "" {
 		role = DefaultRoleLabel
 	}
-	return discovery.NewKubernetes(client, discovery.KubernetesConfig{Namespace: k.Namespace, Selector: k.Selector,
-		Port: string(k.Port), RoleLabel: role, Scheme: d.Scheme, Template: d.template(), Log: g.log})
+	out := discovery.KubernetesConfig{Namespace: k.Namespace, Selector: k.Selector, Port: string(k.Port),
+		Kubeconfig: k.Kubeconfig, RoleLabel: role}
+	if d != nil {
+		out.Scheme, out.Template = d.Scheme, d.template()
+	}
+	return out
+}
+
+// newKubernetesSource asks the registry for the Kubernetes source (the
+// plugin internal/discovery/kubernetes, linked from cmd/kvgate).
+func (g *Gateway) newKubernetesSource(d *DiscoveryConfig) (discovery.Source, error) {
+	spec := d.Kubernetes.spec(d)
+	spec.Clock, spec.Log = g.clock, g.log
+	return discovery.Kubernetes.New(spec)
 }

@@ -16,11 +16,9 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
-	discoveryv1 "k8s.io/api/discovery/v1"
-	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/client-go/kubernetes/fake"
 
 	"github.com/kvgate/kvgate/internal/clock"
+	"github.com/kvgate/kvgate/internal/discovery"
 )
 
 // heldReplica is a replica whose streams send one event and then wait
@@ -307,64 +305,88 @@ func newHeldReplicaLike(t *testing.T, h *heldReplica) *heldReplica {
 	return h
 }
 
-func endpointSlice(name, port string, ready bool, addrs ...string) *discoveryv1.EndpointSlice {
-	var p int32
-	fmt.Sscan(port, &p)
-	pname := "http"
-	s := &discoveryv1.EndpointSlice{
-		ObjectMeta:  metav1.ObjectMeta{Name: name, Namespace: "llm", Labels: map[string]string{"kubernetes.io/service-name": "vllm"}},
-		AddressType: discoveryv1.AddressTypeIPv4,
-		Ports:       []discoveryv1.EndpointPort{{Name: &pname, Port: &p}},
-	}
-	for _, a := range addrs {
-		s.Endpoints = append(s.Endpoints, discoveryv1.Endpoint{Addresses: []string{a}, Conditions: discoveryv1.EndpointConditions{Ready: &ready}})
-	}
-	return s
+// fakeKube stands in for the Kubernetes plugin (internal/discovery/kubernetes,
+// which the gateway's tests do not link: its own tests cover EndpointSlices
+// and the list-watch): it records the configuration the gateway asked the
+// registry for, and its source gives the lists the test sends.
+var fakeKube = struct {
+	sync.Mutex
+	asked map[string]discovery.KubernetesConfig // by namespace
+	lists map[string]chan []ReplicaConfig
+}{asked: map[string]discovery.KubernetesConfig{}, lists: map[string]chan []ReplicaConfig{}}
+
+func init() {
+	discovery.Register(discovery.Kubernetes, discovery.Plugin[discovery.KubernetesConfig]{
+		Validate: func(discovery.KubernetesConfig) []error { return nil },
+		New: func(c discovery.KubernetesConfig) (discovery.Source, error) {
+			fakeKube.Lock()
+			defer fakeKube.Unlock()
+			fakeKube.asked[c.Namespace] = c
+			if fakeKube.lists[c.Namespace] == nil {
+				fakeKube.lists[c.Namespace] = make(chan []ReplicaConfig)
+			}
+			return fakeKubeSource(fakeKube.lists[c.Namespace]), nil
+		}})
 }
 
+type fakeKubeSource chan []ReplicaConfig
+
+func (fakeKubeSource) Name() string { return "kubernetes (fake)" }
+
+func (f fakeKubeSource) Run(ctx context.Context, update func([]ReplicaConfig)) {
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case l := <-f:
+			update(l)
+		}
+	}
+}
+
+// kubeLists is the channel feeding the fake Kubernetes source of namespace.
+func kubeLists(t *testing.T, namespace string) (chan<- []ReplicaConfig, discovery.KubernetesConfig) {
+	t.Helper()
+	fakeKube.Lock()
+	defer fakeKube.Unlock()
+	if fakeKube.lists[namespace] == nil {
+		t.Fatalf("no Kubernetes source was built for namespace %s", namespace)
+	}
+	return fakeKube.lists[namespace], fakeKube.asked[namespace]
+}
+
+// Kubernetes discovery as the gateway sees it: built through the registry
+// from discovery.kubernetes (the role label defaulted, the scheme and the
+// gateway's clock passed on), a replica added is routable, one gone from
+// the list (not ready) drains its stream, an empty list leaves none.
 func TestKubernetesDiscoveryAddNotReadyRemove(t *testing.T) {
 	a, b := newHeldReplica(t), newHeldReplica(t)
-	_, aPort, _ := net.SplitHostPort(a.hostPort())
-	_, bPort, _ := net.SplitHostPort(b.hostPort())
-	kube := fake.NewClientset(endpointSlice("vllm-a", aPort, true, "127.0.0.1"))
 	cfg := baseConfig()
 	cfg.Policy = "least_load"
-	cfg.Discovery = &DiscoveryConfig{Kubernetes: &KubernetesConfig{Namespace: "llm", Selector: "kubernetes.io/service-name=vllm", Port: "http"}}
-	tg := startGatewayWith(t, cfg, Options{Kubernetes: kube})
-	eventually(t, "a routable", func() bool { return routable(tg, a.srv.URL) })
-	slices := kube.DiscoveryV1().EndpointSlices("llm")
-	ctx := context.Background()
-	bSlice := endpointSlice("vllm-b", bPort, true, "127.0.0.1")
-	bSlice.Labels[DefaultRoleLabel] = "both"
-	if _, err := slices.Create(ctx, bSlice, metav1.CreateOptions{}); err != nil {
-		t.Fatal(err)
+	cfg.Discovery = &DiscoveryConfig{Scheme: "http", APIKey: "k",
+		Kubernetes: &KubernetesConfig{Namespace: "llm", Selector: "kubernetes.io/service-name=vllm", Port: "http"}}
+	clk := clock.NewFake(time.Unix(0, 0))
+	tg := startGatewayWith(t, cfg, Options{Clock: clk})
+	lists, asked := kubeLists(t, "llm")
+	if asked.Selector != "kubernetes.io/service-name=vllm" || asked.Port != "http" || asked.RoleLabel != DefaultRoleLabel ||
+		asked.Scheme != "http" || asked.Template.APIKey != "k" || asked.Clock != clk || asked.Log == nil {
+		t.Fatalf("the plugin was asked for %+v", asked)
 	}
+	lists <- []ReplicaConfig{{URL: a.srv.URL}}
+	eventually(t, "a routable", func() bool { return routable(tg, a.srv.URL) })
+	lists <- []ReplicaConfig{{URL: a.srv.URL}, {URL: b.srv.URL, Role: "both"}}
 	eventually(t, "b added", func() bool { return routable(tg, b.srv.URL) })
 	reps := map[string]*heldReplica{a.srv.URL: a, b.srv.URL: b}
 	// The replica holding a stream turns not ready: removed, it drains.
-	drainScenario(t, tg, reps, func(survivor string) {
-		name, port := "vllm-a", aPort
-		if survivor == a.srv.URL {
-			name, port = "vllm-b", bPort
-		}
-		if _, err := slices.Update(ctx, endpointSlice(name, port, false, "127.0.0.1"), metav1.UpdateOptions{}); err != nil {
-			t.Fatal(err)
-		}
-	}, nil)
-	// The slice deleted: the other one leaves too.
+	drainScenario(t, tg, reps, func(survivor string) { lists <- []ReplicaConfig{{URL: survivor}} }, nil)
+	// The last slice deleted: the other one leaves too.
 	var left string
 	for u := range reps {
 		if replicaStateOf(tg, u) == "active" {
 			left = u
 		}
 	}
-	name := "vllm-a"
-	if left == b.srv.URL {
-		name = "vllm-b"
-	}
-	if err := slices.Delete(ctx, name, metav1.DeleteOptions{}); err != nil {
-		t.Fatal(err)
-	}
+	lists <- []ReplicaConfig{}
 	eventually(t, "the deleted slice's replica removed", func() bool { return replicaStateOf(tg, left) == "removed" })
 	resp, _ := post(t, tg.srv.URL+"/v1/completions", `{"model":"m","prompt":"x","max_tokens":1}`)
 	if resp.StatusCode != http.StatusServiceUnavailable {

@@ -29,7 +29,6 @@ import (
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 	"go.opentelemetry.io/otel/trace"
 	"golang.org/x/sync/semaphore"
-	"k8s.io/client-go/kubernetes"
 
 	"github.com/kvgate/kvgate/internal/clock"
 	"github.com/kvgate/kvgate/internal/costmodel"
@@ -78,7 +77,6 @@ type Gateway struct {
 	poolSources map[string]discovery.Source
 	found       map[string][]ReplicaConfig
 	resolver    discovery.Resolver
-	kubeOpt     kubernetes.Interface
 	memMu       sync.Mutex
 	// topics maps kv_events_listen topics to targets; rebuilt when the
 	// membership changes.
@@ -126,9 +124,6 @@ type Options struct {
 	TracerProvider trace.TracerProvider
 	// Resolver answers DNS discovery's lookups (default net.DefaultResolver).
 	Resolver discovery.Resolver
-	// Kubernetes is the API client of Kubernetes discovery (default: from
-	// the kubeconfig, or in-cluster).
-	Kubernetes kubernetes.Interface
 }
 
 // New builds a gateway from a validated configuration.
@@ -173,7 +168,7 @@ func New(cfg Config, o Options) (*Gateway, error) {
 	}
 	g = &Gateway{cfg: cfg, rt: rt, client: &http.Client{Transport: tr}, log: o.Logger, reg: o.Registry,
 		clock: o.Clock, prof: prof, jitter: rand.New(rand.NewPCG(cfg.Seed, 99)),
-		bodies: semaphore.NewWeighted(cfg.MaxBodyMemory), sync: syncer, ui: newUIStats(), resolver: o.Resolver, kubeOpt: o.Kubernetes,
+		bodies: semaphore.NewWeighted(cfg.MaxBodyMemory), sync: syncer, ui: newUIStats(), resolver: o.Resolver,
 		via: viaName(gatewayID(syncer))}
 	g.pd.Store(rt.Disaggregated())
 	g.policySeed = rcfg.Seed

@@ -1,0 +1,76 @@
+package kubernetes
+
+import (
+	"context"
+	"io"
+	"net"
+	"net/http"
+	"net/http/httptest"
+	"strconv"
+	"testing"
+	"time"
+
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+
+	"github.com/kvgate/kvgate/internal/gateway"
+	"github.com/kvgate/kvgate/internal/testutil"
+)
+
+// End to end through the registry: a gateway configured with
+// discovery.kubernetes gets this plugin's source (the client made for the
+// namespace from the kubeconfig, here client-go's fake), routes to the
+// ready endpoint of the selected slice, and has no replica left once the
+// slice is deleted.
+func TestGatewayRoutesToDiscoveredReplicas(t *testing.T) {
+	up := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		switch r.URL.Path {
+		case "/v1/models":
+			_, _ = io.WriteString(w, `{"data":[{"id":"m"}]}`)
+		case "/v1/completions":
+			w.Header().Set("Content-Type", "application/json")
+			_, _ = io.WriteString(w, `{"id":"c","choices":[{"index":0,"text":"ok"}],"usage":{"prompt_tokens":3,"completion_tokens":1}}`)
+		}
+	}))
+	defer up.Close()
+	_, p, _ := net.SplitHostPort(up.Listener.Addr().String())
+	port, _ := strconv.Atoi(p)
+	client := typedFake(t, slice("vllm-a", int32(port), true, "127.0.0.1"))
+	asked := make(chan [2]string, 1)
+	saved := newClient
+	newClient = func(kubeconfig, namespace string) (Client, error) {
+		asked <- [2]string{kubeconfig, namespace}
+		return client, nil
+	}
+	defer func() { newClient = saved }()
+	cfg := gateway.Defaults()
+	cfg.Discovery = &gateway.DiscoveryConfig{Kubernetes: &gateway.KubernetesConfig{Namespace: "llm",
+		Selector: "kubernetes.io/service-name=vllm", Port: "http", Kubeconfig: "/etc/kvgate/kubeconfig"}}
+	g, err := gateway.New(cfg, gateway.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if a := <-asked; a != [2]string{"/etc/kvgate/kubeconfig", "llm"} {
+		t.Fatalf("client made for %q", a)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { defer close(done); g.Run(ctx) }()
+	srv := httptest.NewServer(g.Handler())
+	defer func() { srv.Close(); cancel(); <-done }()
+	send := func() testutil.Response {
+		return testutil.Post(t, nil, srv.URL+"/v1/completions", `{"model":"m","prompt":"hi","max_tokens":1}`)
+	}
+	testutil.Eventually(t, 10*time.Second, "a request routed to the discovered replica", func() bool {
+		r := send()
+		return r.Status == http.StatusOK && r.Header.Get("X-Kvgate-Replica") == up.URL
+	})
+	slices := client.(interface {
+		Delete(context.Context, string, metav1.DeleteOptions) error
+	})
+	if err := slices.Delete(context.Background(), "vllm-a", metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	testutil.Eventually(t, 10*time.Second, "no replica once the slice is deleted", func() bool {
+		return send().Status == http.StatusServiceUnavailable
+	})
+}

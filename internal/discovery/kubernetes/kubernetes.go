@@ -1,0 +1,231 @@
+// Package kubernetes is kvgate's Kubernetes discovery: the ready
+// endpoints of the EndpointSlices (discovery.k8s.io/v1) a label selector
+// matches in a namespace, followed by a list-then-watch. It registers
+// itself as discovery.Kubernetes; cmd/kvgate links it unless built with
+// the tag nokubernetes. It uses only client-go's discovery/v1 typed
+// client: no clientset of every API group, no informer factory.
+package kubernetes
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"os"
+	"slices"
+	"strconv"
+	"strings"
+
+	discoveryv1 "k8s.io/api/discovery/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/labels"
+	"k8s.io/apimachinery/pkg/selection"
+	"k8s.io/apimachinery/pkg/util/validation"
+	"k8s.io/apimachinery/pkg/watch"
+	discoveryclient "k8s.io/client-go/kubernetes/typed/discovery/v1"
+	"k8s.io/client-go/rest"
+	"k8s.io/client-go/tools/clientcmd"
+
+	"github.com/kvgate/kvgate/internal/clock"
+	"github.com/kvgate/kvgate/internal/discovery"
+)
+
+func init() {
+	discovery.Register(discovery.Kubernetes, discovery.Plugin[discovery.KubernetesConfig]{Validate: Validate, New: build})
+}
+
+// Client is the part of the discovery/v1 EndpointSlices client (of one
+// namespace) the source uses.
+type Client interface {
+	List(ctx context.Context, opts metav1.ListOptions) (*discoveryv1.EndpointSliceList, error)
+	Watch(ctx context.Context, opts metav1.ListOptions) (watch.Interface, error)
+}
+
+var _ Client = discoveryclient.EndpointSliceInterface(nil)
+
+// Validate checks what the API server would refuse, without asking it:
+// the selector's syntax, the namespace and a port name (DNS-1123 labels),
+// the role label's key.
+func Validate(cfg discovery.KubernetesConfig) []error {
+	var errs []error
+	if _, err := labels.Parse(cfg.Selector); err != nil {
+		errs = append(errs, fmt.Errorf("selector %q: %w", cfg.Selector, err))
+	}
+	if cfg.Namespace != "" {
+		if msgs := validation.IsDNS1123Label(cfg.Namespace); len(msgs) > 0 {
+			errs = append(errs, fmt.Errorf("namespace %q: %s", cfg.Namespace, strings.Join(msgs, "; ")))
+		}
+	}
+	if _, err := strconv.Atoi(cfg.Port); err != nil && cfg.Port != "" {
+		if msgs := validation.IsDNS1123Label(cfg.Port); len(msgs) > 0 {
+			errs = append(errs, fmt.Errorf("port %q: a port name is a DNS-1123 label: %s", cfg.Port, strings.Join(msgs, "; ")))
+		}
+	}
+	if cfg.RoleLabel != "" {
+		if _, err := labels.NewRequirement(cfg.RoleLabel, selection.Exists, nil); err != nil {
+			errs = append(errs, fmt.Errorf("role_label %q: %w", cfg.RoleLabel, err))
+		}
+	}
+	return errs
+}
+
+// build is the registered constructor: the API client from the kubeconfig
+// (or in-cluster), then the source.
+func build(cfg discovery.KubernetesConfig) (discovery.Source, error) {
+	if errs := Validate(cfg); len(errs) > 0 {
+		return nil, errors.Join(errs...)
+	}
+	path := cfg.Kubeconfig
+	if path == "" {
+		path = os.Getenv("KUBECONFIG")
+	}
+	client, err := newClient(path, cfg.Namespace)
+	if err != nil {
+		return nil, err
+	}
+	return New(client, cfg)
+}
+
+// newClient is the EndpointSlices client of namespace (a test replaces it
+// with a fake).
+var newClient = func(kubeconfig, namespace string) (Client, error) {
+	rc, err := restConfig(kubeconfig)
+	if err != nil {
+		return nil, err
+	}
+	c, err := discoveryclient.NewForConfig(rc)
+	if err != nil {
+		return nil, err
+	}
+	return c.EndpointSlices(namespace), nil
+}
+
+// restConfig is the API server's configuration: from kubeconfig (a path;
+// "" tries in-cluster first), else the default loading rules.
+func restConfig(kubeconfig string) (*rest.Config, error) {
+	if kubeconfig == "" {
+		if c, err := rest.InClusterConfig(); err == nil {
+			return c, nil
+		}
+	}
+	rules := clientcmd.NewDefaultClientConfigLoadingRules()
+	if kubeconfig != "" {
+		rules.ExplicitPath = kubeconfig
+	}
+	c, err := clientcmd.NewNonInteractiveDeferredLoadingClientConfig(rules, &clientcmd.ConfigOverrides{}).ClientConfig()
+	if err != nil {
+		return nil, fmt.Errorf("kubernetes: neither in a cluster nor a usable kubeconfig ($KUBECONFIG or kubeconfig:): %w", err)
+	}
+	return c, nil
+}
+
+// Source follows the EndpointSlices the selector matches: its replicas
+// are their ready endpoints (conditions.ready true or unset, not
+// terminating).
+type Source struct {
+	cfg     discovery.KubernetesConfig
+	client  Client
+	sel     labels.Selector
+	failing bool // the last list or watch failed (logged once per streak)
+}
+
+// New makes a source on client (the EndpointSlices of cfg.Namespace).
+func New(client Client, cfg discovery.KubernetesConfig) (*Source, error) {
+	sel, err := labels.Parse(cfg.Selector)
+	if err != nil {
+		return nil, fmt.Errorf("selector %q: %w", cfg.Selector, err)
+	}
+	if cfg.Port == "" {
+		return nil, errors.New("port: give the replicas' port number or its EndpointSlice port name")
+	}
+	if cfg.Scheme == "" {
+		cfg.Scheme = "http"
+	}
+	cfg.Clock = clock.OrReal(cfg.Clock)
+	if cfg.Log == nil {
+		cfg.Log = slog.New(slog.DiscardHandler)
+	}
+	return &Source{cfg: cfg, client: client, sel: sel}, nil
+}
+
+// Name is "kubernetes NAMESPACE/SELECTOR".
+func (k *Source) Name() string { return "kubernetes " + k.cfg.Namespace + "/" + k.cfg.Selector }
+
+// Replicas are the ready endpoints of eps, one replica per endpoint (its
+// first address: the others are the same pod's), sorted by URL; an
+// endpoint in several slices counts once.
+func (k *Source) Replicas(eps []*discoveryv1.EndpointSlice) []discovery.Replica {
+	seen := map[string]bool{}
+	out := []discovery.Replica{}
+	for _, s := range eps {
+		port, ok := k.port(s)
+		if !ok {
+			continue
+		}
+		for _, e := range s.Endpoints {
+			if !ready(e) || len(e.Addresses) == 0 {
+				continue
+			}
+			u := k.cfg.Scheme + "://" + net.JoinHostPort(e.Addresses[0], strconv.Itoa(port))
+			if seen[u] {
+				continue
+			}
+			seen[u] = true
+			r := k.cfg.Template
+			r.URL, r.Role = u, s.Labels[k.cfg.RoleLabel]
+			out = append(out, r)
+		}
+	}
+	return discovery.Sorted(out)
+}
+
+// port is the replicas' port in slice s: the number given, or the port
+// named so (ok false: the slice has no such port).
+func (k *Source) port(s *discoveryv1.EndpointSlice) (int, bool) {
+	if n, err := strconv.Atoi(k.cfg.Port); err == nil {
+		return n, true
+	}
+	for _, p := range s.Ports {
+		if p.Name != nil && *p.Name == k.cfg.Port && p.Port != nil {
+			return int(*p.Port), true
+		}
+	}
+	return 0, false
+}
+
+// ready: conditions.ready true or unset (unknown counts as ready, as the
+// API documents), and not terminating.
+func ready(e discoveryv1.Endpoint) bool {
+	c := e.Conditions
+	return (c.Ready == nil || *c.Ready) && (c.Terminating == nil || !*c.Terminating)
+}
+
+// view is the slices last seen, by name, and the list last given.
+type view struct {
+	k      *Source
+	slices map[string]*discoveryv1.EndpointSlice
+	last   []discovery.Replica
+	given  bool
+	update func([]discovery.Replica)
+}
+
+// give hands the replicas of the slices seen to update, the first time
+// and whenever they changed.
+func (v *view) give() {
+	names := make([]string, 0, len(v.slices))
+	for n := range v.slices {
+		names = append(names, n)
+	}
+	slices.Sort(names) // an endpoint in two slices takes the first's role
+	eps := make([]*discoveryv1.EndpointSlice, len(names))
+	for i, n := range names {
+		eps[i] = v.slices[n]
+	}
+	list := v.k.Replicas(eps)
+	if v.given && slices.Equal(list, v.last) {
+		return
+	}
+	v.last, v.given = list, true
+	v.update(list)
+}
