@@ -99,7 +99,7 @@ func TestCheckConfigInvalid(t *testing.T) {
 
 // The replicas' other sources: a replicas file is read and checked as the
 // gateway reads it at start, its replicas listed; discovery is described,
-// and neither DNS nor the Kubernetes API is asked (no kubeconfig exists).
+// and DNS is not asked (Kubernetes: checkconfig_kubernetes_test.go).
 func TestCheckConfigSources(t *testing.T) {
 	t.Setenv("KUBECONFIG", filepath.Join(t.TempDir(), "none"))
 	file := writeConfig(t, "- {url: http://127.0.0.1:8001, role: prefill}\n- {url: http://127.0.0.1:8002, role: decode}\n")
@@ -112,8 +112,6 @@ func TestCheckConfigSources(t *testing.T) {
 			"now 1 prefill + 1 decode replicas", "http://127.0.0.1:8001  role prefill"}},
 		{"replicas file by flag", "replicas: [{url: http://127.0.0.1:9}]\n", []string{"--replicas-file", file},
 			[]string{"replicas of " + file, "http://127.0.0.1:8002  role decode"}},
-		{"kubernetes", "discovery: {kubernetes: {namespace: llm, selector: kubernetes.io/service-name=vllm, port: http}}\n", nil,
-			[]string{"replicas of the EndpointSlices kubernetes.io/service-name=vllm in namespace llm", "found while serving"}},
 		{"dns", "discovery: {dns: vllm.llm.svc.cluster.local:8000}\n", nil,
 			[]string{"replicas found by DNS vllm.llm.svc.cluster.local:8000", "found while serving"}},
 	} {

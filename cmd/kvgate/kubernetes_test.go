@@ -1,3 +1,5 @@
+//go:build !nokubernetes
+
 package main
 
 import (
