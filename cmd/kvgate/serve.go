@@ -104,7 +104,7 @@ func (f *serveFlags) run(ctx context.Context, inv invocation) error {
 	log := slog.New(slog.NewJSONHandler(inv.stderr, &slog.HandlerOptions{Level: level}))
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
-	tp, stopTracing, err := gateway.StartTracing(ctx, cfg) // nil when off (tracing: true, or OTEL_TRACES_EXPORTER=otlp)
+	tp, stopTracing, err := startTracing(ctx, cfg) // nil when off (tracing: true, or OTEL_TRACES_EXPORTER=otlp)
 	if err != nil {
 		return err
 	}
@@ -267,16 +267,6 @@ func (f *serveFlags) overrideSecrets(cfg *gateway.Config) {
 	}
 	if f.apiKeys != "" {
 		cfg.APIKeys = strings.Split(f.apiKeys, ",")
-	}
-}
-
-// flushTracing exports the spans still batched, within a bound: a
-// collector that is down must not hold the exit.
-func flushTracing(stop func(context.Context) error, log *slog.Logger) {
-	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-	defer cancel()
-	if err := stop(ctx); err != nil {
-		log.Warn("tracing: the last spans could not be exported", "err", err)
 	}
 }
 

@@ -13,6 +13,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvgate/kvgate/internal/gateway"
 	"github.com/kvgate/kvgate/internal/testutil"
 )
 
@@ -78,4 +79,75 @@ func TestServeTracingFlushesOnExit(t *testing.T) {
 		}
 	}
 	t.Fatalf("%d exports, none with the request's trace id", len(exported))
+}
+
+// tracingEnabled: the configuration, or OTEL_TRACES_EXPORTER; the SDK's
+// off switches win.
+func TestTracingEnabled(t *testing.T) {
+	env := func(kv ...string) func(string) string {
+		return func(k string) string {
+			for i := 0; i+1 < len(kv); i += 2 {
+				if kv[i] == k {
+					return kv[i+1]
+				}
+			}
+			return ""
+		}
+	}
+	on, off := gateway.Config{Tracing: true}, gateway.Config{}
+	for _, c := range []struct {
+		cfg  gateway.Config
+		env  func(string) string
+		want bool
+	}{
+		{off, env(), false},
+		{on, env(), true},
+		{off, env("OTEL_TRACES_EXPORTER", "otlp"), true},
+		{off, env("OTEL_EXPORTER_OTLP_ENDPOINT", "http://collector:4318"), false},
+		{on, env("OTEL_SDK_DISABLED", "true"), false},
+		{on, env("OTEL_TRACES_EXPORTER", "none"), false},
+	} {
+		if got := tracingEnabled(c.cfg, c.env); got != c.want {
+			t.Fatalf("tracing %v with %v: %v", c.cfg.Tracing, c.env("OTEL_TRACES_EXPORTER"), got)
+		}
+	}
+}
+
+// startTracing exports over OTLP/HTTP to the collector the variables name,
+// and its shutdown flushes the batched spans; a protocol it does not speak
+// is refused.
+func TestStartTracingExportsAndFlushes(t *testing.T) {
+	got := make(chan string, 16)
+	collector := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		_, _ = io.Copy(io.Discard, r.Body)
+		got <- r.URL.Path
+	}))
+	defer collector.Close()
+	t.Setenv("OTEL_EXPORTER_OTLP_ENDPOINT", collector.URL)
+	t.Setenv("OTEL_SERVICE_NAME", "kvgate-test")
+	tp, shutdown, err := startTracing(context.Background(), gateway.Config{Tracing: true})
+	if err != nil || tp == nil {
+		t.Fatalf("%v %v", tp, err)
+	}
+	_, span := tp.Tracer("t").Start(context.Background(), "one")
+	span.End()
+	if err := shutdown(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case p := <-got:
+		if p != "/v1/traces" {
+			t.Fatalf("exported to %s", p)
+		}
+	default:
+		t.Fatal("shutdown did not flush the batched span to the collector")
+	}
+	t.Setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc")
+	if _, _, err := startTracing(context.Background(), gateway.Config{Tracing: true}); err == nil {
+		t.Fatal("grpc accepted")
+	}
+	tp, shutdown, err = startTracing(context.Background(), gateway.Config{})
+	if tp != nil || err != nil || shutdown(context.Background()) != nil {
+		t.Fatal("tracing off still built a provider")
+	}
 }

@@ -119,8 +119,8 @@ type Options struct {
 	Clock    clock.Clock          // default: the wall clock
 	// Transport for upstream calls (default: a tuned http.Transport).
 	Transport http.RoundTripper
-	// TracerProvider turns tracing on (nil: off); StartTracing builds
-	// serve's from the configuration and the OTEL_* variables.
+	// TracerProvider turns tracing on (nil: off); cmd/kvgate builds
+	// serve's (SDK, OTLP exporter) from the configuration and OTEL_*.
 	TracerProvider trace.TracerProvider
 	// Resolver answers DNS discovery's lookups (default net.DefaultResolver).
 	Resolver discovery.Resolver
