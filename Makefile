@@ -4,7 +4,7 @@ export PATH := /usr/local/go/bin:$(HOME)/go/bin:$(PATH)
 GO ?= go
 BIN := bin/kvgate
 
-.PHONY: all build test check vet fmt-check bench demo fuzz chaos results clean
+.PHONY: all build test check vet fmt-check bench demo fuzz chaos results size clean
 
 all: build
 
@@ -74,6 +74,14 @@ results: build
 	  $(BIN) replay --trace $(TRACES)/mooncake_$${t}_trace.jsonl --replicas 8 --policies all \
 	    --capacity --slo-ttft-p90 2s --json results/$$t.json --report results/$$t-report | tee results/$$t.txt || exit 1; \
 	done
+
+# Stripped binary sizes: the default build, and one without Kubernetes discovery (-tags nokubernetes:
+# no client-go; discovery: {kubernetes: ...} is then refused, naming the tag).
+size:
+	@mkdir -p bin; for tags in "" nokubernetes; do \
+	  $(GO) build -tags "$$tags" -ldflags '-s -w' -o bin/kvgate-size ./cmd/kvgate || exit 1; \
+	  wc -c < bin/kvgate-size | awk -v b="$${tags:-default}" '{ printf "%-13s %11d bytes (%.1f MB)\n", b, $$1, $$1 / 1e6 }'; \
+	done; rm -f bin/kvgate-size
 
 clean:
 	rm -rf bin
