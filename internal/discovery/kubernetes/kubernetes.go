@@ -164,7 +164,7 @@ func (k *Source) Replicas(eps []*discoveryv1.EndpointSlice) []discovery.Replica 
 			continue
 		}
 		for _, e := range s.Endpoints {
-			if !ready(e) || len(e.Addresses) == 0 {
+			if !ready(e) || len(e.Addresses) == 0 || !address(e.Addresses[0]) {
 				continue
 			}
 			u := k.cfg.Scheme + "://" + net.JoinHostPort(e.Addresses[0], strconv.Itoa(port))
@@ -181,17 +181,25 @@ func (k *Source) Replicas(eps []*discoveryv1.EndpointSlice) []discovery.Replica 
 }
 
 // port is the replicas' port in slice s: the number given, or the port
-// named so (ok false: the slice has no such port).
+// named so (ok false: the slice has no such port, or not from 1 to 65535).
 func (k *Source) port(s *discoveryv1.EndpointSlice) (int, bool) {
 	if n, err := strconv.Atoi(k.cfg.Port); err == nil {
 		return n, true
 	}
 	for _, p := range s.Ports {
 		if p.Name != nil && *p.Name == k.cfg.Port && p.Port != nil {
-			return int(*p.Port), true
+			return int(*p.Port), *p.Port > 0 && *p.Port <= 65535
 		}
 	}
 	return 0, false
+}
+
+// address reports whether an endpoint's address can be a replica's host:
+// an IP, or a DNS name (addressType FQDN). The API server validates them;
+// checked again where they enter, so that one odd endpoint is skipped
+// instead of making the gateway refuse the whole list.
+func address(a string) bool {
+	return net.ParseIP(a) != nil || len(validation.IsDNS1123Subdomain(a)) == 0
 }
 
 // ready: conditions.ready true or unset (unknown counts as ready, as the

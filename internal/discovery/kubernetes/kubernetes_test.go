@@ -62,6 +62,8 @@ func TestReplicasOfSlices(t *testing.T) {
 	decode.Labels["kvgate.io/role"] = "decode"
 	other := slice("o", 9000, true, "10.0.0.6")
 	other.Ports[0].Name = nil // no port named http: skipped by name, taken by number
+	odd := slice("x", 8000, true, "10.0.0.5/evil", "vllm-0.vllm.llm.svc", "10.0.0.4:1", "")
+	zero := slice("z", 0, true, "10.0.0.3")
 	for _, tc := range []struct {
 		name   string
 		mutate func(*discovery.KubernetesConfig)
@@ -80,6 +82,8 @@ func TestReplicasOfSlices(t *testing.T) {
 		{"port by number, https", func(c *discovery.KubernetesConfig) { c.Port, c.Scheme = "7000", "https" },
 			[]*discoveryv1.EndpointSlice{other, slice("v6", 8000, true, "fd00::1")},
 			[]string{"http" + "s://10.0.0.6:7000", "https://[fd00::1]:7000"}, []string{"", ""}},
+		{"odd addresses and a port out of range skipped", nil, []*discoveryv1.EndpointSlice{odd, zero},
+			[]string{"http://vllm-0.vllm.llm.svc:8000"}, []string{""}},
 		{"not ready only", nil, []*discoveryv1.EndpointSlice{slice("b", 8000, no, "10.0.0.3")}, []string{}, nil},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
