@@ -19,13 +19,15 @@ var errWarming = &apiError{Status: http.StatusServiceUnavailable, Type: "server_
 // newSyncer is the shared-state syncer (shared_state), nil when off. It
 // is built before the router, whose OnLearn it is. In precise mode the
 // index needs no sharing (every gateway follows every replica's events):
-// only loads are shared.
+// only loads are shared. The snapshot's cap follows the index's bound
+// (index_max_entries).
 func newSyncer(cfg Config, o Options) (*sharedstate.Syncer, error) {
 	if cfg.SharedState == "" {
 		return nil, nil
 	}
 	return sharedstate.New(sharedstate.Options{URL: cfg.SharedState, Namespace: cfg.SharedStateNamespace,
-		ShareDecisions: !cfg.Precise(), Clock: o.Clock, Log: o.Logger, Registerer: o.Registry})
+		ShareDecisions: !cfg.Precise(), MaxSnapshotBytes: sharedstate.SnapshotBytesFor(cfg.IndexMaxEntries),
+		Clock: o.Clock, Log: o.Logger, Registerer: o.Registry})
 }
 
 // policySeed seeds the policy's random tie breaks: the configured seed,

@@ -75,9 +75,10 @@ func NewPeers(rt *router.Router, self string, ttl time.Duration) *Peers {
 // Apply applies b, received at now: its decisions to the router's index
 // and policy (those about replicas this gateway does not know are
 // skipped), and its loads in place of the sender's previous ones. Its own
-// batches are ignored. It returns the decisions applied.
+// batches are ignored, and so are those of a gateway Admit refuses. It
+// returns the decisions applied.
 func (p *Peers) Apply(b *Batch, now time.Time) int {
-	if b.Gateway == p.self {
+	if b.Gateway == p.self || !p.Admit(b.Gateway) {
 		return 0
 	}
 	n := 0
@@ -99,6 +100,16 @@ func (p *Peers) Apply(b *Batch, now time.Time) int {
 	p.mu.Unlock()
 	p.Expire(now)
 	return n
+}
+
+// Admit reports whether a batch from gateway gw is applied: one already
+// live is, a new one only while fewer than maxPeers are. Each costs a load
+// per replica until its TTL, and a forger could name a new one per entry.
+func (p *Peers) Admit(gw string) bool {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	_, ok := p.peers[gw]
+	return ok || len(p.peers) < maxPeers
 }
 
 // Expire forgets the gateways whose last heartbeat is older than the TTL

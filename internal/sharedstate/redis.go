@@ -4,6 +4,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math"
+	"net"
 	"net/url"
 	"strconv"
 	"strings"
@@ -41,7 +43,24 @@ type store struct {
 	bulk     time.Duration // per snapshot read or write (megabytes)
 	maxLen   int64
 	ops      atomic.Uint64 // commands sent
+
+	maxEntry    int64 // the largest stream entry read (guardConn's string cap)
+	maxSnapshot int64 // the largest snapshot read
 }
+
+// limits are a store's size caps.
+type limits struct {
+	entry, snapshot int64
+}
+
+// readBudget is how many entries' worth of bytes one reply may carry
+// (guardConn's reply cap, in entry caps): a read of small entries is far
+// below it; one of many large ones takes the careful path (skim).
+const readBudget = 4
+
+// snapshotChunk is the size of one GETRANGE of a snapshot read: no reply
+// carries more, whatever the snapshot's size.
+const snapshotChunk = 1 << 20
 
 // fieldBatch is the stream entries' one field.
 const fieldBatch = "b"
@@ -76,7 +95,7 @@ type quietLogger struct{}
 
 func (quietLogger) Printf(context.Context, string, ...any) {}
 
-func newStore(opt *redis.Options, ns string, timeout, bulk time.Duration, maxLen int64) *store {
+func newStore(opt *redis.Options, ns string, timeout, bulk time.Duration, maxLen int64, lim limits) *store {
 	quietRedis.Do(func() { redis.SetLogger(quietLogger{}) })
 	o := *opt
 	o.DialTimeout = timeout
@@ -89,8 +108,20 @@ func newStore(opt *redis.Options, ns string, timeout, bulk time.Duration, maxLen
 	o.PoolTimeout = timeout
 	o.DisableIdentity = true
 	o.MaintNotificationsConfig = &maintnotifications.Config{Mode: maintnotifications.ModeDisabled}
+	// Every reply is bounded where it arrives (guardConn): no string over
+	// the entry cap (a snapshot is read in chunks far below it), no reply
+	// over readBudget entries.
+	dial := redis.NewDialer(&o)
+	maxString, maxReply := max(lim.entry, snapshotChunk), readBudget*max(lim.entry, snapshotChunk)
+	o.Dialer = func(ctx context.Context, network, addr string) (net.Conn, error) {
+		c, err := dial(ctx, network, addr)
+		if err != nil {
+			return nil, err
+		}
+		return &guardConn{Conn: c, maxString: maxString, maxReply: maxReply}, nil
+	}
 	return &store{c: redis.NewClient(&o), batches: ns + ":batches", snapshot: ns + ":snapshot", lock: ns + ":snapshot-lock",
-		timeout: timeout, bulk: bulk, maxLen: maxLen}
+		timeout: timeout, bulk: bulk, maxLen: maxLen, maxEntry: lim.entry, maxSnapshot: lim.snapshot}
 }
 
 func (s *store) close() error { return s.c.Close() }
@@ -136,16 +167,54 @@ func (s *store) now(ctx context.Context) (time.Time, error) {
 	return s.c.Time(ctx).Result()
 }
 
-// getSnapshot is the encoded snapshot, nil when there is none.
+// ErrSnapshotTooLarge is getSnapshot's error for a snapshot over the cap:
+// it is refused by its length (STRLEN), before a byte of it is read.
+var ErrSnapshotTooLarge = errors.New("sharedstate: the snapshot in Redis is over the size cap")
+
+// getSnapshot is the encoded snapshot, nil when there is none. Its length
+// is checked first (STRLEN), and it is read in chunks (GETRANGE) under
+// WATCH, so that no reply is large and a snapshot replaced meanwhile by
+// another gateway's is read again rather than spliced (at most twice: the
+// snapshot changes once a period).
 func (s *store) getSnapshot(ctx context.Context) ([]byte, error) {
 	ctx, cancel := context.WithTimeout(ctx, s.bulk)
 	defer cancel()
-	s.ops.Add(1)
-	b, err := s.c.Get(ctx, s.snapshot).Bytes()
-	if errors.Is(err, redis.Nil) {
-		return nil, nil
+	var data []byte
+	read := func(tx *redis.Tx) error {
+		data = nil
+		s.ops.Add(1)
+		n, err := tx.StrLen(ctx, s.snapshot).Result()
+		if err != nil || n == 0 {
+			return err // a missing key has length 0
+		}
+		if n > s.maxSnapshot {
+			return fmt.Errorf("%w: %d bytes, the cap is %d", ErrSnapshotTooLarge, n, s.maxSnapshot)
+		}
+		buf := make([]byte, 0, n)
+		for int64(len(buf)) < n {
+			s.ops.Add(1)
+			chunk, err := tx.GetRange(ctx, s.snapshot, int64(len(buf)), min(int64(len(buf))+snapshotChunk, n)-1).Result()
+			if err != nil {
+				return err
+			}
+			if chunk == "" {
+				break // shortened meanwhile: EXEC fails below
+			}
+			buf = append(buf, chunk...)
+		}
+		s.ops.Add(1)
+		_, err = tx.TxPipelined(ctx, func(p redis.Pipeliner) error { return p.Ping(ctx).Err() })
+		data = buf
+		return err
 	}
-	return b, err
+	err := s.c.Watch(ctx, read, s.snapshot)
+	if errors.Is(err, redis.TxFailedErr) {
+		err = s.c.Watch(ctx, read, s.snapshot)
+	}
+	if err != nil {
+		return nil, err
+	}
+	return data, nil
 }
 
 func (s *store) putSnapshot(ctx context.Context, data []byte) error {
@@ -167,15 +236,159 @@ func (s *store) tryLock(ctx context.Context, owner string, hold time.Duration) (
 	return err == nil, err
 }
 
+// entrySize is an entry's ID and its fields' bytes, as skim reports them.
+type entrySize struct {
+	id   string
+	size int64
+}
+
+// skimScript lists the entries from ARGV[1] (at most ARGV[2]) with the
+// bytes of their fields and values, not the values: the careful read, when
+// a plain XREAD's reply was over the cap. It costs Redis one copy of each
+// entry listed, once: the entry that wedged every reader costs one skip.
+var skimScript = redis.NewScript(`
+local r = redis.call('XRANGE', KEYS[1], ARGV[1], '+', 'COUNT', ARGV[2])
+local out = {}
+for _, e in ipairs(r) do
+  local n = 0
+  for _, v in ipairs(e[2]) do n = n + #v end
+  out[#out + 1] = e[1]
+  out[#out + 1] = n
+end
+return out`)
+
+// skim lists up to count entries after the ID after, with their sizes.
+func (s *store) skim(ctx context.Context, after string, count int64) ([]entrySize, error) {
+	ctx, cancel := context.WithTimeout(ctx, s.bulk)
+	defer cancel()
+	s.ops.Add(1)
+	res, err := skimScript.Run(ctx, s.c, []string{s.batches}, nextID(after), count).Slice()
+	if err != nil {
+		return nil, err
+	}
+	out := make([]entrySize, 0, len(res)/2)
+	for i := 0; i+1 < len(res); i += 2 {
+		id, ok1 := res[i].(string)
+		n, ok2 := res[i+1].(int64)
+		if !ok1 || !ok2 {
+			return nil, fmt.Errorf("sharedstate: skim: unexpected reply %T %T", res[i], res[i+1])
+		}
+		out = append(out, entrySize{id: id, size: n})
+	}
+	return out, nil
+}
+
+// entry reads the one entry id (none: nil, nil).
+func (s *store) entry(ctx context.Context, id string) (*redis.XMessage, error) {
+	ctx, cancel := context.WithTimeout(ctx, s.timeout)
+	defer cancel()
+	s.ops.Add(1)
+	msgs, err := s.c.XRangeN(ctx, s.batches, id, id, 1).Result()
+	if err != nil || len(msgs) == 0 {
+		return nil, err
+	}
+	return &msgs[0], nil
+}
+
+// stateScript reports the stream's bounds: the last ID it gave
+// (last-generated-id) and its first entry's, both "" when there is no
+// stream (or no entry). It also heals a stream whose last ID is more than
+// ARGV[1] ms ahead of Redis's clock by deleting it: Redis numbers an entry
+// added with "*" after the stream's last ID even when that is ahead of its
+// clock, so one entry written with a far-future ID puts every later one
+// there too, and the readers, which refuse such IDs, would wait for ever.
+// The check and the delete are one script: a stream another gateway healed
+// meanwhile is left alone.
+var stateScript = redis.NewScript(`
+local ok, info = pcall(redis.call, 'XINFO', 'STREAM', KEYS[1])
+if not ok then return {'', '', 0} end
+local last, first = '', ''
+for i = 1, #info - 1, 2 do
+  if info[i] == 'last-generated-id' then last = info[i + 1]
+  elseif info[i] == 'first-entry' and type(info[i + 1]) == 'table' then first = info[i + 1][1] end
+end
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local ms = tonumber(string.match(last, '^(%d+)'))
+if ms and ms > now + tonumber(ARGV[1]) then
+  redis.call('DEL', KEYS[1])
+  return {last, first, 1}
+end
+return {last, first, 0}`)
+
+// streamState is what stateScript reports.
+type streamState struct {
+	last, first string
+	healed      bool
+}
+
+// state reads the stream's bounds, deleting it when its IDs run more than
+// ahead of Redis's clock.
+func (s *store) state(ctx context.Context, ahead time.Duration) (streamState, error) {
+	ctx, cancel := context.WithTimeout(ctx, s.bulk)
+	defer cancel()
+	s.ops.Add(1)
+	res, err := stateScript.Run(ctx, s.c, []string{s.batches}, ahead.Milliseconds()).Slice()
+	if err != nil {
+		return streamState{}, err
+	}
+	if len(res) != 3 {
+		return streamState{}, fmt.Errorf("sharedstate: stream state: %d values", len(res))
+	}
+	last, _ := res[0].(string)
+	first, _ := res[1].(string)
+	healed, _ := res[2].(int64)
+	return streamState{last: last, first: first, healed: healed == 1}, nil
+}
+
+// streamID is a stream entry's ID, "ms-seq": Redis's clock in milliseconds
+// when the entry was added, and a sequence within the millisecond.
+type streamID struct{ ms, seq uint64 }
+
+// parseID parses a complete stream ID.
+func parseID(id string) (streamID, bool) {
+	a, b, ok := strings.Cut(id, "-")
+	if !ok {
+		return streamID{}, false
+	}
+	ms, err1 := strconv.ParseUint(a, 10, 64)
+	seq, err2 := strconv.ParseUint(b, 10, 64)
+	if err1 != nil || err2 != nil {
+		return streamID{}, false
+	}
+	return streamID{ms, seq}, true
+}
+
+// nextID is the first ID after id (XRANGE's start is inclusive; its "("
+// needs Redis 6.2).
+func nextID(id string) string {
+	x, ok := parseID(id)
+	switch {
+	case !ok:
+		return "0-0"
+	case x.seq < math.MaxUint64:
+		x.seq++
+	default:
+		x.ms, x.seq = x.ms+1, 0
+	}
+	return strconv.FormatUint(x.ms, 10) + "-" + strconv.FormatUint(x.seq, 10)
+}
+
+func (x streamID) less(y streamID) bool { return x.ms < y.ms || x.ms == y.ms && x.seq < y.seq }
+
+// idBefore reports whether the ID a is before b (false when either does
+// not parse).
+func idBefore(a, b string) bool {
+	x, ok1 := parseID(a)
+	y, ok2 := parseID(b)
+	return ok1 && ok2 && x.less(y)
+}
+
 // idTime is the Redis time in a stream entry ID ("ms-seq").
 func idTime(id string) (time.Time, bool) {
-	ms, _, ok := strings.Cut(id, "-")
-	if !ok {
+	x, ok := parseID(id)
+	if !ok || x.ms > math.MaxInt64 {
 		return time.Time{}, false
 	}
-	n, err := strconv.ParseInt(ms, 10, 64)
-	if err != nil || n < 0 {
-		return time.Time{}, false
-	}
-	return time.UnixMilli(n), true
+	return time.UnixMilli(int64(x.ms)), true
 }

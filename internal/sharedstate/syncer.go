@@ -45,6 +45,13 @@ type Options struct {
 	// well as loads; false shares loads only (precise mode: every gateway
 	// hears the replicas' KV events itself).
 	ShareDecisions bool
+	// MaxEntryBytes caps a stream entry read (default DefaultMaxEntryBytes;
+	// at least minEntryBytes): a larger one is skipped, counted and logged.
+	MaxEntryBytes int64
+	// MaxSnapshotBytes caps the snapshot read from Redis (default
+	// SnapshotBytesFor(0)): a larger one is refused by its length, unread,
+	// and a snapshot this gateway writes is cut to fit it.
+	MaxSnapshotBytes int64
 
 	Clock      clock.Clock           // default the real clock
 	Log        *slog.Logger          // default slog.Default()
@@ -65,15 +72,17 @@ const (
 
 const (
 	maxBatchDecisions = 256         // per XADD: a backlog goes out in several
-	readCount         = 512         // entries per XREAD
+	readCount         = 64          // entries per XREAD: with guardConn's budget, what one read may hold
+	minEntryBytes     = 64 << 10    // the smallest MaxEntryBytes
 	readBlock         = time.Second // XREAD BLOCK: every live gateway heartbeats sooner
 	minBackoff        = 10 * time.Millisecond
 	maxBackoff        = time.Second // retry period while Redis is down
 	closeBudget       = 2           // × Timeout for the last batch at Close
 	minQueue          = 64          // the pending ring's first size
 	lockHoldFraction  = 9.0 / 10.0  // of SnapshotEvery: the lock expires before the next period
-	upUnknown         = int32(-1)   // no Redis command has completed yet
-	upDown, upUp      = int32(0), int32(1)
+	reachUnknown      = int32(-1)   // no Redis command has completed yet
+	reachDown         = int32(0)
+	reachUp           = int32(1)
 )
 
 // Syncer shares a gateway's routing decisions and loads with the other
@@ -108,7 +117,10 @@ type Syncer struct {
 	buf       []byte
 
 	lastID   atomic.Pointer[string] // the last stream entry the reader applied
-	up       atomic.Int32
+	reach    atomic.Int32           // whether the last Redis command succeeded
+	received atomic.Int64           // s.clk's UnixNano when the reader last moved past an entry; 0: never
+	stopped  atomic.Bool            // Close was called
+	rclock   atomic.Int64           // Redis's clock less this gateway's (ns), as last measured
 	ready    atomic.Bool
 	warmed   atomic.Bool
 	restored atomic.Int64
@@ -120,6 +132,13 @@ type Syncer struct {
 	batPublished, batReceived            atomic.Uint64
 	bytPublished, bytReceived            atomic.Uint64
 	snapshots, errs                      atomic.Uint64
+	dropped, resyncs, snapshotsRead      atomic.Uint64
+
+	// the reader's own (its goroutine, or warm in Start before it runs)
+	future    string    // the ID ahead of Redis's clock last refused
+	trimmedAt time.Time // when a trim was last resynced for
+	snapRead  time.Time // when the snapshot was last read
+	logs      logLimit
 }
 
 // New checks opts and fills in the defaults. It does no I/O: Start does.
@@ -152,8 +171,20 @@ func New(opts Options) (*Syncer, error) {
 	if o.TTL <= o.Heartbeat {
 		return nil, fmt.Errorf("sharedstate: TTL %v not longer than the heartbeat %v: live gateways' loads would expire", o.TTL, o.Heartbeat)
 	}
-	if o.StreamMaxLen < 0 || o.MaxPending < 0 {
-		return nil, errors.New("sharedstate: negative stream length or pending bound")
+	if o.StreamMaxLen < 0 || o.MaxPending < 0 || o.MaxEntryBytes < 0 || o.MaxSnapshotBytes < 0 {
+		return nil, errors.New("sharedstate: negative stream length, pending bound or size cap")
+	}
+	if o.MaxEntryBytes == 0 {
+		o.MaxEntryBytes = DefaultMaxEntryBytes
+	}
+	if o.MaxEntryBytes < minEntryBytes {
+		return nil, fmt.Errorf("sharedstate: entry cap %d bytes below %d", o.MaxEntryBytes, minEntryBytes)
+	}
+	if o.MaxSnapshotBytes == 0 {
+		o.MaxSnapshotBytes = SnapshotBytesFor(0)
+	}
+	if len(o.Gateway) > MaxNameBytes {
+		return nil, fmt.Errorf("sharedstate: gateway name of %d bytes, at most %d", len(o.Gateway), MaxNameBytes)
 	}
 	if o.StreamMaxLen == 0 {
 		o.StreamMaxLen = DefaultStreamMaxLen
@@ -172,8 +203,8 @@ func New(opts Options) (*Syncer, error) {
 	}
 	s := &Syncer{o: o, clk: clock.OrReal(o.Clock), ro: ro, queue: ring{max: o.MaxPending}}
 	s.log = o.Log.With("component", "shared-state", "gateway", o.Gateway)
-	s.up.Store(upUnknown)
-	if s.m, err = newMetrics(o.Registerer); err != nil {
+	s.reach.Store(reachUnknown)
+	if s.m, err = newMetrics(o.Registerer, s.receiving); err != nil {
 		return nil, err
 	}
 	return s, nil
@@ -231,7 +262,8 @@ func (s *Syncer) Start(ctx context.Context, rt *router.Router) error {
 	s.started = true
 	s.rt = rt
 	s.peers = NewPeers(rt, s.o.Gateway, s.o.TTL)
-	s.st = newStore(s.ro, s.o.Namespace, s.o.Timeout, max(s.o.Timeout, s.o.WarmTimeout), s.o.StreamMaxLen)
+	s.st = newStore(s.ro, s.o.Namespace, s.o.Timeout, max(s.o.Timeout, s.o.WarmTimeout), s.o.StreamMaxLen,
+		limits{entry: s.o.MaxEntryBytes, snapshot: s.o.MaxSnapshotBytes})
 	s.stp.Store(s.st)
 	s.startedAt = s.clk.Now()
 	s.lastPub = s.startedAt
@@ -269,20 +301,20 @@ func (s *Syncer) Close() error {
 		return nil
 	}
 	s.closed = true
+	s.stopped.Store(true)
 	if !s.started {
 		return nil
 	}
 	s.cancel()
 	<-s.pubDone
-	if s.up.Load() == upUp {
+	if s.reach.Load() == reachUp {
 		ctx, cancel := context.WithTimeout(context.Background(), closeBudget*s.o.Timeout)
 		_ = s.publish(ctx, s.clk.Now(), true)
 		cancel()
 	}
 	err := s.st.close() // ends the reader's blocking XREAD
 	s.wg.Wait()
-	s.up.Store(upDown)
-	s.m.up.Set(0)
+	s.reach.Store(reachDown)
 	if errors.Is(err, redis.ErrClosed) {
 		err = nil
 	}
@@ -292,7 +324,7 @@ func (s *Syncer) Close() error {
 // Stats are the Syncer's counters (tests, debugging).
 type Stats struct {
 	Gateway string
-	Up      bool // the last Redis command succeeded
+	Up      bool // receiving (kvgate_shared_state_up): see receiving
 	Ready   bool
 	Warmed  bool   // a warm load completed (at Start, or once Redis came back)
 	LastID  string // the last stream entry applied
@@ -306,7 +338,10 @@ type Stats struct {
 	BatchesPublished, BatchesReceived                      uint64
 	BytesPublished, BytesReceived                          uint64
 	Snapshots                                              uint64 // snapshots this gateway wrote
-	Errors                                                 uint64 // failed Redis commands and undecodable entries
+	SnapshotsRead                                          uint64 // snapshots read and checked (warm loads, resyncs)
+	Errors                                                 uint64 // failed Redis commands
+	Dropped                                                uint64 // entries and snapshots refused (kvgate_shared_state_dropped_total)
+	Resyncs                                                uint64 // the stream healed, reset or trimmed under the reader
 	Ops                                                    uint64 // Redis commands sent
 }
 
@@ -315,13 +350,14 @@ func (s *Syncer) Stats() Stats {
 	s.qmu.Lock()
 	pending := s.queue.n
 	s.qmu.Unlock()
-	st := Stats{Gateway: s.o.Gateway, Up: s.up.Load() == upUp, Ready: s.ready.Load(), Warmed: s.warmed.Load(),
+	st := Stats{Gateway: s.o.Gateway, Up: s.receiving(), Ready: s.ready.Load(), Warmed: s.warmed.Load(),
 		LastID: s.lastApplied(), Pending: pending,
 		Restored: int(s.restored.Load()), WarmBatches: int(s.warmN.Load()),
 		DecisionsPublished: s.decPublished.Load(), DecisionsApplied: s.decApplied.Load(), DecisionsDropped: s.decDropped.Load(),
 		BatchesPublished: s.batPublished.Load(), BatchesReceived: s.batReceived.Load(),
 		BytesPublished: s.bytPublished.Load(), BytesReceived: s.bytReceived.Load(),
-		Snapshots: s.snapshots.Load(), Errors: s.errs.Load()}
+		Snapshots: s.snapshots.Load(), SnapshotsRead: s.snapshotsRead.Load(), Errors: s.errs.Load(),
+		Dropped: s.dropped.Load(), Resyncs: s.resyncs.Load()}
 	st.Peers = int(s.live.Load())
 	if p := s.stp.Load(); p != nil {
 		st.Ops = p.ops.Load()
@@ -343,10 +379,22 @@ func (s *Syncer) lastApplied() string {
 
 func (s *Syncer) setLastID(id string) { s.lastID.Store(&id) }
 
+// receiving is what kvgate_shared_state_up reports: whether the reader
+// has moved past a stream entry (applied it, or dropped it) within the
+// last TTL. Every gateway, this one included, publishes a heartbeat every
+// Heartbeat (< TTL), so a reader that follows the stream always has; it
+// has not while Redis is unreachable, while the reader is stalled on an
+// entry ahead of Redis's clock or behind a stream that went backwards, and
+// before its first entry. Connected is not enough: a reader stuck on a
+// stream it can no longer follow is connected.
+func (s *Syncer) receiving() bool {
+	t := s.received.Load()
+	return t != 0 && !s.stopped.Load() && s.clk.Since(time.Unix(0, t)) <= s.o.TTL
+}
+
 // ok and failed track whether Redis answers, and log each transition once.
 func (s *Syncer) ok() {
-	if s.up.Swap(upUp) != upUp {
-		s.m.up.Set(1)
+	if s.reach.Swap(reachUp) != reachUp {
 		s.log.Info("shared state: Redis reachable", "url", redactURL(s.o.URL))
 	}
 }
@@ -354,8 +402,7 @@ func (s *Syncer) ok() {
 func (s *Syncer) failed(op string, err error) {
 	s.errs.Add(1)
 	s.m.errors.WithLabelValues(op).Inc()
-	if s.up.Swap(upDown) != upDown {
-		s.m.up.Set(0)
+	if s.reach.Swap(reachDown) != reachDown {
 		s.log.Warn("shared state: Redis unreachable; routing on this gateway's own view until it returns",
 			"url", redactURL(s.o.URL), "op", op, "err", err)
 	}
@@ -366,149 +413,6 @@ func redactURL(raw string) string {
 		return ro.Addr
 	}
 	return "?"
-}
-
-// ---- warm load ----
-
-// warm loads the shared state: the snapshot (with ShareDecisions), then
-// the stream after the snapshot's position, or the whole retained stream
-// without a snapshot; loads-only gateways read just the last TTL of the
-// stream. It is bounded by WarmTimeout; the tail it had no time for the
-// reader applies next.
-func (s *Syncer) warm(ctx context.Context) error {
-	ctx, cancel := context.WithTimeout(ctx, s.o.WarmTimeout)
-	defer cancel()
-	rnow, err := s.st.now(ctx)
-	if err != nil {
-		return err
-	}
-	s.ok()
-	from := "0-0"
-	if s.o.ShareDecisions {
-		data, err := s.st.getSnapshot(ctx)
-		if err != nil {
-			return err
-		}
-		if data != nil {
-			snap, err := DecodeSnapshot(data)
-			if err != nil {
-				s.errs.Add(1)
-				s.m.errors.WithLabelValues("decode").Inc()
-				s.log.Warn("shared state: the snapshot in Redis does not decode; reading the stream's tail only", "err", err)
-			} else {
-				s.restored.Store(int64(snap.Restore(s.rt)))
-				if snap.Position != "" {
-					from = snap.Position
-				}
-			}
-		}
-	} else {
-		from = fmt.Sprintf("%d-0", max(rnow.Add(-s.o.TTL).UnixMilli(), 0))
-	}
-	s.setLastID(from)
-	s.warmed.Store(true)
-	// The tail: entries' ages on Redis's clock (now − the time in their
-	// ID), so that loads older than the TTL stand for nothing.
-	t0 := s.clk.Now()
-	for ctx.Err() == nil {
-		msgs, err := s.st.read(ctx, s.lastApplied(), readCount, -1)
-		if err != nil {
-			if ctx.Err() != nil {
-				break // out of time: the reader goes on from lastID
-			}
-			return err
-		}
-		s.apply(msgs, rnow.Add(s.clk.Since(t0)), true)
-		if len(msgs) < readCount {
-			break
-		}
-	}
-	s.setLive(s.peers.Expire(s.clk.Now()))
-	s.log.Info("shared state: warm load", "restored_blocks", s.restored.Load(), "batches", s.warmN.Load(), "position", s.lastApplied())
-	return nil
-}
-
-// ---- applying ----
-
-// apply applies stream entries: other gateways' batches through Peers. An
-// entry's age is taken on Redis's clock: ref (Redis's now at a warm load;
-// else the newest entry read) less the time in its ID. It is applied as
-// received that long ago on this gateway's clock, so that Peers' TTL
-// counts from when it was sent and a backlog read late stands for no
-// longer than it would have live.
-func (s *Syncer) apply(msgs []redis.XMessage, ref time.Time, warm bool) {
-	if len(msgs) == 0 {
-		return
-	}
-	if !warm {
-		if t, ok := idTime(msgs[len(msgs)-1].ID); ok {
-			ref = t
-		}
-	}
-	now := s.clk.Now()
-	for _, m := range msgs {
-		s.applyOne(m, ref, now, warm)
-		s.setLastID(m.ID)
-	}
-	s.setLive(s.peers.Expire(s.clk.Now()))
-}
-
-func (s *Syncer) applyOne(m redis.XMessage, ref, now time.Time, warm bool) {
-	raw, ok := m.Values[fieldBatch].(string)
-	if !ok {
-		s.errs.Add(1)
-		s.m.errors.WithLabelValues("decode").Inc()
-		return
-	}
-	s.batReceived.Add(1)
-	s.bytReceived.Add(uint64(len(raw)))
-	s.m.batReceived.Inc()
-	s.m.bytReceived.Add(float64(len(raw)))
-	b, err := DecodeBatch([]byte(raw))
-	if err != nil {
-		s.errs.Add(1)
-		s.m.errors.WithLabelValues("decode").Inc()
-		return
-	}
-	if !s.o.ShareDecisions {
-		b.Decisions = nil
-	}
-	at := now
-	if t, ok := idTime(m.ID); ok {
-		if age := ref.Sub(t); age > 0 {
-			at = now.Add(-age)
-		}
-	}
-	if b.Gateway == s.o.Gateway {
-		if !warm || !b.At.Before(s.startedAt) {
-			return // its own, already in its index
-		}
-		// A previous process under the same name (sent before this one
-		// started): its decisions are the index this one restarts with;
-		// its loads died with it.
-		n := 0
-		for i := range b.Decisions {
-			d := &b.Decisions[i]
-			if slot, ok := s.rt.Lookup(d.Replica); ok {
-				s.rt.ApplyRemote(slot, d.Model, d.Offset, d.Blocks, d.Tokens, at)
-				n++
-			}
-		}
-		s.applied(n, warm)
-		return
-	}
-	s.applied(s.peers.Apply(&b, at), warm)
-	if !warm && !b.At.IsZero() {
-		s.m.lag.Set(s.clk.Now().Sub(b.At).Seconds())
-	}
-}
-
-func (s *Syncer) applied(n int, warm bool) {
-	s.decApplied.Add(uint64(n))
-	s.m.decApplied.Add(float64(n))
-	if warm {
-		s.warmN.Add(1)
-	}
 }
 
 // ---- loops ----
@@ -561,23 +465,12 @@ func (s *Syncer) publish(ctx context.Context, now time.Time, final bool) error {
 		s.qmu.Lock()
 		queued, end := s.queue.peek(maxBatchDecisions)
 		s.qmu.Unlock()
-		// Idle replicas are left out (Peers reads a missing replica as
-		// zero), and the last batch says zero for all.
-		var loads []ReplicaLoad
-		if !final {
-			loads = slices.DeleteFunc(Loads(s.rt), func(l ReplicaLoad) bool { return l.Load == router.Load{} })
-		}
+		loads := s.ownLoads(final)
 		if len(queued) == 0 && !final && s.seq > 0 && slices.Equal(loads, s.lastLoads) && now.Sub(s.lastPub) < s.o.Heartbeat {
 			return nil
 		}
-		b := Batch{Gateway: s.o.Gateway, Seq: s.seq + 1, At: now, Loads: loads, Decisions: make([]Decision, 0, len(queued))}
-		for _, l := range queued {
-			if l.Replica < 0 || l.Replica >= s.rt.Replicas() {
-				continue
-			}
-			b.Decisions = append(b.Decisions, Decision{Replica: s.rt.Name(l.Replica), Model: l.Model,
-				Tokens: l.Tokens, Blocks: l.Blocks}) // the whole prompt: see router.Learned
-		}
+		b, taken := s.batchOf(now, loads, queued)
+		end -= uint64(len(queued) - taken)
 		s.buf = AppendBatch(s.buf[:0], &b)
 		if _, err := s.st.add(ctx, s.buf); err != nil {
 			if ctx.Err() == nil {
@@ -597,43 +490,49 @@ func (s *Syncer) publish(ctx context.Context, now time.Time, final bool) error {
 		s.m.decPublished.Add(float64(len(b.Decisions)))
 		s.m.batPublished.Inc()
 		s.m.bytPublished.Add(float64(len(s.buf)))
-		if len(queued) < maxBatchDecisions {
+		if taken == len(queued) && len(queued) < maxBatchDecisions {
 			return nil
 		}
 		final = false
 	}
 }
 
-// readLoop applies the stream as it grows: XREAD BLOCK from the last entry
-// applied. After an outage it resumes from there (what Redis kept of the
-// gap); a gateway that could not warm-load at Start warm-loads first.
-func (s *Syncer) readLoop(ctx context.Context) {
-	var bo backoff
-	for ctx.Err() == nil {
-		if !s.warmed.Load() {
-			if err := s.warm(ctx); err != nil {
-				if ctx.Err() != nil {
-					return
-				}
-				s.failed("warm", err)
-				clock.Sleep(s.clk, bo.next(), ctx.Done())
-				continue
-			}
-			bo.reset()
-		}
-		msgs, err := s.st.read(ctx, s.lastApplied(), readCount, readBlock)
-		if ctx.Err() != nil {
-			return
-		}
-		if err != nil {
-			s.failed("read", err)
-			clock.Sleep(s.clk, bo.next(), ctx.Done())
+// ownLoads are this gateway's loads as it publishes them: within the
+// bounds every reader checks (clampLoad), idle replicas left out (Peers
+// reads a missing replica as zero), none in the last batch (zero for all).
+func (s *Syncer) ownLoads(final bool) []ReplicaLoad {
+	if final {
+		return nil
+	}
+	loads := Loads(s.rt)
+	for i := range loads {
+		loads[i].Load = clampLoad(loads[i].Load)
+	}
+	return slices.DeleteFunc(loads, func(l ReplicaLoad) bool { return l.Load == router.Load{} })
+}
+
+// batchOf is the next batch: the loads, and the queued decisions (the
+// whole prompt: see router.Learned; within the bounds, see shareable) up
+// to maxBatchBytes encoded, at least one. taken is how many of queued it
+// covers: the rest go in the next batch, so that no entry a live gateway
+// writes comes near a reader's cap.
+func (s *Syncer) batchOf(now time.Time, loads []ReplicaLoad, queued []router.Learned) (Batch, int) {
+	b := Batch{Gateway: s.o.Gateway, Seq: s.seq + 1, At: now, Loads: loads, Decisions: make([]Decision, 0, len(queued))}
+	size := len(b.Gateway) + 4*binaryMaxVarint
+	for _, l := range loads {
+		size += len(l.Replica) + 5*binaryMaxVarint
+	}
+	for i, l := range queued {
+		if l.Replica < 0 || l.Replica >= s.rt.Replicas() {
 			continue
 		}
-		s.ok()
-		bo.reset()
-		s.apply(msgs, time.Time{}, false)
+		d := shareable(Decision{Replica: s.rt.Name(l.Replica), Model: l.Model, Tokens: l.Tokens, Blocks: l.Blocks})
+		if size += decisionBytes(&d); size > maxBatchBytes && len(b.Decisions) > 0 {
+			return b, i
+		}
+		b.Decisions = append(b.Decisions, d)
 	}
+	return b, len(queued)
 }
 
 // expireLoop drops the loads of gateways silent for longer than the TTL.
@@ -686,6 +585,7 @@ func (s *Syncer) WriteSnapshot(ctx context.Context) error {
 	}
 	pos := s.lastApplied()
 	snap := TakeSnapshot(s.rt, pos, s.clk.Now())
+	snap.fit(s.o.MaxSnapshotBytes)
 	data := AppendSnapshot(make([]byte, 0, 64+9*snap.Len()), &snap)
 	if err := s.st.putSnapshot(ctx, data); err != nil {
 		return err
@@ -757,16 +657,25 @@ func (r *ring) discard(end uint64) {
 // ---- metrics ----
 
 type metrics struct {
-	up, lag, peers                       prometheus.Gauge
+	up                                   prometheus.GaugeFunc
+	lag, peers                           prometheus.Gauge
 	decPublished, decApplied, decDropped prometheus.Counter
 	batPublished, batReceived            prometheus.Counter
 	bytPublished, bytReceived            prometheus.Counter
-	errors                               *prometheus.CounterVec
+	errors, dropped, resyncs             *prometheus.CounterVec
 }
 
-func newMetrics(reg prometheus.Registerer) (*metrics, error) {
-	up := prometheus.NewGauge(prometheus.GaugeOpts{Name: "kvgate_shared_state_up",
-		Help: "1 while Redis answers the shared-state commands, else 0."})
+// newMetrics makes (and registers on reg, when not nil) the Syncer's
+// metrics; up is read from receiving when scraped.
+func newMetrics(reg prometheus.Registerer, receiving func() bool) (*metrics, error) {
+	up := prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "kvgate_shared_state_up",
+		Help: "1 while this gateway receives the shared state: its reader moved past a stream entry within the TTL (every gateway heartbeats more often), else 0."},
+		func() float64 {
+			if receiving() {
+				return 1
+			}
+			return 0
+		})
 	lag := prometheus.NewGauge(prometheus.GaugeOpts{Name: "kvgate_shared_state_lag_seconds",
 		Help: "Receive time less the sender's time of the last batch applied from another gateway."})
 	peers := prometheus.NewGauge(prometheus.GaugeOpts{Name: "kvgate_shared_state_peers",
@@ -778,9 +687,13 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 	byt := prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvgate_shared_state_bytes_total",
 		Help: "Encoded batch bytes published and received."}, []string{"dir"})
 	errs := prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvgate_shared_state_errors_total",
-		Help: "Failed shared-state operations (Redis commands, undecodable entries) by operation."}, []string{"op"})
+		Help: "Failed shared-state Redis commands by operation."}, []string{"op"})
+	dropped := prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvgate_shared_state_dropped_total",
+		Help: "Stream entries and snapshots refused, by reason: entry_size, snapshot_size, decode, load, decision, name, time, snapshot, future_id, peers."}, []string{"reason"})
+	resyncs := prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvgate_shared_state_resyncs_total",
+		Help: "Times the reader started over (healed: the stream's IDs ran ahead of Redis's clock and it was deleted; reset: the stream went back behind the reader; trimmed: entries were trimmed before the reader read them)."}, []string{"reason"})
 	if reg != nil {
-		for _, c := range []prometheus.Collector{up, lag, peers, dec, bat, byt, errs} {
+		for _, c := range []prometheus.Collector{up, lag, peers, dec, bat, byt, errs, dropped, resyncs} {
 			if err := reg.Register(c); err != nil {
 				return nil, fmt.Errorf("sharedstate: metrics: %w", err)
 			}
@@ -790,5 +703,5 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 		decPublished: dec.WithLabelValues("published"), decApplied: dec.WithLabelValues("applied"), decDropped: dec.WithLabelValues("dropped"),
 		batPublished: bat.WithLabelValues("published"), batReceived: bat.WithLabelValues("received"),
 		bytPublished: byt.WithLabelValues("published"), bytReceived: byt.WithLabelValues("received"),
-		errors: errs}, nil
+		errors: errs, dropped: dropped, resyncs: resyncs}, nil
 }
