@@ -20,7 +20,7 @@ var errWarming = &apiError{Status: http.StatusServiceUnavailable, Type: "server_
 // is built before the router, whose OnLearn it is. In precise mode the
 // index needs no sharing (every gateway follows every replica's events):
 // only loads are shared. The snapshot's cap follows the index's bound
-// (index_max_entries).
+// (index_max_entries), as the state file's does.
 func newSyncer(cfg Config, o Options) (*sharedstate.Syncer, error) {
 	if cfg.SharedState == "" {
 		return nil, nil
@@ -58,7 +58,7 @@ func (g *Gateway) loadStateFile() {
 	if g.cfg.StateFile == "" {
 		return
 	}
-	n, err := sharedstate.LoadFile(g.cfg.StateFile, g.rt)
+	n, err := sharedstate.LoadFile(g.cfg.StateFile, g.rt, sharedstate.SnapshotBytesFor(g.cfg.IndexMaxEntries))
 	switch {
 	case err != nil:
 		g.log.Warn("state_file cannot be read: starting with an empty index", "path", g.cfg.StateFile, "err", err)

@@ -3,9 +3,11 @@ package sharedstate
 import (
 	"errors"
 	"fmt"
+	"io"
 	"io/fs"
 	"os"
 	"path/filepath"
+	"syscall"
 	"time"
 
 	"github.com/kvgate/kvgate/internal/router"
@@ -59,19 +61,48 @@ func SaveFile(path string, rt *router.Router, at time.Time) error {
 	return nil
 }
 
+// ErrStateFile is LoadFile's error for a path that is not a regular file
+// (a FIFO would block the start for ever) or is over the size cap.
+var ErrStateFile = errors.New("sharedstate: snapshot file refused")
+
 // LoadFile restores the snapshot SaveFile wrote at path into rt's
 // approximate index and returns the number of blocks restored. A missing
-// file is a first start, not an error (0, nil); a file that does not decode
-// is an error, and rt is left untouched.
-func LoadFile(path string, rt *router.Router) (int, error) {
-	data, err := os.ReadFile(path)
+// file is a first start, not an error (0, nil); a file that is not a
+// regular one, is larger than maxBytes (0: SnapshotBytesFor(0)), does not
+// decode or has a value out of bounds is an error, and rt is left
+// untouched. It is opened without blocking and checked before it is read.
+func LoadFile(path string, rt *router.Router, maxBytes int64) (int, error) {
+	if maxBytes <= 0 {
+		maxBytes = SnapshotBytesFor(0)
+	}
+	f, err := os.OpenFile(path, os.O_RDONLY|syscall.O_NONBLOCK, 0)
 	if errors.Is(err, fs.ErrNotExist) {
 		return 0, nil
 	}
 	if err != nil {
 		return 0, fmt.Errorf("sharedstate: snapshot file: %w", err)
 	}
+	defer f.Close()
+	fi, err := f.Stat()
+	switch {
+	case err != nil:
+		return 0, fmt.Errorf("sharedstate: snapshot file %s: %w", path, err)
+	case !fi.Mode().IsRegular():
+		return 0, fmt.Errorf("%w: %s is not a regular file (%v)", ErrStateFile, path, fi.Mode().Type())
+	case fi.Size() > maxBytes:
+		return 0, fmt.Errorf("%w: %s has %d bytes, the cap is %d", ErrStateFile, path, fi.Size(), maxBytes)
+	}
+	data, err := io.ReadAll(io.LimitReader(f, maxBytes+1))
+	if err != nil {
+		return 0, fmt.Errorf("sharedstate: snapshot file %s: %w", path, err)
+	}
+	if int64(len(data)) > maxBytes {
+		return 0, fmt.Errorf("%w: %s grew past the cap of %d bytes", ErrStateFile, path, maxBytes)
+	}
 	s, err := DecodeSnapshot(data)
+	if err == nil {
+		err = s.Check()
+	}
 	if err != nil {
 		return 0, fmt.Errorf("sharedstate: snapshot file %s: %w", path, err)
 	}

@@ -5,6 +5,7 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
+	"syscall"
 	"testing"
 	"time"
 )
@@ -34,7 +35,7 @@ func TestSaveAndLoadFile(t *testing.T) {
 		t.Fatalf("directory holds %d files", len(ents))
 	}
 	b := testRouter(t)
-	n, err := LoadFile(path, b)
+	n, err := LoadFile(path, b, 0)
 	if err != nil || n != 5 {
 		t.Fatalf("LoadFile = %d, %v; want 5 blocks", n, err)
 	}
@@ -46,7 +47,7 @@ func TestSaveAndLoadFile(t *testing.T) {
 }
 
 func TestLoadFileMissingIsAFirstStart(t *testing.T) {
-	n, err := LoadFile(filepath.Join(t.TempDir(), "none"), testRouter(t))
+	n, err := LoadFile(filepath.Join(t.TempDir(), "none"), testRouter(t), 0)
 	if n != 0 || err != nil {
 		t.Fatalf("LoadFile of a missing file = %d, %v", n, err)
 	}
@@ -65,7 +66,7 @@ func TestLoadFileCorrupt(t *testing.T) {
 		t.Fatal(err)
 	}
 	b := testRouter(t)
-	n, err := LoadFile(path, b)
+	n, err := LoadFile(path, b, 0)
 	if err == nil || !errors.Is(err, ErrCorrupt) || n != 0 {
 		t.Fatalf("LoadFile of a truncated file = %d, %v", n, err)
 	}
@@ -79,5 +80,35 @@ func TestSaveFileUnwritableDirectory(t *testing.T) {
 	err := SaveFile(filepath.Join(t.TempDir(), "no", "such", "dir", "f"), testRouter(t), time.Unix(1, 0))
 	if err == nil {
 		t.Fatal("saved into a missing directory")
+	}
+}
+
+// A state file that is not a regular file (a FIFO would block the start
+// for ever), or is larger than the cap, is refused before it is read, and
+// the router is left as it was.
+func TestLoadFileRefuses(t *testing.T) {
+	dir := t.TempDir()
+	fifo := filepath.Join(dir, "fifo")
+	if err := syscall.Mkfifo(fifo, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	big := filepath.Join(dir, "big")
+	a := testRouter(t)
+	_ = a.Index().Insert(0, []uint64{1, 2, 3, 4, 5, 6, 7, 8})
+	if err := SaveFile(big, a, time.Unix(1, 0)); err != nil {
+		t.Fatal(err)
+	}
+	for _, c := range []struct {
+		name, path string
+		max        int64
+	}{{"fifo", fifo, 0}, {"directory", dir, 0}, {"over the cap", big, 64}} {
+		t.Run(c.name, func(t *testing.T) {
+			b := testRouter(t)
+			n, err := LoadFile(c.path, b, c.max)
+			if !errors.Is(err, ErrStateFile) || n != 0 || b.Index().Len() != 0 {
+				t.Fatalf("LoadFile = %d, %v", n, err)
+			}
+			t.Logf("error: %v", err)
+		})
 	}
 }
