@@ -1,6 +1,7 @@
 package sharedstate
 
 import (
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"time"
@@ -198,17 +199,25 @@ func (s *Snapshot) Check() error {
 // (with the same cap) do not refuse it: each replica keeps the same share
 // of its most recent blocks (the lists are most recent first).
 func (s *Snapshot) fit(maxBytes int64) {
-	names := int64(len(s.Position)) + 3*binaryMaxVarint
-	for _, r := range s.Replicas {
-		names += int64(len(r.Replica)) + 2*binaryMaxVarint
-	}
-	total := int64(s.Len())
-	if names+8*total <= maxBytes {
+	size, total := s.encodedSize(), int64(s.Len())
+	if size <= maxBytes {
 		return
 	}
+	// Everything but the hashes, which cutting blocks never lengthens.
+	names := size - 8*total
 	keep := max(maxBytes-names, 0) / 8 // blocks, over all replicas
 	for i := range s.Replicas {
 		b := s.Replicas[i].Blocks
 		s.Replicas[i].Blocks = b[:int64(len(b))*keep/total]
 	}
+}
+
+// encodedSize is the length of AppendSnapshot's encoding of s.
+func (s *Snapshot) encodedSize() int64 {
+	uv := func(n int) int64 { return int64(len(binary.AppendUvarint(nil, uint64(n)))) }
+	size := 2 + uv(len(s.Position)) + int64(len(s.Position)) + int64(len(appendTime(nil, s.At))) + uv(len(s.Replicas))
+	for _, r := range s.Replicas {
+		size += uv(len(r.Replica)) + int64(len(r.Replica)) + uv(len(r.Blocks)) + 8*int64(len(r.Blocks))
+	}
+	return size
 }

@@ -137,6 +137,8 @@ func TestDecisionsReachAnotherGateway(t *testing.T) {
 	}
 	done(early)
 	testutil.Eventually(t, within, "a counting its batches", func() bool { return a.s.Stats().DecisionsPublished == 6 })
+	// Up is receiving: each has read an entry (its own heartbeat at least).
+	testutil.Eventually(t, within, "a and b receiving", func() bool { return a.s.Stats().Up && b.s.Stats().Up })
 	as, bs := a.s.Stats(), b.s.Stats()
 	if as.DecisionsPublished != 6 || bs.DecisionsApplied < 6 || !as.Up || !bs.Up || bs.Peers != 1 {
 		t.Fatalf("stats a %+v b %+v", as, bs)
