@@ -1,13 +1,19 @@
 package gateway
 
 import (
+	"context"
 	"fmt"
 	"net/http"
 	"path/filepath"
 	"strings"
 	"testing"
+	"time"
+
+	"github.com/redis/go-redis/v9"
 
 	"github.com/kvgate/kvgate/internal/prompt"
+	"github.com/kvgate/kvgate/internal/router"
+	"github.com/kvgate/kvgate/internal/sharedstate"
 	"github.com/kvgate/kvgate/internal/sim"
 	"github.com/kvgate/kvgate/internal/testutil"
 )
@@ -164,4 +170,55 @@ func TestSharedStateTwoGateways(t *testing.T) {
 			return counterValue(t, gw.g.reg, "kvgate_shared_state_up", nil) == 1
 		})
 	}
+}
+
+// Finding 1 at the shared-state door: whoever can write to the Redis
+// writes a peer's load of -1,000,000 in flight for one replica (the red
+// team's forged entry, with the project's own encoder). The gateway drops
+// it where it reads it: the router never sees it, every request succeeds,
+// and the drop is counted.
+func TestForgedPeerLoadIsDroppedAtTheDoor(t *testing.T) {
+	rd := testutil.NewRedis(t)
+	fl := startSim(t, sim.Config{Replicas: 3})
+	cfg := simConfig("ttft", fl.URLs()...)
+	cfg.SharedState = rd.URL()
+	gw := startGateway(t, cfg)
+	waitHealthy(t, gw)
+	opt, err := sharedstate.ParseURL(rd.URL())
+	if err != nil {
+		t.Fatal(err)
+	}
+	rc := redis.NewClient(opt)
+	defer rc.Close()
+	forged := sharedstate.Batch{Gateway: "forger", Seq: 1, At: time.Now(),
+		Loads: []sharedstate.ReplicaLoad{{Replica: fl.URLs()[1], Load: router.Load{InFlight: -1_000_000}}}}
+	id, err := rc.XAdd(context.Background(), &redis.XAddArgs{Stream: sharedstate.DefaultNamespace + ":batches",
+		Values: []any{"b", sharedstate.AppendBatch(nil, &forged)}}).Result()
+	if err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, "the gateway reading the forged entry", func() bool { return !idBefore(gw.g.sync.Stats().LastID, id) })
+	for i := range 20 {
+		routedTo(t, gw, sim.DefaultModel, conversationTurn(i, 0))
+	}
+	for i := range gw.g.Router().Replicas() {
+		if l := gw.g.Router().RemoteLoad(i); l != (router.Load{}) {
+			t.Fatalf("the forged load reached the router on %s: %+v", gw.g.Router().Name(i), l)
+		}
+	}
+	if n := counterValue(t, gw.g.reg, "kvgate_shared_state_dropped_total", map[string]string{"reason": "load"}); n != 1 {
+		t.Fatalf("kvgate_shared_state_dropped_total{reason=load} = %v, want 1", n)
+	}
+}
+
+// idBefore reports whether the stream ID a ("ms-seq") is before b.
+func idBefore(a, b string) bool {
+	var am, as, bm, bs uint64
+	if _, err := fmt.Sscanf(a, "%d-%d", &am, &as); err != nil {
+		return true
+	}
+	if _, err := fmt.Sscanf(b, "%d-%d", &bm, &bs); err != nil {
+		return false
+	}
+	return am < bm || am == bm && as < bs
 }
