@@ -211,11 +211,18 @@ func (s *Syncer) resync(ctx context.Context, reason, cursor, msg string, args ..
 		return
 	}
 	rnow, err := s.syncClock(ctx)
+	var snap Snapshot
+	ok := false
+	if err == nil {
+		snap, ok, err = s.loadSnapshot(ctx, rnow)
+	}
 	if err != nil {
-		s.failed("resync", err)
+		if ctx.Err() == nil {
+			s.failed("resync", err)
+		}
 		return
 	}
-	if snap, ok := s.loadSnapshot(ctx, rnow); ok {
+	if ok {
 		s.restored.Add(int64(snap.Restore(s.rt)))
 	}
 }
@@ -237,13 +244,15 @@ func (s *Syncer) warm(ctx context.Context) error {
 	s.ok()
 	from := "0-0"
 	if s.o.ShareDecisions {
-		if snap, ok := s.loadSnapshot(ctx, rnow); ok {
+		snap, ok, err := s.loadSnapshot(ctx, rnow)
+		if err != nil {
+			return err // Redis failed: the warm load is tried again
+		}
+		if ok {
 			s.restored.Store(int64(snap.Restore(s.rt)))
 			if snap.Position != "" {
 				from = snap.Position
 			}
-		} else if ctx.Err() != nil {
-			return ctx.Err()
 		}
 	} else {
 		from = fmt.Sprintf("%d-0", max(rnow.Add(-s.o.TTL).UnixMilli(), 0))
@@ -275,21 +284,16 @@ func (s *Syncer) warm(ctx context.Context) error {
 // it is refused unread, and one that does not decode, or has a value out
 // of bounds, is dropped; a position ahead of Redis's clock (rnow) is
 // dropped from it (the stream is then read from its start). ok is false
-// when there is none to restore.
-func (s *Syncer) loadSnapshot(ctx context.Context, rnow time.Time) (snap Snapshot, ok bool) {
+// when there is none to restore; err is Redis's failure.
+func (s *Syncer) loadSnapshot(ctx context.Context, rnow time.Time) (snap Snapshot, ok bool, err error) {
 	s.snapRead = s.clk.Now()
 	data, err := s.st.getSnapshot(ctx)
 	switch {
 	case errors.Is(err, ErrSnapshotTooLarge):
 		s.drop("snapshot_size", "err", err)
-		return Snapshot{}, false
-	case err != nil:
-		if ctx.Err() == nil {
-			s.failed("snapshot read", err)
-		}
-		return Snapshot{}, false
-	case data == nil:
-		return Snapshot{}, false
+		return Snapshot{}, false, nil
+	case err != nil || data == nil:
+		return Snapshot{}, false, err
 	}
 	snap, err = DecodeSnapshot(data)
 	if err == nil {
@@ -297,14 +301,14 @@ func (s *Syncer) loadSnapshot(ctx context.Context, rnow time.Time) (snap Snapsho
 	}
 	if err != nil {
 		s.drop(reasonOf(err, "snapshot"), "err", err)
-		return Snapshot{}, false
+		return Snapshot{}, false, nil
 	}
 	if idAhead(snap.Position, rnow) {
 		s.drop("future_id", "snapshot_position", snap.Position, "redis_time", rnow.UTC())
 		snap.Position = ""
 	}
 	s.snapshotsRead.Add(1)
-	return snap, true
+	return snap, true, nil
 }
 
 // ---- applying ----

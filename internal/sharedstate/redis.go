@@ -29,8 +29,11 @@ import (
 // missed from the last ID it applied (XREAD), where pub/sub would have lost
 // it; the snapshot then only needs to cover what the bounded stream has
 // trimmed away. One XADD per batch feeds every gateway, each XREAD returns
-// every batch since the reader's last one, and MAXLEN ~ trims in the same
-// command, by whole macro nodes, cheaply.
+// the batches since the reader's last one (readCount at a time, every
+// reply bounded by guardConn), and MAXLEN ~ trims in the same command, by
+// whole macro nodes, cheaply. Anyone who can write to the Redis can write
+// to these keys: the reader checks what it reads (reader.go), and the
+// store's scripts (skim, state) need EVAL/EVALSHA and Redis 5 or later.
 
 // store is the Redis side of a Syncer. Every call is bounded by a timeout:
 // Redis down or slow never holds a caller longer.
@@ -44,8 +47,7 @@ type store struct {
 	maxLen   int64
 	ops      atomic.Uint64 // commands sent
 
-	maxEntry    int64 // the largest stream entry read (guardConn's string cap)
-	maxSnapshot int64 // the largest snapshot read
+	maxSnapshot int64 // the largest snapshot read (the entry cap is guardConn's)
 }
 
 // limits are a store's size caps.
@@ -121,7 +123,7 @@ func newStore(opt *redis.Options, ns string, timeout, bulk time.Duration, maxLen
 		return &guardConn{Conn: c, maxString: maxString, maxReply: maxReply}, nil
 	}
 	return &store{c: redis.NewClient(&o), batches: ns + ":batches", snapshot: ns + ":snapshot", lock: ns + ":snapshot-lock",
-		timeout: timeout, bulk: bulk, maxLen: maxLen, maxEntry: lim.entry, maxSnapshot: lim.snapshot}
+		timeout: timeout, bulk: bulk, maxLen: maxLen, maxSnapshot: lim.snapshot}
 }
 
 func (s *store) close() error { return s.c.Close() }
