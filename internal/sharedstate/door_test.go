@@ -367,7 +367,7 @@ func TestTrimmedStreamResyncsFromTheSnapshot(t *testing.T) {
 		t.Fatal(err)
 	}
 	for range 2 { // the second check finds the same trim: no second resync
-		if err := s.checkStream(ctx); err != nil {
+		if err := s.checkTrim(ctx); err != nil {
 			t.Fatal(err)
 		}
 	}

@@ -6,11 +6,22 @@ import (
 	"net"
 )
 
-// errReplyTooLarge is what a guarded connection's Read returns when a
-// reply carries a string over the cap, or more bytes in all than the
-// budget: the command fails, go-redis drops the connection, and nothing of
-// that size was allocated.
+// errReplyTooLarge is what a guarded connection's Read returns (as a
+// *replyTooLarge) when a reply carries a string over the cap, or more
+// bytes in all than the budget: the command fails, go-redis drops the
+// connection, and nothing of that size was allocated.
 var errReplyTooLarge = errors.New("sharedstate: Redis reply over the size cap")
+
+// replyTooLarge is errReplyTooLarge with the reply's first string when it
+// was short and arrived whole before the cap was passed: in an XRANGE
+// reply, the first entry's ID, which the reader skips past.
+type replyTooLarge struct {
+	first  string
+	detail string
+}
+
+func (e *replyTooLarge) Error() string { return errReplyTooLarge.Error() + ": " + e.detail }
+func (e *replyTooLarge) Unwrap() error { return errReplyTooLarge }
 
 // guardConn bounds what one command's reply may hold. go-redis reads a
 // bulk string by allocating its declared length and then reading it
@@ -33,6 +44,7 @@ type guardConn struct {
 
 func (c *guardConn) Write(p []byte) (int, error) {
 	c.n = 0
+	c.scan.newReply()
 	return c.Conn.Write(p)
 }
 
@@ -43,10 +55,11 @@ func (c *guardConn) Read(p []byte) (int, error) {
 	n, err := c.Conn.Read(p)
 	if n > 0 {
 		c.n += int64(n)
+		l := c.scan.feed(p[:n])
 		if c.n > c.maxReply {
-			c.err = fmt.Errorf("%w: more than %d bytes", errReplyTooLarge, c.maxReply)
-		} else if l := c.scan.feed(p[:n]); l > c.maxString {
-			c.err = fmt.Errorf("%w: a string of %d bytes, the cap is %d", errReplyTooLarge, l, c.maxString)
+			c.err = &replyTooLarge{first: c.scan.firstString(), detail: fmt.Sprintf("more than %d bytes", c.maxReply)}
+		} else if l > c.maxString {
+			c.err = &replyTooLarge{first: c.scan.firstString(), detail: fmt.Sprintf("a string of %d bytes, the cap is %d", l, c.maxString)}
 		}
 		if c.err != nil {
 			return 0, c.err
@@ -65,6 +78,29 @@ type respScan struct {
 	num   int64 // the declared length being read
 	neg   bool
 	left  int64 // body bytes (and CRLF) still to skip
+
+	// The reply's first string, kept when short (maxFirst).
+	seen      bool // a string header was read in this reply
+	capturing bool
+	first     []byte
+	done      bool // first is whole
+}
+
+// maxFirst bounds the first string kept: a stream ID is at most 41 bytes.
+const maxFirst = 64
+
+// newReply starts a command's reply: its first string is yet to come.
+func (s *respScan) newReply() {
+	s.seen, s.capturing, s.done = false, false, false
+	s.first = s.first[:0]
+}
+
+// firstString is the reply's first string if it was short and whole.
+func (s *respScan) firstString() string {
+	if !s.done {
+		return ""
+	}
+	return string(s.first)
 }
 
 const (
@@ -108,9 +144,15 @@ func (s *respScan) feed(p []byte) int64 {
 				}
 				largest = max(largest, s.num)
 				s.state, s.left = scanBody, s.num+2
+				if !s.seen {
+					s.seen, s.capturing = true, s.num <= maxFirst
+				}
 			}
 		case scanBody:
 			skip := min(s.left, int64(len(p)-i))
+			if s.capturing {
+				s.capture(p[i : i+int(skip)])
+			}
 			s.left -= skip
 			i += int(skip) - 1
 			if s.left == 0 {
@@ -119,4 +161,13 @@ func (s *respScan) feed(p []byte) int64 {
 		}
 	}
 	return largest
+}
+
+// capture keeps the body bytes of the first string (not its CRLF).
+func (s *respScan) capture(b []byte) {
+	body := int(s.left) - 2 // body bytes still to come before b
+	s.first = append(s.first, b[:max(min(len(b), body), 0)]...)
+	if int64(len(b)) >= s.left-2 {
+		s.capturing, s.done = false, true
+	}
 }

@@ -67,6 +67,8 @@ func TestRespScanFindsEveryLength(t *testing.T) {
 		}
 		p := []byte(stream.String())
 		var sc respScan
+		sc.newReply()
+		wantFirst, wantDone := firstBulk(stream.String())
 		var got int64
 		for len(p) > 0 {
 			n := rapid.IntRange(1, len(p)).Draw(t, "chunk")
@@ -79,7 +81,33 @@ func TestRespScanFindsEveryLength(t *testing.T) {
 		if sc.state != scanType {
 			t.Fatalf("scanner ends in state %d, not at an item's start", sc.state)
 		}
+		if first := sc.firstString(); first != wantFirst || sc.done != wantDone {
+			t.Fatalf("first string %q (%v), want %q (%v)", first, sc.done, wantFirst, wantDone)
+		}
 	})
+}
+
+// firstBulk is the first string of a RESP stream when at most maxFirst
+// bytes, found the slow way: each item parsed by its type.
+func firstBulk(s string) (string, bool) {
+	for s != "" {
+		line, rest, _ := strings.Cut(s, "\r\n")
+		switch line[0] {
+		case '$', '=', '!':
+			var n int
+			if _, err := fmt.Sscanf(line[1:], "%d", &n); err != nil || n < 0 {
+				s = rest
+				continue
+			}
+			if n > maxFirst {
+				return "", false
+			}
+			return rest[:n], true
+		default:
+			s = rest
+		}
+	}
+	return "", false
 }
 
 // A reply that declares a string over the cap fails at its header: the
@@ -87,11 +115,11 @@ func TestRespScanFindsEveryLength(t *testing.T) {
 // fails too.
 func TestGuardConnRefusesAtTheHeader(t *testing.T) {
 	for _, c := range []struct {
-		name, reply string
+		name, reply, first string
 	}{
-		{"entry", "*1\r\n*2\r\n$15\r\n1700000000000-0\r\n*2\r\n$1\r\nb\r\n$419430400\r\n"},
-		{"verbatim", "=1048577\r\n"},
-		{"total", strings.Repeat("$1000\r\n"+strings.Repeat("x", 1000)+"\r\n", 5)},
+		{"entry", "*1\r\n*2\r\n$15\r\n1700000000000-0\r\n*2\r\n$1\r\nb\r\n$419430400\r\n", "1700000000000-0"},
+		{"verbatim", "=1048577\r\n", ""},
+		{"total", strings.Repeat("$1000\r\n"+strings.Repeat("x", 1000)+"\r\n", 5), ""},
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			client, server := net.Pipe()
@@ -119,6 +147,10 @@ func TestGuardConnRefusesAtTheHeader(t *testing.T) {
 			}
 			if _, err := g.Read(buf); !errors.Is(err, errReplyTooLarge) {
 				t.Fatalf("a later read: %v", err)
+			}
+			var big *replyTooLarge
+			if !errors.As(err, &big) || big.first != c.first {
+				t.Fatalf("the reply's first string %q, want %q", big.first, c.first)
 			}
 		})
 	}

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"net"
 	"sync"
 	"time"
 
@@ -18,19 +19,23 @@ import (
 //
 //   - Size. No reply holds a string over MaxEntryBytes, nor more than
 //     readBudget of them (guardConn refuses it as it arrives). A read that
-//     trips the guard is done again carefully (readCarefully: the sizes
-//     first), and an entry over the cap is skipped, counted and logged:
-//     one huge entry costs one skip, where it used to wedge every reader.
+//     trips the guard is done again carefully (readCarefully: one entry
+//     per command), and an entry over the cap is skipped, counted and
+//     logged: one huge entry costs one skip, where it used to wedge every
+//     reader.
 //   - Content. An entry that does not decode, or has a value out of bounds
 //     (Batch.Check), is dropped whole and counted by reason.
 //   - IDs. An entry whose ID is more than MaxIDAhead ahead of Redis's clock
 //     is not applied and the cursor stays before it: a cursor there would
 //     stop reading for good once the stream is recreated.
-//   - Continuity (checkStream). A stream whose IDs run ahead of Redis's
-//     clock is deleted (healed); one that went backwards past the cursor
-//     (recreated) is read again from its start; one that lost entries
-//     after the cursor before they were read (trimmed) has the snapshot
-//     restored. Each is a resync: counted, logged, the snapshot reloaded.
+//   - Continuity. The publisher's own entries are the probe: one numbered
+//     far ahead of Redis's clock means every later one will be, and the
+//     stream is deleted (healed); one numbered at or before the cursor
+//     means the stream went back behind it (recreated), and it is read
+//     again from its start. A cursor older than the stream's first entry
+//     (checkTrim) means entries were trimmed before they were read: the
+//     snapshot is restored. Each is a resync: counted, logged, the
+//     snapshot reloaded.
 
 // readNext reads the entries after the cursor (waiting up to block for
 // one) and returns those that may be applied: all, or those before the
@@ -38,7 +43,7 @@ import (
 func (s *Syncer) readNext(ctx context.Context, block time.Duration) (msgs []redis.XMessage, stalled bool, err error) {
 	after := s.lastApplied()
 	msgs, err = s.st.read(ctx, after, readCount, block)
-	if errors.Is(err, errReplyTooLarge) {
+	if errors.Is(err, errReplyTooLarge) || isTimeout(err) && ctx.Err() == nil {
 		msgs, err = s.readCarefully(ctx, after)
 	}
 	if err != nil {
@@ -51,28 +56,28 @@ func (s *Syncer) readNext(ctx context.Context, block time.Duration) (msgs []redi
 	return msgs[:n], n < len(msgs), nil
 }
 
-// readCarefully is a read whose plain XREAD was over the caps: the
-// entries' sizes first (skim), then each one within the cap by itself. An
-// entry over the cap comes back without its values (Values nil), for
-// applyOne to skip.
+// readCarefully is a read whose plain XREAD was over the caps, or timed
+// out (Redis takes most of a second to start replying with a 400 MiB
+// entry: the header had not come), done again one entry per command
+// (XRANGE COUNT 1, under the bulk bound), up to readCount. An entry over
+// the cap comes back without its values (Values nil), for applyOne to
+// skip: the guard's error names it. A reply over the caps that names no
+// entry after the cursor ends the read (tried again next time).
 func (s *Syncer) readCarefully(ctx context.Context, after string) ([]redis.XMessage, error) {
-	sizes, err := s.st.skim(ctx, after, readCount)
-	if err != nil {
-		return nil, err
-	}
-	out := make([]redis.XMessage, 0, len(sizes))
-	for _, e := range sizes {
-		if e.size > s.o.MaxEntryBytes {
-			out = append(out, redis.XMessage{ID: e.id})
-			continue
-		}
-		m, err := s.st.entry(ctx, e.id)
-		if err != nil {
+	out := make([]redis.XMessage, 0, readCount)
+	for len(out) < readCount {
+		m, err := s.st.first(ctx, nextID(after))
+		var big *replyTooLarge
+		switch {
+		case errors.As(err, &big) && idBefore(after, big.first):
+			m = &redis.XMessage{ID: big.first}
+		case err != nil:
 			return nil, err
+		case m == nil:
+			return out, nil
 		}
-		if m != nil {
-			out = append(out, *m)
-		}
+		out = append(out, *m)
+		after = m.ID
 	}
 	return out, nil
 }
@@ -124,11 +129,11 @@ func (s *Syncer) syncClock(ctx context.Context) (time.Time, error) {
 
 // readLoop applies the stream as it grows: XREAD BLOCK from the last entry
 // applied. After an outage it resumes from there (what Redis kept of the
-// gap); a gateway that could not warm-load at Start warm-loads first. The
-// stream's continuity is checked when a read finds nothing new, after an
-// outage, when the reader is behind (a full read, at most once a second),
-// and when it stalls on an entry ahead of Redis's clock (then it polls
-// every Heartbeat rather than read the same entry in a loop).
+// gap); a gateway that could not warm-load at Start warm-loads first. It
+// resyncs when the publisher found the stream healed or reset, and checks
+// for a trim after an outage and while it is behind (a full read, at most
+// once a second). Stalled on an entry ahead of Redis's clock, it polls
+// every Heartbeat rather than read the same entry in a loop.
 func (s *Syncer) readLoop(ctx context.Context) {
 	var bo backoff
 	var recovered bool
@@ -145,6 +150,7 @@ func (s *Syncer) readLoop(ctx context.Context) {
 			}
 			bo.reset()
 		}
+		s.resyncWanted(ctx)
 		msgs, stalled, err := s.readNext(ctx, readBlock)
 		if ctx.Err() != nil {
 			return
@@ -158,10 +164,9 @@ func (s *Syncer) readLoop(ctx context.Context) {
 		s.ok()
 		bo.reset()
 		s.apply(msgs, time.Time{}, false)
-		behind := len(msgs) == readCount && s.clk.Since(checked) >= time.Second
-		if stalled || len(msgs) == 0 || recovered || behind {
+		if behind := len(msgs) == readCount && s.clk.Since(checked) >= time.Second; recovered || behind {
 			checked, recovered = s.clk.Now(), false
-			if err := s.checkStream(ctx); err != nil && ctx.Err() == nil {
+			if err := s.checkTrim(ctx); err != nil && ctx.Err() == nil {
 				s.fault("check", err)
 			}
 		}
@@ -171,31 +176,82 @@ func (s *Syncer) readLoop(ctx context.Context) {
 	}
 }
 
-// checkStream compares the cursor with the stream's bounds (streamState)
-// and resyncs when the stream was healed, went backwards behind the
-// cursor, or was trimmed past it: the cursor's own entry is gone (its
-// successors, unread, most likely with it: a reader that keeps up is never
-// near the trimmed end). A trim is reported at most once per SnapshotEvery,
-// as the snapshot it restores changes no more often; loads-only gateways
-// have none to restore, and their heartbeats come back on their own.
-func (s *Syncer) checkStream(ctx context.Context) error {
-	st, err := s.st.state(ctx, MaxIDAhead)
-	if err != nil {
-		return err
+// Resyncs the publisher asks the reader for (Syncer.want, a bit set).
+const (
+	wantHealed = 1 << iota
+	wantReset
+)
+
+// checkOwn looks at the ID Redis gave this gateway's own entry, added
+// after the reader's cursor was before: numbered far ahead of Redis's
+// clock, the stream is healed (healScript) and read again from its start;
+// numbered at or before the cursor, the stream went back behind the
+// reader (recreated, or Redis replaced) and is read again from its start.
+// The publisher runs it; the reader resyncs.
+func (s *Syncer) checkOwn(ctx context.Context, before, id string) {
+	if idAhead(id, s.redisNow()) {
+		rnow, err := s.syncClock(ctx)
+		if err != nil || !idAhead(id, rnow) {
+			return
+		}
+		healed, err := s.st.heal(ctx, id)
+		if err != nil {
+			s.fault("heal", err)
+			return
+		}
+		if healed {
+			s.want.Or(wantHealed)
+		}
+		return
 	}
-	cursor := s.lastApplied()
-	switch {
-	case st.healed:
-		s.resync(ctx, "healed", "0-0", "the stream's IDs ran ahead of Redis's clock: deleted it; every gateway starts it again",
-			"last_id", st.last)
-	case st.last != "" && idBefore(st.last, cursor):
+	if before != "" && before != "0-0" && !idBefore(before, id) {
+		s.want.Or(wantReset)
+		s.resetSeen.Store(&[2]string{before, id})
+	}
+}
+
+// resyncWanted resyncs as the publisher asked.
+func (s *Syncer) resyncWanted(ctx context.Context) {
+	switch w := s.want.Swap(0); {
+	case w&wantHealed != 0:
+		s.resync(ctx, "healed", "0-0", "the stream's IDs ran ahead of Redis's clock: deleted it; every gateway starts it again")
+	case w&wantReset != 0:
+		var at [2]string
+		if p := s.resetSeen.Load(); p != nil {
+			at = *p
+		}
 		s.resync(ctx, "reset", "0-0", "the stream went back behind this gateway's position (recreated, or Redis replaced): reading it from its start",
-			"last_id", st.last, "position", cursor)
-	case s.o.ShareDecisions && st.first != "" && cursor != "0-0" && idBefore(cursor, st.first) &&
-		(s.trimmedAt.IsZero() || s.clk.Since(s.trimmedAt) >= s.o.SnapshotEvery):
+			"position", at[0], "own_entry", at[1])
+	}
+}
+
+// checkTrim resyncs when the cursor is older than the stream's first
+// entry: the entries after the cursor were trimmed before the reader read
+// them (most likely: a reader that keeps up is never near the trimmed
+// end). At most once per SnapshotEvery, as the snapshot it restores
+// changes no more often; loads-only gateways have none to restore, and
+// their heartbeats come back on their own.
+func (s *Syncer) checkTrim(ctx context.Context) error {
+	cursor := s.lastApplied()
+	if !s.o.ShareDecisions || cursor == "" || cursor == "0-0" ||
+		(!s.trimmedAt.IsZero() && s.clk.Since(s.trimmedAt) < s.o.SnapshotEvery) {
+		return nil
+	}
+	m, err := s.st.first(ctx, "-")
+	var big *replyTooLarge
+	first := ""
+	switch {
+	case errors.As(err, &big):
+		first = big.first
+	case err != nil:
+		return err
+	case m != nil:
+		first = m.ID
+	}
+	if first != "" && idBefore(cursor, first) {
 		s.trimmedAt = s.clk.Now()
 		s.resync(ctx, "trimmed", cursor, "the stream was trimmed past this gateway's position before it read on: restoring the snapshot",
-			"first_id", st.first, "position", cursor)
+			"first_id", first, "position", cursor)
 	}
 	return nil
 }
@@ -476,4 +532,11 @@ func (l *logLimit) allow(key string, now time.Time) (held int, ok bool) {
 	}
 	held, k.held, k.last = k.held, 0, now
 	return held, true
+}
+
+// isTimeout reports whether err is a command's timeout (its context's or
+// the connection's).
+func isTimeout(err error) bool {
+	var ne net.Error
+	return errors.Is(err, context.DeadlineExceeded) || errors.As(err, &ne) && ne.Timeout()
 }

@@ -32,8 +32,9 @@ import (
 // the batches since the reader's last one (readCount at a time, every
 // reply bounded by guardConn), and MAXLEN ~ trims in the same command, by
 // whole macro nodes, cheaply. Anyone who can write to the Redis can write
-// to these keys: the reader checks what it reads (reader.go), and the
-// store's scripts (skim, state) need EVAL/EVALSHA and Redis 5 or later.
+// to these keys: the reader checks what it reads (reader.go). Healing a
+// stream whose IDs ran ahead of Redis's clock takes a script
+// (EVAL/EVALSHA); without them the stream waits for an operator.
 
 // store is the Redis side of a Syncer. Every call is bounded by a timeout:
 // Redis down or slow never holds a caller longer.
@@ -57,7 +58,8 @@ type limits struct {
 
 // readBudget is how many entries' worth of bytes one reply may carry
 // (guardConn's reply cap, in entry caps): a read of small entries is far
-// below it; one of many large ones takes the careful path (skim).
+// below it; one of many large ones takes the careful path (one entry per
+// command).
 const readBudget = 4
 
 // snapshotChunk is the size of one GETRANGE of a snapshot read: no reply
@@ -102,9 +104,12 @@ func newStore(opt *redis.Options, ns string, timeout, bulk time.Duration, maxLen
 	o := *opt
 	o.DialTimeout = timeout
 	o.DialerRetries = 1 // the Syncer's loops retry, with their own backoff
-	o.ReadTimeout = timeout
-	o.WriteTimeout = timeout
-	o.ContextTimeoutEnabled = true // every call's context deadline bounds its I/O
+	// Every call's context deadline bounds its I/O, and only that: a
+	// connection-wide read or write timeout would cut the bulk calls
+	// (a snapshot of tens of megabytes, an entry Redis takes most of a
+	// second to start sending) at the per-command bound.
+	o.ReadTimeout, o.WriteTimeout = -1, -1
+	o.ContextTimeoutEnabled = true
 	o.MaxRetries = -1
 	o.PoolSize = 4 // the reader's blocking XREAD, the publisher, the snapshot writer
 	o.PoolTimeout = timeout
@@ -238,109 +243,45 @@ func (s *store) tryLock(ctx context.Context, owner string, hold time.Duration) (
 	return err == nil, err
 }
 
-// entrySize is an entry's ID and its fields' bytes, as skim reports them.
-type entrySize struct {
-	id   string
-	size int64
-}
-
-// skimScript lists the entries from ARGV[1] (at most ARGV[2]) with the
-// bytes of their fields and values, not the values: the careful read, when
-// a plain XREAD's reply was over the cap. It costs Redis one copy of each
-// entry listed, once: the entry that wedged every reader costs one skip.
-var skimScript = redis.NewScript(`
-local r = redis.call('XRANGE', KEYS[1], ARGV[1], '+', 'COUNT', ARGV[2])
-local out = {}
-for _, e in ipairs(r) do
-  local n = 0
-  for _, v in ipairs(e[2]) do n = n + #v end
-  out[#out + 1] = e[1]
-  out[#out + 1] = n
-end
-return out`)
-
-// skim lists up to count entries after the ID after, with their sizes.
-func (s *store) skim(ctx context.Context, after string, count int64) ([]entrySize, error) {
+// first reads the first entry from start on (XRANGE start + COUNT 1; none:
+// nil, nil). With a single entry in the reply, the first string of it is
+// the entry's ID: when the entry is over the caps, the error (a
+// *replyTooLarge) still names it, so that the reader can skip past it.
+// Its bound is the bulk one: Redis takes most of a second to start the
+// reply of a 400 MiB entry (it copies the entry first), and the header
+// must arrive for the entry to be named.
+func (s *store) first(ctx context.Context, start string) (*redis.XMessage, error) {
 	ctx, cancel := context.WithTimeout(ctx, s.bulk)
 	defer cancel()
 	s.ops.Add(1)
-	res, err := skimScript.Run(ctx, s.c, []string{s.batches}, nextID(after), count).Slice()
-	if err != nil {
-		return nil, err
-	}
-	out := make([]entrySize, 0, len(res)/2)
-	for i := 0; i+1 < len(res); i += 2 {
-		id, ok1 := res[i].(string)
-		n, ok2 := res[i+1].(int64)
-		if !ok1 || !ok2 {
-			return nil, fmt.Errorf("sharedstate: skim: unexpected reply %T %T", res[i], res[i+1])
-		}
-		out = append(out, entrySize{id: id, size: n})
-	}
-	return out, nil
-}
-
-// entry reads the one entry id (none: nil, nil).
-func (s *store) entry(ctx context.Context, id string) (*redis.XMessage, error) {
-	ctx, cancel := context.WithTimeout(ctx, s.timeout)
-	defer cancel()
-	s.ops.Add(1)
-	msgs, err := s.c.XRangeN(ctx, s.batches, id, id, 1).Result()
+	msgs, err := s.c.XRangeN(ctx, s.batches, start, "+", 1).Result()
 	if err != nil || len(msgs) == 0 {
 		return nil, err
 	}
 	return &msgs[0], nil
 }
 
-// stateScript reports the stream's bounds: the last ID it gave
-// (last-generated-id) and its first entry's, both "" when there is no
-// stream (or no entry). It also heals a stream whose last ID is more than
-// ARGV[1] ms ahead of Redis's clock by deleting it: Redis numbers an entry
-// added with "*" after the stream's last ID even when that is ahead of its
-// clock, so one entry written with a far-future ID puts every later one
-// there too, and the readers, which refuse such IDs, would wait for ever.
-// The check and the delete are one script: a stream another gateway healed
-// meanwhile is left alone.
-var stateScript = redis.NewScript(`
-local ok, info = pcall(redis.call, 'XINFO', 'STREAM', KEYS[1])
-if not ok then return {'', '', 0} end
-local last, first = '', ''
-for i = 1, #info - 1, 2 do
-  if info[i] == 'last-generated-id' then last = info[i + 1]
-  elseif info[i] == 'first-entry' and type(info[i + 1]) == 'table' then first = info[i + 1][1] end
-end
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local ms = tonumber(string.match(last, '^(%d+)'))
-if ms and ms > now + tonumber(ARGV[1]) then
-  redis.call('DEL', KEYS[1])
-  return {last, first, 1}
-end
-return {last, first, 0}`)
+// healScript deletes the stream if the entry ARGV[1] is still in it: the
+// caller added it and Redis numbered it far ahead of its clock. Redis
+// numbers an entry added with "*" after the stream's last ID even when
+// that is ahead of its clock, so one entry written with a far-future ID
+// puts every later one there too, and the readers, which refuse such IDs,
+// would wait for ever. Reading that one entry (the caller's own, small)
+// and deleting are one script: a stream another gateway healed meanwhile
+// (the entry gone with it) is left alone.
+var healScript = redis.NewScript(`
+if #redis.call('XRANGE', KEYS[1], ARGV[1], ARGV[1]) == 0 then return 0 end
+redis.call('DEL', KEYS[1])
+return 1`)
 
-// streamState is what stateScript reports.
-type streamState struct {
-	last, first string
-	healed      bool
-}
-
-// state reads the stream's bounds, deleting it when its IDs run more than
-// ahead of Redis's clock.
-func (s *store) state(ctx context.Context, ahead time.Duration) (streamState, error) {
-	ctx, cancel := context.WithTimeout(ctx, s.bulk)
+// heal deletes the stream if the entry id is still in it; it reports
+// whether it did.
+func (s *store) heal(ctx context.Context, id string) (bool, error) {
+	ctx, cancel := context.WithTimeout(ctx, s.timeout)
 	defer cancel()
 	s.ops.Add(1)
-	res, err := stateScript.Run(ctx, s.c, []string{s.batches}, ahead.Milliseconds()).Slice()
-	if err != nil {
-		return streamState{}, err
-	}
-	if len(res) != 3 {
-		return streamState{}, fmt.Errorf("sharedstate: stream state: %d values", len(res))
-	}
-	last, _ := res[0].(string)
-	first, _ := res[1].(string)
-	healed, _ := res[2].(int64)
-	return streamState{last: last, first: first, healed: healed == 1}, nil
+	n, err := healScript.Run(ctx, s.c, []string{s.batches}, id).Int()
+	return n == 1, err
 }
 
 // streamID is a stream entry's ID, "ms-seq": Redis's clock in milliseconds

@@ -116,17 +116,19 @@ type Syncer struct {
 	lastLoads []ReplicaLoad
 	buf       []byte
 
-	lastID   atomic.Pointer[string] // the last stream entry the reader applied
-	reach    atomic.Int32           // whether the last Redis command succeeded
-	received atomic.Int64           // s.clk's UnixNano when the reader last moved past an entry; 0: never
-	stopped  atomic.Bool            // Close was called
-	rclock   atomic.Int64           // Redis's clock less this gateway's (ns), as last measured
-	ready    atomic.Bool
-	warmed   atomic.Bool
-	restored atomic.Int64
-	warmN    atomic.Int64
-	live     atomic.Int64          // other gateways live, as last counted
-	stp      atomic.Pointer[store] // st, for Stats (which takes no lock)
+	lastID    atomic.Pointer[string]    // the last stream entry the reader applied
+	reach     atomic.Int32              // whether the last Redis command succeeded
+	received  atomic.Int64              // s.clk's UnixNano when the reader last moved past an entry; 0: never
+	stopped   atomic.Bool               // Close was called
+	rclock    atomic.Int64              // Redis's clock less this gateway's (ns), as last measured
+	want      atomic.Int32              // resyncs the publisher asks of the reader (wantHealed, wantReset)
+	resetSeen atomic.Pointer[[2]string] // the cursor and own entry ID that showed the last reset
+	ready     atomic.Bool
+	warmed    atomic.Bool
+	restored  atomic.Int64
+	warmN     atomic.Int64
+	live      atomic.Int64          // other gateways live, as last counted
+	stp       atomic.Pointer[store] // st, for Stats (which takes no lock)
 
 	decPublished, decApplied, decDropped atomic.Uint64
 	batPublished, batReceived            atomic.Uint64
@@ -472,13 +474,18 @@ func (s *Syncer) publish(ctx context.Context, now time.Time, final bool) error {
 		b, taken := s.batchOf(now, loads, queued)
 		end -= uint64(len(queued) - taken)
 		s.buf = AppendBatch(s.buf[:0], &b)
-		if _, err := s.st.add(ctx, s.buf); err != nil {
+		before := s.lastApplied()
+		id, err := s.st.add(ctx, s.buf)
+		if err != nil {
 			if ctx.Err() == nil {
 				s.failed("publish", err)
 			}
 			return err
 		}
 		s.ok()
+		if !final {
+			s.checkOwn(ctx, before, id)
+		}
 		s.seq++
 		s.lastPub, s.lastLoads = now, loads
 		s.qmu.Lock()
