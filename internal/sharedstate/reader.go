@@ -257,11 +257,15 @@ func (s *Syncer) checkTrim(ctx context.Context) error {
 }
 
 // resync restarts reading from cursor and restores the snapshot, at most
-// once per SnapshotEvery (a snapshot does not change more often).
+// once per SnapshotEvery (a snapshot does not change more often). It is
+// counted each time and logged at most once a minute per reason: whoever
+// writes to the Redis can make the stream go back as often as it likes.
 func (s *Syncer) resync(ctx context.Context, reason, cursor, msg string, args ...any) {
 	s.resyncs.Add(1)
 	s.m.resyncs.WithLabelValues(reason).Inc()
-	s.log.Warn("shared state: "+msg, args...)
+	if n, ok := s.logs.allow("resync "+reason, s.clk.Now()); ok {
+		s.log.Warn("shared state: "+msg, append(args, "resyncs_since_last_line", n)...)
+	}
 	s.setLastID(cursor)
 	if !s.o.ShareDecisions || (!s.snapRead.IsZero() && s.clk.Since(s.snapRead) < s.o.SnapshotEvery) {
 		return
