@@ -182,32 +182,40 @@ const (
 	wantReset
 )
 
+// errStreamAhead is publish's error for a batch Redis numbered far ahead
+// of its clock: readers refuse it, and healing deletes it, so its
+// decisions stay queued for the next batch.
+var errStreamAhead = errors.New("sharedstate: the stream's IDs run ahead of Redis's clock")
+
 // checkOwn looks at the ID Redis gave this gateway's own entry, added
-// after the reader's cursor was before: numbered far ahead of Redis's
-// clock, the stream is healed (healScript) and read again from its start;
-// numbered at or before the cursor, the stream went back behind the
-// reader (recreated, or Redis replaced) and is read again from its start.
-// The publisher runs it; the reader resyncs.
-func (s *Syncer) checkOwn(ctx context.Context, before, id string) {
+// after the reader's cursor was before. Numbered far ahead of Redis's
+// clock, the stream is healed (healScript) and read again from its start,
+// and the entry counts as not published (errStreamAhead). Numbered at or
+// before the cursor, the stream went back behind the reader (recreated,
+// or Redis replaced) and is read again from its start. The publisher runs
+// it; the reader resyncs.
+func (s *Syncer) checkOwn(ctx context.Context, before, id string) error {
 	if idAhead(id, s.redisNow()) {
 		rnow, err := s.syncClock(ctx)
-		if err != nil || !idAhead(id, rnow) {
-			return
+		if err != nil {
+			return err
+		}
+		if !idAhead(id, rnow) {
+			return nil
 		}
 		healed, err := s.st.heal(ctx, id)
 		if err != nil {
 			s.fault("heal", err)
-			return
-		}
-		if healed {
+		} else if healed {
 			s.want.Or(wantHealed)
 		}
-		return
+		return errStreamAhead
 	}
 	if before != "" && before != "0-0" && !idBefore(before, id) {
 		s.want.Or(wantReset)
 		s.resetSeen.Store(&[2]string{before, id})
 	}
+	return nil
 }
 
 // resyncWanted resyncs as the publisher asked.

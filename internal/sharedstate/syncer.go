@@ -484,7 +484,9 @@ func (s *Syncer) publish(ctx context.Context, now time.Time, final bool) error {
 		}
 		s.ok()
 		if !final {
-			s.checkOwn(ctx, before, id)
+			if err := s.checkOwn(ctx, before, id); err != nil {
+				return err // the batch goes again, after a backoff
+			}
 		}
 		s.seq++
 		s.lastPub, s.lastLoads = now, loads
