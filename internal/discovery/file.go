@@ -20,8 +20,9 @@ const DefaultFileInterval = 2 * time.Second
 // replicas:. It reads the file every Interval and compares its content's
 // hash (a file is a few hundred bytes; a hash sees every edit, a
 // Kubernetes ConfigMap's symlink swap included, where an mtime may not);
-// Reload (SIGHUP) reads it at once. A file that cannot be read or parsed
-// is logged once per content and the previous list kept.
+// Reload (SIGHUP) reads it at once. A file that cannot be read (not a
+// regular file, too large, too slow: ReadFile) or parsed is logged once
+// per content and the previous list kept.
 type File struct {
 	path     string
 	interval time.Duration
@@ -47,7 +48,7 @@ func (f *File) Name() string { return "file " + f.path }
 
 // Load reads and parses the file once.
 func (f *File) Load() ([]Replica, error) {
-	data, err := os.ReadFile(f.path)
+	data, err := ReadFile(f.path)
 	if err != nil {
 		return nil, err
 	}
@@ -88,12 +89,12 @@ func (f *File) Run(ctx context.Context, update func([]Replica)) {
 // check reads the file and calls update if its content is new (or forced:
 // a SIGHUP re-applies even an unchanged file) and good.
 func (f *File) check(update func([]Replica), forced bool) {
-	data, err := os.ReadFile(f.path)
+	data, err := ReadFile(f.path)
 	if err != nil {
 		sum := sha256.Sum256([]byte("error: " + err.Error()))
 		if forced || !f.seen || sum != f.last {
 			level := slog.LevelWarn
-			if errors.Is(err, os.ErrNotExist) {
+			if errors.Is(err, os.ErrNotExist) || errors.Is(err, ErrNotRegular) || errors.Is(err, ErrFileTooBig) {
 				level = slog.LevelError
 			}
 			f.log.Log(context.Background(), level, "replicas file cannot be read: keeping the previous replica list",

@@ -6,7 +6,6 @@ import (
 	"errors"
 	"fmt"
 	"net/url"
-	"os"
 	"strings"
 	"time"
 
@@ -239,9 +238,10 @@ func Defaults() Config {
 }
 
 // LoadConfig reads a YAML (or JSON) file over the defaults. Unknown fields
-// are errors.
+// are errors. The file is read as a replicas file is (a regular file, size
+// capped, with a timeout): SIGHUP reads it again while the gateway runs.
 func LoadConfig(path string) (Config, error) {
-	data, err := os.ReadFile(path)
+	data, err := discovery.ReadFile(path)
 	if err != nil {
 		return Config{}, err
 	}

@@ -1,8 +1,15 @@
 package gateway
 
 import (
+	"errors"
+	"os"
+	"path/filepath"
 	"strings"
+	"syscall"
 	"testing"
+	"time"
+
+	"github.com/kvgate/kvgate/internal/discovery"
 )
 
 // The replicas come from exactly one source, and each source's settings
@@ -70,6 +77,40 @@ func TestParseReplicasFile(t *testing.T) {
 	} {
 		if _, err := ParseReplicasFile([]byte(bad)); err == nil || !strings.Contains(err.Error(), want) {
 			t.Errorf("%q: got %v, want %q", bad, err, want)
+		}
+	}
+}
+
+// The files the gateway reads again while it runs (the --config file on
+// SIGHUP, a replicas file at start) share the replicas watcher's reader: a
+// FIFO (or any file that is not a regular one) is an error at once, never
+// a read that blocks (finding 10).
+func TestFilesReadWhileRunningRefuseAFIFO(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "fifo.yaml")
+	if err := syscall.Mkfifo(path, 0o600); err != nil {
+		t.Skip("no FIFOs here:", err)
+	}
+	t.Cleanup(func() { // lets a blocked open go (the base's os.ReadFile)
+		if w, err := os.OpenFile(path, os.O_RDWR|syscall.O_NONBLOCK, 0); err == nil {
+			_ = w.Close()
+		}
+	})
+	for name, read := range map[string]func() error{
+		"config": func() error { _, err := LoadConfig(path); return err },
+		"replicas_file": func() error {
+			_, err := initialReplicas(Config{ReplicasFile: path})
+			return err
+		},
+	} {
+		errc := make(chan error, 1)
+		go func() { errc <- read() }()
+		select {
+		case err := <-errc:
+			if !errors.Is(err, discovery.ErrNotRegular) {
+				t.Errorf("%s: %v, want %v", name, err, discovery.ErrNotRegular)
+			}
+		case <-time.After(10 * time.Second): // a generous bound for a broken reader
+			t.Fatalf("%s: the read of a FIFO is still blocked", name)
 		}
 	}
 }
