@@ -37,6 +37,9 @@ type exchange struct {
 	// prefillBody is the body of the request's prefill steps (pd.go),
 	// made at the first one.
 	prefillBody []byte
+	// held is a completed prefill step's KV that a refused decode step did
+	// not pull: the next decode step's (pd.go; nil: none).
+	held *heldKV
 	// pol, when set, decides instead of the router's policy (passthrough.go:
 	// by load without a prompt, pinned to the replica holding a response).
 	pol policy.Policy
@@ -62,6 +65,7 @@ func (g *Gateway) serveInference(w http.ResponseWriter, r *http.Request, kind pr
 		route = g.routePDAttempt
 	}
 	g.run(x, route)
+	g.releaseHeld(x)
 }
 
 // run routes and attempts an admitted exchange until one attempt is final:

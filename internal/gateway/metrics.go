@@ -36,6 +36,7 @@ type metrics struct {
 	pdAttempts      *prometheus.CounterVec // step, replica, verdict
 	prefillSkipped  *prometheus.CounterVec // reason
 	prefillFallback *prometheus.CounterVec // reason
+	prefillHeldKV   *prometheus.CounterVec // outcome
 	prefillStep     prometheus.Histogram
 	// What the router decided and how it turned out (noteOutcome).
 	decisions     *prometheus.CounterVec   // replica, branch
@@ -149,7 +150,11 @@ func (m *metrics) newPDMetrics(reg prometheus.Registerer) {
 			"prefill_stopped (generation ended at the first token: nothing to pull)."}, []string{"reason"})
 	m.prefillStep = prometheus.NewHistogram(prometheus.HistogramOpts{Name: "kvgate_prefill_step_seconds",
 		Help: "Duration of prefill steps answered 2xx, from the request to the prefill replica to its answer.", Buckets: latencyBuckets})
-	reg.MustRegister(m.pdAttempts, m.prefillSkipped, m.prefillFallback, m.prefillStep)
+	m.prefillHeldKV = prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvgate_prefill_held_kv_total",
+		Help: "Completed prefill steps whose decode step was refused before it started, by outcome: reused (a " +
+			"decode step routed again pulls the held KV; counted per try), released (no decode replica took it: " +
+			"the prefill replica frees it after its hold timeout)."}, []string{"outcome"})
+	reg.MustRegister(m.pdAttempts, m.prefillSkipped, m.prefillFallback, m.prefillHeldKV, m.prefillStep)
 }
 
 // ttftRatioBuckets are observed/estimated TTFT ratios: 1 is a perfect

@@ -11,6 +11,7 @@ import (
 	"net/http"
 
 	"github.com/kvgate/kvgate/internal/openai"
+	"github.com/kvgate/kvgate/internal/policy"
 	"github.com/kvgate/kvgate/internal/prompt"
 	"github.com/kvgate/kvgate/internal/router"
 )
@@ -45,7 +46,15 @@ import (
 // sidecar does. A 4xx of the prefill step is the client's fault: it is the
 // client's answer and counts against no replica. Once the decode step has
 // started nothing is retried; a decode step refused before it started
-// (503, 429, connection refused) routes the request again, both steps.
+// (503, 429, connection refused) goes to another decode replica with the
+// completed prefill's kv_transfer_params (exchange.held): the prefill
+// replica still holds the prompt's KV, since no decode replica pulled it,
+// and computing it again would cost a second prefill. When no decode
+// replica can take it, the held KV is released (forgotten: vLLM has no
+// call to free it sooner; the prefill replica frees it after its
+// VLLM_NIXL_ABORT_REQUEST_TIMEOUT) and the request routed again, both
+// steps. A decode step routed without a prefill step that is refused
+// routes the request again, both steps.
 
 // routePDAttempt routes the exchange to a prefill/decode pair (less the
 // replicas already tried) and runs its steps: the prefill step when there
@@ -55,6 +64,11 @@ import (
 // 4xx), or the decode step. last: no retry is left, so that a failed
 // prefill step makes the decode replica compute the prompt instead.
 func (g *Gateway) routePDAttempt(x *exchange, last bool) (*attempt, error) {
+	if x.held != nil {
+		if a, err := g.heldDecodeAttempt(x); a != nil || err != nil {
+			return a, err
+		}
+	}
 	pd, err := g.routePD(x)
 	if err != nil {
 		return nil, err
@@ -68,22 +82,72 @@ func (g *Gateway) routePDAttempt(x *exchange, last bool) (*attempt, error) {
 		g.settle(x, dec)
 		return dec, nil
 	}
-	var kv []byte
+	var held *heldKV
 	if pd.Prefill != nil {
 		p, err := g.prefillStep(x, pd.Prefill)
 		if err != nil {
 			g.endUnused(dec, err)
 			return nil, err
 		}
-		var end bool
-		if kv, end = g.afterPrefill(x, p, last); end {
+		kv, end := g.afterPrefill(x, p, last)
+		if end {
 			g.endUnused(dec, p.err)
 			return p, nil
 		}
 		if kv != nil {
 			dec.prefill = p.prefill
+			held = &heldKV{kv: kv, slot: pd.Prefill.Replica, replica: p.prefill}
 		}
 	}
+	return g.decodeStep(x, dec, held)
+}
+
+// heldKV is a completed prefill step's KV, held by its replica for a
+// decode replica to pull: the kv_transfer_params of its answer.
+type heldKV struct {
+	kv      []byte
+	slot    int             // the prefill replica's slot
+	replica *router.Replica // the prefill replica (X-Kvgate-Prefill)
+}
+
+// heldDecodeAttempt routes and sends the decode step of a request whose
+// prefill step completed and whose last decode step was refused before it
+// started: to another decode replica, pulling the same held KV. nil, nil:
+// no decode replica can take it; the held KV is released, and the caller
+// routes both steps again.
+func (g *Gateway) heldDecodeAttempt(x *exchange) (*attempt, error) {
+	x.req.Now = g.clock.Now()
+	span := g.startSpan(x.ctx, "kvgate.route")
+	tk, err := g.rt.RouteDecode(x.req, x.held.slot, x.exclude...)
+	g.traceRoute(span, x, tk, nil, err)
+	if errors.Is(err, policy.ErrNoReplica) {
+		g.releaseHeld(x)
+		return nil, nil
+	}
+	if err != nil {
+		return nil, err
+	}
+	g.met.prefillHeldKV.WithLabelValues("reused").Inc()
+	x.log.Debug("decode step routed again with the completed prefill's KV", "decode", g.rt.Name(tk.Replica),
+		"prefill", x.held.replica.Name())
+	dec := &attempt{tk: tk, cached: -1, step: stepDecode, prefill: x.held.replica}
+	if !g.allow(dec) {
+		g.settle(x, dec)
+		return dec, nil
+	}
+	return g.decodeStep(x, dec, x.held)
+}
+
+// decodeStep sends the decode step dec, pulling held's KV (nil: the
+// decode replica computes the prompt), and settles it. The held KV is kept
+// for the next try when dec was refused before it started, and else
+// dropped (taken, or the exchange ends).
+func (g *Gateway) decodeStep(x *exchange, dec *attempt, held *heldKV) (*attempt, error) {
+	var kv []byte
+	if held != nil {
+		kv = held.kv
+	}
+	var err error
 	if dec.body, err = decodeBody(x.body, kv); err != nil {
 		g.endUnused(dec, err)
 		return nil, &prompt.RequestError{Msg: err.Error()}
@@ -93,7 +157,25 @@ func (g *Gateway) routePDAttempt(x *exchange, last bool) (*attempt, error) {
 	if dec.refusal != nil {
 		x.refusal = dec.refusal
 	}
+	x.held = nil
+	if held != nil && dec.retryable() {
+		x.held = held
+	}
 	return dec, nil
+}
+
+// releaseHeld forgets the exchange's held KV that no decode replica took
+// (every retry refused, none left, the client gone): the gateway cannot
+// free it on the prefill replica (vLLM has no call for it), which frees
+// it after its hold timeout (VLLM_NIXL_ABORT_REQUEST_TIMEOUT, 480 s by
+// default); counted, so that an operator sees prefill capacity held.
+func (g *Gateway) releaseHeld(x *exchange) {
+	if x.held == nil {
+		return
+	}
+	g.met.prefillHeldKV.WithLabelValues("released").Inc()
+	x.log.Debug("no decode replica took a completed prefill's KV: released", "prefill", x.held.replica.Name())
+	x.held = nil
 }
 
 // routePD routes the exchange to a pair, with the routing metrics.

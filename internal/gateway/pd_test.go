@@ -466,8 +466,9 @@ func TestPDDebugRoute(t *testing.T) {
 }
 
 // A decode replica that refuses before the decode step starts sends the
-// request through both steps again, to another decode replica; the
-// refusing one got the client's request with the prefill's parameters.
+// decode step to another decode replica, pulling the same prefill's KV
+// (pd_held_test.go); the refusing one got the client's request with the
+// prefill's parameters.
 func TestPDDecodeRefusedRoutesAgain(t *testing.T) {
 	pre, dec, _ := pdSims(t)
 	bad := newPDFake(t, http.StatusServiceUnavailable)

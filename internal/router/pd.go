@@ -82,6 +82,36 @@ func (rt *Router) RoutePD(req *policy.Request, exclude ...int) (PD, error) {
 	return out, nil
 }
 
+// RouteDecode routes only the decode step of req, whose prefill step has
+// completed on replica slot prefill, which holds the prompt's KV (vLLM's
+// NixlConnector frees it once a decode replica has pulled it, or after its
+// VLLM_NIXL_ABORT_REQUEST_TIMEOUT): a decode step refused before it started
+// goes to another decode replica with the same kv_transfer_params, instead
+// of running the prefill again on a new pair. Candidates are the decode
+// side's, less exclude and the prefill replica itself (a replica of role
+// both would be asked to pull from itself); each acts as a decode replica
+// (the policy's Pick over them, as RoutePD picks a decode replica with no
+// prefill candidate). The ticket is a decode step's (PhaseDecode: it pulls
+// what it lacks). policy.ErrNoReplica: no decode replica can take the KV.
+func (rt *Router) RouteDecode(req *policy.Request, prefill int, exclude ...int) (*Ticket, error) {
+	views, approx := rt.views(req)
+	pl, err := rt.candidates(req, views, append(slices.Clone(exclude), prefill))
+	if err != nil {
+		return nil, err
+	}
+	for i := range views {
+		v := &views[i]
+		v.Healthy = v.Healthy && v.Role.Decodes()
+		v.Role = policy.RoleDecode // this step only decodes: no prefill side
+	}
+	pd, err := rt.pickPair(pl.pol.Load().pol, req, views)
+	if err != nil {
+		return nil, err
+	}
+	pd.Decode.Reason = "decode step only, pulling a completed prefill's KV: " + pd.Decode.Reason
+	return rt.commitView(req, pd.Decode, views, approx, policy.PhaseDecode), nil
+}
+
 // DryRunPD is RoutePD's decision for req without sending anything or
 // learning, and the views it was made on.
 func (rt *Router) DryRunPD(req *policy.Request) (policy.PairDecision, []policy.ReplicaView, error) {

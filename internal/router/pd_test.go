@@ -354,3 +354,37 @@ func BenchmarkDecisionPD(b *testing.B) {
 		})
 	}
 }
+
+// RouteDecode routes a decode step alone, pulling a completed prefill's
+// KV: to a decode-capable replica other than the prefill replica and the
+// ones excluded, as a decode step (transfer pending), for every policy
+// (pair pickers included); ErrNoReplica once none is left.
+func TestRouteDecodeAlone(t *testing.T) {
+	for _, pol := range []string{"least_load", "round_robin", "ttft", "sglang", "dynamo", "llmd", "preble"} {
+		t.Run(pol, func(t *testing.T) {
+			rt := newPDRouter(t, mustPolicy(t, pol), "bpdd", Config{}) // slot 0 both: the prefill replica
+			req := rt.Prepare(parse(t, "request "+strings.Repeat("v", 600)), "", "")
+			var exclude []int
+			for range 2 {
+				tk, err := rt.RouteDecode(req, 0, exclude...)
+				if err != nil {
+					t.Fatal(err)
+				}
+				if d := tk.Replica; d < 2 || tk.Phase() != policy.PhaseDecode || tk.TransferTokens() == 0 {
+					t.Fatalf("decode on %d, phase %v, transfer %d; want 2-3, a decode step pulling the prompt",
+						d, tk.Phase(), tk.TransferTokens())
+				}
+				if rt.reps()[tk.Replica].pendingTransfer.Load() == 0 {
+					t.Fatal("the pull is not pending on the decode replica")
+				}
+				tk.Reject()
+				tk.Done(time.Unix(1, 0), Outcome{CachedTokens: -1})
+				exclude = append(exclude, tk.Replica)
+			}
+			if _, err := rt.RouteDecode(req, 0, exclude...); !errors.Is(err, policy.ErrNoReplica) {
+				t.Fatalf("every decode replica excluded: %v", err)
+			}
+			assertIdle(t, rt)
+		})
+	}
+}
