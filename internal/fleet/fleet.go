@@ -132,6 +132,21 @@ func (f *Fleet) Sync() {
 	f.refreshModels()
 }
 
+// Forget drops what the fleet keeps of a replica the router forgot
+// (router.Forget): the rotation last logged for its slot, which the slot's
+// next replica must not inherit, and the engine count warned about for its
+// server, once no replica of that server is left. Its probes stopped when
+// it was removed (Sync).
+func (f *Fleet) Forget(slot int, url string) {
+	f.loggedOut.Delete(slot)
+	for i := range f.rt.Replicas() {
+		if r := f.rt.Replica(i); !r.Vacant() && r.URL() == url {
+			return // another rank of the server, or the server listed again
+		}
+	}
+	f.warned.Delete(url)
+}
+
 // startLocked starts server s's probe loops; smu is held.
 func (f *Fleet) startLocked(s *server) {
 	ctx, cancel := context.WithCancel(f.runCtx)

@@ -10,6 +10,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvgate/kvgate/internal/router"
 	"github.com/kvgate/kvgate/internal/testutil"
 )
 
@@ -94,4 +95,38 @@ func TestRotationChangesLoggedOncePerTransition(t *testing.T) {
 	// Its trial fails: ejected again, for longer.
 	fail(f, 0)
 	want(1, 2, 2)
+}
+
+// A forgotten replica's slot keeps nothing of its rotation log or of its
+// server's engine warning: the slot's next replica leaving rotation is
+// logged as its own first departure.
+func TestForgetDropsTheSlotsLogState(t *testing.T) {
+	ht := &healthTransport{}
+	sink := &logSink{}
+	log := slog.New(slog.NewTextHandler(sink, &slog.HandlerOptions{Level: slog.LevelDebug}))
+	rt, f, clk := newFleet(t, 2, 2, &http.Client{Transport: ht}, Config{Logger: log})
+	f.Health(context.Background(), 1) // b fails its check: out of rotation, logged
+	f.checkEngines(1, 4)              // and warned about: 4 engines routed as 1
+	if _, err := rt.SetReplicas([]router.Spec{{URL: "http://a"}}); err != nil {
+		t.Fatal(err)
+	}
+	clk.Advance(router.DefaultForgetAfter)
+	gone := rt.Forget()
+	if len(gone) != 1 || gone[0].Slot != 1 {
+		t.Fatalf("forgot %+v", gone)
+	}
+	f.Forget(gone[0].Slot, gone[0].URL)
+	if _, ok := f.loggedOut.Load(1); ok {
+		t.Fatal("the forgotten slot's rotation is still logged")
+	}
+	if _, ok := f.warned.Load("http://b"); ok {
+		t.Fatal("the forgotten server's engine warning is kept")
+	}
+	if _, err := rt.SetReplicas([]router.Spec{{URL: "http://a"}, {URL: "http://c"}}); err != nil {
+		t.Fatal(err)
+	}
+	f.Health(context.Background(), 1) // c, in slot 1, fails its check
+	if n := sink.count("replica unhealthy"); n != 2 {
+		t.Fatalf("%d departures logged, want b's and c's\n%s", n, sink.String())
+	}
 }

@@ -57,6 +57,12 @@ type Config struct {
 	ReplicasFile string `json:"replicas_file,omitempty"`
 	// Discovery finds the replicas by DNS or from Kubernetes EndpointSlices.
 	Discovery *DiscoveryConfig `json:"discovery,omitempty"`
+	// ForgetAfter: a replica a source removed is forgotten this long after
+	// its removal, once drained: its router slot goes to the next replica
+	// added, and its state (prefix index rows, policy state, probes,
+	// metric series) is freed. Listed again before, it comes back with its
+	// state (discovery_forget.go).
+	ForgetAfter Duration `json:"forget_after"`
 	// Pools route each model to its own replicas with its own policy
 	// (pools.go); then replicas: is empty and each pool lists its own.
 	Pools        []PoolConfig   `json:"pools,omitempty"`
@@ -204,6 +210,7 @@ func Defaults() Config {
 		ScrapeInterval:     Duration(250 * time.Millisecond),
 		HealthInterval:     Duration(time.Second),
 		ScrapeStaleAfter:   Duration(2 * time.Second),
+		ForgetAfter:        Duration(router.DefaultForgetAfter),
 		EjectAfter:         3,
 		EjectCooldown:      Duration(10 * time.Second),
 		Retries:            2,
@@ -358,6 +365,9 @@ func (c *Config) Validate() error {
 	}
 	if c.MaxConcurrency < 0 || c.MaxQueue < 0 {
 		errs = append(errs, errors.New("max_concurrency and max_queue must be ≥ 0"))
+	}
+	if c.ForgetAfter <= 0 {
+		errs = append(errs, errors.New("forget_after must be positive (a removed replica is forgotten that long after its removal)"))
 	}
 	if c.ReadHeaderTimeout <= 0 || c.BodyReadTimeout <= 0 {
 		errs = append(errs, errors.New("read_header_timeout and body_read_timeout must be positive"))

@@ -33,8 +33,9 @@ func (g *Gateway) admin(h http.HandlerFunc) http.HandlerFunc {
 }
 
 type replicaDebug struct {
+	slot           int      // the router's (listings leave free slots out)
 	URL            string   `json:"url"`
-	State          string   `json:"state"`          // active, draining (removed, requests in flight) or removed
+	State          string   `json:"state"`          // active, draining (removed, requests in flight) or removed (until forget_after)
 	Role           string   `json:"role,omitempty"` // a prefill/decode fleet's
 	Pool           string   `json:"pool,omitempty"` // with pools: in the config
 	Rank           *int     `json:"rank,omitempty"`
@@ -51,9 +52,12 @@ type replicaDebug struct {
 }
 
 func replicaDebugs(g *Gateway, views []policy.ReplicaView, d *policy.Decision) []replicaDebug {
-	out := make([]replicaDebug, len(views))
+	out := make([]replicaDebug, 0, len(views))
 	for i, v := range views {
-		rd := replicaDebug{URL: v.URL, State: replicaState(g.rt.Replica(v.Index)), Healthy: v.Healthy, MatchBlocks: v.Match, InFlight: v.InFlight,
+		if g.rt.Replica(v.Index).Vacant() {
+			continue // a forgotten replica's slot: nothing to show
+		}
+		rd := replicaDebug{slot: v.Index, URL: v.URL, State: replicaState(g.rt.Replica(v.Index)), Healthy: v.Healthy, MatchBlocks: v.Match, InFlight: v.InFlight,
 			PendingPrefill: v.PendingPrefill, IndexBlocks: g.rt.Index().ReplicaLen(v.Index), Pool: g.rt.Replica(v.Index).Pool()}
 		if g.pd.Load() {
 			rd.Role = v.Role.String()
@@ -69,7 +73,7 @@ func replicaDebugs(g *Gateway, views []policy.ReplicaView, d *policy.Decision) [
 			s := d.Scores[i]
 			rd.Score = &s
 		}
-		out[i] = rd
+		out = append(out, rd)
 	}
 	return out
 }

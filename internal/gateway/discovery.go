@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"slices"
 	"strings"
+	"sync"
 
 	"sigs.k8s.io/yaml"
 
@@ -183,8 +184,15 @@ func initialReplicas(cfg Config) ([]ReplicaConfig, error) {
 	return list, nil
 }
 
-// runDiscovery runs the source until ctx ends, applying each list.
+// runDiscovery runs the source until ctx ends, applying each list, and,
+// with any source (a pool's too), forgets the replicas removed long ago.
 func (g *Gateway) runDiscovery(ctx context.Context) {
+	if !g.cfg.dynamic() {
+		return
+	}
+	var wg sync.WaitGroup
+	defer wg.Wait()
+	wg.Go(func() { g.forgetLoop(ctx) })
 	if g.source == nil {
 		return
 	}
@@ -226,6 +234,7 @@ func (g *Gateway) applyFrom(pool string, list []ReplicaConfig, source string) er
 	if err == nil {
 		g.found[pool] = list
 	}
+	g.forgot(ch.Forgotten) // before their slots' new replicas start
 	if err != nil || ch.Empty() {
 		return err
 	}
@@ -305,9 +314,12 @@ func drainLog(g **Gateway) func(int) {
 }
 
 // replicaState is a replica's membership for listings: active, draining
-// (removed, requests in flight) or removed.
+// (removed, requests in flight), removed (kept for a revival until
+// forget_after) or free (a forgotten replica's slot, for the next added).
 func replicaState(r *router.Replica) string {
 	switch {
+	case r.Vacant():
+		return "free"
 	case !r.Removed():
 		return "active"
 	case r.Draining():

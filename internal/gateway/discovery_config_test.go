@@ -41,6 +41,8 @@ func TestReplicaSourcesValidate(t *testing.T) {
 		{"discovery: {kubernetes: {namespace: llm, selector: a=b, port: 70000}}", "discovery.kubernetes.port"},
 		{"discovery: {kubernetes: {namespace: llm, selector: a=b, port: 1}, role: decode}", "role label"},
 		{"discovery: {dns: a:1, intervall: 5s}", "unknown field"},
+		{"replicas_file: /x\nforget_after: 10m", ""},
+		{"replicas_file: /x\nforget_after: 0s", "forget_after must be positive"},
 	}
 	for _, tc := range tests {
 		cfg, err := ParseConfig([]byte(tc.yaml))

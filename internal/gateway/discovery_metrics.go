@@ -34,7 +34,8 @@ func newReplicaCollector(rt *router.Router, clk clock.Clock) *replicaCollector {
 			"sync), else 0: the approximate index answers for it.", "replica"),
 		preciseBlocks: d("kvgate_precise_index_blocks", "Blocks the precise index holds for the replica, from its KV events.", "replica"),
 		replicasCount: d("kvgate_replicas", "Replicas by membership: active (in the fleet), draining (removed, requests "+
-			"in flight), removed (kept for a revival: no series of their own).", "state"),
+			"in flight), removed (kept for a revival until forget_after: no series of their own), free (slots of forgotten "+
+			"replicas, which the next replicas added take).", "state"),
 	}
 }
 
@@ -45,13 +46,13 @@ func (c *replicaCollector) Describe(ch chan<- *prometheus.Desc) {
 }
 
 func (c *replicaCollector) Collect(ch chan<- prometheus.Metric) {
-	count := map[string]int{"active": 0, "draining": 0, "removed": 0}
+	count := map[string]int{"active": 0, "draining": 0, "removed": 0, "free": 0}
 	now := c.clk.Now()
 	for i := range c.rt.Replicas() {
 		r := c.rt.Replica(i)
 		st := replicaState(r)
 		count[st]++
-		if st == "removed" {
+		if st == "removed" || st == "free" {
 			continue
 		}
 		gauge := func(d *prometheus.Desc, v float64) {

@@ -106,6 +106,9 @@ type Gateway struct {
 	// sync shares routing state with the other gateways (shared_state),
 	// nil when off.
 	sync *sharedstate.Syncer
+	// homes are the slots holding stored responses (passthrough.go), freed
+	// of a forgotten replica's (discovery_forget.go).
+	homes *responseHomes
 	// tr is OpenTelemetry tracing (tracing.go), nil when off.
 	tr *tracing
 	// via is this gateway's Via pseudonym (loop.go): kvgate-<its id>.
@@ -277,7 +280,7 @@ func newRouter(cfg Config, specs []router.Spec, prof costmodel.Profile, clk cloc
 	return router.New(router.Config{Specs: specs, Policy: pol, Pools: pools, BlockSize: cfg.BlockSize, NonCachedTokens: nonCached,
 		BlocksPerReplica: cfg.BlocksPerReplica, MaxEntries: cfg.IndexMaxEntries, Precise: cfg.Precise(), Now: clk.Now,
 		StaleAfter: cfg.ScrapeStaleAfter.D(), LearnOnAccept: true, OnLearn: learn, OnDrained: drained, OnPolicyPanic: panicked, Dynamic: cfg.dynamic(),
-		Breaker: router.BreakerConfig{EjectAfter: cfg.EjectAfter, Cooldown: cfg.EjectCooldown.D()}})
+		Breaker: router.BreakerConfig{EjectAfter: cfg.EjectAfter, Cooldown: cfg.EjectCooldown.D()}, ForgetAfter: cfg.ForgetAfter.D()})
 }
 
 // newTransport is the upstream transport: no environment proxy, bounded

@@ -91,6 +91,7 @@ func (g *Gateway) passthroughRoutes(m *http.ServeMux) {
 		panic(err) // a registered policy without parameters: cannot fail
 	}
 	pt := &passthrough{g: g, homes: newResponseHomes(responseHomesSize), byLoad: byLoad}
+	g.homes = pt.homes
 	paths := maps.Clone(passthroughPaths)
 	for _, p := range g.cfg.Passthrough {
 		if _, ok := paths[p]; !ok {

@@ -17,8 +17,8 @@ const responseHomesSize = 64 << 10
 
 // responseHomes remembers which replica slot holds each stored response
 // (vLLM keeps a Responses API call's state in the memory of the server that
-// answered it). Slots are stable for the router's life, so a slot number
-// names the same replica however the membership changes.
+// answered it). A slot names the same replica while the router knows it;
+// a forgotten replica's entries are dropped (discovery_forget.go).
 type responseHomes struct {
 	c *lru.Cache[string, int]
 }

@@ -216,13 +216,13 @@ func (g *Gateway) liveState() uiState {
 	if st.Decisions == nil {
 		st.Decisions = []uiDecision{}
 	}
-	for i, rd := range replicaDebugs(g, views, nil) {
-		r := g.rt.Replica(views[i].Index)
+	for _, rd := range replicaDebugs(g, views, nil) {
+		r := g.rt.Replica(rd.slot)
 		if r.Removed() && !r.Draining() {
 			continue // a discovery source removed it and its last request ended: gone
 		}
-		t := snap.replicas[g.rt.Name(views[i].Index)]
-		row := uiReplica{replicaDebug: rd, State: g.replicaState(views[i].Index), Attempts: t.attempts, HitRate: t.hitRate()}
+		t := snap.replicas[g.rt.Name(rd.slot)]
+		row := uiReplica{replicaDebug: rd, State: g.replicaState(rd.slot), Attempts: t.attempts, HitRate: t.hitRate()}
 		if snap.attempts > 0 {
 			row.Share = float64(t.attempts) / float64(snap.attempts)
 		}

@@ -74,8 +74,8 @@ func (ix *Index) grow(replicas int) {
 	ix.cfg.Replicas = max(ix.cfg.Replicas, replicas)
 }
 
-// SetReplicas grows the number of replica slots (it never shrinks: remove a
-// replica with Clear and reuse its slot).
+// SetReplicas grows the number of replica slots (it never shrinks: a
+// replica removed for good is emptied with Forget and its slot reused).
 func (ix *Index) SetReplicas(n int) {
 	ix.mu.Lock()
 	ix.grow(n)
@@ -223,6 +223,16 @@ func (ix *Index) Clear(r int) error {
 		ix.total--
 	}
 	return nil
+}
+
+// Forget empties replica slot r for another replica (the router forgot a
+// removed one): its blocks and its capacity (back to BlocksPerReplica).
+// Its entries' memory goes back to the index, for any replica's use.
+func (ix *Index) Forget(r int) error {
+	if err := ix.Clear(r); err != nil {
+		return err
+	}
+	return ix.SetCapacity(r, 0)
 }
 
 // Holds reports whether replica r holds block h.

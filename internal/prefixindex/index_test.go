@@ -302,3 +302,41 @@ func TestPreciseLargerEngineBlocks(t *testing.T) {
 		t.Fatalf("6-token blocks under a 4-token index: %v", err)
 	}
 }
+
+// Forget empties a slot for another replica: its blocks, its capacity
+// (back to BlocksPerReplica) and, in precise mode, its engine hashes (an
+// event naming the forgotten replica's blocks as parents is unknown).
+func TestForgetEmptiesTheSlot(t *testing.T) {
+	ix, _ := New(Config{Replicas: 2, BlocksPerReplica: 100})
+	p := NewPrecise(ix, "m", 4)
+	text := "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ!@#$" // 4 blocks of 4 tokens
+	ids := prompt.Approx{}.Encode(nil, text)
+	e := []uint64{101, 102, 103, 104}
+	for r := range 2 {
+		if err := p.Stored(r, "", e[:2], nil, ids[:8], 4, ""); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := ix.SetCapacity(1, 1); err != nil {
+		t.Fatal(err)
+	}
+	if err := p.Forget(1); err != nil {
+		t.Fatal(err)
+	}
+	if ix.ReplicaLen(1) != 0 || ix.ReplicaLen(0) != 2 || ix.Len() != 2 {
+		t.Fatalf("lens %d %d, %d entries: want slot 1 empty, slot 0 kept", ix.ReplicaLen(0), ix.ReplicaLen(1), ix.Len())
+	}
+	if err := p.Stored(1, "", e[2:], &e[1], ids[8:16], 4, ""); !errors.Is(err, ErrUnknownParent) {
+		t.Fatalf("a block of the forgotten replica as parent: %v", err)
+	}
+	if err := p.Stored(0, "", e[2:], &e[1], ids[8:16], 4, ""); err != nil {
+		t.Fatalf("the kept replica's parent: %v", err)
+	}
+	_ = ix.Insert(1, chain([]int{1, 2, 3, 4, 5}))
+	if ix.ReplicaLen(1) != 5 {
+		t.Fatalf("capacity after Forget: %d blocks kept of 5, want BlocksPerReplica's 100", ix.ReplicaLen(1))
+	}
+	if err := p.Forget(2); !errors.Is(err, ErrReplica) {
+		t.Fatal(err)
+	}
+}

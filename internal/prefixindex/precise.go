@@ -163,6 +163,21 @@ func (p *Precise) Removed(r int, engineHashes []uint64) error {
 	return p.ix.Remove(r, ours)
 }
 
+// Forget empties replica slot r for another replica: its blocks in the
+// index, and its maps of engine hashes replaced by new ones (a cleared map
+// keeps its buckets: a replica that held a million blocks would pin them).
+func (p *Precise) Forget(r int) error {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if r < 0 || r >= p.ix.Replicas() {
+		return fmt.Errorf("%w: %d", ErrReplica, r)
+	}
+	if r < len(p.engine) {
+		p.engine[r], p.inner[r] = make(map[uint64]uint64), make(map[uint64][]uint64)
+	}
+	return p.ix.Forget(r)
+}
+
 // Cleared handles AllBlocksCleared, and a resync after lost events.
 func (p *Precise) Cleared(r int) error {
 	p.mu.Lock()

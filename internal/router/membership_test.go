@@ -1,6 +1,8 @@
 package router
 
 import (
+	"fmt"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -214,5 +216,124 @@ func TestSetReplicasWhileRouting(t *testing.T) {
 		if r.inFlight.Load() != 0 || r.pendingCount.Load() != 0 || r.inFlightTokens.Load() != 0 {
 			t.Fatalf("replica %d counters not zero", i)
 		}
+	}
+}
+
+// Replicas added and removed one by one, 5,000 times, with the clock
+// moving two minutes each time (finding 11): the removed ones are
+// forgotten once drained and past forget_after (default 5 min), so the
+// slot table and the index stay bounded by the replicas known at once
+// instead of growing by every replica ever seen (base: 5,001 slots).
+func TestChurnKeepsSlotsAndIndexBounded(t *testing.T) {
+	for _, pol := range []string{"ttft", "sglang", "preble", "dynamo", "llmd", "lru_affinity", "least_load"} {
+		t.Run(pol, func(t *testing.T) {
+			p, _ := policy.New(pol, policy.Options{Seed: 1})
+			now := time.Unix(0, 0)
+			rt, err := New(Config{Replicas: []string{"http://base"}, Policy: p, Now: func() time.Time { return now }, Dynamic: true})
+			if err != nil {
+				t.Fatal(err)
+			}
+			maxSlots, maxEntries, blocks := 0, 0, 0
+			for k := range 5000 {
+				name := fmt.Sprintf("http://r%d", k)
+				ch, err := rt.SetReplicas(specs("http://base", name))
+				if err != nil || len(ch.Added) != 1 {
+					t.Fatalf("add %d: %+v %v", k, ch, err)
+				}
+				// A request each, so that the replica has index rows and policy state.
+				req := rt.Prepare(parse(t, fmt.Sprintf("conversation %d ", k)+strings.Repeat("w", 300)), "", "")
+				blocks = max(blocks, len(req.Blocks))
+				tk, err := rt.Route(req, 0)
+				if err != nil {
+					t.Fatal(err)
+				}
+				tk.FirstToken(now)
+				tk.Done(now, Outcome{CachedTokens: -1, OutputTokens: 16})
+				if _, err := rt.SetReplicas(specs("http://base")); err != nil {
+					t.Fatal(err)
+				}
+				now = now.Add(2 * time.Minute)
+				maxSlots, maxEntries = max(maxSlots, rt.Replicas()), max(maxEntries, rt.Index().Len())
+			}
+			// Active base, the one just added and the ones removed within 5 min.
+			if maxSlots > 5 {
+				t.Fatalf("%d slots after 5,000 replicas added and removed: want at most 5", maxSlots)
+			}
+			// Each request's blocks are learnt on its replica: a few replicas' worth, not 5,000.
+			if blocks == 0 || maxEntries > 5*blocks || rt.Index().Blocks() > 5*blocks {
+				t.Fatalf("index entries up to %d, blocks %d: the forgotten replicas' rows were kept", maxEntries, rt.Index().Blocks())
+			}
+		})
+	}
+}
+
+// forgetSpy is least_load that records the slots it was told to forget.
+type forgetSpy struct {
+	policy.Policy
+	mu     sync.Mutex
+	forgot []int
+}
+
+func (s *forgetSpy) Forget(slot int) { s.mu.Lock(); s.forgot = append(s.forgot, slot); s.mu.Unlock() }
+
+// A removed replica is forgotten only once drained and removed for
+// ForgetAfter; its slot then goes to the next replica added, cold (the
+// policy forgot the slot first); one listed again within ForgetAfter is
+// revived in its slot with its state.
+func TestForgetAfterDrainAndTTLThenReuse(t *testing.T) {
+	ll, _ := policy.New("least_load", policy.Options{Seed: 1})
+	spy := &forgetSpy{Policy: ll}
+	now := time.Unix(0, 0)
+	rt, err := New(Config{Replicas: []string{"http://ra", "http://rb", "http://rc"}, Policy: spy,
+		Now: func() time.Time { return now }, ForgetAfter: time.Minute})
+	if err != nil {
+		t.Fatal(err)
+	}
+	long := strings.Repeat("held by rb ", 50)
+	tk, err := rt.Route(rt.Prepare(parse(t, long), "", ""), 0, 2) // rb, held open
+	if err != nil || tk.Replica != 1 {
+		t.Fatalf("routed to %v, %v", tk, err)
+	}
+	tk.Accept()
+	rt.SetMetrics(1, Metrics{Waiting: 3}, now)
+	if _, err := rt.SetReplicas(specs("http://ra", "http://rc")); err != nil {
+		t.Fatal(err)
+	}
+	now = now.Add(10 * time.Minute)
+	if got := rt.Forget(); len(got) != 0 || rt.Vacant() != 0 {
+		t.Fatalf("forgot %+v with a request in flight", got)
+	}
+	tk.Done(now, Outcome{CachedTokens: -1})
+	got := rt.Forget()
+	if len(got) != 1 || got[0] != (Forgotten{Slot: 1, Name: "http://rb", URL: "http://rb"}) || rt.Vacant() != 1 {
+		t.Fatalf("forgot %+v, %d vacant: want rb's slot 1", got, rt.Vacant())
+	}
+	if _, ok := rt.Lookup("http://rb"); ok || !rt.Replica(1).Vacant() || rt.Index().ReplicaLen(1) != 0 || rt.Replicas() != 3 {
+		t.Fatalf("slot 1 after the forget: vacant %v, index %d", rt.Replica(1).Vacant(), rt.Index().ReplicaLen(1))
+	}
+	if !slices.Equal(spy.forgot, []int{1}) {
+		t.Fatalf("the policy forgot slots %v, want [1]", spy.forgot)
+	}
+	if _, err := rt.Route(rt.Prepare(parse(t, "y"), "", ""), 0, 2); err == nil {
+		t.Fatal("a vacant slot was a candidate")
+	}
+	// rc removed; listed again within a minute: revived in its slot.
+	rt.SetMetrics(2, Metrics{Waiting: 7}, now)
+	if _, err := rt.SetReplicas(specs("http://ra")); err != nil {
+		t.Fatal(err)
+	}
+	now = now.Add(59 * time.Second)
+	ch, err := rt.SetReplicas(specs("http://ra", "http://rc", "http://rd"))
+	if err != nil || !slices.Equal(ch.Revived, []int{2}) || !slices.Equal(ch.Added, []int{1}) || len(ch.Forgotten) != 0 {
+		t.Fatalf("change %+v, %v: want rc revived in 2, rd added in 1", ch, err)
+	}
+	if m, _, ok := rt.ReplicaMetrics(2); !ok || m.Waiting != 7 {
+		t.Fatal("the revived replica lost its state")
+	}
+	if _, _, ok := rt.ReplicaMetrics(1); ok || rt.Name(1) != "http://rd" || rt.InFlight(1) != 0 || rt.Replica(1).Vacant() {
+		t.Fatal("the replica in the reused slot is not cold")
+	}
+	if rt.Replicas() != 3 || rt.Vacant() != 0 {
+		t.Fatalf("%d slots, %d vacant: the freed slot was not reused", rt.Replicas(), rt.Vacant())
 	}
 }

@@ -52,6 +52,12 @@ type Replica struct {
 	// draining: removed with requests still in flight; cleared (once) when
 	// the last ends, which Config.OnDrained hears.
 	draining atomic.Bool
+	// removedAt is when it was last removed (SetReplicas; memMu guards it):
+	// it is forgotten Config.ForgetAfter later, once drained.
+	removedAt time.Time
+	// vacant: a free slot, whose replica was forgotten (membership.go):
+	// removed, no name, no state; the next replica added takes it.
+	vacant bool
 
 	healthy        atomic.Bool // in rotation: health checks pass and the breaker is not open
 	checked        atomic.Bool // a health check has passed at least once
@@ -133,6 +139,10 @@ func (r *Replica) Role() policy.Role { return r.sp().Role }
 // Name is the target's name in metrics, logs and headers: its URL, and
 // for a data-parallel rank k, URL#k.
 func (r *Replica) Name() string { return r.name }
+
+// Vacant reports whether the slot is free: its replica was forgotten, and
+// the next replica added takes it (a vacant slot is also Removed).
+func (r *Replica) Vacant() bool { return r.vacant }
 
 // Ready reports whether the replica is in rotation and has passed a health
 // check (a replica starts in rotation, before its first check).

@@ -79,6 +79,11 @@ type Config struct {
 	// Dynamic: the replicas come from a discovery source (SetReplicas),
 	// and the router may start with none (every request ErrNoReplica).
 	Dynamic bool
+	// ForgetAfter: a replica removed by SetReplicas is forgotten this long
+	// after its removal, once drained (membership.go): its slot goes to
+	// the next replica added and its state is freed. Listed again before,
+	// it is revived with its state. 0: DefaultForgetAfter.
+	ForgetAfter time.Duration
 	// Pools partition the replicas by the models they serve, each with its
 	// own policy (pools.go; Spec.Pool names a replica's). None: one pool of
 	// every replica, routed by Policy.
@@ -114,10 +119,13 @@ type Router struct {
 	precise *prefixindex.Precise
 	// mem is the membership, copy-on-write: routing reads a snapshot
 	// without a lock; SetReplicas (a cold path) publishes a new one.
-	// Slots are only appended, so a slot number read from any snapshot
-	// stays valid (tickets, policies' per-slot state, the index).
+	// A slot number read from any snapshot stays valid (tickets, policies'
+	// per-slot state, the index): slots are appended, and reused only once
+	// their replica is forgotten (drained, removed for ForgetAfter), its
+	// state freed everywhere (membership.go).
 	mem    atomic.Pointer[members]
-	memMu  sync.Mutex // serialises SetReplicas
+	memMu  sync.Mutex // serialises SetReplicas and Forget
+	free   []int      // vacant slots, ascending (memMu)
 	nextID atomic.Uint64
 	q      queue
 	// pools are the configured pools, or the default one (pools.go).
@@ -154,6 +162,9 @@ func New(cfg Config) (*Router, error) {
 	}
 	if cfg.NonCachedTokens == 0 {
 		cfg.NonCachedTokens = DefaultNonCachedTokens
+	}
+	if cfg.ForgetAfter <= 0 {
+		cfg.ForgetAfter = DefaultForgetAfter
 	}
 	ix, err := prefixindex.New(prefixindex.Config{Replicas: len(cfg.Specs), BlocksPerReplica: cfg.BlocksPerReplica, MaxEntries: cfg.MaxEntries})
 	if err != nil {
