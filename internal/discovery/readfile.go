@@ -54,14 +54,17 @@ func ReadFile(path string) ([]byte, error) {
 	return data, nil
 }
 
-// regular is the error of a file's mode (from a stat) that is not a
-// regular file's.
+// regular is the error of a file (from a stat) that is not a regular file,
+// or is larger than MaxFileBytes (refused before it is read; a file that
+// grows past it while read is caught by readBounded).
 func regular(fi fs.FileInfo, err error) error {
 	switch {
 	case err != nil:
 		return err
 	case !fi.Mode().IsRegular():
 		return fmt.Errorf("%w (mode %s)", ErrNotRegular, fi.Mode().Type())
+	case fi.Size() > MaxFileBytes:
+		return fmt.Errorf("%w (%d bytes)", ErrFileTooBig, fi.Size())
 	}
 	return nil
 }
