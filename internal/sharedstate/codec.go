@@ -191,9 +191,12 @@ func DecodeSnapshot(p []byte) (Snapshot, error) {
 // TakeSnapshot copies rt's approximate index: every replica slot's blocks,
 // most recent first, under the slot's name.
 func TakeSnapshot(rt *router.Router, position string, at time.Time) Snapshot {
-	s := Snapshot{Position: position, At: at, Replicas: make([]ReplicaBlocks, rt.Replicas())}
-	for i := range s.Replicas {
-		s.Replicas[i] = ReplicaBlocks{Replica: rt.Name(i), Blocks: rt.Index().Snapshot(i)}
+	s := Snapshot{Position: position, At: at, Replicas: make([]ReplicaBlocks, 0, rt.Replicas())}
+	for i := range rt.Replicas() {
+		if rt.Replica(i).Vacant() {
+			continue // a forgotten replica's slot, free for the next one added
+		}
+		s.Replicas = append(s.Replicas, ReplicaBlocks{Replica: rt.Name(i), Blocks: rt.Index().Snapshot(i)})
 	}
 	return s
 }
