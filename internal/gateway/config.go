@@ -152,6 +152,14 @@ type Config struct {
 	// ReadHeaderTimeout and BodyReadTimeout cut slow clients (slowloris).
 	ReadHeaderTimeout Duration `json:"read_header_timeout"`
 	BodyReadTimeout   Duration `json:"body_read_timeout"`
+	// A request body's read deadline grows with its bytes (bodyread.go):
+	// BodyRateGrace, plus a second per MinBodyRate bytes received (0: off),
+	// never past BodyReadTimeout; a body slower than that is cut (408).
+	// MaxBodyMemoryShare is the fraction of max_body_memory one client
+	// address may hold (at least one body of max_body_bytes).
+	MinBodyRate        int64    `json:"min_body_rate"`
+	BodyRateGrace      Duration `json:"body_rate_grace"`
+	MaxBodyMemoryShare float64  `json:"max_body_memory_share"`
 
 	// MaxConcurrency bounds the requests proxied at once (0: no bound);
 	// MaxQueue more may wait up to QueueTimeout (full queue: 429; timeout: 503).
@@ -228,6 +236,9 @@ func Defaults() Config {
 		TokenizeTimeout:    Duration(500 * time.Millisecond),
 		ReadHeaderTimeout:  Duration(10 * time.Second),
 		BodyReadTimeout:    Duration(30 * time.Second),
+		MinBodyRate:        1024,
+		BodyRateGrace:      Duration(5 * time.Second),
+		MaxBodyMemoryShare: 0.25,
 		MaxQueue:           1024,
 		QueueTimeout:       Duration(30 * time.Second),
 		IndexMaxEntries:    4 << 20,
@@ -380,6 +391,7 @@ func (c *Config) Validate() error {
 	}
 	errs = append(append(errs, c.validatePrecise()...), c.validateLimits()...)
 	errs = append(errs, c.validateKVEvents()...)
+	errs = append(errs, c.validateBodies()...)
 	errs = append(errs, c.Record.validate()...)
 	errs = append(errs, validatePassthrough(c.Passthrough)...)
 	errs = append(errs, c.validateNoSelf()...)

@@ -199,7 +199,9 @@ func (g *Gateway) endUnrouted(x *exchange, err error) {
 // fail answers an error the gateway decided (never a replica's answer);
 // a client already gone gets nothing and is counted as such.
 func (g *Gateway) fail(w http.ResponseWriter, r *http.Request, err error) {
-	if r.Context().Err() != nil {
+	// (A body cut by its read deadline ends the request's context too, as
+	// any read error on the connection does: that client still gets its 408.)
+	if r.Context().Err() != nil && !isAPIError(err, errBodyTimeout) {
 		g.met.errors.WithLabelValues("client_gone").Inc()
 		return
 	}

@@ -12,8 +12,6 @@ import (
 	crand "crypto/rand"
 	"crypto/subtle"
 	"encoding/hex"
-	"errors"
-	"fmt"
 	"io"
 	"log/slog"
 	"math/rand/v2"
@@ -28,7 +26,6 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 	"go.opentelemetry.io/otel/trace"
-	"golang.org/x/sync/semaphore"
 
 	"github.com/kvgate/kvgate/internal/clock"
 	"github.com/kvgate/kvgate/internal/costmodel"
@@ -63,8 +60,7 @@ type Gateway struct {
 	// (the configured one, mixed with the gateway's id when sharing).
 	reloadMu   sync.Mutex
 	policySeed uint64
-	bodies     *semaphore.Weighted // request-body bytes held at once
-	bodyBytes  atomic.Int64        // what bodies holds (a metric)
+	bodies     *bodyBudget // request-body bytes held at once (bodyread.go)
 	prof       costmodel.Profile
 	// pd: some replica has a role other than both; requests are routed
 	// to prefill/decode pairs (pd.go). It changes with the membership.
@@ -171,7 +167,7 @@ func New(cfg Config, o Options) (*Gateway, error) {
 	}
 	g = &Gateway{cfg: cfg, rt: rt, client: &http.Client{Transport: tr}, log: o.Logger, reg: o.Registry,
 		clock: o.Clock, prof: prof, jitter: rand.New(rand.NewPCG(cfg.Seed, 99)),
-		bodies: semaphore.NewWeighted(cfg.MaxBodyMemory), sync: syncer, ui: newUIStats(), resolver: o.Resolver,
+		bodies: newBodyBudget(cfg), sync: syncer, ui: newUIStats(), resolver: o.Resolver,
 		via: viaName(gatewayID(syncer))}
 	g.pd.Store(rt.Disaggregated())
 	g.policySeed = rcfg.Seed
@@ -468,57 +464,6 @@ func bearer(h http.Header) (string, bool) {
 	}
 	tok = strings.TrimLeft(tok, " ")
 	return tok, tok != ""
-}
-
-// readBody reads at most MaxBodyBytes, within the gateway's budget of
-// body memory (max_body_memory): a request waits up to queue_timeout for
-// room, then gets 503. The returned release gives the room back.
-func (g *Gateway) readBody(w http.ResponseWriter, r *http.Request) ([]byte, func(), error) {
-	if ct := r.Header.Get("Content-Type"); ct != "" && !strings.HasPrefix(ct, "application/json") {
-		return nil, nil, errContentType
-	}
-	if r.ContentLength > g.cfg.MaxBodyBytes {
-		return nil, nil, errTooLarge.with(fmt.Sprintf("request body larger than %d bytes", g.cfg.MaxBodyBytes))
-	}
-	held := g.cfg.MaxBodyBytes
-	if r.ContentLength >= 0 {
-		held = max(r.ContentLength, 1)
-	}
-	ctx, cancel := context.WithCancel(r.Context())
-	wait := g.clock.AfterFunc(g.conf().QueueTimeout.D(), cancel)
-	err := g.bodies.Acquire(ctx, held)
-	wait.Stop()
-	cancel()
-	if err != nil {
-		if r.Context().Err() != nil {
-			return nil, nil, r.Context().Err()
-		}
-		return nil, nil, errBodyMemory
-	}
-	g.bodyBytes.Add(held)
-	// A slow client gets body_read_timeout to send its body; then the
-	// deadline is lifted so that the client's disconnect is still noticed
-	// during a stream.
-	rc := http.NewResponseController(w)
-	_ = rc.SetReadDeadline(time.Now().Add(g.cfg.BodyReadTimeout.D()))
-	body, err := io.ReadAll(http.MaxBytesReader(w, r.Body, g.cfg.MaxBodyBytes))
-	_ = rc.SetReadDeadline(time.Time{})
-	if n := int64(len(body)); err == nil && n < held {
-		g.bodies.Release(held - n) // keep what the body holds
-		g.bodyBytes.Add(n - held)
-		held = n
-	}
-	release := func() { g.bodies.Release(held); g.bodyBytes.Add(-held) }
-	var mbe *http.MaxBytesError
-	if errors.As(err, &mbe) {
-		release()
-		return nil, nil, errTooLarge.with(fmt.Sprintf("request body larger than %d bytes", g.cfg.MaxBodyBytes))
-	}
-	if err != nil {
-		release()
-		return nil, nil, &apiError{Status: http.StatusBadRequest, Type: "invalid_request_error", Message: "reading the request body: " + err.Error()}
-	}
-	return body, release, nil
 }
 
 // hop-by-hop headers (RFC 9110 §7.6.1) are never forwarded.

@@ -72,6 +72,7 @@ func TestConnectionCapAndBodyMemory(t *testing.T) {
 	cfg.MaxConnections = 2
 	cfg.MaxBodyBytes = 1 << 20
 	cfg.MaxBodyMemory = 1 << 20
+	cfg.MaxBodyMemoryShare = 1 // the budget as a whole, from one address
 	cfg.QueueTimeout = Duration(200 * time.Millisecond)
 	g, ln, cancel, served := serveOnLoopback(t, cfg)
 	defer func() { cancel(); <-served }()
@@ -108,15 +109,17 @@ func TestConnectionCapAndBodyMemory(t *testing.T) {
 		t.Fatalf("after a connection closed: %d", code)
 	}
 	idle[1].Close()
-	// One body of the whole budget is in flight (its client still sending);
-	// another waits queue_timeout for room, then gets 503.
+	// One body of the whole budget has arrived but for its last byte (its
+	// client still sending); another waits queue_timeout for room, then
+	// gets 503.
 	slow, err := net.Dial("tcp", ln.Addr().String())
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer slow.Close()
 	_, _ = io.WriteString(slow, "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 1048576\r\n\r\n{")
-	eventually(t, "the budget taken", func() bool { return g.bodyBytes.Load() == 1<<20 })
+	_, _ = io.WriteString(slow, strings.Repeat(" ", 1<<20-2))
+	eventually(t, "the budget taken", func() bool { return g.bodies.held.Load() == 1<<20-1 })
 	r := testutil.Post(t, nil, base+"/v1/completions", `{"model":"m","prompt":"x"}`)
 	if r.Status != 503 || !strings.Contains(r.Body, "max_body_memory") {
 		t.Fatalf("over the body budget: %d %s", r.Status, r.Body)

@@ -192,7 +192,7 @@ func (m *metrics) newOutcomeMetrics(reg prometheus.Registerer) {
 func (g *Gateway) registerLimiterMetrics(reg prometheus.Registerer) {
 	reg.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "kvgate_request_body_bytes",
 		Help: "Bytes of request bodies the gateway holds (bounded by max_body_memory)."},
-		func() float64 { return float64(g.bodyBytes.Load()) }))
+		func() float64 { return float64(g.bodies.held.Load()) }))
 	if g.lim.Load() == nil {
 		return
 	}
