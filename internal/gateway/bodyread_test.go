@@ -170,6 +170,27 @@ func TestTricklingUploadsCostWhatArrived(t *testing.T) {
 	}
 }
 
+// Finding 4: a streamed upload (a multipart audio file) holds, while the
+// gateway reads its first bytes for the form's model, the bytes that
+// arrived: charged to the body memory like any body, given back when it ends.
+func TestStreamedUploadHeadCharged(t *testing.T) {
+	a := newStub(t, "", okStream(1))
+	cfg := baseConfig(a.srv.URL)
+	cfg.BodyRateGrace = Duration(time.Hour)
+	gw := serveReal(t, cfg, nil)
+	const n, first = 4, 100
+	var trickles []*trickle
+	for range n {
+		trickles = append(trickles, startTrickleTo(t, gw.addr, "127.0.0.1", "", "/v1/audio/transcriptions",
+			"multipart/form-data; boundary=b", 8<<20, first))
+	}
+	eventually(t, "the uploads' arrived bytes held", func() bool { return bodyGauge(t, gw.g) == n*first })
+	for _, tr := range trickles {
+		tr.c.Close()
+	}
+	eventually(t, "their memory given back", func() bool { return bodyGauge(t, gw.g) == 0 })
+}
+
 // Finding 4: a body slower than min_body_rate (after body_rate_grace), or
 // slower than body_read_timeout in all, is cut with a 408 in the OpenAI
 // shape, and its memory is given back; a body that keeps the rate is

@@ -24,11 +24,12 @@ func (g *Gateway) admitPassthrough(w http.ResponseWriter, r *http.Request, kind 
 		return nil, nil, err
 	}
 	if !isJSON(r.Header.Get("Content-Type")) && r.ContentLength != 0 && r.Method != http.MethodGet {
-		if x.upload, err = g.startUpload(w, r); err != nil {
+		var releaseHead func()
+		if x.upload, releaseHead, err = g.startUpload(w, r); err != nil {
 			return nil, nil, err
 		}
 		// The upload's read deadline ends with the exchange, whatever ends it.
-		endUpload := func() { _ = x.rc.SetReadDeadline(time.Time{}) }
+		endUpload := func() { _ = x.rc.SetReadDeadline(time.Time{}); releaseHead() }
 		release, err := g.enter(x, endUpload, func() (*prompt.Parsed, error) { return g.parseUpload(x) })
 		return x, release, err
 	}
@@ -118,37 +119,30 @@ func (u *upload) clientErr() error {
 // whole, or no replica read a byte of the upload yet.
 func (x *exchange) replayable() bool { return x.upload == nil || x.upload.read.Load() == 0 }
 
-// startUpload reads the first bytes of a streamed body (within
-// body_read_timeout: the deadline holds until the replica answers) and
-// finds the form's model and stream in them.
-func (g *Gateway) startUpload(w http.ResponseWriter, r *http.Request) (*upload, error) {
+// startUpload reads the first bytes of a streamed body, charged to the
+// body memory as they arrive and within the body's read deadline
+// (bodyread.go), and finds the form's model and stream in them. The rest
+// streams to the replica within body_read_timeout from the start: that
+// deadline holds until the replica answers. The returned release gives
+// back the memory the first bytes hold.
+func (g *Gateway) startUpload(w http.ResponseWriter, r *http.Request) (*upload, func(), error) {
 	if r.ContentLength > g.cfg.MaxBodyBytes {
-		return nil, errTooLarge.with(fmt.Sprintf("request body larger than %d bytes", g.cfg.MaxBodyBytes))
+		return nil, nil, errTooLarge.with(fmt.Sprintf("request body larger than %d bytes", g.cfg.MaxBodyBytes))
 	}
-	_ = http.NewResponseController(w).SetReadDeadline(time.Now().Add(g.cfg.BodyReadTimeout.D()))
+	h := &bodyHold{b: g.bodies, client: clientKey(r)}
+	dl := g.newBodyDeadline(w)
+	dl.arm()
 	body := http.MaxBytesReader(w, r.Body, g.cfg.MaxBodyBytes)
-	head := make([]byte, uploadPeek)
-	n, err := io.ReadFull(body, head)
-	switch {
-	case errors.Is(err, io.EOF), errors.Is(err, io.ErrUnexpectedEOF):
-		err = nil // the whole body is shorter than the peek
-	case err != nil:
-		_ = http.NewResponseController(w).SetReadDeadline(time.Time{})
-		return nil, uploadError(err)
+	head, err := g.readCharged(r, io.LimitReader(body, uploadPeek), h, dl, uploadPeek)
+	if err != nil {
+		dl.end(false)
+		h.release()
+		return nil, nil, err
 	}
-	head = head[:n]
+	_ = dl.rc.SetReadDeadline(dl.start.Add(dl.limit))
 	u := &upload{r: io.MultiReader(bytes.NewReader(head), body), length: r.ContentLength}
 	u.model, u.stream = formFields(r.Header.Get("Content-Type"), head)
-	return u, nil
-}
-
-// uploadError is the client's error for an upload that failed on its side.
-func uploadError(err error) error {
-	var mbe *http.MaxBytesError
-	if errors.As(err, &mbe) {
-		return errTooLarge.with(fmt.Sprintf("request body larger than %d bytes", mbe.Limit))
-	}
-	return &apiError{Status: http.StatusBadRequest, Type: "invalid_request_error", Message: "reading the request body: " + err.Error()}
+	return u, h.release, nil
 }
 
 // formFields reads the model and stream fields of a multipart form from

@@ -209,7 +209,7 @@ func (g *Gateway) transportFailure(x *exchange, a *attempt, ctx context.Context,
 			// The client's upload broke or overran max_body_bytes: its fault,
 			// not the replica's.
 			a.v, a.err = rejected, cerr
-			g.fail(x.w, x.r, uploadError(cerr))
+			g.fail(x.w, x.r, bodyError(nil, cerr))
 			return
 		}
 	}
