@@ -130,8 +130,10 @@ func TestAccessLogOff(t *testing.T) {
 	if n := len(sink.accessLines(t)); n != 0 {
 		t.Errorf("%d access lines with the access log off", n)
 	}
-	if _, ok := gw.g.Handler().(*guard); !ok {
-		t.Errorf("the handler is wrapped (%T) with the access log off", gw.g.Handler())
+	if wb, ok := gw.g.Handler().(*writeBounded); !ok {
+		t.Errorf("the handler (%T) is not the write deadline's", gw.g.Handler())
+	} else if _, ok := wb.next.(*guard); !ok {
+		t.Errorf("the handler is wrapped (%T) with the access log off", wb.next)
 	}
 }
 

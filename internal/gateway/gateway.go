@@ -351,7 +351,7 @@ func (g *Gateway) routes() {
 	m.HandleFunc("/ui/", g.serveUI)
 	g.passthroughRoutes(m) // the rest of the replicas' API (passthrough.go)
 	m.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) { writeError(w, errUnknownPath) })
-	g.mux = g.withAccessLog(g.withTracing(&guard{g: g, mux: m}))
+	g.mux = g.withWriteDeadline(g.withAccessLog(g.withTracing(&guard{g: g, mux: m}))) // withWriteDeadline: relay.go
 }
 
 // guard checks what every request must pass before the mux routes it:

@@ -7,6 +7,7 @@ import (
 	"errors"
 	"io"
 	"net/http"
+	"sync/atomic"
 	"time"
 
 	"github.com/kvgate/kvgate/internal/clock"
@@ -26,6 +27,7 @@ func (g *Gateway) relay(x *exchange, a *attempt, ctx context.Context, cancel con
 	x.w.Header().Set("X-Request-Id", x.id)
 	a.started = true
 	x.w.WriteHeader(resp.StatusCode)
+	defer watchCut(x)()
 	var rerr, werr error
 	if openai.IsEventStream(resp.Header) {
 		rerr, werr = g.relayStream(x, a, ctx, cancel, resp.Body)
@@ -33,6 +35,8 @@ func (g *Gateway) relay(x *exchange, a *attempt, ctx context.Context, cancel con
 		rerr, werr = g.relayBody(x, a, resp.Body)
 	}
 	switch {
+	case werr != nil && cutByLimit(context.Cause(x.ctx)):
+		a.v, a.err = gatewayLimit, errors.Join(context.Cause(x.ctx), werr) // the client stopped reading; the limit ended it
 	case werr != nil:
 		a.v, a.err = clientGone, errors.Join(errClientWrite, werr)
 	case rerr != nil && x.r.Context().Err() != nil:
@@ -56,7 +60,7 @@ func (g *Gateway) relay(x *exchange, a *attempt, ctx context.Context, cancel con
 
 // brokenVerdict classifies a response that broke after it started.
 func (g *Gateway) brokenVerdict(ctx context.Context, err error) (verdict, error) {
-	if c := context.Cause(ctx); errors.Is(c, errRequestTimeout) || errors.Is(c, errDrained) {
+	if c := context.Cause(ctx); cutByLimit(c) {
 		return gatewayLimit, c
 	} else if c != nil && !errors.Is(c, context.Canceled) {
 		return failed, c
@@ -85,7 +89,7 @@ func (g *Gateway) relayStream(x *exchange, a *attempt, ctx context.Context, canc
 		ev, err := er.Next()
 		idle.stop()
 		if err == nil {
-			if werr := x.write(g, ev.Raw); werr != nil {
+			if werr := x.write(ev.Raw); werr != nil {
 				return nil, werr
 			}
 			switch {
@@ -108,7 +112,7 @@ func (g *Gateway) relayStream(x *exchange, a *attempt, ctx context.Context, canc
 			err = errStreamIncomplete
 		}
 		if x.r.Context().Err() == nil {
-			_ = x.write(g, streamErrorEvent(ctx, err))
+			_ = x.write(streamErrorEvent(ctx, err))
 		}
 		return err, nil
 	}
@@ -132,15 +136,124 @@ func streamErrorEvent(ctx context.Context, err error) []byte {
 		"server_error", "upstream_stream_error")
 }
 
-// write sends bytes to the client and flushes them, within write_timeout.
-func (x *exchange) write(g *Gateway, p []byte) error {
-	if d := g.conf().WriteTimeout.D(); d > 0 {
-		_ = x.rc.SetWriteDeadline(time.Now().Add(d)) // the socket's own deadline: wall time
-	}
+// write sends bytes to the client and flushes them (withWriteDeadline
+// bounds both).
+func (x *exchange) write(p []byte) error {
 	if _, err := x.w.Write(p); err != nil {
 		return err
 	}
 	return x.rc.Flush()
+}
+
+// cutWriteGrace is how long writes to a client may still take once
+// request_timeout or the drain has cut its request: time for a reading
+// client to take the SSE error event that ends its stream; a client whose
+// TCP window stays shut that long is not reading.
+const cutWriteGrace = time.Second
+
+// withWriteDeadline bounds every write to a client, the gateway's own
+// answers (errors, /v1/models, /metrics) included: each write and flush
+// within write_timeout of its start, so that a client that stops reading
+// (its TCP window shut; with HTTP/1.1 pipelining it can send requests
+// without reading the answers) loses its connection instead of holding
+// it; and once request_timeout or the drain has cut a request, within
+// cutWriteGrace of the cut. It is the outermost handler, so that every
+// writer below writes through it (net/http clears the deadline after
+// each answer).
+func (g *Gateway) withWriteDeadline(h http.Handler) http.Handler { return &writeBounded{g: g, next: h} }
+
+// writeBounded is withWriteDeadline's handler.
+type writeBounded struct {
+	g    *Gateway
+	next http.Handler
+}
+
+func (b *writeBounded) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	b.next.ServeHTTP(&deadlineWriter{ResponseWriter: w, g: b.g, rc: http.NewResponseController(w)}, r)
+}
+
+// deadlineWriter arms the socket's write deadline before each write.
+type deadlineWriter struct {
+	http.ResponseWriter
+	g     *Gateway
+	rc    *http.ResponseController // of the ResponseWriter below
+	cutAt atomic.Int64             // the cut's deadline, wall Unix ns (0: not cut)
+}
+
+func (w *deadlineWriter) arm() {
+	if d := w.g.conf().WriteTimeout.D(); d > 0 {
+		_ = w.rc.SetWriteDeadline(time.Now().Add(d)) // the socket's own deadline: wall time
+	}
+	// Loaded after setting: a cut stored before this load is applied
+	// again here; one stored after it sets its own deadline after ours.
+	if c := w.cutAt.Load(); c != 0 {
+		_ = w.rc.SetWriteDeadline(time.Unix(0, c))
+	}
+}
+
+func (w *deadlineWriter) WriteHeader(code int) { w.arm(); w.ResponseWriter.WriteHeader(code) }
+
+func (w *deadlineWriter) Write(p []byte) (int, error) { w.arm(); return w.ResponseWriter.Write(p) }
+
+func (w *deadlineWriter) FlushError() error { w.arm(); return w.rc.Flush() }
+
+func (w *deadlineWriter) Flush() { _ = w.FlushError() }
+
+func (w *deadlineWriter) Unwrap() http.ResponseWriter { return w.ResponseWriter }
+
+// cut ends every write, the one blocked now included, within
+// cutWriteGrace (or write_timeout, when shorter) from now.
+func (w *deadlineWriter) cut() {
+	d := cutWriteGrace
+	if wt := w.g.conf().WriteTimeout.D(); wt > 0 {
+		d = min(d, wt)
+	}
+	by := time.Now().Add(d)
+	w.cutAt.Store(by.UnixNano())
+	_ = w.rc.SetWriteDeadline(by)
+}
+
+// cutByLimit reports whether c, an exchange context's cause, is one of the
+// gateway's own limits: request_timeout, the drain.
+func cutByLimit(c error) bool { return errors.Is(c, errRequestTimeout) || errors.Is(c, errDrained) }
+
+// watchCut cuts x's writes when request_timeout or the drain ends x:
+// cancelling the context stops the read from the replica, not a write
+// blocked on a client that stopped reading. The returned stop disarms it
+// and returns once a cut in progress is over (a ResponseController must
+// not be used after its handler returns).
+func watchCut(x *exchange) (stop func()) {
+	dw := deadlineWriterOf(x.w)
+	if dw == nil {
+		return func() {}
+	}
+	done := make(chan struct{})
+	after := context.AfterFunc(x.ctx, func() {
+		defer close(done)
+		if cutByLimit(context.Cause(x.ctx)) {
+			dw.cut()
+		}
+	})
+	return func() {
+		if !after() {
+			<-done
+		}
+	}
+}
+
+// deadlineWriterOf finds the deadlineWriter under w's wrappers (nil: the
+// handler runs without withWriteDeadline).
+func deadlineWriterOf(w http.ResponseWriter) *deadlineWriter {
+	for {
+		switch v := w.(type) {
+		case *deadlineWriter:
+			return v
+		case interface{ Unwrap() http.ResponseWriter }:
+			w = v.Unwrap()
+		default:
+			return nil
+		}
+	}
 }
 
 // inspect reads one event's data for the first token and the usage.
@@ -178,7 +291,7 @@ func (g *Gateway) relayBody(x *exchange, a *attempt, body io.Reader) (rerr, werr
 	for {
 		n, err := body.Read(buf)
 		if n > 0 {
-			if werr := x.write(g, buf[:n]); werr != nil {
+			if werr := x.write(buf[:n]); werr != nil {
 				return nil, werr
 			}
 			if x.kind == prompt.Responses && len(head) < responsesHeadLen {
