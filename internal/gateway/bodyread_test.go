@@ -220,6 +220,9 @@ func TestSlowBodyCut(t *testing.T) {
 				t.Fatalf("a stalled body: %d %s", status, body)
 			}
 			eventually(t, "the cut body's memory given back", func() bool { return bodyGauge(t, gw.g) == 0 })
+			if n := counterValue(t, gw.g.reg, "kvgate_request_errors_total", map[string]string{"kind": "body_timeout"}); n != 1 {
+				t.Fatalf("%v body_timeout errors counted, want 1", n)
+			}
 			r := testutil.Post(t, clientFrom("127.0.0.1"), "http://"+gw.addr+"/v1/completions", `{"model":"m","prompt":"x"}`)
 			if r.Status != 200 {
 				t.Fatalf("a prompt body after the cut: %d %s", r.Status, r.Body)
