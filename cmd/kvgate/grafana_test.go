@@ -138,7 +138,7 @@ func TestGrafanaMetricsExposed(t *testing.T) {
 	t.Cleanup(func() {
 		// go-redis redials the closed shared-state address in the background
 		// and sees its pool closed only after its next 1 s pause.
-		_ = testutil.Poll(context.Background(), 10*time.Second, func() bool { return goleak.Find(ignore) == nil })
+		_ = testutil.Poll(context.Background(), testutil.Bound(10*time.Second), func() bool { return goleak.Find(ignore) == nil })
 		goleak.VerifyNone(t, ignore)
 	})
 	_, panels := readDashboard(t)

@@ -135,7 +135,7 @@ func recordLive(t *testing.T, policy string, replicas int, file string, reqs []w
 		if c != 0 {
 			t.Fatalf("serve exited %d: %s", c, errOut.String())
 		}
-	case <-time.After(30 * time.Second): // a bound on a hang, not a wait
+	case <-time.After(testutil.Bound(30 * time.Second)): // a bound on a hang, not a wait
 		t.Fatal("serve did not stop")
 	}
 	return float64(hits) / float64(queries), served

@@ -39,7 +39,7 @@ func TestServeExitsZeroAfterDrain(t *testing.T) {
 		if c != 0 {
 			t.Fatalf("exit %d after a drain: %s", c, errOut.String())
 		}
-	case <-time.After(30 * time.Second): // a bound on a hang, not a wait
+	case <-time.After(testutil.Bound(30 * time.Second)): // a bound on a hang, not a wait
 		t.Fatal("serve did not stop")
 	}
 }

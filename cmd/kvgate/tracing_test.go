@@ -67,7 +67,7 @@ func TestServeTracingFlushesOnExit(t *testing.T) {
 		if c != 0 {
 			t.Fatalf("exit %d: %s", c, errOut.String())
 		}
-	case <-time.After(30 * time.Second): // a bound on a hang, not a wait
+	case <-time.After(testutil.Bound(30 * time.Second)): // a bound on a hang, not a wait
 		t.Fatal("serve did not stop")
 	}
 	id, _ := hex.DecodeString(traceID)

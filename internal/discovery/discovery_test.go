@@ -16,6 +16,7 @@ import (
 	"sigs.k8s.io/yaml"
 
 	"github.com/kvgate/kvgate/internal/clock"
+	"github.com/kvgate/kvgate/internal/testutil"
 )
 
 func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
@@ -53,7 +54,7 @@ func next(t *testing.T, ch <-chan []Replica) []Replica {
 	select {
 	case l := <-ch:
 		return l
-	case <-time.After(10 * time.Second): // a deadline for a broken test
+	case <-time.After(testutil.Bound(10 * time.Second)): // a deadline for a broken test
 		t.Fatal("no update")
 		return nil
 	}
@@ -89,7 +90,7 @@ func TestFileReloadsOnChangeAndKeepsTheListOnABadFile(t *testing.T) {
 		t.Helper()
 		select {
 		case <-parsed:
-		case <-time.After(10 * time.Second):
+		case <-time.After(testutil.Bound(10 * time.Second)):
 			t.Fatal("the file was not read")
 		}
 	}
@@ -191,7 +192,7 @@ func TestDNSFlapNeedsTwoMissingAnswersAndErrorsKeepTheList(t *testing.T) {
 		t.Helper()
 		select {
 		case <-res.asked:
-		case <-time.After(10 * time.Second):
+		case <-time.After(testutil.Bound(10 * time.Second)):
 			t.Fatal("no lookup")
 		}
 	}

@@ -14,6 +14,7 @@ import (
 	"time"
 
 	"github.com/kvgate/kvgate/internal/clock"
+	"github.com/kvgate/kvgate/internal/testutil"
 )
 
 // fifo makes a FIFO at path. A reader blocked in its open (the base's
@@ -40,7 +41,7 @@ func within(t *testing.T, what string, f func()) {
 	go func() { defer close(done); f() }()
 	select {
 	case <-done:
-	case <-time.After(10 * time.Second):
+	case <-time.After(testutil.Bound(10 * time.Second)):
 		t.Fatalf("%s: still blocked after 10 s", what)
 	}
 }
@@ -111,7 +112,7 @@ func TestFileWatcherIsNotBlockedByAFIFO(t *testing.T) {
 		if r.Level != slog.LevelError || !strings.Contains(r.Message, "cannot be read") {
 			t.Fatalf("logged %s %q", r.Level, r.Message)
 		}
-	case <-time.After(10 * time.Second):
+	case <-time.After(testutil.Bound(10 * time.Second)):
 		t.Fatal("the FIFO was not reported: the watcher is blocked")
 	}
 	tmp := path + ".tmp"

@@ -12,6 +12,7 @@ import (
 	"github.com/kvgate/kvgate/internal/clock"
 	"github.com/kvgate/kvgate/internal/policy"
 	"github.com/kvgate/kvgate/internal/router"
+	"github.com/kvgate/kvgate/internal/testutil"
 )
 
 // probed is an httptest replica that reports each /health on a channel.
@@ -38,7 +39,7 @@ func waitHit(t *testing.T, hits chan struct{}, what string) {
 	t.Helper()
 	select {
 	case <-hits:
-	case <-time.After(10 * time.Second): // a deadline for a broken test, not a wait for the event
+	case <-time.After(testutil.Bound(10 * time.Second)): // a deadline for a broken test, not a wait for the event
 		t.Fatalf("%s: no health check", what)
 	}
 }

@@ -112,7 +112,7 @@ func TestBlockedReaderCutByRequestTimeout(t *testing.T) {
 			testutil.Eventually(t, 20*time.Second, "the blocked request cut", func() bool { return gw.g.inFlight.Load() == 0 })
 			select { // the replica's connection closed: the stub saw its request end
 			case <-replicaGone:
-			case <-time.After(20 * time.Second): // a generous bound on the whole wait
+			case <-time.After(testutil.Bound(20 * time.Second)): // a generous bound on the whole wait
 				t.Fatal("the replica's request never ended")
 			}
 			rt := gw.g.Router()
@@ -152,7 +152,7 @@ func TestUnreadAnswersBoundedByWriteTimeout(t *testing.T) {
 	}()
 	select {
 	case <-closed:
-	case <-time.After(20 * time.Second): // a generous bound on the whole wait
+	case <-time.After(testutil.Bound(20 * time.Second)): // a generous bound on the whole wait
 		t.Fatal("a client that never reads its answers still holds its connection")
 	}
 	c.Close()

@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/kvgate/kvgate/internal/discovery"
+	"github.com/kvgate/kvgate/internal/testutil"
 )
 
 // The replicas come from exactly one source, and each source's settings
@@ -111,7 +112,7 @@ func TestFilesReadWhileRunningRefuseAFIFO(t *testing.T) {
 			if !errors.Is(err, discovery.ErrNotRegular) {
 				t.Errorf("%s: %v, want %v", name, err, discovery.ErrNotRegular)
 			}
-		case <-time.After(10 * time.Second): // a generous bound for a broken reader
+		case <-time.After(testutil.Bound(10 * time.Second)): // a generous bound for a broken reader
 			t.Fatalf("%s: the read of a FIFO is still blocked", name)
 		}
 	}

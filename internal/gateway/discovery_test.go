@@ -19,6 +19,7 @@ import (
 
 	"github.com/kvgate/kvgate/internal/clock"
 	"github.com/kvgate/kvgate/internal/discovery"
+	"github.com/kvgate/kvgate/internal/testutil"
 )
 
 // heldReplica is a replica whose streams send one event and then wait
@@ -261,7 +262,7 @@ func TestDNSDiscoveryAddFlapRemove(t *testing.T) {
 		t.Helper()
 		select {
 		case <-res.asked:
-		case <-time.After(10 * time.Second): // a deadline for a broken test
+		case <-time.After(testutil.Bound(10 * time.Second)): // a deadline for a broken test
 			t.Fatal("no DNS lookup")
 		}
 	}

@@ -68,7 +68,7 @@ func (l *kvLog) next(t testing.TB) kvevents.Message {
 	select {
 	case m := <-l.msgs:
 		return m
-	case <-time.After(10 * time.Second):
+	case <-time.After(testutil.Bound(10 * time.Second)):
 		t.Fatal("no KV event batch")
 	}
 	return kvevents.Message{}

@@ -47,9 +47,22 @@ func Poll(ctx context.Context, within time.Duration, cond func() bool) error {
 	}
 }
 
-// Eventually fails the test unless cond holds within the given time.
+// BrokenAfter is the least time a test waits for a state before it calls
+// itself broken. A state that comes in milliseconds on an idle machine can
+// take seconds on one whose cores are busy with other work (make test runs
+// packages in parallel, beside whatever else the machine does), and a test
+// must fail only when the state never comes: the bound stops a broken
+// test, it is not a figure. Waits of tests go through Eventually or Bound.
+const BrokenAfter = 2 * time.Minute
+
+// Bound is the bound on a test's wait of d as given: at least BrokenAfter.
+func Bound(d time.Duration) time.Duration { return max(d, BrokenAfter) }
+
+// Eventually fails the test unless cond holds within Bound(within): the
+// state it polls for must come, however slowly the machine runs.
 func Eventually(t testing.TB, within time.Duration, what string, cond func() bool) {
 	t.Helper()
+	within = Bound(within)
 	if err := Poll(context.Background(), within, cond); err != nil {
 		t.Fatalf("timed out after %v waiting for %s", within, what)
 	}

@@ -20,6 +20,7 @@ import (
 
 	"github.com/kvgate/kvgate/internal/clock"
 	"github.com/kvgate/kvgate/internal/discovery"
+	"github.com/kvgate/kvgate/internal/testutil"
 )
 
 func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
@@ -180,7 +181,7 @@ func next(t *testing.T, ch <-chan []discovery.Replica) []string {
 	select {
 	case l := <-ch:
 		return urls(l)
-	case <-time.After(10 * time.Second): // a bound on a broken test, not a wait
+	case <-time.After(testutil.Bound(10 * time.Second)): // a bound on a broken test, not a wait
 		t.Fatal("no list")
 		return nil
 	}
@@ -321,7 +322,7 @@ func (s *scripted) expect(t *testing.T, verb, rv string) call {
 			t.Fatalf("call %s %+v, want %s from resourceVersion %q", c.verb, c.opts, verb, rv)
 		}
 		return c
-	case <-time.After(10 * time.Second): // a bound on a broken test
+	case <-time.After(testutil.Bound(10 * time.Second)): // a bound on a broken test
 		t.Fatalf("no %s", verb)
 		return call{}
 	}
