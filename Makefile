@@ -4,7 +4,7 @@ export PATH := /usr/local/go/bin:$(HOME)/go/bin:$(PATH)
 GO ?= go
 BIN := bin/kvgate
 
-.PHONY: all build test check vet fmt-check bench demo fuzz chaos results size clean
+.PHONY: all build test check vet fmt-check bench bench-proxy demo fuzz chaos results size clean
 
 all: build
 
@@ -42,6 +42,12 @@ bench:
 	KVGATE_BENCH=1 $(GO) test -run '^TestReplayAgreesWithLive$$' -v -count=1 ./internal/replay
 	KVGATE_BENCH=1 $(GO) test -run '^TestSimCachedTTFTLive$$' -v -count=1 ./cmd/kvgate
 	KVGATE_BENCH=1 $(GO) test -run '^TestSharingCostLive$$' -v -count=1 ./internal/sharedstate
+
+# kvgate serve's proxy throughput against nginx's in front of the same four static upstreams (wrk -c32,
+# alternating rounds; Debian's nginx and wrk). KVGATE_BASELINES="path/to/old/kvgate ..." adds other builds
+# to the same run; the ratio to nginx is printed.
+bench-proxy: build
+	scripts/bench-proxy.sh
 
 demo: build
 	$(BIN) demo
