@@ -144,16 +144,21 @@ func TestCheckConfigSources(t *testing.T) {
 	}
 }
 
-// Every YAML block of the README that is a whole gateway configuration
-// (it names listen, replicas or pools) passes --check-config as written.
+// Every file the docs write (cat > FILE <<'EOF') that is a whole gateway
+// configuration (it names listen, replicas or pools) passes --check-config
+// as written (ports unmoved, unlike TestREADMECommands).
 func TestREADMEConfigsCheck(t *testing.T) {
-	readme, err := os.ReadFile(filepath.Join("..", "..", "README.md"))
+	readme, err := os.ReadFile(filepath.Join("..", "..", "docs", "configuration.md"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	pools, err := os.ReadFile(filepath.Join("..", "..", "docs", "deploying.md"))
 	if err != nil {
 		t.Fatal(err)
 	}
 	n := 0
-	for i, block := range strings.Split(string(readme), "```yaml\n")[1:] {
-		body, _, _ := strings.Cut(block, "```")
+	for i, block := range strings.Split(string(readme)+string(pools), "<<'EOF'\n")[1:] {
+		body, _, _ := strings.Cut(block, "\nEOF\n")
 		if !strings.Contains(body, "\nreplicas:") && !strings.HasPrefix(body, "listen:") && !strings.Contains(body, "\npools:") {
 			continue
 		}
@@ -164,6 +169,6 @@ func TestREADMEConfigsCheck(t *testing.T) {
 		}
 	}
 	if n < 2 {
-		t.Fatalf("%d whole configurations found in README.md: want the gateway's and the pools' at least", n)
+		t.Fatalf("%d whole configurations found in docs/: want the gateway's and the pools' at least", n)
 	}
 }
