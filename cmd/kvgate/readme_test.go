@@ -25,49 +25,78 @@ import (
 	"github.com/kvgate/kvgate/internal/testutil"
 )
 
-// TestREADMECommands runs the commands of README.md's code blocks, so that a
-// README command that no longer works fails CI. Every line of a code block
-// that starts with `kvgate VERB` is run, with kvgate built from this tree, in
-// order, a block being one scenario (blocks run in parallel, each in its own
+// TestREADMECommands runs the commands of the code blocks of README.md and
+// of every docs/*.md, so that a documented command that no longer works
+// fails CI. Every line of a code block that starts with `kvgate VERB` (or
+// `bin/kvgate VERB`) is run, with kvgate built from this tree, in order, a
+// block being one scenario (blocks run in parallel, each in its own
 // directory); `curl ... | grep ...` is run by Go equivalents (curl and grep
 // in shell_test.go); `make ...` is skipped (make test is what runs this test,
 // and make demo is `kvgate demo`); any other line is taken as output.
 //
+// Servers are started and stopped as a reader pasting the block would:
+//   - `kvgate sim ... &` and `kvgate serve ... &` run in the background; the
+//     next line starts once every URL they print answers (/health for sim,
+//     /ready for serve); a reader's wait for the same (curl --retry ...
+//     /ready) makes one attempt.
+//   - `NAME=$!` names the last one started; `kill $NAME ...` and `kill %N`
+//     (the N-th started) send SIGTERM, and each must then exit 0; `wait`
+//     checks that none is still running (it would wait for ever).
+//   - A block must stop what it started: a server still running at the
+//     block's end fails it. `kvgate sim` without & fails (the lines after
+//     it would never run); `kvgate serve` without & is the command a reader
+//     runs against their own replicas, which the test cannot reach: it is
+//     checked with --check-config.
+//   - `cat > FILE <<'EOF'` ... `EOF` writes FILE in the block's directory
+//     (a configuration the next commands read).
+//
 // What the test changes, and nothing else:
-//   - Ports: every 127.0.0.1:P, localhost:P and --*port P of a block moves by
-//     one offset to free ports, so that the block's commands still agree;
-//     sim's and serve's default ports are made explicit first.
+//   - Ports: every 127.0.0.1:P, localhost:P and --*port P of a block (files
+//     written by cat included) moves by one offset to free ports, so that
+//     the block's commands still agree; sim's and serve's default ports are
+//     made explicit first.
 //   - Size: long runs get the small bounds of readmeLimits (--requests, ...).
 //   - Place: a block runs in a temporary directory beside which ../shared is
-//     the repository's ../shared, as the README assumes; its outputs (--json,
-//     --report) land there and are checked.
-//
-// `kvgate sim` and `kvgate serve` (and any line ending in &) run in the
-// background: the next line starts once every URL they print answers
-// (/health for sim, /ready for serve: a replica is healthy); at the end of
-// the block they get SIGINT and must exit 0.
+//     the repository's ../shared, as the documents assume; its outputs
+//     (--json, --report) land there and are checked.
 func TestREADMECommands(t *testing.T) {
 	if testing.Short() {
-		t.Skip("builds kvgate and runs every README command (make test runs it)")
+		t.Skip("builds kvgate and runs every README and docs/ command (make test runs it)")
 	}
 	root, err := filepath.Abs(filepath.Join("..", ".."))
 	if err != nil {
 		t.Fatal(err)
 	}
-	blocks := readmeBlocks(t, filepath.Join(root, "README.md"))
+	docs, err := filepath.Glob(filepath.Join(root, "docs", "*.md"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	files := append([]string{filepath.Join(root, "README.md")}, docs...)
+	type fileBlocks struct {
+		name   string
+		blocks [][]readmeCommand
+	}
+	var all []fileBlocks
 	n := 0
-	for _, b := range blocks {
-		n += len(b)
+	for _, f := range files {
+		name, _ := filepath.Rel(root, f)
+		bs := readmeBlocks(t, f)
+		for _, b := range bs {
+			n += len(b)
+		}
+		all = append(all, fileBlocks{name, bs})
 	}
 	if n < 8 {
-		t.Fatalf("README.md: only %d commands found in code blocks: is readmeBlocks broken?", n)
+		t.Fatalf("README.md and docs/: only %d commands found in code blocks: is readmeBlocks broken?", n)
 	}
 	bin := buildKvgate(t)
-	for _, b := range blocks {
-		t.Run(fmt.Sprintf("README.md:%d", b[0].line), func(t *testing.T) {
-			t.Parallel()
-			runBlock(t, readmeEnv{bin: bin, dir: readmeWorkDir(t, root)}, b)
-		})
+	for _, f := range all {
+		for _, b := range f.blocks {
+			t.Run(fmt.Sprintf("%s:%d", f.name, b[0].line), func(t *testing.T) {
+				t.Parallel()
+				runBlock(t, readmeEnv{bin: bin, dir: readmeWorkDir(t, root), file: f.name}, b)
+			})
+		}
 	}
 }
 
@@ -87,14 +116,16 @@ func buildKvgate(t *testing.T) string {
 	return bin
 }
 
-// readmeEnv is where a block runs: the kvgate binary and the directory.
+// readmeEnv is where a block runs: the kvgate binary, the directory, and
+// the document the block comes from (for messages).
 type readmeEnv struct {
-	bin, dir string
+	bin, dir, file string
 }
 
-// readmeCommand is one command of a code block, continuation lines joined.
+// readmeCommand is one command of a code block, continuation lines joined
+// (a here-document's lines after a newline each).
 type readmeCommand struct {
-	line int    // README line where it starts
+	line int    // the document's line where it starts
 	text string // as written (without its comment)
 }
 
@@ -108,31 +139,32 @@ func readmeBlocks(t *testing.T, path string) [][]readmeCommand {
 	}
 	var (
 		blocks                   [][]readmeCommand
-		cur                      []readmeCommand
-		pending                  *readmeCommand // a command continued on the next line
+		c                        collector
 		inFence, shell, inIndent bool
 		prevBlank                = true
 	)
 	flush := func() {
-		if len(cur) > 0 {
-			blocks = append(blocks, cur)
+		if len(c.cmds) > 0 {
+			blocks = append(blocks, c.cmds)
 		}
-		cur, pending = nil, nil
+		c = collector{}
 	}
 	for i, line := range strings.Split(string(data), "\n") {
 		trimmed := strings.TrimSpace(line)
 		switch indented := strings.HasPrefix(line, "    ") || strings.HasPrefix(line, "\t"); {
+		case inFence && c.heredoc != "":
+			c.add(i+1, strings.TrimRight(line, " \t\r"))
 		case strings.HasPrefix(trimmed, "```"):
 			flush()
 			inFence, inIndent = !inFence, false
 			shell = slices.Contains([]string{"", "sh", "bash", "shell", "console"}, strings.TrimPrefix(trimmed, "```"))
 		case inFence:
 			if shell {
-				pending = addCodeLine(&cur, pending, i+1, trimmed)
+				c.add(i+1, strings.TrimRight(line, " \t\r"))
 			}
-		case indented && (inIndent || prevBlank):
+		case indented && (inIndent || prevBlank), inIndent && c.heredoc != "":
 			inIndent = true
-			pending = addCodeLine(&cur, pending, i+1, trimmed)
+			c.add(i+1, strings.TrimPrefix(strings.TrimPrefix(strings.TrimRight(line, " \t\r"), "\t"), "    "))
 		case trimmed != "":
 			inIndent = false
 			flush()
@@ -143,33 +175,64 @@ func readmeBlocks(t *testing.T, path string) [][]readmeCommand {
 	return blocks
 }
 
-// addCodeLine adds one line of code to the block's commands; pending is a
-// command continued on the next line (a trailing backslash).
-func addCodeLine(cur *[]readmeCommand, pending *readmeCommand, lineNo int, code string) *readmeCommand {
-	if pending != nil {
-		pending.text += " " + code
-	} else {
-		code = strings.TrimPrefix(code, "$ ")
-		if !isCommand(code) {
-			return nil
-		}
-		*cur = append(*cur, readmeCommand{line: lineNo, text: code})
-		pending = &(*cur)[len(*cur)-1]
-	}
-	if strings.HasSuffix(pending.text, `\`) {
-		pending.text = strings.TrimSpace(strings.TrimSuffix(pending.text, `\`))
-		return pending
-	}
-	pending.text = stripComment(pending.text)
-	return nil
+// collector gathers one block's commands: a command continued on the next
+// line (a trailing backslash) and a here-document's body are pending.
+type collector struct {
+	cmds    []readmeCommand
+	pending *readmeCommand
+	heredoc string // the terminator of the here-document being read
 }
 
-var verbShaped = regexp.MustCompile(`^kvgate( [a-z][a-z-]*( |$)|$)`)
+var heredocStart = regexp.MustCompile(`^cat > ([\w./-]+) <<'?(\w+)'?$`)
+
+// add adds one line of code (its indentation within the block kept, for
+// a here-document's sake).
+func (c *collector) add(lineNo int, raw string) {
+	code := strings.TrimSpace(raw)
+	switch {
+	case c.heredoc != "":
+		if code == c.heredoc {
+			c.pending, c.heredoc = nil, ""
+		} else {
+			c.pending.text += "\n" + raw
+		}
+		return
+	case c.pending != nil:
+		c.pending.text += " " + code
+	default:
+		code = strings.TrimPrefix(code, "$ ")
+		if strings.HasPrefix(code, "bin/kvgate") {
+			code = strings.TrimPrefix(code, "bin/")
+		}
+		if !isCommand(code) {
+			return
+		}
+		c.cmds = append(c.cmds, readmeCommand{line: lineNo, text: code})
+		c.pending = &c.cmds[len(c.cmds)-1]
+		if m := heredocStart.FindStringSubmatch(code); m != nil {
+			c.heredoc = m[2]
+			return
+		}
+	}
+	if strings.HasSuffix(c.pending.text, `\`) {
+		c.pending.text = strings.TrimSpace(strings.TrimSuffix(c.pending.text, `\`))
+		return
+	}
+	c.pending.text = stripComment(c.pending.text)
+	c.pending = nil
+}
+
+var (
+	verbShaped = regexp.MustCompile(`^kvgate( [a-z][a-z-]*( |$)|$)`)
+	jobShaped  = regexp.MustCompile(`^([A-Z][A-Z0-9_]*=\$!|kill( +[%$]\S+)+|wait)( *#.*)?$`)
+)
 
 // isCommand tells a command from output: kvgate followed by a verb-shaped
-// word (not "kvgate demo: 4 replicas..."), curl or make.
+// word (not "kvgate demo: 4 replicas..."), curl, make, the lines that start
+// and stop background servers, or a here-document written by cat.
 func isCommand(code string) bool {
-	return verbShaped.MatchString(code) || strings.HasPrefix(code, "curl ") || strings.HasPrefix(code, "make ")
+	return verbShaped.MatchString(code) || jobShaped.MatchString(code) || heredocStart.MatchString(code) ||
+		strings.HasPrefix(code, "curl ") || strings.HasPrefix(code, "make ")
 }
 
 // stripComment drops a trailing shell comment (a # after a space, outside quotes).
@@ -213,12 +276,14 @@ func dirExists(p string) bool {
 
 // readmeLimits bound the README's long runs: per verb, flags whose value is
 // set to the bound when absent or larger. A bound applies only when its
-// condition (a flag that must be present) holds.
-var readmeLimits = map[string][]struct{ flag, bound, when string }{
-	"replay": {{"requests", "8", ""}, {"kv-blocks", "8000", ""}},
-	"bench": {{"requests", "8", ""}, {"time-scale", "100", "embedded"},
-		{"duration", "1s", ""}, {"soak-interval", "250ms", "duration"}},
-	"demo": {{"requests", "8", ""}, {"time-scale", "100", ""}},
+// condition (a flag that must be present) holds, and not when its
+// exception (flag=value) does.
+var readmeLimits = map[string][]struct{ flag, bound, when, unless string }{
+	// --question cache-pressure sweeps --kv-blocks itself.
+	"replay": {{"requests", "8", "", ""}, {"kv-blocks", "8000", "", "question=cache-pressure"}},
+	"bench": {{"requests", "8", "", ""}, {"time-scale", "100", "embedded", ""},
+		{"duration", "1s", "", ""}, {"soak-interval", "250ms", "duration", ""}},
+	"demo": {{"requests", "8", "", ""}, {"time-scale", "100", "", ""}},
 }
 
 // limited applies readmeLimits to a kvgate command's arguments.
@@ -228,6 +293,9 @@ func limited(args []string) []string {
 	}
 	for _, l := range readmeLimits[args[0]] {
 		if l.when != "" && flagIndex(args, l.when) < 0 {
+			continue
+		}
+		if name, value, ok := strings.Cut(l.unless, "="); ok && flagValue(args, name) == value {
 			continue
 		}
 		i := flagIndex(args, l.flag)
@@ -263,6 +331,21 @@ func flagIndex(args []string, name string) int {
 	return -1
 }
 
+// flagValue is the value of --name in args ("" when absent).
+func flagValue(args []string, name string) string {
+	i := flagIndex(args, name)
+	if i < 0 {
+		return ""
+	}
+	if _, v, inline := strings.Cut(args[i], "="); inline {
+		return v
+	}
+	if i+1 < len(args) {
+		return args[i+1]
+	}
+	return ""
+}
+
 // larger compares two numbers or two durations.
 func larger(v, bound string) bool {
 	if a, err := strconv.ParseFloat(v, 64); err == nil {
@@ -287,11 +370,15 @@ func shiftPorts(t *testing.T, cmds []readmeCommand) []readmeCommand {
 	out := make([]readmeCommand, len(cmds))
 	var ports []int
 	for i, c := range cmds {
+		cmd, bg := strings.CutSuffix(c.text, " &")
 		switch {
-		case strings.HasPrefix(c.text, "kvgate sim") && !strings.Contains(c.text, "-port"):
-			c.text += " --port 8000"
-		case strings.HasPrefix(c.text, "kvgate serve") && !strings.Contains(c.text, "-listen"):
-			c.text += " --listen 127.0.0.1:8080"
+		case strings.HasPrefix(cmd, "kvgate sim") && !strings.Contains(cmd, "-port"):
+			cmd += " --port 8000"
+		case strings.HasPrefix(cmd, "kvgate serve") && !strings.Contains(cmd, "-listen"):
+			cmd += " --listen 127.0.0.1:8080"
+		}
+		if c.text = cmd; bg {
+			c.text += " &"
 		}
 		for _, m := range append(hostPort.FindAllStringSubmatch(c.text, -1), portFlag.FindAllStringSubmatch(c.text, -1)...) {
 			if p, _ := strconv.Atoi(m[2]); p > 0 {
@@ -379,27 +466,66 @@ func allFree(ports []int, off int) bool {
 	return true
 }
 
-// runBlock runs one code block's commands in order; background commands
-// stop when the block ends.
+// runBlock runs one code block's commands in order. What it starts in the
+// background the block must stop itself (jobs, in shell_test.go); what is
+// still running when the block ends, or when it fails, gets SIGINT.
 func runBlock(t *testing.T, env readmeEnv, block []readmeCommand) {
+	js := &jobs{vars: map[string]*job{}}
+	t.Cleanup(js.stopAll)
 	for _, c := range shiftPorts(t, block) {
-		where := fmt.Sprintf("README.md:%d: %s", c.line, c.text)
-		if strings.HasPrefix(c.text, "make ") {
-			t.Logf("%s: skipped (make runs this test, or a kvgate command tested on its own)", where)
-			continue
-		}
-		p, err := parsePipeline(c.text)
-		if err != nil {
-			t.Fatalf("%s\n  the README test cannot run this line (%v): write it as the test runs commands, or extend readme_test.go", where, err)
-		}
-		if p.background || slices.Contains([]string{"sim", "serve"}, verbOf(p.stages[0])) {
-			env.start(t, where, limited(p.stages[0][1:]))
-			continue
-		}
-		if err := p.run(env); err != nil {
+		where := fmt.Sprintf("%s:%d: %s", env.file, c.line, firstLine(c.text))
+		if err := runLine(t, env, js, where, c.text); err != nil {
 			t.Fatalf("%s\n  %v", where, err)
 		}
 	}
+	for _, j := range js.running() {
+		t.Errorf("%s\n  still running when the block ends: stop it in the block (NAME=$! after it, then kill $NAME)", j.where)
+	}
+}
+
+// runLine runs one command of a block.
+func runLine(t *testing.T, env readmeEnv, js *jobs, where, text string) error {
+	switch {
+	case strings.HasPrefix(text, "make "):
+		t.Logf("%s: skipped (make runs this test, or a kvgate command tested on its own)", where)
+		return nil
+	case heredocStart.MatchString(firstLine(text)):
+		return writeHeredoc(env.dir, text)
+	case jobShaped.MatchString(text):
+		return js.control(text)
+	}
+	p, err := parsePipeline(text)
+	if err != nil {
+		return fmt.Errorf("the README test cannot run this line (%v): write it as the test runs commands, or extend readme_test.go", err)
+	}
+	switch verb := verbOf(p.stages[0]); {
+	case p.background:
+		js.add(env.start(t, where, limited(p.stages[0][1:])))
+		return nil
+	case verb == "sim":
+		return errors.New("kvgate sim runs until it is stopped, so the lines after it would never run: end it with &, and stop it at the end of the block")
+	case verb == "serve" && len(p.stages) == 1 && flagIndex(p.stages[0], "check-config") < 0:
+		// A server a reader runs in the foreground, against replicas of
+		// their own: what can be checked here is its configuration.
+		p.stages[0] = append(p.stages[0], "--check-config")
+	}
+	return p.run(env)
+}
+
+// firstLine is a command's first line (a here-document's cat line).
+func firstLine(s string) string {
+	first, _, _ := strings.Cut(s, "\n")
+	return first
+}
+
+// writeHeredoc writes `cat > FILE <<'EOF'`'s lines into dir/FILE.
+func writeHeredoc(dir, text string) error {
+	first, body, _ := strings.Cut(text, "\n")
+	name := heredocStart.FindStringSubmatch(first)[1]
+	if filepath.IsAbs(name) || strings.Contains(name, "..") {
+		return fmt.Errorf("cat: %s: write files in the block's own directory", name)
+	}
+	return os.WriteFile(filepath.Join(dir, name), []byte(body+"\n"), 0o600)
 }
 
 func verbOf(stage []string) string {
@@ -471,46 +597,32 @@ func checkOutputs(dir string, args []string) error {
 }
 
 // start starts a kvgate command in the background and waits until every URL
-// it prints answers (or it ends by itself, successfully); when the block
-// ends it gets SIGINT and must exit 0.
-func (env readmeEnv) start(t *testing.T, where string, args []string) {
+// it prints answers (or it ends by itself, successfully).
+func (env readmeEnv) start(t *testing.T, where string, args []string) *job {
 	t.Helper()
 	ctx, cancel := context.WithCancel(context.Background())
-	out, errb := &testutil.SyncBuffer{}, &testutil.SyncBuffer{}
-	cmd := env.command(ctx, args, out, errb)
-	if err := cmd.Start(); err != nil {
+	j := &job{where: where, cancel: cancel, done: make(chan struct{}), errb: &testutil.SyncBuffer{}}
+	out := &testutil.SyncBuffer{}
+	j.cmd = env.command(ctx, args, out, j.errb)
+	if err := j.cmd.Start(); err != nil {
 		cancel()
 		t.Fatalf("%s\n  %v", where, err)
 	}
-	done := make(chan error, 1)
-	go func() { done <- cmd.Wait() }()
-	ended := false
-	t.Cleanup(func() {
-		cancel()
-		// Wait says context.Canceled for a command that exits 0 after SIGINT.
-		if err := <-done; !ended && !errors.Is(err, context.Canceled) {
-			t.Errorf("%s\n  stopped by SIGINT: %v; stderr:\n%s", where, err, errb.String())
-		}
-	})
+	go func() { j.err = j.cmd.Wait(); close(j.done) }()
 	probe := map[string]string{"sim": "/health", "serve": "/ready"}[args[0]]
 	testutil.Eventually(t, 30*time.Second, where+": ready", func() bool {
-		select {
-		case err := <-done:
-			if err != nil {
-				ended = true
-				done <- err // for the cleanup, which must not wait for ever
-				t.Fatalf("%s\n  ran: kvgate %s\n  %v; stderr:\n%s", where, strings.Join(args, " "), err, errb.String())
-			}
-			ended = true
-			done <- nil // for the cleanup
+		if j.ended() {
 			return true
-		default:
 		}
 		return answers(out.String(), probe)
 	})
-	if ended {
+	if j.ended() {
+		if j.err != nil {
+			t.Fatalf("%s\n  ran: kvgate %s\n  %v; stderr:\n%s", where, strings.Join(args, " "), j.err, j.errb.String())
+		}
 		t.Logf("%s: ended by itself", where)
 	}
+	return j
 }
 
 var printedURL = regexp.MustCompile(`http://[0-9a-z.]+:\d+`)
