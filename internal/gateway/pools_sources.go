@@ -18,41 +18,6 @@ import (
 // touches another pool's replicas. A list the router refuses (a replica
 // already in another pool) is logged and the source's previous list kept.
 
-// sourced reports whether the pool has a source of its own.
-func (p PoolConfig) sourced() bool { return p.ReplicasFile != "" || p.Discovery != nil }
-
-// poolSourced reports whether some pool has a source of its own.
-func (c *Config) poolSourced() bool {
-	for _, p := range c.Pools {
-		if p.sourced() {
-			return true
-		}
-	}
-	return false
-}
-
-// validateSource checks that a pool's replicas come from one place.
-func (p PoolConfig) validateSource(where string) []error {
-	n := 0
-	for _, set := range []bool{len(p.Replicas) > 0, p.ReplicasFile != "", p.Discovery != nil} {
-		if set {
-			n++
-		}
-	}
-	if n > 1 {
-		return []error{fmt.Errorf("%s (%s): a pool's replicas come from one source: give only one of replicas:, "+
-			"replicas_file: and discovery:", where, p.Name)}
-	}
-	if p.Discovery != nil {
-		var errs []error
-		for _, err := range p.Discovery.validate() {
-			errs = append(errs, fmt.Errorf("%s (%s): %w", where, p.Name, err))
-		}
-		return errs
-	}
-	return nil
-}
-
 // initialFound is every source's list at start: the top-level one (key
 // "") and each pool's replicas file (which must then be good); DNS and
 // Kubernetes fill theirs in once Run starts.

@@ -81,11 +81,3 @@ func (k *KubernetesConfig) spec(d *DiscoveryConfig) discovery.KubernetesConfig {
 	}
 	return out
 }
-
-// newKubernetesSource asks the registry for the Kubernetes source (the
-// plugin internal/discovery/kubernetes, linked from cmd/kvgate).
-func (g *Gateway) newKubernetesSource(d *DiscoveryConfig) (discovery.Source, error) {
-	spec := d.Kubernetes.spec(d)
-	spec.Clock, spec.Log = g.clock, g.log
-	return discovery.Kubernetes.New(spec)
-}
