@@ -59,7 +59,7 @@ func replicaDebugs(g *Gateway, views []policy.ReplicaView, d *policy.Decision) [
 		}
 		rd := replicaDebug{slot: v.Index, URL: v.URL, State: replicaState(g.rt.Replica(v.Index)), Healthy: v.Healthy, MatchBlocks: v.Match, InFlight: v.InFlight,
 			PendingPrefill: v.PendingPrefill, IndexBlocks: g.rt.Index().ReplicaLen(v.Index), Pool: g.rt.Replica(v.Index).Pool()}
-		if g.pd.Load() {
+		if g.ctl.Disaggregated() {
 			rd.Role = v.Role.String()
 		}
 		if k, ranked := g.rt.Replica(v.Index).Rank(); ranked {
@@ -117,7 +117,7 @@ func (g *Gateway) debug(w http.ResponseWriter, r *http.Request) {
 	if pool != "" {
 		resp["pool"] = pool
 	}
-	if g.pd.Load() {
+	if g.ctl.Disaggregated() {
 		g.debugPair(resp, req)
 	} else {
 		g.debugDecision(resp, req)

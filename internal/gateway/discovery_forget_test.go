@@ -61,7 +61,7 @@ func TestChurnForgetsRemovedReplicas(t *testing.T) {
 	maxSlots, maxEntries := 0, 0
 	for k := range 5000 {
 		r := churn(k)
-		if err := g.applyReplicas([]ReplicaConfig{base, r}, "test"); err != nil {
+		if err := ctlOf(g).Apply("", []ReplicaConfig{base, r}, "test"); err != nil {
 			t.Fatal(err)
 		}
 		slot, ok := g.rt.Lookup(r.URL)
@@ -81,9 +81,9 @@ func TestChurnForgetsRemovedReplicas(t *testing.T) {
 		g.ui.mu.Lock()
 		g.ui.replicas[r.URL] = &uiTally{attempts: 1}
 		g.ui.mu.Unlock()
-		g.logOnce(slot, "test_cause", slog.LevelDebug, "once")
-		g.kvModels.Store(slot, "m")
-		if err := g.applyReplicas([]ReplicaConfig{base}, "test"); err != nil {
+		ctlOf(g).LogOnce(slot, "test_cause", slog.LevelDebug, "once")
+		ctlOf(g).kv.models.Store(slot, "m")
+		if err := ctlOf(g).Apply("", []ReplicaConfig{base}, "test"); err != nil {
 			t.Fatal(err)
 		}
 		clk.Advance(2 * time.Minute)
@@ -97,8 +97,8 @@ func TestChurnForgetsRemovedReplicas(t *testing.T) {
 		t.Fatalf("series of %d replicas after 5,000 came and went", n)
 	}
 	logged, models := 0, 0
-	g.kvLogged.Range(func(any, any) bool { logged++; return true })
-	g.kvModels.Range(func(any, any) bool { models++; return true })
+	ctlOf(g).kv.logged.Range(func(any, any) bool { logged++; return true })
+	ctlOf(g).kv.models.Range(func(any, any) bool { models++; return true })
 	if len(g.ui.replicas) > 4 || logged > 4 || models > 4 || maxEntries > 5*len(g.rt.Prepare(&prompt.Parsed{
 		Kind: prompt.Completion, Model: "m", Text: fmt.Sprintf("request %0200d", 0)}, "", "").Blocks) {
 		t.Fatalf("kept: %d tallies, %d logged causes, %d topic models, up to %d index entries",
@@ -106,7 +106,7 @@ func TestChurnForgetsRemovedReplicas(t *testing.T) {
 	}
 	// Listed again within forget_after: the same slot, its series kept.
 	last := churn(4999)
-	if err := g.applyReplicas([]ReplicaConfig{base, last}, "test"); err != nil {
+	if err := ctlOf(g).Apply("", []ReplicaConfig{base, last}, "test"); err != nil {
 		t.Fatal(err)
 	}
 	if i, ok := g.rt.Lookup(last.URL); !ok || g.rt.Replica(i).Removed() || !replicaLabels(t, g)[last.URL] {

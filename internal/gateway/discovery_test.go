@@ -425,7 +425,7 @@ func TestReplicasFileRoles(t *testing.T) {
 	cfg.ReplicasFile = path
 	tg := startGatewayWith(t, cfg, Options{})
 	eventually(t, "a routable", func() bool { return routable(tg, a.srv.URL) })
-	if tg.g.pd.Load() {
+	if tg.g.ctl.Disaggregated() {
 		t.Fatal("an aggregated fleet routed in two steps")
 	}
 	writeAtomically(t, path, "- url: "+a.srv.URL+"\n  role: decode\n- url: "+b.srv.URL+"\n  role: prefill\n")
@@ -433,8 +433,8 @@ func TestReplicasFileRoles(t *testing.T) {
 	eventually(t, "b added", func() bool { return routable(tg, b.srv.URL) })
 	ia, _ := tg.g.rt.Lookup(a.srv.URL)
 	ib, _ := tg.g.rt.Lookup(b.srv.URL)
-	if !tg.g.pd.Load() || tg.g.rt.Replica(ia).Role().String() != "decode" || tg.g.rt.Replica(ib).Role().String() != "prefill" || ia != 0 {
-		t.Fatalf("pd %v, roles %s %s, a's slot %d", tg.g.pd.Load(), tg.g.rt.Replica(ia).Role(), tg.g.rt.Replica(ib).Role(), ia)
+	if !tg.g.ctl.Disaggregated() || tg.g.rt.Replica(ia).Role().String() != "decode" || tg.g.rt.Replica(ib).Role().String() != "prefill" || ia != 0 {
+		t.Fatalf("pd %v, roles %s %s, a's slot %d", tg.g.ctl.Disaggregated(), tg.g.rt.Replica(ia).Role(), tg.g.rt.Replica(ib).Role(), ia)
 	}
 	// Prefill replicas only: refused, the P/D list kept.
 	writeAtomically(t, path, "- url: "+b.srv.URL+"\n  role: prefill\n")

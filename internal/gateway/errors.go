@@ -47,6 +47,11 @@ var (
 	// allow-list (passthrough.go).
 	errUnknownPath = errNotFound.with("no such endpoint: the gateway serves the OpenAI API paths it knows, " +
 		"and other replica paths only when its passthrough: list opts them in")
+	// The control plane not ready (control_plane.go): /ready's answers.
+	errWarmingUp = &apiError{Status: http.StatusServiceUnavailable, Type: "server_error", Code: "warming_up",
+		Message: "the gateway is loading the shared routing state; retry shortly"}
+	errProbingReplicas = &apiError{Status: http.StatusServiceUnavailable, Type: "server_error", Code: "probing_replicas",
+		Message: "the gateway is checking its replicas' health for the first time; retry shortly"}
 )
 
 // with returns a copy of e with a message.
@@ -81,6 +86,10 @@ func toAPIError(err error) *apiError {
 		return errTimeout.with("the request took longer than the gateway's request_timeout")
 	case errors.Is(err, errDrained):
 		return errDraining
+	case errors.Is(err, errWarming):
+		return errWarmingUp
+	case errors.Is(err, errProbing):
+		return errProbingReplicas
 	case errors.Is(err, context.DeadlineExceeded), errors.As(err, &ne) && ne.Timeout():
 		return errUpstreamTO.with("the replica did not answer in time")
 	default:

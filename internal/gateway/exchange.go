@@ -61,7 +61,7 @@ func (g *Gateway) serveInference(w http.ResponseWriter, r *http.Request, kind pr
 	}
 	defer release()
 	route := g.routeAttempt
-	if g.pd.Load() {
+	if g.ctl.Disaggregated() {
 		route = g.routePDAttempt
 	}
 	g.run(x, route)

@@ -31,18 +31,17 @@ import (
 	"github.com/kvgate/kvgate/internal/costmodel"
 	"github.com/kvgate/kvgate/internal/discovery"
 	"github.com/kvgate/kvgate/internal/fleet"
-	"github.com/kvgate/kvgate/internal/kvevents"
 	"github.com/kvgate/kvgate/internal/policy"
 	"github.com/kvgate/kvgate/internal/prompt"
 	"github.com/kvgate/kvgate/internal/router"
-	"github.com/kvgate/kvgate/internal/sharedstate"
 )
 
 // Gateway is the proxy.
 type Gateway struct {
 	cfg    Config
 	rt     *router.Router
-	fleet  *fleet.Fleet
+	ctl    controlPlane // sources, membership, KV events, shared state (control_plane.go)
+	fleet  *fleet.Fleet // the control plane's, which the request path reports to
 	client *http.Client
 	log    *slog.Logger
 	met    *metrics
@@ -62,28 +61,11 @@ type Gateway struct {
 	policySeed uint64
 	bodies     *bodyBudget // request-body bytes held at once (bodyread.go)
 	prof       costmodel.Profile
-	// pd: some replica has a role other than both; requests are routed
-	// to prefill/decode pairs (pd.go). It changes with the membership.
-	pd atomic.Bool
-	// source is where the replicas come from while the gateway runs (nil:
-	// the config's static list); memMu serialises applying its lists.
-	source discovery.Source
-	// poolSources are the pools' own sources, found the last list of each
-	// source by pool ("": the top-level one), under memMu (pools_sources.go).
-	poolSources map[string]discovery.Source
-	found       map[string][]ReplicaConfig
-	resolver    discovery.Resolver
-	memMu       sync.Mutex
-	// topics maps kv_events_listen topics to targets; rebuilt when the
-	// membership changes.
-	topics atomic.Pointer[kvTopics]
 
 	// draining: SIGTERM was received; /ready answers 503 and new requests
 	// are refused while in-flight ones finish. cut ends when drain_timeout
 	// has passed: the requests still in flight are cut.
 	draining atomic.Bool
-	// probed: every replica's first health check has ended (fleetProbed).
-	probed   atomic.Bool
 	inFlight atomic.Int64 // exchanges admitted and not ended
 	cut      context.Context
 	cutNow   context.CancelFunc
@@ -91,17 +73,7 @@ type Gateway struct {
 	jmu    sync.Mutex
 	jitter *rand.Rand
 
-	kvLogged      sync.Map     // replica name + cause already logged
-	unknownTopics atomic.Int64 // batches with an unknown topic (logging bound)
-	// kvModels is, per target (slot → string), the model its KV-event
-	// topic last named.
-	kvModels sync.Map
-	kv       kvState // the KV-event logs' and replays' rates, the listening socket's checks (kvevents.go)
-
 	rec *recorder // the recording (record.path), nil when off
-	// sync shares routing state with the other gateways (shared_state),
-	// nil when off.
-	sync *sharedstate.Syncer
 	// homes are the slots holding stored responses (passthrough.go), freed
 	// of a forgotten replica's (discovery_forget.go).
 	homes *responseHomes
@@ -149,47 +121,32 @@ func New(cfg Config, o Options) (*Gateway, error) {
 	if err != nil {
 		return nil, err
 	}
-	found, err := initialFound(cfg)
+	found, specs, err := initialMembers(cfg, &http.Client{Transport: tr}, o.Logger)
 	if err != nil {
 		return nil, err
 	}
-	for pool, l := range found { // the config's own replicas were checked by Validate
-		found[pool] = dropSelf(cfg.Listen, l, o.Logger, "replicas_file")
-	}
-	list, pools := cfg.withPools(found)
-	ranks := dataParallelSizes(list, &http.Client{Transport: tr}, o.Logger)
 	rcfg := cfg
 	rcfg.Seed = policySeed(cfg.Seed, syncer)
 	var g *Gateway
-	rt, err := newRouter(rcfg, poolTargets(list, ranks, pools), prof, o.Clock, onLearn(syncer), drainLog(&g), policyPanicked(&g))
+	rt, err := newRouter(rcfg, specs, prof, o.Clock, onLearn(syncer), drainLog(&g), policyPanicked(&g))
 	if err != nil {
 		return nil, err
 	}
 	g = &Gateway{cfg: cfg, rt: rt, client: &http.Client{Transport: tr}, log: o.Logger, reg: o.Registry,
 		clock: o.Clock, prof: prof, jitter: rand.New(rand.NewPCG(cfg.Seed, 99)),
-		bodies: newBodyBudget(cfg), sync: syncer, ui: newUIStats(), resolver: o.Resolver,
-		via: viaName(gatewayID(syncer))}
-	g.pd.Store(rt.Disaggregated())
+		bodies: newBodyBudget(cfg), ui: newUIStats(), via: viaName(gatewayID(syncer))}
 	g.policySeed = rcfg.Seed
 	g.cut, g.cutNow = context.WithCancel(context.Background())
-	if g.source, err = g.newSource(); err != nil {
+	ctl, err := newControl(cfg, controlOptions{Router: rt, Client: &http.Client{Transport: tr}, Logger: o.Logger, Clock: o.Clock,
+		Registry: o.Registry, Resolver: o.Resolver, Shared: syncer, Found: found, OnForget: g.forget,
+		OnEject: func(i int) { g.met.ejections.WithLabelValues(rt.Name(i)).Inc() }})
+	if err != nil {
 		return nil, err
 	}
-	g.found = found
-	if err = g.newPoolSources(); err != nil {
-		return nil, err
-	}
+	g.ctl, g.fleet = ctl, ctl.Fleet()
 	g.lim.Store(newLimiter(cfg.MaxConcurrency, cfg.MaxQueue, cfg.QueueTimeout.D()))
 	g.live.Store(&cfg)
-	g.fleet = fleet.New(rt, &http.Client{Transport: tr}, fleet.Config{
-		ScrapeInterval: cfg.ScrapeInterval.D(), HealthInterval: cfg.HealthInterval.D(),
-		StaleAfter: cfg.ScrapeStaleAfter.D(), Logger: o.Logger, Clock: o.Clock,
-		OnEject: func(i int) { g.met.ejections.WithLabelValues(rt.Name(i)).Inc() },
-	})
 	g.met = newMetrics(o.Registry, rt, o.Clock)
-	if len(cfg.Pools) > 0 {
-		registerPoolInfo(o.Registry, rt)
-	}
 	g.registerLimiterMetrics(o.Registry)
 	if cfg.Tokenizer == "remote" {
 		g.tok = newRemoteTokenizer(g, 8192)
@@ -203,59 +160,6 @@ func New(cfg Config, o Options) (*Gateway, error) {
 	g.tr = newTracing(o.TracerProvider)
 	g.routes()
 	return g, nil
-}
-
-// probeTimeout bounds counting the replicas' data-parallel engines at start.
-const probeTimeout = 2 * time.Second
-
-// dataParallelSizes is each replica's data-parallel ranks: configured, or
-// counted from its metrics at start (1 when it cannot be reached: the
-// fleet warns if it later shows more engines).
-func dataParallelSizes(list []ReplicaConfig, client *http.Client, log *slog.Logger) []int {
-	out := make([]int, len(list))
-	ctx, cancel := context.WithTimeout(context.Background(), probeTimeout)
-	defer cancel()
-	var wg sync.WaitGroup
-	for i, r := range list {
-		out[i] = r.DataParallelSize
-		if out[i] > 0 {
-			continue
-		}
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			n, err := fleet.CountEngines(ctx, client, strings.TrimRight(r.URL, "/"), r.APIKey)
-			if err != nil {
-				log.Debug("cannot count the replica's data-parallel engines; routing it as one", "replica", r.URL, "err", err)
-				n = 1
-			}
-			out[i] = min(n, maxDataParallel)
-		}()
-	}
-	wg.Wait()
-	return out
-}
-
-// targets are the router's targets: one per replica, or one per rank of a
-// data-parallel replica (its KV events on the endpoint's port + rank, as
-// vLLM publishes them).
-func targets(list []ReplicaConfig, ranks []int) []router.Spec {
-	var specs []router.Spec
-	for i, r := range list {
-		role, _ := policy.ParseRole(r.Role) // checked by Validate
-		sp := router.Spec{URL: strings.TrimRight(r.URL, "/"), APIKey: r.APIKey, KVEvents: r.KVEvents, KVReplay: r.KVEventsReplay, Role: role}
-		if ranks[i] <= 1 {
-			specs = append(specs, sp)
-			continue
-		}
-		for k := range ranks[i] {
-			rs := sp
-			rs.Ranked, rs.Rank = true, k
-			rs.KVEvents, rs.KVReplay = kvevents.OffsetPort(sp.KVEvents, k), kvevents.OffsetPort(sp.KVReplay, k)
-			specs = append(specs, rs)
-		}
-	}
-	return specs
 }
 
 func newRouter(cfg Config, specs []router.Spec, prof costmodel.Profile, clk clock.Clock, learn func(router.Learned), drained func(int),
@@ -307,28 +211,30 @@ func (g *Gateway) Fleet() *fleet.Fleet { return g.fleet }
 // Handler serves the API.
 func (g *Gateway) Handler() http.Handler { return g.mux }
 
-// Run watches the replicas (scrapes, health checks, KV events), shares
-// the routing state with the other gateways and writes the recording
-// until ctx ends; then it flushes and closes the recording and writes the
-// state file (end ctx after the drain, so that they hold every request
-// served).
+// Run runs the control plane (scrapes, health checks, sources, KV
+// events, the routing state shared with the other gateways) and writes
+// the recording until ctx ends; then it flushes and closes the recording
+// and writes the state file (end ctx after the drain, so that they hold
+// every request served).
 func (g *Gateway) Run(ctx context.Context) {
 	var wg sync.WaitGroup
-	wg.Go(func() { g.fleet.Run(ctx) })
-	wg.Go(func() { g.runDiscovery(ctx) })
-	wg.Go(func() { g.runPoolSources(ctx) })
+	wg.Go(func() { g.ctl.Run(ctx) })
 	if g.rec != nil {
 		wg.Go(func() { g.rec.run(ctx) })
-	}
-	if g.cfg.Precise() {
-		wg.Go(func() { g.runKVEvents(ctx) })
-	}
-	if g.sync != nil {
-		wg.Go(func() { g.runShared(ctx) })
 	}
 	wg.Wait()
 	g.saveStateFile()
 }
+
+// logOnce logs one message per replica and cause (the control plane
+// keeps what was logged, and forgets it with the replica).
+func (g *Gateway) logOnce(i int, cause string, level slog.Level, msg string, args ...any) {
+	g.ctl.LogOnce(i, cause, level, msg, args...)
+}
+
+// Reload re-reads the replicas files at once (SIGHUP); a no-op with any
+// other source (DNS and Kubernetes follow their own intervals and watch).
+func (g *Gateway) Reload() { g.ctl.Reload() }
 
 func (g *Gateway) routes() {
 	m := http.NewServeMux()
@@ -383,15 +289,12 @@ func (gd *guard) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 // replica that answered first (on a prefill/decode fleet, without a
 // prefill step).
 func (g *Gateway) ready(w http.ResponseWriter, r *http.Request) {
-	switch {
-	case g.draining.Load():
+	if g.draining.Load() {
 		writeError(w, errDraining)
 		return
-	case g.warming():
-		writeError(w, errWarming)
-		return
-	case !g.fleetProbed():
-		writeError(w, errProbing)
+	}
+	if err := g.ctl.Ready(); err != nil {
+		writeError(w, err)
 		return
 	}
 	for i := range g.rt.Replicas() {
@@ -404,26 +307,6 @@ func (g *Gateway) ready(w http.ResponseWriter, r *http.Request) {
 		}
 	}
 	writeError(w, errNoReplica)
-}
-
-// errProbing: /ready before every replica's first health check has ended.
-var errProbing = &apiError{Status: http.StatusServiceUnavailable, Type: "server_error", Code: "probing_replicas",
-	Message: "the gateway is checking its replicas' health for the first time; retry shortly"}
-
-// fleetProbed reports whether every replica's first health check has
-// ended; once true it stays true (a replica added later by discovery does
-// not take the gateway out of its load balancer while it is probed).
-func (g *Gateway) fleetProbed() bool {
-	if g.probed.Load() {
-		return true
-	}
-	for i := range g.rt.Replicas() {
-		if r := g.rt.Replica(i); !r.Removed() && !r.Probed() {
-			return false
-		}
-	}
-	g.probed.Store(true)
-	return true
 }
 
 // requestID is the client's X-Request-Id, or a new one.
@@ -511,5 +394,14 @@ func (g *Gateway) Server() *http.Server {
 		ReadHeaderTimeout: g.cfg.ReadHeaderTimeout.D(),
 		IdleTimeout:       120 * time.Second,
 		MaxHeaderBytes:    64 << 10,
+	}
+}
+
+// drainLog is the router's OnDrained: a removed replica's last request ended.
+func drainLog(g **Gateway) func(int) {
+	return func(i int) {
+		if gw := *g; gw != nil {
+			gw.log.Info("replica drained: no request in flight left", "replica", gw.rt.Name(i))
+		}
 	}
 }

@@ -361,3 +361,6 @@ func TestAPIKeysAndHopHeaders(t *testing.T) {
 		t.Fatalf("upstream headers %v", h)
 	}
 }
+
+// ctlOf is g's control plane, for tests that look inside it.
+func ctlOf(g *Gateway) *control { return g.ctl.(*control) }

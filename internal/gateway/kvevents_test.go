@@ -35,17 +35,17 @@ func TestKVEventMetrics(t *testing.T) {
 			&kvevents.BlockStored{BlockHashes: []uint64{1, 2}[:max(32/bs, 1)], ParentBlockHash: parent, TokenIDs: ids, BlockSize: bs}}}}
 	}
 	ctx := context.Background()
-	g.onKVMessage(ctx, 0, stored(16, nil)) // from the start: in sync
+	ctlOf(g).onKVMessage(ctx, 0, stored(16, nil)) // from the start: in sync
 	if counterValue(t, g.reg, "kvgate_kv_events_synced", nil) != 1 || counterValue(t, g.reg, "kvgate_precise_index_blocks", nil) != 2 {
 		t.Fatal("a stream followed from its first batch must be in sync, with its 2 blocks indexed")
 	}
 	unknown := uint64(99)
 	for range 3 {
-		g.onKVMessage(ctx, 0, stored(24, nil))      // 24-token blocks under an index of 16
-		g.onKVMessage(ctx, 0, stored(16, &unknown)) // a child of a block stored before we listened
+		ctlOf(g).onKVMessage(ctx, 0, stored(24, nil))      // 24-token blocks under an index of 16
+		ctlOf(g).onKVMessage(ctx, 0, stored(16, &unknown)) // a child of a block stored before we listened
 	}
 	seq += 3 // three batches lost
-	g.onKVMessage(ctx, 0, kvevents.Message{Topic: "kv@127.0.0.1:1@m", Seq: seq})
+	ctlOf(g).onKVMessage(ctx, 0, kvevents.Message{Topic: "kv@127.0.0.1:1@m", Seq: seq})
 	reg := g.reg
 	if n := counterValue(t, reg, "kvgate_kv_events_batches_total", map[string]string{"replica": url}); n != 8 {
 		t.Fatalf("%v batches, want 8", n)
@@ -84,7 +84,7 @@ func TestKVSilenceWarnedOnce(t *testing.T) {
 	g.rt.Replica(0).KVStart(clk.Now())
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan struct{})
-	go func() { defer close(done); g.watchKVSilence(ctx) }()
+	go func() { defer close(done); ctlOf(g).watchKVSilence(ctx) }()
 	defer func() { cancel(); <-done }()
 	step := func(d time.Duration) { // the watcher has armed its ticker: advance
 		t.Helper()
@@ -101,7 +101,7 @@ func TestKVSilenceWarnedOnce(t *testing.T) {
 		step(15 * time.Second)
 	}
 	testutil.Eventually(t, 5*time.Second, "the warning", func() bool { return strings.Contains(logs.String(), "none received") })
-	g.onKVMessage(ctx, 0, kvevents.Message{Topic: "kv@127.0.0.1:1@m", Seq: 7})
+	ctlOf(g).onKVMessage(ctx, 0, kvevents.Message{Topic: "kv@127.0.0.1:1@m", Seq: 7})
 	step(15 * time.Second)
 	testutil.Eventually(t, 5*time.Second, "the note", func() bool { return strings.Contains(logs.String(), "arriving again") })
 	if n := strings.Count(logs.String(), "none received"); n != 1 {

@@ -313,7 +313,7 @@ func TestKVOutOfOrderBatchesRateLimited(t *testing.T) {
 			clk.Advance(time.Minute)
 		}
 		for _, seq := range []uint64{uint64(2*k + 1), uint64(2 * k)} {
-			g.onKVMessage(ctx, 0, kvevents.Message{Topic: "kv@127.0.0.1:1@m", Seq: seq})
+			ctlOf(g).onKVMessage(ctx, 0, kvevents.Message{Topic: "kv@127.0.0.1:1@m", Seq: seq})
 		}
 	}
 	gaps := counterValue(t, g.reg, "kvgate_kv_events_gaps_total", nil)
@@ -430,10 +430,10 @@ func TestKVPublisherTrust(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			stop := g.followKVAddrs(t.Context())
+			stop := ctlOf(g).followKVAddrs(t.Context())
 			defer stop()
 			testutil.Eventually(t, 10*time.Second, "the name resolved", func() bool {
-				return g.kv.book.Load().Has(netip.MustParseAddr("127.0.0.12"))
+				return ctlOf(g).kv.book.Load().Has(netip.MustParseAddr("127.0.0.12"))
 			})
 			trust, err := kvevents.ParseTrust(tc.trust)
 			if err != nil {
@@ -442,10 +442,10 @@ func TestKVPublisherTrust(t *testing.T) {
 			refused := 0
 			for _, c := range tc.checks {
 				from := netip.MustParseAddr(c.from)
-				if got := g.kvMayConnect(trust, from); got != c.connect {
+				if got := ctlOf(g).kvMayConnect(trust, from); got != c.connect {
 					t.Errorf("%s may connect: %v, want %v", c.from, got, c.connect)
 				}
-				err := g.kvAuthorize(trust, 0, from, c.topic)
+				err := ctlOf(g).kvAuthorize(trust, 0, from, c.topic)
 				if (err == nil) != c.publish || (err != nil && !errors.Is(err, errPeerAddress)) {
 					t.Errorf("%s publishing %s: %v, want allowed %v", c.from, c.topic, err, c.publish)
 				}

@@ -104,7 +104,7 @@ func TestSelfLoopReplicaRefused(t *testing.T) {
 	logs = testutil.SyncBuffer{}
 	gw := startGatewayWith(t, cfg, Options{Logger: slog.New(slog.NewTextHandler(&logs, nil))})
 	b := newFakeReplica(t)
-	if err := gw.g.applyReplicas([]ReplicaConfig{{URL: "http://127.0.0.1:18181"}, {URL: a.srv.URL}, {URL: b.srv.URL}}, "dns"); err != nil {
+	if err := ctlOf(gw.g).Apply("", []ReplicaConfig{{URL: "http://127.0.0.1:18181"}, {URL: a.srv.URL}, {URL: b.srv.URL}}, "dns"); err != nil {
 		t.Fatal(err)
 	}
 	var urls []string

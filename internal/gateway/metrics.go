@@ -14,24 +14,20 @@ import (
 
 // metrics are the gateway's Prometheus series, on a registry passed in.
 type metrics struct {
-	requests                                        *prometheus.CounterVec   // policy, replica, code
-	errors                                          *prometheus.CounterVec   // kind
-	ttft                                            *prometheus.HistogramVec // policy, replica
-	e2e                                             *prometheus.HistogramVec // policy
-	decision                                        prometheus.Histogram
-	matchRatio                                      prometheus.Histogram
-	retries                                         prometheus.Counter
-	ejections                                       *prometheus.CounterVec // replica
-	attempts                                        *prometheus.CounterVec // replica, verdict
-	tokenize                                        *prometheus.CounterVec // result
-	kvBatches                                       *prometheus.CounterVec // replica
-	kvDropped                                       *prometheus.CounterVec // replica, reason
-	kvGaps                                          *prometheus.CounterVec // replica
-	kvReplayed, kvBlockSizeMismatch, underpredicted *prometheus.CounterVec // replica
-	kvUnknownTopic                                  prometheus.Counter
-	routerQueued                                    prometheus.Gauge
-	policyPanics                                    *prometheus.CounterVec // policy
-	routerWait                                      prometheus.Histogram
+	requests       *prometheus.CounterVec   // policy, replica, code
+	errors         *prometheus.CounterVec   // kind
+	ttft           *prometheus.HistogramVec // policy, replica
+	e2e            *prometheus.HistogramVec // policy
+	decision       prometheus.Histogram
+	matchRatio     prometheus.Histogram
+	retries        prometheus.Counter
+	ejections      *prometheus.CounterVec // replica
+	attempts       *prometheus.CounterVec // replica, verdict
+	tokenize       *prometheus.CounterVec // result
+	underpredicted *prometheus.CounterVec // replica
+	routerQueued   prometheus.Gauge
+	policyPanics   *prometheus.CounterVec // policy
+	routerWait     prometheus.Histogram
 	// Prefill/decode disaggregation.
 	pdAttempts      *prometheus.CounterVec // step, replica, verdict
 	prefillSkipped  *prometheus.CounterVec // reason
@@ -75,7 +71,9 @@ func newMetrics(reg prometheus.Registerer, rt *router.Router, clk clock.Clock) *
 		tokenize: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvgate_remote_tokenize_total",
 			Help: "Remote /tokenize lookups by result: cache, remote, fallback (the approximate tokenizer routed)."}, []string{"result"}),
 	}
-	m.newKVMetrics()
+	m.underpredicted = prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvgate_precise_underpredicted_total",
+		Help: "Requests whose engine reported more cached prompt tokens than the trusted precise index predicted " +
+			"(by over two blocks): events that do not match requests (tokenizer, model name, block size)."}, []string{"replica"})
 	m.routerQueued = prometheus.NewGauge(prometheus.GaugeOpts{Name: "kvgate_router_queue_depth",
 		Help: "Requests waiting in the router's queue (a policy deferred them: late binding, e.g. dynamo's router queue)."})
 	m.routerWait = prometheus.NewHistogram(prometheus.HistogramOpts{Name: "kvgate_router_queue_wait_seconds",
@@ -87,11 +85,9 @@ func newMetrics(reg prometheus.Registerer, rt *router.Router, clk clock.Clock) *
 	m.newPDMetrics(reg)
 	m.newOutcomeMetrics(reg)
 	reg.MustRegister(m.requests, m.errors, m.ttft, m.e2e, m.decision, m.matchRatio, m.retries, m.ejections, m.attempts, m.tokenize,
-		m.kvBatches, m.kvDropped, m.kvGaps, m.kvReplayed, m.kvBlockSizeMismatch, m.kvUnknownTopic, m.underpredicted)
+		m.underpredicted)
 	reg.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "kvgate_index_entries",
 		Help: "(block, replica) entries in the approximate prefix index."}, func() float64 { return float64(rt.Index().Len()) }))
-	// Per-replica gauges follow the membership (discovery_metrics.go).
-	reg.MustRegister(newReplicaCollector(rt, clk))
 	return m
 }
 
@@ -110,29 +106,6 @@ func policyPanicked(g **Gateway) func(router.PolicyPanic) {
 				"panic", fmt.Sprint(p.Value), "suppressed_since_last_log", p.Suppressed, "stack", string(p.Stack))
 		}
 	}
-}
-
-// newKVMetrics makes the KV-event counters (precise mode).
-func (m *metrics) newKVMetrics() {
-	m.kvBatches = prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvgate_kv_events_batches_total",
-		Help: "KV-event batches received from the replica (precise mode)."}, []string{"replica"})
-	m.kvDropped = prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvgate_kv_events_dropped_total",
-		Help: "Stored-block events the precise index could not take, by reason: unknown_parent (stored before " +
-			"kvgate listened), block_size (the replica's block size is not a multiple of block_size, or the " +
-			"token ids do not fill the blocks), other; and whole batches: peer_address (published for the replica from another " +
-			"address, kv_events_trust)."}, []string{"replica", "reason"})
-	m.kvGaps = prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvgate_kv_events_gaps_total",
-		Help: "Sequence gaps in the replica's KV-event stream (filled from its replay endpoint when it has one; " +
-			"otherwise the replica is out of sync until resynchronised)."}, []string{"replica"})
-	m.kvReplayed = prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvgate_kv_events_replayed_total",
-		Help: "KV-event batches fetched from the replica's replay endpoint (at start, after a late join or a gap)."}, []string{"replica"})
-	m.kvBlockSizeMismatch = prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvgate_kv_events_block_size_mismatch_total",
-		Help: "Batches whose block size differs from the replica's vllm:cache_config_info (the events are used)."}, []string{"replica"})
-	m.kvUnknownTopic = prometheus.NewCounter(prometheus.CounterOpts{Name: "kvgate_kv_events_unknown_topic_total",
-		Help: "Batches received on kv_events_listen whose topic (kv@HOST:PORT@MODEL) names no configured replica."})
-	m.underpredicted = prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvgate_precise_underpredicted_total",
-		Help: "Requests whose engine reported more cached prompt tokens than the trusted precise index predicted " +
-			"(by over two blocks): events that do not match requests (tokenizer, model name, block size)."}, []string{"replica"})
 }
 
 // newPDMetrics makes and registers the prefill/decode series.

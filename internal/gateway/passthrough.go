@@ -138,7 +138,7 @@ func (pt *passthrough) choose(x *exchange) error {
 	if x.parsed.Text == "" && x.parsed.TokenIDs == nil {
 		x.pol = pt.byLoad
 	}
-	if x.kind == prompt.Responses && pt.g.pd.Load() {
+	if x.kind == prompt.Responses && pt.g.ctl.Disaggregated() {
 		// A Responses call generates: on a prefill/decode fleet it goes
 		// whole to a replica that decodes (it is not disaggregated).
 		inner := x.pol

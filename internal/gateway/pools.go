@@ -5,24 +5,10 @@ import (
 	"reflect"
 	"slices"
 
-	"github.com/prometheus/client_golang/prometheus"
-
 	"github.com/kvgate/kvgate/internal/costmodel"
 	"github.com/kvgate/kvgate/internal/policy"
 	"github.com/kvgate/kvgate/internal/router"
 )
-
-// poolTargets are targets(list, ranks), each in its entry's pool.
-func poolTargets(list []ReplicaConfig, ranks []int, pools []string) []router.Spec {
-	var specs []router.Spec
-	for i := range list {
-		for _, sp := range targets(list[i:i+1], ranks[i:i+1]) {
-			sp.Pool = pools[i]
-			specs = append(specs, sp)
-		}
-	}
-	return specs
-}
 
 // poolSeedStep sets each pool's policy seed apart from the gateway's (the
 // golden ratio's 64-bit fraction: the seeds of pools i and j never meet).
@@ -70,29 +56,6 @@ func (g *Gateway) servedModels(ms []router.Model) []router.Model {
 		}
 	}
 	return out
-}
-
-// poolInfo exposes kvgate_pool_info{pool,replica} 1 for every replica not
-// removed, so that any per-replica series can be grouped by pool (a join,
-// rather than a pool label on every series).
-type poolInfo struct {
-	rt   *router.Router
-	desc *prometheus.Desc
-}
-
-func registerPoolInfo(reg prometheus.Registerer, rt *router.Router) {
-	reg.MustRegister(&poolInfo{rt: rt, desc: prometheus.NewDesc("kvgate_pool_info",
-		"Each replica's pool (pools: in the config): 1 per replica not removed by discovery.", []string{"pool", "replica"}, nil)})
-}
-
-func (p *poolInfo) Describe(ch chan<- *prometheus.Desc) { ch <- p.desc }
-
-func (p *poolInfo) Collect(ch chan<- prometheus.Metric) {
-	for i := range p.rt.Replicas() {
-		if r := p.rt.Replica(i); !r.Removed() {
-			ch <- prometheus.MustNewConstMetric(p.desc, prometheus.GaugeValue, 1, r.Pool(), p.rt.Name(i))
-		}
-	}
 }
 
 // withPoolParams is cur's pools with next's policy parameters, when the

@@ -199,7 +199,7 @@ func TestPreciseGapResync(t *testing.T) {
 			}
 			ctx := context.Background()
 			for _, k := range []int{0, 1, 2, 5} { // 3 and 4 lost
-				g.onKVMessage(ctx, 0, kvevents.Message{Topic: opts.Topic, Seq: uint64(k), Batch: batches[k]})
+				ctlOf(g).onKVMessage(ctx, 0, kvevents.Message{Topic: opts.Topic, Seq: uint64(k), Batch: batches[k]})
 			}
 			synced := counterValue(t, g.reg, "kvgate_kv_events_synced", nil)
 			replayed := counterValue(t, g.reg, "kvgate_kv_events_replayed_total", nil)

@@ -1,20 +1,11 @@
 package gateway
 
 import (
-	"context"
-	"errors"
 	"hash/fnv"
-	"net/http"
 
 	"github.com/kvgate/kvgate/internal/router"
 	"github.com/kvgate/kvgate/internal/sharedstate"
 )
-
-// errWarming: the gateway is loading the shared state (its peers' index)
-// before it takes traffic, so that it routes like them from the first
-// request; bounded by the syncer's warm-up timeout.
-var errWarming = &apiError{Status: http.StatusServiceUnavailable, Type: "server_error", Code: "warming_up",
-	Message: "the gateway is loading the shared routing state; retry shortly"}
 
 // newSyncer is the shared-state syncer (shared_state), nil when off. It
 // is built before the router, whose OnLearn it is. In precise mode the
@@ -78,18 +69,3 @@ func (g *Gateway) saveStateFile() {
 	}
 	g.log.Info("index saved to state_file", "path", g.cfg.StateFile, "blocks", g.rt.Index().Len())
 }
-
-// runShared runs the syncer until ctx ends: the warm load first (Ready
-// turns true when it is done or given up), then its loops.
-func (g *Gateway) runShared(ctx context.Context) {
-	if err := g.sync.Start(ctx, g.rt); err != nil && !errors.Is(err, context.Canceled) {
-		g.log.Warn("shared state: cannot start; routing on this gateway's own view", "err", err)
-	}
-	<-ctx.Done()
-	if err := g.sync.Close(); err != nil {
-		g.log.Warn("shared state: close", "err", err)
-	}
-}
-
-// warming reports whether the shared state is still being loaded.
-func (g *Gateway) warming() bool { return g.sync != nil && !g.sync.Ready() }

@@ -197,7 +197,7 @@ func TestForgedPeerLoadIsDroppedAtTheDoor(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	eventually(t, "the gateway reading the forged entry", func() bool { return !idBefore(gw.g.sync.Stats().LastID, id) })
+	eventually(t, "the gateway reading the forged entry", func() bool { return !idBefore(ctlOf(gw.g).shared.Stats().LastID, id) })
 	for i := range 20 {
 		routedTo(t, gw, sim.DefaultModel, conversationTurn(i, 0))
 	}

@@ -21,17 +21,38 @@ import (
 // replayTimeout bounds one exchange with a replica's replay endpoint.
 const replayTimeout = 2 * time.Second
 
-// kvState is the gateway's own KV-event state beside the router's
-// follower: the rate limits of the logs and of the replay dials, and what
-// the listening socket checks publishers against (kvlisten.go).
+// kvState is the control plane's own KV-event state beside the router's
+// follower: the rate limits of the logs and of the replay dials, what the
+// listening socket checks publishers against (control_kvlisten.go), and
+// what each replica's topic named.
 type kvState struct {
 	logs    sync.Map // key (replica name and cause) → *logGate
 	replays sync.Map // replica name → *replayGate
+	logged  sync.Map // replica name + cause already logged (logOnce)
+	// models is, per target (slot → string), the model its KV-event topic
+	// last named.
+	models        sync.Map
+	unknownTopics atomic.Int64 // batches with an unknown topic (logging bound)
+	// topics maps kv_events_listen topics to targets; rebuilt when the
+	// membership changes.
+	topics atomic.Pointer[kvTopics]
 	// book knows the replicas' addresses (kv_events_listen; nil before).
 	book atomic.Pointer[kvevents.AddrBook]
 	// conns counts the listening socket's connections refused or closed,
 	// by reason (registered when it listens).
 	conns atomic.Pointer[prometheus.CounterVec]
+}
+
+// forget drops what is kept of a forgotten replica: its logged-once
+// causes and the model its topic named.
+func (s *kvState) forget(f router.Forgotten) {
+	s.logged.Range(func(k, _ any) bool {
+		if strings.HasPrefix(k.(string), f.Name+"\x00") {
+			s.logged.Delete(k)
+		}
+		return true
+	})
+	s.models.Delete(f.Slot)
 }
 
 // kvLogEvery: at most one line per replica and cause this often. The
@@ -64,21 +85,21 @@ func (l *logGate) pass(now time.Time) (ok bool, suppressed int) {
 
 // logEvery logs msg at most once per kvLogEvery per key (a bounded set:
 // replica names and causes, or the listening socket's reasons).
-func (g *Gateway) logEvery(key string, level slog.Level, msg string, args ...any) {
-	v, _ := g.kv.logs.LoadOrStore(key, &logGate{})
-	ok, n := v.(*logGate).pass(g.clock.Now())
+func (c *control) logEvery(key string, level slog.Level, msg string, args ...any) {
+	v, _ := c.kv.logs.LoadOrStore(key, &logGate{})
+	ok, n := v.(*logGate).pass(c.clock.Now())
 	if !ok {
 		return
 	}
 	if n > 0 {
 		args = append(args, "suppressed", n)
 	}
-	g.log.Log(context.Background(), level, msg+" (logged at most once a minute; the metrics count every one)", args...)
+	c.log.Log(context.Background(), level, msg+" (logged at most once a minute; the metrics count every one)", args...)
 }
 
 // logKV logs msg about replica name at most once per kvLogEvery per cause.
-func (g *Gateway) logKV(name, cause string, level slog.Level, msg string, args ...any) {
-	g.logEvery(name+"\x00"+cause, level, msg, append([]any{"replica", name}, args...)...)
+func (c *control) logKV(name, cause string, level slog.Level, msg string, args ...any) {
+	c.logEvery(name+"\x00"+cause, level, msg, append([]any{"replica", name}, args...)...)
 }
 
 // Replay dials per replica: at most one in flight, and kvReplayBurst at
@@ -133,31 +154,31 @@ func (r *replayGate) end() {
 // the endpoints configured per replica (each rank of a data-parallel one on
 // its own port) and, with kv_events_listen, binds the socket replicas
 // connect to. Every batch goes through the router's one follower.
-func (g *Gateway) runKVEvents(ctx context.Context) {
-	now := g.clock.Now()
-	for i := range g.rt.Replicas() {
-		if r := g.rt.Replica(i); r.KVEvents() != "" || g.cfg.KVEventsListen != "" {
+func (c *control) runKVEvents(ctx context.Context) {
+	now := c.clock.Now()
+	for i := range c.rt.Replicas() {
+		if r := c.rt.Replica(i); r.KVEvents() != "" || c.cfg.KVEventsListen != "" {
 			r.KVStart(now)
 		}
 	}
 	var closers []func() error
-	if g.cfg.KVEventsListen != "" {
-		closers = append(closers, g.listenKV(ctx)...)
+	if c.cfg.KVEventsListen != "" {
+		closers = append(closers, c.listenKV(ctx)...)
 	}
 	var wg sync.WaitGroup
-	for i := range g.rt.Replicas() {
-		r := g.rt.Replica(i)
+	for i := range c.rt.Replicas() {
+		r := c.rt.Replica(i)
 		switch {
 		case r.KVEvents() != "":
-			if sub := g.subscribeKV(ctx, i); sub != nil {
+			if sub := c.subscribeKV(ctx, i); sub != nil {
 				closers = append(closers, sub.Close)
 			}
 		case r.KVReplay() != "": // listen mode: what it buffered, without waiting for its first batch
 			wg.Add(1)
-			go func() { defer wg.Done(); g.resyncAtStart(ctx, i) }()
+			go func() { defer wg.Done(); c.resyncAtStart(ctx, i) }()
 		}
 	}
-	g.watchKVSilence(ctx)
+	c.watchKVSilence(ctx)
 	wg.Wait()
 	for _, c := range closers {
 		_ = c()
@@ -167,11 +188,11 @@ func (g *Gateway) runKVEvents(ctx context.Context) {
 // resyncAtStart asks replica i's replay endpoint for everything it holds,
 // once the replica is listed (a replay names no model: its events are
 // hashed under the replica's listed base model).
-func (g *Gateway) resyncAtStart(ctx context.Context, i int) {
-	if g.rt.Replica(i).KVReplay() == "" || !g.waitListed(ctx, i) {
+func (c *control) resyncAtStart(ctx context.Context, i int) {
+	if c.rt.Replica(i).KVReplay() == "" || !c.waitListed(ctx, i) {
 		return
 	}
-	g.reportKV(i, g.rt.ResyncKV(i, g.clock.Now(), g.resyncFor(ctx, i)))
+	c.reportKV(i, c.rt.ResyncKV(i, c.clock.Now(), c.resyncFor(ctx, i)))
 }
 
 // listedPoll is how often a replica's first listing is looked for.
@@ -179,9 +200,9 @@ const listedPoll = 20 * time.Millisecond
 
 // waitListed waits until replica i's models are listed (its first passing
 // health check), or ctx ends (false), unless a topic named its model.
-func (g *Gateway) waitListed(ctx context.Context, i int) bool {
-	for g.rt.Replica(i).Served() == nil && g.kvModel(i) == "" {
-		if !clock.Sleep(g.clock, listedPoll, ctx.Done()) {
+func (c *control) waitListed(ctx context.Context, i int) bool {
+	for c.rt.Replica(i).Served() == nil && c.kvModel(i) == "" {
+		if !clock.Sleep(c.clock, listedPoll, ctx.Done()) {
 			return false
 		}
 	}
@@ -190,18 +211,18 @@ func (g *Gateway) waitListed(ctx context.Context, i int) bool {
 
 // subscribeKV dials replica i's publisher; on each connection it first asks
 // the replay endpoint (if any) for what was published before.
-func (g *Gateway) subscribeKV(ctx context.Context, i int) *kvevents.Subscriber {
-	r := g.rt.Replica(i)
+func (c *control) subscribeKV(ctx context.Context, i int) *kvevents.Subscriber {
+	r := c.rt.Replica(i)
 	sub, err := kvevents.SubscribeWithOptions(ctx, r.KVEvents(), "",
-		func(m kvevents.Message) { g.onKVMessage(ctx, i, m) }, nil,
+		func(m kvevents.Message) { c.onKVMessage(ctx, i, m) }, nil,
 		kvevents.SubscribeOptions{
-			MaxFrameBytes: g.cfg.KVEventsMaxFrameBytes,
-			OnConnect:     func() { g.resyncAtStart(ctx, i) },
+			MaxFrameBytes: c.cfg.KVEventsMaxFrameBytes,
+			OnConnect:     func() { c.resyncAtStart(ctx, i) },
 			OnError: func(err error) {
-				g.log.Debug("kv events", "replica", r.Name(), "endpoint", r.KVEvents(), "err", err)
+				c.log.Debug("kv events", "replica", r.Name(), "endpoint", r.KVEvents(), "err", err)
 			}})
 	if err != nil {
-		g.log.Error("kv events: cannot subscribe; the replica stays on the approximate index",
+		c.log.Error("kv events: cannot subscribe; the replica stays on the approximate index",
 			"replica", r.Name(), "endpoint", r.KVEvents(), "err", err)
 		return nil
 	}
@@ -211,28 +232,28 @@ func (g *Gateway) subscribeKV(ctx context.Context, i int) *kvevents.Subscriber {
 // onKVMessage follows one batch of replica i. A batch whose topic names no
 // model (vLLM's default topic is "") waits for the replica's first listing,
 // which names it.
-func (g *Gateway) onKVMessage(ctx context.Context, i int, m kvevents.Message) {
+func (c *control) onKVMessage(ctx context.Context, i int, m kvevents.Message) {
 	km := router.KVFromWire(m)
 	if km.Model != "" {
-		g.kvModels.Store(i, km.Model)
-	} else if !g.waitListed(ctx, i) {
+		c.kv.models.Store(i, km.Model)
+	} else if !c.waitListed(ctx, i) {
 		return
 	}
-	g.reportKV(i, g.rt.FollowKV(i, km, g.clock.Now(), g.resyncFor(ctx, i)))
-	g.met.kvBatches.WithLabelValues(g.rt.Name(i)).Inc()
+	c.reportKV(i, c.rt.FollowKV(i, km, c.clock.Now(), c.resyncFor(ctx, i)))
+	c.met.kvBatches.WithLabelValues(c.rt.Name(i)).Inc()
 }
 
 // resyncFor is replica i's replay endpoint as the follower asks it (nil
 // without one), within the replica's replay rate (replayGate).
-func (g *Gateway) resyncFor(ctx context.Context, i int) router.Resync {
-	ep := g.rt.Replica(i).KVReplay()
+func (c *control) resyncFor(ctx context.Context, i int) router.Resync {
+	ep := c.rt.Replica(i).KVReplay()
 	if ep == "" {
 		return nil
 	}
 	return func(from uint64) ([]router.KVMessage, error) {
-		v, _ := g.kv.replays.LoadOrStore(g.rt.Name(i), &replayGate{})
+		v, _ := c.kv.replays.LoadOrStore(c.rt.Name(i), &replayGate{})
 		gate := v.(*replayGate)
-		if !gate.begin(g.clock.Now()) {
+		if !gate.begin(c.clock.Now()) {
 			return nil, errReplayThrottled
 		}
 		defer gate.end()
@@ -240,7 +261,7 @@ func (g *Gateway) resyncFor(ctx context.Context, i int) router.Resync {
 		defer cancel()
 		var out []router.KVMessage
 		model := "" // a replay's batches name no model (vLLM's 3-frame form): the live topic's
-		if m := g.kvModel(i); m != "" {
+		if m := c.kvModel(i); m != "" {
 			model = m
 		}
 		_, err := kvevents.ReplayWithOptions(ctx, ep, from, func(m kvevents.Message) {
@@ -249,14 +270,14 @@ func (g *Gateway) resyncFor(ctx context.Context, i int) router.Resync {
 				km.Model = model
 			}
 			out = append(out, km)
-		}, kvevents.ReplayOptions{MaxFrameBytes: g.cfg.KVEventsMaxFrameBytes})
+		}, kvevents.ReplayOptions{MaxFrameBytes: c.cfg.KVEventsMaxFrameBytes})
 		return out, err
 	}
 }
 
 // kvModel is the model replica i's KV-event topic last named ("": none).
-func (g *Gateway) kvModel(i int) string {
-	if m, ok := g.kvModels.Load(i); ok {
+func (c *control) kvModel(i int) string {
+	if m, ok := c.kv.models.Load(i); ok {
 		return m.(string)
 	}
 	return ""
@@ -264,60 +285,59 @@ func (g *Gateway) kvModel(i int) string {
 
 // reportKV turns what following a batch did into metrics and logs (each
 // kind of line at most once a minute per replica: logKV).
-func (g *Gateway) reportKV(i int, rep router.KVReport) {
-	name := g.rt.Name(i)
+func (c *control) reportKV(i int, rep router.KVReport) {
+	name := c.rt.Name(i)
 	if rep.Replayed > 0 {
-		g.met.kvReplayed.WithLabelValues(name).Add(float64(rep.Replayed))
+		c.met.kvReplayed.WithLabelValues(name).Add(float64(rep.Replayed))
 	}
 	switch {
 	case errors.Is(rep.ResyncErr, errReplayThrottled):
-		g.logKV(name, "replay_throttled", slog.LevelInfo, "kv events: a replay skipped, the replica's replay endpoint "+
+		c.logKV(name, "replay_throttled", slog.LevelInfo, "kv events: a replay skipped, the replica's replay endpoint "+
 			"was asked too often; the replica follows the fallback rule until resynchronised", "err", rep.ResyncErr)
 	case rep.ResyncErr != nil:
-		g.logKV(name, "replay_error", slog.LevelWarn, "kv events: the replay endpoint failed; the replica follows the fallback rule "+
+		c.logKV(name, "replay_error", slog.LevelWarn, "kv events: the replay endpoint failed; the replica follows the fallback rule "+
 			"(its reported blocks count, their absence does not) until resynchronised", "err", rep.ResyncErr)
 	}
 	switch {
 	case rep.Gap:
-		g.met.kvGaps.WithLabelValues(name).Inc()
-		g.logKV(name, "gap", slog.LevelWarn, "kv events: sequence gap", "expected", rep.Expected,
+		c.met.kvGaps.WithLabelValues(name).Inc()
+		c.logKV(name, "gap", slog.LevelWarn, "kv events: sequence gap", "expected", rep.Expected,
 			"filled_from_replay", rep.Replayed, "in_sync", rep.Synced)
 	case rep.Restart:
-		g.logKV(name, "restart", slog.LevelInfo, "kv events: the replica's publisher restarted; its precise index starts over",
+		c.logKV(name, "restart", slog.LevelInfo, "kv events: the replica's publisher restarted; its precise index starts over",
 			"in_sync", rep.Synced)
 	case rep.SyncChanged:
-		g.logKV(name, "sync", slog.LevelInfo, "kv events: sync changed", "in_sync", rep.Synced, "replayed", rep.Replayed)
+		c.logKV(name, "sync", slog.LevelInfo, "kv events: sync changed", "in_sync", rep.Synced, "replayed", rep.Replayed)
 	}
 	for _, d := range rep.Drops {
-		g.met.kvDropped.WithLabelValues(name, d.Reason).Inc()
+		c.met.kvDropped.WithLabelValues(name, d.Reason).Inc()
 		level := slog.LevelWarn
 		if d.Reason == "unknown_parent" {
 			level = slog.LevelInfo // expected after a late join: the parent was stored before we listened
 		}
-		g.logKV(name, d.Reason, level, "kv events: stored blocks dropped from the precise index", "reason", d.Reason, "err", d.Err)
+		c.logKV(name, d.Reason, level, "kv events: stored blocks dropped from the precise index", "reason", d.Reason, "err", d.Err)
 	}
-	g.checkBlockSize(i, rep.BlockSize)
+	c.checkBlockSize(i, rep.BlockSize)
 }
 
 // checkBlockSize counts (and logs once) events whose block size is not the
 // one the replica's cache_config_info reports: the events are used, but a
 // replica and its publisher disagreeing is a misconfiguration to look at.
-func (g *Gateway) checkBlockSize(i, events int) {
-	m, _, ok := g.rt.ReplicaMetrics(i)
+func (c *control) checkBlockSize(i, events int) {
+	m, _, ok := c.rt.ReplicaMetrics(i)
 	if events == 0 || !ok || m.EngineBlockSize == 0 || m.EngineBlockSize == events {
 		return
 	}
-	g.met.kvBlockSizeMismatch.WithLabelValues(g.rt.Name(i)).Inc()
-	g.logOnce(i, "block_size_mismatch", slog.LevelWarn, "kv events: the events' block size differs from the replica's "+
+	c.met.kvBlockSizeMismatch.WithLabelValues(c.rt.Name(i)).Inc()
+	c.LogOnce(i, "block_size_mismatch", slog.LevelWarn, "kv events: the events' block size differs from the replica's "+
 		"vllm:cache_config_info", "events_block_size", events, "metrics_block_size", m.EngineBlockSize)
 }
 
-// logOnce logs one message per replica and cause.
-func (g *Gateway) logOnce(i int, cause string, level slog.Level, msg string, args ...any) {
-	if _, logged := g.kvLogged.LoadOrStore(g.rt.Name(i)+"\x00"+cause, true); logged {
+func (c *control) LogOnce(i int, cause string, level slog.Level, msg string, args ...any) {
+	if _, logged := c.kv.logged.LoadOrStore(c.rt.Name(i)+"\x00"+cause, true); logged {
 		return
 	}
-	g.log.Log(context.Background(), level, msg, append([]any{"replica", g.rt.Name(i)}, args...)...)
+	c.log.Log(context.Background(), level, msg, append([]any{"replica", c.rt.Name(i)}, args...)...)
 }
 
 // kvSilence is how long a replica configured for KV events may send none
@@ -328,8 +348,8 @@ const kvSilence = time.Minute
 
 // watchKVSilence warns once when a replica's KV events stop for kvSilence,
 // and notes once when they come back, until ctx ends.
-func (g *Gateway) watchKVSilence(ctx context.Context) {
-	tick := g.clock.NewTicker(kvSilence / 4)
+func (c *control) watchKVSilence(ctx context.Context) {
+	tick := c.clock.NewTicker(kvSilence / 4)
 	defer tick.Stop()
 	for {
 		select {
@@ -337,19 +357,19 @@ func (g *Gateway) watchKVSilence(ctx context.Context) {
 			return
 		case <-tick.C():
 		}
-		for i := range g.rt.Replicas() {
-			r := g.rt.Replica(i)
-			if (r.KVEvents() == "" && g.cfg.KVEventsListen == "") || r.Removed() {
+		for i := range c.rt.Replicas() {
+			r := c.rt.Replica(i)
+			if (r.KVEvents() == "" && c.cfg.KVEventsListen == "") || r.Removed() {
 				continue
 			}
-			changed, silent := r.KVSilence(g.clock.Now(), kvSilence)
+			changed, silent := r.KVSilence(c.clock.Now(), kvSilence)
 			switch {
 			case changed && silent:
-				g.log.Warn("kv events: none received for a minute; the replica is routed on the approximate index. "+
+				c.log.Warn("kv events: none received for a minute; the replica is routed on the approximate index. "+
 					"Check the replica's KV-event publisher (vLLM --kv-events-config) and this endpoint",
-					"replica", r.Name(), "endpoint", kvEndpointOf(r, g.cfg.KVEventsListen))
+					"replica", r.Name(), "endpoint", kvEndpointOf(r, c.cfg.KVEventsListen))
 			case changed:
-				g.log.Info("kv events: arriving again", "replica", r.Name())
+				c.log.Info("kv events: arriving again", "replica", r.Name())
 			}
 		}
 	}

@@ -34,14 +34,14 @@ type kvTopics struct {
 
 // newKVTopics maps the replicas' topics, and has the address book (when
 // listening) follow their hosts.
-func (g *Gateway) newKVTopics() *kvTopics {
+func (c *control) newKVTopics() *kvTopics {
 	t := &kvTopics{byHostPort: map[string][]int{}, byHost: map[string][]int{}}
 	hostCount := map[string]int{}
-	for i := range g.rt.Replicas() {
-		if g.rt.Replica(i).Removed() {
+	for i := range c.rt.Replicas() {
+		if c.rt.Replica(i).Removed() {
 			continue
 		}
-		hp := hostPort(g.rt.URL(i))
+		hp := hostPort(c.rt.URL(i))
 		if _, seen := t.byHostPort[hp]; !seen {
 			host, _, _ := net.SplitHostPort(hp)
 			hostCount[host]++
@@ -53,7 +53,7 @@ func (g *Gateway) newKVTopics() *kvTopics {
 			t.byHost[host] = slots
 		}
 	}
-	if b := g.kv.book.Load(); b != nil {
+	if b := c.kv.book.Load(); b != nil {
 		hosts := make([]string, 0, len(hostCount))
 		for h := range hostCount {
 			if h != "" {
@@ -78,13 +78,13 @@ func (t *kvTopics) slots(topic string) ([]int, bool) {
 }
 
 // kvTarget is the router slot of a batch with topic and rank.
-func (g *Gateway) kvTarget(t *kvTopics, topic string, rank int) (int, bool) {
+func (c *control) kvTarget(t *kvTopics, topic string, rank int) (int, bool) {
 	slots, ok := t.slots(topic)
 	if !ok {
 		return 0, false
 	}
 	for _, i := range slots {
-		k, ranked := g.rt.Replica(i).Rank()
+		k, ranked := c.rt.Replica(i).Rank()
 		if !ranked || k == rank {
 			return i, true
 		}
@@ -99,28 +99,28 @@ func (g *Gateway) kvTarget(t *kvTopics, topic string, rank int) (int, bool) {
 // every replica it finds (a data-parallel server discovered later, with
 // its size counted rather than configured, has its ranks past those
 // unheard).
-func (g *Gateway) listenKV(ctx context.Context) []func() error {
-	trust, _ := kvevents.ParseTrust(g.cfg.KVEventsTrust) // Validate checked it
-	closers := []func() error{g.followKVAddrs(ctx)}
+func (c *control) listenKV(ctx context.Context) []func() error {
+	trust, _ := kvevents.ParseTrust(c.cfg.KVEventsTrust) // Validate checked it
+	closers := []func() error{c.followKVAddrs(ctx)}
 	ranks := 1
-	if d := g.cfg.Discovery; d != nil {
+	if d := c.cfg.Discovery; d != nil {
 		ranks = max(ranks, d.DataParallelSize)
 	}
-	for i := range g.rt.Replicas() {
-		if k, ranked := g.rt.Replica(i).Rank(); ranked {
+	for i := range c.rt.Replicas() {
+		if k, ranked := c.rt.Replica(i).Rank(); ranked {
 			ranks = max(ranks, k+1)
 		}
 	}
 	for k := range ranks {
-		ep := kvevents.OffsetPort(g.cfg.KVEventsListen, k)
-		l, err := kvevents.Listen(ctx, ep, func(m kvevents.Message) { g.onListened(ctx, g.topics.Load(), k, m) },
-			g.listenOptions(ep, k, trust))
+		ep := kvevents.OffsetPort(c.cfg.KVEventsListen, k)
+		l, err := kvevents.Listen(ctx, ep, func(m kvevents.Message) { c.onListened(ctx, c.kv.topics.Load(), k, m) },
+			c.listenOptions(ep, k, trust))
 		if err != nil {
-			g.log.Error("kv events: cannot listen; replicas that connect there stay on the approximate index",
+			c.log.Error("kv events: cannot listen; replicas that connect there stay on the approximate index",
 				"endpoint", ep, "err", err)
 			continue
 		}
-		g.log.Info("kv events: listening", "endpoint", ep, "addr", l.Addr().String(), "trust", trust.String())
+		c.log.Info("kv events: listening", "endpoint", ep, "addr", l.Addr().String(), "trust", trust.String())
 		closers = append(closers, l.Close)
 	}
 	return closers
@@ -130,11 +130,11 @@ func (g *Gateway) listenKV(ctx context.Context) []func() error {
 // against: the replicas' topics and addresses (their names resolved in the
 // background until the returned stop is called or ctx ends), and the
 // count of what it refuses.
-func (g *Gateway) followKVAddrs(ctx context.Context) (stop func() error) {
-	book := kvevents.NewAddrBook(g.lookupAddrs, g.clock, kvevents.AddrBookOptions{})
-	g.kv.book.Store(book)
-	g.kv.conns.Store(g.kvConnsMetric())
-	g.topics.Store(g.newKVTopics())
+func (c *control) followKVAddrs(ctx context.Context) (stop func() error) {
+	book := kvevents.NewAddrBook(c.lookupAddrs, c.clock, kvevents.AddrBookOptions{})
+	c.kv.book.Store(book)
+	c.kv.conns.Store(c.kvConnsMetric())
+	c.kv.topics.Store(c.newKVTopics())
 	ctx, cancel := context.WithCancel(ctx)
 	done := make(chan struct{})
 	go func() { defer close(done); book.Run(ctx) }()
@@ -143,19 +143,19 @@ func (g *Gateway) followKVAddrs(ctx context.Context) (stop func() error) {
 
 // listenOptions are the bounds and checks of the listening socket at port
 // offset k.
-func (g *Gateway) listenOptions(ep string, k int, trust kvevents.Trust) kvevents.ListenOptions {
+func (c *control) listenOptions(ep string, k int, trust kvevents.Trust) kvevents.ListenOptions {
 	return kvevents.ListenOptions{
 		OnConnect: func(remote net.Addr) {
-			g.log.Info("kv events: a publisher connected", "endpoint", ep, "from", remote.String())
+			c.log.Info("kv events: a publisher connected", "endpoint", ep, "from", remote.String())
 		},
-		OnError:                  func(err error) { g.onListenError(ep, err) },
-		HandshakeTimeout:         g.cfg.KVEventsHandshakeTimeout.D(),
-		MaxConnections:           g.cfg.KVEventsMaxConnections,
-		MaxConnectionsPerAddress: g.cfg.KVEventsMaxConnectionsPerAddress,
-		MaxFrameBytes:            g.cfg.KVEventsMaxFrameBytes,
-		IdleTimeout:              g.cfg.KVEventsIdleTimeout.D(),
-		AcceptFrom:               func(a netip.Addr) bool { return g.kvMayConnect(trust, a) },
-		Authorize:                func(a netip.Addr, topic string) error { return g.kvAuthorize(trust, k, a, topic) },
+		OnError:                  func(err error) { c.onListenError(ep, err) },
+		HandshakeTimeout:         c.cfg.KVEventsHandshakeTimeout.D(),
+		MaxConnections:           c.cfg.KVEventsMaxConnections,
+		MaxConnectionsPerAddress: c.cfg.KVEventsMaxConnectionsPerAddress,
+		MaxFrameBytes:            c.cfg.KVEventsMaxFrameBytes,
+		IdleTimeout:              c.cfg.KVEventsIdleTimeout.D(),
+		AcceptFrom:               func(a netip.Addr) bool { return c.kvMayConnect(trust, a) },
+		Authorize:                func(a netip.Addr, topic string) error { return c.kvAuthorize(trust, k, a, topic) },
 	}
 }
 
@@ -163,11 +163,11 @@ func (g *Gateway) listenOptions(ep string, k int, trust kvevents.Trust) kvevents
 // trusted for every replica, or at a replica's address. A refusal asks
 // the address book for a round (a pod back under its name with a new IP
 // is let in on its next reconnection).
-func (g *Gateway) kvMayConnect(trust kvevents.Trust, a netip.Addr) bool {
+func (c *control) kvMayConnect(trust kvevents.Trust, a netip.Addr) bool {
 	if trust.ForAll(a) {
 		return true
 	}
-	b := g.kv.book.Load()
+	b := c.kv.book.Load()
 	if trust.ReplicaAddress() && b.Has(a) {
 		return true
 	}
@@ -182,66 +182,66 @@ func (g *Gateway) kvMayConnect(trust kvevents.Trust, a netip.Addr) bool {
 // sync change: it never reaches the follower); it is counted as a drop
 // with reason peer_address. A topic that names no replica passes here and
 // is counted as unknown once decoded (onListened).
-func (g *Gateway) kvAuthorize(trust kvevents.Trust, k int, a netip.Addr, topic string) error {
-	t := g.topics.Load()
+func (c *control) kvAuthorize(trust kvevents.Trust, k int, a netip.Addr, topic string) error {
+	t := c.kv.topics.Load()
 	slots, ok := t.slots(topic)
 	if !ok || trust.ForAll(a) {
 		return nil
 	}
-	b := g.kv.book.Load()
-	if trust.ReplicaAddress() && slices.Contains(b.Addrs(urlHost(g.rt.URL(slots[0]))), a) {
+	b := c.kv.book.Load()
+	if trust.ReplicaAddress() && slices.Contains(b.Addrs(urlHost(c.rt.URL(slots[0]))), a) {
 		return nil
 	}
 	b.Kick()
-	i, ok := g.kvTarget(t, topic, k)
+	i, ok := c.kvTarget(t, topic, k)
 	if !ok {
 		i = slots[0]
 	}
-	name := g.rt.Name(i)
-	g.met.kvDropped.WithLabelValues(name, "peer_address").Inc()
-	g.logKV(name, "peer_address", slog.LevelWarn, "kv events: a batch for this replica from another address, dropped "+
+	name := c.rt.Name(i)
+	c.met.kvDropped.WithLabelValues(name, "peer_address").Inc()
+	c.logKV(name, "peer_address", slog.LevelWarn, "kv events: a batch for this replica from another address, dropped "+
 		"(a publisher may speak only for the replica at its own address: kv_events_trust)", "from", a.String(), "topic", topic)
 	return errPeerAddress
 }
 
 // onListenError counts (and logs, at most once a minute per reason) the
 // connections the listening socket refused or closed on its own.
-func (g *Gateway) onListenError(ep string, err error) {
+func (c *control) onListenError(ep string, err error) {
 	var ce *kvevents.ConnError
 	if !errors.As(err, &ce) || ce.Reason == kvevents.ReasonClosed {
-		g.log.Debug("kv events", "endpoint", ep, "err", err)
+		c.log.Debug("kv events", "endpoint", ep, "err", err)
 		return
 	}
-	g.kv.conns.Load().WithLabelValues(string(ce.Reason)).Inc()
+	c.kv.conns.Load().WithLabelValues(string(ce.Reason)).Inc()
 	switch ce.Reason {
 	case kvevents.ReasonPeerAddress, kvevents.ReasonFrameSize:
-		g.logEvery("listen\x00"+string(ce.Reason), slog.LevelWarn, "kv events: a connection refused (peer_address: its source "+
+		c.logEvery("listen\x00"+string(ce.Reason), slog.LevelWarn, "kv events: a connection refused (peer_address: its source "+
 			"address is no replica's, kv_events_trust; frame_size: a frame over kv_events_max_frame_bytes)",
 			"endpoint", ep, "reason", string(ce.Reason), "from", ce.Remote.String())
 	default:
-		g.log.Debug("kv events", "endpoint", ep, "err", err)
+		c.log.Debug("kv events", "endpoint", ep, "err", err)
 	}
 }
 
 // kvConnsMetric is kvgate_kv_events_connections_closed_total, registered
 // once.
-func (g *Gateway) kvConnsMetric() *prometheus.CounterVec {
-	c := prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvgate_kv_events_connections_closed_total",
+func (c *control) kvConnsMetric() *prometheus.CounterVec {
+	cv := prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvgate_kv_events_connections_closed_total",
 		Help: "Connections to kv_events_listen refused or closed by kvgate, by reason: peer_address (the source address is " +
 			"no replica's, kv_events_trust), per_address and max_connections (the caps), evicted (an idle one's slot went to " +
 			"a newcomer), handshake, frame_size (over kv_events_max_frame_bytes), idle (kv_events_idle_timeout)."},
 		[]string{"reason"})
 	var dup prometheus.AlreadyRegisteredError
-	if err := g.reg.Register(c); errors.As(err, &dup) {
+	if err := c.reg.Register(cv); errors.As(err, &dup) {
 		return dup.ExistingCollector.(*prometheus.CounterVec)
 	}
-	return c
+	return cv
 }
 
 // lookupAddrs resolves a replica's host name for the address book, with
 // the gateway's resolver (DNS discovery's).
-func (g *Gateway) lookupAddrs(ctx context.Context, host string) ([]netip.Addr, error) {
-	r := g.resolver
+func (c *control) lookupAddrs(ctx context.Context, host string) ([]netip.Addr, error) {
+	r := c.resolver
 	if r == nil {
 		r = net.DefaultResolver
 	}
@@ -269,21 +269,21 @@ func urlHost(u string) string {
 
 // onListened follows a batch received on the listening socket at port
 // offset k.
-func (g *Gateway) onListened(ctx context.Context, topics *kvTopics, k int, m kvevents.Message) {
+func (c *control) onListened(ctx context.Context, topics *kvTopics, k int, m kvevents.Message) {
 	rank := k
 	if m.Batch.DataParallelRank != nil {
 		rank = *m.Batch.DataParallelRank
 	}
-	i, ok := g.kvTarget(topics, m.Topic, rank)
+	i, ok := c.kvTarget(topics, m.Topic, rank)
 	if !ok {
-		g.met.kvUnknownTopic.Inc()
-		if g.unknownTopics.Add(1) <= maxUnknownTopicsLogged {
-			if _, logged := g.kvLogged.LoadOrStore("topic\x00"+m.Topic+"\x00"+strconv.Itoa(rank), true); !logged {
-				g.log.Warn("kv events: a batch whose topic names no configured replica (want kv@HOST:PORT@MODEL, "+
+		c.met.kvUnknownTopic.Inc()
+		if c.kv.unknownTopics.Add(1) <= maxUnknownTopicsLogged {
+			if _, logged := c.kv.logged.LoadOrStore("topic\x00"+m.Topic+"\x00"+strconv.Itoa(rank), true); !logged {
+				c.log.Warn("kv events: a batch whose topic names no configured replica (want kv@HOST:PORT@MODEL, "+
 					"HOST:PORT as in the replica's URL); dropped", "topic", m.Topic, "rank", rank)
 			}
 		}
 		return
 	}
-	g.onKVMessage(ctx, i, m)
+	c.onKVMessage(ctx, i, m)
 }
