@@ -88,6 +88,7 @@ func writeSummary(w io.Writer, cfg gateway.Config) {
 	if len(cfg.Pools) > 0 {
 		writePools(w, cfg) // each pool lists its replicas
 		fmt.Fprintf(w, "  enabled:   %s\n", enabledText(cfg))
+		fmt.Fprintf(w, "  SIGHUP:    %s\n", reloadText())
 		return
 	}
 	fmt.Fprintf(w, "  replicas:  %s\n", replicaSummary(cfg))
@@ -103,6 +104,14 @@ func writeSummary(w io.Writer, cfg gateway.Config) {
 		fmt.Fprintf(w, "    %s%s\n", r.URL, replicaText(r))
 	}
 	fmt.Fprintf(w, "  enabled:   %s\n", enabledText(cfg))
+	fmt.Fprintf(w, "  SIGHUP:    %s\n", reloadText())
+}
+
+// reloadText says what SIGHUP changes while serving (the keys derived
+// from gateway.Reloadable).
+func reloadText() string {
+	return "re-reads the replicas files; applies " + strings.Join(gateway.ReloadableKeys(), ", ") +
+		" (pools: their policy_params); any other key at a restart"
 }
 
 // paramsText is " (a=1, b=x)", sorted, or "" without parameters.

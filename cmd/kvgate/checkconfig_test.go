@@ -51,7 +51,7 @@ replicas:
 	for _, want := range []string{"configuration valid (" + path + ")", "listen:    " + held.Addr().String(),
 		"policy:    sglang (balance_abs_threshold=8, cache_threshold=0.3)", "1 prefill + 1 decode replicas",
 		up.URL + "  role decode, api key set", "http://127.0.0.1:1  role prefill, 2 data-parallel ranks",
-		"precise mode (KV events bound at tcp://127.0.0.1:5557)", "admin endpoints"} {
+		"precise mode (KV events bound at tcp://127.0.0.1:5557)", "admin endpoints", "SIGHUP:    re-reads the replicas files; applies eject_after,"} {
 		if !strings.Contains(out, want) {
 			t.Errorf("summary lacks %q:\n%s", want, out)
 		}

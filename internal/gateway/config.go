@@ -50,6 +50,11 @@ type ReplicaConfig = discovery.Replica
 
 // Config is the gateway's configuration (YAML file and flags).
 type Config struct {
+	// Reloadable are the settings a reload (SIGHUP) changes while the
+	// gateway runs (config_reload.go); their keys are top-level keys of
+	// the file, as every other field's. The rest is fixed at start.
+	Reloadable
+
 	Listen   string          `json:"listen"`
 	Replicas []ReplicaConfig `json:"replicas"`
 	// ReplicasFile is a YAML file holding the replicas: list (the same
@@ -65,10 +70,9 @@ type Config struct {
 	ForgetAfter Duration `json:"forget_after"`
 	// Pools route each model to its own replicas with its own policy
 	// (pools.go); then replicas: is empty and each pool lists its own.
-	Pools        []PoolConfig   `json:"pools,omitempty"`
-	Policy       string         `json:"policy"`
-	PolicyParams map[string]any `json:"policy_params,omitempty"`
-	Seed         uint64         `json:"seed"`
+	Pools  []PoolConfig `json:"pools,omitempty"`
+	Policy string       `json:"policy"`
+	Seed   uint64       `json:"seed"`
 	// Tokenizer: "approx" (default) or "remote" (the replica's POST /tokenize).
 	Tokenizer string `json:"tokenizer"`
 	BlockSize int    `json:"block_size"`
@@ -110,31 +114,12 @@ type Config struct {
 
 	ScrapeInterval Duration `json:"scrape_interval"`
 	HealthInterval Duration `json:"health_interval"`
-	// EjectAfter consecutive failures take a replica out for EjectCooldown.
-	EjectAfter    int      `json:"eject_after"`
-	EjectCooldown Duration `json:"eject_cooldown"`
 
 	// ScrapeStaleAfter: a replica's metrics older than this are not used
 	// for routing (the gateway's own counts decide), and it is logged.
 	ScrapeStaleAfter Duration `json:"scrape_stale_after"`
 
-	// Retries is how many other replicas a request may try when one refused
-	// it before any work (connection refused, 503, 429).
-	Retries         int      `json:"retries"`
-	RetryBackoff    Duration `json:"retry_backoff"`
-	RetryBackoffMax Duration `json:"retry_backoff_max"`
-	ConnectTimeout  Duration `json:"connect_timeout"`
-	// FirstByteTimeout bounds the wait for a streamed answer's header (vLLM
-	// sends it on admission), and a prefill step's whole answer on a
-	// prefill/decode fleet; non-streamed answers are never cut by it.
-	FirstByteTimeout Duration `json:"first_byte_timeout"`
-	// StreamIdleTimeout bounds the silence between two events of a stream
-	// (and between the header and the first event).
-	StreamIdleTimeout Duration `json:"stream_idle_timeout"`
-	// WriteTimeout bounds each write to a client: one that stops reading
-	// loses its request, and its slot is freed.
-	WriteTimeout   Duration `json:"write_timeout"`
-	RequestTimeout Duration `json:"request_timeout"`
+	ConnectTimeout Duration `json:"connect_timeout"`
 	// DrainTimeout is how long in-flight requests may run after SIGTERM
 	// before they are cut (with an SSE error event).
 	DrainTimeout Duration `json:"drain_timeout"`
@@ -146,9 +131,6 @@ type Config struct {
 	// MaxConnections caps client connections (0: half the process's
 	// file-descriptor limit, so upstream connections always have room).
 	MaxConnections int `json:"max_connections"`
-	// TokenizeTimeout bounds a remote /tokenize call; past it the
-	// approximate tokenizer routes the request.
-	TokenizeTimeout Duration `json:"tokenize_timeout"`
 	// ReadHeaderTimeout and BodyReadTimeout cut slow clients (slowloris).
 	ReadHeaderTimeout Duration `json:"read_header_timeout"`
 	BodyReadTimeout   Duration `json:"body_read_timeout"`
@@ -160,12 +142,6 @@ type Config struct {
 	MinBodyRate        int64    `json:"min_body_rate"`
 	BodyRateGrace      Duration `json:"body_rate_grace"`
 	MaxBodyMemoryShare float64  `json:"max_body_memory_share"`
-
-	// MaxConcurrency bounds the requests proxied at once (0: no bound);
-	// MaxQueue more may wait up to QueueTimeout (full queue: 429; timeout: 503).
-	MaxConcurrency int      `json:"max_concurrency"`
-	MaxQueue       int      `json:"max_queue"`
-	QueueTimeout   Duration `json:"queue_timeout"`
 
 	// IndexMaxEntries caps the prefix index ((block, replica) entries).
 	IndexMaxEntries int `json:"index_max_entries"`
@@ -207,6 +183,8 @@ type Config struct {
 // Defaults returns the configuration with every default set.
 func Defaults() Config {
 	return Config{
+		Reloadable: DefaultReloadable(),
+
 		Listen:             "127.0.0.1:8080",
 		Policy:             policy.Default,
 		Seed:               1,
@@ -219,28 +197,16 @@ func Defaults() Config {
 		HealthInterval:     Duration(time.Second),
 		ScrapeStaleAfter:   Duration(2 * time.Second),
 		ForgetAfter:        Duration(router.DefaultForgetAfter),
-		EjectAfter:         3,
-		EjectCooldown:      Duration(10 * time.Second),
-		Retries:            2,
-		RetryBackoff:       Duration(25 * time.Millisecond),
-		RetryBackoffMax:    Duration(time.Second),
 		ConnectTimeout:     Duration(5 * time.Second),
-		FirstByteTimeout:   Duration(30 * time.Second),
-		StreamIdleTimeout:  Duration(2 * time.Minute),
-		WriteTimeout:       Duration(30 * time.Second),
-		RequestTimeout:     Duration(10 * time.Minute),
 		DrainTimeout:       Duration(30 * time.Second),
 		MaxBodyBytes:       8 << 20,
 		MaxBodyMemory:      256 << 20,
 		MaxStreamLineBytes: 1 << 20,
-		TokenizeTimeout:    Duration(500 * time.Millisecond),
 		ReadHeaderTimeout:  Duration(10 * time.Second),
 		BodyReadTimeout:    Duration(30 * time.Second),
 		MinBodyRate:        1024,
 		BodyRateGrace:      Duration(5 * time.Second),
 		MaxBodyMemoryShare: 0.25,
-		MaxQueue:           1024,
-		QueueTimeout:       Duration(30 * time.Second),
 		IndexMaxEntries:    4 << 20,
 		BlocksPerReplica:   30000,
 		Record:             DefaultRecord(),

@@ -69,7 +69,7 @@ var (
 
 // control is the control plane.
 type control struct {
-	cfg      Config // as given at start: the control plane reloads none of it
+	cfg      startConfig // as given at start: the control plane reloads none of it
 	rt       *router.Router
 	fleet    *fleet.Fleet
 	client   *http.Client // rank counting
@@ -112,7 +112,7 @@ type controlOptions struct {
 
 // newControl builds the control plane of a router built from o.Found.
 func newControl(cfg Config, o controlOptions) (*control, error) {
-	c := &control{cfg: cfg, rt: o.Router, client: o.Client, log: o.Logger, clock: o.Clock, reg: o.Registry,
+	c := &control{cfg: startConfig{Config: cfg}, rt: o.Router, client: o.Client, log: o.Logger, clock: o.Clock, reg: o.Registry,
 		resolver: o.Resolver, shared: o.Shared, found: o.Found, onForget: o.OnForget}
 	if err := c.newSources(); err != nil {
 		return nil, err

@@ -260,7 +260,7 @@ func (g *Gateway) enter(x *exchange, releaseBody func(), parse func() (*prompt.P
 		releaseAll()
 		return nil, err
 	}
-	lim := g.lim.Load() // the one released: a reload may swap it meanwhile
+	lim := g.live.lim.Load() // the one released: a reload may swap it meanwhile
 	if err := lim.acquire(ctx, g.clock); err != nil {
 		endSpan(span, err)
 		releaseAll()

@@ -38,7 +38,10 @@ import (
 
 // Gateway is the proxy.
 type Gateway struct {
-	cfg    Config
+	// cfg is the configuration given at start; live holds the reloadable
+	// settings of the moment, which only conf reads (config_reload.go).
+	cfg    startConfig
+	live   *liveSettings
 	rt     *router.Router
 	ctl    controlPlane // sources, membership, KV events, shared state (control_plane.go)
 	fleet  *fleet.Fleet // the control plane's, which the request path reports to
@@ -50,17 +53,8 @@ type Gateway struct {
 	ui     *uiStats     // the live view's tallies (/ui)
 	clock  clock.Clock
 	tok    *remoteTokenizer
-	// lim bounds the requests proxied at once; live is the configuration
-	// of the moment (reload.go: limits, timeouts and retries change on
-	// SIGHUP; cfg keeps what was given at start).
-	lim  atomic.Pointer[limiter]
-	live atomic.Pointer[Config]
-	// reloadMu serialises ReloadConfig; policySeed is the policy's seed
-	// (the configured one, mixed with the gateway's id when sharing).
-	reloadMu   sync.Mutex
-	policySeed uint64
-	bodies     *bodyBudget // request-body bytes held at once (bodyread.go)
-	prof       costmodel.Profile
+	bodies *bodyBudget // request-body bytes held at once (bodyread.go)
+	prof   costmodel.Profile
 
 	// draining: SIGTERM was received; /ready answers 503 and new requests
 	// are refused while in-flight ones finish. cut ends when drain_timeout
@@ -132,10 +126,9 @@ func New(cfg Config, o Options) (*Gateway, error) {
 	if err != nil {
 		return nil, err
 	}
-	g = &Gateway{cfg: cfg, rt: rt, client: &http.Client{Transport: tr}, log: o.Logger, reg: o.Registry,
+	g = &Gateway{cfg: startConfig{Config: cfg}, live: newLiveSettings(cfg, rcfg.Seed), rt: rt, client: &http.Client{Transport: tr}, log: o.Logger, reg: o.Registry,
 		clock: o.Clock, prof: prof, jitter: rand.New(rand.NewPCG(cfg.Seed, 99)),
 		bodies: newBodyBudget(cfg), ui: newUIStats(), via: viaName(gatewayID(syncer))}
-	g.policySeed = rcfg.Seed
 	g.cut, g.cutNow = context.WithCancel(context.Background())
 	ctl, err := newControl(cfg, controlOptions{Router: rt, Client: &http.Client{Transport: tr}, Logger: o.Logger, Clock: o.Clock,
 		Registry: o.Registry, Resolver: o.Resolver, Shared: syncer, Found: found, OnForget: g.forget,
@@ -144,8 +137,6 @@ func New(cfg Config, o Options) (*Gateway, error) {
 		return nil, err
 	}
 	g.ctl, g.fleet = ctl, ctl.Fleet()
-	g.lim.Store(newLimiter(cfg.MaxConcurrency, cfg.MaxQueue, cfg.QueueTimeout.D()))
-	g.live.Store(&cfg)
 	g.met = newMetrics(o.Registry, rt, o.Clock)
 	g.registerLimiterMetrics(o.Registry)
 	if cfg.Tokenizer == "remote" {

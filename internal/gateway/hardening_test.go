@@ -188,7 +188,7 @@ func TestClientHangupsDoNotEjectReplicas(t *testing.T) {
 	// The gateway's own request_timeout ends three long streams.
 	for range 3 {
 		resp, br := startStream(t, gw.srv.URL, `{"model":"m","prompt":"y","stream":true}`)
-		clk.Advance(gw.g.cfg.RequestTimeout.D())
+		clk.Advance(gw.g.conf().RequestTimeout.D())
 		rest, _ := io.ReadAll(br)
 		resp.Body.Close()
 		if !strings.Contains(string(rest), "request_timeout") {
@@ -352,8 +352,8 @@ func TestSlowReaderFreesItsSlot(t *testing.T) {
 		fmt.Fprintf(c, "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s", len(body), body)
 		// and never read
 	}
-	eventually(t, "both slow readers admitted", func() bool { return gw.g.lim.Load().inUse() == 2 })
-	eventually(t, "the slow readers' slots freed by the write timeout", func() bool { return gw.g.lim.Load().inUse() == 0 })
+	eventually(t, "both slow readers admitted", func() bool { return gw.g.live.lim.Load().inUse() == 2 })
+	eventually(t, "the slow readers' slots freed by the write timeout", func() bool { return gw.g.live.lim.Load().inUse() == 0 })
 	r := testutil.Post(t, nil, gw.srv.URL+"/v1/completions", `{"model":"m","prompt":"x"}`)
 	if r.Status != 200 {
 		t.Fatalf("after two slow readers: %d %s", r.Status, r.Body)

@@ -166,13 +166,13 @@ func (g *Gateway) registerLimiterMetrics(reg prometheus.Registerer) {
 	reg.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "kvgate_request_body_bytes",
 		Help: "Bytes of request bodies the gateway holds (bounded by max_body_memory)."},
 		func() float64 { return float64(g.bodies.held.Load()) }))
-	if g.lim.Load() == nil {
+	if g.live.lim.Load() == nil {
 		return
 	}
 	reg.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "kvgate_admitted_requests",
-		Help: "Requests holding a concurrency slot."}, func() float64 { return float64(g.lim.Load().inUse()) }))
+		Help: "Requests holding a concurrency slot."}, func() float64 { return float64(g.live.lim.Load().inUse()) }))
 	reg.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "kvgate_queued_requests",
-		Help: "Requests waiting for a concurrency slot."}, func() float64 { return float64(g.lim.Load().queued()) }))
+		Help: "Requests waiting for a concurrency slot."}, func() float64 { return float64(g.live.lim.Load().queued()) }))
 }
 
 func codeLabel(code int) string { return strconv.Itoa(code) }

@@ -70,7 +70,7 @@ func TestReloadPoolParams(t *testing.T) {
 	if err != nil || slices.Contains(applied, "pools") || !slices.Contains(ignored, "pools") {
 		t.Fatalf("a structural change: applied %v ignored %v: %v", applied, ignored, err)
 	}
-	if p, _ := g.rt.PoolPolicy("own"); p != before || g.conf().Pools[1].Models[0] != "n-*" {
+	if p, _ := g.rt.PoolPolicy("own"); p != before || g.live.pools[1].Models[0] != "n-*" {
 		t.Fatal("an ignored change of pools was applied")
 	}
 }

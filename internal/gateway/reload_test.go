@@ -1,7 +1,9 @@
 package gateway
 
 import (
+	"reflect"
 	"slices"
+	"strings"
 	"testing"
 	"time"
 )
@@ -35,10 +37,10 @@ func TestReloadConfigAppliesLimitsAndParamsAndIgnoresTheRest(t *testing.T) {
 	if !slices.Equal(ignored, []string{"listen", "tokenizer"}) {
 		t.Errorf("ignored %v, want listen and tokenizer", ignored)
 	}
-	if c := g.conf(); c.Retries != 5 || c.FirstByteTimeout.D() != 3*time.Second || c.Listen != cfg.Listen || c.Tokenizer != "approx" {
-		t.Fatalf("live config %+v", c)
+	if c := g.conf(); c.Retries != 5 || c.FirstByteTimeout.D() != 3*time.Second || g.cfg.Listen != cfg.Listen || g.cfg.Tokenizer != "approx" {
+		t.Fatalf("live settings %+v, listen %s, tokenizer %s", c, g.cfg.Listen, g.cfg.Tokenizer)
 	}
-	if g.rt.Policy() == oldPolicy || cap(g.lim.Load().slots) != 8 {
+	if g.rt.Policy() == oldPolicy || cap(g.live.lim.Load().slots) != 8 {
 		t.Fatal("the policy or the limiter was not replaced")
 	}
 	// eject_after 1: one failure opens the breaker.
@@ -66,4 +68,124 @@ func TestReloadConfigAppliesLimitsAndParamsAndIgnoresTheRest(t *testing.T) {
 	if g.conf().Retries != 5 {
 		t.Fatalf("a refused reload changed retries to %d", g.conf().Retries)
 	}
+}
+
+// Reloadability is a type: every field of Reloadable changes live on a
+// reload (applied, and conf reads the new value at once), every other
+// top-level key, changed, is reported ignored until a restart and changes
+// nothing, and the two sets partition Config's keys. A key added to Config
+// is classified by where it is declared; one whose kind the generic change
+// below does not cover needs an entry in alt.
+func TestReloadableKeysPartitionConfig(t *testing.T) {
+	cfg := baseConfig("http://127.0.0.1:1")
+	cfg.Replicas[0].DataParallelSize = 1 // nothing dialled
+	cfg.Policy = "sglang"
+	g, err := New(cfg, Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Changes the generic rule (by kind) cannot make valid.
+	alt := map[string]func(c *Config){
+		"listen": func(c *Config) { c.Listen = "127.0.0.1:9999" },
+		"replicas": func(c *Config) {
+			c.Replicas = append(slices.Clone(c.Replicas), ReplicaConfig{URL: "http://127.0.0.1:2"})
+		},
+		"replicas_file": func(c *Config) { c.Replicas, c.ReplicasFile = nil, "replicas.yaml" },
+		"discovery":     func(c *Config) { c.Replicas, c.Discovery = nil, &DiscoveryConfig{DNS: "replicas.test:8000"} },
+		"pools": func(c *Config) {
+			c.Pools, c.Replicas = []PoolConfig{{Name: "p", Models: []string{"*"}, Replicas: c.Replicas}}, nil
+		},
+		"policy":           func(c *Config) { c.Policy = "round_robin" },
+		"policy_params":    func(c *Config) { c.PolicyParams = map[string]any{"cache_threshold": 0.3} },
+		"tokenizer":        func(c *Config) { c.Tokenizer = "remote" },
+		"kv_events_listen": func(c *Config) { c.Tokenizer, c.KVEventsListen = "remote", "tcp://127.0.0.1:5557" },
+		"kv_events_trust":  func(c *Config) { c.KVEventsTrust = TrustList{"any"} },
+		"profile":          func(c *Config) { c.Profile = "llama3-70b-h100-tp2" },
+		"record":           func(c *Config) { c.Record.Path = "trace.jsonl" },
+		"shared_state":     func(c *Config) { c.SharedState = "redis://127.0.0.1:6379/0" },
+		"api_keys":         func(c *Config) { c.APIKeys = []string{"key"} },
+		"passthrough":      func(c *Config) { c.Passthrough = []string{"/v1/load_lora_adapter"} },
+	}
+	keys := jsonKeys(reflect.TypeFor[Config]())
+	if len(keys) != len(slices.Compact(slices.Sorted(slices.Values(keys)))) {
+		t.Fatalf("a key twice among Config's: %v", keys)
+	}
+	reloadable := reloadableKeys()
+	for _, k := range reloadable {
+		if !slices.Contains(keys, k) {
+			t.Errorf("reloadable key %s is no key of Config", k)
+		}
+	}
+	if want := slices.Sorted(slices.Values(append(slices.Clone(reloadable), "pools"))); !slices.Equal(ReloadableKeys(), want) {
+		t.Errorf("ReloadableKeys() %v, want %v", ReloadableKeys(), want)
+	}
+	for _, key := range keys {
+		t.Run(key, func(t *testing.T) {
+			next := cfg
+			if f, ok := alt[key]; ok {
+				f(&next)
+			} else if !changeByKind(configField(&next, key)) {
+				t.Fatalf("key %s: give alt a valid change of it", key)
+			}
+			applied, ignored, err := g.ReloadConfig(next)
+			if err != nil {
+				t.Fatalf("key %s: %v (give alt a valid change of it)", key, err)
+			}
+			if !slices.Contains(reloadable, key) {
+				if len(applied) != 0 || !slices.Contains(ignored, key) {
+					t.Fatalf("fixed key %s: applied %v, ignored %v", key, applied, ignored)
+				}
+				return
+			}
+			live := reflect.ValueOf(g.conf()).Elem().FieldByName(configFieldName(key))
+			if !slices.Equal(applied, []string{key}) || len(ignored) != 0 || !reflect.DeepEqual(live.Interface(), configField(&next, key).Interface()) {
+				t.Fatalf("reloadable key %s: applied %v, ignored %v, live %v", key, applied, ignored, live)
+			}
+			if applied, _, err := g.ReloadConfig(cfg); err != nil || !slices.Equal(applied, []string{key}) {
+				t.Fatalf("key %s set back: applied %v: %v", key, applied, err)
+			}
+		})
+	}
+}
+
+// configFieldName is the name of the field of Config (or of its embedded
+// Reloadable) whose JSON name is key.
+func configFieldName(key string) string {
+	for _, t := range []reflect.Type{reflect.TypeFor[Config](), reflect.TypeFor[Reloadable]()} {
+		for f := range t.Fields() {
+			if name, _, _ := strings.Cut(f.Tag.Get("json"), ","); name == key {
+				return f.Name
+			}
+		}
+	}
+	return ""
+}
+
+// configField is c's field whose JSON name is key.
+func configField(c *Config, key string) reflect.Value {
+	return reflect.ValueOf(c).Elem().FieldByName(configFieldName(key))
+}
+
+// changeByKind changes a scalar setting to another valid value: booleans
+// flipped, counts one more, durations a second longer, fractions halved.
+func changeByKind(v reflect.Value) bool {
+	switch v.Kind() {
+	case reflect.Bool:
+		v.SetBool(!v.Bool())
+	case reflect.Int, reflect.Int64:
+		if v.Type() == reflect.TypeFor[Duration]() {
+			v.SetInt(v.Int() + int64(time.Second))
+		} else {
+			v.SetInt(v.Int() + 1)
+		}
+	case reflect.Uint64:
+		v.SetUint(v.Uint() + 1)
+	case reflect.Float64:
+		v.SetFloat(v.Float() / 2)
+	case reflect.String:
+		v.SetString(v.String() + "x")
+	default:
+		return false
+	}
+	return true
 }
