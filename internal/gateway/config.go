@@ -58,7 +58,7 @@ type Config struct {
 	Listen   string          `json:"listen"`
 	Replicas []ReplicaConfig `json:"replicas"`
 	// ReplicasFile is a YAML file holding the replicas: list (the same
-	// entries as replicas:), watched while the gateway runs (discovery.go).
+	// entries as replicas:), watched while the gateway runs (control_sources.go).
 	ReplicasFile string `json:"replicas_file,omitempty"`
 	// Discovery finds the replicas by DNS or from Kubernetes EndpointSlices.
 	Discovery *DiscoveryConfig `json:"discovery,omitempty"`
@@ -81,7 +81,7 @@ type Config struct {
 	// --kv-events-config endpoint, llm-d's topology); the topic
 	// kv@HOST:PORT@MODEL names the replica. Precise mode.
 	KVEventsListen string `json:"kv_events_listen,omitempty"`
-	// The KV-event socket's trust and bounds (kvlisten.go).
+	// The KV-event socket's trust and bounds (control_kvlisten.go).
 	//
 	// KVEventsTrust says who may publish on kv_events_listen:
 	// replica_address (the default: a publisher speaks only for the

@@ -16,7 +16,7 @@ import (
 // (static), replicas_file: (a YAML list, watched) or discovery: (DNS or
 // Kubernetes), at the top level or in a pool (config_pools.go). What the
 // gateway does with them while it runs is the control plane's
-// (discovery.go, pools_sources.go).
+// (control_sources.go, control_members.go).
 
 // DiscoveryConfig is the config's discovery: exactly one of DNS and
 // Kubernetes.
