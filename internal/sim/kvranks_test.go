@@ -141,6 +141,29 @@ type rankMessage struct {
 	msg      kvevents.Message
 }
 
+// In connect mode a replica's publisher dials from the host it serves on,
+// as vLLM dials from its pod's address: a gateway that checks where a
+// publisher connects from (kv_events_trust) sees the replica's own host.
+func TestKVEventsConnectFromTheReplicaHost(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	cfg := fast()
+	cfg.Host, cfg.KVEvents, cfg.KVEventsConnect = "127.0.0.2", true, "tcp://"+ln.Addr().String()
+	startFleet(t, cfg)
+	_ = ln.(*net.TCPListener).SetDeadline(time.Now().Add(20 * time.Second))
+	conn, err := ln.Accept()
+	if err != nil {
+		t.Fatalf("the publisher never connected: %v", err)
+	}
+	defer conn.Close()
+	if got := conn.RemoteAddr().(*net.TCPAddr).IP.String(); got != "127.0.0.2" {
+		t.Fatalf("the publisher of a replica on 127.0.0.2 connected from %s", got)
+	}
+}
+
 // In connect mode every replica's rank k dials the consumer's port + k, and
 // the topic kv@<replica address>@<model> tells the replicas apart; nothing
 // is bound.

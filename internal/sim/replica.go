@@ -284,6 +284,12 @@ func rankOpener(ctx context.Context, cfg Config, topic string) openRankFunc {
 			ep = endpoint(pubPort)
 		} else {
 			o.Connect = true
+			// vLLM dials from its pod's address: a listener that checks a
+			// publisher's source address (kv_events_trust) sees the host
+			// the replica serves on, not the system's choice.
+			if ip := net.ParseIP(cfg.Host); ip != nil && !ip.IsUnspecified() {
+				o.LocalAddr = &net.TCPAddr{IP: ip}
+			}
 		}
 		if replayPort >= 0 {
 			o.ReplayEndpoint, o.Buffer = endpoint(replayPort), kvReplayBuffer
