@@ -5,7 +5,10 @@
 // gateway and accounts for every request. The client-side scenarios keep
 // the replicas healthy and make the clients misbehave instead: hanging up,
 // reading slowly, asking for absurd lengths, sending an input that crashes
-// a replica, asking for an adapter only one replica serves.
+// a replica, asking for an adapter only one replica serves. The
+// hostile-peers scenarios (hostile.go) attack the gateway's other doors —
+// the shared state in Redis, the KV-event socket, request bodies, the
+// passthrough paths, the replica list — beside an ordinary load.
 //
 // Each request ends in exactly one class (see Class): succeeded,
 // failed with a clear error, hung up by its client on purpose, or lost. A request is also counted as retried
@@ -96,10 +99,14 @@ const (
 )
 
 // Kinds lists every scenario the suite asserts on, in the order Report
-// prints them: the replica faults, then the client-side scenarios.
+// prints them: the replica faults, the client-side scenarios, then the
+// hostile peers.
 func Kinds() []Kind {
-	return append(ReplicaKinds(), ClientKinds()...)
+	return slices.Concat(ReplicaKinds(), ClientKinds(), HostileKinds())
 }
+
+// kindSets are the names ParseKinds takes for a whole set.
+var kindSets = map[string]func() []Kind{"all": Kinds, "replica": ReplicaKinds, "client": ClientKinds, "hostile": HostileKinds}
 
 // ReplicaKinds are the scenarios that inject a fault into the replicas.
 func ReplicaKinds() []Kind {
@@ -133,6 +140,14 @@ type Options struct {
 	// ten times the load's expected length (Requests / Rate).
 	ScenarioTimeout time.Duration
 	Logger          *slog.Logger // the gateway's logger, default discard
+	// HostileFor is how long each hostile-peers scenario's attack and
+	// ordinary load last (the load: Rate requests a second per gateway),
+	// default Requests / Rate.
+	HostileFor time.Duration
+	// Redis is a redis-server's URL (redis://127.0.0.1:PORT/0) for the
+	// forged-loads scenario, whose gateways share state through it; each
+	// run uses a namespace of its own. "": the scenario is skipped.
+	Redis string
 }
 
 func (o Options) withDefaults() Options {
@@ -169,26 +184,34 @@ func (o Options) withDefaults() Options {
 	if o.Logger == nil {
 		o.Logger = slog.New(slog.DiscardHandler)
 	}
+	if o.HostileFor <= 0 {
+		o.HostileFor = time.Duration(float64(o.Requests) / o.Rate * float64(time.Second))
+	}
 	return o
 }
 
 // ErrUnknownKind is returned for a scenario name Kinds does not list.
 var ErrUnknownKind = errors.New("chaos: unknown fault kind")
 
-// ParseKinds parses a comma-separated list of kinds ("" or "all": every kind).
+// ParseKinds parses a comma-separated list of kinds and sets of kinds
+// ("replica", "client", "hostile"; "" or "all": every kind).
 func ParseKinds(s string) ([]Kind, error) {
-	if s == "" || s == "all" {
+	if s == "" {
 		return Kinds(), nil
 	}
 	var out []Kind
 	for _, name := range strings.Split(s, ",") {
 		name = strings.TrimSpace(name)
+		if set, ok := kindSets[name]; ok {
+			out = append(out, set()...)
+			continue
+		}
 		if name == "" {
 			continue
 		}
 		k := Kind(name)
 		if !slices.Contains(Kinds(), k) {
-			return nil, fmt.Errorf("%w %q (known: %v)", ErrUnknownKind, name, Kinds())
+			return nil, fmt.Errorf("%w %q (known: %v, or a set: all, replica, client, hostile)", ErrUnknownKind, name, Kinds())
 		}
 		out = append(out, k)
 	}
@@ -271,6 +294,10 @@ type Result struct {
 	Adapter404                  int
 	LostReasons, FailReasons    []string // samples of the first few of each
 	OrdinaryReasons, OddReasons []string // ordinary requests that failed; overflow/adapter ones answered wrong
+
+	// Peers: a hostile-peers scenario's account (nil for the others); its
+	// ordinary requests are counted in the classes above.
+	Peers *PeerAccount
 }
 
 // Clear reports whether the scenario kept the suite's invariants and met
@@ -284,15 +311,23 @@ func Run(ctx context.Context, opts Options) ([]*Result, error) {
 	opts = opts.withDefaults()
 	var out []*Result
 	for _, k := range opts.Kinds {
-		sc, err := scenarioFor(k, opts)
-		if err != nil {
-			return out, err
-		}
-		res, err := runScenario(ctx, sc, opts)
+		res, err := runKind(ctx, k, opts)
 		if err != nil {
 			return out, fmt.Errorf("chaos: %s: %w", k, err)
 		}
 		out = append(out, res)
 	}
 	return out, nil
+}
+
+// runKind runs one scenario on a fresh system.
+func runKind(ctx context.Context, k Kind, opts Options) (*Result, error) {
+	if slices.Contains(HostileKinds(), k) {
+		return runPeers(ctx, k, opts)
+	}
+	sc, err := scenarioFor(k, opts)
+	if err != nil {
+		return nil, err
+	}
+	return runScenario(ctx, sc, opts)
 }

@@ -5,6 +5,8 @@ import (
 	"context"
 	"net/http"
 	"os"
+	"os/exec"
+	"slices"
 	"strconv"
 	"testing"
 	"time"
@@ -13,6 +15,7 @@ import (
 
 	"github.com/kvgate/kvgate/internal/gateway"
 	"github.com/kvgate/kvgate/internal/sim"
+	"github.com/kvgate/kvgate/internal/testutil"
 )
 
 func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
@@ -27,9 +30,9 @@ func TestChaos(t *testing.T) {
 	if testing.Short() {
 		t.Skip("live fleets and gateways")
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
 	defer cancel()
-	results, err := Run(ctx, Options{})
+	results, err := Run(ctx, Options{Redis: redisFor(t)})
 	var table bytes.Buffer
 	_ = WriteTable(&table, results)
 	t.Logf("\n%s", table.String())
@@ -62,11 +65,21 @@ func TestChaosReport(t *testing.T) {
 		}
 		opts.Requests = n
 	}
+	if s := os.Getenv("KVGATE_CHAOS_HOSTILE_FOR"); s != "" {
+		d, err := time.ParseDuration(s)
+		if err != nil {
+			t.Fatal(err)
+		}
+		opts.HostileFor = d
+	}
 	kinds, err := ParseKinds(os.Getenv("KVGATE_CHAOS_KINDS"))
 	if err != nil {
 		t.Fatal(err)
 	}
 	opts.Kinds = kinds
+	if slices.Contains(kinds, ForgedLoads) {
+		opts.Redis = redisFor(t)
+	}
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Minute)
 	defer cancel()
 	var out bytes.Buffer
@@ -136,4 +149,13 @@ func TestBreakerCycle(t *testing.T) {
 		t.Fatalf("%d of %d requests reached the broken replica over %d openings: more than EjectAfter + one trial per opening (%d)",
 			toBroken, len(results), ejections, bound)
 	}
+}
+
+// redisFor starts a redis-server for the forged-loads scenario when one is
+// installed; without one the scenario reports itself skipped.
+func redisFor(t *testing.T) string {
+	if _, err := exec.LookPath("redis-server"); err != nil {
+		return ""
+	}
+	return testutil.NewRedis(t).URL()
 }

@@ -12,6 +12,9 @@ import (
 // engine, in-flight counts back to zero, retries counted; and for the
 // client-side scenarios their own rule. make test asserts these.
 func (r *Result) Invariants() []string {
+	if r.Peers != nil {
+		return r.peerInvariants()
+	}
 	var out []string
 	add := func(format string, args ...any) { out = append(out, fmt.Sprintf(format, args...)) }
 	if r.Sent == 0 || r.Sent != r.Succeeded+r.FailedClear+r.HungUp+r.Lost {
@@ -67,6 +70,9 @@ func (r *Result) clientRules() []string {
 // wall-clock timing — a fault window against the load, a cooldown, a
 // latency ratio — so make chaos asserts them, not make test.
 func (r *Result) FaultMet() []string {
+	if r.Peers != nil {
+		return r.Peers.Slow
+	}
 	var out []string
 	if !r.Back {
 		out = append(out, "a healthy replica was not back in rotation")

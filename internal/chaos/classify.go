@@ -54,6 +54,7 @@ const maxAnswer = 4 << 20
 type verdict struct {
 	class     Class
 	streamErr bool   // the stream ended with an SSE error event
+	empty     bool   // Lost: the connection closed without an answer (an empty reply)
 	reason    string // for FailedClear and Lost: what was seen
 }
 
@@ -199,5 +200,5 @@ func lostNetErr(err error) verdict {
 	if errors.Is(err, context.DeadlineExceeded) || (errors.As(err, &ne) && ne.Timeout()) {
 		return verdict{class: Lost, reason: "no answer before the client's deadline: " + err.Error()}
 	}
-	return verdict{class: Lost, reason: "connection failed without an answer: " + err.Error()}
+	return verdict{class: Lost, empty: true, reason: "connection failed without an answer: " + err.Error()}
 }

@@ -8,6 +8,7 @@ import (
 	"math"
 	"math/rand/v2"
 	"net/http"
+	"strconv"
 	"strings"
 	"sync"
 	"time"
@@ -104,6 +105,10 @@ type result struct {
 	latency   time.Duration
 	replica   string // X-Kvgate-Replica of the answer
 	noRetryAt bool   // a 429 or 503 without Retry-After
+	// retryAfter: a 429's or 503's Retry-After; retries: how many times
+	// doRetrying resent the request after one.
+	retryAfter time.Duration
+	retries    int
 }
 
 // client sends the suite's requests to the gateway.
@@ -120,6 +125,10 @@ type client struct {
 	// ordinaryDone opens when every request but the slow readers' has
 	// ended: the slow readers stop reading until then.
 	ordinaryDone *countdown
+	// apiKey, when set, is sent as a bearer token; pad is appended to
+	// every request's user text (the hostile scenarios' 1 KB requests).
+	apiKey string
+	pad    string
 }
 
 // systemPrompt is shared by every request, as an application's system
@@ -133,7 +142,7 @@ var systemPrompt = strings.Repeat("You are the reliability suite's assistant; an
 func (c *client) body(i int, as behaviour) (data []byte, path string, stream bool, wantTokens int) {
 	chat := i%2 == 1
 	stream = (i/2)%2 == 1 || as == hangUp || as == slowRead
-	user := fmt.Sprintf("Request %d of the chaos run: summarise the numbers %d, %d and %d in one line.", i, i*7, i*13, i*31)
+	user := fmt.Sprintf("Request %d of the chaos run: summarise the numbers %d, %d and %d in one line.", i, i*7, i*13, i*31) + c.pad
 	wantTokens = c.maxTokens
 	m := map[string]any{"model": c.model, "max_tokens": wantTokens, "ignore_eos": true, "stream": stream}
 	switch as {
@@ -176,6 +185,9 @@ func (c *client) do(ctx context.Context, i int) result {
 	}
 	req.Header.Set("Content-Type", "application/json")
 	req.Header.Set("X-Request-Id", res.id)
+	if c.apiKey != "" {
+		req.Header.Set("Authorization", "Bearer "+c.apiKey)
+	}
 	hc := c.http
 	if as == slowRead {
 		hc = c.slowHTTP
@@ -189,9 +201,12 @@ func (c *client) do(ctx context.Context, i int) result {
 	}
 	res.status = resp.StatusCode
 	res.replica = resp.Header.Get("X-Kvgate-Replica")
-	if (resp.StatusCode == http.StatusTooManyRequests || resp.StatusCode == http.StatusServiceUnavailable) &&
-		resp.Header.Get("Retry-After") == "" {
-		res.noRetryAt = true
+	if resp.StatusCode == http.StatusTooManyRequests || resp.StatusCode == http.StatusServiceUnavailable {
+		ra := resp.Header.Get("Retry-After")
+		res.noRetryAt = ra == ""
+		if s, err := strconv.Atoi(ra); err == nil && s >= 0 {
+			res.retryAfter = time.Duration(min(s, 3600)) * time.Second
+		}
 	}
 	res.verdict = classify(resp, stream, want, c.onFirst(ctx, as))
 	_ = resp.Body.Close()
@@ -218,4 +233,31 @@ func (c *client) onFirst(ctx context.Context, as behaviour) func() bool {
 		}
 	}
 	return nil
+}
+
+// doRetrying sends request i as a client library does: a clear 429 or 503
+// (an OpenAI error body) is sent again after its Retry-After (at least
+// 50 ms, at most a second), up to ordinaryRetries times. The result is the
+// last attempt's, its latency the whole wait.
+func (c *client) doRetrying(ctx context.Context, i int) result {
+	start := time.Now()
+	var r result
+	for try := 0; ; try++ {
+		r = c.do(ctx, i)
+		r.retries = try
+		refused := r.status == http.StatusTooManyRequests || r.status == http.StatusServiceUnavailable
+		if try == ordinaryRetries || !refused || r.verdict.class != FailedClear {
+			break
+		}
+		t := time.NewTimer(min(max(r.retryAfter, 50*time.Millisecond), time.Second))
+		select {
+		case <-t.C:
+		case <-ctx.Done():
+			t.Stop()
+			r.latency = time.Since(start)
+			return r
+		}
+	}
+	r.latency = time.Since(start)
+	return r
 }

@@ -56,18 +56,87 @@ func yesNo(b bool) string {
 // WriteTable prints results as Report does: a row per scenario, the
 // overload comparison, then per scenario its counts and every problem.
 func WriteTable(w io.Writer, results []*Result) error {
-	if err := writeRows(w, results); err != nil {
-		return err
+	var faults, peers []*Result
+	for _, r := range results {
+		if r.Peers != nil {
+			peers = append(peers, r)
+		} else {
+			faults = append(faults, r)
+		}
+	}
+	if len(faults) > 0 {
+		if err := writeRows(w, faults); err != nil {
+			return err
+		}
+	}
+	if len(peers) > 0 {
+		if err := writePeerRows(w, peers, len(faults) > 0); err != nil {
+			return err
+		}
 	}
 	var b strings.Builder
 	for _, r := range results {
 		writeOverload(&b, r)
 	}
 	for _, r := range results {
-		writeDetails(&b, r)
+		if r.Peers != nil {
+			writePeerDetails(&b, r)
+		} else {
+			writeDetails(&b, r)
+		}
 	}
 	_, err := io.WriteString(w, b.String())
 	return err
+}
+
+// writePeerRows prints the hostile-peers scenarios' table: their ordinary
+// requests (every gateway's), the lowest success rate among the gateways,
+// and the verdict.
+func writePeerRows(w io.Writer, results []*Result, gap bool) error {
+	if gap {
+		fmt.Fprintln(w)
+	}
+	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
+	fmt.Fprintln(tw, "hostile peers\tgateways\tordinary\tsucceeded\tafter retry\tfailed-clear\tlost\tempty replies\tcrashes\t"+
+		"lowest success\tp50 ms\tp99 ms\tchecks\t")
+	for _, r := range results {
+		p := r.Peers
+		if p.Skipped != "" {
+			fmt.Fprintf(tw, "%s\t-\t-\t-\t-\t-\t-\t-\t-\t-\t-\t-\tskipped\t\n", r.Kind)
+			continue
+		}
+		lowest := 1.0
+		for _, g := range p.Gateways {
+			lowest = min(lowest, g.SuccessRate())
+		}
+		fmt.Fprintf(tw, "%s\t%d\t%d\t%d\t%d\t%d\t%d\t%d\t%d\t%s\t%s\t%s\t%s\t\n", r.Kind, len(p.Gateways), r.Sent, r.Succeeded,
+			p.Retried, r.FailedClear, r.Lost, p.EmptyReplies, len(p.Crashes), pct(lowest), ms(r.P50), ms(r.P99), checks(r))
+	}
+	return tw.Flush()
+}
+
+// writePeerDetails prints a hostile scenario's attack, each gateway's
+// ordinary requests, the attack's figures and every problem.
+func writePeerDetails(b *strings.Builder, r *Result) {
+	p := r.Peers
+	fmt.Fprintf(b, "\n%s: %s\n", r.Kind, p.Attack)
+	if p.Skipped != "" {
+		fmt.Fprintf(b, "  skipped: %s\n", p.Skipped)
+		return
+	}
+	for _, g := range p.Gateways {
+		fmt.Fprintf(b, "  %s: %d ordinary, %d succeeded (%s), p50 %s ms, p99 %s ms\n",
+			g.Name, g.Sent, g.Succeeded, pct(g.SuccessRate()), ms(g.P50), ms(g.P99))
+	}
+	for _, f := range p.Figures {
+		fmt.Fprintf(b, "  %s\n", f)
+	}
+	for _, x := range r.Invariants() {
+		fmt.Fprintf(b, "  BROKEN %s\n", x)
+	}
+	for _, x := range r.FaultMet() {
+		fmt.Fprintf(b, "  NOT MET %s\n", x)
+	}
 }
 
 func writeRows(w io.Writer, results []*Result) error {

@@ -339,13 +339,16 @@ func (e *env) startGateway(ctx context.Context, sc scenario, o Options) error {
 
 // waitReady polls until the gateway lists a model and has scraped every
 // replica and found it healthy.
-func (e *env) waitReady(ctx context.Context) error {
-	g := e.gw
+func (e *env) waitReady(ctx context.Context) error { return gatewayReady(ctx, e.gw, len(e.urls)) }
+
+// gatewayReady polls until g lists a model and has scraped each of its n
+// replicas and found it healthy.
+func gatewayReady(ctx context.Context, g *gateway.Gateway, n int) error {
 	return testutil.Poll(ctx, 10*time.Second, func() bool {
 		if len(g.Fleet().Models()) == 0 {
 			return false
 		}
-		for i := range e.urls {
+		for i := range n {
 			if _, _, have := g.Router().ReplicaMetrics(i); !have || !g.Router().Healthy(i) {
 				return false
 			}
@@ -368,27 +371,7 @@ func admitted(r *sim.Replica) int {
 }
 
 // metricSum sums every series of a counter or gauge family of reg.
-func metricSum(reg *prometheus.Registry, name string) float64 {
-	fams, err := reg.Gather()
-	if err != nil {
-		return 0
-	}
-	t := 0.0
-	for _, f := range fams {
-		if f.GetName() != name {
-			continue
-		}
-		for _, m := range f.GetMetric() {
-			switch {
-			case m.GetCounter() != nil:
-				t += m.GetCounter().GetValue()
-			case m.GetGauge() != nil:
-				t += m.GetGauge().GetValue()
-			}
-		}
-	}
-	return t
-}
+func metricSum(reg *prometheus.Registry, name string) float64 { return metricWith(reg, name, nil) }
 
 // run is one scenario's load and its account.
 type run struct {
