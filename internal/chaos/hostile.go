@@ -49,11 +49,24 @@ const (
 	// each gateway's door, what passes is never negative at the router,
 	// and both gateways answer every ordinary request.
 	ForgedLoads Kind = "forgedloads"
+	// ForgedEvents: replicas A, B on 127.0.0.1 and C on 127.0.0.2 publish
+	// their KV events to the gateway's listening socket. A forger at
+	// 127.0.0.2 (C's address) publishes replica A's topic restarted with
+	// B's and C's prompts and B's restarted empty; another at 127.0.0.3 (no
+	// replica's) tries too. No prompt's replica changes, during or after
+	// the attack; the forged batches are dropped (peer_address).
+	ForgedEvents Kind = "forgedevents"
+	// HugeFrames: 24 peers at the replicas' own address (more than its
+	// per-address cap) announce 64 MiB frames, round after round, and
+	// 1,024 idle peers connect from another address: every huge frame is
+	// cut, no idle peer is kept, the heap stays bounded and every real
+	// publisher is heard during the attack.
+	HugeFrames Kind = "hugeframes"
 )
 
 // HostileKinds are the hostile-peers scenarios.
 func HostileKinds() []Kind {
-	return []Kind{ForgedLoads}
+	return []Kind{ForgedLoads, ForgedEvents, HugeFrames}
 }
 
 // ordinaryRetries bounds an ordinary client's retries of a 429 or 503.
@@ -148,6 +161,10 @@ func runPeers(ctx context.Context, k Kind, o Options) (*Result, error) {
 	switch k {
 	case ForgedLoads:
 		err = runForgedLoads(ctx, e, res)
+	case ForgedEvents:
+		err = runForgedEvents(ctx, e, res)
+	case HugeFrames:
+		err = runHugeFrames(ctx, e, res)
 	default:
 		return nil, fmt.Errorf("%w %q", ErrUnknownKind, k)
 	}
