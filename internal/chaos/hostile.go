@@ -62,11 +62,21 @@ const (
 	// cut, no idle peer is kept, the heap stays bounded and every real
 	// publisher is heard during the attack.
 	HugeFrames Kind = "hugeframes"
+	// AdminPaths: vLLM's admin paths (load/unload a LoRA adapter, reset the
+	// prefix cache through an encoded "..", sleep, …) with and without an
+	// API key: each answered 404 or 400, and the replicas receive none.
+	AdminPaths Kind = "adminpaths"
+	// SelfLoop: a gateway whose replica is its own address is refused at
+	// start; two gateways in front of each other answer 508, with the
+	// process's file descriptors and goroutines bounded, while a
+	// legitimate two-tier chain (a gateway in front of a gateway) serves
+	// every ordinary request.
+	SelfLoop Kind = "selfloop"
 )
 
 // HostileKinds are the hostile-peers scenarios.
 func HostileKinds() []Kind {
-	return []Kind{ForgedLoads, ForgedEvents, HugeFrames}
+	return []Kind{ForgedLoads, ForgedEvents, HugeFrames, AdminPaths, SelfLoop}
 }
 
 // ordinaryRetries bounds an ordinary client's retries of a 429 or 503.
@@ -165,6 +175,10 @@ func runPeers(ctx context.Context, k Kind, o Options) (*Result, error) {
 		err = runForgedEvents(ctx, e, res)
 	case HugeFrames:
 		err = runHugeFrames(ctx, e, res)
+	case AdminPaths:
+		err = runAdminPaths(ctx, e, res)
+	case SelfLoop:
+		err = runSelfLoop(ctx, e, res)
 	default:
 		return nil, fmt.Errorf("%w %q", ErrUnknownKind, k)
 	}
