@@ -62,6 +62,11 @@ const (
 	// cut, no idle peer is kept, the heap stays bounded and every real
 	// publisher is heard during the attack.
 	HugeFrames Kind = "hugeframes"
+	// Trickle: 40 uploads per gateway declare 8 MiB and trickle 100 bytes
+	// every 2 s (timings scaled to HostileFor), on a gateway without API
+	// keys and on one with them: the body memory held stays near what
+	// arrived, and ordinary 1 KB requests keep a p99 ≤ 1 s.
+	Trickle Kind = "trickle"
 	// AdminPaths: vLLM's admin paths (load/unload a LoRA adapter, reset the
 	// prefix cache through an encoded "..", sleep, …) with and without an
 	// API key: each answered 404 or 400, and the replicas receive none.
@@ -76,7 +81,7 @@ const (
 
 // HostileKinds are the hostile-peers scenarios.
 func HostileKinds() []Kind {
-	return []Kind{ForgedLoads, ForgedEvents, HugeFrames, AdminPaths, SelfLoop}
+	return []Kind{ForgedLoads, ForgedEvents, HugeFrames, Trickle, AdminPaths, SelfLoop}
 }
 
 // ordinaryRetries bounds an ordinary client's retries of a 429 or 503.
@@ -175,6 +180,8 @@ func runPeers(ctx context.Context, k Kind, o Options) (*Result, error) {
 		err = runForgedEvents(ctx, e, res)
 	case HugeFrames:
 		err = runHugeFrames(ctx, e, res)
+	case Trickle:
+		err = runTrickle(ctx, e, res)
 	case AdminPaths:
 		err = runAdminPaths(ctx, e, res)
 	case SelfLoop:
