@@ -65,12 +65,18 @@ fuzz:
 	$(GO) test -run '^$$' -fuzz '^FuzzDecodeBatch$$' -fuzztime $(FUZZTIME) ./internal/sharedstate
 	$(GO) test -run '^$$' -fuzz '^FuzzDecodeSnapshot$$' -fuzztime $(FUZZTIME) ./internal/sharedstate
 
-# Fault injection report: per scenario (replica faults and client-side ones), requests sent, succeeded,
-# retried, failed clearly, hung up, lost; asserts the invariants and that each fault was met (wall clock),
-# and the breaker's cycle. make test runs a short version asserting only what no timing can excuse.
+# Fault injection report: per scenario (replica faults, client-side ones and hostile peers), requests sent,
+# succeeded, retried, failed clearly, hung up, lost; asserts the invariants and that each fault was met (wall
+# clock), and the breaker's cycle. make test runs a short version asserting only what no timing can excuse.
+# CHAOS_KINDS: a comma-separated list of kinds or sets (all, replica, client, hostile), e.g. CHAOS_KINDS=hostile;
+# CHAOS_HOSTILE_FOR: how long each hostile-peers attack lasts beside its ordinary load (forged loads need a
+# redis-server on the PATH, else the scenario reports itself skipped).
 CHAOS_REQUESTS ?= 1000
+CHAOS_KINDS ?= all
+CHAOS_HOSTILE_FOR ?= 30s
 chaos:
-	KVGATE_CHAOS=1 KVGATE_CHAOS_REQUESTS=$(CHAOS_REQUESTS) $(GO) test -run '^(TestChaosReport|TestBreakerCycle)$$' -v -count=1 -timeout 30m ./internal/chaos
+	KVGATE_CHAOS=1 KVGATE_CHAOS_REQUESTS=$(CHAOS_REQUESTS) KVGATE_CHAOS_KINDS=$(CHAOS_KINDS) \
+	KVGATE_CHAOS_HOSTILE_FOR=$(CHAOS_HOSTILE_FOR) $(GO) test -run '^(TestChaosReport|TestBreakerCycle)$$' -v -count=1 -timeout 30m ./internal/chaos
 
 # The README's results: every policy on both Mooncake traces, 8 replicas, capacity at p90 TTFT ≤ 2 s.
 TRACES ?= ../shared/traces
