@@ -275,6 +275,8 @@ func (c *core) deliver(outs []engine.Output, end time.Duration) {
 		cl := ch.call
 		if o.First {
 			c.metrics.ttft.Observe((end - ch.arrival).Seconds())
+		} else if o.NewTokens > 0 {
+			c.metrics.itl.Observe((end - ch.lastAt).Seconds())
 		}
 		if o.Finished {
 			delete(c.live, o.ReqID)
@@ -286,7 +288,12 @@ func (c *core) deliver(outs []engine.Output, end time.Duration) {
 		ch.pending += o.NewTokens
 		ch.total += o.NewTokens
 		if o.First {
-			ch.cached = o.CachedTokens
+			ch.cached, ch.firstAt = o.CachedTokens, end
+		} else if o.NewTokens > 0 {
+			ch.maxGap = max(ch.maxGap, end-ch.lastAt)
+		}
+		if o.NewTokens > 0 {
+			ch.lastAt = end
 		}
 		ch.finished = o.Finished
 		if o.Held {

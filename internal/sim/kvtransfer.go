@@ -75,6 +75,9 @@ type kvParams struct {
 	host          string
 	port          int
 	blockIDs      []int64
+	// prefillMs is the prefill step's engine time (PrefillKey), which the
+	// decode side counts in its Timing.
+	prefillMs float64
 }
 
 // kvBad is a 400 naming a field of kv_transfer_params.
@@ -134,6 +137,12 @@ func (p *kvParams) readNumbers(o body) error {
 	if tp, err := o.integer("tp_size"); err != nil || (tp.set && tp.v < 1) {
 		return kvBad("tp_size", "tp_size must be a positive integer.")
 	}
+	if v := o.get(PrefillKey); v != nil {
+		// A number: json.Unmarshal refuses NaN and infinities.
+		if json.Unmarshal(v, &p.prefillMs) != nil || !(p.prefillMs >= 0 && p.prefillMs <= MaxTimingMs) {
+			return kvBad(PrefillKey, "%s must be a number in [0, %d].", PrefillKey, MaxTimingMs)
+		}
+	}
 	return nil
 }
 
@@ -191,6 +200,8 @@ type kvTransferOut struct {
 	RemoteHost      string  `json:"remote_host"`
 	RemotePort      int     `json:"remote_port"`
 	TPSize          int     `json:"tp_size"`
+	// PrefillMs is the sim's own: this step's engine time (see Timing).
+	PrefillMs float64 `json:"kvgate_sim_prefill_ms"`
 }
 
 // kvTransferParams is the kv_transfer_params field of a finished call's
@@ -207,11 +218,15 @@ func (r *Replica) kvTransferParams(j *job, cl *call) json.RawMessage {
 	}
 	host, port, _ := net.SplitHostPort(r.addr)
 	p, _ := strconv.Atoi(port)
-	data, _ := json.Marshal(kvTransferOut{
+	out := kvTransferOut{
 		DoRemotePrefill: true, RemoteBlockIDs: c.held, RemoteEngineID: cl.core.engineID,
 		RemoteRequestID: kvRequestPrefix + strconv.FormatUint(c.id, 10),
 		RemoteHost:      host, RemotePort: p, TPSize: 1,
-	})
+	}
+	if t := r.timing(j, cl); t != nil {
+		out.PrefillMs = t.E2Ems
+	}
+	data, _ := json.Marshal(out)
 	return data
 }
 

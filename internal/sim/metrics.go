@@ -26,8 +26,12 @@ const (
 	MetricRequestSuccess = "vllm:request_success_total"
 	MetricTTFT           = "vllm:time_to_first_token_seconds"
 	MetricE2E            = "vllm:e2e_request_latency_seconds"
-	MetricCacheConfig    = "vllm:cache_config_info"
-	MetricLoRAInfo       = "vllm:lora_requests_info"
+	// MetricITL is vLLM's inter-token latency histogram (≥ 0.11; before,
+	// vllm:time_per_output_token_seconds): one sample per output token
+	// after the first, the time since the previous one.
+	MetricITL         = "vllm:inter_token_latency_seconds"
+	MetricCacheConfig = "vllm:cache_config_info"
+	MetricLoRAInfo    = "vllm:lora_requests_info"
 
 	// Prefill/decode disaggregation: vLLM's connector-side prefix cache
 	// counters and prompt tokens by source (local_compute,
@@ -53,6 +57,9 @@ var ContractMetrics = []string{
 var (
 	ttftBuckets = []float64{0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5,
 		0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0}
+	// vLLM's inter-token latency buckets.
+	itlBuckets = []float64{0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+		10.0, 20.0, 40.0, 80.0}
 	latencyBuckets = []float64{0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
 		40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0}
 	// NixlPromMetrics' buckets: transfer time, and bytes 2 KiB to 8 GiB
@@ -80,6 +87,7 @@ type metrics struct {
 // coreMetrics are the series one engine core observes.
 type coreMetrics struct {
 	ttft    prometheus.Histogram
+	itl     prometheus.Histogram
 	e2e     prometheus.Histogram
 	success map[string]prometheus.Counter
 
@@ -128,6 +136,10 @@ func newCoreMetrics(reg *prometheus.Registry, labels prometheus.Labels) *coreMet
 			Name: MetricTTFT, Help: "Histogram of time to first token in seconds.",
 			Buckets: ttftBuckets, ConstLabels: labels,
 		}),
+		itl: prometheus.NewHistogram(prometheus.HistogramOpts{
+			Name: MetricITL, Help: "Histogram of inter-token latency in seconds.",
+			Buckets: itlBuckets, ConstLabels: labels,
+		}),
 		e2e: prometheus.NewHistogram(prometheus.HistogramOpts{
 			Name: MetricE2E, Help: "Histogram of e2e request latency in seconds.",
 			Buckets: latencyBuckets, ConstLabels: labels,
@@ -142,7 +154,7 @@ func newCoreMetrics(reg *prometheus.Registry, labels prometheus.Labels) *coreMet
 	for _, reason := range []string{finishStop, finishLength, finishAbort} {
 		m.success[reason] = sv.WithLabelValues(reason)
 	}
-	reg.MustRegister(m.ttft, m.e2e, sv)
+	reg.MustRegister(m.ttft, m.itl, m.e2e, sv)
 	m.registerNixl(reg, labels)
 	return m
 }

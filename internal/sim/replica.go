@@ -98,6 +98,9 @@ type choice struct {
 	cached   int // prefix-cache hit, set with the first token
 	finished bool
 	held     []int32 // a remote decode's blocks held for the decode side, set when finished
+	// Engine times (virtual) of its first and latest token, and the
+	// longest gap between two of its tokens: the call's Timing.
+	firstAt, lastAt, maxGap time.Duration
 
 	// remote is the prefill side a remote-prefill choice pulls from, until
 	// told to release; guarded by Replica.mu.

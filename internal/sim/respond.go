@@ -24,15 +24,15 @@ func (r *Replica) respondCall(w http.ResponseWriter, req *http.Request, j *job, 
 	// The driver wrote the choices last before its final poke, under cl.mu,
 	// which this goroutine took since: their fields are visible.
 	id, created := r.responseID(idPrefix(j.kind)), r.clock.Now().Unix()
-	kv := r.kvTransferParams(j, cl)
+	kv, timing := r.kvTransferParams(j, cl), r.timing(j, cl)
 	if j.kind == prompt.Chat {
-		writeJSON(w, newResponse(j, cl, id, created, "chat.completion", kv, func(c *choice, text string) chatChoice {
+		writeJSON(w, newResponse(j, cl, id, created, "chat.completion", kv, timing, func(c *choice, text string) chatChoice {
 			return chatChoice{Index: c.index, Message: chatMessage{Role: "assistant", Content: text},
 				FinishReason: c.reason}
 		}))
 		return
 	}
-	writeJSON(w, newResponse(j, cl, id, created, "text_completion", kv, func(c *choice, text string) textChoice {
+	writeJSON(w, newResponse(j, cl, id, created, "text_completion", kv, timing, func(c *choice, text string) textChoice {
 		return textChoice{Index: c.index, Text: text, FinishReason: c.reason}
 	}))
 }
@@ -59,20 +59,20 @@ func (r *Replica) waitFinished(req *http.Request, cl *call) bool {
 // response is a non-streamed completions (C = textChoice) or chat
 // (C = chatChoice) response.
 type response[C any] struct {
-	ID      string       `json:"id"`
-	Object  string       `json:"object"`
-	Created int64        `json:"created"`
-	Model   string       `json:"model"`
-	Choices []C          `json:"choices"`
-	Usage   openai.Usage `json:"usage"`
+	ID      string   `json:"id"`
+	Object  string   `json:"object"`
+	Created int64    `json:"created"`
+	Model   string   `json:"model"`
+	Choices []C      `json:"choices"`
+	Usage   usageOut `json:"usage"`
 	// KVTransferParams is vLLM's top-level kv_transfer_params, present
 	// when the request carried kv_transfer_params (see kvTransferParams).
 	KVTransferParams json.RawMessage `json:"kv_transfer_params,omitempty"`
 }
 
-func newResponse[C any](j *job, cl *call, id string, created int64, object string, kv json.RawMessage,
+func newResponse[C any](j *job, cl *call, id string, created int64, object string, kv json.RawMessage, timing *Timing,
 	choiceOf func(c *choice, text string) C) response[C] {
-	out := response[C]{ID: id, Object: object, Created: created, Model: j.model, Usage: j.usage(cl),
+	out := response[C]{ID: id, Object: object, Created: created, Model: j.model, Usage: usageOut{Usage: j.usage(cl), Timing: timing},
 		Choices: make([]C, 0, len(cl.choices)), KVTransferParams: kv}
 	for _, c := range cl.choices {
 		out.Choices = append(out.Choices, choiceOf(c, string(c.gen.appendText(nil, c.total))))

@@ -108,11 +108,10 @@ func (s *sseWriter) token(pos, index int, text, finish string) {
 	s.buf = append(s.buf, "]}\n\n"...)
 }
 
-// usage is the chunk stream_options.include_usage adds: no choices.
-func (s *sseWriter) usage(u openai.Usage) {
-	c := s.chunk
-	c.Usage = &u
-	b, _ := json.Marshal(c)
+// usage is the chunk stream_options.include_usage adds: no choices; the
+// usage carries the sim's Timing.
+func (s *sseWriter) usage(u openai.Usage, t *Timing) {
+	b, _ := json.Marshal(chunkOut{Chunk: s.chunk, Usage: &usageOut{Usage: u, Timing: t}})
 	s.buf = append(s.buf, "data: "...)
 	s.buf = append(s.buf, b...)
 	s.buf = append(s.buf, "\n\n"...)
@@ -174,7 +173,7 @@ func (r *Replica) streamCall(w http.ResponseWriter, req *http.Request, j *job, c
 		all := s.take(cl)
 		if all {
 			if j.includeUsage {
-				s.usage(j.usage(cl))
+				s.usage(j.usage(cl), r.timing(j, cl))
 			}
 			s.done()
 		}
