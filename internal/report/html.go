@@ -96,6 +96,7 @@ func writeReport(dir string, res Result, title string, verdict *Verdict, extra [
 		page.Charts = append(page.Charts, pc)
 	}
 	page.Table = htmlTable(res)
+	page.Split, page.SplitNote = splitTable(res), splitLine(res)
 
 	var html bytes.Buffer
 	if err := pageTemplate.Execute(&html, page); err != nil {
@@ -301,8 +302,11 @@ type pageData struct {
 	Bound   string
 	Meta    [][2]string
 	Table   table
-	Charts  []pageChart
-	Notes   []string
+	// Split is the time split per policy (no rows without one), explained by SplitNote.
+	Split     table
+	SplitNote string
+	Charts    []pageChart
+	Notes     []string
 }
 
 type pageChart struct {
@@ -376,6 +380,41 @@ func htmlTable(res Result) table {
 			}
 			t.Rows[i] = append(t.Rows[i], cell)
 		}
+	}
+	return t
+}
+
+// splitTable lays out each run's Split: source and requests, then the engine's and the
+// outside's TTFT (mean, p50, p90, p99) and ITL (mean, p50), ms. Outside percentiles are "-"
+// where only the means are known (engine_metrics). No rows without a split.
+func splitTable(res Result) table {
+	t := table{Header: []string{"policy", "source", "requests",
+		"engine ttft mean", "p50", "p90", "p99", "outside ttft mean", "p50", "p90", "p99",
+		"engine itl mean", "p50", "outside itl mean", "p50"}}
+	pct := func(d *Dist, n int) []string {
+		if d == nil {
+			return slices.Repeat([]string{"-"}, n)
+		}
+		return []string{fmtMs(d.P50), fmtMs(d.P90), fmtMs(d.P99)}[:n]
+	}
+	for _, r := range res.Runs {
+		sp := r.Split
+		if sp == nil {
+			continue
+		}
+		row := []string{r.Policy, sp.Source, strconv.Itoa(sp.Requests), fmtMs(sp.EngineTTFTms.Mean)}
+		row = append(row, pct(&sp.EngineTTFTms, 3)...)
+		row = append(row, fmtMs(sp.OutsideTTFTMeanms))
+		row = append(row, pct(sp.OutsideTTFTms, 3)...)
+		row = append(row, fmtMs(sp.EngineITLms.Mean))
+		row = append(row, pct(&sp.EngineITLms, 1)...)
+		row = append(row, fmtMs(sp.OutsideITLMeanms))
+		row = append(row, pct(sp.OutsideITLms, 1)...)
+		t.Rows = append(t.Rows, row)
+	}
+	t.Right = make([]bool, len(t.Header))
+	for i := 2; i < len(t.Right); i++ {
+		t.Right[i] = true
 	}
 	return t
 }
@@ -456,6 +495,19 @@ svg.chart text { font-family: "Liberation Sans", Arial, Helvetica, sans-serif !i
 {{- end}}
 </tbody>
 </table>
+{{- if .Split.Rows}}
+<h2 id="split">Where the time went</h2>
+<p>{{.SplitNote}} All figures in ms.</p>
+<table class="results split">
+<thead><tr>{{range .Split.Header}}<th>{{.}}</th>{{end}}</tr></thead>
+<tbody>
+{{- $sright := .Split.Right}}
+{{- range .Split.Rows}}
+<tr>{{range $i, $c := .}}<td class="{{align (index $sright $i)}}">{{$c}}</td>{{end}}</tr>
+{{- end}}
+</tbody>
+</table>
+{{- end}}
 <p class="files">Data: <a href="result.json">result.json</a>. Charts as files: {{with .Lead}}<a href="{{.Name}}.svg">{{.Name}}.svg</a> / <a href="{{.Name}}.png">.png</a>{{if $.Charts}}, {{end}}{{end}}{{range $i, $c := .Charts}}{{if $i}}, {{end}}<a href="{{$c.Name}}.svg">{{$c.Name}}.svg</a> / <a href="{{$c.Name}}.png">.png</a>{{end}}.</p>
 <h2>Charts</h2>
 {{- range .Notes}}
@@ -474,6 +526,7 @@ svg.chart text { font-family: "Liberation Sans", Arial, Helvetica, sans-serif !i
 <li><b>verdict</b> (at the top, when the runs compare policies): the best policy on the run's objective, the rule that chose it, and its ratio to the runner-up and to round_robin; when the best two are within the run's noise it names no winner.</li>
 <li><b>ttft</b>: time to first token, from the request's arrival to its first generated token. It is what a cache-aware router improves: a prefix already in a replica's KV cache is not computed again. p50 is the typical request, p90 and p99 the tail that queueing and cache misses make.</li>
 <li><b>itl</b>: inter-token latency, a request's mean gap between consecutive tokens ((e2e − ttft) / (output tokens − 1)); it grows with the batch a replica runs. <b>e2e</b>: arrival to last token.</li>
+<li><b>engine</b> and <b>outside</b> ttft (when the replicas tell their own times): the TTFT's two parts. The engine's is the replicas' own time from a request's arrival to its first token; with simulated replicas it is model time, so a time scale speeds it up without changing it. Outside is everything else — the gateway's routing and relaying, the network, the load generator — measured in real time and never multiplied by the time scale; it is what the router itself costs a request. The TTFT columns are their sum, each counted once.</li>
 <li><b>req/s</b> and <b>out tok/s</b>: successful requests and their generated tokens per second over the run.</li>
 <li><b>hit %</b>: cached prompt tokens / prompt tokens over all successful requests, as the replicas counted them. Higher means less prefill work.</li>
 <li><b>imbalance</b>: the busiest replica's share of requests divided by the even share 1/N: 1.00 is perfectly even, N means everything went to one replica. Cache affinity trades some balance for hits; the TTFT tail shows whether the trade paid.</li>

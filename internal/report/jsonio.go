@@ -125,10 +125,40 @@ func checkFinite(res Result) error {
 		if ci := r.TTFTP90CI; ci != nil && (bad(ci.Lo) || bad(ci.Hi)) {
 			return fmt.Errorf("%w: run %q field ttft_p90_ci_ms", ErrNonFinite, r.Policy)
 		}
+		if err := checkSplit(r.Split); err != nil {
+			return fmt.Errorf("%w: run %q field split.%s", ErrNonFinite, r.Policy, err.Error())
+		}
 		for k, v := range r.Extra {
 			if bad(v) {
 				return fmt.Errorf("%w: run %q field extra.%s", ErrNonFinite, r.Policy, k)
 			}
+		}
+	}
+	return nil
+}
+
+// checkSplit names the first non-finite figure of a split, nil when all are finite.
+func checkSplit(s *Split) error {
+	if s == nil {
+		return nil
+	}
+	dists := []struct {
+		name string
+		d    *Dist
+	}{{"engine_ttft_ms", &s.EngineTTFTms}, {"outside_ttft_ms", s.OutsideTTFTms}, {"engine_itl_ms", &s.EngineITLms}, {"outside_itl_ms", s.OutsideITLms}}
+	for _, f := range dists {
+		if f.d == nil {
+			continue
+		}
+		for _, v := range []float64{f.d.Mean, f.d.P50, f.d.P90, f.d.P99} {
+			if math.IsNaN(v) || math.IsInf(v, 0) {
+				return errors.New(f.name)
+			}
+		}
+	}
+	for name, v := range map[string]float64{"outside_ttft_mean_ms": s.OutsideTTFTMeanms, "outside_itl_mean_ms": s.OutsideITLMeanms} {
+		if math.IsNaN(v) || math.IsInf(v, 0) {
+			return errors.New(name)
 		}
 	}
 	return nil

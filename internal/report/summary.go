@@ -28,6 +28,13 @@ type Record struct {
 	// gap (ITL) hides in a long answer.
 	MaxITL time.Duration
 
+	// EngineTTFT and EngineE2E are the replica's own part of TTFT and E2E,
+	// from its arrival at the engine to its first and last token, in model
+	// time, when the replica reported them (0: not reported). TTFT and E2E
+	// are then that part plus the time outside the engine — the gateway,
+	// the network, the client — counted once in real time (bench.Run).
+	EngineTTFT, EngineE2E time.Duration
+
 	Replica int    // index of the replica that served (or was sent) it; -1 if none
 	Err     bool   // the request failed: excluded from latency, throughput and hit rate, counted in Errors
 	ErrKind string // short class of the failure (e.g. "timeout", "http_503"), for the caller's breakdowns
@@ -94,7 +101,46 @@ type Run struct {
 	CapacitySpeedup  *float64           `json:"capacity_speedup,omitempty"`
 	CapacityBelow    *float64           `json:"capacity_below,omitempty"`
 	Extra            map[string]float64 `json:"extra,omitempty"` // e.g. hit_rate_vs_bound
-	Series           *Series            `json:"-"`
+	// Split is where the time went: in the engines and outside them; absent
+	// when the replicas told nothing of their own times.
+	Split  *Split  `json:"split,omitempty"`
+	Series *Series `json:"-"`
+}
+
+// Sources of a Split.
+const (
+	// SplitPerRequest: each request's answer carried the replica's own
+	// times (kvgate sim's usage.kvgate_sim; Record.EngineTTFT).
+	SplitPerRequest = "per_request"
+	// SplitEngineMetrics: the replicas' vLLM histograms
+	// (vllm:time_to_first_token_seconds, vllm:inter_token_latency_seconds)
+	// read before and after the run; means only outside the engine.
+	SplitEngineMetrics = "engine_metrics"
+)
+
+// Split is where a run's latency went (issue 30): in the engines — the
+// replicas' own time to first token and between tokens, in model time —
+// and outside them: the gateway, the network and the client, in real time,
+// never multiplied by a time scale. Client TTFT = engine + outside.
+//
+// Source per_request: every distribution is over the successful requests
+// whose replica reported its times (Requests of them); outside = the
+// request's TTFT − its engine TTFT, and its ITL − its engine ITL ((E2E −
+// TTFT) / (output tokens − 1) on either side). Source engine_metrics: the
+// engine distributions are the replicas' histograms over the run (Requests
+// = the first tokens they counted, other clients' included; mean exact,
+// percentiles interpolated within the buckets as Prometheus's
+// histogram_quantile does; ITL per token rather than per request), and
+// outside only the means: the client's mean − the engine's.
+type Split struct {
+	Source            string  `json:"source"`
+	Requests          int     `json:"requests"`
+	EngineTTFTms      Dist    `json:"engine_ttft_ms"`
+	OutsideTTFTms     *Dist   `json:"outside_ttft_ms,omitempty"`
+	OutsideTTFTMeanms float64 `json:"outside_ttft_mean_ms"`
+	EngineITLms       Dist    `json:"engine_itl_ms"`
+	OutsideITLms      *Dist   `json:"outside_itl_ms,omitempty"`
+	OutsideITLMeanms  float64 `json:"outside_itl_mean_ms"`
 }
 
 const (
@@ -160,6 +206,7 @@ func Summarize(policy string, recs []Record, replicas int, wall time.Duration) R
 		run.HitRate = float64(t.cached) / float64(t.prompt)
 	}
 	run.ReplicaShare, run.Imbalance = shares(t.perReplica)
+	run.Split = t.split.summary()
 	run.Series = &Series{
 		TTFTCDF:         cdfOf(t.ttft),
 		HitRate:         hitRateSeries(recs, t.firstOK, t.lastOK),
@@ -179,6 +226,43 @@ type tally struct {
 	seen                      bool
 	firstOK, lastOK           time.Duration // arrival range of successful requests, for hit-rate buckets
 	seenOK                    bool
+	split                     splitTally
+}
+
+// splitTally gathers the per-request split (ms) of the records that carry
+// their engine's times.
+type splitTally struct {
+	engineTTFT, outsideTTFT, engineITL, outsideITL []float64
+}
+
+func (s *splitTally) add(r Record) {
+	if r.EngineTTFT <= 0 {
+		return
+	}
+	s.engineTTFT = append(s.engineTTFT, ms(r.EngineTTFT))
+	s.outsideTTFT = append(s.outsideTTFT, ms(r.TTFT-r.EngineTTFT))
+	if r.OutputTokens >= 2 && r.EngineE2E >= r.EngineTTFT {
+		gaps := float64(r.OutputTokens - 1)
+		eng := ms(r.EngineE2E-r.EngineTTFT) / gaps
+		s.engineITL = append(s.engineITL, eng)
+		s.outsideITL = append(s.outsideITL, ms(r.E2E-r.TTFT)/gaps-eng)
+	}
+}
+
+// summary is the per-request Split, nil without records that carry one.
+func (s *splitTally) summary() *Split {
+	if len(s.engineTTFT) == 0 {
+		return nil
+	}
+	dist := func(v []float64) Dist {
+		slices.Sort(v)
+		return distOf(v)
+	}
+	out := &Split{Source: SplitPerRequest, Requests: len(s.engineTTFT), EngineTTFTms: dist(s.engineTTFT), EngineITLms: dist(s.engineITL)}
+	ot, oi := dist(s.outsideTTFT), dist(s.outsideITL)
+	out.OutsideTTFTms, out.OutsideITLms = &ot, &oi
+	out.OutsideTTFTMeanms, out.OutsideITLMeanms = ot.Mean, oi.Mean
+	return out
 }
 
 func newTally(records, replicas int) *tally {
@@ -219,6 +303,7 @@ func (t *tally) add(r Record) {
 	t.prompt += int64(r.PromptTokens)
 	t.cached += int64(r.CachedTokens)
 	t.outTokens += int64(r.OutputTokens)
+	t.split.add(r)
 }
 
 // shares is each replica's share of the routed requests and the imbalance: the largest

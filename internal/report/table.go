@@ -1,8 +1,10 @@
 package report
 
 import (
+	"cmp"
 	"fmt"
 	"io"
+	"slices"
 	"strings"
 	"unicode/utf8"
 )
@@ -50,6 +52,10 @@ func buildTable(res Result) table {
 	if capacity {
 		t.Header = append(t.Header, "capacity")
 	}
+	split := hasSplit(res)
+	if split {
+		t.Header = append(t.Header, "engine ttft ms", "outside ttft ms")
+	}
 	for _, r := range res.Runs {
 		row := []string{
 			r.Policy,
@@ -73,6 +79,9 @@ func buildTable(res Result) table {
 				row = append(row, "-")
 			}
 		}
+		if split {
+			row = append(row, timeSplitCells(r)...)
+		}
 		t.Rows = append(t.Rows, row)
 	}
 	t.Right = make([]bool, len(t.Header))
@@ -80,6 +89,38 @@ func buildTable(res Result) table {
 		t.Right[i] = true
 	}
 	return t
+}
+
+func hasSplit(res Result) bool { return anyRun(res, func(r Run) bool { return r.Split != nil }) }
+
+// timeSplitCells are a run's engine and outside TTFT means, "-" without a split.
+func timeSplitCells(r Run) []string {
+	if r.Split == nil {
+		return []string{"-", "-"}
+	}
+	return []string{fmtMs(r.Split.EngineTTFTms.Mean), fmtMs(r.Split.OutsideTTFTMeanms)}
+}
+
+// splitLine explains the split columns in one line, "" without a split.
+func splitLine(res Result) string {
+	if !hasSplit(res) {
+		return ""
+	}
+	var sources []string
+	for _, r := range res.Runs {
+		if r.Split != nil && !slices.Contains(sources, r.Split.Source) {
+			sources = append(sources, r.Split.Source)
+		}
+	}
+	from := map[string]string{SplitPerRequest: "each request's answer (the replica's own times)",
+		SplitEngineMetrics: "the replicas' vLLM histograms over the run"}
+	var parts []string
+	for _, s := range sources {
+		parts = append(parts, cmp.Or(from[s], s))
+	}
+	return "engine/outside ttft: means of the TTFT's two parts — in the engine (the replicas' own time to first token, " +
+		"model time) and outside it (gateway, network, load generator: real time, never multiplied by a time scale); from " +
+		strings.Join(parts, " and ") + "."
 }
 
 // boundLine describes the replay's hit-rate bounds in one line, "" without bounds.
@@ -134,9 +175,11 @@ func WriteTable(w io.Writer, res Result) {
 	for _, row := range t.Rows {
 		line(row)
 	}
-	if s := boundLine(res.Bound); s != "" {
-		b.WriteString(s)
-		b.WriteByte('\n')
+	for _, s := range []string{splitLine(res), boundLine(res.Bound)} {
+		if s != "" {
+			b.WriteString(s)
+			b.WriteByte('\n')
+		}
 	}
 	_, _ = io.WriteString(w, b.String())
 }
