@@ -39,6 +39,9 @@ const (
 	DefaultChatMaxTokens = 256
 	// DefaultMaxLag is the default Config.MaxLag: a few timer granules.
 	DefaultMaxLag = 5 * time.Millisecond
+	// MaxElastic bounds Config.Elastic: the error it allows in a request's
+	// engine time should stay below a step's.
+	MaxElastic = time.Second
 	// MaxTimeScale bounds --time-scale so that virtual nanoseconds,
 	// (wall − start) × scale, fit an int64 for more than a day of wall time.
 	MaxTimeScale = 1e5
@@ -164,6 +167,15 @@ type Config struct {
 	// DefaultMaxLag.
 	MaxLag time.Duration
 
+	// Elastic > 0 makes the fleet's model time elastic (see Timeline): it
+	// never runs more than Elastic (model time) ahead of a busy engine
+	// core, waiting for one that falls behind instead of leaving it behind,
+	// so that a host too slow for TimeScale slows the run down instead of
+	// distorting it. It also bounds how far before its arrival a request
+	// may join a step (MaxLag does not apply). 0: the wall clock paces
+	// model time, as kvgate sim serves. At most MaxElastic.
+	Elastic time.Duration
+
 	// Clock is the wall clock of the drivers and faults; default
 	// clock.Real(). The engine never reads one: the driver converts wall
 	// time to virtual time and passes it in, so tests drive a replica with a
@@ -287,6 +299,8 @@ func (c Config) validate() error {
 		return bad("time scale %v out of (0, %g]", c.TimeScale, float64(MaxTimeScale))
 	case c.MaxLag < 0:
 		return bad("max lag %v < 0", c.MaxLag)
+	case c.Elastic < 0 || c.Elastic > MaxElastic:
+		return bad("elastic slack %v out of [0, %v]", c.Elastic, MaxElastic)
 	case c.DataParallelSize < 1 || c.DataParallelSize > MaxDataParallelSize:
 		return bad("data parallel size %d out of [1, %d]", c.DataParallelSize, MaxDataParallelSize)
 	case c.KVBlocks < 1 || c.BlockSize < 1:

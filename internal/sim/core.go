@@ -21,6 +21,7 @@ import (
 type core struct {
 	r    *Replica
 	rank int
+	slot int // its place in the fleet's Timeline
 
 	// Guarded by r.mu.
 	eng     *engine.Engine
@@ -77,7 +78,7 @@ func newCores(r *Replica) error {
 		if err != nil {
 			return err
 		}
-		c := &core{r: r, rank: rank, eng: eng, live: make(map[uint64]*choice), idle: true,
+		c := &core{r: r, rank: rank, slot: r.tl.join(), eng: eng, live: make(map[uint64]*choice), idle: true,
 			wokeAt: never, wake: make(chan struct{}, 1), engineID: engineIDOf(r.addr, rank, n)}
 		if n > 1 {
 			c.dpRank = &c.rank
@@ -141,7 +142,7 @@ func (c *core) drive() {
 			}
 			continue
 		}
-		if !r.sleepUntil(t, r.wallOf(res.End)) {
+		if !r.tl.Until(t, res.End, r.done) {
 			return
 		}
 		// res.Outputs is only overwritten by the next Step, which this
@@ -168,7 +169,7 @@ func (c *core) plan() (res *engine.StepResult, ev time.Duration, hasEv bool) {
 	}
 	ev, hasEv = c.eng.NextEvent()
 	if !c.eng.HasWork() && !(hasEv && ev <= now) {
-		c.goIdleLocked()
+		c.goIdleLocked(ev, hasEv)
 		r.mu.Unlock()
 		return nil, ev, hasEv
 	}
@@ -177,52 +178,69 @@ func (c *core) plan() (res *engine.StepResult, ev time.Duration, hasEv bool) {
 	c.planEnd = step.End
 	c.transfersLocked(step.Pulls)
 	if step.Seqs > 0 {
+		r.tl.setEnd(c.slot, step.End)
 		r.mu.Unlock()
 		return &step, 0, false
 	}
 	ev, hasEv = c.eng.NextEvent()
-	c.goIdleLocked()
+	c.goIdleLocked(ev, hasEv)
 	r.mu.Unlock()
 	c.publish(step.KV)
 	return nil, ev, hasEv
 }
 
 // goIdleLocked marks the driver idle: it resumes at the first of an
-// arrival, a poke or the engine's next event (see wakeLocked). r.mu is held.
-func (c *core) goIdleLocked() {
+// arrival, a poke or the engine's next event ev, if hasEv (see
+// wakeLocked). An elastic timeline does not pass that event by more than
+// its slack before the driver has handled it. r.mu is held.
+func (c *core) goIdleLocked(ev time.Duration, hasEv bool) {
 	c.idle = true
 	c.wokeAt = never
+	if !hasEv {
+		ev = never
+	}
+	c.r.tl.setEnd(c.slot, ev)
 }
 
 // wakeLocked records that the idle driver has cause to resume at engine
-// time now. r.mu is held.
+// time now; the timeline waits for it there. r.mu is held.
 func (c *core) wakeLocked(now time.Duration) {
 	if c.idle {
 		c.wokeAt = min(c.wokeAt, now)
+		c.r.tl.setEnd(c.slot, c.wokeAt)
 	}
 }
 
-// waitWake waits for a poke or, if hasEv, until the wall time of engine
-// time ev; false when the replica stops first.
+// waitWake waits for a poke or, if hasEv, until model time ev; false when
+// the replica stops first.
 func (c *core) waitWake(t clock.Timer, ev time.Duration, hasEv bool) bool {
-	var fire <-chan time.Time
-	if hasEv {
-		t.Reset(c.r.wallOf(ev).Sub(c.r.clock.Now()))
-		fire = t.C()
-	}
-	select {
-	case <-c.wake:
+	for {
+		var fire <-chan time.Time
+		var moved <-chan struct{}
 		if hasEv {
-			t.Stop()
+			reached, d, mv := c.r.tl.Wait(ev)
+			if reached {
+				c.r.mu.Lock()
+				c.wakeLocked(ev)
+				c.r.mu.Unlock()
+				return true
+			}
+			if moved = mv; moved == nil {
+				t.Reset(d)
+				fire = t.C()
+			}
 		}
-		return true
-	case <-fire:
-		c.r.mu.Lock()
-		c.wakeLocked(ev)
-		c.r.mu.Unlock()
-		return true
-	case <-c.r.done:
-		return false
+		select {
+		case <-c.wake:
+			if fire != nil {
+				t.Stop()
+			}
+			return true
+		case <-fire: // model time may have been held back meanwhile: ask again
+		case <-moved:
+		case <-c.r.done:
+			return false
+		}
 	}
 }
 
@@ -244,22 +262,6 @@ func (c *core) transfersLocked(pulls []engine.Pull) {
 			c.r.release(c, ch.remote)
 			ch.remote = nil
 		}
-	}
-}
-
-// sleepUntil waits on t until the wall clock reaches at; false when the
-// replica stops first.
-func (r *Replica) sleepUntil(t clock.Timer, at time.Time) bool {
-	d := at.Sub(r.clock.Now())
-	if d <= 0 {
-		return true
-	}
-	t.Reset(d)
-	select {
-	case <-t.C():
-		return true
-	case <-r.done:
-		return false
 	}
 }
 

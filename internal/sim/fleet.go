@@ -22,6 +22,7 @@ import (
 // Fleet is a set of replicas started together.
 type Fleet struct {
 	cfg      Config
+	tl       *Timeline
 	replicas []*Replica
 	stop     func() bool
 
@@ -38,7 +39,7 @@ func Start(ctx context.Context, cfg Config) (*Fleet, error) {
 	if err := cfg.validate(); err != nil {
 		return nil, err
 	}
-	f := &Fleet{cfg: cfg}
+	f := &Fleet{cfg: cfg, tl: NewTimeline(cfg.Clock, cfg.TimeScale, cfg.Elastic)}
 	for i := range cfg.Replicas {
 		port := 0
 		if cfg.Port > 0 {
@@ -50,7 +51,7 @@ func Start(ctx context.Context, cfg Config) (*Fleet, error) {
 			f.closeStarted()
 			return nil, fmt.Errorf("sim: replica %d: %w", i, err)
 		}
-		r, err := newReplica(ctx, cfg.forReplica(i), i, ln)
+		r, err := newReplica(ctx, cfg.forReplica(i), i, ln, f.tl)
 		if err != nil {
 			_ = ln.Close()
 			f.closeStarted()
@@ -73,6 +74,10 @@ func (f *Fleet) closeStarted() {
 		_ = r.closeKVEvents()
 	}
 }
+
+// Timeline is the fleet's model time, which a load generator in the same
+// process paces itself by (see Timeline).
+func (f *Fleet) Timeline() *Timeline { return f.tl }
 
 // Replicas are the fleet's replicas in index order.
 func (f *Fleet) Replicas() []*Replica { return f.replicas }

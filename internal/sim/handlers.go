@@ -184,6 +184,7 @@ func (r *Replica) inference(kind prompt.Kind) http.HandlerFunc {
 		}
 		j.pull = j.kv.remotePrefill && pullErr == nil
 		cl, reqs := r.newCall(j)
+		j.submitted = r.clock.Now()
 		if err := r.submit(cl, reqs, rank); err != nil {
 			if errors.Is(err, engine.ErrTooLong) {
 				// Not reached: MaxModelLen fits the cache, and limits checked it.

@@ -3,6 +3,7 @@ package sim
 import (
 	"encoding/json"
 	"strings"
+	"time"
 
 	"github.com/cespare/xxhash/v2"
 
@@ -40,6 +41,10 @@ type job struct {
 	pull bool
 	// crash: a prompt contains the query of death (Faults.CrashOn).
 	crash bool
+	// submitted and firstOut are the wall times at which the request went
+	// to the engine and its first token was written (streams): the
+	// replica's own span in real time (Timing's wall fields).
+	submitted, firstOut time.Time
 }
 
 // parseJob validates a completions or chat body as vLLM does, reading

@@ -75,9 +75,10 @@ type kvParams struct {
 	host          string
 	port          int
 	blockIDs      []int64
-	// prefillMs is the prefill step's engine time (PrefillKey), which the
-	// decode side counts in its Timing.
-	prefillMs float64
+	// prefillMs and prefillWallMs are the prefill step's engine time and
+	// span (PrefillKey, PrefillWallKey), which the decode side counts in
+	// its Timing.
+	prefillMs, prefillWallMs float64
 }
 
 // kvBad is a 400 naming a field of kv_transfer_params.
@@ -137,10 +138,13 @@ func (p *kvParams) readNumbers(o body) error {
 	if tp, err := o.integer("tp_size"); err != nil || (tp.set && tp.v < 1) {
 		return kvBad("tp_size", "tp_size must be a positive integer.")
 	}
-	if v := o.get(PrefillKey); v != nil {
+	for _, f := range []struct {
+		key string
+		dst *float64
+	}{{PrefillKey, &p.prefillMs}, {PrefillWallKey, &p.prefillWallMs}} {
 		// A number: json.Unmarshal refuses NaN and infinities.
-		if json.Unmarshal(v, &p.prefillMs) != nil || !(p.prefillMs >= 0 && p.prefillMs <= MaxTimingMs) {
-			return kvBad(PrefillKey, "%s must be a number in [0, %d].", PrefillKey, MaxTimingMs)
+		if v := o.get(f.key); v != nil && (json.Unmarshal(v, f.dst) != nil || !(*f.dst >= 0 && *f.dst <= MaxTimingMs)) {
+			return kvBad(f.key, "%s must be a number in [0, %d].", f.key, MaxTimingMs)
 		}
 	}
 	return nil
@@ -200,8 +204,10 @@ type kvTransferOut struct {
 	RemoteHost      string  `json:"remote_host"`
 	RemotePort      int     `json:"remote_port"`
 	TPSize          int     `json:"tp_size"`
-	// PrefillMs is the sim's own: this step's engine time (see Timing).
-	PrefillMs float64 `json:"kvgate_sim_prefill_ms"`
+	// PrefillMs and PrefillWallMs are the sim's own: this step's engine
+	// time and span (see Timing).
+	PrefillMs     float64 `json:"kvgate_sim_prefill_ms"`
+	PrefillWallMs float64 `json:"kvgate_sim_prefill_wall_ms"`
 }
 
 // kvTransferParams is the kv_transfer_params field of a finished call's
@@ -224,7 +230,7 @@ func (r *Replica) kvTransferParams(j *job, cl *call) json.RawMessage {
 		RemoteHost:      host, RemotePort: p, TPSize: 1,
 	}
 	if t := r.timing(j, cl); t != nil {
-		out.PrefillMs = t.E2Ems
+		out.PrefillMs, out.PrefillWallMs = t.E2Ems, t.WallE2Ems
 	}
 	data, _ := json.Marshal(out)
 	return data

@@ -29,8 +29,9 @@ type Replica struct {
 	cfg    Config // the fleet's with this replica's override, defaults filled
 	faults Faults
 	clock  clock.Clock
-	start  time.Time // wall time of virtual time 0
+	start  time.Time // wall time at which it started serving
 	scale  float64
+	tl     *Timeline // the fleet's model time
 
 	// mu serialises every engine call of every core and guards the cores'
 	// driver state.
@@ -168,14 +169,19 @@ func (r *Replica) Config() Config { return r.cfg }
 
 // newReplica builds replica idx on ln with its own configuration (the
 // fleet's with its override).
-func newReplica(ctx context.Context, cfg Config, idx int, ln net.Listener) (*Replica, error) {
+func newReplica(ctx context.Context, cfg Config, idx int, ln net.Listener, tl *Timeline) (*Replica, error) {
+	maxLag := time.Duration(float64(cfg.MaxLag) * cfg.TimeScale)
+	if cfg.Elastic > 0 {
+		maxLag = cfg.Elastic // model time never passes a core by more
+	}
 	r := &Replica{
 		idx:    idx,
 		cfg:    cfg,
 		faults: cfg.faultsFor(idx),
 		clock:  cfg.Clock,
 		scale:  cfg.TimeScale,
-		maxLag: time.Duration(float64(cfg.MaxLag) * cfg.TimeScale),
+		tl:     tl,
+		maxLag: maxLag,
 		addr:   ln.Addr().String(),
 		ln:     ln,
 		reopen: make(chan net.Listener, 1),
@@ -390,15 +396,9 @@ func (r *Replica) run() {
 	}
 }
 
-// virtualNow is the engine time of the wall clock now.
-func (r *Replica) virtualNow() time.Duration {
-	return time.Duration(float64(r.clock.Now().Sub(r.start)) * r.scale)
-}
-
-// wallOf is the wall time of engine time v.
-func (r *Replica) wallOf(v time.Duration) time.Time {
-	return r.start.Add(time.Duration(float64(v) / r.scale))
-}
+// virtualNow is the engine time of the wall clock now: the fleet's model
+// time.
+func (r *Replica) virtualNow() time.Duration { return r.tl.Now() }
 
 // gate counts running handlers so that shutdown can wait for them; unlike
 // a WaitGroup it refuses entries once closed, so a handler that starts

@@ -41,6 +41,7 @@ type sseWriter struct {
 	post   map[string][]byte
 	buf    []byte
 	choice []streamState
+	tokens bool // the last take wrote a token
 }
 
 // streamState is what a stream has written of one choice.
@@ -133,9 +134,10 @@ func (s *sseWriter) take(cl *call) (all bool) {
 		all = all && c.finished
 	}
 	cl.mu.Unlock()
-	s.buf = s.buf[:0]
+	s.buf, s.tokens = s.buf[:0], false
 	for i, c := range cl.choices {
 		st := &s.choice[i]
+		s.tokens = s.tokens || st.take > 0
 		for k := range st.take {
 			if s.chat && st.written == 0 {
 				s.role(c.index)
@@ -171,6 +173,9 @@ func (r *Replica) streamCall(w http.ResponseWriter, req *http.Request, j *job, c
 			return
 		}
 		all := s.take(cl)
+		if j.firstOut.IsZero() && s.tokens {
+			j.firstOut = r.clock.Now()
+		}
 		if all {
 			if j.includeUsage {
 				s.usage(j.usage(cl), r.timing(j, cl))

@@ -30,14 +30,19 @@ import (
 // A disaggregated request's prefill step is another replica's engine time:
 // the prefill replica adds it to the kv_transfer_params of its answer
 // (PrefillKey), which the gateway passes to the decode replica with the
-// rest, and the decode replica counts it in ttft_ms and e2e_ms.
+// rest, and the decode replica counts it in ttft_ms and e2e_ms; likewise
+// its span in real time in wall_ttft_ms and wall_e2e_ms.
 
 // TimingKey is the usage object's key of the sim's Timing.
 const TimingKey = "kvgate_sim"
 
-// PrefillKey is the kv_transfer_params key by which a prefill replica
-// passes its engine time (ms, model time) to the decode replica.
-const PrefillKey = "kvgate_sim_prefill_ms"
+// PrefillKey and PrefillWallKey are the kv_transfer_params keys by which
+// a prefill replica passes its engine time (ms, model time) and its own
+// span in real time (ms; Timing.WallE2Ems) to the decode replica.
+const (
+	PrefillKey     = "kvgate_sim_prefill_ms"
+	PrefillWallKey = "kvgate_sim_prefill_wall_ms"
+)
 
 // MaxTimingMs bounds every time in a Timing and PrefillKey: a day, far
 // beyond any request's timeout.
@@ -56,6 +61,15 @@ type Timing struct {
 	// TimeScale is the replica's time scale: its engine ran this many
 	// times faster than real time.
 	TimeScale float64 `json:"time_scale"`
+	// WallTTFTms and WallE2Ems are the replica's own span in real time
+	// (ms): from handing the request to its engine to writing its first
+	// token (streams only; 0 otherwise), and to writing its answer's end.
+	// What a client measured beyond them was spent outside the replica.
+	// They contain the engine's time / TimeScale and what simulating it
+	// cost on this host (a driver woken late, a handler waiting for the
+	// CPU), which is neither the engine's nor the router's.
+	WallTTFTms float64 `json:"wall_ttft_ms"`
+	WallE2Ems  float64 `json:"wall_e2e_ms"`
 }
 
 // Valid reports whether every field of t is a time a replica can report:
@@ -63,13 +77,14 @@ type Timing struct {
 // in (0, MaxTimeScale]. A client reads t from the network: it uses nothing
 // that fails this.
 func (t Timing) Valid() bool {
-	for _, v := range []float64{t.TTFTms, t.E2Ems, t.MaxITLms, t.TimeScale} {
+	for _, v := range []float64{t.TTFTms, t.E2Ems, t.MaxITLms, t.TimeScale, t.WallTTFTms, t.WallE2Ems} {
 		if math.IsNaN(v) || math.IsInf(v, 0) {
 			return false
 		}
 	}
 	return t.TTFTms > 0 && t.TTFTms <= t.E2Ems && t.E2Ems <= MaxTimingMs && t.MaxITLms >= 0 && t.MaxITLms <= t.E2Ems &&
-		t.TimeScale > 0 && t.TimeScale <= MaxTimeScale
+		t.TimeScale > 0 && t.TimeScale <= MaxTimeScale && t.WallTTFTms >= 0 && t.WallTTFTms <= t.WallE2Ems &&
+		t.WallE2Ems <= MaxTimingMs
 }
 
 // ParseTiming reads the Timing of an answer's usage from a streamed
@@ -118,8 +133,15 @@ func (r *Replica) timing(j *job, cl *call) *Timing {
 	if first < 0 {
 		return nil
 	}
-	pre := j.kv.prefillMs
-	return &Timing{TTFTms: pre + ms(first), E2Ems: pre + ms(last), MaxITLms: ms(gap), TimeScale: r.scale}
+	pre, preWall := j.kv.prefillMs, j.kv.prefillWallMs
+	t := &Timing{TTFTms: pre + ms(first), E2Ems: pre + ms(last), MaxITLms: ms(gap), TimeScale: r.scale}
+	if !j.submitted.IsZero() {
+		t.WallE2Ems = preWall + ms(r.clock.Now().Sub(j.submitted))
+		if !j.firstOut.IsZero() {
+			t.WallTTFTms = preWall + ms(j.firstOut.Sub(j.submitted))
+		}
+	}
+	return t
 }
 
 func ms(d time.Duration) float64 { return float64(d) / float64(time.Millisecond) }

@@ -2,6 +2,7 @@ package sim
 
 import (
 	"encoding/json"
+	"maps"
 	"math"
 	"strings"
 	"testing"
@@ -47,8 +48,12 @@ func TestUsageTiming(t *testing.T) {
 				t.Fatalf("no valid kvgate_sim in %s", data)
 			}
 			v := func(d time.Duration) float64 { return ms(2 * d) } // wall → model ms
-			want := Timing{TTFTms: v(steps[0]), E2Ems: v(steps[0] + steps[1] + steps[2] + steps[3]),
-				MaxITLms: v(max(steps[1], steps[2], steps[3])), TimeScale: 2}
+			all := steps[0] + steps[1] + steps[2] + steps[3]
+			want := Timing{TTFTms: v(steps[0]), E2Ems: v(all), MaxITLms: v(max(steps[1], steps[2], steps[3])), TimeScale: 2,
+				WallE2Ems: ms(all)} // the fake clock stands still but for the steps
+			if stream {
+				want.WallTTFTms = ms(steps[0]) // written when the first step ended
+			}
 			if !closeTiming(got, want) {
 				t.Errorf("timing %+v, want %+v", got, want)
 			}
@@ -65,7 +70,8 @@ func TestUsageTiming(t *testing.T) {
 
 func closeTiming(a, b Timing) bool {
 	near := func(x, y float64) bool { return math.Abs(x-y) < 1e-5 } // ms: a few ns of halving
-	return near(a.TTFTms, b.TTFTms) && near(a.E2Ems, b.E2Ems) && near(a.MaxITLms, b.MaxITLms) && a.TimeScale == b.TimeScale
+	return near(a.TTFTms, b.TTFTms) && near(a.E2Ems, b.E2Ems) && near(a.MaxITLms, b.MaxITLms) && a.TimeScale == b.TimeScale &&
+		near(a.WallTTFTms, b.WallTTFTms) && near(a.WallE2Ems, b.WallE2Ems)
 }
 
 // A disaggregated request's times count the prefill step's: the prefill
@@ -81,24 +87,30 @@ func TestUsageTimingCountsPrefill(t *testing.T) {
 	if err := json.Unmarshal(raw, &kv); err != nil {
 		t.Fatal(err)
 	}
-	var preMs float64
+	var preMs, preWall float64
 	if err := json.Unmarshal(kv[PrefillKey], &preMs); err != nil || preMs <= 0 {
 		t.Fatalf("prefill answer's %s = %s, want a positive number", PrefillKey, kv[PrefillKey])
+	}
+	if err := json.Unmarshal(kv[PrefillWallKey], &preWall); err != nil || preWall <= 0 {
+		t.Fatalf("prefill answer's %s = %s, want a positive number", PrefillWallKey, kv[PrefillWallKey])
 	}
 	r := testutil.Post(t, c, dec.URL()+"/v1/completions", pdDecodeBody(text, 3, false, raw))
 	got, ok := ParseTiming([]byte(r.Body))
 	if !ok {
 		t.Fatalf("decode answer without kvgate_sim: %s", r.Body)
 	}
-	if !(got.TTFTms > preMs && got.E2Ems > got.TTFTms) {
-		t.Errorf("decode timing %+v does not count the prefill step's %v ms", got, preMs)
+	if !(got.TTFTms > preMs && got.E2Ems > got.TTFTms && got.WallE2Ems > preWall) {
+		t.Errorf("decode timing %+v does not count the prefill step's %v ms (%v ms wall)", got, preMs, preWall)
 	}
-	for _, bad := range []string{`-1`, `1e300`, `"5"`} {
-		kv[PrefillKey] = json.RawMessage(bad)
-		b, _ := json.Marshal(kv)
-		r := testutil.Post(t, c, dec.URL()+"/v1/completions", pdDecodeBody(text, 3, false, b))
-		if r.Status != 400 || !strings.Contains(r.Body, PrefillKey) {
-			t.Errorf("%s = %s: status %d %s, want 400 naming it", PrefillKey, bad, r.Status, r.Body)
+	for _, key := range []string{PrefillKey, PrefillWallKey} {
+		for _, bad := range []string{`-1`, `1e300`, `"5"`} {
+			kv := maps.Clone(kv)
+			kv[key] = json.RawMessage(bad)
+			b, _ := json.Marshal(kv)
+			r := testutil.Post(t, c, dec.URL()+"/v1/completions", pdDecodeBody(text, 3, false, b))
+			if r.Status != 400 || !strings.Contains(r.Body, key) {
+				t.Errorf("%s = %s: status %d %s, want 400 naming it", key, bad, r.Status, r.Body)
+			}
 		}
 	}
 }
@@ -109,7 +121,9 @@ func TestParseTimingBounds(t *testing.T) {
 		name, data string
 		ok         bool
 	}{
-		{"valid", `{"usage":{"kvgate_sim":{"ttft_ms":10,"e2e_ms":50,"max_itl_ms":12,"time_scale":20}}}`, true},
+		{"valid", `{"usage":{"kvgate_sim":{"ttft_ms":10,"e2e_ms":50,"max_itl_ms":12,"time_scale":20,"wall_ttft_ms":1,"wall_e2e_ms":3}}}`, true},
+		{"wall ttft after wall e2e", `{"usage":{"kvgate_sim":{"ttft_ms":10,"e2e_ms":50,"max_itl_ms":1,"time_scale":1,"wall_ttft_ms":4,"wall_e2e_ms":3}}}`, false},
+		{"negative wall", `{"usage":{"kvgate_sim":{"ttft_ms":10,"e2e_ms":50,"max_itl_ms":1,"time_scale":1,"wall_ttft_ms":-1,"wall_e2e_ms":3}}}`, false},
 		{"no usage", `{"choices":[]}`, false},
 		{"no timing", `{"usage":{"prompt_tokens":3}}`, false},
 		{"zero ttft", `{"usage":{"kvgate_sim":{"ttft_ms":0,"e2e_ms":50,"max_itl_ms":1,"time_scale":1}}}`, false},
