@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"net"
+	"net/http"
 	"sync"
 	"time"
 
@@ -26,7 +27,18 @@ type EmbeddedConfig struct {
 	// router; requests go to them in turn. With Gateway.SharedState they
 	// share their state through that Redis (a namespace of the run's own).
 	Gateways int
+	// wrapGateway, when set, wraps each gateway's handler (tests: a gateway
+	// made slower).
+	wrapGateway func(http.Handler) http.Handler
 }
+
+// DefaultElastic is the embedded fleet's elastic slack (sim.Config.Elastic,
+// model time) unless EmbeddedConfig.Sim sets one: model time waits for an
+// engine core more than this behind, and the load generator with it, so
+// that a host too slow for the time scale slows the run instead of
+// distorting it. It bounds how much earlier than its arrival a request may
+// join a step: well below a step (10 ms and more with the default profile).
+const DefaultElastic = time.Millisecond
 
 // EmbeddedResult is one policy's run.
 type EmbeddedResult struct {
@@ -41,6 +53,9 @@ type EmbeddedResult struct {
 func RunEmbedded(ctx context.Context, e EmbeddedConfig, policy string, reqs []workload.Request) (EmbeddedResult, error) {
 	simCfg := e.Sim
 	simCfg.Port = 0
+	if simCfg.Elastic == 0 {
+		simCfg.Elastic = DefaultElastic
+	}
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	fl, err := sim.Start(ctx, simCfg)
@@ -59,6 +74,7 @@ func RunEmbedded(ctx context.Context, e EmbeddedConfig, policy string, reqs []wo
 	// The replicas that answer (X-Kvgate-Replica): a prefill replica's
 	// share would always be 0.
 	load.Target, load.Replicas, load.TimeScale = targets[0], targetNames(answering(urls, simCfg), simCfg.DataParallelSize), simCfg.TimeScale
+	load.Timeline = fl.Timeline()
 	if len(targets) > 1 {
 		load.Targets = targets
 	}
@@ -127,7 +143,7 @@ func startGateways(ctx context.Context, e EmbeddedConfig, policy string, urls []
 		}
 	}
 	for range max(e.Gateways, 1) {
-		t, stop, err := startGateway(ctx, gcfg, policy, urls, sc)
+		t, stop, err := startGateway(ctx, gcfg, policy, urls, sc, e.wrapGateway)
 		if err != nil {
 			stopAll()
 			return nil, nil, err
@@ -141,7 +157,8 @@ func startGateways(ctx context.Context, e EmbeddedConfig, policy string, urls []
 // urls (with the roles the fleet sc gives them) on a loopback port, and
 // waits until it has scraped each of them. It returns the gateway's URL
 // and its stop.
-func startGateway(ctx context.Context, gcfg gateway.Config, policy string, urls []string, sc sim.Config) (string, func(), error) {
+func startGateway(ctx context.Context, gcfg gateway.Config, policy string, urls []string, sc sim.Config,
+	wrap func(http.Handler) http.Handler) (string, func(), error) {
 	gcfg.Policy = policy
 	gcfg.Replicas = nil
 	for i, u := range urls {
@@ -167,6 +184,9 @@ func startGateway(ctx context.Context, gcfg gateway.Config, policy string, urls 
 	}
 	ctx, cancel := context.WithCancel(ctx)
 	srv := g.Server()
+	if wrap != nil {
+		srv.Handler = wrap(srv.Handler)
+	}
 	var wg sync.WaitGroup
 	wg.Go(func() { g.Run(ctx) })
 	wg.Go(func() { _ = srv.Serve(ln) })

@@ -1,0 +1,94 @@
+package bench
+
+import (
+	"context"
+	"net/http"
+	"testing"
+	"time"
+
+	"github.com/kvgate/kvgate/internal/report"
+	"github.com/kvgate/kvgate/internal/sim"
+)
+
+// A gateway made slower by a fixed delay per request (a handler that
+// sleeps before routing) at time scale 1000: bench counts the delay once,
+// in real time, as time outside the engine. Multiplied by the scale, as
+// bench did before, the delay alone would be 20 s of TTFT. The bounds hold
+// on any machine: the client's wall time to the first token contains the
+// sleep and the replica's own span, so outside ≥ the delay; and the TTFT is
+// the engine's (tens of ms of model time for these prompts) plus outside,
+// which would have to reach about 20 s of real time per request to break
+// the upper bound.
+func TestSlowGatewayCountedOnce(t *testing.T) {
+	const (
+		delay = 20 * time.Millisecond
+		scale = 1000
+	)
+	reqs := generate(t, "multiturn", map[string]float64{"conversations": 3, "turns": 3, "system_prompt_len": 64,
+		"user_len_min": 32, "user_len_max": 32, "output_len": 4, "think_ms": 0})
+	e := embedded(2)
+	e.Sim.TimeScale = scale
+	e.Load.RequestTimeout = 24 * time.Hour // model time: 86 s of wall at the scale
+	e.wrapGateway = func(h http.Handler) http.Handler {
+		return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			if r.Method == http.MethodPost {
+				time.Sleep(delay) // the gateway's own cost, in real time
+			}
+			h.ServeHTTP(w, r)
+		})
+	}
+	res, err := RunEmbedded(context.Background(), e, "round_robin", reqs)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i, rec := range res.Records {
+		if rec.Err || rec.EngineTTFT <= 0 {
+			t.Fatalf("record %d: %+v: no engine time", i, rec)
+		}
+		if out := rec.TTFT - rec.EngineTTFT; out < delay {
+			t.Errorf("record %d: outside the engine %v, want ≥ the gateway's delay %v", i, out, delay)
+		}
+		if rec.TTFT >= scale*delay {
+			t.Errorf("record %d: TTFT %v: the gateway's %v counted × %d", i, rec.TTFT, delay, scale)
+		}
+		if rec.E2E-rec.EngineE2E < delay {
+			t.Errorf("record %d: E2E %v outside the engine's %v by less than the delay", i, rec.E2E, rec.EngineE2E)
+		}
+	}
+	sp := res.Run.Split
+	if sp == nil || sp.Source != report.SplitPerRequest || sp.Requests != len(reqs) || sp.OutsideTTFTms == nil ||
+		sp.OutsideTTFTms.P50 < float64(delay.Milliseconds()) {
+		t.Fatalf("split %+v, want every request's, outside ≥ %v", sp, delay)
+	}
+}
+
+// splitRecord: the engine's part as the replica says (model time), the
+// client's wall time beyond the replica's own span once (real time), never
+// a negative part; without a span, the engine's time / its scale stands in.
+func TestSplitRecord(t *testing.T) {
+	ms := func(v float64) time.Duration { return time.Duration(v * float64(time.Millisecond)) }
+	tests := []struct {
+		name                 string
+		first, gap, e2e      time.Duration // the client's wall times
+		t                    sim.Timing
+		ttft, wantE2E, maxIT time.Duration
+	}{
+		{"span", ms(12), ms(2), ms(60), sim.Timing{TTFTms: 100, E2Ems: 900, MaxITLms: 30, TimeScale: 20, WallTTFTms: 7, WallE2Ems: 50},
+			ms(105), ms(910), ms(30 + 0.5)},
+		{"client faster than the span: no negative part", ms(6), ms(1), ms(40), sim.Timing{TTFTms: 100, E2Ems: 900, MaxITLms: 30,
+			TimeScale: 20, WallTTFTms: 7, WallE2Ems: 50}, ms(100), ms(900), ms(30)},
+		{"no span", ms(12), ms(2), ms(60), sim.Timing{TTFTms: 100, E2Ems: 900, MaxITLms: 30, TimeScale: 20},
+			ms(107), ms(915), ms(30.5)},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			var rec report.Record
+			splitRecord(&rec, streamed{first: tc.first, maxGap: tc.gap}, tc.e2e, tc.t)
+			if rec.TTFT != tc.ttft || rec.E2E != tc.wantE2E || rec.MaxITL != tc.maxIT ||
+				rec.EngineTTFT != ms(tc.t.TTFTms) || rec.EngineE2E != ms(tc.t.E2Ems) {
+				t.Errorf("got TTFT %v E2E %v max ITL %v engine %v/%v; want %v %v %v", rec.TTFT, rec.E2E, rec.MaxITL,
+					rec.EngineTTFT, rec.EngineE2E, tc.ttft, tc.wantE2E, tc.maxIT)
+			}
+		})
+	}
+}
