@@ -378,12 +378,7 @@ func (c benchConfig) runPolicy(ctx context.Context, p string, stderr io.Writer) 
 	load := c.load
 	load.Progress = bar.add
 	if !c.embedded {
-		load.Target = c.target
-		recs, wall, err := bench.Run(ctx, load, c.reqs)
-		if err != nil && !errors.Is(err, bench.ErrDeadline) {
-			return report.Run{}, err
-		}
-		return bench.Summarize(p, recs, max(len(load.Replicas), maxReplica(recs)+1), wall), nil
+		return c.runTarget(ctx, load, stderr)
 	}
 	gcfg := c.gateway
 	gcfg.PolicyParams = c.params.of(p)
@@ -392,6 +387,45 @@ func (c benchConfig) runPolicy(ctx context.Context, p string, stderr io.Writer) 
 		return report.Run{}, fmt.Errorf("policy %s: %w", p, err)
 	}
 	return er.Run, nil
+}
+
+// runTarget sends the requests to the --target and splits the run's time
+// into the engines' and the rest: per request when the replicas tell their
+// own (kvgate sim), else from the replicas' vLLM histograms read before
+// and after the run (bench.EngineSplit) — or says on stderr, and in the
+// result's meta (engine_split), why there is no split.
+func (c benchConfig) runTarget(ctx context.Context, load bench.Config, stderr io.Writer) (report.Run, error) {
+	load.Target = c.target
+	engines := bench.EngineURLs(c.target, load.Replicas)
+	before := bench.ScrapeEngines(ctx, nil, engines, nil)
+	recs, wall, err := bench.Run(ctx, load, c.reqs)
+	if err != nil && !errors.Is(err, bench.ErrDeadline) {
+		return report.Run{}, err
+	}
+	run := bench.Summarize("target", recs, max(len(load.Replicas), maxReplica(recs)+1), wall)
+	if run.Split != nil {
+		return run, nil
+	}
+	why := ""
+	if load.TimeScale != 1 {
+		why = fmt.Sprintf("the replicas' histograms are read at time scale 1 only (--time-scale %g)", load.TimeScale)
+	} else {
+		after := bench.ScrapeEngines(ctx, nil, engines, nil)
+		split, note, err := bench.EngineSplit(before, after, run)
+		switch {
+		case err != nil:
+			why = fmt.Sprintf("%v (read %s)", err, strings.Join(engines, ", "))
+		case note != "":
+			fmt.Fprintf(stderr, "bench: the engine split is %s\n", note)
+			c.meta["engine_split_note"] = note
+		}
+		run.Split = split
+	}
+	if why != "" {
+		fmt.Fprintf(stderr, "bench: no split of the time into the engines' and the rest: %s\n", why)
+		c.meta["engine_split"] = "unavailable: " + why
+	}
+	return run, nil
 }
 
 // discover reads a --target gateway's routing targets (bench.Targets), so

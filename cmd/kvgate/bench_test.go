@@ -5,13 +5,17 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"math"
 	"net/http"
 	"net/http/httptest"
 	"os"
 	"path/filepath"
 	"reflect"
 	"strings"
+	"sync/atomic"
 	"testing"
+
+	"github.com/kvgate/kvgate/internal/report"
 )
 
 // parsed returns verb name's flags struct after parsing args, and the
@@ -182,10 +186,11 @@ func TestBenchEmbeddedPD(t *testing.T) {
 func TestBenchTargetRun(t *testing.T) {
 	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		if r.URL.Path == "/metrics" {
-			_, _ = io.WriteString(w, "kvgate_replica_healthy{replica=\"http://a:1\"} 1\nkvgate_replica_healthy{replica=\"http://b:1\"} 1\n")
+			// Replicas nothing listens on (bench reads their /metrics: loopback only).
+			_, _ = io.WriteString(w, "kvgate_replica_healthy{replica=\"http://127.0.0.1:1\"} 1\nkvgate_replica_healthy{replica=\"http://127.0.0.2:1\"} 1\n")
 			return
 		}
-		w.Header().Set("X-Kvgate-Replica", "http://a:1")
+		w.Header().Set("X-Kvgate-Replica", "http://127.0.0.1:1")
 		w.Header().Set("Content-Type", "text/event-stream")
 		_, _ = io.WriteString(w, `data: {"choices":[{"index":0,"text":"a"}]}`+"\n\n"+
 			`data: {"choices":[],"usage":{"prompt_tokens":5,"completion_tokens":1}}`+"\n\ndata: [DONE]\n\n")
@@ -203,8 +208,13 @@ func TestBenchTargetRun(t *testing.T) {
 	if r.Errors != 0 || len(r.ReplicaShare) != 2 || r.Imbalance != 2 {
 		t.Errorf("run: errors %d, shares %v, imbalance %v", r.Errors, r.ReplicaShare, r.Imbalance)
 	}
-	if res.Meta["replicas"] != 2.0 || fmt.Sprint(res.Meta["targets"]) != "[http://a:1 http://b:1]" {
+	if res.Meta["replicas"] != 2.0 || fmt.Sprint(res.Meta["targets"]) != "[http://127.0.0.1:1 http://127.0.0.2:1]" {
 		t.Errorf("meta %v", res.Meta)
+	}
+	// The replicas' histograms cannot be read: no split, and it says so.
+	if r.Split != nil || !strings.Contains(stderr, "no split of the time into the engines' and the rest") ||
+		!strings.HasPrefix(fmt.Sprint(res.Meta["engine_split"]), "unavailable: no replica's /metrics could be read") {
+		t.Errorf("split %+v, meta engine_split %v, stderr:\n%s", r.Split, res.Meta["engine_split"], stderr)
 	}
 	// One run: nothing to compare, no verdict.
 	if strings.Contains(stdout, "verdict") {
@@ -221,5 +231,47 @@ func TestBenchTargetRun(t *testing.T) {
 	}
 	if !strings.Contains(string(page), "<dt>targets</dt>") {
 		t.Error("the report does not list the targets")
+	}
+}
+
+// bench --target at an engine that exports vLLM's histograms (here the
+// target itself: it lists no replicas) splits the run's TTFT and ITL into
+// the engine's means over the run and the rest.
+func TestBenchTargetEngineSplit(t *testing.T) {
+	var served atomic.Int64
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.URL.Path == "/metrics" {
+			// A first token of 20 ms and two gaps of 2 ms per request served.
+			n := served.Load()
+			fmt.Fprintf(w, "# TYPE vllm:time_to_first_token_seconds histogram\n"+
+				"vllm:time_to_first_token_seconds_bucket{le=\"0.05\"} %d\nvllm:time_to_first_token_seconds_bucket{le=\"+Inf\"} %d\n"+
+				"vllm:time_to_first_token_seconds_sum %g\nvllm:time_to_first_token_seconds_count %d\n"+
+				"# TYPE vllm:inter_token_latency_seconds histogram\n"+
+				"vllm:inter_token_latency_seconds_bucket{le=\"0.01\"} %d\nvllm:inter_token_latency_seconds_bucket{le=\"+Inf\"} %d\n"+
+				"vllm:inter_token_latency_seconds_sum %g\nvllm:inter_token_latency_seconds_count %d\n",
+				n, n, 0.02*float64(n), n, 2*n, 2*n, 0.002*float64(2*n), 2*n)
+			return
+		}
+		served.Add(1)
+		w.Header().Set("Content-Type", "text/event-stream")
+		_, _ = io.WriteString(w, `data: {"choices":[{"index":0,"text":"a"}]}`+"\n\n"+`data: {"choices":[{"index":0,"text":"b"}]}`+"\n\n"+
+			`data: {"choices":[{"index":0,"text":"c"}]}`+"\n\n"+
+			`data: {"choices":[],"usage":{"prompt_tokens":5,"completion_tokens":3}}`+"\n\ndata: [DONE]\n\n")
+	}))
+	defer srv.Close()
+	path := filepath.Join(t.TempDir(), "r.json")
+	code, stdout, stderr := runCmd(t, "", "bench", "--target", srv.URL, "--workload", "random", "--requests", "6",
+		"--workload-param", "input_len=16", "--workload-param", "output_len=3", "--json", path)
+	if code != 0 {
+		t.Fatalf("exit %d: %s", code, stderr)
+	}
+	r := readResult(t, path).Runs[0]
+	sp := r.Split
+	if sp == nil || sp.Source != report.SplitEngineMetrics || sp.Requests != 6 || math.Abs(sp.EngineTTFTms.Mean-20) > 1e-9 ||
+		math.Abs(sp.EngineITLms.Mean-2) > 1e-9 || math.Abs(sp.OutsideTTFTMeanms-(r.TTFTms.Mean-20)) > 1e-9 {
+		t.Fatalf("split %+v (client TTFT mean %v)", sp, r.TTFTms.Mean)
+	}
+	if !strings.Contains(stdout, "outside ttft ms") || !strings.Contains(stdout, "the replicas' vLLM histograms") {
+		t.Errorf("the table does not show the split:\n%s", stdout)
 	}
 }
