@@ -225,7 +225,7 @@ func (c *core) waitWake(t clock.Timer, ev time.Duration, hasEv bool) bool {
 				c.r.mu.Unlock()
 				return true
 			}
-			if moved = mv; moved == nil {
+			if moved = mv; d > 0 {
 				t.Reset(d)
 				fire = t.C()
 			}
@@ -238,7 +238,13 @@ func (c *core) waitWake(t clock.Timer, ev time.Duration, hasEv bool) bool {
 			return true
 		case <-fire: // model time may have been held back meanwhile: ask again
 		case <-moved:
+			if fire != nil {
+				t.Stop()
+			}
 		case <-c.r.done:
+			if fire != nil {
+				t.Stop()
+			}
 			return false
 		}
 	}

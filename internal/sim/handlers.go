@@ -185,7 +185,15 @@ func (r *Replica) inference(kind prompt.Kind) http.HandlerFunc {
 		j.pull = j.kv.remotePrefill && pullErr == nil
 		cl, reqs := r.newCall(j)
 		j.submitted = r.clock.Now()
-		if err := r.submit(cl, reqs, rank); err != nil {
+		j.hold, j.hasHold = HoldKey(req.Header)
+		err = r.submit(cl, reqs, rank)
+		if j.hasHold {
+			// Arrived, at the model time its client held: its way here (and
+			// a prefill step's answer's on to the gateway) is over.
+			r.tl.Release(j.hold)
+			r.tl.Release(j.hold + 2)
+		}
+		if err != nil {
 			if errors.Is(err, engine.ErrTooLong) {
 				// Not reached: MaxModelLen fits the cache, and limits checked it.
 				err = contextTooLong(r.cfg.MaxModelLen, j.prompts[0].tokens, int64(j.maxTokens),

@@ -45,6 +45,9 @@ type job struct {
 	// to the engine and its first token was written (streams): the
 	// replica's own span in real time (Timing's wall fields).
 	submitted, firstOut time.Time
+	// hold is the load generator's hold key (HeaderHold), if hasHold.
+	hold    uint64
+	hasHold bool
 }
 
 // parseJob validates a completions or chat body as vLLM does, reading

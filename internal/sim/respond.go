@@ -25,6 +25,10 @@ func (r *Replica) respondCall(w http.ResponseWriter, req *http.Request, j *job, 
 	// which this goroutine took since: their fields are visible.
 	id, created := r.responseID(idPrefix(j.kind)), r.clock.Now().Unix()
 	kv, timing := r.kvTransferParams(j, cl), r.timing(j, cl)
+	if j.hasHold && j.kv.remoteDecode {
+		// A prefill step's answer: model time waits for the decode step.
+		r.tl.Hold(j.hold+2, r.tl.Now())
+	}
 	if j.kind == prompt.Chat {
 		writeJSON(w, newResponse(j, cl, id, created, "chat.completion", kv, timing, func(c *choice, text string) chatChoice {
 			return chatChoice{Index: c.index, Message: chatMessage{Role: "assistant", Content: text},

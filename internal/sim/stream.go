@@ -175,12 +175,21 @@ func (r *Replica) streamCall(w http.ResponseWriter, req *http.Request, j *job, c
 		all := s.take(cl)
 		if j.firstOut.IsZero() && s.tokens {
 			j.firstOut = r.clock.Now()
+			if j.hasHold {
+				// Model time waits for the first token to reach the client.
+				r.tl.Hold(j.hold+1, r.tl.Now())
+			}
 		}
 		if all {
 			if j.includeUsage {
 				s.usage(j.usage(cl), r.timing(j, cl))
 			}
 			s.done()
+			if j.hasHold {
+				// Model time waits for the end to reach the client: its
+				// next turn follows from there.
+				r.tl.Hold(j.hold+3, r.tl.Now())
+			}
 		}
 		if len(s.buf) == 0 {
 			continue

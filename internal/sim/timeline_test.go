@@ -1,6 +1,10 @@
 package sim
 
 import (
+	"bufio"
+	"io"
+	"net/http"
+	"strings"
 	"testing"
 	"time"
 
@@ -22,9 +26,6 @@ func TestTimelinePlain(t *testing.T) {
 	reached, d, moved := tl.Wait(60 * time.Millisecond)
 	if reached || d != 5*time.Millisecond || moved != nil {
 		t.Fatalf("Wait(60ms) = %v %v %v, want a 5ms sleep", reached, d, moved)
-	}
-	if got := tl.WallOf(60 * time.Millisecond).Sub(clk.Now()); got != 5*time.Millisecond {
-		t.Errorf("WallOf(60ms) is %v away, want 5ms", got)
 	}
 }
 
@@ -116,4 +117,115 @@ func TestElasticDriverWokenLate(t *testing.T) {
 	if want := ms(d1/2 + d2/2 + late + (d3-time.Millisecond)/2); got.WallE2Ems < want-1e-5 || got.WallE2Ems > want+1e-5 {
 		t.Errorf("wall e2e %v ms, want %v ms: the steps in real time and the lateness", got.WallE2Ems, want)
 	}
+}
+
+// A hold keeps model time at its point (+ slack) until released — its
+// waiters are told — or until it has lasted holdFor of wall time; a
+// timeline that is not elastic ignores holds.
+func TestTimelineHolds(t *testing.T) {
+	clk := newFakeClock()
+	tl := NewTimeline(clk, 10, time.Millisecond)
+	tl.Hold(8, 5*time.Millisecond)
+	clk.Advance(10 * time.Millisecond) // 100 ms of model time at the scale
+	if got := tl.Now(); got != 6*time.Millisecond {
+		t.Fatalf("Now = %v, want 6ms (held at 5 ms + slack)", got)
+	}
+	reached, d, moved := tl.Wait(50 * time.Millisecond)
+	if reached || moved == nil || d != holdFor-10*time.Millisecond {
+		t.Fatalf("Wait while held = %v %v %v, want the hold's channel and its expiry %v away", reached, d, moved, holdFor-10*time.Millisecond)
+	}
+	tl.Release(8)
+	select {
+	case <-moved:
+	default:
+		t.Fatal("released, and the waiters were not told")
+	}
+	clk.Advance(time.Millisecond)
+	if got := tl.Now(); got != 16*time.Millisecond {
+		t.Fatalf("Now = %v, want 16ms: resumed from the hold", got)
+	}
+	tl.Hold(12, tl.Now())
+	clk.Advance(holdFor - time.Nanosecond)
+	if got := tl.Now(); got != 17*time.Millisecond {
+		t.Fatalf("Now = %v, want 17ms: still held", got)
+	}
+	clk.Advance(time.Nanosecond) // the hold has lasted holdFor: it goes
+	clk.Advance(time.Millisecond)
+	if got := tl.Now(); got != 27*time.Millisecond+10*time.Nanosecond {
+		t.Fatalf("Now = %v, want 27.00001ms: the expired hold let go", got)
+	}
+
+	plain := NewTimeline(clk, 10, 0)
+	plain.Hold(4, 0)
+	clk.Advance(time.Millisecond)
+	if got := plain.Now(); got != 10*time.Millisecond {
+		t.Errorf("a plain timeline held: Now = %v, want 10ms", got)
+	}
+}
+
+func TestHoldKey(t *testing.T) {
+	tests := []struct {
+		v   string
+		key uint64
+		ok  bool
+	}{
+		{"", 0, false}, {"8", 8, true}, {"0", 0, true}, {"5", 0, false}, {"-4", 0, false}, {"x", 0, false},
+		{"18446744073709551612", 18446744073709551612, true}, {"018446744073709551612", 0, false},
+	}
+	for _, tc := range tests {
+		h := http.Header{}
+		if tc.v != "" {
+			h.Set(HeaderHold, tc.v)
+		}
+		if k, ok := HoldKey(h); ok != tc.ok || (ok && k != tc.key) {
+			t.Errorf("HoldKey(%q) = %d %v, want %d %v", tc.v, k, ok, tc.key, tc.ok)
+		}
+	}
+}
+
+// In an elastic fleet a request with a hold key is released on arrival,
+// and its first token and its end are held until the client releases them
+// (a client that reads the first token goes on while the rest waits).
+func TestHoldsOfARequest(t *testing.T) {
+	f := startFleet(t, Config{TimeScale: 1000, Seed: 1, Elastic: time.Millisecond})
+	tl := f.Timeline()
+	held := func(k uint64) (time.Duration, bool) {
+		tl.mu.Lock()
+		defer tl.mu.Unlock()
+		h, ok := tl.holds[k]
+		return h.at, ok
+	}
+	tl.Hold(40, tl.Now())
+	body := `{"model":"sim-llama-8b","prompt":` + jsonString(words("hld", 100)) +
+		`,"max_tokens":3,"ignore_eos":true,"stream":true,"stream_options":{"include_usage":true}}`
+	req, _ := http.NewRequest(http.MethodPost, f.URLs()[0]+"/v1/completions", strings.NewReader(body))
+	req.Header.Set(HeaderHold, "40")
+	resp, err := testClient(t).Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	if _, ok := held(40); ok {
+		t.Error("the arrival's hold is still there once the replica answered")
+	}
+	rd := bufio.NewReader(resp.Body)
+	if _, err := rd.ReadString('\n'); err != nil { // the first token's chunk
+		t.Fatal(err)
+	}
+	first, ok := held(41)
+	if !ok {
+		t.Fatal("no hold at the first token")
+	}
+	if now := tl.Now(); now > first+time.Millisecond {
+		t.Errorf("model time %v passed the first token's hold at %v", now, first)
+	}
+	tl.Release(41)
+	rest, err := io.ReadAll(rd)
+	if err != nil || !strings.HasSuffix(string(rest), "data: [DONE]\n\n") {
+		t.Fatalf("rest of the stream: %v %q", err, rest)
+	}
+	if end, ok := held(43); !ok || end < first {
+		t.Fatalf("end held %v at %v, first token at %v", ok, end, first)
+	}
+	tl.Release(43)
 }
