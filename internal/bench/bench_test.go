@@ -200,7 +200,7 @@ func TestReadStream(t *testing.T) {
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
-			s := readStream(strings.NewReader(tc.body), time.Now())
+			s := readStream(strings.NewReader(tc.body), time.Now(), nil)
 			if s.tokens != tc.tokens || s.done != tc.done || s.errKind != tc.errKind {
 				t.Fatalf("got %d tokens, done %v, error %q; want %d, %v, %q", s.tokens, s.done, s.errKind, tc.tokens, tc.done, tc.errKind)
 			}
@@ -209,7 +209,7 @@ func TestReadStream(t *testing.T) {
 			}
 		})
 	}
-	s := readStream(strings.NewReader(role+reasoning+usage+done), time.Now())
+	s := readStream(strings.NewReader(role+reasoning+usage+done), time.Now(), nil)
 	if s.usage == nil || s.usage.Cached() != 4 || s.usage.CompletionTokens != 3 {
 		t.Fatalf("usage %+v", s.usage)
 	}

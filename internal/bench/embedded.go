@@ -10,6 +10,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/kvgate/kvgate/internal/clock"
 	"github.com/kvgate/kvgate/internal/engine"
 	"github.com/kvgate/kvgate/internal/gateway"
 	"github.com/kvgate/kvgate/internal/report"
@@ -64,7 +65,9 @@ func RunEmbedded(ctx context.Context, e EmbeddedConfig, policy string, reqs []wo
 	}
 	defer fl.Close()
 	urls := fl.URLs()
-	targets, stop, err := startGateways(ctx, e, policy, urls, simCfg)
+	clk := newModelClock(fl.Timeline())
+	defer clk.close() // after the gateways stop
+	targets, stop, err := startGateways(ctx, e, policy, urls, simCfg, clk)
 	if err != nil {
 		return EmbeddedResult{}, err
 	}
@@ -130,7 +133,7 @@ func targetNames(urls []string, dp int) []string {
 // replicas at urls; with shared state, in a namespace of their own, so that
 // no earlier run's state reaches them. It returns their URLs and the stop
 // of them all.
-func startGateways(ctx context.Context, e EmbeddedConfig, policy string, urls []string, sc sim.Config) ([]string, func(), error) {
+func startGateways(ctx context.Context, e EmbeddedConfig, policy string, urls []string, sc sim.Config, clk clock.Clock) ([]string, func(), error) {
 	gcfg := e.Gateway
 	if gcfg.SharedState != "" && gcfg.SharedStateNamespace == "" {
 		gcfg.SharedStateNamespace = fmt.Sprintf("kvgate-bench-%d", time.Now().UnixNano())
@@ -143,7 +146,7 @@ func startGateways(ctx context.Context, e EmbeddedConfig, policy string, urls []
 		}
 	}
 	for range max(e.Gateways, 1) {
-		t, stop, err := startGateway(ctx, gcfg, policy, urls, sc, e.wrapGateway)
+		t, stop, err := startGateway(ctx, gcfg, policy, urls, sc, e.wrapGateway, clk)
 		if err != nil {
 			stopAll()
 			return nil, nil, err
@@ -158,7 +161,7 @@ func startGateways(ctx context.Context, e EmbeddedConfig, policy string, urls []
 // waits until it has scraped each of them. It returns the gateway's URL
 // and its stop.
 func startGateway(ctx context.Context, gcfg gateway.Config, policy string, urls []string, sc sim.Config,
-	wrap func(http.Handler) http.Handler) (string, func(), error) {
+	wrap func(http.Handler) http.Handler, clk clock.Clock) (string, func(), error) {
 	gcfg.Policy = policy
 	gcfg.Replicas = nil
 	for i, u := range urls {
@@ -174,7 +177,7 @@ func startGateway(ctx context.Context, gcfg gateway.Config, policy string, urls 
 	if gcfg.ScrapeInterval == 0 {
 		gcfg.ScrapeInterval = gateway.Duration(250 * time.Millisecond)
 	}
-	g, err := gateway.New(gcfg, gateway.Options{})
+	g, err := gateway.New(gcfg, gateway.Options{Clock: clk})
 	if err != nil {
 		return "", nil, err
 	}

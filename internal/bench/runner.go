@@ -14,6 +14,7 @@ import (
 	"fmt"
 	"io"
 	"net/http"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -128,6 +129,7 @@ type runner struct {
 	dependents map[int][]int
 
 	sent atomic.Uint64 // requests sent (the next one's gateway in Targets)
+	keys atomic.Uint64 // the last request's hold key (sim.HeaderHold)
 
 	mu    sync.Mutex
 	queue readyQueue // requests whose dependencies are met, by release time then index
@@ -177,6 +179,10 @@ func (r *runner) release(it item) {
 	}
 }
 
+// pacerKey is the hold (sim.Timeline.Hold) at the next arrival; requests'
+// keys are multiples of 4 (sim.HeaderHold).
+const pacerKey = 3
+
 // next returns the next request to send once its (model) time has come,
 // or false when the run is over.
 func (r *runner) next(ctx context.Context) (item, bool) {
@@ -191,16 +197,21 @@ func (r *runner) next(ctx context.Context) (item, bool) {
 		var timer *time.Timer
 		if r.queue.Len() > 0 {
 			it := r.queue[0]
+			// Model time waits for the sending of the next arrival
+			// (released by run once it is on its way).
+			r.tl.Hold(pacerKey, r.start+it.at)
 			reached, d, mv := r.tl.Wait(r.start + it.at)
 			if reached {
 				heap.Pop(&r.queue)
 				r.mu.Unlock()
 				return it, true
 			}
-			if moved = mv; moved == nil {
+			if moved = mv; d > 0 {
 				timer = time.NewTimer(d)
 				fire = timer.C
 			}
+		} else {
+			r.tl.Release(pacerKey) // nothing to send until a request ends
 		}
 		r.mu.Unlock()
 		select {
@@ -247,13 +258,18 @@ func (r *runner) run(ctx context.Context) error {
 			<-sem
 			break
 		}
+		// Model time waits until the replica has the request.
+		key := r.keys.Add(4)
+		r.tl.Hold(key, r.tl.Now())
+		r.tl.Release(pacerKey)
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
 			defer func() { <-sem }()
-			r.send(ctx, it)
+			r.send(ctx, it, key)
 		}()
 	}
+	r.tl.Release(pacerKey)
 	wg.Wait()
 	// Requests never sent (cut by the deadline) are errors, not silently lost.
 	r.mu.Lock()
@@ -266,16 +282,17 @@ func (r *runner) run(ctx context.Context) error {
 	return ctx.Err()
 }
 
-// send runs one request and releases its dependents.
-func (r *runner) send(ctx context.Context, it item) {
+// send runs one request (hold key: see do) and releases its dependents.
+func (r *runner) send(ctx context.Context, it item, key uint64) {
 	q := &r.reqs[it.idx]
 	sent := r.since()
-	rec := r.do(ctx, q)
+	rec := r.do(ctx, q, key)
 	rec.Start = sent
 	if q.Prev < 0 {
 		rec.Start = q.At // open loop: measured from the scheduled arrival
 	}
 	doneAt := r.since()
+	r.tl.Release(key + 3) // model time may go on now that the end is noted
 	r.mu.Lock()
 	r.recs[it.idx] = rec
 	r.done++
@@ -356,8 +373,19 @@ func (r *runner) replicaIndex(name string) int {
 	return i
 }
 
-// do sends one streamed request and times it.
-func (r *runner) do(ctx context.Context, q *workload.Request) report.Record {
+// do sends one streamed request and times it. key is its hold on an
+// elastic timeline, held from the send: the replica releases it on the
+// request's arrival and holds key+1 at its first token, released here on
+// reading it, and key+3 at its end, released when send has noted it (key+2:
+// a prefill step's answer); released here at the answer's header and end in
+// any case, so that a gateway that does not pass sim.HeaderHold on still
+// lets model time go.
+func (r *runner) do(ctx context.Context, q *workload.Request, key uint64) report.Record {
+	defer func() {
+		for k := range uint64(3) {
+			r.tl.Release(key + k)
+		}
+	}()
 	rec := report.Record{Replica: -1, PromptTokens: q.InputTokens}
 	runCtx := ctx
 	ctx, cancel := context.WithTimeout(ctx, r.wall(r.cfg.RequestTimeout))
@@ -376,18 +404,22 @@ func (r *runner) do(ctx context.Context, q *workload.Request) report.Record {
 	if err != nil {
 		return fail("request")
 	}
+	if r.tl.Elastic() {
+		req.Header.Set(sim.HeaderHold, strconv.FormatUint(key, 10))
+	}
 	t0 := time.Now()
 	resp, err := r.cfg.Client.Do(req)
 	if err != nil {
 		return fail("connect")
 	}
 	defer resp.Body.Close()
+	r.tl.Release(key)
 	rec.Replica = r.replicaIndex(targetName(resp.Header))
 	if resp.StatusCode != http.StatusOK {
 		_, _ = io.Copy(io.Discard, io.LimitReader(resp.Body, 1<<20))
 		return fail(fmt.Sprintf("http_%d", resp.StatusCode))
 	}
-	s := readStream(resp.Body, t0)
+	s := readStream(resp.Body, t0, func() { r.tl.Release(key + 1) })
 	e2e := time.Since(t0)
 	if s.errKind != "" {
 		return fail(s.errKind)
@@ -487,8 +519,9 @@ type streamed struct {
 
 // readStream reads an SSE answer to [DONE] or its end. The first token is
 // the first chunk openai.Chunk.HasToken says carries one: text, content,
-// reasoning or a tool-call delta, as the gateway counts it.
-func readStream(body io.Reader, t0 time.Time) streamed {
+// reasoning or a tool-call delta, as the gateway counts it; first, if not
+// nil, is called when it arrives.
+func readStream(body io.Reader, t0 time.Time, first func()) streamed {
 	var s streamed
 	er := openai.NewEventReader(body, 0)
 	for {
@@ -520,6 +553,9 @@ func readStream(body io.Reader, t0 time.Time) streamed {
 			now := time.Since(t0)
 			if s.tokens == 0 {
 				s.first = now
+				if first != nil {
+					first()
+				}
 			} else {
 				s.maxGap = max(s.maxGap, now-s.last)
 			}

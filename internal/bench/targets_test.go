@@ -127,7 +127,7 @@ func TestTargetsOfAGateway(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer fl.Close()
-	target, stop, err := startGateway(ctx, e.Gateway, "round_robin", fl.URLs(), e.Sim, nil)
+	target, stop, err := startGateway(ctx, e.Gateway, "round_robin", fl.URLs(), e.Sim, nil, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
