@@ -94,7 +94,9 @@ func (f *benchFlags) registerLoad(fs *flag.FlagSet, d loadDefaults) {
 	fs.StringVar(&f.policies, "policies", "round_robin,least_load,prefix_key,sglang,ttft", "policies to compare (--embedded), comma-separated, or all")
 	fs.Var(&f.policyParams, "policy-param", "a policy parameter name=value for every policy, or POLICY.name=value for one (repeatable; --embedded)")
 	fs.StringVar(&f.model, "model", sim.DefaultModel, "model name sent in requests")
-	fs.Float64Var(&f.timeScale, "time-scale", d.timeScale, "the replicas run this many times faster than real time: latencies are multiplied by it (0: 20 with --embedded, 1 with --target)")
+	fs.Float64Var(&f.timeScale, "time-scale", d.timeScale, "the replicas run this many times faster than real time (--embedded: at most; a busy host slows model time down): "+
+		"a replica that tells its own times (kvgate sim) has them counted in model time and the rest (gateway, network, client) in real time; "+
+		"other latencies are multiplied by it (0: 20 with --embedded, 1 with --target)")
 	fs.StringVar(&f.profile, "profile", costmodel.Default, "latency profile of the simulated replicas: "+strings.Join(costmodel.Names(), ", "))
 	fs.IntVar(&f.kvBlocks, "kv-blocks", 30000, "KV cache blocks per simulated replica")
 	fs.Uint64Var(&f.seed, "seed", 1, "seed of the workload, the replicas and the policies")

@@ -41,6 +41,12 @@ type EmbeddedConfig struct {
 // join a step: well below a step (10 ms and more with the default profile).
 const DefaultElastic = time.Millisecond
 
+// ExtraTimeScale is the Run.Extra key of an embedded run's effective time
+// scale: model time over real time. Below the time scale asked for, the
+// host could not keep up and model time waited (sim.Timeline): the run took
+// longer, its figures are the same.
+const ExtraTimeScale = "time_scale_effective"
+
 // EmbeddedResult is one policy's run.
 type EmbeddedResult struct {
 	Run     report.Run
@@ -84,13 +90,20 @@ func RunEmbedded(ctx context.Context, e EmbeddedConfig, policy string, reqs []wo
 	if load.Model == "" {
 		load.Model = cmp.Or(simCfg.Model, sim.DefaultModel)
 	}
+	began := time.Now()
 	recs, wall, err := Run(ctx, load, reqs)
 	if err != nil && !errors.Is(err, ErrDeadline) {
 		return EmbeddedResult{}, err
 	}
+	spent := time.Since(began)
 	after := counters(fl)
 	res := EmbeddedResult{Records: recs}
 	res.Run = Summarize(policy, recs, len(load.Replicas), wall)
+	if spent > 0 {
+		// How fast model time ran: the time scale, or less where the host
+		// held it back (sim.Timeline).
+		res.Run.Extra = map[string]float64{ExtraTimeScale: wall.Seconds() / spent.Seconds()}
+	}
 	if q := after.queries - before.queries; q > 0 {
 		res.HitRate = float64(after.hits-before.hits) / float64(q)
 		res.Run.HitRate = res.HitRate

@@ -55,6 +55,11 @@ func TestSlowGatewayCountedOnce(t *testing.T) {
 			t.Errorf("record %d: E2E %v outside the engine's %v by less than the delay", i, rec.E2E, rec.EngineE2E)
 		}
 	}
+	// Model time ran no faster than the scale, held back while each
+	// request was in the slow gateway.
+	if eff := res.Run.Extra[ExtraTimeScale]; !(eff > 0 && eff <= scale*1.01) {
+		t.Errorf("effective time scale %v, want in (0, %d]", eff, scale)
+	}
 	sp := res.Run.Split
 	if sp == nil || sp.Source != report.SplitPerRequest || sp.Requests != len(reqs) || sp.OutsideTTFTms == nil ||
 		sp.OutsideTTFTms.P50 < float64(delay.Milliseconds()) {
