@@ -9,6 +9,7 @@ import (
 	"net/http"
 	"slices"
 	"strings"
+	"time"
 
 	dto "github.com/prometheus/client_model/go"
 
@@ -76,11 +77,16 @@ type EngineMetrics struct {
 	failed map[string]error // replicas whose page could not be read
 }
 
+// scrapeTimeout bounds one replica's /metrics read (ScrapeEngines' default
+// client).
+const scrapeTimeout = 10 * time.Second
+
 // ScrapeEngines reads each replica's /metrics (with header) for the engine
-// histograms. A replica that cannot be read is noted, not fatal.
+// histograms; c nil: a client that gives up on a replica after
+// scrapeTimeout. A replica that cannot be read is noted, not fatal.
 func ScrapeEngines(ctx context.Context, c *http.Client, urls []string, header http.Header) EngineMetrics {
 	if c == nil {
-		c = http.DefaultClient
+		c = &http.Client{Timeout: scrapeTimeout}
 	}
 	m := EngineMetrics{snaps: map[string]engineSnapshot{}, failed: map[string]error{}}
 	for _, u := range urls {
