@@ -72,8 +72,10 @@ const holdFor = 250 * time.Millisecond
 // arrival, holds key+1 at its first token and key+3 at its end (the client
 // releases them on reading them), and key+2 at a prefill step's answer
 // (released at the decode step's arrival). Replicas without an elastic
-// Timeline ignore it.
-const HeaderHold = "X-Kvgate-Sim-Hold"
+// Timeline ignore it. Not an X-Kvgate-* name: the gateway strips those
+// from what clients send (only it may set them), and this one must reach
+// the replicas through it.
+const HeaderHold = "X-Sim-Hold"
 
 // HoldKey reads HeaderHold; false when absent or not a key.
 func HoldKey(h http.Header) (uint64, bool) {
