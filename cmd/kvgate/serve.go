@@ -17,7 +17,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/collectors"
 
 	"github.com/kvgate/kvgate/internal/gateway"
-	"github.com/kvgate/kvgate/internal/kvevents"
+	"github.com/kvgate/kvgate/internal/kvevents/kvzmq"
 	"github.com/kvgate/kvgate/internal/policy"
 	"github.com/kvgate/kvgate/internal/router"
 )
@@ -62,7 +62,7 @@ func (f *serveFlags) register(fs *flag.FlagSet) {
 		"missed batches are fetched from it at start and after a gap")
 	fs.StringVar(&f.kvListen, "kv-events-listen", "", "precise mode: bind this SUB socket (tcp://HOST:PORT) for replicas that connect their KV-event "+
 		"publishers (vLLM with a host in its --kv-events-config endpoint); the topic kv@HOST:PORT@MODEL names the replica")
-	fs.StringVar(&f.kvTrust, "kv-events-trust", kvevents.TrustReplicaAddress, "who may publish on --kv-events-listen, comma-separated: "+
+	fs.StringVar(&f.kvTrust, "kv-events-trust", kvzmq.TrustReplicaAddress, "who may publish on --kv-events-listen, comma-separated: "+
 		"replica_address (a publisher speaks only for the replicas at its own source address), CIDRs (publishers from those "+
 		"networks speak for any replica, e.g. 10.0.0.0/8), or any (no check)")
 	fs.IntVar(&f.dataParallel, "data-parallel-size", 0, "data-parallel ranks of every replica, each a routing target (0: counted from each replica's metrics at start)")

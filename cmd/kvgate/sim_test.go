@@ -22,6 +22,7 @@ import (
 
 	"github.com/kvgate/kvgate/internal/costmodel"
 	"github.com/kvgate/kvgate/internal/kvevents"
+	"github.com/kvgate/kvgate/internal/kvevents/kvzmq"
 	"github.com/kvgate/kvgate/internal/openai"
 	"github.com/kvgate/kvgate/internal/prompt"
 	"github.com/kvgate/kvgate/internal/sim"
@@ -363,7 +364,7 @@ func TestSimEndToEnd(t *testing.T) {
 	var stored, removed []uint64
 	var badEvents []string
 	root := prompt.RootOf("engine", prompt.Key{Model: "sim-llama-8b"})
-	sub, err := kvevents.Subscribe(ctx, fmt.Sprintf("tcp://127.0.0.1:%d", kvPort), topic, func(m kvevents.Message) {
+	sub, err := kvzmq.Subscribe(ctx, fmt.Sprintf("tcp://127.0.0.1:%d", kvPort), topic, func(m kvevents.Message) {
 		mu.Lock()
 		defer mu.Unlock()
 		for _, ev := range m.Batch.Events {
@@ -530,11 +531,11 @@ func TestSimDataParallelKVEvents(t *testing.T) {
 		t.Fatalf("POST: %d %s", r.Status, r.Body)
 	}
 	var ms []kvevents.Message
-	var res kvevents.ReplayResult
+	var res kvzmq.ReplayResult
 	testutil.Eventually(t, 10*time.Second, "replica 1 rank 1's batches on its replay socket", func() bool {
 		ms = ms[:0]
 		var err error
-		res, err = kvevents.Replay(t.Context(), ep(replayPort+ranks+1), 0, func(m kvevents.Message) { ms = append(ms, m) })
+		res, err = kvzmq.Replay(t.Context(), ep(replayPort+ranks+1), 0, func(m kvevents.Message) { ms = append(ms, m) })
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -559,12 +560,12 @@ func TestSimKVEventsConnect(t *testing.T) {
 	t.Cleanup(tr.CloseIdleConnections)
 	hc := &http.Client{Transport: tr, Timeout: 30 * time.Second}
 	topics := make(chan string, 1000)
-	l, err := kvevents.Listen(context.Background(), "tcp://127.0.0.1:0", func(m kvevents.Message) {
+	l, err := kvzmq.Listen(context.Background(), "tcp://127.0.0.1:0", func(m kvevents.Message) {
 		select {
 		case topics <- m.Topic:
 		default:
 		}
-	}, kvevents.ListenOptions{})
+	}, kvzmq.ListenOptions{})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -13,7 +13,7 @@ import (
 
 	"github.com/kvgate/kvgate/internal/costmodel"
 	"github.com/kvgate/kvgate/internal/discovery"
-	"github.com/kvgate/kvgate/internal/kvevents"
+	"github.com/kvgate/kvgate/internal/kvevents/kvzmq"
 	"github.com/kvgate/kvgate/internal/policy"
 	"github.com/kvgate/kvgate/internal/router"
 	"github.com/kvgate/kvgate/internal/sharedstate"
@@ -212,11 +212,11 @@ func Defaults() Config {
 		Record:             DefaultRecord(),
 
 		// The KV-event socket's trust and bounds.
-		KVEventsTrust:                    TrustList{kvevents.TrustReplicaAddress},
-		KVEventsMaxFrameBytes:            kvevents.DefaultMaxFrameBytes,
+		KVEventsTrust:                    TrustList{kvzmq.TrustReplicaAddress},
+		KVEventsMaxFrameBytes:            kvzmq.DefaultMaxFrameBytes,
 		KVEventsMaxConnections:           1024,
-		KVEventsMaxConnectionsPerAddress: kvevents.DefaultMaxConnectionsPerAddress,
-		KVEventsIdleTimeout:              Duration(kvevents.DefaultIdleTimeout),
+		KVEventsMaxConnectionsPerAddress: kvzmq.DefaultMaxConnectionsPerAddress,
+		KVEventsIdleTimeout:              Duration(kvzmq.DefaultIdleTimeout),
 		KVEventsHandshakeTimeout:         Duration(5 * time.Second),
 	}
 }
@@ -457,7 +457,7 @@ const (
 // validateKVEvents checks the KV-event socket's trust and bounds.
 func (c *Config) validateKVEvents() []error {
 	var errs []error
-	if _, err := kvevents.ParseTrust(c.KVEventsTrust); err != nil {
+	if _, err := kvzmq.ParseTrust(c.KVEventsTrust); err != nil {
 		errs = append(errs, fmt.Errorf("kv_events_trust: %w", err))
 	}
 	if c.KVEventsMaxFrameBytes < minKVFrameBytes || c.KVEventsMaxFrameBytes > maxKVFrameBytes {

@@ -15,6 +15,7 @@ import (
 
 	"github.com/kvgate/kvgate/internal/clock"
 	"github.com/kvgate/kvgate/internal/kvevents"
+	"github.com/kvgate/kvgate/internal/kvevents/kvzmq"
 	"github.com/kvgate/kvgate/internal/router"
 )
 
@@ -37,7 +38,7 @@ type kvState struct {
 	// membership changes.
 	topics atomic.Pointer[kvTopics]
 	// book knows the replicas' addresses (kv_events_listen; nil before).
-	book atomic.Pointer[kvevents.AddrBook]
+	book atomic.Pointer[kvzmq.AddrBook]
 	// conns counts the listening socket's connections refused or closed,
 	// by reason (registered when it listens).
 	conns atomic.Pointer[prometheus.CounterVec]
@@ -211,11 +212,11 @@ func (c *control) waitListed(ctx context.Context, i int) bool {
 
 // subscribeKV dials replica i's publisher; on each connection it first asks
 // the replay endpoint (if any) for what was published before.
-func (c *control) subscribeKV(ctx context.Context, i int) *kvevents.Subscriber {
+func (c *control) subscribeKV(ctx context.Context, i int) *kvzmq.Subscriber {
 	r := c.rt.Replica(i)
-	sub, err := kvevents.SubscribeWithOptions(ctx, r.KVEvents(), "",
+	sub, err := kvzmq.SubscribeWithOptions(ctx, r.KVEvents(), "",
 		func(m kvevents.Message) { c.onKVMessage(ctx, i, m) }, nil,
-		kvevents.SubscribeOptions{
+		kvzmq.SubscribeOptions{
 			MaxFrameBytes: c.cfg.KVEventsMaxFrameBytes,
 			OnConnect:     func() { c.resyncAtStart(ctx, i) },
 			OnError: func(err error) {
@@ -264,13 +265,13 @@ func (c *control) resyncFor(ctx context.Context, i int) router.Resync {
 		if m := c.kvModel(i); m != "" {
 			model = m
 		}
-		_, err := kvevents.ReplayWithOptions(ctx, ep, from, func(m kvevents.Message) {
+		_, err := kvzmq.ReplayWithOptions(ctx, ep, from, func(m kvevents.Message) {
 			km := router.KVFromWire(m)
 			if km.Model == "" {
 				km.Model = model
 			}
 			out = append(out, km)
-		}, kvevents.ReplayOptions{MaxFrameBytes: c.cfg.KVEventsMaxFrameBytes})
+		}, kvzmq.ReplayOptions{MaxFrameBytes: c.cfg.KVEventsMaxFrameBytes})
 		return out, err
 	}
 }

@@ -14,6 +14,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/kvgate/kvgate/internal/kvevents"
+	"github.com/kvgate/kvgate/internal/kvevents/kvzmq"
 )
 
 // maxUnknownTopicsLogged bounds the distinct unknown topics logged (a
@@ -100,7 +101,7 @@ func (c *control) kvTarget(t *kvTopics, topic string, rank int) (int, bool) {
 // its size counted rather than configured, has its ranks past those
 // unheard).
 func (c *control) listenKV(ctx context.Context) []func() error {
-	trust, _ := kvevents.ParseTrust(c.cfg.KVEventsTrust) // Validate checked it
+	trust, _ := kvzmq.ParseTrust(c.cfg.KVEventsTrust) // Validate checked it
 	closers := []func() error{c.followKVAddrs(ctx)}
 	ranks := 1
 	if d := c.cfg.Discovery; d != nil {
@@ -113,7 +114,7 @@ func (c *control) listenKV(ctx context.Context) []func() error {
 	}
 	for k := range ranks {
 		ep := kvevents.OffsetPort(c.cfg.KVEventsListen, k)
-		l, err := kvevents.Listen(ctx, ep, func(m kvevents.Message) { c.onListened(ctx, c.kv.topics.Load(), k, m) },
+		l, err := kvzmq.Listen(ctx, ep, func(m kvevents.Message) { c.onListened(ctx, c.kv.topics.Load(), k, m) },
 			c.listenOptions(ep, k, trust))
 		if err != nil {
 			c.log.Error("kv events: cannot listen; replicas that connect there stay on the approximate index",
@@ -131,7 +132,7 @@ func (c *control) listenKV(ctx context.Context) []func() error {
 // background until the returned stop is called or ctx ends), and the
 // count of what it refuses.
 func (c *control) followKVAddrs(ctx context.Context) (stop func() error) {
-	book := kvevents.NewAddrBook(c.lookupAddrs, c.clock, kvevents.AddrBookOptions{})
+	book := kvzmq.NewAddrBook(c.lookupAddrs, c.clock, kvzmq.AddrBookOptions{})
 	c.kv.book.Store(book)
 	c.kv.conns.Store(c.kvConnsMetric())
 	c.kv.topics.Store(c.newKVTopics())
@@ -143,8 +144,8 @@ func (c *control) followKVAddrs(ctx context.Context) (stop func() error) {
 
 // listenOptions are the bounds and checks of the listening socket at port
 // offset k.
-func (c *control) listenOptions(ep string, k int, trust kvevents.Trust) kvevents.ListenOptions {
-	return kvevents.ListenOptions{
+func (c *control) listenOptions(ep string, k int, trust kvzmq.Trust) kvzmq.ListenOptions {
+	return kvzmq.ListenOptions{
 		OnConnect: func(remote net.Addr) {
 			c.log.Info("kv events: a publisher connected", "endpoint", ep, "from", remote.String())
 		},
@@ -163,7 +164,7 @@ func (c *control) listenOptions(ep string, k int, trust kvevents.Trust) kvevents
 // trusted for every replica, or at a replica's address. A refusal asks
 // the address book for a round (a pod back under its name with a new IP
 // is let in on its next reconnection).
-func (c *control) kvMayConnect(trust kvevents.Trust, a netip.Addr) bool {
+func (c *control) kvMayConnect(trust kvzmq.Trust, a netip.Addr) bool {
 	if trust.ForAll(a) {
 		return true
 	}
@@ -182,7 +183,7 @@ func (c *control) kvMayConnect(trust kvevents.Trust, a netip.Addr) bool {
 // sync change: it never reaches the follower); it is counted as a drop
 // with reason peer_address. A topic that names no replica passes here and
 // is counted as unknown once decoded (onListened).
-func (c *control) kvAuthorize(trust kvevents.Trust, k int, a netip.Addr, topic string) error {
+func (c *control) kvAuthorize(trust kvzmq.Trust, k int, a netip.Addr, topic string) error {
 	t := c.kv.topics.Load()
 	slots, ok := t.slots(topic)
 	if !ok || trust.ForAll(a) {
@@ -207,14 +208,14 @@ func (c *control) kvAuthorize(trust kvevents.Trust, k int, a netip.Addr, topic s
 // onListenError counts (and logs, at most once a minute per reason) the
 // connections the listening socket refused or closed on its own.
 func (c *control) onListenError(ep string, err error) {
-	var ce *kvevents.ConnError
-	if !errors.As(err, &ce) || ce.Reason == kvevents.ReasonClosed {
+	var ce *kvzmq.ConnError
+	if !errors.As(err, &ce) || ce.Reason == kvzmq.ReasonClosed {
 		c.log.Debug("kv events", "endpoint", ep, "err", err)
 		return
 	}
 	c.kv.conns.Load().WithLabelValues(string(ce.Reason)).Inc()
 	switch ce.Reason {
-	case kvevents.ReasonPeerAddress, kvevents.ReasonFrameSize:
+	case kvzmq.ReasonPeerAddress, kvzmq.ReasonFrameSize:
 		c.logEvery("listen\x00"+string(ce.Reason), slog.LevelWarn, "kv events: a connection refused (peer_address: its source "+
 			"address is no replica's, kv_events_trust; frame_size: a frame over kv_events_max_frame_bytes)",
 			"endpoint", ep, "reason", string(ce.Reason), "from", ce.Remote.String())

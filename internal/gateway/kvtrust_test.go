@@ -19,6 +19,7 @@ import (
 
 	"github.com/kvgate/kvgate/internal/clock"
 	"github.com/kvgate/kvgate/internal/kvevents"
+	"github.com/kvgate/kvgate/internal/kvevents/kvzmq"
 	"github.com/kvgate/kvgate/internal/sim"
 	"github.com/kvgate/kvgate/internal/testutil"
 )
@@ -435,7 +436,7 @@ func TestKVPublisherTrust(t *testing.T) {
 			testutil.Eventually(t, 10*time.Second, "the name resolved", func() bool {
 				return ctlOf(g).kv.book.Load().Has(netip.MustParseAddr("127.0.0.12"))
 			})
-			trust, err := kvevents.ParseTrust(tc.trust)
+			trust, err := kvzmq.ParseTrust(tc.trust)
 			if err != nil {
 				t.Fatal(err)
 			}

@@ -10,6 +10,7 @@ import (
 	"testing"
 
 	"github.com/kvgate/kvgate/internal/kvevents"
+	"github.com/kvgate/kvgate/internal/kvevents/kvzmq"
 	"github.com/kvgate/kvgate/internal/prompt"
 	"github.com/kvgate/kvgate/internal/sim"
 )
@@ -42,9 +43,9 @@ func storedEvent(text string, blockSize int, base uint64, parentZero bool) kveve
 }
 
 // publisher starts a kvevents publisher for a test.
-func publisher(t *testing.T, endpoint string, o kvevents.PublisherOptions) kvevents.Publisher {
+func publisher(t *testing.T, endpoint string, o kvzmq.PublisherOptions) kvzmq.Publisher {
 	t.Helper()
-	p, err := kvevents.NewPublisher(context.Background(), endpoint, o)
+	p, err := kvzmq.NewPublisher(context.Background(), endpoint, o)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -52,11 +53,11 @@ func publisher(t *testing.T, endpoint string, o kvevents.PublisherOptions) kveve
 	return p
 }
 
-func boundAddr(p kvevents.Publisher) string {
+func boundAddr(p kvzmq.Publisher) string {
 	return "tcp://" + p.(interface{ Addr() net.Addr }).Addr().String()
 }
 
-func replayAddr(p kvevents.Publisher) string {
+func replayAddr(p kvzmq.Publisher) string {
 	return "tcp://" + p.(interface{ ReplayAddr() net.Addr }).ReplayAddr().String()
 }
 
@@ -87,8 +88,8 @@ func TestPreciseLateJoinBoundPublishers(t *testing.T) {
 	topic := func(i int) string {
 		return "kv@" + strings.TrimPrefix(fl.URLs()[i], "http://") + "@" + sim.DefaultModel
 	}
-	p0 := publisher(t, "tcp://127.0.0.1:0", kvevents.PublisherOptions{Topic: topic(0)})
-	p1 := publisher(t, "tcp://127.0.0.1:0", kvevents.PublisherOptions{Topic: topic(1), FirstSeq: 1, ReplayEndpoint: "tcp://127.0.0.1:0"})
+	p0 := publisher(t, "tcp://127.0.0.1:0", kvzmq.PublisherOptions{Topic: topic(0)})
+	p1 := publisher(t, "tcp://127.0.0.1:0", kvzmq.PublisherOptions{Topic: topic(1), FirstSeq: 1, ReplayEndpoint: "tcp://127.0.0.1:0"})
 	before, after := preciseText("warmed before the gateway"), preciseText("warmed after the gateway")
 	if err := p1.Publish(storedEvent(before, 16, 1000, false)); err != nil {
 		t.Fatal(err)
@@ -140,12 +141,12 @@ func TestPreciseListenConnectingPublishers(t *testing.T) {
 	cfg.KVEventsListen = listen
 	gw := startGateway(t, cfg)
 	waitHealthy(t, gw)
-	pubs := make([]kvevents.Publisher, 2)
+	pubs := make([]kvzmq.Publisher, 2)
 	for i := range pubs {
 		topic := "kv@" + strings.TrimPrefix(fl.URLs()[i], "http://") + "@" + base
-		pubs[i] = publisher(t, listen, kvevents.PublisherOptions{Topic: topic, Connect: true, Form: kvevents.FormArray})
+		pubs[i] = publisher(t, listen, kvzmq.PublisherOptions{Topic: topic, Connect: true, Form: kvevents.FormArray})
 	}
-	stranger := publisher(t, listen, kvevents.PublisherOptions{Topic: "kv@10.9.9.9:8000@" + base, Connect: true})
+	stranger := publisher(t, listen, kvzmq.PublisherOptions{Topic: "kv@10.9.9.9:8000@" + base, Connect: true})
 	text := preciseText("connected replica one")
 	eventually(t, "the events of replica 1 indexed, the stranger's counted", func() bool {
 		_ = pubs[1].Publish(storedEvent(text, 32, 500, true))
@@ -173,7 +174,7 @@ const cfgModel = "m"
 func TestPreciseGapResync(t *testing.T) {
 	for _, withReplay := range []bool{true, false} {
 		t.Run(fmt.Sprint("replay=", withReplay), func(t *testing.T) {
-			opts := kvevents.PublisherOptions{Topic: "kv@127.0.0.1:1@" + cfgModel}
+			opts := kvzmq.PublisherOptions{Topic: "kv@127.0.0.1:1@" + cfgModel}
 			if withReplay {
 				opts.ReplayEndpoint = "tcp://127.0.0.1:0"
 			}
@@ -276,7 +277,7 @@ func TestDataParallelRanksAreTargets(t *testing.T) {
 // kvgate_precise_underpredicted_total, and are warned about once.
 func TestPreciseUnderpredictionWarned(t *testing.T) {
 	fl := startSim(t, sim.Config{Replicas: 1})
-	p := publisher(t, "tcp://127.0.0.1:0", kvevents.PublisherOptions{
+	p := publisher(t, "tcp://127.0.0.1:0", kvzmq.PublisherOptions{
 		Topic: "kv@" + strings.TrimPrefix(fl.URLs()[0], "http://") + "@" + sim.DefaultModel, ReplayEndpoint: "tcp://127.0.0.1:0"})
 	if err := p.Publish(kvevents.Batch{}); err != nil { // seq 0, replayed when the gateway connects
 		t.Fatal(err)

@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/kvgate/kvgate/internal/kvevents"
+	"github.com/kvgate/kvgate/internal/kvevents/enginekv"
 	"github.com/kvgate/kvgate/internal/policy"
 	"github.com/kvgate/kvgate/internal/router"
 )
@@ -50,7 +51,7 @@ func TestReplayAndGatewayFollowAlike(t *testing.T) {
 			return
 		}
 		frames, err := kvevents.EncodeFrames(fmt.Sprintf("kv@%s@%s", names[ev.kv.replica], cfg.Model), ev.kv.seq,
-			kvevents.Batch{Events: kvevents.FromEngine(ev.kv.events)}, kvevents.FormMap)
+			kvevents.Batch{Events: enginekv.Events(ev.kv.events)}, kvevents.FormMap)
 		if err != nil {
 			t.Fatal(err)
 		}

@@ -7,7 +7,7 @@ import (
 	"time"
 
 	"github.com/kvgate/kvgate/internal/engine"
-	"github.com/kvgate/kvgate/internal/kvevents"
+	"github.com/kvgate/kvgate/internal/kvevents/enginekv"
 	"github.com/kvgate/kvgate/internal/policy"
 	"github.com/kvgate/kvgate/internal/prompt"
 	"github.com/kvgate/kvgate/internal/report"
@@ -607,7 +607,7 @@ func (vr *virtualRun) deliverKV(b kvBatch) {
 		}
 	}
 	for g := range vr.gateways {
-		m := router.KVMessage{Seq: b.seq, Model: vr.cfg.Model, Events: kvevents.FromEngine(b.events)}
+		m := router.KVMessage{Seq: b.seq, Model: vr.cfg.Model, Events: enginekv.Events(b.events)}
 		rep := vr.gateways[g].router.FollowKV(b.replica, m, epoch.Add(vr.now), nil)
 		vr.kvEventErrors += len(rep.Drops)
 	}

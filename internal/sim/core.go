@@ -9,6 +9,8 @@ import (
 	"github.com/kvgate/kvgate/internal/costmodel"
 	"github.com/kvgate/kvgate/internal/engine"
 	"github.com/kvgate/kvgate/internal/kvevents"
+	"github.com/kvgate/kvgate/internal/kvevents/enginekv"
+	"github.com/kvgate/kvgate/internal/kvevents/kvzmq"
 )
 
 // core is one engine core of a replica. vLLM started with
@@ -42,7 +44,7 @@ type core struct {
 	dpRank *int
 	// pub is the rank's KV-event publisher, nil without KV events. Set
 	// before the driver starts; closed after it ends.
-	pub kvevents.Publisher
+	pub kvzmq.Publisher
 }
 
 // newEngine is the engine model of replica idx's core of the given rank.
@@ -393,7 +395,7 @@ func (c *core) abort(cl *call) {
 // batch converts one step's engine events to a vLLM event batch.
 func (c *core) batch(evs []engine.KVEvent) kvevents.Batch {
 	now := c.r.clock.Now()
-	return kvevents.Batch{Timestamp: float64(now.UnixNano()) / 1e9, Events: kvevents.FromEngine(evs), DataParallelRank: c.dpRank}
+	return kvevents.Batch{Timestamp: float64(now.UnixNano()) / 1e9, Events: enginekv.Events(evs), DataParallelRank: c.dpRank}
 }
 
 // stats is a snapshot of the core's engine.

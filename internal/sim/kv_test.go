@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/kvgate/kvgate/internal/kvevents"
+	"github.com/kvgate/kvgate/internal/kvevents/kvzmq"
 	"github.com/kvgate/kvgate/internal/prompt"
 	"github.com/kvgate/kvgate/internal/testutil"
 )
@@ -16,7 +17,7 @@ import (
 type kvLog struct {
 	msgs chan kvevents.Message
 	gaps chan [2]uint64
-	sub  *kvevents.Subscriber
+	sub  *kvzmq.Subscriber
 }
 
 func subscribeKV(t testing.TB, r *Replica) *kvLog {
@@ -28,7 +29,7 @@ func subscribeKV(t testing.TB, r *Replica) *kvLog {
 func subscribeKVAt(t testing.TB, endpoint, topic string) *kvLog {
 	t.Helper()
 	l := &kvLog{msgs: make(chan kvevents.Message, 10000), gaps: make(chan [2]uint64, 100)}
-	sub, err := kvevents.Subscribe(context.Background(), endpoint, topic,
+	sub, err := kvzmq.Subscribe(context.Background(), endpoint, topic,
 		func(m kvevents.Message) { l.msgs <- m },
 		func(want, got uint64) { l.gaps <- [2]uint64{want, got} })
 	if err != nil {

@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/kvgate/kvgate/internal/kvevents"
+	"github.com/kvgate/kvgate/internal/kvevents/kvzmq"
 	"github.com/kvgate/kvgate/internal/testutil"
 )
 
@@ -24,12 +25,12 @@ func postModel(t *testing.T, c *http.Client, r *Replica, model string, rank int,
 }
 
 // replayAll asks a replay endpoint for everything from sequence number 0.
-func replayAll(t *testing.T, ep string) ([]kvevents.Message, kvevents.ReplayResult) {
+func replayAll(t *testing.T, ep string) ([]kvevents.Message, kvzmq.ReplayResult) {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
 	var ms []kvevents.Message
-	res, err := kvevents.Replay(ctx, ep, 0, func(m kvevents.Message) { ms = append(ms, m) })
+	res, err := kvzmq.Replay(ctx, ep, 0, func(m kvevents.Message) { ms = append(ms, m) })
 	if err != nil {
 		t.Fatalf("Replay %s: %v", ep, err)
 	}
@@ -67,7 +68,7 @@ func TestKVEventsReplay(t *testing.T) {
 				// A batch is published just after its step's outputs are
 				// delivered, so the last one may trail the answer.
 				var ms []kvevents.Message
-				var res kvevents.ReplayResult
+				var res kvzmq.ReplayResult
 				testutil.Eventually(t, 10*time.Second, "rank "+strconv.Itoa(rank)+"'s batches in its replay buffer", func() bool {
 					ms, res = replayAll(t, ep)
 					last := texts[rank][len(texts[rank])-1]
@@ -106,11 +107,11 @@ func TestKVEventsReplay(t *testing.T) {
 func listenRanks(t *testing.T, n int, msgs chan<- rankMessage) string {
 	t.Helper()
 	for range 20 {
-		var ls []*kvevents.Listener
+		var ls []*kvzmq.Listener
 		base := 0
 		for k := range n {
-			l, err := kvevents.Listen(context.Background(), "tcp://127.0.0.1:"+strconv.Itoa(base+k),
-				func(m kvevents.Message) { msgs <- rankMessage{k, m} }, kvevents.ListenOptions{})
+			l, err := kvzmq.Listen(context.Background(), "tcp://127.0.0.1:"+strconv.Itoa(base+k),
+				func(m kvevents.Message) { msgs <- rankMessage{k, m} }, kvzmq.ListenOptions{})
 			if err != nil {
 				break
 			}

@@ -18,6 +18,7 @@ import (
 
 	"github.com/kvgate/kvgate/internal/clock"
 	"github.com/kvgate/kvgate/internal/kvevents"
+	"github.com/kvgate/kvgate/internal/kvevents/kvzmq"
 )
 
 // Replica is one simulated vLLM server: one engine per data-parallel rank
@@ -222,9 +223,9 @@ const kvBindAttempts = 20
 const kvReplayBuffer = 10_000
 
 // rankPublisher is one data-parallel rank's KV-event publisher, as
-// kvevents.NewPublisher makes it.
+// kvzmq.NewPublisher makes it.
 type rankPublisher interface {
-	kvevents.Publisher
+	kvzmq.Publisher
 	Addr() net.Addr       // nil in connect mode
 	ReplayAddr() net.Addr // nil without a replay socket
 }
@@ -287,7 +288,7 @@ type openRankFunc func(k, pubPort, replayPort int) (rankPublisher, error)
 func rankOpener(ctx context.Context, cfg Config, topic string) openRankFunc {
 	endpoint := func(port int) string { return "tcp://" + net.JoinHostPort(cfg.Host, strconv.Itoa(port)) }
 	return func(k, pubPort, replayPort int) (rankPublisher, error) {
-		o := kvevents.PublisherOptions{Topic: topic, Form: cfg.KVEventsForm, FirstSeq: cfg.KVEventsFirstSeq}
+		o := kvzmq.PublisherOptions{Topic: topic, Form: cfg.KVEventsForm, FirstSeq: cfg.KVEventsFirstSeq}
 		ep := kvevents.OffsetPort(cfg.KVEventsConnect, k)
 		if pubPort >= 0 {
 			ep = endpoint(pubPort)
@@ -303,7 +304,7 @@ func rankOpener(ctx context.Context, cfg Config, topic string) openRankFunc {
 		if replayPort >= 0 {
 			o.ReplayEndpoint, o.Buffer = endpoint(replayPort), kvReplayBuffer
 		}
-		pub, err := kvevents.NewPublisher(ctx, ep, o)
+		pub, err := kvzmq.NewPublisher(ctx, ep, o)
 		if err != nil {
 			return nil, err
 		}

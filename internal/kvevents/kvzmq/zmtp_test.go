@@ -1,4 +1,4 @@
-package kvevents
+package kvzmq
 
 import (
 	"encoding/binary"
@@ -6,6 +6,8 @@ import (
 	"testing"
 
 	"github.com/go-zeromq/zmq4"
+
+	"github.com/kvgate/kvgate/internal/kvevents"
 )
 
 // zmtpStream is a greeting followed by the given frames, each written with
@@ -46,7 +48,7 @@ func scanChunks(b []byte, n int) error {
 
 func TestFrameGuard(t *testing.T) {
 	big := make([]byte, 300)
-	ok := append(zmtpStream([]byte("topic"), seqFrame(7), big), zmtpStream(nil)[greetingLen:]...)
+	ok := append(zmtpStream([]byte("topic"), kvevents.SeqFrame(7), big), zmtpStream(nil)[greetingLen:]...)
 	longHdr := func(size uint64) []byte {
 		return binary.BigEndian.AppendUint64(append(make([]byte, greetingLen), flagLong), size)
 	}

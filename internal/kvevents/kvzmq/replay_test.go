@@ -1,4 +1,4 @@
-package kvevents
+package kvzmq
 
 import (
 	"context"
@@ -13,6 +13,8 @@ import (
 
 	"github.com/go-zeromq/zmq4"
 	"github.com/go-zeromq/zmq4/security/null"
+
+	"github.com/kvgate/kvgate/internal/kvevents"
 )
 
 func startReplayPublisher(t *testing.T, o PublisherOptions) *zmqPublisher {
@@ -29,19 +31,19 @@ func startReplayPublisher(t *testing.T, o PublisherOptions) *zmqPublisher {
 func replayEndpointOf(p *zmqPublisher) string { return "tcp://" + p.ReplayAddr().String() }
 
 // collectReplay replays from seq from and returns what fn saw.
-func collectReplay(t *testing.T, endpoint string, from uint64) ([]Message, ReplayResult) {
+func collectReplay(t *testing.T, endpoint string, from uint64) ([]kvevents.Message, ReplayResult) {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(t.Context(), waitTimeout)
 	defer cancel()
-	var msgs []Message
-	res, err := Replay(ctx, endpoint, from, func(m Message) { msgs = append(msgs, m) })
+	var msgs []kvevents.Message
+	res, err := Replay(ctx, endpoint, from, func(m kvevents.Message) { msgs = append(msgs, m) })
 	if err != nil {
 		t.Fatalf("Replay(%d): %v", from, err)
 	}
 	return msgs, res
 }
 
-func checkReplay(t *testing.T, msgs []Message, res ReplayResult, want ...int) {
+func checkReplay(t *testing.T, msgs []kvevents.Message, res ReplayResult, want ...int) {
 	t.Helper()
 	if len(msgs) != len(want) || res.Batches != len(want) || res.Dropped != 0 {
 		t.Fatalf("%d messages, result %+v; want seqs %v", len(msgs), res, want)
@@ -74,7 +76,7 @@ func TestReplay(t *testing.T) {
 }
 
 func TestReplayBufferKeepsTheLatest(t *testing.T) {
-	p := startReplayPublisher(t, PublisherOptions{Buffer: 3, Form: FormArray})
+	p := startReplayPublisher(t, PublisherOptions{Buffer: 3, Form: kvevents.FormArray})
 	publishN(t, p, 0, 5)
 	msgs, res := collectReplay(t, replayEndpointOf(p), 0)
 	checkReplay(t, msgs, res, 2, 3, 4)
@@ -131,9 +133,9 @@ func TestReplayServerProtocol(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	send([]byte{}, seqFrame(3), []byte("x")) // three frames: ignored
-	send([]byte{}, make([]byte, 9))          // nine-byte seq: ignored
-	send([]byte{}, []byte{4})                // one-byte seq: from 4
+	send([]byte{}, kvevents.SeqFrame(3), []byte("x")) // three frames: ignored
+	send([]byte{}, make([]byte, 9))                   // nine-byte seq: ignored
+	send([]byte{}, []byte{4})                         // one-byte seq: from 4
 	var got []string
 	for {
 		msg, err := zc.RecvMsg()
@@ -205,7 +207,7 @@ func TestReplayTopicForm(t *testing.T) {
 			return err
 		}
 		for _, i := range []int{7, 8, 9} {
-			frames, err := EncodeFrames("kv@r@m", uint64(i), testBatch(i), FormMap)
+			frames, err := kvevents.EncodeFrames("kv@r@m", uint64(i), testBatch(i), kvevents.FormMap)
 			if err != nil {
 				return err
 			}
@@ -216,12 +218,12 @@ func TestReplayTopicForm(t *testing.T) {
 				return err
 			}
 		}
-		return zc.SendMsg(zmq4.NewMsgFrom([]byte{}, []byte{}, seqFrame(replayEnd), []byte{}))
+		return zc.SendMsg(zmq4.NewMsgFrom([]byte{}, []byte{}, kvevents.SeqFrame(replayEnd), []byte{}))
 	})
 	ctx, cancel := context.WithTimeout(t.Context(), waitTimeout)
 	defer cancel()
-	var msgs []Message
-	res, err := Replay(ctx, ep, 7, func(m Message) { msgs = append(msgs, m) })
+	var msgs []kvevents.Message
+	res, err := Replay(ctx, ep, 7, func(m kvevents.Message) { msgs = append(msgs, m) })
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -241,7 +243,7 @@ func TestReplayGivesUpOnEndlessServer(t *testing.T) {
 			return err
 		}
 		for i := range 4 { // never the end marker
-			frames, err := EncodeFrames("", uint64(i), testBatch(i), FormMap)
+			frames, err := kvevents.EncodeFrames("", uint64(i), testBatch(i), kvevents.FormMap)
 			if err != nil {
 				return err
 			}
@@ -253,7 +255,7 @@ func TestReplayGivesUpOnEndlessServer(t *testing.T) {
 	})
 	ctx, cancel := context.WithTimeout(t.Context(), waitTimeout)
 	defer cancel()
-	res, err := ReplayWithOptions(ctx, ep, 0, func(Message) {}, ReplayOptions{maxBatches: 3})
+	res, err := ReplayWithOptions(ctx, ep, 0, func(kvevents.Message) {}, ReplayOptions{maxBatches: 3})
 	if !errors.Is(err, ErrReplayTooLong) || res.Batches != 4 {
 		t.Fatalf("result %+v, error %v", res, err)
 	}
@@ -297,7 +299,7 @@ func TestReplayHonoursContext(t *testing.T) {
 			ctx, cancel := context.WithTimeout(t.Context(), 100*time.Millisecond)
 			defer cancel()
 			start := time.Now()
-			_, err := Replay(ctx, ep, 0, func(Message) {})
+			_, err := Replay(ctx, ep, 0, func(kvevents.Message) {})
 			if !errors.Is(err, context.DeadlineExceeded) {
 				t.Fatalf("error %v, want the context's deadline", err)
 			}
@@ -312,17 +314,17 @@ func TestReplayErrors(t *testing.T) {
 	if _, err := Replay(t.Context(), "tcp://127.0.0.1:1", 0, nil); !errors.Is(err, ErrNilHandler) {
 		t.Errorf("nil fn: %v", err)
 	}
-	if _, err := Replay(t.Context(), "tcp://*:5558", 0, func(Message) {}); !errors.Is(err, ErrEndpoint) {
+	if _, err := Replay(t.Context(), "tcp://*:5558", 0, func(kvevents.Message) {}); !errors.Is(err, ErrEndpoint) {
 		t.Errorf("star host: %v", err)
 	}
 	// A listener is a SUB socket: a DEALER is not compatible with it.
 	s := newSink()
 	l := startListener(t, t.Context(), "tcp://127.0.0.1:0", s, ListenOptions{})
-	if _, err := Replay(t.Context(), listenerEndpoint(l), 0, func(Message) {}); !errors.Is(err, ErrConnection) {
+	if _, err := Replay(t.Context(), listenerEndpoint(l), 0, func(kvevents.Message) {}); !errors.Is(err, ErrConnection) {
 		t.Errorf("replay from a SUB socket: %v", err)
 	}
 	// No replay socket configured.
-	p := startPublisher(t, t.Context(), "tcp://127.0.0.1:0", "", FormMap)
+	p := startPublisher(t, t.Context(), "tcp://127.0.0.1:0", "", kvevents.FormMap)
 	if p.ReplayAddr() != nil {
 		t.Errorf("ReplayAddr() = %v without a replay endpoint", p.ReplayAddr())
 	}

@@ -1,4 +1,4 @@
-package kvevents
+package kvzmq
 
 import (
 	"context"
@@ -7,6 +7,8 @@ import (
 	"time"
 
 	"github.com/go-zeromq/zmq4"
+
+	"github.com/kvgate/kvgate/internal/kvevents"
 )
 
 // The publisher and subscriber here speak ZMTP through zmq4's connection
@@ -16,7 +18,7 @@ import (
 func TestInteropZMQ4SubReceivesOurPublisher(t *testing.T) {
 	ctx, cancel := context.WithCancel(t.Context())
 	defer cancel()
-	p := startPublisher(t, ctx, "tcp://127.0.0.1:0", "kv@r0@m", FormMap)
+	p := startPublisher(t, ctx, "tcp://127.0.0.1:0", "kv@r0@m", kvevents.FormMap)
 
 	sub := zmq4.NewSub(ctx, zmq4.WithDialerMaxRetries(0))
 	if err := sub.SetOption(zmq4.OptionSubscribe, "kv@"); err != nil {
@@ -50,7 +52,7 @@ func TestInteropZMQ4SubReceivesOurPublisher(t *testing.T) {
 
 	// Slow joiner: publish until one arrives, then one more to check.
 	deadline := time.After(waitTimeout)
-	var first Message
+	var first kvevents.Message
 wait:
 	for i := 0; ; i++ {
 		if i >= 2000 {
@@ -61,7 +63,7 @@ wait:
 		}
 		select {
 		case msg := <-got:
-			m, err := DecodeFrames(msg.Frames)
+			m, err := kvevents.DecodeFrames(msg.Frames)
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -89,8 +91,8 @@ func TestInteropOurSubscriberReceivesZMQ4Pub(t *testing.T) {
 	startSubscriber(t, ctx, "tcp://"+pub.Addr().String(), "kv", s)
 
 	var seq uint64
-	publish := func(b Batch) error {
-		frames, err := EncodeFrames("kv@r1@m", seq, b, FormArray)
+	publish := func(b kvevents.Batch) error {
+		frames, err := kvevents.EncodeFrames("kv@r1@m", seq, b, kvevents.FormArray)
 		if err != nil {
 			return err
 		}
@@ -103,7 +105,7 @@ func TestInteropOurSubscriberReceivesZMQ4Pub(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	s.waitUntil(t, "20 batches from zmq4's PUB", func(msgs []Message, _ [][2]uint64, _ []error) bool {
+	s.waitUntil(t, "20 batches from zmq4's PUB", func(msgs []kvevents.Message, _ [][2]uint64, _ []error) bool {
 		return len(msgs) > 0 && msgs[len(msgs)-1].Seq == seq-1
 	})
 	msgs, gaps, errs := s.snapshot()

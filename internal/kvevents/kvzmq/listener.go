@@ -1,4 +1,4 @@
-package kvevents
+package kvzmq
 
 import (
 	"context"
@@ -12,6 +12,8 @@ import (
 	"time"
 
 	"github.com/go-zeromq/zmq4"
+
+	"github.com/kvgate/kvgate/internal/kvevents"
 )
 
 // Listener defaults.
@@ -133,7 +135,7 @@ type ListenerStats struct {
 // Create it with Listen.
 type Listener struct {
 	ln      net.Listener
-	handler func(Message)
+	handler func(kvevents.Message)
 	opts    ListenOptions
 	limits  frameLimits
 	cancel  context.CancelFunc
@@ -184,7 +186,7 @@ func (c *lconn) touch() { c.last.Store(time.Now().UnixNano()) }
 // silence (ListenOptions).
 //
 // The Listener stops when ctx ends or Close is called.
-func Listen(ctx context.Context, endpoint string, handler func(Message), o ListenOptions) (*Listener, error) {
+func Listen(ctx context.Context, endpoint string, handler func(kvevents.Message), o ListenOptions) (*Listener, error) {
 	if handler == nil {
 		return nil, ErrNilHandler
 	}
@@ -447,7 +449,7 @@ func (l *Listener) session(c *lconn) (handshaken bool, err error) {
 
 // deliver checks, decodes and hands over one message.
 func (l *Listener) deliver(from netip.Addr, frames [][]byte) {
-	topic, seq, payload, err := splitFrames(frames)
+	topic, seq, payload, err := kvevents.SplitFrames(frames)
 	if err != nil {
 		l.dropped.Add(1)
 		l.reportErr(&MessageError{Err: err})
@@ -460,12 +462,12 @@ func (l *Listener) deliver(from netip.Addr, frames [][]byte) {
 			return
 		}
 	}
-	b, err := Decode(payload)
+	b, err := kvevents.Decode(payload)
 	if err != nil {
 		l.dropped.Add(1)
 		l.reportErr(&MessageError{Topic: topic, Seq: seq, Err: err})
 		return
 	}
 	l.messages.Add(1)
-	l.handler(Message{Topic: topic, Seq: seq, Batch: b})
+	l.handler(kvevents.Message{Topic: topic, Seq: seq, Batch: b})
 }

@@ -1,4 +1,4 @@
-package kvevents
+package kvzmq
 
 import (
 	"context"
@@ -11,6 +11,8 @@ import (
 	"time"
 
 	"github.com/go-zeromq/zmq4"
+
+	"github.com/kvgate/kvgate/internal/kvevents"
 )
 
 var (
@@ -26,7 +28,7 @@ var (
 type MessageError struct {
 	Topic string
 	Seq   uint64 // valid when the frames were well-formed
-	Err   error  // ErrFrames, or a *DecodeError
+	Err   error  // kvevents.ErrFrames, or a *kvevents.DecodeError
 }
 
 func (e *MessageError) Error() string {
@@ -72,7 +74,7 @@ type SubscriberStats struct {
 type Subscriber struct {
 	endpoint, network, addr string
 	prefix                  string
-	handler                 func(Message)
+	handler                 func(kvevents.Message)
 	onGap                   func(expected, got uint64)
 	opts                    SubscribeOptions
 
@@ -97,12 +99,12 @@ type Subscriber struct {
 // baseline and is not a gap. onGap may be nil.
 //
 // handler and onGap must not call Close (Close waits for them).
-func Subscribe(ctx context.Context, endpoint, topicPrefix string, handler func(Message), onGap func(expected, got uint64)) (*Subscriber, error) {
+func Subscribe(ctx context.Context, endpoint, topicPrefix string, handler func(kvevents.Message), onGap func(expected, got uint64)) (*Subscriber, error) {
 	return SubscribeWithOptions(ctx, endpoint, topicPrefix, handler, onGap, SubscribeOptions{})
 }
 
 // SubscribeWithOptions is Subscribe with tuning; see SubscribeOptions.
-func SubscribeWithOptions(ctx context.Context, endpoint, topicPrefix string, handler func(Message), onGap func(expected, got uint64), opts SubscribeOptions) (*Subscriber, error) {
+func SubscribeWithOptions(ctx context.Context, endpoint, topicPrefix string, handler func(kvevents.Message), onGap func(expected, got uint64), opts SubscribeOptions) (*Subscriber, error) {
 	if handler == nil {
 		return nil, ErrNilHandler
 	}
@@ -249,7 +251,7 @@ func (s *Subscriber) session(ctx context.Context, seqs *seqTracker) (connected b
 		if msg.Type == zmq4.CmdMsg {
 			continue // PING and the like, answered by zmq4
 		}
-		topic, seq, payload, err := splitFrames(msg.Frames)
+		topic, seq, payload, err := kvevents.SplitFrames(msg.Frames)
 		if err != nil {
 			s.dropped.Add(1)
 			s.reportErr(&MessageError{Err: err})
@@ -264,13 +266,13 @@ func (s *Subscriber) session(ctx context.Context, seqs *seqTracker) (connected b
 				s.onGap(expected, seq)
 			}
 		}
-		b, err := Decode(payload)
+		b, err := kvevents.Decode(payload)
 		if err != nil {
 			s.dropped.Add(1)
 			s.reportErr(&MessageError{Topic: topic, Seq: seq, Err: err})
 			continue
 		}
 		s.messages.Add(1)
-		s.handler(Message{Topic: topic, Seq: seq, Batch: b})
+		s.handler(kvevents.Message{Topic: topic, Seq: seq, Batch: b})
 	}
 }

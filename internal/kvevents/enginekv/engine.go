@@ -1,16 +1,19 @@
-package kvevents
+package enginekv
 
-import "github.com/kvgate/kvgate/internal/engine"
+import (
+	"github.com/kvgate/kvgate/internal/engine"
+	"github.com/kvgate/kvgate/internal/kvevents"
+)
 
-// FromEngine converts one step's events of kvgate's engine model to vLLM's
+// Events converts one step's events of kvgate's engine model to vLLM's
 // events, as a replica on GPU reports them: what `kvgate sim` publishes and
 // what the replay's router follows. The events share the engine's slices.
-func FromEngine(evs []engine.KVEvent) []Event {
-	out := make([]Event, 0, len(evs))
+func Events(evs []engine.KVEvent) []kvevents.Event {
+	out := make([]kvevents.Event, 0, len(evs))
 	for _, ev := range evs {
 		switch ev.Kind {
 		case engine.Stored:
-			s := &BlockStored{
+			s := &kvevents.BlockStored{
 				BlockHashes: ev.BlockHashes,
 				TokenIDs:    ev.TokenIDs,
 				BlockSize:   ev.BlockSize,
@@ -23,9 +26,9 @@ func FromEngine(evs []engine.KVEvent) []Event {
 			}
 			out = append(out, s)
 		case engine.Removed:
-			out = append(out, &BlockRemoved{BlockHashes: ev.BlockHashes, Medium: "GPU"})
+			out = append(out, &kvevents.BlockRemoved{BlockHashes: ev.BlockHashes, Medium: "GPU"})
 		case engine.Cleared:
-			out = append(out, &AllBlocksCleared{})
+			out = append(out, &kvevents.AllBlocksCleared{})
 		}
 	}
 	return out

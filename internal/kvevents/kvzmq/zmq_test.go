@@ -1,10 +1,12 @@
-package kvevents
+package kvzmq
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
 	"net"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -12,6 +14,7 @@ import (
 
 	"github.com/go-zeromq/zmq4"
 
+	"github.com/kvgate/kvgate/internal/kvevents"
 	"github.com/kvgate/kvgate/internal/testutil"
 )
 
@@ -22,7 +25,7 @@ const waitTimeout = 10 * time.Second
 // sink collects what a subscriber delivers and wakes waiters on each call.
 type sink struct {
 	mu     sync.Mutex
-	msgs   []Message
+	msgs   []kvevents.Message
 	gaps   [][2]uint64
 	errs   []error
 	notify chan struct{}
@@ -37,7 +40,7 @@ func (s *sink) poke() {
 	}
 }
 
-func (s *sink) handle(m Message) {
+func (s *sink) handle(m kvevents.Message) {
 	s.mu.Lock()
 	s.msgs = append(s.msgs, m)
 	s.mu.Unlock()
@@ -58,14 +61,14 @@ func (s *sink) onErr(err error) {
 	s.poke()
 }
 
-func (s *sink) snapshot() (msgs []Message, gaps [][2]uint64, errs []error) {
+func (s *sink) snapshot() (msgs []kvevents.Message, gaps [][2]uint64, errs []error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	return append([]Message(nil), s.msgs...), append([][2]uint64(nil), s.gaps...), append([]error(nil), s.errs...)
+	return append([]kvevents.Message(nil), s.msgs...), append([][2]uint64(nil), s.gaps...), append([]error(nil), s.errs...)
 }
 
 // waitUntil re-checks cond after every delivery, failing after waitTimeout.
-func (s *sink) waitUntil(t *testing.T, what string, cond func(msgs []Message, gaps [][2]uint64, errs []error) bool) {
+func (s *sink) waitUntil(t *testing.T, what string, cond func(msgs []kvevents.Message, gaps [][2]uint64, errs []error) bool) {
 	t.Helper()
 	timer := time.NewTimer(waitTimeout)
 	defer timer.Stop()
@@ -88,11 +91,11 @@ const warmupTS = -1
 // ZMQ subscriber misses whatever is published before its subscription
 // reaches the publisher (the "slow joiner"), so tests cannot publish once
 // and wait. Bounded in count and in time.
-func warmUp(t *testing.T, publish func(Batch) error, s *sink) {
+func warmUp(t *testing.T, publish func(kvevents.Batch) error, s *sink) {
 	t.Helper()
 	deadline := time.Now().Add(waitTimeout)
 	for i := 0; i < 2000 && time.Now().Before(deadline); i++ {
-		if err := publish(Batch{Timestamp: warmupTS, Events: []Event{&AllBlocksCleared{}}}); err != nil {
+		if err := publish(kvevents.Batch{Timestamp: warmupTS, Events: []kvevents.Event{&kvevents.AllBlocksCleared{}}}); err != nil {
 			t.Fatal(err)
 		}
 		wait := time.NewTimer(5 * time.Millisecond)
@@ -119,7 +122,7 @@ func (p *zmqPublisher) nextSeq() uint64 {
 func drain(t *testing.T, p *zmqPublisher, s *sink) {
 	t.Helper()
 	last := p.nextSeq() - 1
-	s.waitUntil(t, fmt.Sprintf("seq %d", last), func(msgs []Message, _ [][2]uint64, _ []error) bool {
+	s.waitUntil(t, fmt.Sprintf("seq %d", last), func(msgs []kvevents.Message, _ [][2]uint64, _ []error) bool {
 		return len(msgs) > 0 && msgs[len(msgs)-1].Seq == last
 	})
 }
@@ -153,7 +156,7 @@ func (p *zmqPublisher) sendRaw(frames ...[]byte) {
 	}
 }
 
-func startPublisher(t *testing.T, ctx context.Context, endpoint, topic string, f Form) *zmqPublisher {
+func startPublisher(t *testing.T, ctx context.Context, endpoint, topic string, f kvevents.Form) *zmqPublisher {
 	t.Helper()
 	p, err := newPublisher(ctx, endpoint, PublisherOptions{Topic: topic, Form: f})
 	if err != nil {
@@ -180,20 +183,42 @@ func startSubscriber(t *testing.T, ctx context.Context, endpoint, prefix string,
 }
 
 // testBatch i is recognisable by its timestamp and its block hash.
-func testBatch(i int) Batch {
-	return Batch{
+func testBatch(i int) kvevents.Batch {
+	return kvevents.Batch{
 		Timestamp: float64(1000 + i),
-		Events: []Event{
-			&BlockStored{BlockHashes: []uint64{uint64(i), uint64(i) + 1<<40}, TokenIDs: []uint32{uint32(i), 1, 2, 3}, BlockSize: 2, Medium: "GPU"},
-			&BlockRemoved{BlockHashes: []uint64{uint64(i)}},
+		Events: []kvevents.Event{
+			&kvevents.BlockStored{BlockHashes: []uint64{uint64(i), uint64(i) + 1<<40}, TokenIDs: []uint32{uint32(i), 1, 2, 3}, BlockSize: 2, Medium: "GPU"},
+			&kvevents.BlockRemoved{BlockHashes: []uint64{uint64(i)}},
 		},
-		DataParallelRank: ptr(0),
+		DataParallelRank: new(0),
 	}
+}
+
+// sameBatch: a batch came through a transport intact when it encodes to the
+// same bytes (Encode is deterministic; the codec's own tests compare field
+// by field and decode every form).
+func sameBatch(a, b kvevents.Batch) bool {
+	ea, errA := kvevents.Encode(a, kvevents.FormMap)
+	eb, errB := kvevents.Encode(b, kvevents.FormMap)
+	return errA == nil && errB == nil && bytes.Equal(ea, eb)
+}
+
+// dump shows a batch in a failure message.
+func dump(b kvevents.Batch) string {
+	var sb strings.Builder
+	fmt.Fprintf(&sb, "ts=%v", b.Timestamp)
+	if b.DataParallelRank != nil {
+		fmt.Fprintf(&sb, " dp=%d", *b.DataParallelRank)
+	}
+	for _, e := range b.Events {
+		fmt.Fprintf(&sb, " %+v", e)
+	}
+	return sb.String()
 }
 
 func TestPubSubInOrder(t *testing.T) {
 	const n = 300
-	for _, f := range []Form{FormMap, FormArray} {
+	for _, f := range []kvevents.Form{kvevents.FormMap, kvevents.FormArray} {
 		t.Run(f.String(), func(t *testing.T) {
 			ctx := t.Context()
 			topic := "kv@127.0.0.1:8000@sim-llama-8b"
@@ -242,7 +267,7 @@ func TestPubSubInOrder(t *testing.T) {
 
 func TestSubscriberReportsGap(t *testing.T) {
 	ctx := t.Context()
-	p := startPublisher(t, ctx, "tcp://127.0.0.1:0", "", FormMap)
+	p := startPublisher(t, ctx, "tcp://127.0.0.1:0", "", kvevents.FormMap)
 	s := newSink()
 	sub := startSubscriber(t, ctx, endpointOf(p), "", s)
 	warmUp(t, p.Publish, s)
@@ -274,7 +299,7 @@ func TestSubscriberReportsGap(t *testing.T) {
 
 func TestSubscriberReconnectsAfterPublisherRestart(t *testing.T) {
 	ctx := t.Context()
-	p1 := startPublisher(t, ctx, "tcp://127.0.0.1:0", "kv", FormArray)
+	p1 := startPublisher(t, ctx, "tcp://127.0.0.1:0", "kv", kvevents.FormArray)
 	ep := endpointOf(p1)
 	s := newSink()
 	var connects atomic.Int32
@@ -299,7 +324,7 @@ func TestSubscriberReconnectsAfterPublisherRestart(t *testing.T) {
 	}
 
 	// A restarted replica binds the same port and counts from 0 again.
-	p2 := startPublisher(t, ctx, ep, "kv", FormMap)
+	p2 := startPublisher(t, ctx, ep, "kv", kvevents.FormMap)
 	testutil.Eventually(t, waitTimeout, "the subscriber to reconnect", func() bool { return p2.subscribedPeers() == 1 })
 	if err := p2.Publish(testBatch(100)); err != nil {
 		t.Fatal(err)
@@ -332,7 +357,7 @@ func TestSubscriberRetriesUntilPublisherAppears(t *testing.T) {
 
 	s := newSink()
 	sub := startSubscriber(t, ctx, "tcp://"+addr, "", s)
-	s.waitUntil(t, "three refused connections", func(_ []Message, _ [][2]uint64, errs []error) bool {
+	s.waitUntil(t, "three refused connections", func(_ []kvevents.Message, _ [][2]uint64, errs []error) bool {
 		return len(errs) >= 3
 	})
 	_, _, errs := s.snapshot()
@@ -341,7 +366,7 @@ func TestSubscriberRetriesUntilPublisherAppears(t *testing.T) {
 			t.Fatalf("error %v does not wrap ErrConnection", err)
 		}
 	}
-	p := startPublisher(t, ctx, "tcp://"+addr, "", FormMap)
+	p := startPublisher(t, ctx, "tcp://"+addr, "", kvevents.FormMap)
 	warmUp(t, p.Publish, s)
 	if st := sub.Stats(); st.Connects != 1 || st.Gaps != 0 {
 		t.Errorf("stats %+v", st)
@@ -350,7 +375,7 @@ func TestSubscriberRetriesUntilPublisherAppears(t *testing.T) {
 
 func TestTopicPrefixFiltering(t *testing.T) {
 	ctx := t.Context()
-	p := startPublisher(t, ctx, "tcp://127.0.0.1:0", "kv@127.0.0.1:8000@m", FormMap)
+	p := startPublisher(t, ctx, "tcp://127.0.0.1:0", "kv@127.0.0.1:8000@m", kvevents.FormMap)
 	match, other, all := newSink(), newSink(), newSink()
 	startSubscriber(t, ctx, endpointOf(p), "kv@127.0.0.1:8000", match)
 	otherSub := startSubscriber(t, ctx, endpointOf(p), "kv@127.0.0.1:8001", other)
@@ -376,14 +401,14 @@ func TestTopicPrefixFiltering(t *testing.T) {
 
 func TestSubscriberDropsUndecodableMessages(t *testing.T) {
 	ctx := t.Context()
-	p := startPublisher(t, ctx, "tcp://127.0.0.1:0", "t", FormMap)
+	p := startPublisher(t, ctx, "tcp://127.0.0.1:0", "t", kvevents.FormMap)
 	s := newSink()
 	sub := startSubscriber(t, ctx, endpointOf(p), "t", s)
 	warmUp(t, p.Publish, s)
 	drain(t, p, s)
 	badSeq := p.nextSeq()
-	p.sendRaw([]byte("t"), seqFrame(badSeq), []byte{0x92, 0xc1}) // not msgpack
-	p.sendRaw([]byte("t"), []byte{1, 2, 3})                      // two frames, short seq
+	p.sendRaw([]byte("t"), kvevents.SeqFrame(badSeq), []byte{0x92, 0xc1}) // not msgpack
+	p.sendRaw([]byte("t"), []byte{1, 2, 3})                               // two frames, short seq
 	if err := p.Publish(testBatch(7)); err != nil {
 		t.Fatal(err)
 	}
@@ -401,10 +426,10 @@ func TestSubscriberDropsUndecodableMessages(t *testing.T) {
 		t.Fatalf("errors %v, want 2", errs)
 	}
 	var me *MessageError
-	if !errors.As(errs[0], &me) || me.Seq != badSeq || !errors.Is(errs[0], ErrMalformed) {
+	if !errors.As(errs[0], &me) || me.Seq != badSeq || !errors.Is(errs[0], kvevents.ErrMalformed) {
 		t.Errorf("first error %v", errs[0])
 	}
-	if !errors.Is(errs[1], ErrFrames) {
+	if !errors.Is(errs[1], kvevents.ErrFrames) {
 		t.Errorf("second error %v", errs[1])
 	}
 	if st := sub.Stats(); st.Dropped != 2 {
@@ -438,7 +463,7 @@ func TestPublisherHighWaterMark(t *testing.T) {
 	}
 	// Publish never blocked; the queued ones are the oldest.
 	first := <-peer.out
-	if m, err := DecodeFrames(first.Frames); err != nil || m.Seq != 0 {
+	if m, err := kvevents.DecodeFrames(first.Frames); err != nil || m.Seq != 0 {
 		t.Errorf("first queued message seq %d, %v", m.Seq, err)
 	}
 	if err := p.Close(); err != nil {
@@ -448,14 +473,14 @@ func TestPublisherHighWaterMark(t *testing.T) {
 
 func TestPublisherClose(t *testing.T) {
 	ctx, cancel := context.WithCancel(t.Context())
-	p, err := NewZMQPublisher(ctx, "tcp://127.0.0.1:0", "", FormMap)
+	p, err := NewZMQPublisher(ctx, "tcp://127.0.0.1:0", "", kvevents.FormMap)
 	if err != nil {
 		t.Fatal(err)
 	}
 	if err := p.Publish(testBatch(0)); err != nil {
 		t.Fatal(err)
 	}
-	if err := p.Publish(Batch{Events: []Event{nil}}); !errors.Is(err, ErrInvalidBatch) {
+	if err := p.Publish(kvevents.Batch{Events: []kvevents.Event{nil}}); !errors.Is(err, kvevents.ErrInvalidBatch) {
 		t.Errorf("Publish(bad batch) = %v", err)
 	}
 	// Ending the context closes the publisher.
@@ -472,15 +497,15 @@ func TestPublisherClose(t *testing.T) {
 }
 
 func TestPublisherBindErrors(t *testing.T) {
-	p := startPublisher(t, t.Context(), "tcp://127.0.0.1:0", "", FormMap)
+	p := startPublisher(t, t.Context(), "tcp://127.0.0.1:0", "", kvevents.FormMap)
 	tests := []struct {
 		name, endpoint string
-		form           Form
+		form           kvevents.Form
 		want           error
 	}{
-		{"port-in-use", endpointOf(p), FormMap, nil},
-		{"no-scheme", "127.0.0.1:5557", FormMap, ErrEndpoint},
-		{"bad-form", "tcp://127.0.0.1:0", Form(9), ErrUnknownForm},
+		{"port-in-use", endpointOf(p), kvevents.FormMap, nil},
+		{"no-scheme", "127.0.0.1:5557", kvevents.FormMap, ErrEndpoint},
+		{"bad-form", "tcp://127.0.0.1:0", kvevents.Form(9), kvevents.ErrUnknownForm},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
@@ -497,10 +522,10 @@ func TestPublisherBindErrors(t *testing.T) {
 }
 
 func TestSubscribeArgumentErrors(t *testing.T) {
-	h := func(Message) {}
+	h := func(kvevents.Message) {}
 	tests := []struct {
 		name, endpoint string
-		handler        func(Message)
+		handler        func(kvevents.Message)
 		want           error
 	}{
 		{"nil-handler", "tcp://127.0.0.1:5557", nil, ErrNilHandler},
@@ -524,7 +549,7 @@ func TestSubscribeArgumentErrors(t *testing.T) {
 
 func TestSubscriberStopsWithContext(t *testing.T) {
 	ctx, cancel := context.WithCancel(t.Context())
-	p := startPublisher(t, t.Context(), "tcp://127.0.0.1:0", "", FormMap)
+	p := startPublisher(t, t.Context(), "tcp://127.0.0.1:0", "", kvevents.FormMap)
 	s := newSink()
 	sub, err := Subscribe(ctx, endpointOf(p), "", s.handle, s.gap)
 	if err != nil {
@@ -570,14 +595,14 @@ func TestParseEndpoint(t *testing.T) {
 }
 
 func TestFrames(t *testing.T) {
-	frames, err := EncodeFrames("kv@a@m", 0x0102030405060708, testBatch(3), FormArray)
+	frames, err := kvevents.EncodeFrames("kv@a@m", 0x0102030405060708, testBatch(3), kvevents.FormArray)
 	if err != nil {
 		t.Fatal(err)
 	}
 	if got := fmt.Sprintf("%x", frames[1]); got != "0102030405060708" {
 		t.Errorf("seq frame %s, want big-endian", got)
 	}
-	m, err := DecodeFrames(frames)
+	m, err := kvevents.DecodeFrames(frames)
 	if err != nil || m.Topic != "kv@a@m" || m.Seq != 0x0102030405060708 || !sameBatch(m.Batch, testBatch(3)) {
 		t.Fatalf("DecodeFrames = %+v, %v", m, err)
 	}
@@ -586,12 +611,12 @@ func TestFrames(t *testing.T) {
 		frames [][]byte
 		want   error
 	}{
-		{"two-frames", frames[:2], ErrFrames},
-		{"short-seq", [][]byte{frames[0], {1, 2}, frames[2]}, ErrFrames},
-		{"bad-payload", [][]byte{frames[0], frames[1], {0xc1}}, ErrMalformed},
+		{"two-frames", frames[:2], kvevents.ErrFrames},
+		{"short-seq", [][]byte{frames[0], {1, 2}, frames[2]}, kvevents.ErrFrames},
+		{"bad-payload", [][]byte{frames[0], frames[1], {0xc1}}, kvevents.ErrMalformed},
 	}
 	for _, tc := range bad {
-		if _, err := DecodeFrames(tc.frames); !errors.Is(err, tc.want) {
+		if _, err := kvevents.DecodeFrames(tc.frames); !errors.Is(err, tc.want) {
 			t.Errorf("%s: error %v, want %v", tc.name, err, tc.want)
 		}
 	}

@@ -1,7 +1,6 @@
-package kvevents
+package kvzmq
 
 import (
-	"encoding/binary"
 	"errors"
 	"fmt"
 	"net"
@@ -13,8 +12,6 @@ var (
 	ErrEndpoint = errors.New("kvevents: bad endpoint")
 	// ErrClosed: Publish after Close.
 	ErrClosed = errors.New("kvevents: publisher closed")
-	// ErrFrames: a ZMQ message that is not [topic, 8-byte seq, payload].
-	ErrFrames = errors.New("kvevents: bad message frames")
 )
 
 // parseEndpoint turns a ZMQ endpoint into a Go network and address. A bind
@@ -59,43 +56,4 @@ func BindsEndpoint(endpoint string) bool {
 		strings.Contains(endpoint, "0.0.0.0") ||
 		strings.HasPrefix(endpoint, "ipc://") ||
 		strings.HasPrefix(endpoint, "inproc://")
-}
-
-// seqFrame is the 8-byte big-endian sequence frame.
-func seqFrame(seq uint64) []byte {
-	var b [8]byte
-	binary.BigEndian.PutUint64(b[:], seq)
-	return b[:]
-}
-
-// EncodeFrames builds the three ZMQ frames vLLM sends for one batch.
-func EncodeFrames(topic string, seq uint64, b Batch, f Form) ([][]byte, error) {
-	payload, err := Encode(b, f)
-	if err != nil {
-		return nil, err
-	}
-	return [][]byte{[]byte(topic), seqFrame(seq), payload}, nil
-}
-
-// DecodeFrames parses the frames of one received ZMQ message.
-func DecodeFrames(frames [][]byte) (Message, error) {
-	topic, seq, payload, err := splitFrames(frames)
-	if err != nil {
-		return Message{}, err
-	}
-	b, err := Decode(payload)
-	if err != nil {
-		return Message{Topic: topic, Seq: seq}, err
-	}
-	return Message{Topic: topic, Seq: seq, Batch: b}, nil
-}
-
-func splitFrames(frames [][]byte) (topic string, seq uint64, payload []byte, err error) {
-	if len(frames) != 3 {
-		return "", 0, nil, fmt.Errorf("%w: %d frames, want [topic, seq, payload]", ErrFrames, len(frames))
-	}
-	if len(frames[1]) != 8 {
-		return "", 0, nil, fmt.Errorf("%w: sequence frame of %d bytes, want 8", ErrFrames, len(frames[1]))
-	}
-	return string(frames[0]), binary.BigEndian.Uint64(frames[1]), frames[2], nil
 }

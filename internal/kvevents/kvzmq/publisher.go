@@ -1,4 +1,4 @@
-package kvevents
+package kvzmq
 
 import (
 	"bytes"
@@ -11,12 +11,14 @@ import (
 	"time"
 
 	"github.com/go-zeromq/zmq4"
+
+	"github.com/kvgate/kvgate/internal/kvevents"
 )
 
 // Publisher sends batches to subscribers. Sequence numbers are assigned per
 // publisher in Publish order: 0, 1, 2, ... (from PublisherOptions.FirstSeq).
 type Publisher interface {
-	Publish(b Batch) error
+	Publish(b kvevents.Batch) error
 	Close() error
 }
 
@@ -32,10 +34,10 @@ const (
 )
 
 // PublisherOptions configures NewPublisher. The zero value binds the
-// endpoint with vLLM's defaults: topic "", FormMap, no replay socket.
+// endpoint with vLLM's defaults: topic "", kvevents.FormMap, no replay socket.
 type PublisherOptions struct {
 	Topic string
-	Form  Form
+	Form  kvevents.Form
 	// Connect dials the endpoint, and redials with capped backoff (50 ms to 2 s)
 	// whenever the connection fails or drops while the publisher lives,
 	// instead of binding it: llm-d's topology, where every engine connects
@@ -79,7 +81,7 @@ const defaultBuffer = 10_000
 // mode, the one connection the publisher dials.
 type zmqPublisher struct {
 	topic []byte
-	form  Form
+	form  kvevents.Form
 	hwm   int
 
 	ln      net.Listener // the bound PUB socket; nil in connect mode
@@ -144,7 +146,7 @@ func (pp *pubPeer) subscribed(topic []byte) bool {
 // events in form f. It stops when ctx ends or Close is called; Close waits
 // for its goroutines either way. It is NewPublisher with only Topic and Form
 // set.
-func NewZMQPublisher(ctx context.Context, endpoint, topic string, f Form) (Publisher, error) {
+func NewZMQPublisher(ctx context.Context, endpoint, topic string, f kvevents.Form) (Publisher, error) {
 	return NewPublisher(ctx, endpoint, PublisherOptions{Topic: topic, Form: f})
 }
 
@@ -166,8 +168,8 @@ func NewPublisher(ctx context.Context, endpoint string, o PublisherOptions) (Pub
 }
 
 func newPublisher(ctx context.Context, endpoint string, o PublisherOptions) (*zmqPublisher, error) {
-	if o.Form != FormMap && o.Form != FormArray {
-		return nil, fmt.Errorf("%w: %s", ErrUnknownForm, o.Form)
+	if o.Form != kvevents.FormMap && o.Form != kvevents.FormArray {
+		return nil, fmt.Errorf("%w: %s", kvevents.ErrUnknownForm, o.Form)
 	}
 	if o.HWM <= 0 {
 		o.HWM = defaultHWM
@@ -434,8 +436,8 @@ func (p *zmqPublisher) write(pp *pubPeer) {
 // Publish encodes b, assigns it the next sequence number, keeps it for the
 // replay socket (if any) and queues it for every subscribed peer. It does
 // not wait for the network; with no peer connected the batch is dropped.
-func (p *zmqPublisher) Publish(b Batch) error {
-	payload, err := Encode(b, p.form)
+func (p *zmqPublisher) Publish(b kvevents.Batch) error {
+	payload, err := kvevents.Encode(b, p.form)
 	if err != nil {
 		return err
 	}
@@ -455,7 +457,7 @@ func (p *zmqPublisher) Publish(b Batch) error {
 
 // sendLocked queues one message; p.mu is held.
 func (p *zmqPublisher) sendLocked(seq uint64, payload []byte) {
-	msg := zmq4.NewMsgFrom(p.topic, seqFrame(seq), payload)
+	msg := zmq4.NewMsgFrom(p.topic, kvevents.SeqFrame(seq), payload)
 	for pp := range p.peers {
 		if !pp.subscribed(p.topic) {
 			continue

@@ -1,4 +1,4 @@
-package kvevents
+package kvzmq
 
 import (
 	"context"
@@ -13,6 +13,7 @@ import (
 	"github.com/go-zeromq/zmq4"
 	"github.com/go-zeromq/zmq4/security/null"
 
+	"github.com/kvgate/kvgate/internal/kvevents"
 	"github.com/kvgate/kvgate/internal/testutil"
 )
 
@@ -65,7 +66,7 @@ func TestConnectingPublisherToListener(t *testing.T) {
 	remotes := make(chan net.Addr, 1)
 	l := startListener(t, ctx, "tcp://127.0.0.1:0", s, ListenOptions{OnConnect: func(a net.Addr) { remotes <- a }})
 	const topic, n = "kv@127.0.0.1:8000@m", 50
-	p := startConnecting(t, ctx, listenerEndpoint(l), PublisherOptions{Topic: topic, Form: FormArray})
+	p := startConnecting(t, ctx, listenerEndpoint(l), PublisherOptions{Topic: topic, Form: kvevents.FormArray})
 	if p.Addr() != nil {
 		t.Errorf("connect-mode Addr() = %v, want nil", p.Addr())
 	}
@@ -102,7 +103,7 @@ func TestListenerTwoPublishers(t *testing.T) {
 		publishN(t, pa, i, 1)
 		publishN(t, pb, i, 1)
 	}
-	s.waitUntil(t, "both publishers' batches", func(msgs []Message, _ [][2]uint64, _ []error) bool { return len(msgs) >= 2*n })
+	s.waitUntil(t, "both publishers' batches", func(msgs []kvevents.Message, _ [][2]uint64, _ []error) bool { return len(msgs) >= 2*n })
 	msgs, _, errs := s.snapshot()
 	if len(msgs) != 2*n || len(errs) != 0 {
 		t.Fatalf("%d messages, errors %v", len(msgs), errs)
@@ -123,7 +124,7 @@ func TestListenerTwoPublishers(t *testing.T) {
 		t.Fatal(err)
 	}
 	testutil.Eventually(t, waitTimeout, "one publisher left", func() bool { return l.Stats().Active == 1 })
-	s.waitUntil(t, "the disconnect reported", func(_ []Message, _ [][2]uint64, errs []error) bool { return len(errs) == 1 })
+	s.waitUntil(t, "the disconnect reported", func(_ []kvevents.Message, _ [][2]uint64, errs []error) bool { return len(errs) == 1 })
 	if _, _, errs := s.snapshot(); !errors.Is(errs[0], ErrConnection) {
 		t.Errorf("error %v", errs[0])
 	}
@@ -205,7 +206,7 @@ func TestListenerMaxConnections(t *testing.T) {
 	if n, err := conn.Read(make([]byte, 64)); n != 0 || !errors.Is(err, io.EOF) {
 		t.Fatalf("over the limit: read %d bytes, %v; want EOF", n, err)
 	}
-	s.waitUntil(t, "the refusal reported", func(_ []Message, _ [][2]uint64, errs []error) bool { return len(errs) == 1 })
+	s.waitUntil(t, "the refusal reported", func(_ []kvevents.Message, _ [][2]uint64, errs []error) bool { return len(errs) == 1 })
 	if st := l.Stats(); st.Rejected != 1 || st.Active != 1 {
 		t.Errorf("stats %+v", st)
 	}
@@ -238,7 +239,7 @@ func TestListenerSurvivesMisbehavingPeers(t *testing.T) {
 	if _, _, err := dialZMTP(t, addr, zmq4.SocketType("BOGUS")); err == nil {
 		t.Fatal("handshake as BOGUS succeeded")
 	}
-	s.waitUntil(t, "the bad handshake reported", func(_ []Message, _ [][2]uint64, errs []error) bool { return len(errs) == 1 })
+	s.waitUntil(t, "the bad handshake reported", func(_ []kvevents.Message, _ [][2]uint64, errs []error) bool { return len(errs) == 1 })
 
 	// A frame header claiming a terabyte: closed before zmq4 allocates.
 	conn, _, err := dialZMTP(t, addr, zmq4.Pub)
@@ -252,7 +253,7 @@ func TestListenerSurvivesMisbehavingPeers(t *testing.T) {
 		t.Fatal(err)
 	}
 	readUntilClosed(t, conn)
-	s.waitUntil(t, "the huge frame reported", func(_ []Message, _ [][2]uint64, errs []error) bool { return len(errs) == 2 })
+	s.waitUntil(t, "the huge frame reported", func(_ []kvevents.Message, _ [][2]uint64, errs []error) bool { return len(errs) == 2 })
 
 	_, _, errs := s.snapshot()
 	for _, err := range errs {
@@ -273,8 +274,8 @@ func TestListenerDropsUndecodableMessages(t *testing.T) {
 	l := startListener(t, ctx, "tcp://127.0.0.1:0", s, ListenOptions{})
 	p := startConnecting(t, ctx, listenerEndpoint(l), PublisherOptions{Topic: "t"})
 	waitSubscribed(t, p)
-	p.sendRaw([]byte("t"), seqFrame(0), []byte{0xc1}) // not msgpack
-	p.sendRaw([]byte("t"), []byte{1})                 // two frames
+	p.sendRaw([]byte("t"), kvevents.SeqFrame(0), []byte{0xc1}) // not msgpack
+	p.sendRaw([]byte("t"), []byte{1})                          // two frames
 	publishN(t, p, 2, 1)
 	drain(t, p, s)
 	msgs, _, errs := s.snapshot()
@@ -282,7 +283,7 @@ func TestListenerDropsUndecodableMessages(t *testing.T) {
 		t.Fatalf("%d messages, errors %v", len(msgs), errs)
 	}
 	var me *MessageError
-	if !errors.As(errs[0], &me) || me.Topic != "t" || !errors.Is(errs[0], ErrMalformed) || !errors.Is(errs[1], ErrFrames) {
+	if !errors.As(errs[0], &me) || me.Topic != "t" || !errors.Is(errs[0], kvevents.ErrMalformed) || !errors.Is(errs[1], kvevents.ErrFrames) {
 		t.Errorf("errors %v", errs)
 	}
 	if st := l.Stats(); st.Dropped != 2 || st.Messages != 1 {
@@ -320,7 +321,7 @@ func TestListenerStopsWithContext(t *testing.T) {
 }
 
 func TestListenArgumentErrors(t *testing.T) {
-	h := func(Message) {}
+	h := func(kvevents.Message) {}
 	if _, err := Listen(t.Context(), "tcp://127.0.0.1:0", nil, ListenOptions{}); !errors.Is(err, ErrNilHandler) {
 		t.Errorf("nil handler: %v", err)
 	}

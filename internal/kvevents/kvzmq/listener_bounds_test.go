@@ -1,4 +1,4 @@
-package kvevents
+package kvzmq
 
 import (
 	"encoding/binary"
@@ -12,6 +12,8 @@ import (
 
 	"github.com/go-zeromq/zmq4"
 	"github.com/go-zeromq/zmq4/security/null"
+
+	"github.com/kvgate/kvgate/internal/kvevents"
 )
 
 // dialFrom connects to addr from the loopback address local (127.0.0.2 and
@@ -75,7 +77,7 @@ func TestListenerRefusesOversizedFramesUnallocated(t *testing.T) {
 	if grew := after.TotalAlloc - before.TotalAlloc; grew > 32<<20 {
 		t.Errorf("%d MiB allocated for %d peers announcing 64 MiB frames", grew>>20, peers)
 	}
-	s.waitUntil(t, "every oversized frame reported", func(_ []Message, _ [][2]uint64, _ []error) bool {
+	s.waitUntil(t, "every oversized frame reported", func(_ []kvevents.Message, _ [][2]uint64, _ []error) bool {
 		return connErrors(s)[ReasonFrameSize] == peers
 	})
 	if st := l.Stats(); st.Oversized != peers || st.Active != 0 {
@@ -156,7 +158,7 @@ func TestListenerHandshakeAndIdleBounds(t *testing.T) {
 		t.Fatal(err)
 	}
 	readUntilClosed(t, big)
-	s.waitUntil(t, "the two handshakes reported", func(_ []Message, _ [][2]uint64, _ []error) bool {
+	s.waitUntil(t, "the two handshakes reported", func(_ []kvevents.Message, _ [][2]uint64, _ []error) bool {
 		return connErrors(s)[ReasonHandshake] == 2
 	})
 	_, _, errs := s.snapshot()
@@ -169,7 +171,7 @@ func TestListenerHandshakeAndIdleBounds(t *testing.T) {
 		t.Fatal(err)
 	}
 	readUntilClosed(t, quiet)
-	s.waitUntil(t, "the idle peer reported", func(_ []Message, _ [][2]uint64, _ []error) bool {
+	s.waitUntil(t, "the idle peer reported", func(_ []kvevents.Message, _ [][2]uint64, _ []error) bool {
 		return connErrors(s)[ReasonIdle] == 1
 	})
 	if st := l.Stats(); st.FailedHandshakes != 2 || st.Idle != 1 || st.Connects != 1 {
@@ -202,10 +204,10 @@ func TestListenerAcceptFromAndAuthorize(t *testing.T) {
 	forged := startConnecting(t, ctx, listenerEndpoint(l), PublisherOptions{Topic: "kv@forged", LocalAddr: from})
 	waitSubscribed(t, ok)
 	waitSubscribed(t, forged)
-	forged.sendRaw([]byte("kv@forged"), seqFrame(0), []byte{0xc1}) // refused before it is found undecodable
+	forged.sendRaw([]byte("kv@forged"), kvevents.SeqFrame(0), []byte{0xc1}) // refused before it is found undecodable
 	publishN(t, ok, 0, 2)
 	drain(t, ok, s)
-	s.waitUntil(t, "the forged message refused", func(_ []Message, _ [][2]uint64, errs []error) bool {
+	s.waitUntil(t, "the forged message refused", func(_ []kvevents.Message, _ [][2]uint64, errs []error) bool {
 		return l.Stats().Unauthorized == 1
 	})
 	msgs, _, errs := s.snapshot()

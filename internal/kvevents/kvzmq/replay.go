@@ -1,4 +1,4 @@
-package kvevents
+package kvzmq
 
 import (
 	"context"
@@ -9,6 +9,8 @@ import (
 	"time"
 
 	"github.com/go-zeromq/zmq4"
+
+	"github.com/kvgate/kvgate/internal/kvevents"
 )
 
 // replayEnd is the sequence number of the replay socket's end marker: -1 as
@@ -129,12 +131,12 @@ func (p *zmqPublisher) answerReplay(conn net.Conn, zc *zmq4.Conn, from uint64) e
 	defer func() { _ = conn.SetWriteDeadline(time.Time{}) }()
 	for _, e := range entries {
 		_ = conn.SetWriteDeadline(time.Now().Add(replayWriteTimeout))
-		if err := zc.SendMsg(zmq4.NewMsgFrom([]byte{}, seqFrame(e.seq), e.payload)); err != nil {
+		if err := zc.SendMsg(zmq4.NewMsgFrom([]byte{}, kvevents.SeqFrame(e.seq), e.payload)); err != nil {
 			return err
 		}
 	}
 	_ = conn.SetWriteDeadline(time.Now().Add(replayWriteTimeout))
-	return zc.SendMsg(zmq4.NewMsgFrom([]byte{}, seqFrame(replayEnd), []byte{}))
+	return zc.SendMsg(zmq4.NewMsgFrom([]byte{}, kvevents.SeqFrame(replayEnd), []byte{}))
 }
 
 // ReplayResult sums up a Replay.
@@ -161,7 +163,7 @@ type ReplayResult struct {
 // the whole exchange; after 1<<20 replies without the end marker Replay
 // gives up with ErrReplayTooLong. The result counts what was delivered even
 // when an error ends the exchange.
-func Replay(ctx context.Context, endpoint string, from uint64, fn func(Message)) (ReplayResult, error) {
+func Replay(ctx context.Context, endpoint string, from uint64, fn func(kvevents.Message)) (ReplayResult, error) {
 	return ReplayWithOptions(ctx, endpoint, from, fn, ReplayOptions{})
 }
 
@@ -177,7 +179,7 @@ type ReplayOptions struct {
 }
 
 // ReplayWithOptions is Replay with tuning; see ReplayOptions.
-func ReplayWithOptions(ctx context.Context, endpoint string, from uint64, fn func(Message), o ReplayOptions) (ReplayResult, error) {
+func ReplayWithOptions(ctx context.Context, endpoint string, from uint64, fn func(kvevents.Message), o ReplayOptions) (ReplayResult, error) {
 	if o.maxBatches <= 0 {
 		o.maxBatches = maxReplayBatches
 	}
@@ -211,7 +213,7 @@ func ReplayWithOptions(ctx context.Context, endpoint string, from uint64, fn fun
 		return ReplayResult{}, fail(err)
 	}
 	_ = conn.SetDeadline(time.Time{})
-	if err := zc.SendMsg(zmq4.NewMsgFrom([]byte{}, seqFrame(from))); err != nil {
+	if err := zc.SendMsg(zmq4.NewMsgFrom([]byte{}, kvevents.SeqFrame(from))); err != nil {
 		return ReplayResult{}, fail(err)
 	}
 	res, err := readReplay(zc, fn, o.maxBatches)
@@ -222,7 +224,7 @@ func ReplayWithOptions(ctx context.Context, endpoint string, from uint64, fn fun
 }
 
 // readReplay reads replies until the end marker, at most limit+1 messages.
-func readReplay(zc *zmq4.Conn, fn func(Message), limit int) (ReplayResult, error) {
+func readReplay(zc *zmq4.Conn, fn func(kvevents.Message), limit int) (ReplayResult, error) {
 	var res ReplayResult
 	for range limit + 1 {
 		msg, err := zc.RecvMsg()
@@ -240,7 +242,7 @@ func readReplay(zc *zmq4.Conn, fn func(Message), limit int) (ReplayResult, error
 		if seq == replayEnd {
 			return res, nil
 		}
-		b, err := Decode(payload)
+		b, err := kvevents.Decode(payload)
 		if err != nil {
 			res.Dropped++
 			continue
@@ -250,7 +252,7 @@ func readReplay(zc *zmq4.Conn, fn func(Message), limit int) (ReplayResult, error
 		}
 		res.Batches++
 		res.Last = seq
-		fn(Message{Topic: topic, Seq: seq, Batch: b})
+		fn(kvevents.Message{Topic: topic, Seq: seq, Batch: b})
 	}
 	return res, fmt.Errorf("%w: %d replies without the end marker", ErrReplayTooLong, limit+1)
 }
@@ -264,10 +266,10 @@ func splitReplay(frames [][]byte) (topic string, seq uint64, payload []byte, err
 	case 4:
 		topic, frames = string(frames[1]), frames[2:]
 	default:
-		return "", 0, nil, fmt.Errorf("%w: replay reply of %d frames", ErrFrames, len(frames))
+		return "", 0, nil, fmt.Errorf("%w: replay reply of %d frames", kvevents.ErrFrames, len(frames))
 	}
 	if len(frames[0]) != 8 {
-		return "", 0, nil, fmt.Errorf("%w: sequence frame of %d bytes, want 8", ErrFrames, len(frames[0]))
+		return "", 0, nil, fmt.Errorf("%w: sequence frame of %d bytes, want 8", kvevents.ErrFrames, len(frames[0]))
 	}
 	return topic, binary.BigEndian.Uint64(frames[0]), frames[1], nil
 }

@@ -1,4 +1,4 @@
-package kvevents
+package kvzmq
 
 import (
 	"context"
