@@ -69,7 +69,7 @@ func newMetrics(reg prometheus.Registerer, rt *router.Router, clk clock.Clock) *
 			Help: "Attempts at a replica by verdict: served, refused, busy, failed (these two count against the replica), " +
 				"rejected (the client's fault), client_gone, gateway_limit."}, []string{"replica", "verdict"}),
 		tokenize: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvgate_remote_tokenize_total",
-			Help: "Remote /tokenize lookups by result: cache, remote, fallback (the approximate tokenizer routed)."}, []string{"result"}),
+			Help: "Remote /tokenize lookups by result: cache, remote, shared (joined a concurrent lookup of the same prompt), fallback (the approximate tokenizer routed)."}, []string{"result"}),
 	}
 	m.underpredicted = prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvgate_precise_underpredicted_total",
 		Help: "Requests whose engine reported more cached prompt tokens than the trusted precise index predicted " +

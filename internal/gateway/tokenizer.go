@@ -4,13 +4,16 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"net/http"
+	"strconv"
 	"sync/atomic"
 
 	"github.com/cespare/xxhash/v2"
 	lru "github.com/hashicorp/golang-lru/v2"
+	"golang.org/x/sync/singleflight"
 
 	"github.com/kvgate/kvgate/internal/prompt"
 )
@@ -20,13 +23,18 @@ import (
 // template), so that in precise mode the gateway hashes exactly the tokens
 // the engine's KV events carry. Calls are spread over the healthy replicas
 // (round robin), each bounded by tokenize_timeout, at most two replicas per
-// request; when none answers in time the approximate tokenizer routes the
+// lookup; when none answers in time the approximate tokenizer routes the
 // request. Answers are cached (bounded LRU, keyed by a hash of the request's
-// kind, model and text).
+// kind, model and text), and concurrent lookups of one key are merged
+// (singleflight): a burst of identical prompts asks a replica once.
 type remoteTokenizer struct {
 	g     *Gateway
 	cache *lru.Cache[uint64, []uint32]
 	next  atomic.Uint64
+	calls singleflight.Group // by key, in hex
+	// testHookJoined, when set (tests only), runs once a request has
+	// started or joined the lookup of its key, before it waits for it.
+	testHookJoined func()
 }
 
 func newRemoteTokenizer(g *Gateway, entries int) *remoteTokenizer {
@@ -34,11 +42,24 @@ func newRemoteTokenizer(g *Gateway, entries int) *remoteTokenizer {
 	return &remoteTokenizer{g: g, cache: c}
 }
 
-// tokenizeTries bounds the replicas one request asks.
+// tokenizeTries bounds the replicas one lookup asks.
 const tokenizeTries = 2
 
+// errNoTokenizer: no replica of the model's pool may tokenize now.
+var errNoTokenizer = errors.New("no healthy replica of the model's pool to tokenize")
+
+// tokenized is a lookup's answer, and the result label of the request that
+// ran it (cache, when a lookup of the same key had just filled the cache).
+type tokenized struct {
+	ids    []uint32
+	result string
+}
+
 // tokenize returns the engine's token ids, or false to route on the
-// approximate tokenizer.
+// approximate tokenizer. The lookup it starts or joins runs apart from the
+// request's context (bounded by tokenize_timeout per try), so that a client
+// that hangs up fails no other request waiting on the same lookup; this
+// request alone stops waiting when its context ends.
 func (t *remoteTokenizer) tokenize(ctx context.Context, kind prompt.Kind, p *prompt.Parsed, body []byte) ([]uint32, bool) {
 	key := xxhash.Sum64String(kind.String() + "\x00" + p.Model + "\x00" + p.Text)
 	if ids, ok := t.cache.Get(key); ok {
@@ -46,39 +67,69 @@ func (t *remoteTokenizer) tokenize(ctx context.Context, kind prompt.Kind, p *pro
 		return ids, true
 	}
 	data, err := tokenizeBody(kind, p, body)
-	if err != nil {
+	if err != nil || t.g.rt.Replicas() == 0 {
+		return nil, false // discovery has found no replica yet: nothing to route to either
+	}
+	ran, model := false, p.Model // ran: this request runs the lookup (read after the receive)
+	wait := t.calls.DoChan(strconv.FormatUint(key, 16), func() (any, error) {
+		ran = true
+		return t.lookup(context.WithoutCancel(ctx), key, model, data)
+	})
+	if t.testHookJoined != nil {
+		t.testHookJoined()
+	}
+	var res singleflight.Result
+	select {
+	case res = <-wait:
+	case <-ctx.Done():
+		res.Err = context.Cause(ctx)
+	}
+	if res.Err != nil {
+		t.g.met.tokenize.WithLabelValues("fallback").Inc()
+		t.g.log.Debug("remote tokenizer unavailable; routing on the approximate tokenizer", "err", res.Err)
 		return nil, false
+	}
+	tk := res.Val.(tokenized)
+	if !ran {
+		tk.result = "shared"
+	}
+	t.g.met.tokenize.WithLabelValues(tk.result).Inc()
+	return tk.ids, true
+}
+
+// lookup asks up to tokenizeTries healthy replicas of the model's pool, from
+// the next in round robin, and caches the first answer.
+func (t *remoteTokenizer) lookup(ctx context.Context, key uint64, model string, data []byte) (tokenized, error) {
+	if ids, ok := t.cache.Get(key); ok {
+		return tokenized{ids, "cache"}, nil // a lookup of this key ended since the caller's miss
 	}
 	n := t.g.rt.Replicas()
 	if n == 0 {
-		return nil, false // discovery has found no replica yet
+		return tokenized{}, errNoTokenizer
 	}
 	start := int(t.next.Add(1) % uint64(n))
 	tries := 0
-	var lastErr error
+	lastErr := errNoTokenizer
 	// With pools, only a replica of the model's pool tokenizes it: another
 	// pool's replica, not listed yet, would take it with another model's
 	// tokenizer.
-	pool, _ := t.g.rt.PoolFor(p.Model)
+	pool, _ := t.g.rt.PoolFor(model)
 	for k := range n {
 		i := (start + k) % n
-		if r := t.g.rt.Replica(i); !r.Healthy() || r.Removed() || !r.Serves(p.Model) || r.Pool() != pool {
+		if r := t.g.rt.Replica(i); !r.Healthy() || r.Removed() || !r.Serves(model) || r.Pool() != pool {
 			continue
 		}
 		ids, err := t.call(ctx, i, data)
 		if err == nil {
 			t.cache.Add(key, ids)
-			t.g.met.tokenize.WithLabelValues("remote").Inc()
-			return ids, true
+			return tokenized{ids, "remote"}, nil
 		}
 		lastErr = err
-		if tries++; tries == tokenizeTries || ctx.Err() != nil {
+		if tries++; tries == tokenizeTries {
 			break
 		}
 	}
-	t.g.met.tokenize.WithLabelValues("fallback").Inc()
-	t.g.log.Debug("remote tokenizer unavailable; routing on the approximate tokenizer", "err", lastErr)
-	return nil, false
+	return tokenized{}, lastErr
 }
 
 func tokenizeBody(kind prompt.Kind, p *prompt.Parsed, body []byte) ([]byte, error) {

@@ -1,0 +1,155 @@
+package gateway
+
+import (
+	"context"
+	"io"
+	"net/http"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+)
+
+// tokenizeReplica is a replica whose first POST /tokenize waits for
+// release (the others answer at once); started is closed when it arrives.
+type tokenizeReplica struct {
+	calls            atomic.Int64
+	started, release chan struct{}
+}
+
+// startTokenizeGateway starts a replica as above and a gateway with the
+// remote tokenizer in front of it, whose requests signal joined once they
+// have started or joined the lookup of their prompt.
+func startTokenizeGateway(t *testing.T, joined chan<- struct{}) (*testGW, *tokenizeReplica) {
+	t.Helper()
+	rep := &tokenizeReplica{started: make(chan struct{}), release: make(chan struct{})}
+	s := newStub(t, "", okStream(1))
+	mux := http.NewServeMux()
+	mux.Handle("/", s.srv.Config.Handler)
+	mux.HandleFunc("/tokenize", func(w http.ResponseWriter, r *http.Request) {
+		if rep.calls.Add(1) == 1 {
+			close(rep.started)
+			select {
+			case <-rep.release:
+			case <-r.Context().Done():
+				return
+			}
+		}
+		_, _ = io.WriteString(w, `{"tokens":[1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,16,17]}`)
+	})
+	s.srv.Config.Handler = mux
+	cfg := baseConfig(s.srv.URL)
+	cfg.Tokenizer = "remote"
+	cfg.TokenizeTimeout = Duration(time.Minute) // the release decides, never this clock
+	gw := startGateway(t, cfg)
+	t.Cleanup(func() { // before the gateway's and the replica's (cleanups run last first)
+		select {
+		case <-rep.release:
+		default:
+			close(rep.release) // a failed test's blocked call
+		}
+	})
+	eventually(t, "models listed", func() bool { return len(gw.g.Fleet().Models()) > 0 })
+	gw.g.tok.testHookJoined = func() { joined <- struct{}{} }
+	return gw, rep
+}
+
+// postAsync sends a completion request with ctx and reports its status (0:
+// no response) on the returned channel.
+func postAsync(ctx context.Context, url, body string) <-chan int {
+	out := make(chan int, 1)
+	go func() {
+		status := 0
+		defer func() { out <- status }()
+		req, err := http.NewRequestWithContext(ctx, http.MethodPost, url+"/v1/completions", strings.NewReader(body))
+		if err != nil {
+			return
+		}
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			return
+		}
+		defer resp.Body.Close()
+		_, _ = io.Copy(io.Discard, resp.Body)
+		status = resp.StatusCode
+	}()
+	return out
+}
+
+// waitN receives n signals from ch, bounded generously.
+func waitN(t *testing.T, ch <-chan struct{}, n int, what string) {
+	t.Helper()
+	for i := range n {
+		select {
+		case <-ch:
+		case <-time.After(30 * time.Second):
+			t.Fatalf("%d of %d %s", i, n, what)
+		}
+	}
+}
+
+// N concurrent requests with one prompt ask the replica once (singleflight):
+// the first /tokenize call waits until every request has joined its lookup.
+func TestRemoteTokenizeOnceForConcurrentPrompts(t *testing.T) {
+	const n = 8
+	joined := make(chan struct{}, n)
+	gw, rep := startTokenizeGateway(t, joined)
+	statuses := make([]<-chan int, n)
+	for i := range n {
+		statuses[i] = postAsync(t.Context(), gw.srv.URL, `{"model":"m","prompt":"one prompt, many clients"}`)
+	}
+	waitN(t, joined, n, "requests joined a lookup")
+	close(rep.release)
+	for i, st := range statuses {
+		if s := <-st; s != http.StatusOK {
+			t.Errorf("request %d: status %d", i, s)
+		}
+	}
+	if c := rep.calls.Load(); c != 1 {
+		t.Fatalf("%d /tokenize calls for %d concurrent identical prompts, want 1", c, n)
+	}
+	checkTokenizeResults(t, gw, map[string]float64{"remote": 1, "shared": n - 1, "fallback": 0})
+}
+
+// The client whose request started a lookup hangs up: it alone falls back;
+// the requests that joined the lookup still get the replica's tokens.
+func TestRemoteTokenizeLeaderHangUpFailsNoOther(t *testing.T) {
+	const n = 4
+	joined := make(chan struct{}, n)
+	gw, rep := startTokenizeGateway(t, joined)
+	const body = `{"model":"m","prompt":"the first client leaves"}`
+	ctx, hangUp := context.WithCancel(t.Context())
+	first := postAsync(ctx, gw.srv.URL, body)
+	waitN(t, joined, 1, "first request joined")
+	waitN(t, rep.started, 1, "first /tokenize call")
+	others := make([]<-chan int, n-1)
+	for i := range others {
+		others[i] = postAsync(t.Context(), gw.srv.URL, body)
+	}
+	waitN(t, joined, n-1, "requests joined the first one's lookup")
+	hangUp()
+	<-first
+	eventually(t, "the first request's fallback", func() bool {
+		return counterValue(t, gw.g.reg, "kvgate_remote_tokenize_total", map[string]string{"result": "fallback"}) >= 1
+	})
+	close(rep.release)
+	for i, st := range others {
+		if s := <-st; s != http.StatusOK {
+			t.Errorf("request %d: status %d", i+1, s)
+		}
+	}
+	if c := rep.calls.Load(); c != 1 {
+		t.Fatalf("%d /tokenize calls, want 1", c)
+	}
+	checkTokenizeResults(t, gw, map[string]float64{"remote": 0, "shared": n - 1, "fallback": 1})
+}
+
+// checkTokenizeResults compares kvgate_remote_tokenize_total by result.
+func checkTokenizeResults(t *testing.T, gw *testGW, want map[string]float64) {
+	t.Helper()
+	for result, w := range want {
+		if got := counterValue(t, gw.g.reg, "kvgate_remote_tokenize_total", map[string]string{"result": result}); got != w {
+			t.Errorf("kvgate_remote_tokenize_total{result=%q} = %v, want %v", result, got, w)
+		}
+	}
+}
