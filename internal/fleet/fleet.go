@@ -1,10 +1,11 @@
 // Package fleet keeps the gateway's knowledge of its replicas current: it
 // scrapes each replica's /metrics (waiting, running, KV usage, cache size,
-// running LoRA adapters), checks /health, lists /v1/models, and reports each
-// request's verdict to the replica's circuit breaker. Everything it learns
-// goes into the replica's one home, router.Replica, which the policies read.
-// Time comes from an injected clock, so the breaker, scrape backoff and
-// staleness are tested exactly with a fake one.
+// running LoRA adapters), checks /health and lists /v1/models. Everything it
+// learns goes into the replica's one home, router.Replica, which the
+// policies read. (Each request's verdict reaches the replica's circuit
+// breaker through its router.Ticket; the fleet logs the replica leaving and
+// rejoining rotation, NoteEjection.) Time comes from an injected clock, so
+// scrape backoff and staleness are tested exactly with a fake one.
 package fleet
 
 import (
@@ -39,8 +40,6 @@ type Config struct {
 	MaxMetricsBytes int64
 	Logger          *slog.Logger
 	Clock           clock.Clock
-	// OnEject is called when a replica's breaker opens (metrics).
-	OnEject func(replica int)
 }
 
 // Fleet watches the router's replicas.
@@ -505,33 +504,12 @@ func (f *Fleet) Models() []router.Model {
 	return nil
 }
 
-// Allow asks to send a request to replica i (its breaker). The caller then
-// reports exactly one of Success, Failure or Neutral with the pass.
-func (f *Fleet) Allow(i int) (bool, router.Pass) {
-	return f.rt.Replica(i).Breaker.Allow(f.cfg.Clock.Now())
-}
-
-// Success records a good exchange with replica i.
-func (f *Fleet) Success(i int, p router.Pass) { f.rt.Replica(i).Breaker.Success(p) }
-
-// Neutral ends an exchange that says nothing of replica i's health.
-func (f *Fleet) Neutral(i int, p router.Pass) { f.rt.Replica(i).Breaker.Neutral(p) }
-
-// Failure records a failure of replica i; when it opens the breaker the
-// replica leaves rotation for the cooldown, and returns half-open after it
-// if its /health passes.
-func (f *Fleet) Failure(i int, p router.Pass) {
-	r := f.rt.Replica(i)
-	now := f.cfg.Clock.Now()
-	cooldown := r.Breaker.Failure(now, p)
-	if cooldown == 0 {
-		return
-	}
+// NoteEjection logs that replica i's breaker opened (router.Config.OnEject):
+// out of rotation for cooldown, back half-open after it if its /health
+// passes. Logged with the health loop's own rotation changes, once per
+// departure.
+func (f *Fleet) NoteEjection(i int, cooldown time.Duration) {
 	f.logRotation(i, false, "replica ejected after consecutive failures: out of rotation for the cooldown", "cooldown", cooldown)
-	if f.cfg.OnEject != nil {
-		f.cfg.OnEject(i)
-	}
-	r.UpdateHealthy(now)
 }
 
 // logRotation logs, at info, a replica leaving rotation (in false) or

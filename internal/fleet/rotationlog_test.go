@@ -74,12 +74,12 @@ func TestRotationChangesLoggedOncePerTransition(t *testing.T) {
 	want(1, 0, 1)
 
 	// Ejected: once, though the failures go on and /health fails too.
-	fail(f, 0)
-	fail(f, 0)
+	fail(rt, 0)
+	fail(rt, 0)
 	if rt.Healthy(0) {
 		t.Fatal("not ejected")
 	}
-	fail(f, 0)
+	fail(rt, 0)
 	ht.up.Store(false)
 	f.Health(ctx, 0)
 	want(1, 1, 1)
@@ -93,7 +93,7 @@ func TestRotationChangesLoggedOncePerTransition(t *testing.T) {
 	}
 	want(1, 1, 2)
 	// Its trial fails: ejected again, for longer.
-	fail(f, 0)
+	fail(rt, 0)
 	want(1, 2, 2)
 }
 

@@ -29,8 +29,9 @@ import (
 // llm-d's EndpointDiscovery it has a Ready contract, which /ready asks.
 //
 // The request path and the admin endpoints reach it only through
-// controlPlane; its files touch nothing of Gateway (the onForget and
-// onEject hooks are how it tells the request path's sinks).
+// controlPlane; its files touch nothing of Gateway (the onForget hook is
+// how it tells the request path's sinks; a breaker's opening reaches them
+// from the router's OnEject).
 
 // controlPlane is what the rest of the gateway asks of the control plane.
 type controlPlane interface {
@@ -104,10 +105,8 @@ type controlOptions struct {
 	// Found is every source's list at start (initialFound), the router's
 	// replicas.
 	Found map[string][]ReplicaConfig
-	// OnForget frees the request path's state of a forgotten replica;
-	// OnEject counts a breaker opening.
+	// OnForget frees the request path's state of a forgotten replica.
 	OnForget func(router.Forgotten)
-	OnEject  func(replica int)
 }
 
 // newControl builds the control plane of a router built from o.Found.
@@ -125,7 +124,7 @@ func newControl(cfg Config, o controlOptions) (*control, error) {
 	}
 	c.fleet = fleet.New(c.rt, o.Client, fleet.Config{
 		ScrapeInterval: cfg.ScrapeInterval.D(), HealthInterval: cfg.HealthInterval.D(),
-		StaleAfter: cfg.ScrapeStaleAfter.D(), Logger: o.Logger, Clock: o.Clock, OnEject: o.OnEject,
+		StaleAfter: cfg.ScrapeStaleAfter.D(), Logger: o.Logger, Clock: o.Clock,
 	})
 	return c, nil
 }

@@ -122,7 +122,7 @@ func New(cfg Config, o Options) (*Gateway, error) {
 	rcfg := cfg
 	rcfg.Seed = policySeed(cfg.Seed, syncer)
 	var g *Gateway
-	rt, err := newRouter(rcfg, specs, prof, o.Clock, onLearn(syncer), drainLog(&g), policyPanicked(&g))
+	rt, err := newRouter(rcfg, specs, prof, o.Clock, onLearn(syncer), drainLog(&g), policyPanicked(&g), ejected(&g))
 	if err != nil {
 		return nil, err
 	}
@@ -131,8 +131,7 @@ func New(cfg Config, o Options) (*Gateway, error) {
 		bodies: newBodyBudget(cfg), ui: newUIStats(), via: viaName(gatewayID(syncer))}
 	g.cut, g.cutNow = context.WithCancel(context.Background())
 	ctl, err := newControl(cfg, controlOptions{Router: rt, Client: &http.Client{Transport: tr}, Logger: o.Logger, Clock: o.Clock,
-		Registry: o.Registry, Resolver: o.Resolver, Shared: syncer, Found: found, OnForget: g.forget,
-		OnEject: func(i int) { g.met.ejections.WithLabelValues(rt.Name(i)).Inc() }})
+		Registry: o.Registry, Resolver: o.Resolver, Shared: syncer, Found: found, OnForget: g.forget})
 	if err != nil {
 		return nil, err
 	}
@@ -154,7 +153,7 @@ func New(cfg Config, o Options) (*Gateway, error) {
 }
 
 func newRouter(cfg Config, specs []router.Spec, prof costmodel.Profile, clk clock.Clock, learn func(router.Learned), drained func(int),
-	panicked func(router.PolicyPanic)) (*router.Router, error) {
+	panicked func(router.PolicyPanic), eject func(router.Ejection)) (*router.Router, error) {
 	pol, err := policy.New(cfg.Policy, policy.Options{Seed: cfg.Seed, BlockSize: cfg.BlockSize, Profile: prof,
 		MaxBatchTokens: cfg.MaxBatchTokens, Params: cfg.PolicyParams})
 	if err != nil {
@@ -170,7 +169,7 @@ func newRouter(cfg Config, specs []router.Spec, prof costmodel.Profile, clk cloc
 	}
 	return router.New(router.Config{Specs: specs, Policy: pol, Pools: pools, BlockSize: cfg.BlockSize, NonCachedTokens: nonCached,
 		BlocksPerReplica: cfg.BlocksPerReplica, MaxEntries: cfg.IndexMaxEntries, Precise: cfg.Precise(), Now: clk.Now,
-		StaleAfter: cfg.ScrapeStaleAfter.D(), LearnOnAccept: true, OnLearn: learn, OnDrained: drained, OnPolicyPanic: panicked, Dynamic: cfg.dynamic(),
+		StaleAfter: cfg.ScrapeStaleAfter.D(), LearnOnAccept: true, OnLearn: learn, OnDrained: drained, OnPolicyPanic: panicked, OnEject: eject, Dynamic: cfg.dynamic(),
 		Breaker: router.BreakerConfig{EjectAfter: cfg.EjectAfter, Cooldown: cfg.EjectCooldown.D()}, ForgetAfter: cfg.ForgetAfter.D()})
 }
 

@@ -108,6 +108,20 @@ func policyPanicked(g **Gateway) func(router.PolicyPanic) {
 	}
 }
 
+// ejected is the router's OnEject: a replica's breaker opened on a
+// failed attempt (settle): counted, and logged by the fleet with the
+// replica's other rotation changes.
+func ejected(g **Gateway) func(router.Ejection) {
+	return func(e router.Ejection) {
+		gw := *g
+		if gw == nil || gw.met == nil {
+			return // no request is settled before New returns
+		}
+		gw.met.ejections.WithLabelValues(e.Name).Inc()
+		gw.fleet.NoteEjection(e.Slot, e.Cooldown)
+	}
+}
+
 // newPDMetrics makes and registers the prefill/decode series.
 func (m *metrics) newPDMetrics(reg prometheus.Registerer) {
 	m.pdAttempts = prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvgate_pd_attempts_total",

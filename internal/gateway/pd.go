@@ -86,12 +86,12 @@ func (g *Gateway) routePDAttempt(x *exchange, last bool) (*attempt, error) {
 	if pd.Prefill != nil {
 		p, err := g.prefillStep(x, pd.Prefill)
 		if err != nil {
-			g.endUnused(dec, err)
+			endUnsent(g, dec.tk, err)
 			return nil, err
 		}
 		kv, end := g.afterPrefill(x, p, last)
 		if end {
-			g.endUnused(dec, p.err)
+			endUnsent(g, dec.tk, p.err)
 			return p, nil
 		}
 		if kv != nil {
@@ -149,7 +149,7 @@ func (g *Gateway) decodeStep(x *exchange, dec *attempt, held *heldKV) (*attempt,
 	}
 	var err error
 	if dec.body, err = decodeBody(x.body, kv); err != nil {
-		g.endUnused(dec, err)
+		endUnsent(g, dec.tk, err)
 		return nil, &prompt.RequestError{Msg: err.Error()}
 	}
 	g.try(x, dec)
@@ -212,14 +212,9 @@ func (g *Gateway) routePD(x *exchange) (router.PD, error) {
 	return pd, nil
 }
 
-// endUnused ends the decode step of a try that never sent it.
-func (g *Gateway) endUnused(a *attempt, err error) {
-	g.fleet.Neutral(a.tk.Replica, a.pass)
-	endUnsent(g, a.tk, err)
-}
-
 // endUnsent ends a ticket whose step was never sent: its replica never
-// took the request.
+// took the request, and its breaker hears nothing of it (a decode step's
+// pass, already taken, is given back: HealthNeutral).
 func endUnsent(g *Gateway, tk *router.Ticket, err error) {
 	if err == nil {
 		err = errors.New("the request's other step failed")

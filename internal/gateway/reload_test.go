@@ -6,6 +6,9 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/kvgate/kvgate/internal/prompt"
+	"github.com/kvgate/kvgate/internal/router"
 )
 
 func TestReloadConfigAppliesLimitsAndParamsAndIgnoresTheRest(t *testing.T) {
@@ -44,11 +47,11 @@ func TestReloadConfigAppliesLimitsAndParamsAndIgnoresTheRest(t *testing.T) {
 		t.Fatal("the policy or the limiter was not replaced")
 	}
 	// eject_after 1: one failure opens the breaker.
-	ok, pass := g.fleet.Allow(0)
-	if !ok {
-		t.Fatal("breaker closed, no pass")
+	tk, err := g.rt.Route(g.rt.Prepare(&prompt.Parsed{Kind: prompt.Completion, Model: "m", Text: "x", Prompts: 1}, "", ""))
+	if err != nil || tk.Replica != 0 || !tk.Allow() {
+		t.Fatalf("routed %v, %v: want replica 0, its breaker closed", tk, err)
 	}
-	g.fleet.Failure(0, pass)
+	tk.Done(g.clock.Now(), router.Outcome{CachedTokens: -1, Health: router.HealthFailed})
 	if g.fleet.State(0) != "open" {
 		t.Fatalf("breaker %s after one failure with eject_after 1", g.fleet.State(0))
 	}

@@ -19,15 +19,14 @@ import (
 	"github.com/kvgate/kvgate/internal/router"
 )
 
-// allow asks the breaker of a's replica for the attempt; false (verdict
-// skipped) when it is half-open with its trial in flight.
+// allow asks the breaker of a's replica for the attempt (its ticket keeps
+// the pass, and reports the verdict's health when settle ends it); false
+// (verdict skipped) when it is half-open with its trial in flight.
 func (g *Gateway) allow(a *attempt) bool {
-	ok, pass := g.fleet.Allow(a.tk.Replica)
-	if !ok {
+	if !a.tk.Allow() {
 		a.v, a.err = skipped, errBreaker
 		return false
 	}
-	a.pass = pass
 	return true
 }
 

@@ -92,7 +92,6 @@ type attempt struct {
 	noKV bool
 	// took is how long a prefill step took.
 	took    time.Duration
-	pass    router.Pass // the breaker's admission, reported back in settle
 	v       verdict
 	err     error // what went wrong, for logs (nil when served)
 	status  int   // the replica's HTTP status (0: none)
@@ -131,15 +130,12 @@ func (a *attempt) payload(x *exchange) []byte {
 // observers), the prefix index, and the metrics.
 func (g *Gateway) settle(x *exchange, a *attempt) {
 	i := a.tk.Replica
+	health := router.HealthNeutral // skipped: Allow said no, the ticket reports nothing
 	switch a.v {
 	case served:
-		g.fleet.Success(i, a.pass)
+		health = router.HealthOK
 	case refused, failed:
-		g.fleet.Failure(i, a.pass)
-	case skipped:
-		// Allow said no: no trial was taken, nothing to release.
-	default:
-		g.fleet.Neutral(i, a.pass)
+		health = router.HealthFailed
 	}
 	if a.v == rejected || a.v == refused || (a.v == failed && !a.started) {
 		a.tk.Reject() // the replica did not take it: the index forgets
@@ -152,7 +148,7 @@ func (g *Gateway) settle(x *exchange, a *attempt) {
 			err = errors.New(a.v.String())
 		}
 	}
-	a.tk.Done(end, router.Outcome{CachedTokens: a.cached, OutputTokens: a.output, Err: err})
+	a.tk.Done(end, router.Outcome{CachedTokens: a.cached, OutputTokens: a.output, Err: err, Health: health})
 	if a.v == served && a.tk.Underpredicted(a.cached) {
 		g.underpredicted(i)
 	}

@@ -149,3 +149,68 @@ func (b *Breaker) Until() time.Time {
 	defer b.mu.Unlock()
 	return b.ejectedUntil
 }
+
+// Health is what a request's outcome says of its replica's health, for
+// its breaker (Outcome.Health).
+type Health int8
+
+const (
+	// HealthNeutral says nothing: a client's fault (a 4xx), the client
+	// gone, the gateway's own limit, a 429, or a request never sent. A
+	// half-open breaker's trial slot is freed.
+	HealthNeutral Health = iota
+	// HealthOK: the replica served it. A trial's success closes the breaker.
+	HealthOK
+	// HealthFailed: the replica failed it (refused before any work, or
+	// failed after the request was written). Counts towards opening the
+	// breaker; a trial's failure reopens it.
+	HealthFailed
+)
+
+// Ejection is a replica taken out of rotation by its breaker's opening.
+type Ejection struct {
+	Slot     int
+	Name     string
+	Cooldown time.Duration
+}
+
+// Allow asks the replica's breaker to send the ticket's request: always
+// while closed; while half-open only as the one trial; never while open.
+// The ticket keeps the breaker's pass, and Done reports the outcome's
+// health with it, exactly once; a ticket not allowed (or never asked)
+// reports nothing. Asking again answers the same.
+func (t *Ticket) Allow() bool {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if !t.asked && !t.done {
+		t.asked = true
+		t.allowed, t.pass = t.r.Breaker.Allow(t.rt.cfg.Now())
+	}
+	return t.allowed
+}
+
+// report gives the breaker the ticket's health at its end (Done, once).
+// A failure that opens the breaker takes the replica out of rotation at
+// once and is heard by Config.OnEject.
+func (t *Ticket) report(at time.Time, h Health) {
+	t.mu.Lock()
+	allowed, pass := t.allowed, t.pass
+	t.mu.Unlock()
+	if !allowed {
+		return
+	}
+	b := &t.r.Breaker
+	switch h {
+	case HealthOK:
+		b.Success(pass)
+	case HealthFailed:
+		if cooldown := b.Failure(at, pass); cooldown > 0 {
+			t.r.UpdateHealthy(at)
+			if f := t.rt.cfg.OnEject; f != nil {
+				f(Ejection{Slot: t.Replica, Name: t.r.name, Cooldown: cooldown})
+			}
+		}
+	default:
+		b.Neutral(pass)
+	}
+}

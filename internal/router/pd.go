@@ -66,7 +66,8 @@ func (rt *Router) RoutePD(req *policy.Request, exclude ...int) (PD, error) {
 	if err != nil {
 		return PD{}, err
 	}
-	pd, err := rt.pickPair(pl.pol.Load().pol, req, views)
+	pol := pl.pol.Load().pol
+	pd, err := rt.pickPair(pol, req, views)
 	if err != nil {
 		return PD{}, err
 	}
@@ -75,10 +76,10 @@ func (rt *Router) RoutePD(req *policy.Request, exclude ...int) (PD, error) {
 	if !pd.SkipPrefill {
 		preq := *req
 		preq.ID, preq.MaxTokens = rt.nextID.Add(1), 1
-		out.Prefill = rt.commitView(&preq, pd.Prefill, views, approx, policy.PhasePrefill)
+		out.Prefill = rt.commitView(pol, &preq, pd.Prefill, views, approx, policy.PhasePrefill)
 		phase = policy.PhaseDecode
 	}
-	out.Decode = rt.commitView(req, pd.Decode, views, approx, phase)
+	out.Decode = rt.commitView(pol, req, pd.Decode, views, approx, phase)
 	return out, nil
 }
 
@@ -104,12 +105,13 @@ func (rt *Router) RouteDecode(req *policy.Request, prefill int, exclude ...int) 
 		v.Healthy = v.Healthy && v.Role.Decodes()
 		v.Role = policy.RoleDecode // this step only decodes: no prefill side
 	}
-	pd, err := rt.pickPair(pl.pol.Load().pol, req, views)
+	pol := pl.pol.Load().pol
+	pd, err := rt.pickPair(pol, req, views)
 	if err != nil {
 		return nil, err
 	}
 	pd.Decode.Reason = "decode step only, pulling a completed prefill's KV: " + pd.Decode.Reason
-	return rt.commitView(req, pd.Decode, views, approx, policy.PhaseDecode), nil
+	return rt.commitView(pol, req, pd.Decode, views, approx, policy.PhaseDecode), nil
 }
 
 // DryRunPD is RoutePD's decision for req without sending anything or

@@ -71,6 +71,11 @@ type Config struct {
 	// by SetReplicas has no request in flight left. It may run on the
 	// request path (the last Ticket.Done): it must not block.
 	OnDrained func(slot int)
+	// OnEject, when set, hears every opening of a replica's breaker by a
+	// ticket's failure (Ticket.Done with HealthFailed): the replica left
+	// rotation for Ejection.Cooldown. It runs on the request path (the
+	// failing ticket's Done): it must not block.
+	OnEject func(Ejection)
 	// OnPolicyPanic, when set, hears every panic recovered from a policy's
 	// Pick or PickPair (guard.go: the request is routed by least load
 	// instead), with the stack at most once per PanicReportEvery and
@@ -487,6 +492,13 @@ type Ticket struct {
 	done           bool
 	learned        bool // the approximate index holds this request's blocks for Replica
 	rejected       bool // the replica did not take it: never learnt
+	// policy is the name of the policy that decided (the pool's, or the
+	// one RouteWith was given).
+	policy string
+	// pass is the breaker's admission (Allow), reported by Done; asked:
+	// Allow was called, allowed: it admitted the request.
+	pass           Pass
+	asked, allowed bool
 }
 
 // Route decides and commits: the replica's counters go up (before the
@@ -520,15 +532,16 @@ func (rt *Router) RouteWith(pol policy.Policy, req *policy.Request, exclude ...i
 	if d.Replica < 0 || d.Replica >= len(views) || !views[d.Replica].Healthy {
 		return nil, fmt.Errorf("router: policy %s chose replica %d of %d, not a candidate", pol.Name(), d.Replica, len(views))
 	}
-	return rt.commitView(req, d, views, approx, policy.PhaseNone), nil
+	return rt.commitView(pol, req, d, views, approx, policy.PhaseNone), nil
 }
 
-// commitView commits d for one step (phase) of req, with the match views
-// and the approximate index (approx) give its replica. A decode step's
+// commitView commits d, which pol decided, for one step (phase) of req,
+// with the match views and the approximate index (approx) give its replica. A decode step's
 // precise prediction is not checked (Underpredicted): the cached tokens
 // its replica reports count the pulled ones.
-func (rt *Router) commitView(req *policy.Request, d policy.Decision, views []policy.ReplicaView, approx []int, phase policy.Phase) *Ticket {
+func (rt *Router) commitView(pol policy.Policy, req *policy.Request, d policy.Decision, views []policy.ReplicaView, approx []int, phase policy.Phase) *Ticket {
 	t := rt.commit(req, d, views[d.Replica].Match, approx[d.Replica], phase)
+	t.policy = pol.Name()
 	t.Held, t.BestHeld = views[d.Replica].Match, bestHeld(views, phase)
 	t.predicted = -1
 	if rt.precise != nil && phase != policy.PhaseDecode && rt.reps()[d.Replica].preciseTrusted(req.Now) {
@@ -669,6 +682,12 @@ func (t *Ticket) Underpredicted(cached int) bool {
 // Request is the ticket's request.
 func (t *Ticket) Request() *policy.Request { return t.req }
 
+// Policy is the name of the policy that decided: the request's pool's (the
+// top-level one without pools), or the one RouteWith was given. (A policy
+// that panicked is named; least load routed the request instead, and
+// Config.OnPolicyPanic heard it.)
+func (t *Ticket) Policy() string { return t.policy }
+
 // FirstToken reports the first token at `at` (idempotent).
 func (t *Ticket) FirstToken(at time.Time) {
 	if !t.prefillDone() {
@@ -729,9 +748,15 @@ type Outcome struct {
 	CachedTokens int
 	OutputTokens int
 	Err          error
+	// Health is what the request says of its replica's health, reported
+	// to the breaker when Allow admitted it (HealthNeutral, the zero
+	// value: nothing).
+	Health Health
 }
 
-// Done ends the ticket (idempotent): counters go down, observers hear Done.
+// Done ends the ticket (idempotent): the breaker hears the outcome's
+// health (once: Done ends the ticket once), counters go down, observers
+// hear Done.
 func (t *Ticket) Done(at time.Time, o Outcome) {
 	t.mu.Lock()
 	if t.done {
@@ -741,6 +766,7 @@ func (t *Ticket) Done(at time.Time, o Outcome) {
 	t.done = true
 	first := t.first
 	t.mu.Unlock()
+	t.report(at, o.Health)
 	r := t.r
 	if !first {
 		r.pendingPrefill.Add(-t.uncached)
