@@ -16,8 +16,8 @@ import (
 // named fields only, never from the body or the headers.
 
 // accessWriter is the client's ResponseWriter seen by the access log: it
-// keeps the status the client got, and the exchange's attempts write
-// what they learnt into it (noteAccess). It hides nothing: Unwrap lets
+// keeps the status the client got, and the exchange's settled attempts
+// write what they learnt into it (noteAccess). It hides nothing: Unwrap lets
 // http.ResponseController reach the connection (flush, deadlines).
 type accessWriter struct {
 	http.ResponseWriter
@@ -72,11 +72,13 @@ func (g *Gateway) withAccessLog(h http.Handler) http.Handler {
 	})
 }
 
-// noteAccess writes an attempt's outcome into the access log's record of
-// its exchange (nothing when the access log is off).
-func noteAccess(x *exchange, a *attempt, name string, ttft time.Duration) {
+// noteAccess is the access log's sink: it writes a settled attempt's
+// outcome into the access log's record of its exchange (a skipped attempt
+// sent nothing: nothing to say).
+func noteAccess(s *settledAttempt) {
+	x, a, name, ttft := s.x, s.a, s.name, s.ttft
 	aw, ok := x.w.(*accessWriter)
-	if !ok {
+	if !ok || !s.sent {
 		return
 	}
 	aw.model = modelOf(x)

@@ -47,10 +47,8 @@ type Gateway struct {
 	fleet  *fleet.Fleet // the control plane's, which the request path reports to
 	client *http.Client
 	log    *slog.Logger
-	met    *metrics
 	reg    *prometheus.Registry
 	mux    http.Handler // the routes, behind the access log when on
-	ui     *uiStats     // the live view's tallies (/ui)
 	clock  clock.Clock
 	tok    *remoteTokenizer
 	bodies *bodyBudget // request-body bytes held at once (bodyread.go)
@@ -67,12 +65,13 @@ type Gateway struct {
 	jmu    sync.Mutex
 	jitter *rand.Rand
 
-	rec *recorder // the recording (record.path), nil when off
+	// sinks hear every settled attempt: the metrics (met), the live view's
+	// tallies (ui), the recording (rec, record.path), tracing (tr), the
+	// access log and the debug log (sinks.go).
+	sinks
 	// homes are the slots holding stored responses (passthrough.go), freed
 	// of a forgotten replica's (discovery_forget.go).
 	homes *responseHomes
-	// tr is OpenTelemetry tracing (tracing.go), nil when off.
-	tr *tracing
 	// via is this gateway's Via pseudonym (loop.go): kvgate-<its id>.
 	via string
 }
@@ -128,7 +127,7 @@ func New(cfg Config, o Options) (*Gateway, error) {
 	}
 	g = &Gateway{cfg: startConfig{Config: cfg}, live: newLiveSettings(cfg, rcfg.Seed), rt: rt, client: &http.Client{Transport: tr}, log: o.Logger, reg: o.Registry,
 		clock: o.Clock, prof: prof, jitter: rand.New(rand.NewPCG(cfg.Seed, 99)),
-		bodies: newBodyBudget(cfg), ui: newUIStats(), via: viaName(gatewayID(syncer))}
+		bodies: newBodyBudget(cfg), via: viaName(gatewayID(syncer))}
 	g.cut, g.cutNow = context.WithCancel(context.Background())
 	ctl, err := newControl(cfg, controlOptions{Router: rt, Client: &http.Client{Transport: tr}, Logger: o.Logger, Clock: o.Clock,
 		Registry: o.Registry, Resolver: o.Resolver, Shared: syncer, Found: found, OnForget: g.forget})
@@ -148,6 +147,7 @@ func New(cfg Config, o Options) (*Gateway, error) {
 	}
 	g.loadStateFile()
 	g.tr = newTracing(o.TracerProvider)
+	g.sinks = g.newSinks(g.met, g.rec, g.tr)
 	g.routes()
 	return g, nil
 }

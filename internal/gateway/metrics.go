@@ -3,7 +3,6 @@ package gateway
 import (
 	"fmt"
 	"strconv"
-	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 
@@ -34,7 +33,7 @@ type metrics struct {
 	prefillFallback *prometheus.CounterVec // reason
 	prefillHeldKV   *prometheus.CounterVec // outcome
 	prefillStep     prometheus.Histogram
-	// What the router decided and how it turned out (noteOutcome).
+	// What the router decided and how it turned out (settled).
 	decisions     *prometheus.CounterVec   // replica, branch
 	ttftRatio     *prometheus.HistogramVec // replica
 	promptTokens  *prometheus.CounterVec   // replica
@@ -150,7 +149,7 @@ func (m *metrics) newPDMetrics(reg prometheus.Registerer) {
 var ttftRatioBuckets = []float64{1. / 8, 1. / 4, 1. / 2, 2. / 3, 0.8, 0.9, 1, 1.0 / 0.9, 1.25, 1.5, 2, 4, 8}
 
 // newOutcomeMetrics makes and registers the decision and per-replica
-// usage series (fed by noteOutcome).
+// usage series (fed by settled).
 func (m *metrics) newOutcomeMetrics(reg prometheus.Registerer) {
 	m.decisions = prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvgate_route_decisions_total",
 		Help: "Routing decisions by the replica chosen and the branch taken: held_prefix (the chosen replica held " +
@@ -200,8 +199,12 @@ const (
 
 // branchOf names what a decision did with the prompt's prefix: followed it
 // to the candidate holding the most of it, moved it elsewhere (for load),
-// or found it nowhere.
+// or found it nowhere; "" for a decode step after a prefill step, which
+// pulls the prompt (the prefix decision was the prefill step's).
 func branchOf(tk *router.Ticket) string {
+	if tk.Phase() == policy.PhaseDecode {
+		return ""
+	}
 	switch best := max(tk.BestHeld, tk.Held); {
 	case best == 0:
 		return branchMiss
@@ -211,39 +214,40 @@ func branchOf(tk *router.Ticket) string {
 	return branchSpilled
 }
 
-// noteOutcome feeds one settled attempt to the decision and usage metrics,
-// the live view's tallies (/ui) and the access log: called once per
-// attempt from settle. A skipped attempt (its breaker said no) sent
-// nothing: it is routed again and counted then.
-func (g *Gateway) noteOutcome(x *exchange, a *attempt, end time.Time) {
-	if a.v == skipped {
+// settled is the metrics' sink: every settled attempt's verdict, status
+// and latency under the policy that decided it, its decision's branch, its
+// first token against the estimate, and the usage the replica reported.
+func (m *metrics) settled(s *settledAttempt) {
+	a := s.a
+	if a.status != 0 {
+		m.requests.WithLabelValues(s.policy, s.name, codeLabel(a.status)).Inc()
+	}
+	if a.started {
+		m.e2e.WithLabelValues(s.policy).Observe(s.end.Sub(s.x.start).Seconds())
+	}
+	if !s.sent {
 		return
 	}
-	name := g.rt.Name(a.tk.Replica)
-	branch := ""
-	// A decode step after a prefill step pulls the prompt: the prefix
-	// decision was the prefill step's.
-	if a.tk.Phase() != policy.PhaseDecode {
-		branch = branchOf(a.tk)
-		g.met.decisions.WithLabelValues(name, branch).Inc()
+	m.attempts.WithLabelValues(s.name, a.v.String()).Inc()
+	if a.step != "" {
+		m.pdAttempts.WithLabelValues(a.step, s.name, a.v.String()).Inc()
 	}
-	ttft := time.Duration(-1)
-	if !a.firstAt.IsZero() {
-		ttft = a.firstAt.Sub(x.start)
-		g.met.ttft.WithLabelValues(g.cfg.Policy, name).Observe(ttft.Seconds())
+	if s.branch != "" {
+		m.decisions.WithLabelValues(s.name, s.branch).Inc()
+	}
+	if s.ttft >= 0 {
+		m.ttft.WithLabelValues(s.policy, s.name).Observe(s.ttft.Seconds())
 		if est := a.tk.Decision.EstTTFT; est > 0 {
 			// The estimate is made at routing: compare from there.
-			g.met.ttftRatio.WithLabelValues(name).Observe(a.firstAt.Sub(a.tk.Request().Now).Seconds() / est.Seconds())
+			m.ttftRatio.WithLabelValues(s.name).Observe(a.firstAt.Sub(a.tk.Request().Now).Seconds() / est.Seconds())
 		}
 	}
 	if a.v == served && a.prompt > 0 {
-		g.met.promptTokens.WithLabelValues(name).Add(float64(a.prompt))
-		g.met.genTokens.WithLabelValues(name).Add(float64(a.output))
+		m.promptTokens.WithLabelValues(s.name).Add(float64(a.prompt))
+		m.genTokens.WithLabelValues(s.name).Add(float64(a.output))
 		if a.cached >= 0 {
-			g.met.cachedTokens.WithLabelValues(name).Add(float64(a.cached))
-			g.met.usageReported.WithLabelValues(name).Add(float64(a.prompt))
+			m.cachedTokens.WithLabelValues(s.name).Add(float64(a.cached))
+			m.usageReported.WithLabelValues(s.name).Add(float64(a.prompt))
 		}
 	}
-	g.ui.note(g, x, a, branch, ttft, end)
-	noteAccess(x, a, name, ttft)
 }

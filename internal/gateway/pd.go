@@ -294,8 +294,7 @@ func (g *Gateway) prefillStep(x *exchange, tk *router.Ticket) (*attempt, error) 
 func (g *Gateway) sendPrefill(x *exchange, a *attempt) {
 	ctx, cancel := context.WithCancelCause(x.ctx)
 	defer cancel(context.Canceled)
-	ctx = g.traceAttempt(ctx, x, a)
-	defer endAttempt(a)
+	ctx = g.traceAttempt(ctx, x, a) // its span ends in settle (the tracing sink)
 	t0 := g.clock.Now()
 	defer func() { a.took = g.clock.Since(t0) }()
 	if d := g.conf().FirstByteTimeout.D(); d > 0 {

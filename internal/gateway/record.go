@@ -190,6 +190,14 @@ func newRecorder(cfg RecordConfig, blockSize int, clk clock.Clock, log *slog.Log
 	return r, nil
 }
 
+// settled is the recording's sink: a served request (a disaggregated
+// one's decode step, never its prefill step) is recorded.
+func (r *recorder) settled(s *settledAttempt) {
+	if s.a.step != stepPrefill {
+		r.record(s.x, s.a)
+	}
+}
+
 // record hands a served attempt to the writer, never waiting: a full queue
 // drops it. Nil-safe (no recording) and a no-op for other verdicts.
 func (r *recorder) record(x *exchange, a *attempt) {

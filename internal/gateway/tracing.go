@@ -126,9 +126,14 @@ func (g *Gateway) traceRoute(span trace.Span, x *exchange, tk, prefill *router.T
 	if span == nil {
 		return
 	}
-	policy := g.cfg.Policy
-	if x.pol != nil {
+	var policy string
+	switch {
+	case tk != nil:
+		policy = tk.Policy() // the pool's own, or the one a passthrough request is routed by
+	case x.pol != nil:
 		policy = x.pol.Name()
+	default:
+		policy, _, _ = g.policyFor(x.req.Model)
 	}
 	span.SetAttributes(attribute.String("kvgate.policy", policy), attribute.Int("kvgate.retry", len(x.exclude)),
 		attribute.String("gen_ai.request.model", x.req.Model), attribute.Int("kvgate.prompt_tokens", x.req.Tokens))
@@ -159,7 +164,8 @@ func (g *Gateway) traceAttempt(ctx context.Context, x *exchange, a *attempt) con
 	return ctx
 }
 
-// endAttempt ends an attempt's span with its status, verdict and usage.
+// endAttempt ends an attempt's span with its status, verdict and usage:
+// the tracing sink, when settle settles the attempt.
 func endAttempt(a *attempt) {
 	if a.span == nil {
 		return

@@ -15,7 +15,7 @@ const (
 	uiDecisions   = 25 // the last decisions kept
 )
 
-// uiStats are the live view's tallies, fed by noteOutcome on every settled
+// uiStats are the live view's tallies, fed by noteUI on every settled
 // attempt. They hold what the Prometheus registry cannot answer cheaply in
 // a browser: a small ring of recent buckets and the last decisions. Replicas
 // are keyed by name, so that a replica added or removed keeps its own.
@@ -52,6 +52,7 @@ type uiDecision struct {
 	At        time.Time `json:"at"`
 	RequestID string    `json:"request_id"`
 	Model     string    `json:"model"`
+	Policy    string    `json:"policy"` // the policy that decided (a pool's own)
 	Step      string    `json:"step,omitempty"`
 	Branch    string    `json:"branch,omitempty"`
 	routeDecision
@@ -65,10 +66,19 @@ type uiDecision struct {
 
 func newUIStats() *uiStats { return &uiStats{replicas: map[string]*uiTally{}} }
 
-// note counts one settled attempt (not skipped).
-func (s *uiStats) note(g *Gateway, x *exchange, a *attempt, branch string, ttft time.Duration, end time.Time) {
-	d := uiDecision{At: end, RequestID: x.id, Model: modelOf(x), Step: a.step, Branch: branch,
-		routeDecision: g.describe(a.tk.Decision), Verdict: a.v.String(), Status: a.status, Prompt: a.prompt}
+// noteUI is the live view's sink: it counts every settled attempt that
+// was sent.
+func (g *Gateway) noteUI(st *settledAttempt) {
+	if st.sent {
+		g.ui.note(st, g.describe(st.a.tk.Decision))
+	}
+}
+
+// note counts one settled attempt, its decision described as rd.
+func (s *uiStats) note(st *settledAttempt, rd routeDecision) {
+	x, a, ttft, end := st.x, st.a, st.ttft, st.end
+	d := uiDecision{At: end, RequestID: x.id, Model: modelOf(x), Policy: st.policy, Step: a.step, Branch: st.branch,
+		routeDecision: rd, Verdict: a.v.String(), Status: a.status, Prompt: a.prompt}
 	if a.prefill != nil && a.step != stepPrefill {
 		d.PrefillURL = a.prefill.URL()
 	}
@@ -83,7 +93,7 @@ func (s *uiStats) note(g *Gateway, x *exchange, a *attempt, branch string, ttft 
 		c := a.cached
 		d.Cached = &c
 	}
-	name := g.rt.Name(a.tk.Replica)
+	name := st.name
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	r := s.replicas[name]

@@ -39,8 +39,7 @@ func (g *Gateway) try(x *exchange, a *attempt) {
 	tk := a.tk
 	ctx, cancel := context.WithCancelCause(x.ctx)
 	defer cancel(context.Canceled)
-	ctx = g.traceAttempt(ctx, x, a)
-	defer endAttempt(a)
+	ctx = g.traceAttempt(ctx, x, a) // its span ends in settle (the tracing sink)
 	var firstByte clock.Timer
 	up, wrote := g.upstreamRequest(ctx, x, tk.Replica, a.payload(x), func() {
 		if firstByte != nil {

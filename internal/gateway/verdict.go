@@ -125,53 +125,77 @@ func (a *attempt) payload(x *exchange) []byte {
 	return x.body
 }
 
-// settle reports an attempt's verdict to everything that learns from it,
-// together and once: the replica's breaker, the router's ticket (counters,
-// observers), the prefix index, and the metrics.
+// outcome is what a verdict means for the replica and the request: its
+// health (the breaker's, through the ticket), whether the prefix index
+// forgets the request, and whether the attempt reached the replica at all.
+type outcome struct {
+	health router.Health
+	forget forgetRule
+	// sent: the attempt went to the replica. A skipped one (its breaker
+	// said no) sent nothing: it is routed again and counted then, so the
+	// sinks that count attempts leave it out.
+	sent bool
+}
+
+// forgetRule says when the prefix index forgets a settled request
+// (Ticket.Reject): when the replica did not take it.
+type forgetRule int8
+
+const (
+	keep            forgetRule = iota // the replica took it (or nothing was sent)
+	forget                            // refused, or the client's fault
+	forgetUnstarted                   // failed: forgotten unless its answer had started
+)
+
+// outcomes maps every verdict to its outcome: the one table settle reads.
+// Only the replica's own failures count against it; a client's 4xx, a
+// client gone, the gateway's limit, a 429 and a loop (508, turned into
+// rejected by try) are neutral.
+var outcomes = [...]outcome{
+	served:       {health: router.HealthOK, sent: true},
+	skipped:      {},
+	refused:      {health: router.HealthFailed, forget: forget, sent: true},
+	busy:         {sent: true},
+	failed:       {health: router.HealthFailed, forget: forgetUnstarted, sent: true},
+	rejected:     {forget: forget, sent: true},
+	clientGone:   {sent: true},
+	gatewayLimit: {sent: true},
+}
+
+// settle ends an attempt, together and once: its outcome (outcomes) goes
+// to the ticket (the breaker's health, the router's counters and
+// observers, the prefix index), and the settled attempt to the sinks
+// (metrics, the live view, the access log, tracing, the recording, the
+// debug log).
 func (g *Gateway) settle(x *exchange, a *attempt) {
-	i := a.tk.Replica
-	health := router.HealthNeutral // skipped: Allow said no, the ticket reports nothing
-	switch a.v {
-	case served:
-		health = router.HealthOK
-	case refused, failed:
-		health = router.HealthFailed
-	}
-	if a.v == rejected || a.v == refused || (a.v == failed && !a.started) {
+	o := outcomes[a.v]
+	if o.forget == forget || o.forget == forgetUnstarted && !a.started {
 		a.tk.Reject() // the replica did not take it: the index forgets
 	}
 	end := g.clock.Now()
-	var err error
-	if a.v != served {
-		err = a.err
-		if err == nil {
-			err = errors.New(a.v.String())
-		}
-	}
-	a.tk.Done(end, router.Outcome{CachedTokens: a.cached, OutputTokens: a.output, Err: err, Health: health})
+	a.tk.Done(end, router.Outcome{CachedTokens: a.cached, OutputTokens: a.output, Err: a.failure(), Health: o.health})
 	if a.v == served && a.tk.Underpredicted(a.cached) {
-		g.underpredicted(i)
+		g.underpredicted(a.tk.Replica)
 	}
-	if a.step != stepPrefill {
-		g.rec.record(x, a) // served requests only, never waiting
+	s := settledAttempt{x: x, a: a, end: end, sent: o.sent, name: g.rt.Name(a.tk.Replica), policy: a.tk.Policy(),
+		branch: branchOf(a.tk), ttft: -1}
+	if !a.firstAt.IsZero() {
+		s.ttft = a.firstAt.Sub(x.start)
 	}
-	url := g.rt.Name(i)
-	if a.v != skipped {
-		g.met.attempts.WithLabelValues(url, a.v.String()).Inc()
-		if a.step != "" {
-			g.met.pdAttempts.WithLabelValues(a.step, url, a.v.String()).Inc()
-		}
+	for _, k := range g.sinks.all {
+		k(&s)
 	}
-	if a.status != 0 {
-		g.met.requests.WithLabelValues(g.cfg.Policy, url, codeLabel(a.status)).Inc()
+}
+
+// failure is the error the ticket's observers hear (nil: served).
+func (a *attempt) failure() error {
+	switch {
+	case a.v == served:
+		return nil
+	case a.err != nil:
+		return a.err
 	}
-	if a.started {
-		g.met.e2e.WithLabelValues(g.cfg.Policy).Observe(end.Sub(x.start).Seconds())
-	}
-	g.noteOutcome(x, a, end)
-	x.log.Debug("attempt", "replica", url, "step", a.step, "verdict", a.v.String(), "status", a.status,
-		"matched_blocks", a.tk.Decision.Matched, "blocks", len(a.tk.Request().Blocks), "reason", a.tk.Decision.Reason,
-		"cached_tokens", a.cached, "e2e", end.Sub(x.start), "err", a.err)
+	return errors.New(a.v.String())
 }
 
 // underpredictedWarnAt is how many underpredictions, and at least half of

@@ -321,3 +321,25 @@ func BenchmarkDecisionPools(b *testing.B) {
 	}
 	benchDecision(b, rt, 13, func(d policy.Decision) bool { return d.Replica >= 8 })
 }
+
+// A ticket names the policy that decided it: its pool's, never the
+// top-level one; RouteWith's own when given one.
+func TestTicketNamesThePolicyThatDecided(t *testing.T) {
+	rt, _, _ := twoPools(t)
+	for model, want := range map[string]string{"llama-70b": "least_load", "Qwen/Qwen2.5-7B": "ttft", "support-lora": "ttft"} {
+		tk, err := rt.Route(request(rt, model, "a prompt"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if tk.Policy() != want {
+			t.Errorf("%s: decided by %q, want %q", model, tk.Policy(), want)
+		}
+		tk.Done(time.Unix(1, 0), Outcome{CachedTokens: -1})
+	}
+	rr, _ := policy.New("random", policy.Options{Seed: 1})
+	tk, err := rt.RouteWith(rr, request(rt, "llama-70b", "by another policy"))
+	if err != nil || tk.Policy() != "random" {
+		t.Fatalf("RouteWith(random): %v, decided by %q", err, tk.Policy())
+	}
+	tk.Done(time.Unix(1, 0), Outcome{CachedTokens: -1})
+}
