@@ -104,14 +104,14 @@ func (g *Gateway) debug(w http.ResponseWriter, r *http.Request) {
 	if r.URL.Query().Get("kind") == "chat" {
 		kind = prompt.Chat
 	}
-	_, req, err := g.prepare(r.Context(), kind, body, r.Header.Get("X-Session-Id"))
+	model, req, err := g.prepare(r.Context(), kind, body, r.Header.Get("X-Session-Id"))
 	if err != nil {
 		writeError(w, err)
 		return
 	}
-	pol, pool, _ := g.policyFor(req.Model)
+	pool, _ := model.Pool()
 	resp := map[string]any{
-		"policy":  pol,
+		"policy":  model.Policy().Name(),
 		"request": map[string]any{"kind": kind.String(), "tokens": req.Tokens, "blocks": len(req.Blocks)},
 	}
 	if pool != "" {

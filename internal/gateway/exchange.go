@@ -28,7 +28,11 @@ type exchange struct {
 	kind   prompt.Kind
 	body   []byte
 	parsed *prompt.Parsed
-	req    *policy.Request
+	// model is the request's model as the router resolved it, once, when
+	// it was parsed: its pool, listing and partition (checks, remote
+	// tokenization, the routing key, which carries it to routing).
+	model router.Resolved
+	req   *policy.Request
 	// ctx ends when the client leaves, request_timeout passes, or a drain
 	// cuts the request (context.Cause says which).
 	ctx     context.Context
@@ -223,7 +227,7 @@ func (g *Gateway) admit(w http.ResponseWriter, r *http.Request, kind prompt.Kind
 		return nil, nil, err
 	}
 	x.body = body
-	release, err := g.enter(x, releaseBody, func() (*prompt.Parsed, error) { return g.parse(kind, body) })
+	release, err := g.enter(x, releaseBody, func() (*prompt.Parsed, router.Resolved, error) { return g.parse(kind, body) })
 	return x, release, err
 }
 
@@ -249,13 +253,13 @@ func (g *Gateway) begin(w http.ResponseWriter, r *http.Request, kind prompt.Kind
 // enter admits an exchange whose body is read (releaseBody gives its room
 // back): its context, its parse, a slot of the concurrency limit and its
 // routing key. The returned release frees all of it.
-func (g *Gateway) enter(x *exchange, releaseBody func(), parse func() (*prompt.Parsed, error)) (func(), error) {
+func (g *Gateway) enter(x *exchange, releaseBody func(), parse func() (*prompt.Parsed, router.Resolved, error)) (func(), error) {
 	ctx, endCtx := g.requestContext(x.r.Context())
 	releaseAll := func() { endCtx(); releaseBody() }
 	x.ctx = ctx
 	span := g.startSpan(ctx, "kvgate.parse")
 	var err error
-	if x.parsed, err = parse(); err != nil {
+	if x.parsed, x.model, err = parse(); err != nil {
 		endSpan(span, err)
 		releaseAll()
 		return nil, err
@@ -267,7 +271,7 @@ func (g *Gateway) enter(x *exchange, releaseBody func(), parse func() (*prompt.P
 		return nil, err
 	}
 	// Remote tokenization costs the replicas work: only admitted requests.
-	x.req, err = g.routingKey(ctx, x.kind, x.parsed, x.body, x.r.Header.Get("X-Session-Id"))
+	x.req, err = g.routingKey(ctx, x.kind, x.parsed, x.model, x.body, x.r.Header.Get("X-Session-Id"))
 	endSpan(span, err)
 	if err != nil {
 		lim.release()
@@ -297,41 +301,46 @@ func (g *Gateway) requestContext(parent context.Context) (context.Context, func(
 	}
 }
 
-// prepare parses a request body into a routing key (/debug/route).
-func (g *Gateway) prepare(ctx context.Context, kind prompt.Kind, body []byte, session string) (*prompt.Parsed, *policy.Request, error) {
-	p, err := g.parse(kind, body)
+// prepare parses a request body into a routing key (/debug/route), its
+// model resolved.
+func (g *Gateway) prepare(ctx context.Context, kind prompt.Kind, body []byte, session string) (router.Resolved, *policy.Request, error) {
+	p, model, err := g.parse(kind, body)
 	if err != nil {
-		return nil, nil, err
+		return model, nil, err
 	}
-	req, err := g.routingKey(ctx, kind, p, body, session)
-	return p, req, err
+	req, err := g.routingKey(ctx, kind, p, model, body, session)
+	return model, req, err
 }
 
-// parse reads a request body and checks it against what the replicas serve.
-func (g *Gateway) parse(kind prompt.Kind, body []byte) (*prompt.Parsed, error) {
+// parse reads a request body, resolves its model (once: the resolution
+// goes with the request) and checks it against what the replicas serve.
+func (g *Gateway) parse(kind prompt.Kind, body []byte) (*prompt.Parsed, router.Resolved, error) {
 	p, err := prompt.Parse(kind, body)
 	if err != nil {
-		return nil, err
+		return nil, router.Resolved{}, err
 	}
-	if !g.rt.Serves(p.Model) {
-		return nil, errModel.with(fmt.Sprintf("The model `%s` does not exist.", p.Model))
+	model := g.rt.Resolve(p.Model)
+	if !model.Served() {
+		return nil, model, errModel.with(fmt.Sprintf("The model `%s` does not exist.", p.Model))
 	}
-	return p, g.checkLength(p, 0)
+	return p, model, checkLength(p, model, 0)
 }
 
-// routingKey tokenizes (remotely when configured) and hashes the prompt.
-func (g *Gateway) routingKey(ctx context.Context, kind prompt.Kind, p *prompt.Parsed, body []byte, session string) (*policy.Request, error) {
+// routingKey tokenizes (remotely when configured) and hashes the prompt
+// of p, whose model resolved as model.
+func (g *Gateway) routingKey(ctx context.Context, kind prompt.Kind, p *prompt.Parsed, model router.Resolved, body []byte,
+	session string) (*policy.Request, error) {
 	// A client's own /tokenize, and a request without a prompt, need no
 	// remote tokenization to be routed.
 	if g.tok != nil && p.TokenIDs == nil && p.Text != "" && kind != prompt.Tokenize {
-		if ids, ok := g.tok.tokenize(ctx, kind, p, body); ok {
+		if ids, ok := g.tok.tokenize(ctx, kind, p, model, body); ok {
 			p.TokenIDs = ids
 		}
 	}
-	req := g.rt.Prepare(p, session, "")
+	req := g.rt.PrepareIn(model, p, session)
 	if p.TokenIDs != nil {
 		// Token counts are exact: check the whole request against the context.
-		if err := g.checkLength(p, req.Tokens); err != nil {
+		if err := checkLength(p, model, req.Tokens); err != nil {
 			return nil, err
 		}
 	}
@@ -341,8 +350,8 @@ func (g *Gateway) routingKey(ctx context.Context, kind prompt.Kind, p *prompt.Pa
 // checkLength rejects a request the model's context cannot hold, when the
 // replicas list the model's max_model_len: max_tokens alone, or with the
 // prompt's tokens when they are known exactly (promptTokens > 0).
-func (g *Gateway) checkLength(p *prompt.Parsed, promptTokens int) error {
-	m, ok := g.rt.ModelInfo(p.Model)
+func checkLength(p *prompt.Parsed, model router.Resolved, promptTokens int) error {
+	m, ok := model.Info()
 	if !ok || m.MaxModelLen <= 0 {
 		return nil
 	}

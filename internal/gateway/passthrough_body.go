@@ -14,6 +14,7 @@ import (
 	"time"
 
 	"github.com/kvgate/kvgate/internal/prompt"
+	"github.com/kvgate/kvgate/internal/router"
 )
 
 // admitPassthrough admits a request to a passthrough path: GET, POST or
@@ -30,7 +31,7 @@ func (g *Gateway) admitPassthrough(w http.ResponseWriter, r *http.Request, kind 
 		}
 		// The upload's read deadline ends with the exchange, whatever ends it.
 		endUpload := func() { _ = x.rc.SetReadDeadline(time.Time{}); releaseHead() }
-		release, err := g.enter(x, endUpload, func() (*prompt.Parsed, error) { return g.parseUpload(x) })
+		release, err := g.enter(x, endUpload, func() (*prompt.Parsed, router.Resolved, error) { return g.parseUpload(x) })
 		return x, release, err
 	}
 	var releaseBody = func() {}
@@ -39,7 +40,7 @@ func (g *Gateway) admitPassthrough(w http.ResponseWriter, r *http.Request, kind 
 			return nil, nil, err
 		}
 	}
-	release, err := g.enter(x, releaseBody, func() (*prompt.Parsed, error) { return g.parseOther(kind, x.body) })
+	release, err := g.enter(x, releaseBody, func() (*prompt.Parsed, router.Resolved, error) { return g.parseOther(kind, x.body) })
 	return x, release, err
 }
 
@@ -49,33 +50,38 @@ func isJSON(ct string) bool { return ct == "" || strings.HasPrefix(ct, "applicat
 // parseOther reads a passthrough body: its prompt where the kind has one,
 // its model (which the replicas must serve, when named) and stream. An
 // empty body has neither: it goes to any replica.
-func (g *Gateway) parseOther(kind prompt.Kind, body []byte) (*prompt.Parsed, error) {
+func (g *Gateway) parseOther(kind prompt.Kind, body []byte) (*prompt.Parsed, router.Resolved, error) {
 	if len(bytes.TrimSpace(body)) == 0 {
-		return &prompt.Parsed{Kind: kind}, nil
+		return &prompt.Parsed{Kind: kind}, g.rt.Resolve(""), nil
 	}
 	p, err := prompt.Parse(kind, body)
 	if err != nil {
-		return nil, err
+		return nil, router.Resolved{}, err
 	}
-	if err := g.checkModel(p.Model); err != nil {
-		return nil, err
+	model, err := g.checkModel(p.Model)
+	if err != nil {
+		return nil, model, err
 	}
-	return p, g.checkLength(p, 0)
+	return p, model, checkLength(p, model, 0)
 }
 
 // parseUpload is what routing knows of a streamed upload: the model and
 // stream fields of its form, when they came in its first bytes.
-func (g *Gateway) parseUpload(x *exchange) (*prompt.Parsed, error) {
+func (g *Gateway) parseUpload(x *exchange) (*prompt.Parsed, router.Resolved, error) {
 	p := &prompt.Parsed{Kind: x.kind, Model: x.upload.model, Stream: x.upload.stream}
-	return p, g.checkModel(p.Model)
+	model, err := g.checkModel(p.Model)
+	return p, model, err
 }
 
-// checkModel answers 404 for a model no replica serves ("": none named).
-func (g *Gateway) checkModel(model string) error {
-	if model != "" && !g.rt.Serves(model) {
-		return errModel.with(fmt.Sprintf("The model `%s` does not exist.", model))
+// checkModel resolves a request's model (once: the resolution goes with
+// the request) and answers 404 for one no replica serves ("": none named,
+// any replica of the first pool).
+func (g *Gateway) checkModel(name string) (router.Resolved, error) {
+	model := g.rt.Resolve(name)
+	if name != "" && !model.Served() {
+		return model, errModel.with(fmt.Sprintf("The model `%s` does not exist.", name))
 	}
-	return nil
+	return model, nil
 }
 
 // uploadPeek is how much of a streamed upload the gateway reads before

@@ -28,18 +28,6 @@ func routerPools(cfg Config, prof costmodel.Profile) ([]router.Pool, error) {
 	return out, nil
 }
 
-// policyFor is the name of the policy routing model, and its pool ("":
-// no pools; false: no pool routes it).
-func (g *Gateway) policyFor(model string) (pol, pool string, ok bool) {
-	if pool, ok = g.rt.PoolFor(model); !ok {
-		return g.cfg.Policy, "", false
-	}
-	if p, ok := g.rt.PoolPolicy(pool); ok && pool != "" {
-		return p.Name(), pool, true
-	}
-	return g.cfg.Policy, pool, true
-}
-
 // servedModels keeps of ms (every model the replicas list) those a pool
 // routes to a replica listing it: a model listed only by another pool's
 // replicas is not served. Without pools, all.

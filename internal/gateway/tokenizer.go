@@ -16,6 +16,7 @@ import (
 	"golang.org/x/sync/singleflight"
 
 	"github.com/kvgate/kvgate/internal/prompt"
+	"github.com/kvgate/kvgate/internal/router"
 )
 
 // remoteTokenizer asks a replica for the engine's own token ids (vLLM's
@@ -60,7 +61,7 @@ type tokenized struct {
 // request's context (bounded by tokenize_timeout per try), so that a client
 // that hangs up fails no other request waiting on the same lookup; this
 // request alone stops waiting when its context ends.
-func (t *remoteTokenizer) tokenize(ctx context.Context, kind prompt.Kind, p *prompt.Parsed, body []byte) ([]uint32, bool) {
+func (t *remoteTokenizer) tokenize(ctx context.Context, kind prompt.Kind, p *prompt.Parsed, model router.Resolved, body []byte) ([]uint32, bool) {
 	key := xxhash.Sum64String(kind.String() + "\x00" + p.Model + "\x00" + p.Text)
 	if ids, ok := t.cache.Get(key); ok {
 		t.g.met.tokenize.WithLabelValues("cache").Inc()
@@ -70,7 +71,7 @@ func (t *remoteTokenizer) tokenize(ctx context.Context, kind prompt.Kind, p *pro
 	if err != nil || t.g.rt.Replicas() == 0 {
 		return nil, false // discovery has found no replica yet: nothing to route to either
 	}
-	ran, model := false, p.Model // ran: this request runs the lookup (read after the receive)
+	ran := false // this request runs the lookup (read after the receive)
 	wait := t.calls.DoChan(strconv.FormatUint(key, 16), func() (any, error) {
 		ran = true
 		return t.lookup(context.WithoutCancel(ctx), key, model, data)
@@ -99,7 +100,7 @@ func (t *remoteTokenizer) tokenize(ctx context.Context, kind prompt.Kind, p *pro
 
 // lookup asks up to tokenizeTries healthy replicas of the model's pool, from
 // the next in round robin, and caches the first answer.
-func (t *remoteTokenizer) lookup(ctx context.Context, key uint64, model string, data []byte) (tokenized, error) {
+func (t *remoteTokenizer) lookup(ctx context.Context, key uint64, model router.Resolved, data []byte) (tokenized, error) {
 	if ids, ok := t.cache.Get(key); ok {
 		return tokenized{ids, "cache"}, nil // a lookup of this key ended since the caller's miss
 	}
@@ -113,10 +114,10 @@ func (t *remoteTokenizer) lookup(ctx context.Context, key uint64, model string, 
 	// With pools, only a replica of the model's pool tokenizes it: another
 	// pool's replica, not listed yet, would take it with another model's
 	// tokenizer.
-	pool, _ := t.g.rt.PoolFor(model)
+	pool, _ := model.Pool()
 	for k := range n {
 		i := (start + k) % n
-		if r := t.g.rt.Replica(i); !r.Healthy() || r.Removed() || !r.Serves(model) || r.Pool() != pool {
+		if r := t.g.rt.Replica(i); !r.Healthy() || r.Removed() || !r.Serves(model.Model) || r.Pool() != pool {
 			continue
 		}
 		ids, err := t.call(ctx, i, data)

@@ -132,8 +132,8 @@ func (g *Gateway) traceRoute(span trace.Span, x *exchange, tk, prefill *router.T
 		policy = tk.Policy() // the pool's own, or the one a passthrough request is routed by
 	case x.pol != nil:
 		policy = x.pol.Name()
-	default:
-		policy, _, _ = g.policyFor(x.req.Model)
+	case x.model.Policy() != nil:
+		policy = x.model.Policy().Name()
 	}
 	span.SetAttributes(attribute.String("kvgate.policy", policy), attribute.Int("kvgate.retry", len(x.exclude)),
 		attribute.String("gen_ai.request.model", x.req.Model), attribute.Int("kvgate.prompt_tokens", x.req.Tokens))

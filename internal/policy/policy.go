@@ -69,6 +69,11 @@ type Request struct {
 	// itself, without a prefill step (0: never). A PairPicker reads it as
 	// the operator's bound on the prefill work a decode replica may take.
 	SkipPrefillBelow int
+	// Pool is the router's: the pool routing the request, resolved once
+	// from Model when the router prepared it (1 + the pool's index; -1: no
+	// pool routes the model; 0: not resolved, resolved when routed).
+	// Policies ignore it.
+	Pool int
 }
 
 // ReplicaView is what the router knows of one replica now.

@@ -139,23 +139,36 @@ func (p *pool) has(r *Replica) bool { return p.all || r.sp().Pool == p.name }
 // root, as the replicas list them). A request without a model goes to the
 // first pool. nil: no pool routes it.
 func (rt *Router) poolFor(model string) *pool {
-	if len(rt.pools) == 1 && rt.pools[0].all || model == "" {
-		return rt.pools[0]
+	i := rt.poolIndex(model, model, "")
+	if i < 0 { // no pool matches the model itself: its base model's?
+		base, adapter := rt.keyOf(model)
+		i = rt.poolIndex(model, base, adapter)
 	}
-	for _, p := range rt.pools {
+	if i < 0 {
+		return nil
+	}
+	return rt.pools[i]
+}
+
+// poolIndex is the index of poolFor(model) (-1: none), given model's
+// partition (keyOf: base, adapter).
+func (rt *Router) poolIndex(model, base, adapter string) int {
+	if len(rt.pools) == 1 && rt.pools[0].all || model == "" {
+		return 0
+	}
+	for i, p := range rt.pools {
 		if p.matches(model) {
-			return p
+			return i
 		}
 	}
-	base, adapter := rt.keyOf(model)
 	if adapter != "" || base != model {
-		for _, p := range rt.pools {
+		for i, p := range rt.pools {
 			if p.matches(base) {
-				return p
+				return i
 			}
 		}
 	}
-	return nil
+	return -1
 }
 
 // poolOf is the pool replica r belongs to (nil: none, which New and

@@ -343,3 +343,33 @@ func TestTicketNamesThePolicyThatDecided(t *testing.T) {
 	}
 	tk.Done(time.Unix(1, 0), Outcome{CachedTokens: -1})
 }
+
+// A prepared request carries its model's resolution (Request.Pool): it is
+// routed in the pool it was resolved to, without looking its model up
+// again, even when the listing that resolved it has changed since.
+func TestPreparedRequestCarriesItsPool(t *testing.T) {
+	rt, _, qwen := twoPools(t)
+	m := rt.Resolve("support-lora") // an adapter: the pool of its base model
+	if pool, ok := m.Pool(); !ok || pool != "qwen" || !m.Served() || m.Policy() != qwen {
+		t.Fatalf("resolved to pool %q %v, served %v", pool, ok, m.Served())
+	}
+	req := rt.PrepareIn(m, &prompt.Parsed{Kind: prompt.Completion, Model: "support-lora", Text: "x", Prompts: 1}, "")
+	// The listing changes: the adapter is now listed as a llama model's.
+	rt.Replica(2).SetServed(NewServed([]Model{{ID: "Qwen/Qwen2.5-7B", Root: "Qwen/Qwen2.5-7B"},
+		{ID: "support-lora", Parent: "llama-70b"}}, nil))
+	if pool, _ := rt.PoolFor("support-lora"); pool != "llama" {
+		t.Fatalf("a fresh lookup finds pool %q, want llama", pool)
+	}
+	tk, err := rt.Route(req)
+	if err != nil || tk.Replica != 2 || tk.Policy() != "ttft" {
+		t.Fatalf("routed %v, %v: want qwen's replica 2, as resolved", tk, err)
+	}
+	tk.Done(time.Unix(1, 0), Outcome{CachedTokens: -1})
+	none := rt.Resolve("mistral-7b")
+	if _, ok := none.Pool(); ok || none.Served() || none.Policy() != nil {
+		t.Fatal("a model no pool routes resolved to one")
+	}
+	if _, err := rt.Route(rt.PrepareIn(none, &prompt.Parsed{Kind: prompt.Completion, Model: "mistral-7b", Text: "x", Prompts: 1}, "")); !errors.Is(err, ErrModelNotServed) {
+		t.Fatalf("routing a model no pool routes: %v", err)
+	}
+}

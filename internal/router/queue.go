@@ -49,7 +49,7 @@ type queue struct {
 // are already waiting: then it joins the queue and Submit returns its
 // Waiting (nil ticket, nil error).
 func (rt *Router) Submit(req *policy.Request, exclude ...int) (*Ticket, *Waiting, error) {
-	pl := rt.poolFor(req.Model)
+	pl := rt.poolOfRequest(req)
 	if pl == nil {
 		return nil, nil, ErrModelNotServed
 	}

@@ -281,8 +281,20 @@ func (rt *Router) Pending(i int) int { return int(rt.reps()[i].pendingPrefill.Lo
 // InFlight is the number of requests in flight to replica i.
 func (rt *Router) InFlight(i int) int { return int(rt.reps()[i].inFlight.Load()) }
 
-// Prepare makes the routing key of a parsed request.
+// Prepare makes the routing key of a parsed request (its model resolved
+// now: PrepareIn takes a resolution made before).
 func (rt *Router) Prepare(p *prompt.Parsed, session, adapter string) *policy.Request {
+	return rt.prepare(rt.resolve(p.Model), p, session, adapter)
+}
+
+// PrepareIn makes the routing key of a parsed request whose model m
+// resolved (Resolve of p.Model): the request carries the resolution, so
+// that routing it looks nothing up again.
+func (rt *Router) PrepareIn(m Resolved, p *prompt.Parsed, session string) *policy.Request {
+	return rt.prepare(m, p, session, "")
+}
+
+func (rt *Router) prepare(m Resolved, p *prompt.Parsed, session, adapter string) *policy.Request {
 	req := &policy.Request{
 		ID:        rt.nextID.Add(1),
 		Now:       rt.cfg.Now(),
@@ -294,13 +306,14 @@ func (rt *Router) Prepare(p *prompt.Parsed, session, adapter string) *policy.Req
 		System:    p.System,
 		Session:   session,
 		MaxTokens: p.MaxTokens,
+		Pool:      m.ref,
 	}
 	if req.Session == "" {
 		req.Session = p.User
 	}
 	model := p.Model
 	if adapter == "" {
-		model, adapter = rt.keyOf(p.Model)
+		model, adapter = m.base, m.adapter
 	}
 	root := prompt.Key{Model: model, Adapter: adapter, Salt: p.CacheSalt}.Root()
 	req.Tokens, req.Blocks = p.Blocks(nil, rt.tok, root, rt.cfg.BlockSize)
@@ -406,7 +419,7 @@ func (rt *Router) DryRun(req *policy.Request) (policy.Decision, []policy.Replica
 // of the pool routing req's model are candidates; that pool is returned.
 func (rt *Router) candidates(req *policy.Request, views []policy.ReplicaView, exclude []int) (*pool, error) {
 	excludeViews(views, exclude)
-	pl := rt.poolFor(req.Model)
+	pl := rt.poolOfRequest(req)
 	if pl == nil {
 		return nil, ErrModelNotServed
 	}
@@ -571,8 +584,10 @@ func bestHeld(views []policy.ReplicaView, phase policy.Phase) int {
 // it (or has not been listed), or the pool is empty (discovery found none
 // yet: no replica to ask, which Route answers with policy.ErrNoReplica).
 // No pool routing model: false.
-func (rt *Router) Serves(model string) bool {
-	pl := rt.poolFor(model)
+func (rt *Router) Serves(model string) bool { return rt.servesIn(rt.poolFor(model), model) }
+
+// servesIn is Serves with model's pool pl (nil: none) resolved.
+func (rt *Router) servesIn(pl *pool, model string) bool {
 	if pl == nil {
 		return false
 	}
@@ -791,6 +806,11 @@ func (t *Ticket) Done(at time.Time, o Outcome) {
 // cache; a LoRA adapter is its base model's partition with the adapter.
 func (rt *Router) keyOf(model string) (base, adapter string) {
 	m, ok := rt.ModelInfo(model)
+	return rt.keyFrom(model, m, ok)
+}
+
+// keyFrom is keyOf given model's listing m (ok false: not listed).
+func (rt *Router) keyFrom(model string, m Model, ok bool) (base, adapter string) {
 	switch {
 	case !ok:
 		return model, ""
