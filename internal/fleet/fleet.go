@@ -248,12 +248,9 @@ func (f *Fleet) get(ctx context.Context, i int, path string) (*http.Response, er
 // getPage GETs base+path with the replica's bearer key; anything but a 200
 // is an error (its body drained and closed).
 func getPage(ctx context.Context, client *http.Client, base, apiKey, path string) (*http.Response, error) {
-	req, err := http.NewRequestWithContext(ctx, http.MethodGet, base+path, nil)
+	req, err := NewRequest(ctx, http.MethodGet, base, apiKey, path, nil, nil)
 	if err != nil {
 		return nil, err
-	}
-	if apiKey != "" {
-		req.Header.Set("Authorization", "Bearer "+apiKey)
 	}
 	resp, err := client.Do(req)
 	if err != nil {

@@ -15,6 +15,7 @@ import (
 	lru "github.com/hashicorp/golang-lru/v2"
 	"golang.org/x/sync/singleflight"
 
+	"github.com/kvgate/kvgate/internal/fleet"
 	"github.com/kvgate/kvgate/internal/prompt"
 	"github.com/kvgate/kvgate/internal/router"
 )
@@ -153,13 +154,10 @@ func (t *remoteTokenizer) call(ctx context.Context, i int, data []byte) ([]uint3
 	ctx, cancel := context.WithTimeout(ctx, t.g.conf().TokenizeTimeout.D())
 	defer cancel()
 	rep := t.g.rt.Replica(i)
-	req, err := http.NewRequestWithContext(ctx, http.MethodPost, rep.URL()+"/tokenize", bytes.NewReader(data))
+	req, err := fleet.NewRequest(ctx, http.MethodPost, rep.URL(), rep.APIKey(), "/tokenize", bytes.NewReader(data),
+		http.Header{"Content-Type": {"application/json"}})
 	if err != nil {
 		return nil, err
-	}
-	req.Header.Set("Content-Type", "application/json")
-	if k := rep.APIKey(); k != "" {
-		req.Header.Set("Authorization", "Bearer "+k)
 	}
 	resp, err := t.g.client.Do(req)
 	if err != nil {

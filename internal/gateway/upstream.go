@@ -16,6 +16,7 @@ import (
 	"time"
 
 	"github.com/kvgate/kvgate/internal/clock"
+	"github.com/kvgate/kvgate/internal/fleet"
 	"github.com/kvgate/kvgate/internal/router"
 )
 
@@ -107,35 +108,43 @@ func (g *Gateway) upstreamRequest(ctx context.Context, x *exchange, i int, body 
 	case len(body) > 0:
 		rd = bytes.NewReader(body)
 	}
-	// The replica's URL (checked at config, so it parses) with the client's
-	// decoded path set as a path, never re-parsed from a string: net/url
-	// escapes it afresh, so nothing in it is decoded a second time
-	// (checkPath refused the characters that would change its meaning).
-	up, _ := http.NewRequestWithContext(ctx, x.r.Method, rep.URL(), rd)
-	up.URL.Path, up.URL.RawPath = strings.TrimSuffix(up.URL.Path, "/")+x.r.URL.Path, ""
+	key := rep.APIKey()
+	// The client's decoded path, set as a path (checkPath refused the
+	// characters that would change its meaning); the replica's URL was
+	// checked at config, so it parses.
+	up, _ := fleet.NewRequest(ctx, x.r.Method, rep.URL(), key, x.r.URL.Path, rd, g.upstreamHeader(x, rep, key))
 	up.URL.RawQuery = x.r.URL.RawQuery
-	copyHeaders(up.Header, x.r.Header)
-	dropGatewayHeaders(up.Header)
-	up.Header.Add("Via", viaEntry(x.r, g.via)) // after the client's: loop detection (loop.go)
-	if k := rep.APIKey(); k != "" {
-		up.Header.Set("Authorization", "Bearer "+k)
-	} else if len(g.cfg.APIKeys) == 0 && x.r.Header.Get("Authorization") != "" {
-		// No gateway keys: the client's key is meant for the replicas (its
-		// scheme spelt as vLLM's --api-key check compares it).
-		up.Header.Set("Authorization", x.r.Header.Get("Authorization"))
-		if tok, ok := bearer(x.r.Header); ok {
-			up.Header.Set("Authorization", "Bearer "+tok)
-		}
-	}
-	up.Header.Del("Accept-Encoding")
-	if k, ranked := rep.Rank(); ranked {
-		up.Header.Set(headerDataParallelRank, strconv.Itoa(k))
-	}
-	up.Header.Set("X-Request-Id", x.id)
 	g.injectTrace(ctx, up.Header)
-	setForwarded(up.Header, x.r)
 	up.ContentLength = length
 	return up, wrote
+}
+
+// upstreamHeader is the header of x's request to replica rep (its key
+// key): the client's, less hop-by-hop headers and those only the gateway
+// sets (dropGatewayHeaders), with the Via hop, the client's key when the
+// replica has none and the gateway checks none, the data-parallel rank,
+// the request id and X-Forwarded-*. No Accept-Encoding: SSE must not be
+// compressed.
+func (g *Gateway) upstreamHeader(x *exchange, rep *router.Replica, key string) http.Header {
+	h := make(http.Header, len(x.r.Header)+8)
+	copyHeaders(h, x.r.Header)
+	dropGatewayHeaders(h)
+	h.Add("Via", viaEntry(x.r, g.via)) // after the client's: loop detection (loop.go)
+	if key == "" && len(g.cfg.APIKeys) == 0 && x.r.Header.Get("Authorization") != "" {
+		// No gateway keys: the client's key is meant for the replicas (its
+		// scheme spelt as vLLM's --api-key check compares it).
+		h.Set("Authorization", x.r.Header.Get("Authorization"))
+		if tok, ok := bearer(x.r.Header); ok {
+			h.Set("Authorization", "Bearer "+tok)
+		}
+	}
+	h.Del("Accept-Encoding")
+	if k, ranked := rep.Rank(); ranked {
+		h.Set(headerDataParallelRank, strconv.Itoa(k))
+	}
+	h.Set("X-Request-Id", x.id)
+	setForwarded(h, x.r)
+	return h
 }
 
 // headerDataParallelRank pins a request to one data-parallel engine of a
