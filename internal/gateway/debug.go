@@ -6,6 +6,7 @@ import (
 	"net/http"
 	"slices"
 
+	"github.com/kvgate/kvgate/internal/gateway/ui"
 	"github.com/kvgate/kvgate/internal/policy"
 	"github.com/kvgate/kvgate/internal/prompt"
 	"github.com/kvgate/kvgate/internal/router"
@@ -32,24 +33,9 @@ func (g *Gateway) admin(h http.HandlerFunc) http.HandlerFunc {
 	}
 }
 
-type replicaDebug struct {
-	slot           int      // the router's (listings leave free slots out)
-	URL            string   `json:"url"`
-	State          string   `json:"state"`          // active, draining (removed, requests in flight) or removed (until forget_after)
-	Role           string   `json:"role,omitempty"` // a prefill/decode fleet's
-	Pool           string   `json:"pool,omitempty"` // with pools: in the config
-	Rank           *int     `json:"rank,omitempty"`
-	Healthy        bool     `json:"healthy"`
-	MatchBlocks    int      `json:"match_blocks"`
-	InFlight       int      `json:"in_flight"`
-	PendingPrefill int      `json:"pending_prefill_tokens"`
-	Waiting        *int     `json:"waiting,omitempty"`
-	Running        *int     `json:"running,omitempty"`
-	KVUsage        *float64 `json:"kv_usage,omitempty"`
-	MetricsAgeMs   *float64 `json:"metrics_age_ms,omitempty"`
-	Score          *float64 `json:"score,omitempty"`
-	IndexBlocks    int      `json:"index_blocks"`
-}
+// replicaDebug is a replica as /admin/replicas, /debug/route and the live
+// view show it.
+type replicaDebug = ui.ReplicaRow
 
 func replicaDebugs(g *Gateway, views []policy.ReplicaView, d *policy.Decision) []replicaDebug {
 	out := make([]replicaDebug, 0, len(views))
@@ -57,7 +43,7 @@ func replicaDebugs(g *Gateway, views []policy.ReplicaView, d *policy.Decision) [
 		if g.rt.Replica(v.Index).Vacant() {
 			continue // a forgotten replica's slot: nothing to show
 		}
-		rd := replicaDebug{slot: v.Index, URL: v.URL, State: replicaState(g.rt.Replica(v.Index)), Healthy: v.Healthy, MatchBlocks: v.Match, InFlight: v.InFlight,
+		rd := replicaDebug{Slot: v.Index, URL: v.URL, State: replicaState(g.rt.Replica(v.Index)), Healthy: v.Healthy, MatchBlocks: v.Match, InFlight: v.InFlight,
 			PendingPrefill: v.PendingPrefill, IndexBlocks: g.rt.Index().ReplicaLen(v.Index), Pool: g.rt.Replica(v.Index).Pool()}
 		if g.ctl.Disaggregated() {
 			rd.Role = v.Role.String()
@@ -145,15 +131,8 @@ func (g *Gateway) debugDecision(resp map[string]any, req *policy.Request) {
 	resp["est_ttft_ms"] = rd.EstTTFTMs
 }
 
-// routeDecision is a decision as /debug/route and the live view (/ui)
-// show it: the policy's reason, matched blocks, load and estimate, and the
-// replica it names.
-type routeDecision struct {
-	Decision    policy.Decision `json:"decision"`
-	ReplicaURL  string          `json:"replica_url"`
-	ReplicaRank *int            `json:"replica_rank,omitempty"`
-	EstTTFTMs   float64         `json:"est_ttft_ms"`
-}
+// routeDecision is a decision as /debug/route and the live view show it.
+type routeDecision = ui.Route
 
 // describe is d as shown (its per-replica scores left out).
 func (g *Gateway) describe(d policy.Decision) routeDecision {

@@ -21,7 +21,7 @@ import (
 // forgotten replica freed.
 func (g *Gateway) forget(f router.Forgotten) {
 	g.met.forgetReplica(f.Name)
-	g.ui.forget(f.Name)
+	g.ui.Forget(f.Name)
 	if g.homes != nil {
 		g.homes.forgetSlot(f.Slot)
 	}
@@ -40,13 +40,6 @@ func (m *metrics) forgetReplica(name string) {
 	for _, v := range m.replicaSeries() {
 		v.DeletePartialMatch(prometheus.Labels{"replica": name})
 	}
-}
-
-// forget drops the replica's tally.
-func (s *uiStats) forget(name string) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	delete(s.replicas, name)
 }
 
 // forgetSlot drops the responses homed on slot: its replica is forgotten

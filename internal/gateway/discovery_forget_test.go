@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/kvgate/kvgate/internal/clock"
+	"github.com/kvgate/kvgate/internal/gateway/ui"
 	"github.com/kvgate/kvgate/internal/prompt"
 	"github.com/kvgate/kvgate/internal/router"
 )
@@ -78,9 +79,7 @@ func TestChurnForgetsRemovedReplicas(t *testing.T) {
 		tk.Done(clk.Now(), router.Outcome{CachedTokens: -1})
 		g.met.attempts.WithLabelValues(r.URL, "served").Inc()
 		g.met.ttft.WithLabelValues(cfg.Policy, r.URL).Observe(0.1)
-		g.ui.mu.Lock()
-		g.ui.replicas[r.URL] = &uiTally{attempts: 1}
-		g.ui.mu.Unlock()
+		g.ui.Note(ui.Attempt{At: clk.Now(), Replica: r.URL, TTFT: -1, Cached: -1})
 		ctlOf(g).LogOnce(slot, "test_cause", slog.LevelDebug, "once")
 		ctlOf(g).kv.models.Store(slot, "m")
 		if err := ctlOf(g).Apply("", []ReplicaConfig{base}, "test"); err != nil {
@@ -99,10 +98,10 @@ func TestChurnForgetsRemovedReplicas(t *testing.T) {
 	logged, models := 0, 0
 	ctlOf(g).kv.logged.Range(func(any, any) bool { logged++; return true })
 	ctlOf(g).kv.models.Range(func(any, any) bool { models++; return true })
-	if len(g.ui.replicas) > 4 || logged > 4 || models > 4 || maxEntries > 5*len(g.rt.Prepare(&prompt.Parsed{
+	if g.ui.Replicas() > 4 || logged > 4 || models > 4 || maxEntries > 5*len(g.rt.Prepare(&prompt.Parsed{
 		Kind: prompt.Completion, Model: "m", Text: fmt.Sprintf("request %0200d", 0)}, "", "").Blocks) {
 		t.Fatalf("kept: %d tallies, %d logged causes, %d topic models, up to %d index entries",
-			len(g.ui.replicas), logged, models, maxEntries)
+			g.ui.Replicas(), logged, models, maxEntries)
 	}
 	// Listed again within forget_after: the same slot, its series kept.
 	last := churn(4999)

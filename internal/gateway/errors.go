@@ -7,6 +7,7 @@ import (
 	"net"
 	"net/http"
 
+	"github.com/kvgate/kvgate/internal/gateway/ui"
 	"github.com/kvgate/kvgate/internal/policy"
 	"github.com/kvgate/kvgate/internal/prompt"
 	"github.com/kvgate/kvgate/internal/router"
@@ -76,6 +77,12 @@ func toAPIError(err error) *apiError {
 	switch {
 	case errors.As(err, &ae):
 		return ae
+	case errors.Is(err, ui.ErrNotFound):
+		return errNotFound
+	case errors.Is(err, ui.ErrMethod):
+		return errMethod.with(err.Error())
+	case errors.Is(err, ui.ErrUnauthorized), errors.Is(err, ui.ErrWrongToken):
+		return errUnauth.with(err.Error())
 	case errors.As(err, &re):
 		return &apiError{Status: http.StatusBadRequest, Type: "invalid_request_error", Param: re.Param, Message: re.Error()}
 	case errors.Is(err, policy.ErrNoReplica):

@@ -31,6 +31,7 @@ import (
 	"github.com/kvgate/kvgate/internal/costmodel"
 	"github.com/kvgate/kvgate/internal/discovery"
 	"github.com/kvgate/kvgate/internal/fleet"
+	"github.com/kvgate/kvgate/internal/gateway/ui"
 	"github.com/kvgate/kvgate/internal/policy"
 	"github.com/kvgate/kvgate/internal/prompt"
 	"github.com/kvgate/kvgate/internal/router"
@@ -243,8 +244,9 @@ func (g *Gateway) routes() {
 	m.HandleFunc("/debug/pprof/profile", g.admin(pprof.Profile))
 	m.HandleFunc("/debug/pprof/trace", g.admin(pprof.Trace))
 	m.HandleFunc("/admin/", g.admin(g.adminReplicas))
-	m.HandleFunc("/ui", g.serveUI)
-	m.HandleFunc("/ui/", g.serveUI)
+	view := g.serveUI(ui.New(liveView{g}, g.ui, bearer, g.clock.Now)) // the live view (ui.go)
+	m.HandleFunc("/ui", view)
+	m.HandleFunc("/ui/", view)
 	g.passthroughRoutes(m) // the rest of the replicas' API (passthrough.go)
 	m.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) { writeError(w, errUnknownPath) })
 	g.mux = g.withWriteDeadline(g.withAccessLog(g.withTracing(&guard{g: g, mux: m}))) // withWriteDeadline: relay.go

@@ -74,8 +74,8 @@ func TestPoolsRouteEachModelToItsReplicas(t *testing.T) {
 	}
 	// Each pool's policy decided its requests: the live decisions' reasons
 	// (the live view's list) name it.
-	eventually(t, "every request's decision noted", func() bool { return gw.g.ui.snapshot(time.Now()).attempts == 24 })
-	for _, d := range gw.g.ui.snapshot(time.Now()).decisions {
+	eventually(t, "every request's decision noted", func() bool { return gw.g.ui.Snapshot(time.Now()).Attempts == 24 })
+	for _, d := range gw.g.ui.Snapshot(time.Now()).Decisions {
 		want := map[bool]string{true: "fewest in flight", false: "round robin"}[d.Model == "llama-3-8b"]
 		if d.Decision.Reason != want {
 			t.Fatalf("a request for %s was decided %q, want %q", d.Model, d.Decision.Reason, want)

@@ -2,6 +2,8 @@ package gateway
 
 import (
 	"time"
+
+	"github.com/kvgate/kvgate/internal/gateway/ui"
 )
 
 // settledAttempt is one attempt as settle hands it to the sinks, with
@@ -37,7 +39,7 @@ type sink func(*settledAttempt)
 // request path's spans; rec and tr are nil when off).
 type sinks struct {
 	met *metrics
-	ui  *uiStats
+	ui  *ui.Tallies
 	rec *recorder
 	tr  *tracing
 	all []sink
@@ -46,7 +48,7 @@ type sinks struct {
 // newSinks lists the sinks on: tracing and the recording only when on,
 // the access log's notes only when the access log is.
 func (g *Gateway) newSinks(met *metrics, rec *recorder, tr *tracing) sinks {
-	k := sinks{met: met, ui: newUIStats(), rec: rec, tr: tr}
+	k := sinks{met: met, ui: ui.NewTallies(), rec: rec, tr: tr}
 	k.all = []sink{met.settled, g.noteUI}
 	if g.cfg.AccessLog {
 		k.all = append(k.all, noteAccess)

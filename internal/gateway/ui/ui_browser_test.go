@@ -1,4 +1,4 @@
-package gateway
+package ui_test
 
 import (
 	"bytes"
@@ -17,6 +17,7 @@ import (
 
 	"github.com/chromedp/chromedp"
 
+	"github.com/kvgate/kvgate/internal/gateway/ui"
 	"github.com/kvgate/kvgate/internal/sim"
 	"github.com/kvgate/kvgate/internal/testutil"
 )
@@ -64,8 +65,11 @@ func browser(t *testing.T, path string) context.Context {
 func TestUIInChromium(t *testing.T) {
 	path := chromium(t)
 	fl := startSim(t, sim.Config{Replicas: 3, KVEvents: true, KVEventsReplay: true})
-	cfg := simConfig("ttft", fl.URLs()...)
-	followKVEvents(&cfg, fl)
+	cfg := baseConfig(fl.URLs()...)
+	cfg.Policy = "ttft"
+	for i, r := range fl.Replicas() { // KV events, replayed from before the gateway subscribed
+		cfg.Replicas[i].KVEvents, cfg.Replicas[i].KVEventsReplay = r.KVEndpoint(), r.KVReplayEndpoint()
+	}
 	cfg.Tokenizer = "remote"
 	cfg.AdminToken = "ui-test-token"
 	gw := startGateway(t, cfg)
@@ -121,9 +125,9 @@ func TestUIInChromium(t *testing.T) {
 // (KVGATE_SCREENSHOT=1, about a minute), never in CI.
 func screenshot(t *testing.T, ctx context.Context, base string) {
 	for wave := 1; wave <= 5; wave++ {
-		slot := time.Now().UnixNano() / int64(uiBucketWidth)
-		testutil.Eventually(t, 2*uiBucketWidth, "the next bucket", func() bool {
-			return time.Now().UnixNano()/int64(uiBucketWidth) > slot
+		slot := time.Now().UnixNano() / int64(ui.BucketWidth)
+		testutil.Eventually(t, 2*ui.BucketWidth, "the next bucket", func() bool {
+			return time.Now().UnixNano()/int64(ui.BucketWidth) > slot
 		})
 		sendConversations(t, base, 10*wave, 2+wave%3, 3+wave%2)
 	}
@@ -135,7 +139,7 @@ func screenshot(t *testing.T, ctx context.Context, base string) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	out := filepath.Join("..", "..", "docs", "ui.png")
+	out := filepath.Join("..", "..", "..", "docs", "ui.png")
 	if err := os.MkdirAll(filepath.Dir(out), 0o755); err != nil {
 		t.Fatal(err)
 	}

@@ -1,18 +1,20 @@
-package gateway
+package ui_test
 
 import (
 	"encoding/json"
 	"net/http"
 	"strings"
 	"testing"
+	"time"
 
+	"github.com/kvgate/kvgate/internal/gateway/ui"
 	"github.com/kvgate/kvgate/internal/prompt"
 	"github.com/kvgate/kvgate/internal/router"
 )
 
 func TestUINotFoundWithoutAdminToken(t *testing.T) {
 	a := newFakeReplica(t)
-	gw := startGateway(t, baseConfig(a.srv.URL))
+	gw := startGateway(t, baseConfig(a.URL))
 	for _, p := range []string{"/ui", "/ui/", "/ui/state", "/ui?token=x"} {
 		if resp, _ := get(t, gw.srv.URL+p, "Authorization", "Bearer x"); resp.StatusCode != http.StatusNotFound {
 			t.Errorf("%s without an admin token: %d, want 404", p, resp.StatusCode)
@@ -22,7 +24,7 @@ func TestUINotFoundWithoutAdminToken(t *testing.T) {
 
 func TestUIAuthentication(t *testing.T) {
 	a := newFakeReplica(t)
-	cfg := baseConfig(a.srv.URL)
+	cfg := baseConfig(a.URL)
 	cfg.AdminToken = "s3cret"
 	gw := startGateway(t, cfg)
 	base := gw.srv.URL
@@ -31,8 +33,8 @@ func TestUIAuthentication(t *testing.T) {
 		hdr  []string
 	}{
 		{"/ui", nil}, {"/ui/state", nil}, {"/ui", []string{"Authorization", "Bearer wrong"}},
-		{"/ui/state", []string{"Cookie", uiCookie + "=s3cret"}}, // the token itself is no session
-		{"/ui/state?token=s3cret", nil},                         // only the page signs in
+		{"/ui/state", []string{"Cookie", ui.CookieName + "=s3cret"}}, // the token itself is no session
+		{"/ui/state?token=s3cret", nil},                              // only the page signs in
 	} {
 		resp, body := get(t, base+c.path, c.hdr...)
 		if resp.StatusCode != http.StatusUnauthorized || !strings.Contains(body, "/ui?token=") {
@@ -57,7 +59,7 @@ func TestUIAuthentication(t *testing.T) {
 		t.Fatalf("sign-in set %d cookies", len(cs))
 	}
 	c := cs[0]
-	if c.Name != uiCookie || !c.HttpOnly || c.SameSite != http.SameSiteStrictMode || c.Secure || c.Path != "/ui" ||
+	if c.Name != ui.CookieName || !c.HttpOnly || c.SameSite != http.SameSiteStrictMode || c.Secure || c.Path != "/ui" ||
 		c.Value == "" || strings.Contains(c.Value, "s3cret") {
 		t.Fatalf("cookie %+v: want HttpOnly, SameSite=Strict, not Secure over plain HTTP, path /ui, no token in it", c)
 	}
@@ -89,23 +91,9 @@ func TestUIAuthentication(t *testing.T) {
 	}
 }
 
-// The page's script is the only one, and it renders data as text: no
-// markup is built from strings.
-func TestUIPageIsSelfContained(t *testing.T) {
-	page := string(uiPage)
-	for _, bad := range []string{"innerHTML", "outerHTML", "insertAdjacentHTML", "document.write", "eval(", "<link", "src=", "@import", "url("} {
-		if strings.Contains(page, bad) {
-			t.Errorf("ui/index.html contains %q", bad)
-		}
-	}
-	if strings.Count(page, "<script>") != 1 || strings.Count(page, "<style>") != 1 {
-		t.Error("the page must have exactly one inline script and one inline style (their hashes are its CSP)")
-	}
-}
-
 func TestUIStateJSON(t *testing.T) {
 	a, b := newFakeReplica(t), newFakeReplica(t)
-	cfg := baseConfig(a.srv.URL, b.srv.URL)
+	cfg := baseConfig(a.URL, b.URL)
 	cfg.AdminToken = "tok"
 	cfg.Policy = "round_robin"
 	gw := startGateway(t, cfg)
@@ -118,13 +106,13 @@ func TestUIStateJSON(t *testing.T) {
 		}
 	}
 	waitIdle(t, gw)
-	var st uiState
+	var st ui.State
 	eventually(t, "three attempts in the live view", func() bool {
 		resp, body := get(t, gw.srv.URL+"/ui/state", "Authorization", "Bearer tok")
 		if resp.StatusCode != 200 || resp.Header.Get("Content-Type") != "application/json" {
 			t.Fatalf("%d %s", resp.StatusCode, body)
 		}
-		st = uiState{}
+		st = ui.State{}
 		if err := json.Unmarshal([]byte(body), &st); err != nil {
 			t.Fatal(err)
 		}
@@ -149,15 +137,15 @@ func TestUIStateJSON(t *testing.T) {
 		n += p.Attempts
 		ttft = ttft || p.TTFTMeanM != nil
 	}
-	if len(st.Series) != uiBuckets || n != 3 || !ttft {
-		t.Errorf("series of %d buckets holds %d attempts (want %d, 3), a TTFT: %v", len(st.Series), n, uiBuckets, ttft)
+	if len(st.Series) != ui.Buckets || n != 3 || !ttft {
+		t.Errorf("series of %d buckets holds %d attempts (want %d, 3), a TTFT: %v", len(st.Series), n, ui.Buckets, ttft)
 	}
 	if len(st.Decisions) != 3 {
 		t.Fatalf("%d decisions, want 3", len(st.Decisions))
 	}
 	// Newest first: round robin over two replicas found the prompt on the
 	// other replica (spilled), then nowhere (the first request, a miss).
-	want := []string{branchHeld, branchSpilled, branchMiss}
+	want := []string{"held_prefix", "spilled_load", "miss"}
 	for i, d := range st.Decisions {
 		if d.Branch != want[i] || d.RequestID != "req-<b>" || d.Model != "m" || d.Verdict != "served" || d.Status != 200 ||
 			d.ReplicaURL == "" || d.Decision.Reason == "" {
@@ -173,7 +161,7 @@ func TestUIStateJSON(t *testing.T) {
 // requests finish, and leaves the view when the last one has.
 func TestUIDrainingReplica(t *testing.T) {
 	a, b := newFakeReplica(t), newFakeReplica(t)
-	cfg := baseConfig(a.srv.URL, b.srv.URL)
+	cfg := baseConfig(a.URL, b.URL)
 	cfg.AdminToken = "tok"
 	gw := startGateway(t, cfg)
 	rt := gw.g.Router()
@@ -182,12 +170,12 @@ func TestUIDrainingReplica(t *testing.T) {
 	if err != nil || tk.Replica != 1 {
 		t.Fatalf("routed to %v: %v", tk, err)
 	}
-	if _, err := rt.SetReplicas([]router.Spec{{URL: a.srv.URL}}); err != nil {
+	if _, err := rt.SetReplicas([]router.Spec{{URL: a.URL}}); err != nil {
 		t.Fatal(err)
 	}
 	states := func() map[string]string {
 		_, body := get(t, gw.srv.URL+"/ui/state", "Authorization", "Bearer tok")
-		var st uiState
+		var st ui.State
 		if err := json.Unmarshal([]byte(body), &st); err != nil {
 			t.Fatal(err)
 		}
@@ -197,11 +185,11 @@ func TestUIDrainingReplica(t *testing.T) {
 		}
 		return out
 	}
-	if s := states(); s[b.srv.URL] != "draining" || len(s) != 2 {
-		t.Fatalf("states %v: want %s draining", s, b.srv.URL)
+	if s := states(); s[b.URL] != "draining" || len(s) != 2 {
+		t.Fatalf("states %v: want %s draining", s, b.URL)
 	}
-	tk.Done(gw.g.clock.Now(), router.Outcome{CachedTokens: -1})
-	if s := states(); len(s) != 1 || s[a.srv.URL] == "" {
-		t.Fatalf("states %v: want %s alone", s, a.srv.URL)
+	tk.Done(time.Now(), router.Outcome{CachedTokens: -1})
+	if s := states(); len(s) != 1 || s[a.URL] == "" {
+		t.Fatalf("states %v: want %s alone", s, a.URL)
 	}
 }
