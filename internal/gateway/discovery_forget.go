@@ -12,19 +12,17 @@ import (
 // and the router frees what it kept (index rows, policy state, counters,
 // scrapes), the control plane what it kept (control.forgot: its KV-event
 // series and logged causes, the fleet's probes), and forget here what the
-// request path keeps of it: its metric series, the live view's tally, and
-// the stored responses homed on its slot. Without it a fleet that churns
-// (autoscaling, rolling restarts) grew by every replica it ever saw: 5,000
-// added and removed kept 5,001 slots and 155 MiB more.
+// request path keeps of it: its metric series and the live view's tally
+// (the stored responses homed on its slot are told from its next
+// replica's by serial: passthrough_responses.go). Without it a fleet that
+// churns (autoscaling, rolling restarts) grew by every replica it ever
+// saw: 5,000 added and removed kept 5,001 slots and 155 MiB more.
 
 // forget is the control plane's onForget: the request path's state of a
 // forgotten replica freed.
 func (g *Gateway) forget(f router.Forgotten) {
 	g.met.forgetReplica(f.Name)
 	g.ui.Forget(f.Name)
-	if g.homes != nil {
-		g.homes.forgetSlot(f.Slot)
-	}
 }
 
 // replicaSeries are the metric vectors with a replica label.
@@ -39,15 +37,5 @@ func (m *metrics) replicaSeries() []*prometheus.MetricVec {
 func (m *metrics) forgetReplica(name string) {
 	for _, v := range m.replicaSeries() {
 		v.DeletePartialMatch(prometheus.Labels{"replica": name})
-	}
-}
-
-// forgetSlot drops the responses homed on slot: its replica is forgotten
-// and the slot may name another (a lookup asks the replicas again).
-func (h *responseHomes) forgetSlot(slot int) {
-	for _, id := range h.c.Keys() {
-		if s, ok := h.c.Peek(id); ok && s == slot {
-			h.c.Remove(id)
-		}
 	}
 }

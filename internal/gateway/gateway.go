@@ -41,17 +41,18 @@ import (
 type Gateway struct {
 	// cfg is the configuration given at start; live holds the reloadable
 	// settings of the moment, which only conf reads (config_reload.go).
-	cfg    startConfig
-	live   *liveSettings
-	rt     *router.Router
-	ctl    controlPlane // sources, membership, KV events, shared state (control_plane.go)
-	fleet  *fleet.Fleet // the control plane's, which the request path reports to
-	client *http.Client
+	cfg   startConfig
+	live  *liveSettings
+	rt    *router.Router
+	ctl   controlPlane // sources, membership, KV events, shared state (control_plane.go)
+	fleet *fleet.Fleet // the control plane's, which the request path reports to
+	// upstream is how the gateway calls its replicas: its HTTP client and
+	// remote tokenizer (upstream.go).
+	upstream
 	log    *slog.Logger
 	reg    *prometheus.Registry
 	mux    http.Handler // the routes, behind the access log when on
 	clock  clock.Clock
-	tok    *remoteTokenizer
 	bodies *bodyBudget // request-body bytes held at once (bodyread.go)
 	prof   costmodel.Profile
 
@@ -63,16 +64,12 @@ type Gateway struct {
 	cut      context.Context
 	cutNow   context.CancelFunc
 
-	jmu    sync.Mutex
-	jitter *rand.Rand
+	jitter backoff // retry_backoff's random part
 
 	// sinks hear every settled attempt: the metrics (met), the live view's
 	// tallies (ui), the recording (rec, record.path), tracing (tr), the
 	// access log and the debug log (sinks.go).
 	sinks
-	// homes are the slots holding stored responses (passthrough.go), freed
-	// of a forgotten replica's (discovery_forget.go).
-	homes *responseHomes
 	// via is this gateway's Via pseudonym (loop.go): kvgate-<its id>.
 	via string
 }
@@ -126,8 +123,9 @@ func New(cfg Config, o Options) (*Gateway, error) {
 	if err != nil {
 		return nil, err
 	}
-	g = &Gateway{cfg: startConfig{Config: cfg}, live: newLiveSettings(cfg, rcfg.Seed), rt: rt, client: &http.Client{Transport: tr}, log: o.Logger, reg: o.Registry,
-		clock: o.Clock, prof: prof, jitter: rand.New(rand.NewPCG(cfg.Seed, 99)),
+	g = &Gateway{cfg: startConfig{Config: cfg}, live: newLiveSettings(cfg, rcfg.Seed), rt: rt,
+		upstream: upstream{client: &http.Client{Transport: tr}}, log: o.Logger, reg: o.Registry,
+		clock: o.Clock, prof: prof, jitter: newBackoff(cfg.Seed),
 		bodies: newBodyBudget(cfg), via: viaName(gatewayID(syncer))}
 	g.cut, g.cutNow = context.WithCancel(context.Background())
 	ctl, err := newControl(cfg, controlOptions{Router: rt, Client: &http.Client{Transport: tr}, Logger: o.Logger, Clock: o.Clock,
@@ -360,19 +358,35 @@ func copyHeaders(dst, src http.Header) {
 }
 
 // backoff is the wait before retry attempt n (1-based): exponential, capped,
-// with full jitter.
+// with full jitter (retry_backoff, retry_backoff_max).
 func (g *Gateway) backoff(n int) time.Duration {
-	base := g.conf().RetryBackoff.D()
+	c := g.conf()
+	return g.jitter.wait(n, c.RetryBackoff.D(), c.RetryBackoffMax.D())
+}
+
+// backoff draws retry waits: exponential, capped, with full jitter (AWS's
+// "Exponential Backoff and Jitter": a wait uniform in [0, base·2^(n-1)]),
+// from a seeded source shared by the requests.
+type backoff struct {
+	mu  sync.Mutex
+	rnd *rand.Rand
+}
+
+func newBackoff(seed uint64) backoff { return backoff{rnd: rand.New(rand.NewPCG(seed, 99))} }
+
+// wait is the wait before retry n (1-based) for base and limit (limit 0:
+// none; base 0: no wait).
+func (b *backoff) wait(n int, base, limit time.Duration) time.Duration {
 	if base <= 0 {
 		return 0
 	}
 	d := base << min(n-1, 16)
-	if c := g.conf().RetryBackoffMax.D(); c > 0 && d > c {
-		d = c
+	if limit > 0 && d > limit {
+		d = limit
 	}
-	g.jmu.Lock()
-	defer g.jmu.Unlock()
-	return time.Duration(g.jitter.Int64N(int64(d) + 1))
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return time.Duration(b.rnd.Int64N(int64(d) + 1))
 }
 
 // Server is the http.Server the gateway runs in: bounded header size and

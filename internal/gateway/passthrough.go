@@ -75,7 +75,8 @@ var passthroughPaths = map[string]prompt.Kind{
 	"/v1/messages/count_tokens": prompt.Other,
 }
 
-// passthrough serves passthroughPaths and the paths config opts in.
+// passthrough serves passthroughPaths and the paths config opts in; homes
+// are the replicas holding the stored responses it relayed.
 type passthrough struct {
 	g      *Gateway
 	homes  *responseHomes
@@ -90,8 +91,7 @@ func (g *Gateway) passthroughRoutes(m *http.ServeMux) {
 	if err != nil {
 		panic(err) // a registered policy without parameters: cannot fail
 	}
-	pt := &passthrough{g: g, homes: newResponseHomes(responseHomesSize), byLoad: byLoad}
-	g.homes = pt.homes
+	pt := &passthrough{g: g, homes: newResponseHomes(g.rt, responseHomesSize), byLoad: byLoad}
 	paths := maps.Clone(passthroughPaths)
 	for _, p := range g.cfg.Passthrough {
 		if _, ok := paths[p]; !ok {
@@ -125,11 +125,11 @@ func (pt *passthrough) serve(w http.ResponseWriter, r *http.Request, kind prompt
 // replicas that decode).
 func (pt *passthrough) choose(x *exchange) error {
 	if id := statefulID(x); id != "" {
-		if i, ok := pt.homes.get(id); ok && !pt.g.rt.Replica(i).Removed() {
-			if !pt.g.rt.Replica(i).Healthy() {
+		if r, ok := pt.homes.get(id); ok && !r.Removed() {
+			if !r.Healthy() {
 				return errHolderDown
 			}
-			x.pol = pinned(i)
+			x.pol = pinned(r.Index())
 			return nil
 		}
 		x.pol, x.lookup = pt.byLoad, true

@@ -8,6 +8,7 @@ import (
 	lru "github.com/hashicorp/golang-lru/v2"
 
 	"github.com/kvgate/kvgate/internal/openai"
+	"github.com/kvgate/kvgate/internal/router"
 )
 
 // responseHomesSize bounds the response ids remembered: at about 100
@@ -15,22 +16,49 @@ import (
 // (passthrough.go), never lost.
 const responseHomesSize = 64 << 10
 
-// responseHomes remembers which replica slot holds each stored response
-// (vLLM keeps a Responses API call's state in the memory of the server that
-// answered it). A slot names the same replica while the router knows it;
-// a forgotten replica's entries are dropped (discovery_forget.go).
+// responseHomes remembers which replica holds each stored response (vLLM
+// keeps a Responses API call's state in the memory of the server that
+// answered it): its slot, and the replica's serial, so that a slot given
+// to another replica once the router forgot this one (discovery) is not
+// taken for its home: the entry is dropped, and the id looked up again.
 type responseHomes struct {
-	c *lru.Cache[string, int]
+	rt *router.Router
+	c  *lru.Cache[string, home]
 }
 
-func newResponseHomes(n int) *responseHomes {
-	c, _ := lru.New[string, int](n) // n > 0: cannot fail
-	return &responseHomes{c: c}
+// home is a stored response's replica: its slot and serial.
+type home struct {
+	slot   int
+	serial uint64
 }
 
-func (h *responseHomes) get(id string) (int, bool) { return h.c.Get(id) }
-func (h *responseHomes) add(id string, slot int)   { h.c.Add(id, slot) }
-func (h *responseHomes) remove(id string)          { h.c.Remove(id) }
+func newResponseHomes(rt *router.Router, n int) *responseHomes {
+	c, _ := lru.New[string, home](n) // n > 0: cannot fail
+	return &responseHomes{rt: rt, c: c}
+}
+
+// get is the replica holding response id, false when the id is unknown or
+// its replica was forgotten since.
+func (h *responseHomes) get(id string) (*router.Replica, bool) {
+	hm, ok := h.c.Get(id)
+	if !ok {
+		return nil, false
+	}
+	if hm.slot < h.rt.Replicas() {
+		if r := h.rt.Replica(hm.slot); r.Serial() == hm.serial {
+			return r, true
+		}
+	}
+	h.c.Remove(id)
+	return nil, false
+}
+
+// add remembers that replica slot holds response id.
+func (h *responseHomes) add(id string, slot int) {
+	h.c.Add(id, home{slot: slot, serial: h.rt.Replica(slot).Serial()})
+}
+
+func (h *responseHomes) remove(id string) { h.c.Remove(id) }
 
 // responsesHeadLen is what relayBody keeps of a Responses answer's start,
 // where its id is (vLLM writes "id" first).

@@ -20,6 +20,16 @@ import (
 	"github.com/kvgate/kvgate/internal/router"
 )
 
+// upstream is how the gateway calls its replicas besides the fleet's
+// probes: the HTTP client every request it sends them goes through
+// (proxied requests, prefill steps, remote tokenization; each built by
+// fleet.NewRequest), and the remote tokenizer (nil unless tokenizer:
+// remote).
+type upstream struct {
+	client *http.Client
+	tok    *remoteTokenizer
+}
+
 // allow asks the breaker of a's replica for the attempt (its ticket keeps
 // the pass, and reports the verdict's health when settle ends it); false
 // (verdict skipped) when it is half-open with its trial in flight.

@@ -58,6 +58,8 @@ type Replica struct {
 	// vacant: a free slot, whose replica was forgotten (membership.go):
 	// removed, no name, no state; the next replica added takes it.
 	vacant bool
+	// serial tells the replicas a slot held apart (Serial).
+	serial uint64
 
 	healthy        atomic.Bool // in rotation: health checks pass and the breaker is not open
 	checked        atomic.Bool // a health check has passed at least once
@@ -114,6 +116,12 @@ type scrape struct {
 
 // Index is the replica's slot.
 func (r *Replica) Index() int { return r.index }
+
+// Serial is unique among the replicas the router ever added (0: a vacant
+// slot): a slot given again after its replica was forgotten holds another
+// serial, so that what a caller keeps by slot (a stored response's home)
+// can tell its replica is gone. A replica revived keeps its serial.
+func (r *Replica) Serial() uint64 { return r.serial }
 
 // URL is the replica's URL as configured.
 func (r *Replica) URL() string { return r.sp().URL }

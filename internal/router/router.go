@@ -132,7 +132,9 @@ type Router struct {
 	memMu  sync.Mutex // serialises SetReplicas and Forget
 	free   []int      // vacant slots, ascending (memMu)
 	nextID atomic.Uint64
-	q      queue
+	// serials numbers the replicas added (Replica.Serial).
+	serials atomic.Uint64
+	q       queue
 	// pools are the configured pools, or the default one (pools.go).
 	pools []*pool
 	// leastLoad routes a request whose policy panicked (guard.go).
