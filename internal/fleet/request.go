@@ -11,19 +11,18 @@ import (
 // it (the gateway's proxied requests and remote tokenization, the fleet's
 // probes and scrapes): the replica's base URL as configured, path joined
 // to it as a path (set on the URL, never re-parsed from a string: net/url
-// escapes it afresh, so nothing in it is decoded a second time), header
-// as the request's header (nil: an empty one), and the replica's key,
-// when it has one, as the bearer token over any Authorization in header.
-// The error is the base URL's (checked when it was configured) or the
-// method's.
-func NewRequest(ctx context.Context, method, base, apiKey, path string, body io.Reader, header http.Header) (*http.Request, error) {
+// escapes it afresh, so nothing in it is decoded a second time), the
+// header header writes (nil: none), and the replica's key, when it has
+// one, as the bearer token over any Authorization header wrote. The error
+// is the base URL's (checked when it was configured) or the method's.
+func NewRequest(ctx context.Context, method, base, apiKey, path string, body io.Reader, header func(http.Header)) (*http.Request, error) {
 	req, err := http.NewRequestWithContext(ctx, method, base, body)
 	if err != nil {
 		return nil, err
 	}
 	req.URL.Path, req.URL.RawPath = strings.TrimSuffix(req.URL.Path, "/")+path, ""
 	if header != nil {
-		req.Header = header
+		header(req.Header)
 	}
 	if apiKey != "" {
 		req.Header.Set("Authorization", "Bearer "+apiKey)

@@ -1,6 +1,8 @@
 package gateway
 
 import (
+	"context"
+	"log/slog"
 	"time"
 
 	"github.com/kvgate/kvgate/internal/gateway/ui"
@@ -63,8 +65,12 @@ func (g *Gateway) newSinks(met *metrics, rec *recorder, tr *tracing) sinks {
 	return k
 }
 
-// logAttempt logs a settled attempt at debug.
+// logAttempt logs a settled attempt at debug (its arguments built only
+// when debug is on).
 func logAttempt(s *settledAttempt) {
+	if !s.x.log.Enabled(context.Background(), slog.LevelDebug) {
+		return
+	}
 	a := s.a
 	s.x.log.Debug("attempt", "replica", s.name, "step", a.step, "verdict", a.v.String(), "status", a.status,
 		"matched_blocks", a.tk.Decision.Matched, "blocks", len(a.tk.Request().Blocks), "reason", a.tk.Decision.Reason,

@@ -150,12 +150,14 @@ func tokenizeBody(kind prompt.Kind, p *prompt.Parsed, body []byte) ([]byte, erro
 	return json.Marshal(req)
 }
 
+// jsonBody marks a request's body as JSON.
+func jsonBody(h http.Header) { h.Set("Content-Type", "application/json") }
+
 func (t *remoteTokenizer) call(ctx context.Context, i int, data []byte) ([]uint32, error) {
 	ctx, cancel := context.WithTimeout(ctx, t.g.conf().TokenizeTimeout.D())
 	defer cancel()
 	rep := t.g.rt.Replica(i)
-	req, err := fleet.NewRequest(ctx, http.MethodPost, rep.URL(), rep.APIKey(), "/tokenize", bytes.NewReader(data),
-		http.Header{"Content-Type": {"application/json"}})
+	req, err := fleet.NewRequest(ctx, http.MethodPost, rep.URL(), rep.APIKey(), "/tokenize", bytes.NewReader(data), jsonBody)
 	if err != nil {
 		return nil, err
 	}

@@ -122,21 +122,20 @@ func (g *Gateway) upstreamRequest(ctx context.Context, x *exchange, i int, body 
 	// The client's decoded path, set as a path (checkPath refused the
 	// characters that would change its meaning); the replica's URL was
 	// checked at config, so it parses.
-	up, _ := fleet.NewRequest(ctx, x.r.Method, rep.URL(), key, x.r.URL.Path, rd, g.upstreamHeader(x, rep, key))
+	up, _ := fleet.NewRequest(ctx, x.r.Method, rep.URL(), key, x.r.URL.Path, rd, func(h http.Header) { g.upstreamHeader(h, x, rep, key) })
 	up.URL.RawQuery = x.r.URL.RawQuery
 	g.injectTrace(ctx, up.Header)
 	up.ContentLength = length
 	return up, wrote
 }
 
-// upstreamHeader is the header of x's request to replica rep (its key
-// key): the client's, less hop-by-hop headers and those only the gateway
-// sets (dropGatewayHeaders), with the Via hop, the client's key when the
-// replica has none and the gateway checks none, the data-parallel rank,
-// the request id and X-Forwarded-*. No Accept-Encoding: SSE must not be
-// compressed.
-func (g *Gateway) upstreamHeader(x *exchange, rep *router.Replica, key string) http.Header {
-	h := make(http.Header, len(x.r.Header)+8)
+// upstreamHeader writes into h the header of x's request to replica rep
+// (its key key): the client's, less hop-by-hop headers and those only the
+// gateway sets (dropGatewayHeaders), with the Via hop, the client's key
+// when the replica has none and the gateway checks none, the data-parallel
+// rank, the request id and X-Forwarded-*. No Accept-Encoding: SSE must
+// not be compressed.
+func (g *Gateway) upstreamHeader(h http.Header, x *exchange, rep *router.Replica, key string) {
 	copyHeaders(h, x.r.Header)
 	dropGatewayHeaders(h)
 	h.Add("Via", viaEntry(x.r, g.via)) // after the client's: loop detection (loop.go)
@@ -154,7 +153,6 @@ func (g *Gateway) upstreamHeader(x *exchange, rep *router.Replica, key string) h
 	}
 	h.Set("X-Request-Id", x.id)
 	setForwarded(h, x.r)
-	return h
 }
 
 // headerDataParallelRank pins a request to one data-parallel engine of a

@@ -105,7 +105,9 @@ type attempt struct {
 	// respID is the id of the response a Responses call created (relay).
 	respID string
 	// span is the attempt's upstream span (nil: tracing off).
-	span    trace.Span
+	span trace.Span
+	// settled is the attempt as settle hands it to the sinks.
+	settled settledAttempt
 	cached  int // the replica's usage.prompt_tokens_details.cached_tokens (-1: none)
 	prompt  int // its usage.prompt_tokens (0: no usage seen)
 	output  int
@@ -177,13 +179,14 @@ func (g *Gateway) settle(x *exchange, a *attempt) {
 	if a.v == served && a.tk.Underpredicted(a.cached) {
 		g.underpredicted(a.tk.Replica)
 	}
-	s := settledAttempt{x: x, a: a, end: end, sent: o.sent, name: g.rt.Name(a.tk.Replica), policy: a.tk.Policy(),
+	a.settled = settledAttempt{x: x, a: a, end: end, sent: o.sent, name: g.rt.Name(a.tk.Replica), policy: a.tk.Policy(),
 		branch: branchOf(a.tk), ttft: -1}
+	s := &a.settled // in the attempt, which the sinks share: nothing more to allocate
 	if !a.firstAt.IsZero() {
 		s.ttft = a.firstAt.Sub(x.start)
 	}
 	for _, k := range g.sinks.all {
-		k(&s)
+		k(s)
 	}
 }
 
