@@ -4,7 +4,10 @@ import (
 	"io"
 	"net/http"
 	"strings"
+	"sync/atomic"
 	"testing"
+
+	"github.com/kvgate/kvgate/internal/testutil"
 )
 
 // Headers only the gateway sets upstream never come from the client:
@@ -108,4 +111,40 @@ func TestBearerAnyCaseAtEveryDoor(t *testing.T) {
 		}
 	}
 	waitIdle(t, gw)
+}
+
+// Finding 13: X-Forwarded-For is appended to, not passed verbatim; the
+// gateway's request id goes upstream and is the one the client sees.
+func TestForwardedForAndRequestID(t *testing.T) {
+	var seen atomic.Pointer[http.Header]
+	a := newStub(t, "", func(w http.ResponseWriter, r *http.Request) {
+		h := r.Header.Clone()
+		seen.Store(&h)
+		w.Header().Set("X-Request-Id", "replica-own-id")
+		okStream(1)(w, r)
+	})
+	gw, _ := gwWithClock(t, baseConfig(a.srv.URL))
+	r := testutil.Post(t, nil, gw.srv.URL+"/v1/completions", `{"model":"m","prompt":"x"}`,
+		"X-Forwarded-For", "203.0.113.7", "X-Request-Id", "client-id-1")
+	h := *seen.Load()
+	if xff := h.Get("X-Forwarded-For"); xff != "203.0.113.7, 127.0.0.1" {
+		t.Fatalf("X-Forwarded-For upstream %q", xff)
+	}
+	if h.Get("X-Request-Id") != "client-id-1" || r.Header.Get("X-Request-Id") != "client-id-1" {
+		t.Fatalf("request id upstream %q, to the client %q", h.Get("X-Request-Id"), r.Header.Get("X-Request-Id"))
+	}
+	r = testutil.Post(t, nil, gw.srv.URL+"/v1/completions", `{"model":"m","prompt":"x"}`)
+	if id := r.Header.Get("X-Request-Id"); id == "" || id == "replica-own-id" || (*seen.Load()).Get("X-Request-Id") != id {
+		t.Fatalf("generated request id %q, upstream %q", id, (*seen.Load()).Get("X-Request-Id"))
+	}
+}
+
+// Finding 14: keys match exactly, as vLLM's do.
+func TestKeysAreCaseSensitive(t *testing.T) {
+	a := newStub(t, "", okStream(1))
+	gw, _ := gwWithClock(t, baseConfig(a.srv.URL))
+	r := testutil.Post(t, nil, gw.srv.URL+"/v1/completions", `{"MODEL":"m","prompt":"x"}`)
+	if r.Status != 400 || !strings.Contains(r.Body, `"param":"model"`) || a.calls.Load() != 0 {
+		t.Fatalf("MODEL: %d %s", r.Status, r.Body)
+	}
 }

@@ -4,6 +4,7 @@ import (
 	"encoding/json"
 	"strings"
 	"testing"
+	"time"
 )
 
 // The decision counters name each branch, and the per-replica usage
@@ -85,5 +86,26 @@ func TestTTFTEstimateRatio(t *testing.T) {
 				t.Errorf("TTFT series %v: want replica %s, policy ttft, 2 samples", m.GetLabel(), a.srv.URL)
 			}
 		}
+	}
+}
+
+// Finding 9 (the gateway side; the rule itself is tested in fleet): the
+// scrape age of each replica is a metric.
+func TestScrapeAgeMetric(t *testing.T) {
+	a := newStub(t, "", okStream(1))
+	gw, clk := gwWithClock(t, baseConfig(a.srv.URL))
+	eventually(t, "first scrape", func() bool {
+		_, _, ok := gw.g.Router().ReplicaMetrics(0)
+		return ok
+	})
+	before := counterValue(t, gw.g.reg, "kvgate_scrape_age_seconds", nil)
+	a.srv.Close() // scrapes fail from now on
+	clk.Advance(5 * time.Second)
+	after := counterValue(t, gw.g.reg, "kvgate_scrape_age_seconds", nil)
+	if after < before+5 || after > before+6 {
+		t.Fatalf("scrape age %v → %v after 5 s without a good scrape", before, after)
+	}
+	if gw.g.Router().Views(gw.g.Router().Prepare(mustParse(t, `{"model":"m","prompt":"x"}`), "", ""))[0].HaveMetrics {
+		t.Fatal("stale metrics still used")
 	}
 }

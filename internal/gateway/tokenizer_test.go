@@ -8,6 +8,8 @@ import (
 	"sync/atomic"
 	"testing"
 	"time"
+
+	"github.com/kvgate/kvgate/internal/testutil"
 )
 
 // tokenizeReplica is a replica whose first POST /tokenize waits for
@@ -151,5 +153,60 @@ func checkTokenizeResults(t *testing.T, gw *testGW, want map[string]float64) {
 		if got := counterValue(t, gw.g.reg, "kvgate_remote_tokenize_total", map[string]string{"result": result}); got != w {
 			t.Errorf("kvgate_remote_tokenize_total{result=%q} = %v, want %v", result, got, w)
 		}
+	}
+}
+
+// Finding 11: remote tokenization is spread over the healthy replicas and
+// bounded by tokenize_timeout, falling back to the approximate tokenizer.
+func TestRemoteTokenizerSpreadAndFallback(t *testing.T) {
+	var slowCalls, fastCalls atomic.Int64
+	tokenizer := func(calls *atomic.Int64, delay chan struct{}) http.HandlerFunc {
+		return func(w http.ResponseWriter, r *http.Request) {
+			calls.Add(1)
+			if delay != nil {
+				select {
+				case <-delay:
+				case <-r.Context().Done():
+					return
+				}
+			}
+			_, _ = io.WriteString(w, `{"tokens":[1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,16,17]}`)
+		}
+	}
+	never := make(chan struct{})
+	defer close(never)
+	mk := func(h http.HandlerFunc) *stub {
+		s := newStub(t, "", okStream(1))
+		mux := http.NewServeMux()
+		mux.Handle("/", s.srv.Config.Handler)
+		mux.HandleFunc("/tokenize", h)
+		s.srv.Config.Handler = mux
+		return s
+	}
+	slow, fast := mk(tokenizer(&slowCalls, never)), mk(tokenizer(&fastCalls, nil))
+	cfg := baseConfig(slow.srv.URL, fast.srv.URL)
+	cfg.Tokenizer = "remote"
+	cfg.TokenizeTimeout = Duration(50 * time.Millisecond)
+	gw := startGateway(t, cfg)
+	eventually(t, "models listed", func() bool { return len(gw.g.Fleet().Models()) > 0 })
+	for i := range 6 {
+		r := testutil.Post(t, nil, gw.srv.URL+"/v1/completions", `{"model":"m","prompt":"distinct prompt `+strings.Repeat("z", i)+`"}`)
+		if r.Status != 200 {
+			t.Fatalf("%d %s", r.Status, r.Body)
+		}
+	}
+	if slowCalls.Load() == 0 || fastCalls.Load() != 6 {
+		t.Fatalf("tokenize calls: slow %d, fast %d; want spread, every request answered by the fast one", slowCalls.Load(), fastCalls.Load())
+	}
+	// Both replicas slow: the approximate tokenizer routes, within the bound.
+	cfg2 := baseConfig(slow.srv.URL)
+	cfg2.Tokenizer = "remote"
+	cfg2.TokenizeTimeout = Duration(20 * time.Millisecond)
+	gw2 := startGateway(t, cfg2)
+	if r := testutil.Post(t, nil, gw2.srv.URL+"/v1/completions", `{"model":"m","prompt":"fallback"}`); r.Status != 200 {
+		t.Fatalf("fallback: %d %s", r.Status, r.Body)
+	}
+	if n := counterValue(t, gw2.g.reg, "kvgate_remote_tokenize_total", map[string]string{"result": "fallback"}); n != 1 {
+		t.Fatalf("%v fallbacks, want 1", n)
 	}
 }

@@ -1,13 +1,16 @@
 package gateway
 
 import (
+	"io"
 	"log/slog"
 	"net/http"
 	"net/http/httptest"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/kvgate/kvgate/internal/prompt"
+	"github.com/kvgate/kvgate/internal/testutil"
 )
 
 // settle reads one table: for every verdict, what the replica's breaker
@@ -73,5 +76,60 @@ func TestSettleOutcomeOfEveryVerdict(t *testing.T) {
 	}
 	if len(seen) != len(outcomes) {
 		t.Fatalf("the table covers %d verdicts of %d", len(seen), len(outcomes))
+	}
+}
+
+// The breaker cycle, exactly, on a fake clock: a replica whose /health
+// passes but whose every answer is a 500 sees EjectAfter requests, then one
+// trial per cooldown (10 s, 20 s, ...), each answered 500 to its client.
+func TestBreakerCycleOnFakeClock(t *testing.T) {
+	broken := newStub(t, "", func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Type", "application/json")
+		w.WriteHeader(500)
+		_, _ = io.WriteString(w, `{"error":{"message":"engine dead","type":"InternalServerError","code":500}}`)
+	})
+	good := newStub(t, "", okStream(1))
+	cfg := baseConfig(broken.srv.URL, good.srv.URL)
+	cfg.Policy = "round_robin"
+	cfg.EjectAfter = 3
+	cfg.EjectCooldown = Duration(10 * time.Second)
+	gw, clk := gwWithClock(t, cfg)
+	send := func(n int) (fails int) {
+		for range n {
+			if r := testutil.Post(t, nil, gw.srv.URL+"/v1/completions", `{"model":"m","prompt":"x"}`); r.Status == 500 {
+				fails++
+			}
+			waitIdle(t, gw) // the attempt is settled (a client may read its answer a moment before)
+		}
+		return fails
+	}
+	fails := 0
+	for i := 0; broken.calls.Load() < 3 && i < 20; i++ {
+		fails += send(1)
+	}
+	if fails != 3 || gw.g.Fleet().State(0) != "open" {
+		for _, v := range []string{"served", "failed", "client_gone", "rejected"} {
+			t.Logf("%s: %v", v, counterValue(t, gw.g.reg, "kvgate_attempts_total", map[string]string{"verdict": v, "replica": broken.srv.URL}))
+		}
+		t.Fatalf("%d of %d requests to the broken replica failed; breaker %s", fails, broken.calls.Load(), gw.g.Fleet().State(0))
+	}
+	if send(10); broken.calls.Load() != 3 {
+		t.Fatalf("an open breaker let %d requests through", broken.calls.Load()-3)
+	}
+	for i, cooldown := range []time.Duration{10 * time.Second, 20 * time.Second, 40 * time.Second} {
+		clk.Advance(cooldown)
+		// The health loop runs on the clock too: step it until its check,
+		// after the cooldown, puts the replica back half-open.
+		eventually(t, "back in rotation half-open", func() bool {
+			clk.Advance(gw.g.cfg.HealthInterval.D())
+			return gw.g.Router().Healthy(0)
+		})
+		send(4)
+		if want := int64(4 + i); broken.calls.Load() != want {
+			t.Fatalf("cooldown %d: %d requests reached the broken replica, want %d (one trial)", i, broken.calls.Load(), want)
+		}
+		if st := gw.g.Fleet().State(0); st != "open" {
+			t.Fatalf("after a failed trial: %s", st)
+		}
 	}
 }

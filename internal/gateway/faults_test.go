@@ -1,8 +1,9 @@
 package gateway
 
-// Tests of the request path against what real clients and real fleets do:
-// one per finding of the hardening issue, each failing on the gateway as it
-// was before the rebuild. Timeouts are driven by a fake clock.
+// Faults on the request path, from clients and replicas as real ones fail:
+// overflowing fields, hang-ups, silent and stalled replicas, an adapter on
+// one replica, slow readers, a query of death, bounded buffering, rejected
+// prompts. Timeouts are driven by a fake clock.
 
 import (
 	"bufio"
