@@ -8,7 +8,9 @@
 # --policy round_robin, and each kvgate binary named in KVGATE_BASELINES (e.g.
 # an older build, to compare). wrk drives each with -c32 for DURATION.
 # Printed: each front's requests/s per round, the medians, and kvgate's
-# median as a ratio of nginx's.
+# median as a ratio of nginx's; for each kvgate build also its CPU time per
+# request (user + system, from /proc), which a machine busy with other work
+# moves far less than the rate.
 #
 # Needs nginx and wrk (Debian's packages: apt-get install nginx wrk).
 set -euo pipefail
@@ -82,32 +84,45 @@ wait_ready() {
 	return 1
 }
 
-# rps NAME URL: wrk's requests/s against URL.
+# rps NAME URL: wrk's requests/s against URL, and the requests it made.
 rps() {
-	wrk -t2 -c"$CONNS" -d"$DURATION" -s "$dir/post.lua" "$2/v1/completions" | awk '/^Requests\/sec/ {print $2}'
+	wrk -t2 -c"$CONNS" -d"$DURATION" -s "$dir/post.lua" "$2/v1/completions" |
+		awk '/requests in/ {n=$1} /^Requests\/sec/ {r=$2} END {print r, n}'
 }
 
-# kvgate_rps BIN: starts BIN serve in front of the upstreams, measures, stops it.
+# cpu PID: the process's user + system CPU time so far, in clock ticks.
+cpu() { awk '{print $14 + $15}' "/proc/$1/stat"; }
+
+# kvgate_rps BIN: starts BIN serve in front of the upstreams, measures its
+# requests/s and its CPU time per request (µs: steadier than the rate on a
+# machine busy with other work), stops it.
 kvgate_rps() {
 	"$1" serve --listen "127.0.0.1:$front_kvgate" --replicas "$replicas" --policy round_robin >"$dir/kvgate.log" 2>&1 &
 	local pid=$!
 	pids+=("$pid")
 	wait_ready "http://127.0.0.1:$front_kvgate/ready"
-	rps kvgate "http://127.0.0.1:$front_kvgate"
+	local t0 t1 out
+	t0=$(cpu "$pid")
+	out=$(rps kvgate "http://127.0.0.1:$front_kvgate")
+	t1=$(cpu "$pid")
 	kill "$pid"
 	wait "$pid" 2>/dev/null || true
+	awk -v o="$out" -v a="$t0" -v b="$t1" -v hz="$(getconf CLK_TCK)" \
+		'BEGIN {split(o, f, " "); printf "%s %.1f\n", f[1], (b - a) / hz * 1e6 / f[2]}'
 }
 
 wait_ready "http://127.0.0.1:$front_nginx/health"
 names=(nginx kvgate)
 for b in $BASELINES; do names+=("$b"); done
-declare -A results
+declare -A results cpus
 for r in $(seq 1 "$ROUNDS"); do
 	line="round $r:"
-	v=$(rps nginx "http://127.0.0.1:$front_nginx"); results[nginx]+="$v "; line+=" nginx $v"
-	v=$(kvgate_rps "$KVGATE"); results[kvgate]+="$v "; line+=" kvgate $v"
-	for b in $BASELINES; do
-		v=$(kvgate_rps "$b"); results[$b]+="$v "; line+=" $b $v"
+	read -r v _ < <(rps nginx "http://127.0.0.1:$front_nginx"); results[nginx]+="$v "; line+=" nginx $v"
+	for b in "$KVGATE" $BASELINES; do
+		name=$b
+		[ "$b" = "$KVGATE" ] && name=kvgate
+		read -r v c < <(kvgate_rps "$b")
+		results[$name]+="$v "; cpus[$name]+="$c "; line+=" $name $v ($c µs CPU/req)"
 	done
 	echo "$line"
 done
@@ -117,5 +132,7 @@ n=$(echo "${results[nginx]}" | median)
 echo "median requests/s (wrk -c$CONNS, $DURATION x $ROUNDS rounds):"
 for name in "${names[@]}"; do
 	m=$(echo "${results[$name]}" | median)
-	printf '  %-40s %10.0f  (%.2fx nginx)\n' "$name" "$m" "$(awk -v a="$m" -v b="$n" 'BEGIN {print a/b}')"
+	extra=""
+	[ -n "${cpus[$name]:-}" ] && extra=$(printf ', %.1f µs CPU per request' "$(echo "${cpus[$name]}" | median)")
+	printf '  %-40s %10.0f  (%.2fx nginx%s)\n' "$name" "$m" "$(awk -v a="$m" -v b="$n" 'BEGIN {print a/b}')" "$extra"
 done

@@ -8,6 +8,7 @@ import (
 	"net/http"
 	"slices"
 	"strings"
+	"sync/atomic"
 	"time"
 
 	"github.com/kvgate/kvgate/internal/clock"
@@ -19,11 +20,15 @@ import (
 // exchange is one client request in flight through the gateway: what it
 // asked, where it has been tried, and the context every attempt runs in.
 type exchange struct {
-	w      http.ResponseWriter
-	r      *http.Request
-	rc     *http.ResponseController
-	id     string
-	log    *slog.Logger
+	w  http.ResponseWriter
+	r  *http.Request
+	rc *http.ResponseController
+	id string
+	// base is the gateway's logger; lg is base with the request's id, made
+	// by logger on first use: most requests log nothing, and With formats
+	// its attributes at once.
+	base   *slog.Logger
+	lg     atomic.Pointer[slog.Logger]
 	start  time.Time
 	kind   prompt.Kind
 	body   []byte
@@ -102,7 +107,7 @@ func (g *Gateway) run(x *exchange, route func(*exchange, bool) (*attempt, error)
 			return
 		}
 		g.met.retries.Inc()
-		x.log.Info("retrying on another replica", "replica", g.rt.Name(a.tk.Replica), "step", a.step,
+		x.logger().Info("retrying on another replica", "replica", g.rt.Name(a.tk.Replica), "step", a.step,
 			"verdict", a.v.String(), "err", a.err)
 		if !clock.Sleep(g.clock, g.backoff(tries), x.ctx.Done()) {
 			g.endUnrouted(x, context.Cause(x.ctx))
@@ -234,9 +239,8 @@ func (g *Gateway) admit(w http.ResponseWriter, r *http.Request, kind prompt.Kind
 // begin makes the exchange of a request and checks its method (one of
 // methods), its key and that the gateway is not past its drain.
 func (g *Gateway) begin(w http.ResponseWriter, r *http.Request, kind prompt.Kind, methods ...string) (*exchange, error) {
-	x := &exchange{w: w, r: r, rc: http.NewResponseController(w), id: requestID(r), start: g.clock.Now(), kind: kind}
+	x := &exchange{w: w, r: r, rc: http.NewResponseController(w), id: requestID(r), start: g.clock.Now(), kind: kind, base: g.log}
 	w.Header().Set("X-Request-Id", x.id)
-	x.log = g.log.With("request_id", x.id)
 	if !slices.Contains(methods, r.Method) {
 		w.Header().Set("Allow", strings.Join(methods, ", "))
 		return nil, errMethod.with("use " + strings.Join(methods, " or "))
@@ -377,4 +381,17 @@ func (g *Gateway) prefillBound(tk *router.Ticket) time.Duration {
 		est = g.prof.PrefillTime(tk.UncachedTokens()+v, 0, g.cfg.MaxBatchTokens)
 	}
 	return max(2*est, 10*time.Millisecond)
+}
+
+// logger is the exchange's logger, with its request id (made on first use;
+// safe from the attempt's timers too).
+func (x *exchange) logger() *slog.Logger {
+	if l := x.lg.Load(); l != nil {
+		return l
+	}
+	l := x.base.With("request_id", x.id)
+	if !x.lg.CompareAndSwap(nil, l) {
+		return x.lg.Load()
+	}
+	return l
 }

@@ -347,6 +347,21 @@ func copyHeaders(dst, src http.Header) {
 	for k, vs := range src {
 		dst[k] = append([]string(nil), vs...)
 	}
+	dropHopHeaders(dst, src)
+}
+
+// moveHeaders is copyHeaders for a src nobody uses afterwards (an
+// upstream answer's): its value slices are taken, not copied.
+func moveHeaders(dst, src http.Header) {
+	for k, vs := range src {
+		dst[k] = vs
+	}
+	dropHopHeaders(dst, src)
+}
+
+// dropHopHeaders deletes from dst the hop-by-hop headers, and those src's
+// Connection names.
+func dropHopHeaders(dst, src http.Header) {
 	for _, f := range src.Values("Connection") {
 		for _, name := range strings.Split(f, ",") {
 			dst.Del(strings.TrimSpace(name))

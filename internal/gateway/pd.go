@@ -128,7 +128,7 @@ func (g *Gateway) heldDecodeAttempt(x *exchange) (*attempt, error) {
 		return nil, err
 	}
 	g.met.prefillHeldKV.WithLabelValues("reused").Inc()
-	x.log.Debug("decode step routed again with the completed prefill's KV", "decode", g.rt.Name(tk.Replica),
+	x.logger().Debug("decode step routed again with the completed prefill's KV", "decode", g.rt.Name(tk.Replica),
 		"prefill", x.held.replica.Name())
 	dec := &attempt{tk: tk, cached: -1, step: stepDecode, prefill: x.held.replica}
 	if !g.allow(dec) {
@@ -174,7 +174,7 @@ func (g *Gateway) releaseHeld(x *exchange) {
 		return
 	}
 	g.met.prefillHeldKV.WithLabelValues("released").Inc()
-	x.log.Debug("no decode replica took a completed prefill's KV: released", "prefill", x.held.replica.Name())
+	x.logger().Debug("no decode replica took a completed prefill's KV: released", "prefill", x.held.replica.Name())
 	x.held = nil
 }
 
@@ -204,10 +204,10 @@ func (g *Gateway) routePD(x *exchange) (router.PD, error) {
 		g.met.prefillSkipped.WithLabelValues(why).Inc()
 	}
 	if pd.Prefill != nil {
-		x.log.Debug("routed to a prefill/decode pair", "prefill", g.rt.Name(pd.Prefill.Replica),
+		x.logger().Debug("routed to a prefill/decode pair", "prefill", g.rt.Name(pd.Prefill.Replica),
 			"decode", g.rt.Name(pd.Decode.Replica), "reason", pd.Decision.Reason)
 	} else {
-		x.log.Debug("routed to a decode replica alone", "decode", g.rt.Name(pd.Decode.Replica), "reason", pd.Decision.Reason)
+		x.logger().Debug("routed to a decode replica alone", "decode", g.rt.Name(pd.Decode.Replica), "reason", pd.Decision.Reason)
 	}
 	return pd, nil
 }
@@ -237,7 +237,7 @@ func (g *Gateway) afterPrefill(x *exchange, p *attempt, last bool) (kv []byte, e
 		why = "no_kv_transfer_params"
 	case p.retryable() && last && p.v != skipped:
 		why = "prefill_failed"
-		x.log.Info("prefill step failed and no retry is left: the decode replica computes the prompt",
+		x.logger().Info("prefill step failed and no retry is left: the decode replica computes the prompt",
 			"replica", g.rt.Name(p.tk.Replica), "verdict", p.v.String(), "err", p.err)
 	default:
 		return nil, true

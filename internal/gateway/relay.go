@@ -7,6 +7,7 @@ import (
 	"errors"
 	"io"
 	"net/http"
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -22,7 +23,7 @@ import (
 // stream broke, went idle or overran its bounds), clientGone (the client
 // left or stopped reading) or gatewayLimit.
 func (g *Gateway) relay(x *exchange, a *attempt, ctx context.Context, cancel context.CancelCauseFunc, resp *http.Response) {
-	copyHeaders(x.w.Header(), resp.Header)
+	moveHeaders(x.w.Header(), resp.Header)
 	setTarget(x.w.Header(), g.rt.Replica(a.tk.Replica), a.prefill)
 	x.w.Header().Set("X-Request-Id", x.id)
 	a.started = true
@@ -286,12 +287,18 @@ const usageTail = 64 << 10
 // relayBody copies a non-streamed body to the client as it comes, keeping
 // only its last usageTail bytes to read the usage from.
 func (g *Gateway) relayBody(x *exchange, a *attempt, body io.Reader) (rerr, werr error) {
-	buf := make([]byte, 32<<10)
+	bp := relayBufs.Get().(*[]byte)
+	defer relayBufs.Put(bp)
+	buf := *bp
 	var tail, head []byte
 	for {
 		n, err := body.Read(buf)
 		if n > 0 {
-			if werr := x.write(buf[:n]); werr != nil {
+			// Not flushed chunk by chunk: nobody reads a JSON body before
+			// its end, and net/http sends it as its buffer fills and at the
+			// handler's return (a flush per chunk cost a chunked write and
+			// a syscall each: 17 % of the proxy's CPU under wrk).
+			if _, werr := x.w.Write(buf[:n]); werr != nil {
 				return nil, werr
 			}
 			if x.kind == prompt.Responses && len(head) < responsesHeadLen {
@@ -319,16 +326,18 @@ func (g *Gateway) relayBody(x *exchange, a *attempt, body io.Reader) (rerr, werr
 	}
 }
 
-// usageOf reads the usage from the end of a JSON answer: the whole answer
-// when it fits, else the object after the last "usage" key (a key in
-// quotes cannot occur unescaped inside a JSON string).
+// relayBufs are relayBody's copy buffers, 32 KiB each: one per request
+// would be allocated and cleared for every answer.
+var relayBufs = sync.Pool{New: func() any { b := make([]byte, 32<<10); return &b }}
+
+// usageOf reads the usage from the end of a JSON answer: the object after
+// the last "usage" key (a key in quotes cannot occur unescaped inside a
+// JSON string), decoded alone rather than the whole answer; an answer
+// without that key may still be a usage object itself.
 func usageOf(tail []byte) *openai.Usage {
-	if u := openai.ParseUsage(tail); u != nil {
-		return u
-	}
 	i := bytes.LastIndex(tail, []byte(`"usage"`))
 	if i < 0 {
-		return nil
+		return openai.ParseUsage(tail)
 	}
 	rest := bytes.TrimLeft(tail[i+len(`"usage"`):], " \t\r\n")
 	rest, ok := bytes.CutPrefix(rest, []byte(":"))

@@ -68,11 +68,11 @@ func (g *Gateway) newSinks(met *metrics, rec *recorder, tr *tracing) sinks {
 // logAttempt logs a settled attempt at debug (its arguments built only
 // when debug is on).
 func logAttempt(s *settledAttempt) {
-	if !s.x.log.Enabled(context.Background(), slog.LevelDebug) {
+	if !s.x.base.Enabled(context.Background(), slog.LevelDebug) {
 		return
 	}
 	a := s.a
-	s.x.log.Debug("attempt", "replica", s.name, "step", a.step, "verdict", a.v.String(), "status", a.status,
+	s.x.logger().Debug("attempt", "replica", s.name, "step", a.step, "verdict", a.v.String(), "status", a.status,
 		"matched_blocks", a.tk.Decision.Matched, "blocks", len(a.tk.Request().Blocks), "reason", a.tk.Decision.Reason,
 		"cached_tokens", a.cached, "e2e", s.end.Sub(s.x.start), "err", a.err)
 }

@@ -56,7 +56,7 @@ func TestSettleOutcomeOfEveryVerdict(t *testing.T) {
 				t.Fatal(err)
 			}
 			x := &exchange{w: httptest.NewRecorder(), r: httptest.NewRequest(http.MethodPost, "/v1/completions", nil),
-				log: slog.New(slog.DiscardHandler), start: g.clock.Now(), req: req}
+				base: slog.New(slog.DiscardHandler), start: g.clock.Now(), req: req}
 			a := &attempt{tk: tk, cached: -1, v: c.v, started: c.started}
 			if c.v != skipped && !g.allow(a) {
 				t.Fatal("a closed breaker refused")
