@@ -35,7 +35,9 @@ var totalVariants = map[string][]map[string]any{
 	"score":   {nil, {"cache_weight": 0, "load_weight": 0}},
 	"precise": {nil, {"prefix_score": "min-max", "speculative_ttl_secs": 0.001}},
 	"ttft": {nil, {"defer_ms": 0, "interference_weight": 1, "decode_weight": 0, "eviction_weight": 0},
-		{"margin_rel": 0, "margin_ms": 0, "correction_alpha": 1, "replica_alpha": 1, "max_correction": 1e6}},
+		{"margin_rel": 0, "margin_ms": 0, "correction_alpha": 1, "replica_alpha": 1, "max_correction": 1e6},
+		{"future_weight": 1e6, "wait_weight": 1e6, "prefix_life_s": 0.001, "window_s": 0.001},
+		{"future_weight": 0, "wait_weight": 0, "prefix_life_s": 86400, "window_s": 86400}},
 }
 
 // TestEveryPolicyIsTotal: every registered policy's Pick, and PickPair for

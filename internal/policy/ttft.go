@@ -24,11 +24,15 @@ import (
 // observed over predicted TTFT (a mis-specified profile), times r's own
 // lasting deviation from it (a slower or shared replica).
 //
-// The score adds two more costs of the choice: the request's own output
-// tokens slowed by r's decode batch (decode_weight), and, once r's cache is
+// The score adds more costs of the choice: the request's own output
+// tokens slowed by r's decode batch (decode_weight); once r's cache is
 // full, the prefill it writes there, which evicts as much of other
-// prefixes (eviction_weight × its own prefill time). The second keeps a prefix with its holders under load,
-// where recomputing it elsewhere would cost the fleet twice. Among
+// prefixes (eviction_weight × its own prefill time), which keeps a prefix
+// with its holders under load, where recomputing it elsewhere would cost
+// the fleet twice; and the price of the future (ttft_future.go): what it
+// leaves in a cache that turns over before the requests that come back for
+// it do (future_weight), and the wait its prefill adds to the requests that
+// reach r after it (wait_weight). Among
 // replicas within a margin of the best score the deepest match wins, then
 // the lowest score, then a random one.
 //
@@ -48,6 +52,7 @@ type TTFT struct {
 	pending    map[uint64]pendEst // request id → raw estimate at routing
 	meanPrompt float64            // EWMA of uncached tokens per request, for others' queued requests
 	meanOutput float64            // EWMA of output tokens per request, when max_tokens is absent
+	flows      map[int]*ttftFlow  // replica slot → what flowed into it recently (ttft_future.go)
 	// picks holds, by request ID modulo its size, the correction each Pick
 	// applied to its chosen replica's estimate, so that Observe learns from
 	// the model's own estimate whatever was learnt between Pick and Routed.
@@ -131,6 +136,17 @@ type ttftParams struct {
 	// will be stale when its turn comes; it is routed when the first
 	// replica's queue drains below the bound. 0: never wait.
 	DeferMs float64 `json:"defer_ms"`
+	// FutureWeight weighs the prefixes a choice leaves where its cache
+	// turns over before they are used again (ttft_future.go).
+	FutureWeight float64 `json:"future_weight"`
+	// PrefixLifeS is how long (s), on average, a prefix stays in use.
+	PrefixLifeS float64 `json:"prefix_life_s"`
+	// WaitWeight weighs the wait a choice's prefill adds to the requests
+	// that reach r after it (ttft_future.go).
+	WaitWeight float64 `json:"wait_weight"`
+	// WindowS is the time constant (s) of the rates the two terms read:
+	// blocks written to and requests routed to each replica.
+	WindowS float64 `json:"window_s"`
 }
 
 var _ Policy = (*TTFT)(nil)
@@ -150,13 +166,28 @@ func init() {
 	// (no gain seen); defer_ms 1000 (capacity at p90 ≤ 2 s: conversation
 	// 3.87× off, 3.95× at 100 ms, 3.92× at 1000 ms; synthetic 3.38×, 3.39×,
 	// 3.40×; but on the shared_prefix workload at 6× load 100 ms raised p90
-	// from 331 to 397 ms where 1000 ms changed nothing).
+	// from 331 to 397 ms where 1000 ms changed nothing). The price of the
+	// future (#25), from the cache-pressure sweep (multiturn and
+	// shared_prefix at four rates on 4 and 8 replicas of 1,000–8,000
+	// blocks; 128 conversations, 80 prompts per group, seeds 1–2; p90
+	// TTFT over the best cache-aware peer's, mean over points 1.063 →
+	// 1.038, worst 1.98 → 1.37): future_weight 2 and prefix_life_s 40
+	// (a chat of 5 turns lives 40 s there; 20 s or a learnt gap left the
+	// chats on holders whose caches they outgrow, 1.7–2.0× preble's p90);
+	// wait_weight 1 (0 loses 1.7× to sglang on 4 replicas of 1,000 blocks
+	// at 24 req/s, 0.5 1.7×, 2 lowers the conversation trace's capacity to
+	// 3.87×); window_s 20. Mooncake capacity with them: conversation 3.92×
+	// (3.92× without), synthetic 3.32× (3.33×), within the search's 0.5%.
 	register("ttft", func(o Options) (Policy, error) {
 		params := ttftParams{
 			MarginRel: 0.2, MarginMs: 2, Alpha: 0.1, ReplicaAlpha: 0.02, MaxCorrection: 4,
 			DecodeWeight: 1, InterferenceWeight: 0, EvictionWeight: 2, DeferMs: 1000,
+			FutureWeight: 2, PrefixLifeS: 40, WaitWeight: 1, WindowS: 20,
 		}
 		if err := decodeParams(o.Params, &params); err != nil {
+			return nil, err
+		}
+		if err := params.checkFuture(); err != nil {
 			return nil, err
 		}
 		if params.MarginRel < 0 || params.MarginMs < 0 || params.Alpha < 0 || params.Alpha > 1 ||
@@ -169,8 +200,20 @@ func init() {
 		return &TTFT{
 			o: o, params: params, g: newRNG(o.Seed),
 			relLog: map[int]float64{}, relFac: map[int]float64{}, fleetFac: 1, pending: map[uint64]pendEst{},
+			flows: map[int]*ttftFlow{},
 		}, nil
 	})
+}
+
+// checkFuture bounds the parameters of the price of the future: weights
+// in [0, 1e6], times in [1 ms, 1 day], so that every term stays finite.
+func (p *ttftParams) checkFuture() error {
+	if !(p.FutureWeight >= 0 && p.FutureWeight <= 1e6) || !(p.WaitWeight >= 0 && p.WaitWeight <= 1e6) ||
+		!(p.PrefixLifeS >= 0.001 && p.PrefixLifeS <= 86400) || !(p.WindowS >= 0.001 && p.WindowS <= 86400) {
+		return fmt.Errorf("%w: need 0 ≤ future_weight ≤ 1e6, 0 ≤ wait_weight ≤ 1e6, "+
+			"0.001 ≤ prefix_life_s ≤ 86400, 0.001 ≤ window_s ≤ 86400", ErrParam)
+	}
+	return nil
 }
 
 func (*TTFT) Name() string { return "ttft" }
@@ -292,10 +335,17 @@ func (t *TTFT) estimate(req *Request, v *ReplicaView, meanPrompt, out float64) t
 	// The prefill the choice writes into r's cache evicts as much of other
 	// prefixes once the cache is full.
 	if t.params.EvictionWeight > 0 {
-		ownMs := prof.C1*float64(own) + prof.C2*float64(own)*float64(cached+own) + math.Ceil(float64(own)/l.chunk)*l.stepMs
-		cost += t.params.EvictionWeight * t.evictShare(v, own) * ownMs
+		cost += t.params.EvictionWeight * t.evictShare(v, own) * t.prefillMs(own, cached, &l)
 	}
+	cost += t.futureCost(req, v, &l, own, cached, tokens, out)
 	return ttftEstimate{ms: ms, matched: matched, cost: cost, queueMs: t.queueMs(&l)}
+}
+
+// prefillMs is the time r of load l takes to compute own tokens after
+// cached ones, alone: the request's own share of an estimate.
+func (t *TTFT) prefillMs(own, cached int, l *ttftLoad) float64 {
+	prof := t.o.Profile
+	return prof.C1*float64(own) + prof.C2*float64(own)*float64(cached+own) + math.Ceil(float64(own)/l.chunk)*l.stepMs
 }
 
 func (t *TTFT) Pick(req *Request, rs []ReplicaView) (Decision, error) {
@@ -442,6 +492,7 @@ func (t *TTFT) Observe(ev Event) {
 	}
 	t.mu.Lock()
 	defer t.mu.Unlock()
+	t.observeFlow(ev)
 	switch ev.Kind {
 	case Routed:
 		if !ev.Remote && ev.Phase != PhasePrefill && ev.Decision.EstTTFT > 0 && len(t.pending) < ttftMaxPending {

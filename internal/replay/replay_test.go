@@ -695,7 +695,9 @@ func TestConversationTraceHead(t *testing.T) {
 
 // Under load with full caches, ttft's eviction cost keeps prefixes with
 // their holders: the synthetic trace at 3.4× speed-up, where the plain
-// estimate scatters them (README: 32.7% against 22.9% hit rate).
+// estimate scatters them (README: 32.7% against 22.9% hit rate). The plain
+// estimate is without the price of the future too (future_weight,
+// wait_weight), which also keeps prefixes where they are kept.
 func TestEvictionCostHoldsHitRateUnderLoad(t *testing.T) {
 	if testing.Short() {
 		t.Skip("replays the synthetic trace twice")
@@ -703,7 +705,7 @@ func TestEvictionCostHoldsHitRateUnderLoad(t *testing.T) {
 	reqs := traceReqs(t, syntheticTrace, 0)
 	specs := []PolicySpec{
 		{Name: "ttft"},
-		{Name: "ttft", Label: "ttft-no-eviction", Params: map[string]any{"eviction_weight": 0}},
+		{Name: "ttft", Label: "ttft-no-eviction", Params: map[string]any{"eviction_weight": 0, "future_weight": 0, "wait_weight": 0}},
 	}
 	res, err := Compare(context.Background(), Config{Replicas: 8, Speedup: 3.4, Seed: 1}, reqs, specs, Options{})
 	if err != nil {
