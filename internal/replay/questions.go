@@ -4,7 +4,9 @@ import (
 	"context"
 	"fmt"
 	"math"
+	"slices"
 	"strconv"
+	"strings"
 	"time"
 
 	"github.com/kvgate/kvgate/internal/report"
@@ -308,7 +310,81 @@ func CachePressure(ctx context.Context, cfg Config, reqs []workload.Request, blo
 			Series: seriesOf(hit, specs, res.Runs),
 		},
 	}
+	if vs := VsBest(res, "ttft"); len(vs) > 0 {
+		charts = append(charts, vsBestChart(vs))
+	}
 	return res, logTTFT(charts), nil
+}
+
+// PressurePoint is one cache size of a cache-pressure result: a policy's
+// p90 TTFT and the lowest of the other policies'.
+type PressurePoint struct {
+	KVBlocks int
+	P90      float64 // ms
+	BestP90  float64 // ms, the best other policy's
+	Best     string  // that policy
+}
+
+// Ratio is the policy's p90 over the best other's.
+func (p PressurePoint) Ratio() float64 { return p.P90 / p.BestP90 }
+
+// VsBest reads a cache-pressure result (runs labelled "POLICY kv_blocks=N",
+// extra.kv_blocks N) and returns, by cache size, policy's p90 TTFT against
+// the best other policy's at the same size; nothing for a size without
+// policy or without another policy.
+func VsBest(res report.Result, policy string) []PressurePoint {
+	type point struct {
+		p90, best float64
+		name      string
+		have      bool
+	}
+	by := map[int]*point{}
+	var sizes []int
+	for _, r := range res.Runs {
+		name, _, ok := strings.Cut(r.Policy, " kv_blocks=")
+		kb, hasKB := r.Extra["kv_blocks"]
+		if !ok || !hasKB || r.Errors >= r.Requests { // no request served: no p90
+			continue
+		}
+		n := int(kb)
+		pt := by[n]
+		if pt == nil {
+			pt = &point{best: math.Inf(1)}
+			by[n] = pt
+			sizes = append(sizes, n)
+		}
+		switch {
+		case name == policy:
+			pt.p90, pt.have = r.TTFTms.P90, true
+		case r.TTFTms.P90 < pt.best:
+			pt.best, pt.name = r.TTFTms.P90, name
+		}
+	}
+	slices.Sort(sizes)
+	var out []PressurePoint
+	for _, n := range sizes {
+		if pt := by[n]; pt.have && pt.name != "" && pt.best > 0 {
+			out = append(out, PressurePoint{KVBlocks: n, P90: pt.p90, BestP90: pt.best, Best: pt.name})
+		}
+	}
+	return out
+}
+
+// vsBestChart draws ttft's p90 over the best other policy's by cache size,
+// with the 1.05 line the sweep is held to.
+func vsBestChart(vs []PressurePoint) report.Chart {
+	s := report.ChartSeries{Name: "ttft", Points: true}
+	for _, p := range vs {
+		s.X = append(s.X, float64(p.KVBlocks))
+		s.Y = append(s.Y, p.Ratio())
+	}
+	return report.Chart{
+		Name: "pressure_ttft_vs_best", Title: "ttft's p90 TTFT over the best other policy's",
+		XLabel: "KV blocks per replica (16 tokens each)", YLabel: "p90 TTFT / best other's",
+		Caption: "Below 1, ttft is ahead of every other policy at that cache size; the line is the 5% it is held to.",
+		Series:  []report.ChartSeries{s},
+		Refs:    []report.RefLine{{Label: "1.05", Y: 1.05}},
+	}
 }
 
 // sweepSpec is a question that replays every policy at every point of one

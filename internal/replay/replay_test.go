@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"fmt"
 	"math"
 	"os"
 	"runtime"
@@ -646,8 +647,21 @@ func TestQuestions(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		if len(res.Runs) != 4 || len(charts) != 2 || res.Bound != nil {
+		if len(res.Runs) != 4 || len(charts) != 3 || res.Bound != nil {
 			t.Fatalf("%d runs, %d charts, bound %v", len(res.Runs), len(charts), res.Bound)
+		}
+		// The third chart is ttft's p90 over round_robin's at each size.
+		vs := VsBest(res, "ttft")
+		ratio := charts[2].Series[0]
+		if charts[2].Name != "pressure_ttft_vs_best" || len(vs) != 2 || len(ratio.Y) != 2 {
+			t.Fatalf("chart %q, %d points %v", charts[2].Name, len(vs), ratio.Y)
+		}
+		for i, p := range vs {
+			want := runOf(t, res, fmt.Sprintf("ttft kv_blocks=%d", blocks[i])).TTFTms.P90 /
+				runOf(t, res, fmt.Sprintf("round_robin kv_blocks=%d", blocks[i])).TTFTms.P90
+			if p.KVBlocks != blocks[i] || p.Best != "round_robin" || math.Abs(ratio.Y[i]-want) > 1e-12 {
+				t.Errorf("point %d: %+v, ratio %v, want %v", i, p, ratio.Y[i], want)
+			}
 		}
 		// A smaller cache holds less: the bound and the hits fall with it,
 		// and each run carries its own point's bound.

@@ -1,0 +1,84 @@
+#!/usr/bin/env bash
+# pressure-sweep.sh: ttft under KV-cache pressure (issue #25). Replays the cache-pressure
+# question (kvgate replay --question cache-pressure: --kv-blocks 1000 to 8000, every
+# cache-aware policy) on two generated workloads at four rising rates, on 4 and 8 replicas,
+# and prints ttft's p90 TTFT over the best other policy's at every point.
+#
+# Usage:
+#   scripts/pressure-sweep.sh OUTDIR
+#
+# OUTDIR receives, per workload, replica count and rate (e.g. mt-8-r032): NAME.json (the
+# result), NAME/ (its HTML report: p90 TTFT, hit rate and ttft over the best other policy
+# against the cache size), NAME.txt (the replay's table), and summary.txt (the summary).
+#
+# The workloads (the issue's, larger: 240-320 requests make p90 noisy):
+#   mt  multiturn: CONVERSATIONS chats of 5 turns over 4 system prompts of 1,536 tokens,
+#       128 output tokens, at 8, 16, 24, 32 requests/s per 4 replicas
+#   sp  shared_prefix: 6 groups of PER_GROUP questions (128 tokens) on a 3,072-token system
+#       prompt, 128 output tokens, at 12, 24, 36, 48 requests/s per 4 replicas
+# Each replay takes a second or two; the whole sweep a few minutes on a busy machine.
+#
+# Environment:
+#   KVGATE         the kvgate binary (default: built into OUTDIR/kvgate from this checkout)
+#   CONVERSATIONS  multiturn chats (default 128)
+#   PER_GROUP      shared_prefix questions per group (default 80)
+#   SEED           workload and policy seed (default 1)
+#   TIMEOUT        seconds allowed per replay (default 600)
+#   MAX            fail (exit 1) when a point's ratio is above it, e.g. 1.05 (default: report only)
+#
+# The summary is a Go test of internal/replay (TestPressureSweepSummary) reading OUTDIR:
+# no python or jq needed, only the Go toolchain that builds kvgate.
+set -euo pipefail
+
+if [ $# -ne 1 ]; then
+	echo "usage: $0 OUTDIR" >&2
+	exit 2
+fi
+out=$1
+root=$(cd "$(dirname "$0")/.." && pwd)
+mkdir -p "$out"
+out=$(cd "$out" && pwd)
+
+conversations=${CONVERSATIONS:-128}
+per_group=${PER_GROUP:-80}
+seed=${SEED:-1}
+timeout_s=${TIMEOUT:-600}
+
+kvgate=${KVGATE:-}
+if [ -z "$kvgate" ]; then
+	kvgate=$out/kvgate
+	(cd "$root" && go build -o "$kvgate" ./cmd/kvgate)
+fi
+
+mt=(--workload multiturn --workload-param "conversations=$conversations" --workload-param turns=5
+	--workload-param system_prompts=4 --workload-param system_prompt_len=1536 --workload-param output_len=128)
+sp=(--workload shared_prefix --workload-param groups=6 --workload-param "prompts_per_group=$per_group"
+	--workload-param system_prompt_len=3072 --workload-param question_len=128 --workload-param output_len=128)
+
+# replay NAME RATE REPLICAS WORKLOAD-FLAGS...: one cache-pressure sweep over --kv-blocks.
+replay() {
+	local name=$1 rate=$2 replicas=$3
+	shift 3
+	echo "$name: $replicas replicas, $rate requests/s" >&2
+	timeout "$timeout_s" "$kvgate" replay "$@" --rate "$rate" --replicas "$replicas" --seed "$seed" \
+		--question cache-pressure --json "$out/$name.json" --report "$out/$name" >"$out/$name.txt" 2>&1 || {
+		echo "FAIL: $name (see $out/$name.txt)" >&2
+		exit 1
+	}
+}
+
+for replicas in 4 8; do
+	for step in 1 2 3 4; do
+		rate=$((8 * step * replicas / 4))
+		replay "$(printf 'mt-%d-r%03d' "$replicas" "$rate")" "$rate" "$replicas" "${mt[@]}"
+		rate=$((12 * step * replicas / 4))
+		replay "$(printf 'sp-%d-r%03d' "$replicas" "$rate")" "$rate" "$replicas" "${sp[@]}"
+	done
+done
+
+cd "$root"
+status=0
+KVGATE_PRESSURE_DIR=$out KVGATE_PRESSURE_MAX=${MAX:-} \
+	go test ./internal/replay -run '^TestPressureSweepSummary$' -count=1 -v >"$out/summary.txt" 2>&1 || status=$?
+grep -v -e '^=== RUN' -e '^--- ' -e '^PASS$' -e '^FAIL$' -e '^ok ' "$out/summary.txt" || true
+exit "$status"
