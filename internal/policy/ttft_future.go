@@ -67,12 +67,18 @@ type ttftFlow struct {
 const ttftMaxFlows = 1 << 14
 
 // decay is exp(−(now−f.at)/window): how much of the sums is left at now.
+// Under traffic a replica's sums were decayed a moment ago: below a
+// thousandth of the window the Taylor polynomial is exact to 2e-10 and
+// spares Pick an exponential per candidate.
 func (t *TTFT) decay(f *ttftFlow, now time.Time) float64 {
-	dt := now.Sub(f.at).Seconds()
-	if dt <= 0 {
+	x := now.Sub(f.at).Seconds() / t.params.WindowS
+	switch {
+	case x <= 0:
 		return 1
+	case x < 1e-3:
+		return 1 - x + x*x/2
 	}
-	return math.Exp(-dt / t.params.WindowS)
+	return math.Exp(-x)
 }
 
 // addFlow records blocks written and requests routed to replica at at.
