@@ -337,8 +337,9 @@ func (t *TTFT) estimate(req *Request, v *ReplicaView, meanPrompt, out float64) t
 	if t.params.EvictionWeight > 0 {
 		cost += t.params.EvictionWeight * t.evictShare(v, own) * t.prefillMs(own, cached, &l)
 	}
-	cost += t.futureCost(req, v, &l, own, cached, tokens, out)
-	return ttftEstimate{ms: ms, matched: matched, cost: cost, queueMs: t.queueMs(&l)}
+	queueMs := t.queueMs(&l)
+	cost += t.futureCost(req, v, &l, own, cached, tokens, out, queueMs)
+	return ttftEstimate{ms: ms, matched: matched, cost: cost, queueMs: queueMs}
 }
 
 // prefillMs is the time r of load l takes to compute own tokens after

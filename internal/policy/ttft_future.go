@@ -116,22 +116,27 @@ func (t *TTFT) rates(replica int, now time.Time) (blocksPerS, reqsPerS float64) 
 
 // futureCost is the price of the future of sending req to v (lost
 // prefixes and the wait, above): own uncached tokens on v after cached
-// ones, tokens in the prompt, out expected output tokens, l v's load.
-func (t *TTFT) futureCost(req *Request, v *ReplicaView, l *ttftLoad, own, cached, tokens int, out float64) float64 {
+// ones, tokens in the prompt, out expected output tokens, l v's load and
+// queueMs the time to run the work queued ahead on it.
+func (t *TTFT) futureCost(req *Request, v *ReplicaView, l *ttftLoad, own, cached, tokens int, out, queueMs float64) float64 {
 	if t.params.FutureWeight == 0 && t.params.WaitWeight == 0 {
 		return 0
 	}
 	w, lam := t.rates(v.Index, req.Now)
 	cost := 0.0
 	if t.params.FutureWeight > 0 && w > 0 && v.NumBlocks > 0 {
-		turnover := float64(count(v.NumBlocks)) / w // T_r, s
-		n := tokens + int(min(out, float64(viewCeiling)))
-		cost += t.params.FutureWeight * math.Exp(-turnover/t.params.PrefixLifeS) * t.prefillMs(n, 0, l)
+		// T_r / L; exp(−T_r/L) below e^−30 (a cache that turns over once
+		// in 30 lives) is nothing next to any other term: skipped, with
+		// its exponential, as on most replicas most of the time.
+		if e := float64(count(v.NumBlocks)) / w / t.params.PrefixLifeS; e < 30 {
+			n := tokens + int(min(out, float64(viewCeiling)))
+			cost += t.params.FutureWeight * math.Exp(-e) * t.prefillMs(n, 0, l)
+		}
 	}
 	if t.params.WaitWeight > 0 && lam > 0 {
 		prof := t.o.Profile
 		s := prof.C1*float64(own) + prof.C2*float64(own)*float64(cached+own)
-		cost += t.params.WaitWeight * s * lam / 1000 * (t.queueMs(l) + s/2)
+		cost += t.params.WaitWeight * s * lam / 1000 * (queueMs + s/2)
 	}
 	return cost
 }
