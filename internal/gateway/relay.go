@@ -345,10 +345,34 @@ func usageOf(tail []byte) *openai.Usage {
 		return nil
 	}
 	var u openai.Usage
-	if json.NewDecoder(bytes.NewReader(rest)).Decode(&u) != nil {
+	if json.Unmarshal(rest[:jsonValueEnd(rest)], &u) != nil {
 		return nil
 	}
 	return &u
+}
+
+// jsonValueEnd is the length of the JSON object or array that b starts
+// with (strings and escapes skipped), or len(b) when it does not end in b:
+// the usage object is decoded without a Decoder copying the answer's tail.
+func jsonValueEnd(b []byte) int {
+	depth, inStr, esc := 0, false, false
+	for i, c := range b {
+		switch {
+		case esc:
+			esc = false
+		case inStr:
+			esc, inStr = c == '\\', c != '"'
+		case c == '"':
+			inStr = true
+		case c == '{' || c == '[':
+			depth++
+		case c == '}' || c == ']':
+			if depth--; depth == 0 {
+				return i + 1
+			}
+		}
+	}
+	return len(b)
 }
 
 // idleWatch ends a stream whose replica stays silent longer than

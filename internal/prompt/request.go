@@ -148,11 +148,15 @@ type body struct {
 // (encoding/json alone matches keys case-insensitively).
 func decodeBody(data []byte) (*body, error) {
 	var raw map[string]json.RawMessage
-	dec := json.NewDecoder(bytes.NewReader(data))
-	if err := dec.Decode(&raw); err != nil {
-		return nil, invalid("", "request body is not valid JSON: %v", err)
-	}
-	if dec.More() {
+	// Unmarshal reads the body in place; a Decoder would copy it whole
+	// into a buffer of its own first (the proxy's largest allocation).
+	// Unmarshal refuses data after the object too; the Decoder, on that
+	// path only, says which of the two errors it is.
+	if json.Unmarshal(data, &raw) != nil {
+		dec := json.NewDecoder(bytes.NewReader(data))
+		if err := dec.Decode(&raw); err != nil {
+			return nil, invalid("", "request body is not valid JSON: %v", err)
+		}
 		return nil, invalid("", "request body has data after the JSON object")
 	}
 	if raw == nil {
