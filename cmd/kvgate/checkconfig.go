@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"io"
 	"net"
+	"slices"
 	"sort"
 	"strconv"
 	"strings"
@@ -15,10 +16,28 @@ import (
 	"github.com/kvgate/kvgate/internal/policy"
 )
 
-// errBadConfig marks a configuration `kvgate serve --check-config`
+// errBadConfig marks a configuration `kvgate serve` (and --check-config)
 // rejected: exit status 2, as a usage error, so that a deploy script can
 // tell a bad file from a gateway that failed while running.
 var errBadConfig = errors.New("invalid configuration")
+
+// configProblems is a rejected configuration's problems, printed one a
+// line (errBadConfig).
+type configProblems []error
+
+func (p configProblems) Error() string {
+	if len(p) == 1 {
+		return "invalid configuration: " + p[0].Error()
+	}
+	var b strings.Builder
+	fmt.Fprintf(&b, "invalid configuration, %d problems:", len(p))
+	for _, e := range p {
+		b.WriteString("\n  " + strings.ReplaceAll(e.Error(), "\n", "\n    "))
+	}
+	return b.String()
+}
+
+func (p configProblems) Is(target error) bool { return target == errBadConfig }
 
 // checkConfig is what `kvgate serve` would reject at start, found without
 // starting anything: no socket bound, no replica, Redis or file touched.
@@ -32,12 +51,19 @@ func checkConfig(cfg gateway.Config) error {
 		// parameter it would refuse is refused here.
 		_, err := policy.New(cfg.Policy, policy.Options{Seed: cfg.Seed, BlockSize: cfg.BlockSize, Profile: prof,
 			MaxBatchTokens: cfg.MaxBatchTokens, Params: cfg.PolicyParams})
-		errs = append(errs, err)
+		if err != nil {
+			key := "policy_params"
+			if !slices.Contains(policy.Names(), cfg.Policy) {
+				key = "policy"
+			}
+			errs = append(errs, &gateway.ConfigError{Key: key, Msg: strings.TrimPrefix(err.Error(), "policy: ")})
+		}
 	}
 	errs = append(errs, checkListen(cfg.Listen), checkPoolFiles(cfg))
 	if cfg.ReplicasFile != "" {
-		_, err := replicasFileList(cfg.ReplicasFile)
-		errs = append(errs, err)
+		if _, err := replicasFileList(cfg.ReplicasFile); err != nil {
+			errs = append(errs, &gateway.ConfigError{Key: "replicas_file", Msg: err.Error()})
+		}
 	}
 	return errors.Join(errs...)
 }
@@ -45,11 +71,7 @@ func checkConfig(cfg gateway.Config) error {
 // replicasFileList is the replicas file's list, read and checked as the
 // gateway reads it at start (it refuses to start on a bad one).
 func replicasFileList(path string) ([]gateway.ReplicaConfig, error) {
-	list, err := discovery.NewFile(path, 0, gateway.ParseReplicasFile, nil, nil).Load()
-	if err != nil {
-		return nil, fmt.Errorf("replicas_file: %w", err)
-	}
-	return list, nil
+	return discovery.NewFile(path, 0, gateway.ParseReplicasFile, nil, nil).Load()
 }
 
 // checkListen checks a listen address's form (HOST:PORT, HOST may be empty
@@ -57,23 +79,23 @@ func replicasFileList(path string) ([]gateway.ReplicaConfig, error) {
 func checkListen(addr string) error {
 	_, port, err := net.SplitHostPort(addr)
 	if err != nil {
-		return fmt.Errorf("listen %q: want HOST:PORT (e.g. 0.0.0.0:8080 or :8080): %v", addr, err)
+		return &gateway.ConfigError{Key: "listen", Msg: fmt.Sprintf("%q: want HOST:PORT (e.g. 0.0.0.0:8080 or :8080): %v", addr, err)}
 	}
 	if n, err := strconv.Atoi(port); err != nil || n < 0 || n > 65535 {
-		return fmt.Errorf("listen %q: port %q is not a number from 0 to 65535", addr, port)
+		return &gateway.ConfigError{Key: "listen", Msg: fmt.Sprintf("%q: port %q is not a number from 0 to 65535", addr, port)}
 	}
 	return nil
 }
 
 // reportCheck ends `kvgate serve --check-config`: loadErr is the loading's
-// (file, flags), else the configuration is checked; valid, its summary.
+// and checking's (serveFlags.config: every problem of the file, the flags
+// and checkConfig); without one, the configuration's summary.
 func reportCheck(w io.Writer, source string, cfg gateway.Config, loadErr error) error {
-	err := loadErr
-	if err == nil {
-		err = checkConfig(cfg)
-	}
-	if err != nil {
-		return fmt.Errorf("%w: %w", errBadConfig, err)
+	switch {
+	case errors.Is(loadErr, errBadConfig):
+		return loadErr
+	case loadErr != nil:
+		return configProblems{loadErr} // a flag's mistake
 	}
 	fmt.Fprintf(w, "configuration valid (%s)\n", source)
 	writeSummary(w, cfg)

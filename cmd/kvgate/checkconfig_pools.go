@@ -58,10 +58,10 @@ func poolSource(cfg gateway.Config, p gateway.PoolConfig) gateway.Config {
 // them at start (it refuses to start on a bad one).
 func checkPoolFiles(cfg gateway.Config) error {
 	var errs []error
-	for _, p := range cfg.Pools {
+	for i, p := range cfg.Pools {
 		if p.ReplicasFile != "" {
 			if _, err := replicasFileList(p.ReplicasFile); err != nil {
-				errs = append(errs, fmt.Errorf("pool %s: %w", p.Name, err))
+				errs = append(errs, &gateway.ConfigError{Key: fmt.Sprintf("pools[%d].replicas_file", i), Msg: err.Error()})
 			}
 		}
 	}

@@ -38,10 +38,10 @@ pools:
 		t.Errorf("the summary shows a secret:\n%s", out)
 	}
 	for _, tc := range []struct{ yaml, want string }{
-		{`pools: [{name: a, models: [m], policy: fastest, replicas: [{url: "http://127.0.0.1:1"}]}]`, `pools[0] (a): policy: unknown policy "fastest"`},
+		{`pools: [{name: a, models: [m], policy: fastest, replicas: [{url: "http://127.0.0.1:1"}]}]`, `kvgate.yaml:1: pools[0].policy: unknown policy "fastest"`},
 		{`pools: [{name: a, models: [m], policy: sglang, policy_params: {cache_treshold: 1}, replicas: [{url: "http://127.0.0.1:1"}]}]`, `cache_treshold`},
-		{`pools: [{name: a, models: [], replicas: [{url: "http://127.0.0.1:1"}]}]`, `models: is empty`},
-		{`pools: [{name: a, models: [m], replicas_file: /nonexistent/a.yaml}]`, `pool a: replicas_file`},
+		{`pools: [{name: a, models: [], replicas: [{url: "http://127.0.0.1:1"}]}]`, `kvgate.yaml:1: pools[0].models: empty`},
+		{`pools: [{name: a, models: [m], replicas_file: /nonexistent/a.yaml}]`, `kvgate.yaml:1: pools[0].replicas_file: /nonexistent/a.yaml`},
 	} {
 		code, out, errs := runCmd(t, "", "serve", "--check-config", "--config", writeConfig(t, tc.yaml))
 		if code != 2 || out != "" || !strings.Contains(errs, tc.want) {

@@ -73,17 +73,17 @@ func TestCheckConfigInvalid(t *testing.T) {
 		flags      []string
 		want       string
 	}{
-		{"unknown field", good + "polcy: ttft\n", nil, `unknown field "polcy"`},
+		{"unknown field", good + "polcy: ttft\n", nil, `kvgate.yaml:2: polcy: unknown key (did you mean policy?)`},
 		{"not YAML", "replicas: [\n", nil, "not valid YAML"},
 		{"no replicas", "policy: ttft\n", nil, "no replicas"},
 		{"bad URL", "replicas: [{url: ftp://x}]\n", nil, `"ftp://x" is not an http(s) URL`},
 		{"bad role", "replicas: [{url: http://a, role: decoder}]\n", nil, "replicas[0].role"},
 		{"unknown policy", good + "policy: fastest\n", nil, `unknown policy "fastest"`},
 		{"bad policy parameter", good + "policy_params: {cache_treshold: 0.3}\n", nil, `unknown field "cache_treshold"`},
-		{"bad listen", good + "listen: \"8080\"\n", nil, `listen "8080": want HOST:PORT`},
+		{"bad listen", good + "listen: \"8080\"\n", nil, `kvgate.yaml:2: listen: "8080": want HOST:PORT`},
 		{"bad listen port", good + "listen: \":80800\"\n", nil, "not a number from 0 to 65535"},
 		{"precise without remote tokenizer", good + "kv_events_listen: tcp://127.0.0.1:5557\n", nil, "set tokenizer: remote"},
-		{"a flag breaks a good file", good, []string{"--tokenizer", "exact"}, `tokenizer "exact"`},
+		{"a flag breaks a good file", good, []string{"--tokenizer", "exact"}, `invalid configuration: tokenizer: "exact": want approx or remote`},
 		{"a bad flag parameter", good, []string{"--policy-param", "nonsense"}, "want name=value"},
 		{"missing file", "", []string{"--config", "/nonexistent/kvgate.yaml"}, "no such file"},
 	} {
@@ -170,5 +170,54 @@ func TestREADMEConfigsCheck(t *testing.T) {
 	}
 	if n < 2 {
 		t.Fatalf("%d whole configurations found in docs/: want the gateway's and the pools' at least", n)
+	}
+}
+
+// A file with three mistakes (a typo of a key, a duration without its
+// unit, a URL that is not one) is refused with all three, each with its
+// line and key, the same by --check-config and by serve at start (which
+// then starts nothing); a flag that replaces a key takes its problem, and
+// its line, away.
+func TestConfigThreeMistakesReported(t *testing.T) {
+	held, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer held.Close()
+	path := writeConfig(t, `listen: `+held.Addr().String()+`
+scrape_intervall: 250ms
+health_interval: 250
+replicas:
+  - url: http://127.0.0.1:1
+  - url: htp://127.0.0.1:2
+`)
+	want := []string{
+		"invalid configuration, 3 problems:",
+		path + ":2: scrape_intervall: unknown key (did you mean scrape_interval?)",
+		path + ":3: health_interval: 250 has no unit: write 250ms or 250s",
+		path + `:6: replicas[1].url: "htp://127.0.0.1:2" is not an http(s) URL`,
+	}
+	for _, args := range [][]string{
+		{"serve", "--check-config", "--config", path},
+		{"serve", "--config", path},
+	} {
+		code, out, errs := runCmd(t, "", args...)
+		if code != 2 || out != "" {
+			t.Fatalf("%v: exit %d, stdout %q, stderr %q; want 2", args, code, out, errs)
+		}
+		lines := strings.Split(strings.TrimSpace(errs), "\n")
+		if len(lines) != len(want) {
+			t.Fatalf("%v: %d lines, want %d:\n%s", args, len(lines), len(want), errs)
+		}
+		for i, w := range want {
+			if !strings.Contains(lines[i], w) {
+				t.Errorf("%v: line %d is %q, want %q", args, i, lines[i], w)
+			}
+		}
+	}
+	code, _, errs := runCmd(t, "", "serve", "--check-config", "--config", path, "--replicas", "http://127.0.0.1:1",
+		"--scrape-interval", "1s")
+	if code != 2 || strings.Contains(errs, "replicas[1]") || !strings.Contains(errs, "2 problems") {
+		t.Fatalf("with --replicas: exit %d, %s; want 2 problems, the URL's gone", code, errs)
 	}
 }

@@ -3,6 +3,7 @@ package main
 import (
 	"cmp"
 	"context"
+	"errors"
 	"flag"
 	"fmt"
 	"log/slog"
@@ -99,7 +100,7 @@ func (f *serveFlags) run(ctx context.Context, inv invocation) error {
 		return reportCheck(inv.stdout, cmp.Or(f.configPath, "flags only"), cfg, err)
 	}
 	if err != nil {
-		return err
+		return err // every problem, as --check-config lists them
 	}
 	log := slog.New(slog.NewJSONHandler(inv.stderr, &slog.HandlerOptions{Level: level}))
 	reg := prometheus.NewRegistry()
@@ -134,23 +135,47 @@ func (f *serveFlags) run(ctx context.Context, inv invocation) error {
 }
 
 // config is the gateway's configuration: the --config file (or the
-// defaults), with the flags given explicitly (set) on top; and the log level.
+// defaults), with the flags given explicitly (set) on top, checked
+// (checkConfig); and the log level. A configuration with problems is
+// refused with all of them (configProblems), each with the file and line
+// of its key where the file writes it (a flag given replaces the file's).
 func (f *serveFlags) config(set map[string]bool) (gateway.Config, slog.Level, error) {
 	var level slog.Level
-	cfg := gateway.Defaults()
+	cfg, src, fileErr := gateway.Defaults(), (*gateway.ConfigSource)(nil), error(nil)
 	if f.configPath != "" {
-		var err error
-		if cfg, err = gateway.LoadConfig(f.configPath); err != nil {
-			return cfg, level, err
+		if cfg, src, fileErr = gateway.ReadConfig(f.configPath); src == nil {
+			return cfg, level, configProblems{fileErr} // the file cannot be read
 		}
 	}
 	if err := f.override(&cfg, set); err != nil {
 		return cfg, level, err
 	}
+	for name := range set {
+		for _, key := range flagKeys(name) {
+			src.Forget(key)
+		}
+	}
 	if err := level.UnmarshalText([]byte(f.logLevel)); err != nil {
 		return cfg, level, fmt.Errorf("%w: --log-level: %v", errUsage, err)
 	}
+	if err := src.Locate(errors.Join(fileErr, checkConfig(cfg))); err != nil {
+		return cfg, level, configProblems(gateway.ConfigProblems(err))
+	}
 	return cfg, level, nil
+}
+
+// flagKeys are the configuration keys a flag given replaces: the flag's
+// name with _ for -, but for the flags that set a replica's fields.
+func flagKeys(flag string) []string {
+	switch flag {
+	case "replicas", "prefill-replicas", "kv-events", "kv-events-replay", "data-parallel-size", "replicas-file":
+		return []string{"replicas", "replicas_file", "discovery"}
+	case "policy-param":
+		return []string{"policy_params"}
+	case "record":
+		return []string{"record.path"}
+	}
+	return []string{strings.ReplaceAll(flag, "-", "_")}
 }
 
 // override sets in cfg the flags given explicitly, and without a file the

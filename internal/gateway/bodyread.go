@@ -59,10 +59,10 @@ const readChunk = 64 << 10
 func (c *Config) validateBodies() []error {
 	var errs []error
 	if c.MinBodyRate < 0 || c.MinBodyRate > 1<<30 || (c.MinBodyRate > 0 && c.BodyRateGrace <= 0) {
-		errs = append(errs, errors.New("min_body_rate must be in [0, 1 GiB/s] (0: off), and body_rate_grace positive when it is on"))
+		errs = append(errs, keyErr("min_body_rate", "must be in [0, 1 GiB/s] (0: off), and body_rate_grace positive when it is on"))
 	}
 	if !(c.MaxBodyMemoryShare > 0 && c.MaxBodyMemoryShare <= 1) {
-		errs = append(errs, fmt.Errorf("max_body_memory_share %v: want a fraction in (0, 1]", c.MaxBodyMemoryShare))
+		errs = append(errs, keyErr("max_body_memory_share", "%v: want a fraction in (0, 1]", c.MaxBodyMemoryShare))
 	}
 	return errs
 }

@@ -5,11 +5,10 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"iter"
 	"net/url"
 	"strings"
 	"time"
-
-	"sigs.k8s.io/yaml"
 
 	"github.com/kvgate/kvgate/internal/costmodel"
 	"github.com/kvgate/kvgate/internal/discovery"
@@ -24,14 +23,30 @@ type Duration time.Duration
 
 func (d Duration) MarshalJSON() ([]byte, error) { return json.Marshal(time.Duration(d).String()) }
 
+// UnmarshalJSON reads "250ms", "10s", "2m" (time.ParseDuration); a bare
+// number is refused, naming the units it could mean, but 0, which means
+// the same in every unit; null leaves the value as it is (encoding/json's
+// rule).
 func (d *Duration) UnmarshalJSON(b []byte) error {
+	b = bytes.TrimSpace(b)
+	if string(b) == "null" {
+		return nil
+	}
 	var s string
 	if err := json.Unmarshal(b, &s); err != nil {
-		return fmt.Errorf("a duration must be a string like \"250ms\" or \"10s\"")
+		var n json.Number
+		switch {
+		case json.Unmarshal(b, &n) != nil:
+			return errors.New(`want a duration such as "250ms", "10s" or "2m"`)
+		case n.String() == "0":
+			*d = 0
+			return nil
+		}
+		return fmt.Errorf("%s has no unit: write %sms or %ss", n, n, n)
 	}
 	v, err := time.ParseDuration(s)
 	if err != nil {
-		return err
+		return fmt.Errorf("%q is not a duration: write it like 250ms, 10s or 2m", s)
 	}
 	if v < 0 {
 		return fmt.Errorf("duration %q is negative", s)
@@ -221,35 +236,25 @@ func Defaults() Config {
 	}
 }
 
-// LoadConfig reads a YAML (or JSON) file over the defaults. Unknown fields
-// are errors. The file is read as a replicas file is (a regular file, size
-// capped, with a timeout): SIGHUP reads it again while the gateway runs.
+// LoadConfig reads a YAML (or JSON) file over the defaults. Unknown keys
+// are errors: every problem of the file is returned, each with its line
+// (ReadConfig). The file is read as a replicas file is (a regular file,
+// size capped, with a timeout): SIGHUP reads it again while the gateway
+// runs.
 func LoadConfig(path string) (Config, error) {
-	data, err := discovery.ReadFile(path)
+	cfg, src, err := ReadConfig(path)
 	if err != nil {
-		return Config{}, err
-	}
-	cfg, err := ParseConfig(data)
-	if err != nil {
-		return Config{}, fmt.Errorf("%s: %w", path, err)
+		return Config{}, src.Locate(err)
 	}
 	return cfg, nil
 }
 
-// ParseConfig parses YAML over the defaults, strictly.
+// ParseConfig parses YAML over the defaults, strictly: every problem, each
+// with its line.
 func ParseConfig(data []byte) (Config, error) {
-	cfg := Defaults()
-	js, err := yaml.YAMLToJSON(data)
+	cfg, lines, err := readConfig(data)
 	if err != nil {
-		return Config{}, fmt.Errorf("not valid YAML: %w", err)
-	}
-	if s := bytes.TrimSpace(js); len(s) == 0 || string(s) == "null" {
-		return cfg, nil
-	}
-	dec := json.NewDecoder(bytes.NewReader(js))
-	dec.DisallowUnknownFields()
-	if err := dec.Decode(&cfg); err != nil {
-		return Config{}, fmt.Errorf("config: %w", err)
+		return Config{}, (&ConfigSource{lines: lines}).Locate(err)
 	}
 	return cfg, nil
 }
@@ -310,7 +315,8 @@ func splitURLs(urls, role string, dp int) []ReplicaConfig {
 	return out
 }
 
-// Validate checks the configuration and names the first problem.
+// Validate checks the configuration and names every problem, each with
+// the key it is about (ConfigError) where one key is.
 func (c *Config) Validate() error {
 	var errs []error
 	if len(c.Pools) > 0 {
@@ -320,41 +326,15 @@ func (c *Config) Validate() error {
 	}
 	errs = append(errs, validateReplicas("replicas", c.Replicas)...)
 	if c.KVEventsListen != "" && !strings.HasPrefix(c.KVEventsListen, "tcp://") {
-		errs = append(errs, fmt.Errorf("kv_events_listen: %q is not a tcp://HOST:PORT endpoint", c.KVEventsListen))
+		errs = append(errs, keyErr("kv_events_listen", "%q is not a tcp://HOST:PORT endpoint", c.KVEventsListen))
 	}
 	if c.Tokenizer != "approx" && c.Tokenizer != "remote" {
-		errs = append(errs, fmt.Errorf("tokenizer %q: want approx or remote", c.Tokenizer))
+		errs = append(errs, keyErr("tokenizer", "%q: want approx or remote", c.Tokenizer))
 	}
 	if _, err := costmodel.Lookup(c.Profile); err != nil {
-		errs = append(errs, err)
+		errs = append(errs, keyErr("profile", "%s", strings.TrimPrefix(err.Error(), "costmodel: ")))
 	}
-	if c.BlockSize <= 0 || c.MaxBatchTokens <= 0 || c.EjectAfter <= 0 || c.MaxBodyBytes <= 0 || c.Retries < 0 {
-		errs = append(errs, errors.New("block_size, max_batch_tokens, eject_after and max_body_bytes must be positive, retries ≥ 0"))
-	}
-	if c.MaxBodyMemory < c.MaxBodyBytes {
-		errs = append(errs, fmt.Errorf("max_body_memory (%d) must be at least max_body_bytes (%d)", c.MaxBodyMemory, c.MaxBodyBytes))
-	}
-	if c.MaxStreamLineBytes < 4096 || c.MaxConnections < 0 {
-		errs = append(errs, errors.New("max_stream_line_bytes must be at least 4096, max_connections ≥ 0"))
-	}
-	if c.QueueTimeout <= 0 || c.TokenizeTimeout <= 0 {
-		errs = append(errs, errors.New("queue_timeout and tokenize_timeout must be positive"))
-	}
-	if c.MaxConcurrency < 0 || c.MaxQueue < 0 {
-		errs = append(errs, errors.New("max_concurrency and max_queue must be ≥ 0"))
-	}
-	if c.ForgetAfter <= 0 {
-		errs = append(errs, errors.New("forget_after must be positive (a removed replica is forgotten that long after its removal)"))
-	}
-	if c.ReadHeaderTimeout <= 0 || c.BodyReadTimeout <= 0 {
-		errs = append(errs, errors.New("read_header_timeout and body_read_timeout must be positive"))
-	}
-	if c.IndexMaxEntries < 0 || c.BlocksPerReplica < 0 {
-		errs = append(errs, errors.New("index_max_entries and blocks_per_replica must be ≥ 0"))
-	}
-	if c.ScrapeInterval <= 0 || c.HealthInterval <= 0 {
-		errs = append(errs, errors.New("scrape_interval and health_interval must be positive"))
-	}
+	errs = append(errs, c.validateBounds()...)
 	errs = append(append(errs, c.validatePrecise()...), c.validateLimits()...)
 	errs = append(errs, c.validateKVEvents()...)
 	errs = append(errs, c.validateBodies()...)
@@ -363,10 +343,48 @@ func (c *Config) Validate() error {
 	errs = append(errs, c.validateNoSelf()...)
 	if c.SharedState != "" {
 		if _, err := sharedstate.ParseURL(c.SharedState); err != nil {
-			errs = append(errs, fmt.Errorf("shared_state: %w", err))
+			errs = append(errs, keyErr("shared_state", "%v", err))
 		}
 	}
 	return errors.Join(errs...)
+}
+
+// validateBounds checks the numbers that must be positive (or ≥ 0), one
+// key at a time.
+func (c *Config) validateBounds() []error {
+	var errs []error
+	for _, b := range []struct {
+		key  string
+		bad  bool
+		want string
+	}{
+		{"block_size", c.BlockSize <= 0, "must be positive"},
+		{"max_batch_tokens", c.MaxBatchTokens <= 0, "must be positive"},
+		{"eject_after", c.EjectAfter <= 0, "must be positive"},
+		{"max_body_bytes", c.MaxBodyBytes <= 0, "must be positive"},
+		{"retries", c.Retries < 0, "must be ≥ 0"},
+		{"max_stream_line_bytes", c.MaxStreamLineBytes < 4096, "must be at least 4096"},
+		{"max_connections", c.MaxConnections < 0, "must be ≥ 0 (0: half the open-file limit)"},
+		{"queue_timeout", c.QueueTimeout <= 0, "must be positive"},
+		{"tokenize_timeout", c.TokenizeTimeout <= 0, "must be positive"},
+		{"max_concurrency", c.MaxConcurrency < 0, "must be ≥ 0 (0: no bound)"},
+		{"max_queue", c.MaxQueue < 0, "must be ≥ 0"},
+		{"forget_after", c.ForgetAfter <= 0, "must be positive (a removed replica is forgotten that long after its removal)"},
+		{"read_header_timeout", c.ReadHeaderTimeout <= 0, "must be positive"},
+		{"body_read_timeout", c.BodyReadTimeout <= 0, "must be positive"},
+		{"index_max_entries", c.IndexMaxEntries < 0, "must be ≥ 0"},
+		{"blocks_per_replica", c.BlocksPerReplica < 0, "must be ≥ 0"},
+		{"scrape_interval", c.ScrapeInterval <= 0, "must be positive"},
+		{"health_interval", c.HealthInterval <= 0, "must be positive"},
+	} {
+		if b.bad {
+			errs = append(errs, keyErr(b.key, "%s", b.want))
+		}
+	}
+	if c.MaxBodyMemory < c.MaxBodyBytes {
+		errs = append(errs, keyErr("max_body_memory", "%d must be at least max_body_bytes (%d)", c.MaxBodyMemory, c.MaxBodyBytes))
+	}
+	return errs
 }
 
 // validateReplicas checks a replica list (where names it in messages):
@@ -376,25 +394,34 @@ func validateReplicas(where string, list []ReplicaConfig) []error {
 	var errs []error
 	seen := map[string]bool{}
 	for i, r := range list {
-		u, err := url.Parse(r.URL)
-		if err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
-			errs = append(errs, fmt.Errorf("%s[%d]: %q is not an http(s) URL", where, i, r.URL))
+		at := indexKey(where, i)
+		if err := checkReplicaURL(r.URL); err != "" {
+			errs = append(errs, keyErr(at+".url", "%s", err))
 		}
 		if seen[r.URL] {
-			errs = append(errs, fmt.Errorf("%s[%d]: %q is listed twice", where, i, r.URL))
+			errs = append(errs, keyErr(at+".url", "%q is listed twice", r.URL))
 		}
 		seen[r.URL] = true
 		if r.KVEvents != "" && !strings.HasPrefix(r.KVEvents, "tcp://") && !strings.HasPrefix(r.KVEvents, "ipc://") {
-			errs = append(errs, fmt.Errorf("%s[%d].kv_events: %q is not a tcp:// or ipc:// endpoint", where, i, r.KVEvents))
+			errs = append(errs, keyErr(at+".kv_events", "%q is not a tcp:// or ipc:// endpoint", r.KVEvents))
 		}
 		if r.KVEventsReplay != "" && !strings.HasPrefix(r.KVEventsReplay, "tcp://") && !strings.HasPrefix(r.KVEventsReplay, "ipc://") {
-			errs = append(errs, fmt.Errorf("%s[%d].kv_events_replay: %q is not a tcp:// or ipc:// endpoint", where, i, r.KVEventsReplay))
+			errs = append(errs, keyErr(at+".kv_events_replay", "%q is not a tcp:// or ipc:// endpoint", r.KVEventsReplay))
 		}
 		if r.DataParallelSize < 0 || r.DataParallelSize > maxDataParallel {
-			errs = append(errs, fmt.Errorf("%s[%d].data_parallel_size %d: want 0 (count at start) to %d", where, i, r.DataParallelSize, maxDataParallel))
+			errs = append(errs, keyErr(at+".data_parallel_size", "%d: want 0 (count at start) to %d", r.DataParallelSize, maxDataParallel))
 		}
 	}
 	return append(errs, validateRoles(where, list)...)
+}
+
+// checkReplicaURL is what is wrong with a replica's URL ("" when nothing).
+func checkReplicaURL(s string) string {
+	u, err := url.Parse(s)
+	if err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
+		return fmt.Sprintf("%q is not an http(s) URL", s)
+	}
+	return ""
 }
 
 // validateRoles checks the replicas' roles: spelled right, and a
@@ -405,7 +432,7 @@ func validateRoles(where string, list []ReplicaConfig) []error {
 	for i, r := range list {
 		role, err := policy.ParseRole(r.Role)
 		if err != nil {
-			errs = append(errs, fmt.Errorf("%s[%d].role: %w", where, i, err))
+			errs = append(errs, keyErr(indexKey(where, i)+".role", "%s", strings.TrimPrefix(err.Error(), "role ")))
 			continue
 		}
 		disagg = disagg || role != policy.RoleBoth
@@ -414,7 +441,7 @@ func validateRoles(where string, list []ReplicaConfig) []error {
 		}
 	}
 	if disagg && decodes == 0 && len(errs) == 0 {
-		errs = append(errs, errors.New("a prefill/decode fleet needs at least one replica of role decode or both "+
+		errs = append(errs, keyErr(where, "a prefill/decode fleet needs at least one replica of role decode or both "+
 			"(--replicas with --prefill-replicas): prefill replicas only compute prompts, they never stream answers"))
 	}
 	return errs
@@ -424,7 +451,7 @@ func validateRoles(where string, list []ReplicaConfig) []error {
 func (c *Config) validateLimits() []error {
 	var errs []error
 	if c.NonCachedTokens < 0 {
-		errs = append(errs, fmt.Errorf("non_cached_tokens %d: want ≥ 0 (0: never skip the prefill step)", c.NonCachedTokens))
+		errs = append(errs, keyErr("non_cached_tokens", "%d: want ≥ 0 (0: never skip the prefill step)", c.NonCachedTokens))
 	}
 	return errs
 }
@@ -458,19 +485,22 @@ const (
 func (c *Config) validateKVEvents() []error {
 	var errs []error
 	if _, err := kvzmq.ParseTrust(c.KVEventsTrust); err != nil {
-		errs = append(errs, fmt.Errorf("kv_events_trust: %w", err))
+		errs = append(errs, keyErr("kv_events_trust", "%v", err))
 	}
 	if c.KVEventsMaxFrameBytes < minKVFrameBytes || c.KVEventsMaxFrameBytes > maxKVFrameBytes {
-		errs = append(errs, fmt.Errorf("kv_events_max_frame_bytes %d: want %d (64 KiB) to %d (1 GiB); vLLM's batches are "+
+		errs = append(errs, keyErr("kv_events_max_frame_bytes", "%d: want %d (64 KiB) to %d (1 GiB); vLLM's batches are "+
 			"under 100 KiB at its default max_num_batched_tokens", c.KVEventsMaxFrameBytes, minKVFrameBytes, maxKVFrameBytes))
 	}
 	if c.KVEventsMaxConnections < 1 || c.KVEventsMaxConnections > maxKVConns ||
 		c.KVEventsMaxConnectionsPerAddress < 1 || c.KVEventsMaxConnectionsPerAddress > c.KVEventsMaxConnections {
-		errs = append(errs, fmt.Errorf("kv_events_max_connections %d and kv_events_max_connections_per_address %d: "+
+		errs = append(errs, keyErr("kv_events_max_connections", "%d, and kv_events_max_connections_per_address %d: "+
 			"want 1 ≤ per address ≤ in all ≤ %d", c.KVEventsMaxConnections, c.KVEventsMaxConnectionsPerAddress, maxKVConns))
 	}
-	if c.KVEventsIdleTimeout.D() < time.Second || c.KVEventsHandshakeTimeout <= 0 || c.KVEventsHandshakeTimeout.D() > time.Minute {
-		errs = append(errs, errors.New("kv_events_idle_timeout must be at least 1s, kv_events_handshake_timeout from above 0 to 1m"))
+	if c.KVEventsIdleTimeout.D() < time.Second {
+		errs = append(errs, keyErr("kv_events_idle_timeout", "must be at least 1s"))
+	}
+	if c.KVEventsHandshakeTimeout <= 0 || c.KVEventsHandshakeTimeout.D() > time.Minute {
+		errs = append(errs, keyErr("kv_events_handshake_timeout", "want above 0 to 1m"))
 	}
 	return errs
 }
@@ -484,19 +514,38 @@ func (c *Config) validatePrecise() []error {
 	}
 	var errs []error
 	if c.Tokenizer == "approx" {
-		errs = append(errs, errors.New("precise mode (kv_events, kv_events_listen) matches the token ids the replicas' "+
+		errs = append(errs, keyErr("tokenizer", "precise mode (kv_events, kv_events_listen) matches the token ids the replicas' "+
 			"KV events carry, which the approximate tokenizer never reproduces: set tokenizer: remote (--tokenizer remote, "+
 			"the replicas' own /tokenize)"))
 	}
 	if c.KVEventsListen != "" {
 		return errs
 	}
-	for i, r := range c.allReplicas() {
+	for key, r := range c.replicaKeys() {
 		if r.KVEvents == "" {
-			errs = append(errs, fmt.Errorf("replicas[%d]: precise mode needs kv_events for every replica (or kv_events_listen)", i))
+			errs = append(errs, keyErr(key+".kv_events", "precise mode needs kv_events for every replica (or kv_events_listen)"))
 		}
 	}
 	return errs
+}
+
+// replicaKeys is every replica the config lists (allReplicas) with its key
+// path: replicas[i], pools[p].replicas[i].
+func (c *Config) replicaKeys() iter.Seq2[string, ReplicaConfig] {
+	return func(yield func(string, ReplicaConfig) bool) {
+		for i, r := range c.Replicas {
+			if !yield(indexKey("replicas", i), r) {
+				return
+			}
+		}
+		for p, pool := range c.Pools {
+			for i, r := range pool.Replicas {
+				if !yield(indexKey(indexKey("pools", p)+".replicas", i), r) {
+					return
+				}
+			}
+		}
+	}
 }
 
 // Precise reports whether KV events feed the index.

@@ -4,7 +4,6 @@ import (
 	"bytes"
 	"encoding/json"
 	"errors"
-	"fmt"
 	"strconv"
 
 	"github.com/kvgate/kvgate/internal/discovery"
@@ -50,21 +49,25 @@ func (p *PortRef) UnmarshalJSON(b []byte) error {
 	return nil
 }
 
-func (k *KubernetesConfig) validate() []error {
+// validate checks a kubernetes: entry written at key.
+func (k *KubernetesConfig) validate(key string) []error {
 	var errs []error
 	if k.Namespace == "" {
-		errs = append(errs, errors.New("discovery.kubernetes.namespace: give the replicas' namespace"))
+		errs = append(errs, keyErr(key+".namespace", "give the replicas' namespace"))
 	}
 	if k.Selector == "" {
-		errs = append(errs, errors.New("discovery.kubernetes.selector: give a label selector of the EndpointSlices "+
+		errs = append(errs, keyErr(key+".selector", "give a label selector of the EndpointSlices "+
 			"(e.g. kubernetes.io/service-name=vllm)"))
 	}
 	if n, err := strconv.Atoi(string(k.Port)); k.Port == "" || (err == nil && (n <= 0 || n > 65535)) {
-		errs = append(errs, fmt.Errorf("discovery.kubernetes.port %q: a port number (1-65535) or an EndpointSlice port name", k.Port))
+		errs = append(errs, keyErr(key+".port", "%q: a port number (1-65535) or an EndpointSlice port name", k.Port))
 	}
 	// The rest (the selector's syntax, names the API server would refuse)
 	// is the plugin's to check; a kvgate built without it says so here.
-	return append(errs, discovery.Kubernetes.Validate(k.spec(nil))...)
+	for _, err := range discovery.Kubernetes.Validate(k.spec(nil)) {
+		errs = append(errs, keyErr(key, "%v", err))
+	}
+	return errs
 }
 
 // spec is the plugin's configuration of discovery entry d (nil: for

@@ -1,8 +1,8 @@
 package gateway
 
 import (
-	"errors"
 	"fmt"
+	"strings"
 
 	"github.com/kvgate/kvgate/internal/costmodel"
 	"github.com/kvgate/kvgate/internal/policy"
@@ -52,15 +52,15 @@ func (p PoolConfig) policyOf(c *Config) (string, map[string]any) {
 func (c *Config) validatePools() []error {
 	var errs []error
 	if len(c.Replicas) > 0 {
-		errs = append(errs, errors.New("pools: each pool lists its replicas; the top-level replicas: (--replicas) "+
-			"cannot be given with pools"))
+		errs = append(errs, keyErr("replicas", "each pool lists its replicas; the top-level replicas: (--replicas) "+
+			"cannot be given with pools:"))
 	}
 	dynamic := c.ReplicasFile != "" || c.Discovery != nil
 	if c.ReplicasFile != "" && c.Discovery != nil {
-		errs = append(errs, errors.New("replicas come from one source: give only one of replicas_file: and discovery:"))
+		errs = append(errs, keyErr("discovery", "replicas come from one source: give only one of replicas_file: and discovery:"))
 	}
 	if c.Discovery != nil {
-		errs = append(errs, c.Discovery.validate()...)
+		errs = append(errs, c.Discovery.validate("discovery")...)
 	}
 	names, owner := map[string]bool{}, map[string]string{}
 	var open []string // pools without replicas
@@ -68,26 +68,26 @@ func (c *Config) validatePools() []error {
 		where := fmt.Sprintf("pools[%d]", i)
 		switch {
 		case p.Name == "":
-			errs = append(errs, fmt.Errorf("%s: give the pool a name", where))
+			errs = append(errs, keyErr(where+".name", "give the pool a name"))
 		case names[p.Name]:
-			errs = append(errs, fmt.Errorf("%s: pool %q is configured twice", where, p.Name))
+			errs = append(errs, keyErr(where+".name", "pool %q is configured twice", p.Name))
 		}
 		names[p.Name] = true
 		if len(p.Models) == 0 {
-			errs = append(errs, fmt.Errorf("%s (%s): models: is empty; list the model names or patterns (\"Qwen/*\") it routes", where, p.Name))
+			errs = append(errs, keyErr(where+".models", "empty: list the model names or patterns (\"Qwen/*\") pool %s routes", p.Name))
 		}
 		for j, m := range p.Models {
 			if m == "" {
-				errs = append(errs, fmt.Errorf("%s.models[%d]: an empty model name", where, j))
+				errs = append(errs, keyErr(indexKey(where+".models", j), "an empty model name"))
 			}
 		}
 		errs = append(errs, c.validatePoolPolicy(where, p)...)
 		errs = append(errs, validateReplicas(where+".replicas", p.Replicas)...)
 		errs = append(errs, p.validateSource(where)...)
-		for _, r := range p.Replicas {
+		for j, r := range p.Replicas {
 			if o, dup := owner[r.URL]; dup && o != p.Name {
-				errs = append(errs, fmt.Errorf("%s: replica %q is also in pool %q: a replica belongs to one pool "+
-					"(list both models in one pool instead)", where, r.URL, o))
+				errs = append(errs, keyErr(indexKey(where+".replicas", j)+".url", "replica %q is also in pool %q: a replica "+
+					"belongs to one pool (list both models in one pool instead)", r.URL, o))
 			}
 			owner[r.URL] = p.Name
 		}
@@ -97,13 +97,13 @@ func (c *Config) validatePools() []error {
 	}
 	switch {
 	case len(open) > 1:
-		errs = append(errs, fmt.Errorf("pools %q have no replicas: at most one pool may take its replicas from "+
+		errs = append(errs, keyErr("pools", "pools %q have no replicas: at most one pool may take its replicas from "+
 			"the top-level replicas_file: or discovery:; give the others replicas:, replicas_file: or discovery:", open))
 	case len(open) == 1 && !dynamic:
-		errs = append(errs, fmt.Errorf("pool %q has no replicas: give it replicas:, replicas_file: or discovery:, "+
+		errs = append(errs, keyErr("pools", "pool %q has no replicas: give it replicas:, replicas_file: or discovery:, "+
 			"or give replicas_file: or discovery: at the top level to feed it", open[0]))
 	case len(open) == 0 && dynamic:
-		errs = append(errs, errors.New("the top-level replicas_file: or discovery: with pools feeds the one pool "+
+		errs = append(errs, keyErr("pools", "the top-level replicas_file: or discovery: with pools feeds the one pool "+
 			"without replicas of its own, and every pool has its own"))
 	}
 	return errs
@@ -113,7 +113,7 @@ func (c *Config) validatePools() []error {
 // gateway builds them.
 func (c *Config) validatePoolPolicy(where string, p PoolConfig) []error {
 	if p.Policy == "" && len(p.PolicyParams) > 0 {
-		return []error{fmt.Errorf("%s (%s): policy_params without policy: name the policy they are for", where, p.Name)}
+		return []error{keyErr(where+".policy_params", "given without policy: name the policy they are for (pool %s)", p.Name)}
 	}
 	name, params := p.policyOf(c)
 	prof, err := costmodel.Lookup(c.Profile)
@@ -122,7 +122,7 @@ func (c *Config) validatePoolPolicy(where string, p PoolConfig) []error {
 	}
 	if _, err := policy.New(name, policy.Options{Seed: c.Seed, BlockSize: c.BlockSize, Profile: prof,
 		MaxBatchTokens: c.MaxBatchTokens, Params: params}); err != nil {
-		return []error{fmt.Errorf("%s (%s): %w", where, p.Name, err)}
+		return []error{keyErr(where+".policy", "%s (pool %s)", strings.TrimPrefix(err.Error(), "policy: "), p.Name)}
 	}
 	return nil
 }
@@ -185,15 +185,11 @@ func (p PoolConfig) validateSource(where string) []error {
 		}
 	}
 	if n > 1 {
-		return []error{fmt.Errorf("%s (%s): a pool's replicas come from one source: give only one of replicas:, "+
-			"replicas_file: and discovery:", where, p.Name)}
+		return []error{keyErr(where, "(%s) a pool's replicas come from one source: give only one of replicas:, "+
+			"replicas_file: and discovery:", p.Name)}
 	}
 	if p.Discovery != nil {
-		var errs []error
-		for _, err := range p.Discovery.validate() {
-			errs = append(errs, fmt.Errorf("%s (%s): %w", where, p.Name, err))
-		}
-		return errs
+		return p.Discovery.validate(where + ".discovery")
 	}
 	return nil
 }

@@ -99,20 +99,11 @@ func ReloadableKeys() []string {
 var reloadableKeys = sync.OnceValue(func() []string { return jsonKeys(reflect.TypeFor[Reloadable]()) })
 
 // jsonKeys are the JSON names of a struct type's fields, as encoding/json
-// writes them (an embedded struct's fields inline; "-" left out).
+// writes them (jsonFields).
 func jsonKeys(t reflect.Type) []string {
 	var out []string
-	for f := range t.Fields() {
-		name, _, _ := strings.Cut(f.Tag.Get("json"), ",")
-		switch {
-		case name == "-" || !f.IsExported():
-		case f.Anonymous && name == "" && f.Type.Kind() == reflect.Struct:
-			out = append(out, jsonKeys(f.Type)...)
-		case name == "":
-			out = append(out, f.Name)
-		default:
-			out = append(out, name)
-		}
+	for _, f := range jsonFields(t) {
+		out = append(out, f.name)
 	}
 	return out
 }

@@ -1,7 +1,6 @@
 package gateway
 
 import (
-	"fmt"
 	"log/slog"
 	"net"
 	"net/url"
@@ -125,9 +124,9 @@ func (h thisHost) names(host string) bool {
 // is the gateway's own listen address.
 func (c *Config) validateNoSelf() []error {
 	var errs []error
-	for _, r := range c.allReplicas() {
+	for key, r := range c.replicaKeys() {
 		if selfLoop(c.Listen, r.URL, localHost) {
-			errs = append(errs, fmt.Errorf("replica %q is this gateway's own listen address (%s): every request "+
+			errs = append(errs, keyErr(key+".url", "%q is this gateway's own listen address (%s): every request "+
 				"sent to it would come back to the gateway, in a loop", r.URL, c.Listen))
 		}
 	}

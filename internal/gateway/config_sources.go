@@ -4,7 +4,8 @@ import (
 	"bytes"
 	"encoding/json"
 	"errors"
-	"fmt"
+	"reflect"
+	"strings"
 
 	"sigs.k8s.io/yaml"
 
@@ -55,43 +56,52 @@ func (c *Config) validateSources() []error {
 	}
 	switch {
 	case n == 0:
-		return []error{errors.New("no replicas: give --replicas URL,URL,... or --replicas-file FILE, or replicas:, " +
+		return []error{keyErr("replicas", "no replicas: give --replicas URL,URL,... or --replicas-file FILE, or replicas:, "+
 			"replicas_file: or discovery: in the config file")}
 	case n > 1:
-		return []error{errors.New("replicas come from one source: give only one of replicas: (--replicas), " +
+		key := "discovery"
+		if c.ReplicasFile != "" {
+			key = "replicas_file"
+		}
+		return []error{keyErr(key, "replicas come from one source: give only one of replicas: (--replicas), "+
 			"replicas_file: (--replicas-file) and discovery:")}
 	case c.Discovery != nil:
-		return c.Discovery.validate()
+		return c.Discovery.validate("discovery")
 	}
 	return nil
 }
 
-func (d *DiscoveryConfig) validate() []error {
+// validate checks a discovery: entry written at key (discovery, or a
+// pool's).
+func (d *DiscoveryConfig) validate(key string) []error {
 	var errs []error
 	switch {
 	case d.DNS == "" && d.Kubernetes == nil:
-		return []error{errors.New("discovery: give dns: NAME:PORT or kubernetes: {namespace, selector, port}")}
+		return []error{keyErr(key, "give dns: NAME:PORT or kubernetes: {namespace, selector, port}")}
 	case d.DNS != "" && d.Kubernetes != nil:
-		return []error{errors.New("discovery: give one of dns: and kubernetes:, not both")}
+		return []error{keyErr(key, "give one of dns: and kubernetes:, not both")}
 	case d.DNS != "":
 		if _, _, _, err := discovery.ParseDNSName(d.DNS); err != nil {
-			errs = append(errs, fmt.Errorf("discovery: %w", err))
+			errs = append(errs, keyErr(key+".dns", "%v", err))
 		}
 	default:
-		errs = append(errs, d.Kubernetes.validate()...)
+		errs = append(errs, d.Kubernetes.validate(key+".kubernetes")...)
 		if d.Role != "" {
-			errs = append(errs, errors.New("discovery.role: with kubernetes each pod's role comes from its "+
+			errs = append(errs, keyErr(key+".role", "with kubernetes each pod's role comes from its "+
 				"role label (kubernetes.role_label, default "+DefaultRoleLabel+")"))
 		}
 	}
 	if d.Scheme != "" && d.Scheme != "http" && d.Scheme != "https" {
-		errs = append(errs, fmt.Errorf("discovery.scheme %q: want http or https", d.Scheme))
+		errs = append(errs, keyErr(key+".scheme", "%q: want http or https", d.Scheme))
 	}
 	if _, err := policy.ParseRole(d.Role); err != nil {
-		errs = append(errs, fmt.Errorf("discovery.role: %w", err))
+		errs = append(errs, keyErr(key+".role", "%s", strings.TrimPrefix(err.Error(), "role ")))
 	}
-	if d.RemoveAfter < 0 || d.DataParallelSize < 0 || d.DataParallelSize > maxDataParallel {
-		errs = append(errs, fmt.Errorf("discovery: remove_after ≥ 0 and data_parallel_size from 0 to %d", maxDataParallel))
+	if d.RemoveAfter < 0 {
+		errs = append(errs, keyErr(key+".remove_after", "must be ≥ 0"))
+	}
+	if d.DataParallelSize < 0 || d.DataParallelSize > maxDataParallel {
+		errs = append(errs, keyErr(key+".data_parallel_size", "%d: want 0 to %d", d.DataParallelSize, maxDataParallel))
 	}
 	return errs
 }
@@ -109,35 +119,44 @@ func (d *DiscoveryConfig) template() ReplicaConfig {
 func ParseReplicasFile(data []byte) ([]ReplicaConfig, error) {
 	js, err := yaml.YAMLToJSON(data)
 	if err != nil {
-		return nil, fmt.Errorf("not valid YAML: %w", err)
+		return nil, yamlError(err)
 	}
-	js = bytes.TrimSpace(js)
-	if len(js) > 0 && js[0] == '{' {
-		var wrap struct {
-			Replicas json.RawMessage `json:"replicas"`
-		}
-		dec := json.NewDecoder(bytes.NewReader(js))
-		dec.DisallowUnknownFields()
-		if err := dec.Decode(&wrap); err != nil {
-			return nil, fmt.Errorf("want a list of replicas, or replicas: with one: %w", err)
-		}
-		js = wrap.Replicas
-	}
-	var list []ReplicaConfig
+	var tree any
 	dec := json.NewDecoder(bytes.NewReader(js))
-	dec.DisallowUnknownFields()
-	if err := dec.Decode(&list); err != nil {
-		return nil, fmt.Errorf("want a list of replicas ({url: ..., role: ...}): %w", err)
+	dec.UseNumber()
+	_ = dec.Decode(&tree) // YAMLToJSON wrote JSON
+	root := ""
+	if tree == nil {
+		tree = []any{} // an empty file: an empty list
 	}
+	if list, ok := tree.([]any); ok {
+		tree, root = map[string]any{"replicas": list}, "replicas" // a bare list: its items are replicas[i]
+	}
+	lines, probs := keyLines(data, root)
+	src := &ConfigSource{lines: lines}
+	var wrap struct {
+		Replicas []ReplicaConfig `json:"replicas"`
+	}
+	if _, ok := tree.(map[string]any); !ok {
+		return nil, src.Locate(&ConfigError{Msg: "want a list of replicas ({url: ..., role: ...}), or replicas: with one", read: true})
+	}
+	checkValue(tree, reflect.TypeOf(wrap), "", &probs)
+	if err := decodeStrict(tree, &wrap); err != nil {
+		probs = append(probs, &ConfigError{Msg: plainJSON(err), read: true})
+	}
+	if len(probs) > 0 {
+		return nil, src.Locate(errors.Join(probs...))
+	}
+	list := wrap.Replicas
 	if len(list) == 0 {
 		return nil, errors.New("no replicas listed (an empty file is refused: the previous list is kept)")
 	}
 	errs := validateReplicas("replicas", list)
 	for i, r := range list {
 		if r.KVEvents != "" || r.KVEventsReplay != "" {
-			errs = append(errs, fmt.Errorf("replicas[%d]: kv_events and kv_events_replay come from the config file only; "+
-				"replicas from a replicas file reach precise mode through kv_events_listen", i))
+			errs = append(errs, keyErr(indexKey("replicas", i), "kv_events and kv_events_replay come from the config file only; "+
+				"replicas from a replicas file reach precise mode through kv_events_listen"))
 		}
 	}
-	return list, errors.Join(errs...)
+	return list, src.Locate(errors.Join(errs...))
 }

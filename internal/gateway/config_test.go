@@ -55,7 +55,7 @@ func TestReplicaRoles(t *testing.T) {
 		{[]string{"prefill", "both"}, ""},
 		{[]string{"decode", "decode"}, ""},
 		{[]string{"prefill", "prefill"}, "at least one replica of role decode or both"},
-		{[]string{"prefill", "Decode"}, `replicas[1].role: role "Decode": want both, prefill or decode`},
+		{[]string{"prefill", "Decode"}, `replicas[1].role: "Decode": want both, prefill or decode`},
 	}
 	for _, tc := range tests {
 		cfg := baseConfig("http://127.0.0.1:1", "http://127.0.0.1:2")
@@ -104,14 +104,14 @@ func TestParseReplicaListPrefill(t *testing.T) {
 // Index sizes are ≥ 0 (0: the router's default): a negative one is refused
 // at validation, naming the keys, instead of later by New.
 func TestIndexSizesValidated(t *testing.T) {
-	for _, set := range []func(c *Config){
-		func(c *Config) { c.IndexMaxEntries = -1 },
-		func(c *Config) { c.BlocksPerReplica = -1 },
+	for key, set := range map[string]func(c *Config){
+		"index_max_entries: must be ≥ 0":  func(c *Config) { c.IndexMaxEntries = -1 },
+		"blocks_per_replica: must be ≥ 0": func(c *Config) { c.BlocksPerReplica = -1 },
 	} {
 		cfg := baseConfig("http://127.0.0.1:1")
 		set(&cfg)
-		if err := cfg.Validate(); err == nil || !strings.Contains(err.Error(), "index_max_entries and blocks_per_replica") {
-			t.Fatalf("negative index size: %v", err)
+		if err := cfg.Validate(); err == nil || !strings.Contains(err.Error(), key) {
+			t.Fatalf("negative index size: %v, want %q", err, key)
 		}
 	}
 	cfg := baseConfig("http://127.0.0.1:1")

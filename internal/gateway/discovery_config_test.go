@@ -41,9 +41,9 @@ func TestReplicaSourcesValidate(t *testing.T) {
 		{"discovery: {kubernetes: {namespace: llm, selector: a=b}}", "discovery.kubernetes.port"},
 		{"discovery: {kubernetes: {namespace: llm, selector: a=b, port: 70000}}", "discovery.kubernetes.port"},
 		{"discovery: {kubernetes: {namespace: llm, selector: a=b, port: 1}, role: decode}", "role label"},
-		{"discovery: {dns: a:1, intervall: 5s}", "unknown field"},
+		{"discovery: {dns: a:1, intervall: 5s}", "discovery.intervall: unknown key (did you mean interval?)"},
 		{"replicas_file: /x\nforget_after: 10m", ""},
-		{"replicas_file: /x\nforget_after: 0s", "forget_after must be positive"},
+		{"replicas_file: /x\nforget_after: 0s", "forget_after: must be positive"},
 	}
 	for _, tc := range tests {
 		cfg, err := ParseConfig([]byte(tc.yaml))
@@ -72,10 +72,10 @@ func TestParseReplicasFile(t *testing.T) {
 		"[]":                                     "no replicas",
 		"- url: ftp://a\n":                       "not an http(s) URL",
 		"- url: http://a:1\n- url: http://a:1\n": "listed twice",
-		"- url: http://a:1\n  rol: x\n":          "unknown field",
+		"- url: http://a:1\n  rol: x\n":          "line 2: replicas[0].rol: unknown key (did you mean role?)",
 		"- url: http://a:1\n  role: prefill\n":   "role decode or both",
 		"- url: http://a:1\n  kv_events: tcp://a:2\n": "kv_events_listen",
-		"replicas: [{url: http://a:1}]\nlisten: x\n":  "unknown field",
+		"replicas: [{url: http://a:1}]\nlisten: x\n":  "line 2: listen: unknown key",
 		"[not yaml": "YAML",
 	} {
 		if _, err := ParseReplicasFile([]byte(bad)); err == nil || !strings.Contains(err.Error(), want) {

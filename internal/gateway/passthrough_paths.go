@@ -1,7 +1,6 @@
 package gateway
 
 import (
-	"fmt"
 	"net/url"
 	"path"
 	"strings"
@@ -71,11 +70,11 @@ var (
 func validatePassthrough(list []string) []error {
 	var errs []error
 	if len(list) > maxPassthrough {
-		errs = append(errs, fmt.Errorf("passthrough: %d paths, at most %d", len(list), maxPassthrough))
+		errs = append(errs, keyErr("passthrough", "%d paths, at most %d", len(list), maxPassthrough))
 	}
 	for i, p := range list {
 		if why := passthroughPathProblem(p); why != "" {
-			errs = append(errs, fmt.Errorf("passthrough[%d] %q: %s", i, p, why))
+			errs = append(errs, keyErr(indexKey("passthrough", i), "%q: %s", p, why))
 		}
 	}
 	return errs

@@ -44,8 +44,8 @@ func TestPoolsConfigErrors(t *testing.T) {
 	for _, c := range []struct{ name, yaml, want string }{
 		{"unknown policy", `pools: [{name: a, models: [m], policy: nope, replicas: [{url: "http://a:1"}]}]`, `nope`},
 		{"unknown param", `pools: [{name: a, models: [m], policy: ttft, policy_params: {nope: 1}, replicas: [{url: "http://a:1"}]}]`, `nope`},
-		{"params without policy", `pools: [{name: a, models: [m], policy_params: {margin_ms: 1}, replicas: [{url: "http://a:1"}]}]`, `policy_params without policy`},
-		{"empty models", `pools: [{name: a, models: [], replicas: [{url: "http://a:1"}]}]`, `models: is empty`},
+		{"params without policy", `pools: [{name: a, models: [m], policy_params: {margin_ms: 1}, replicas: [{url: "http://a:1"}]}]`, `pools[0].policy_params: given without policy`},
+		{"empty models", `pools: [{name: a, models: [], replicas: [{url: "http://a:1"}]}]`, `pools[0].models: empty`},
 		{"no name", `pools: [{models: [m], replicas: [{url: "http://a:1"}]}]`, `give the pool a name`},
 		{"duplicate", `pools: [{name: a, models: [m], replicas: [{url: "http://a:1"}]}, {name: a, models: [other], replicas: [{url: "http://b:1"}]}]`, `configured twice`},
 		{"replica in two pools", `pools: [{name: a, models: [m], replicas: [{url: "http://a:1"}]}, {name: b, models: [other], replicas: [{url: "http://a:1"}]}]`, `also in pool "a"`},
@@ -54,9 +54,9 @@ func TestPoolsConfigErrors(t *testing.T) {
 		{"two pools without replicas", "replicas_file: x.yaml\npools: [{name: a, models: [m]}, {name: b, models: [other]}]", `at most one pool`},
 		{"discovery without an open pool", "replicas_file: x.yaml\npools: [{name: a, models: [m], replicas: [{url: \"http://a:1\"}]}]", `feeds the one pool`},
 		{"bad replica url", `pools: [{name: a, models: [m], replicas: [{url: "a:1"}]}]`, `pools[0].replicas[0]`},
-		{"replicas and a file", `pools: [{name: a, models: [m], replicas_file: a.yaml, replicas: [{url: "http://a:1"}]}]`, `pools[0] (a): a pool's replicas come from one source`},
-		{"a pool's bad discovery", `pools: [{name: a, models: [m], discovery: {dns: "nope"}}]`, `pools[0] (a): discovery`},
-		{"unknown field", `pools: [{name: a, models: [m], replica: [{url: "http://a:1"}]}]`, `unknown field`},
+		{"replicas and a file", `pools: [{name: a, models: [m], replicas_file: a.yaml, replicas: [{url: "http://a:1"}]}]`, `pools[0]: (a) a pool's replicas come from one source`},
+		{"a pool's bad discovery", `pools: [{name: a, models: [m], discovery: {dns: "nope"}}]`, `pools[0].discovery.dns: `},
+		{"unknown field", `pools: [{name: a, models: [m], replica: [{url: "http://a:1"}]}]`, `line 1: pools[0].replica: unknown key (did you mean replicas?)`},
 	} {
 		cfg, err := ParseConfig([]byte(c.yaml))
 		if err == nil {

@@ -101,16 +101,16 @@ func (c *RecordConfig) validate() []error {
 	}
 	var errs []error
 	if c.MaxBytes < 0 {
-		errs = append(errs, fmt.Errorf("record.max_bytes %d: want ≥ 0 (0: never rotate)", c.MaxBytes))
+		errs = append(errs, keyErr("record.max_bytes", "%d: want ≥ 0 (0: never rotate)", c.MaxBytes))
 	}
 	if c.Keep < 0 || c.Keep > maxRecordKeep {
-		errs = append(errs, fmt.Errorf("record.keep %d: want 0 to %d", c.Keep, maxRecordKeep))
+		errs = append(errs, keyErr("record.keep", "%d: want 0 to %d", c.Keep, maxRecordKeep))
 	}
 	if c.Buffer < 1 || c.Buffer > maxRecordBuffer {
-		errs = append(errs, fmt.Errorf("record.buffer %d: want 1 to %d", c.Buffer, maxRecordBuffer))
+		errs = append(errs, keyErr("record.buffer", "%d: want 1 to %d", c.Buffer, maxRecordBuffer))
 	}
 	if c.MaxIDs < 1 {
-		errs = append(errs, fmt.Errorf("record.max_ids %d: want ≥ 1", c.MaxIDs))
+		errs = append(errs, keyErr("record.max_ids", "%d: want ≥ 1", c.MaxIDs))
 	}
 	return errs
 }
