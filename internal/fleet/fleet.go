@@ -15,10 +15,13 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"net"
 	"net/http"
 	"sort"
+	"strings"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"time"
 
 	"github.com/kvgate/kvgate/internal/clock"
@@ -62,6 +65,10 @@ type Fleet struct {
 	// loggedOut is, per slot, whether the last rotation change logged took
 	// the replica out (absent: in rotation, as replicas start).
 	loggedOut sync.Map
+	// healthWhy is, per server URL, why its last health check failed
+	// (absent: it passed); summarised: the first checks' outcome is logged.
+	healthWhy  sync.Map
+	summarised atomic.Bool
 }
 
 // server is one server's targets and its probe loops' cancel (nil while
@@ -259,9 +266,35 @@ func getPage(ctx context.Context, client *http.Client, base, apiKey, path string
 	if resp.StatusCode != http.StatusOK {
 		_, _ = io.Copy(io.Discard, io.LimitReader(resp.Body, 4096))
 		resp.Body.Close()
-		return nil, fmt.Errorf("GET %s: %s", path, resp.Status)
+		return nil, &statusError{path: path, status: resp.Status}
 	}
 	return resp, nil
+}
+
+// statusError is a probe answered with another status than 200.
+type statusError struct{ path, status string }
+
+func (e *statusError) Error() string { return "GET " + e.path + ": " + e.status }
+
+// healthReason says in a few words why a health check failed: the status
+// the server answered, or what kept it from answering.
+func (f *Fleet) healthReason(err error) string {
+	var se *statusError
+	var dns *net.DNSError
+	var ne net.Error
+	switch {
+	case errors.As(err, &se):
+		return se.path + " answered " + se.status
+	case errors.Is(err, syscall.ECONNREFUSED):
+		return "connection refused"
+	case errors.Is(err, syscall.ECONNRESET):
+		return "connection reset"
+	case errors.As(err, &dns) && dns.IsNotFound:
+		return "host " + dns.Name + " not found"
+	case errors.Is(err, context.DeadlineExceeded) || (errors.As(err, &ne) && ne.Timeout()):
+		return fmt.Sprintf("no answer within %v", f.cfg.Timeout)
+	}
+	return err.Error()
 }
 
 type cancelBody struct {
@@ -375,18 +408,23 @@ func readPage(resp *http.Response, limit int64) (map[string]*metricFamily, error
 // when it passes) for every target of the server; it reports whether the
 // check passed.
 func (f *Fleet) Health(ctx context.Context, i int) bool {
-	ok := false
-	if resp, err := f.get(ctx, i, "/health"); err == nil {
+	resp, err := f.get(ctx, i, "/health")
+	ok := err == nil
+	if ok {
 		resp.Body.Close()
-		ok = true
 	}
 	if ctx.Err() != nil {
 		return true
 	}
+	var why string
 	if ok {
+		f.healthWhy.Delete(f.rt.URL(i))
 		// Listed before it is in rotation: a replica passing its first
 		// check is routable (a candidate for its models) once it is Ready.
 		f.fetchModels(ctx, i)
+	} else {
+		why = f.healthReason(err)
+		f.healthWhy.Store(f.rt.URL(i), why) // before the check counts as ended (SetHealthOK): summarise reads it
 	}
 	for _, s := range f.slotsOf(i) {
 		r := f.rt.Replica(s)
@@ -399,10 +437,46 @@ func (f *Fleet) Health(ctx context.Context, i int) bool {
 		case now:
 			f.logRotation(s, true, "replica back in rotation", "breaker", r.Breaker.State(f.cfg.Clock.Now()))
 		case !ok:
-			f.logRotation(s, false, "replica unhealthy: out of rotation until its /health passes")
+			f.logRotation(s, false, "replica unhealthy: out of rotation until its /health passes", "reason", why)
 		}
 	}
+	f.summarise()
 	return ok
+}
+
+// summarise logs, once, when every replica's first health check has ended
+// (what /ready waits for), how many servers passed it and why each other
+// did not: "2 of 3 replicas healthy; unhealthy: URL (connection refused)",
+// at info when all passed, else at warn.
+func (f *Fleet) summarise() {
+	if f.summarised.Load() {
+		return
+	}
+	for i := range f.rt.Replicas() {
+		if r := f.rt.Replica(i); !r.Removed() && !r.Probed() {
+			return
+		}
+	}
+	if !f.summarised.CompareAndSwap(false, true) {
+		return
+	}
+	servers := f.Servers()
+	var down []string
+	for _, u := range servers {
+		if why, failed := f.healthWhy.Load(u); failed {
+			down = append(down, fmt.Sprintf("%s (%v)", u, why))
+		}
+	}
+	noun := "replicas"
+	if len(servers) == 1 {
+		noun = "replica"
+	}
+	msg := fmt.Sprintf("%d of %d %s healthy", len(servers)-len(down), len(servers), noun)
+	if len(down) == 0 {
+		f.cfg.Logger.Info(msg, "healthy", len(servers), "replicas", len(servers))
+		return
+	}
+	f.cfg.Logger.Warn(msg+"; unhealthy: "+strings.Join(down, ", "), "healthy", len(servers)-len(down), "replicas", len(servers))
 }
 
 func (f *Fleet) fetchModels(ctx context.Context, i int) {

@@ -416,10 +416,22 @@ func validateReplicas(where string, list []ReplicaConfig) []error {
 }
 
 // checkReplicaURL is what is wrong with a replica's URL ("" when nothing).
+//
+// A URL ending in /v1 (an OpenAI client's base URL, the habit) is refused
+// rather than rewritten: kvgate appends /v1/completions, /health and
+// /metrics to the server's base URL, so that with /v1 every health check
+// would fail and the replica sit out of rotation; and the URL as written is
+// the replica's name everywhere (X-Kvgate-Replica, metric labels, logs,
+// /debug/route, the peers' shared state), which a silent rewrite would make
+// differ from the configuration.
 func checkReplicaURL(s string) string {
 	u, err := url.Parse(s)
 	if err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
 		return fmt.Sprintf("%q is not an http(s) URL", s)
+	}
+	if strings.HasSuffix(strings.TrimRight(u.Path, "/"), "/v1") {
+		return fmt.Sprintf("%q ends with /v1: give the server's base URL without it (%s://%s%s): kvgate adds "+
+			"/v1/completions, /health and /metrics itself", s, u.Scheme, u.Host, strings.TrimSuffix(strings.TrimRight(u.Path, "/"), "/v1"))
 	}
 	return ""
 }
