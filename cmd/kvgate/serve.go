@@ -114,6 +114,10 @@ func (f *serveFlags) run(ctx context.Context, inv invocation) error {
 	if err != nil {
 		return err
 	}
+	if cfg.AdminToken == "" {
+		log.Info("admin endpoints off: /debug/route, /admin/replicas and /ui answer 404; --admin-token TOKEN " +
+			"(or $KVGATE_ADMIN_TOKEN, or admin_token: in the config) turns them on")
+	}
 	ln, err := net.Listen("tcp", cfg.Listen)
 	if err != nil {
 		return err

@@ -139,7 +139,9 @@ func (p pipeline) run(env readmeEnv) error {
 }
 
 // curl is the part of curl the README uses: -s, -S, -f, -i (and clusters
-// such as -sf), -H, -d (POST), -X, -D - (headers before the body), one URL.
+// such as -sf), -H, -d (POST, as application/x-www-form-urlencoded unless
+// -H gives a Content-Type, as curl does), -X, -D - (headers before the
+// body), one URL.
 // --retry N, --retry-delay S, --retry-all-errors and --retry-connrefused
 // (a reader's wait for /ready) are accepted and make one attempt: the test
 // waited for every server it started to answer before the next line.
@@ -201,6 +203,9 @@ func curlDo(method, url, data string, headers []string, dumpHeaders, fail bool) 
 	req, err := http.NewRequest(method, url, strings.NewReader(data))
 	if err != nil {
 		return "", fmt.Errorf("curl: %v", err)
+	}
+	if data != "" {
+		req.Header.Set("Content-Type", "application/x-www-form-urlencoded") // curl's, for -d
 	}
 	for _, h := range headers {
 		k, v, _ := strings.Cut(h, ":")

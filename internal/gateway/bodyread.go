@@ -301,6 +301,11 @@ func (g *Gateway) readBody(w http.ResponseWriter, r *http.Request) ([]byte, func
 	if ct := r.Header.Get("Content-Type"); ct != "" && !strings.HasPrefix(ct, "application/json") {
 		return nil, nil, errContentType
 	}
+	return g.readBodyAs(w, r)
+}
+
+// readBodyAs is readBody whatever the body's content type says.
+func (g *Gateway) readBodyAs(w http.ResponseWriter, r *http.Request) ([]byte, func(), error) {
 	if r.ContentLength > g.cfg.MaxBodyBytes {
 		return nil, nil, errTooLarge.with(fmt.Sprintf("request body larger than %d bytes", g.cfg.MaxBodyBytes))
 	}

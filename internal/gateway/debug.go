@@ -1,8 +1,10 @@
 package gateway
 
 import (
+	"bytes"
 	"crypto/subtle"
 	"encoding/json"
+	"mime"
 	"net/http"
 	"slices"
 
@@ -16,17 +18,24 @@ import (
 func (g *Gateway) adminToken() string { return g.cfg.AdminToken }
 
 // admin guards /debug/* and /admin/*: 404 without a configured token (the
-// endpoints do not exist), 401 without the right bearer token.
+// endpoints do not exist: adminOn), 401 without the right bearer token.
 func (g *Gateway) admin(h http.HandlerFunc) http.HandlerFunc {
-	return func(w http.ResponseWriter, r *http.Request) {
-		tok := g.adminToken()
-		if tok == "" {
-			writeError(w, errNotFound)
+	return g.adminOn(func(w http.ResponseWriter, r *http.Request) {
+		got, ok := bearer(r.Header)
+		if !ok || subtle.ConstantTimeCompare([]byte(got), []byte(g.adminToken())) != 1 {
+			writeError(w, errUnauth.with("admin endpoints need Authorization: Bearer <admin token>"))
 			return
 		}
-		got, ok := bearer(r.Header)
-		if !ok || subtle.ConstantTimeCompare([]byte(got), []byte(tok)) != 1 {
-			writeError(w, errUnauth.with("admin endpoints need Authorization: Bearer <admin token>"))
+		h(w, r)
+	})
+}
+
+// adminOn answers 404, naming --admin-token, while no admin token is
+// configured; past it h checks the token (/ui takes its cookie too).
+func (g *Gateway) adminOn(h http.HandlerFunc) http.HandlerFunc {
+	return func(w http.ResponseWriter, r *http.Request) {
+		if g.adminToken() == "" {
+			writeError(w, errAdminOff)
 			return
 		}
 		h(w, r)
@@ -74,7 +83,7 @@ func (g *Gateway) debug(w http.ResponseWriter, r *http.Request) {
 		writeError(w, errMethod.with("use POST with a completions or chat request body"))
 		return
 	}
-	body, release, err := g.readBody(w, r)
+	body, release, err := g.readDebugBody(w, r)
 	if err != nil {
 		writeError(w, err)
 		return
@@ -112,6 +121,28 @@ func (g *Gateway) debug(w http.ResponseWriter, r *http.Request) {
 	enc := json.NewEncoder(w)
 	enc.SetIndent("", "  ")
 	_ = enc.Encode(resp)
+}
+
+// readDebugBody reads /debug/route's body: JSON's content type or none, as
+// the inference paths take, and also a form's or plain text's when the
+// body is a JSON object (curl -d sends application/x-www-form-urlencoded).
+// The inference paths refuse those (415): their body goes on to a replica,
+// and vLLM (FastAPI) reads a body as JSON only under JSON's type or none.
+// /debug/route is typed by hand, and its body never leaves the gateway.
+func (g *Gateway) readDebugBody(w http.ResponseWriter, r *http.Request) ([]byte, func(), error) {
+	ct, _, _ := mime.ParseMediaType(r.Header.Get("Content-Type"))
+	if ct != "application/x-www-form-urlencoded" && ct != "text/plain" {
+		return g.readBody(w, r)
+	}
+	body, release, err := g.readBodyAs(w, r)
+	if err != nil {
+		return nil, nil, err
+	}
+	if t := bytes.TrimSpace(body); len(t) == 0 || t[0] != '{' || !json.Valid(t) {
+		release()
+		return nil, nil, errContentType
+	}
+	return body, release, nil
 }
 
 // debugDecision adds a request's decision to /debug/route's answer.

@@ -37,7 +37,8 @@ var (
 	errDraining    = &apiError{Status: http.StatusServiceUnavailable, Type: "server_error", Code: "shutting_down", Message: "the gateway is shutting down; send the request to another instance"}
 	errBodyMemory  = &apiError{Status: http.StatusServiceUnavailable, Type: "server_error", Code: "overloaded", Message: "the gateway holds as many request bodies as its max_body_memory allows; retry later"}
 	errTimeout     = &apiError{Status: http.StatusGatewayTimeout, Type: "server_error", Code: "request_timeout"}
-	errContentType = &apiError{Status: http.StatusUnsupportedMediaType, Type: "invalid_request_error", Code: "unsupported_media_type", Message: "send the request body as application/json"}
+	errContentType = &apiError{Status: http.StatusUnsupportedMediaType, Type: "invalid_request_error", Code: "unsupported_media_type",
+		Message: "send the request body as application/json (curl: -H 'Content-Type: application/json'; -d alone sends a form's type)"}
 	// errHolderDown: the replica holding a stored response (passthrough.go)
 	// is out of rotation (health check failing, breaker open); no other has it.
 	errHolderDown = &apiError{Status: http.StatusServiceUnavailable, Type: "server_error", Code: "replica_unavailable", Message: "the replica holding the response named is out of rotation; retry later"}
@@ -48,6 +49,11 @@ var (
 	// allow-list (passthrough.go).
 	errUnknownPath = errNotFound.with("no such endpoint: the gateway serves the OpenAI API paths it knows, " +
 		"and other replica paths only when its passthrough: list opts them in")
+	// errAdminOff: an admin or debug path (/debug/*, /admin/*, /ui) while
+	// no admin token is configured: the endpoints do not exist (404), and
+	// the message says how to make them.
+	errAdminOff = errNotFound.with("no such endpoint: the admin and debug endpoints (/debug/route, /admin/replicas, /ui) " +
+		"are off; start kvgate serve with --admin-token TOKEN (or $KVGATE_ADMIN_TOKEN, or admin_token: in the config) to turn them on")
 	// The control plane not ready (control_plane.go): /ready's answers.
 	errWarmingUp = &apiError{Status: http.StatusServiceUnavailable, Type: "server_error", Code: "warming_up",
 		Message: "the gateway is loading the shared routing state; retry shortly"}
