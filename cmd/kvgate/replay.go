@@ -149,7 +149,10 @@ func replayProgress(w io.Writer) func(replay.PolicySpec, report.Run) {
 		now := time.Now()
 		line := fmt.Sprintf("replay: %-24s %6d requests  hit %5.1f%%  ttft p90 %8.1f ms  errors %d",
 			spec.RunName(), run.Requests, 100*run.HitRate, run.TTFTms.P90, run.Errors)
-		if run.CapacitySpeedup != nil {
+		switch {
+		case run.CapacitySpeedup != nil && run.CapacityCeiling:
+			line += fmt.Sprintf("  capacity ≥ %.2fx (the search's upper limit)", *run.CapacitySpeedup)
+		case run.CapacitySpeedup != nil:
 			line += fmt.Sprintf("  capacity %.2fx", *run.CapacitySpeedup)
 		}
 		fmt.Fprintf(w, "%s  (%.1f s)\n", line, now.Sub(last).Seconds())

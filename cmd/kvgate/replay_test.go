@@ -152,6 +152,31 @@ func TestReplayCapacityAndTrace(t *testing.T) {
 	}
 }
 
+// A replay too short to load the fleet (16 requests) meets the SLO at the
+// capacity search's upper limit with every policy: the table, the JSON,
+// the progress lines and the verdict say so, and why.
+func TestReplayCapacityCeiling(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "c.json")
+	code, stdout, stderr := runCmd(t, "", replayArgs("--policies", "ttft,round_robin", "--capacity", "--json", path)...)
+	if code != 0 {
+		t.Fatalf("exit %d: %s", code, stderr)
+	}
+	for _, want := range []string{"verdict: none: every policy still meets p90 TTFT ≤ 2s at the capacity search's upper limit",
+		"too short or too light", "≥ 4096.00x", "≥: the capacity search reached its upper limit"} {
+		if !strings.Contains(stdout, want) {
+			t.Errorf("stdout lacks %q:\n%s", want, stdout)
+		}
+	}
+	if !strings.Contains(stderr, "capacity ≥ 4096.00x (the search's upper limit)") {
+		t.Errorf("progress: %s", stderr)
+	}
+	for _, r := range readResult(t, path).Runs {
+		if !r.CapacityCeiling {
+			t.Errorf("%s: capacity_ceiling false in the JSON", r.Policy)
+		}
+	}
+}
+
 func TestReplayQuestionReport(t *testing.T) {
 	dir := filepath.Join(t.TempDir(), "report")
 	code, stdout, stderr := runCmd(t, "", replayArgs("--question", "staleness", "--policies", "llmd", "--report", dir)...)

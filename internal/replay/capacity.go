@@ -120,6 +120,13 @@ type Range struct {
 	Probes int
 }
 
+// Ceiling reports whether the search reached its upper limit still passing
+// (start × 2^Doublings): the threshold is at least Pass, how far above
+// unknown. For a capacity it means the trace never loads the fleet to its
+// limit, even with its arrivals compressed 4096-fold: too few requests
+// (a short recording that the fleet swallows at once), or too light ones.
+func (r Range) Ceiling() bool { return r.Pass > 0 && r.Fail == 0 }
+
 // Search finds the largest x at which the probe passes, assuming it is
 // monotone (passes below a threshold, fails above):
 //
@@ -258,7 +265,8 @@ func CapacityBelow(start float64) float64 { return start * CapacityFloor }
 // Capacity is the largest speed-up (arrival times divided by it) at which
 // spec meets slo on reqs, found by Search from cfg.Speedup; 0 when it fails
 // even at CapacityBelow(cfg.Speedup). Each probe is a whole replay on a
-// fresh fleet.
+// fresh fleet. (Compare says, beside, whether the search reached its
+// ceiling: Run.CapacityCeiling.)
 func Capacity(ctx context.Context, cfg Config, reqs []workload.Request, spec PolicySpec, slo SLO) (float64, error) {
 	cfg = cfg.WithDefaults()
 	if err := cfg.validate(); err != nil {
@@ -268,12 +276,13 @@ func Capacity(ctx context.Context, cfg Config, reqs []workload.Request, spec Pol
 	if err != nil {
 		return 0, err
 	}
-	return capacityPlan(ctx, cfg, pl, spec, slo)
+	rg, err := capacityPlan(ctx, cfg, pl, spec, slo)
+	return rg.Pass, err
 }
 
-func capacityPlan(ctx context.Context, cfg Config, pl *plan, spec PolicySpec, slo SLO) (float64, error) {
+func capacityPlan(ctx context.Context, cfg Config, pl *plan, spec PolicySpec, slo SLO) (Range, error) {
 	if slo.TTFTP90 <= 0 {
-		return 0, fmt.Errorf("%w: SLO p90 TTFT %v ≤ 0", ErrConfig, slo.TTFTP90)
+		return Range{}, fmt.Errorf("%w: SLO p90 TTFT %v ≤ 0", ErrConfig, slo.TTFTP90)
 	}
 	rg, err := Search(cfg.Speedup, Limits{}, func(x float64) (Probe, error) {
 		c := cfg
@@ -284,5 +293,5 @@ func capacityPlan(ctx context.Context, cfg Config, pl *plan, spec PolicySpec, sl
 		}
 		return slo.probe(run), nil
 	})
-	return rg.Pass, err
+	return rg, err
 }

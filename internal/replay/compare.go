@@ -49,11 +49,12 @@ func Compare(ctx context.Context, cfg Config, reqs []workload.Request, specs []P
 			run.Extra["hit_rate_vs_merged_lru"] = run.HitRate / bound.MergedLRU
 		}
 		if opt.Capacity != nil {
-			c, err := capacityPlan(ctx, cfg, pl, spec, *opt.Capacity)
+			rg, err := capacityPlan(ctx, cfg, pl, spec, *opt.Capacity)
 			if err != nil {
 				return report.Result{}, err
 			}
-			run.CapacitySpeedup = &c
+			c := rg.Pass
+			run.CapacitySpeedup, run.CapacityCeiling = &c, rg.Ceiling()
 			if o := bound.OracleCapacity; o != nil && *o > 0 {
 				run.Extra["capacity_vs_bound"] = c / *o
 			}

@@ -128,10 +128,11 @@ func oracleBound(ctx context.Context, cfg Config, pl *plan, slo *SLO, b *report.
 	if slo == nil {
 		return nil
 	}
-	c, err := capacityPlan(ctx, cfg, pl, oracleSpec(), *slo)
+	rg, err := capacityPlan(ctx, cfg, pl, oracleSpec(), *slo)
 	if err != nil {
 		return err
 	}
-	b.OracleCapacity = &c
+	c := rg.Pass
+	b.OracleCapacity, b.OracleCapacityCeiling = &c, rg.Ceiling()
 	return nil
 }

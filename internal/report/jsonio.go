@@ -20,6 +20,9 @@ type Bound struct {
 	OracleTTFTms   *Dist    `json:"oracle_ttft_ms,omitempty"`
 	OracleHitRate  *float64 `json:"oracle_hit_rate,omitempty"`
 	OracleCapacity *float64 `json:"oracle_capacity,omitempty"`
+	// OracleCapacityCeiling: the oracle's capacity search reached its
+	// upper limit still meeting the SLO (as Run.CapacityCeiling).
+	OracleCapacityCeiling bool `json:"oracle_capacity_ceiling,omitempty"`
 }
 
 // Result is what bench and replay write: the runs, and for replay the bounds.

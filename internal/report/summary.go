@@ -91,16 +91,21 @@ type Run struct {
 	ITLms     Dist      `json:"itl_ms"`
 	// ITLMaxms is the distribution of each request's longest inter-token
 	// gap (Record.MaxITL), absent when no record measured it.
-	ITLMaxms         *Dist              `json:"itl_max_ms,omitempty"`
-	E2Ems            Dist               `json:"e2e_ms"`
-	ThroughputRPS    float64            `json:"throughput_rps"`
-	OutputTokensPerS float64            `json:"output_tokens_per_s"`
-	HitRate          float64            `json:"hit_rate"`
-	Imbalance        float64            `json:"imbalance"`
-	ReplicaShare     []float64          `json:"replica_share"`
-	CapacitySpeedup  *float64           `json:"capacity_speedup,omitempty"`
-	CapacityBelow    *float64           `json:"capacity_below,omitempty"`
-	Extra            map[string]float64 `json:"extra,omitempty"` // e.g. hit_rate_vs_bound
+	ITLMaxms         *Dist     `json:"itl_max_ms,omitempty"`
+	E2Ems            Dist      `json:"e2e_ms"`
+	ThroughputRPS    float64   `json:"throughput_rps"`
+	OutputTokensPerS float64   `json:"output_tokens_per_s"`
+	HitRate          float64   `json:"hit_rate"`
+	Imbalance        float64   `json:"imbalance"`
+	ReplicaShare     []float64 `json:"replica_share"`
+	CapacitySpeedup  *float64  `json:"capacity_speedup,omitempty"`
+	CapacityBelow    *float64  `json:"capacity_below,omitempty"`
+	// CapacityCeiling: the capacity search reached its upper limit (its
+	// start × 4096) with the SLO still met, so that capacity_speedup is a
+	// lower bound: the trace is too short or too light to load the fleet,
+	// and capacities cannot rank the policies.
+	CapacityCeiling bool               `json:"capacity_ceiling,omitempty"`
+	Extra           map[string]float64 `json:"extra,omitempty"` // e.g. hit_rate_vs_bound
 	// Split is where the time went: in the engines and outside them; absent
 	// when the replicas told nothing of their own times.
 	Split  *Split  `json:"split,omitempty"`

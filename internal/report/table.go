@@ -74,7 +74,7 @@ func buildTable(res Result) table {
 			case r.CapacitySpeedup != nil && *r.CapacitySpeedup == 0 && r.CapacityBelow != nil:
 				row = append(row, "< "+fmtBelow(*r.CapacityBelow)+"x")
 			case r.CapacitySpeedup != nil:
-				row = append(row, fmtSpeedup(*r.CapacitySpeedup))
+				row = append(row, fmtCapacity(r))
 			default:
 				row = append(row, "-")
 			}
@@ -134,7 +134,11 @@ func boundLine(b *Bound) string {
 		line += fmt.Sprintf("\noracle bound (merged-LRU hits, placed by the exact queues): ttft p50 %s p90 %s p99 %s ms",
 			fmtMs(b.OracleTTFTms.P50), fmtMs(b.OracleTTFTms.P90), fmtMs(b.OracleTTFTms.P99))
 		if b.OracleCapacity != nil {
-			line += ", capacity " + fmtSpeedup(*b.OracleCapacity)
+			c := fmtSpeedup(*b.OracleCapacity)
+			if b.OracleCapacityCeiling {
+				c = "≥ " + c + " (the search's upper limit)"
+			}
+			line += ", capacity " + c
 		}
 	}
 	return line
@@ -175,7 +179,7 @@ func WriteTable(w io.Writer, res Result) {
 	for _, row := range t.Rows {
 		line(row)
 	}
-	for _, s := range []string{splitLine(res), boundLine(res.Bound)} {
+	for _, s := range []string{splitLine(res), ceilingNote(res), boundLine(res.Bound)} {
 		if s != "" {
 			b.WriteString(s)
 			b.WriteByte('\n')
@@ -183,3 +187,26 @@ func WriteTable(w io.Writer, res Result) {
 	}
 	_, _ = io.WriteString(w, b.String())
 }
+
+// fmtCapacity is a run's capacity cell: "≥ 4096.00x" when its search
+// reached the ceiling (a lower bound).
+func fmtCapacity(r Run) string {
+	s := fmtSpeedup(*r.CapacitySpeedup)
+	if r.CapacityCeiling {
+		s = "≥ " + s
+	}
+	return s
+}
+
+// ceilingNote explains a table's "≥" capacities, "" without one.
+func ceilingNote(res Result) string {
+	if !anyRun(res, func(r Run) bool { return r.CapacityCeiling }) {
+		return ""
+	}
+	return "≥: the capacity search reached its upper limit with the SLO still met: " + ceilingWhy
+}
+
+// ceilingWhy is what a capacity at the search's ceiling means.
+const ceilingWhy = "the trace is too short or too light to load the fleet (its requests fit in the fleet at once), " +
+	"so such a capacity is only a lower bound and cannot rank policies: replay a longer trace, or compare p90 TTFT " +
+	"without --capacity"

@@ -183,6 +183,11 @@ func decideCapacity(res Result) Verdict {
 		v.Headline += "."
 		return v
 	}
+	if !slices.ContainsFunc(ranked, func(r Run) bool { return !r.CapacityCeiling }) {
+		v.Headline = fmt.Sprintf("verdict: none: every policy still meets %s at the capacity search's upper limit, %s the "+
+			"workload's arrival rate: %s.", slo, fmtSpeedup(capOf(best)), ceilingWhy)
+		return v
+	}
 	v.Best = best.Policy
 	if len(ranked) > 1 {
 		v.RunnerUp = ranked[1].Policy
@@ -235,17 +240,21 @@ func capacityHeadline(v *Verdict, ranked []Run, slo string) string {
 			}
 			return fmt.Sprintf("%s (%s)", r.Policy, s)
 		}
-		return fmt.Sprintf("%s %s (%s serves %s its load)", r.Policy, fmtSpeedup(c), best.Policy, fmtTimes(capOf(best)/c))
+		times := fmtTimes(capOf(best) / c)
+		if best.CapacityCeiling {
+			times = "at least " + times // best's capacity is a lower bound
+		}
+		return fmt.Sprintf("%s %s (%s serves %s its load)", r.Policy, fmtCapacity(r), best.Policy, times)
 	}
 	var b strings.Builder
 	if len(v.Tied) > 0 {
 		fmt.Fprintf(&b, "verdict: no clear winner: %s have the same capacity, %s the workload's arrival rate within %s, to the search's precision",
-			joinAnd(v.Tied), fmtSpeedup(capOf(best)), slo)
+			joinAnd(v.Tied), fmtCapacity(best), slo)
 		if haveRR && !slices.Contains(v.Tied, "round_robin") {
 			b.WriteString("; " + against(rr))
 		}
 	} else {
-		fmt.Fprintf(&b, "verdict: %s has the highest capacity: %s the workload's arrival rate within %s", best.Policy, fmtSpeedup(capOf(best)), slo)
+		fmt.Fprintf(&b, "verdict: %s has the highest capacity: %s the workload's arrival rate within %s", best.Policy, fmtCapacity(best), slo)
 		var parts []string
 		if v.RunnerUp != "" {
 			parts = append(parts, "the runner-up "+against(ranked[1]))
