@@ -23,8 +23,8 @@ func (f *demoFlags) run(ctx context.Context, inv invocation) error {
 	if err != nil {
 		return err
 	}
-	fmt.Fprintf(inv.stdout, "kvgate demo: %d simulated replicas (%s, time ×%g), workload %s, policies %s\n",
-		f.replicas, f.profile, f.timeScale, f.workload, f.policies)
+	fmt.Fprintf(inv.stdout, "kvgate demo: %s (%s, time ×%g), workload %s, policies %s\n",
+		count(f.replicas, "simulated replica"), f.profile, f.timeScale, f.workload, f.policies)
 	start := time.Now()
 	res, err := c.run(ctx, inv.stderr)
 	if err != nil {

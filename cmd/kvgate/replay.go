@@ -250,7 +250,7 @@ func (f *replayFlags) replicaProfileMap() (map[int]string, error) {
 	n := f.aggregated() + f.decodeReplicas + f.prefillReplicas
 	for i, name := range profiles {
 		if i >= n {
-			return nil, fmt.Errorf("%w: --replica-profile %d=%s: there are %d replicas (0 to %d)", errUsage, i, name, n, n-1)
+			return nil, fmt.Errorf("%w: --replica-profile %d=%s: %s, numbered 0 to %d", errUsage, i, name, count(n, "replica"), n-1)
 		}
 	}
 	return profiles, nil

@@ -56,7 +56,7 @@ func TestReplayUsageErrors(t *testing.T) {
 		{"negative non-cached tokens", replayArgs("--non-cached-tokens", "-1"), 2, "--non-cached-tokens -1"},
 		{"itl slo without capacity", replayArgs("--slo-itl-p99", "50ms"), 2, "--slo-itl-p99 needs --capacity"},
 		{"zero max seqs", replayArgs("--max-seqs", "0"), 2, "--max-seqs 0"},
-		{"replica profile past a P/D fleet", append(pdArgs(), "--replica-profile", "4=seed004"), 2, "there are 4 replicas"},
+		{"replica profile past a P/D fleet", append(pdArgs(), "--replica-profile", "4=seed004"), 2, "4 replicas, numbered 0 to 3"},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"flag"
 	"fmt"
+	"io"
 	"log/slog"
 	"net"
 	"net/url"
@@ -102,7 +103,7 @@ func (f *serveFlags) run(ctx context.Context, inv invocation) error {
 	if err != nil {
 		return err // every problem, as --check-config lists them
 	}
-	log := slog.New(slog.NewJSONHandler(inv.stderr, &slog.HandlerOptions{Level: level}))
+	log := newLogger(inv.stderr, level)
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	tp, stopTracing, err := startTracing(ctx, cfg) // nil when off (tracing: true, or OTEL_TRACES_EXPORTER=otlp)
@@ -136,6 +137,20 @@ func (f *serveFlags) run(ctx context.Context, inv invocation) error {
 		fmt.Fprintf(inv.stdout, "sharing routing state with the other gateways through %s\n", redactURL(cfg.SharedState))
 	}
 	return serveUntil(ctx, ln, g, log)
+}
+
+// newLogger is serve's logger: JSON lines on w, each duration written as
+// Go and the config file write it ("30s", "250ms") instead of slog's JSON
+// handler's integer nanoseconds (30000000000). One place for every line
+// the gateway logs.
+func newLogger(w io.Writer, level slog.Level) *slog.Logger {
+	return slog.New(slog.NewJSONHandler(w, &slog.HandlerOptions{Level: level,
+		ReplaceAttr: func(_ []string, a slog.Attr) slog.Attr {
+			if a.Value.Kind() == slog.KindDuration {
+				a.Value = slog.StringValue(a.Value.Duration().String())
+			}
+			return a
+		}}))
 }
 
 // config is the gateway's configuration: the --config file (or the
@@ -324,13 +339,16 @@ func fleetSummary(cfg gateway.Config) string {
 		n[role]++
 	}
 	if n[policy.RoleBoth.String()] == len(cfg.Replicas) {
-		return fmt.Sprintf("%d replicas", len(cfg.Replicas))
+		return count(len(cfg.Replicas), "replica")
 	}
 	var parts []string
 	for _, r := range []policy.Role{policy.RolePrefill, policy.RoleDecode, policy.RoleBoth} {
 		if n[r.String()] > 0 {
 			parts = append(parts, fmt.Sprintf("%d %s", n[r.String()], r))
 		}
+	}
+	if len(cfg.Replicas) == 1 {
+		return strings.Join(parts, " + ") + " replica"
 	}
 	return strings.Join(parts, " + ") + " replicas"
 }

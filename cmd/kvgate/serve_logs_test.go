@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"log/slog"
 	"net/http"
 	"net/http/httptest"
 	"strings"
@@ -75,5 +76,26 @@ func TestServeSaysAdminOff(t *testing.T) {
 	g = startServe(t, "--replicas", rep, "--admin-token", "s3cret")
 	if g.stop() != 0 || strings.Contains(g.errOut.String(), "admin endpoints off") {
 		t.Fatalf("with a token: %s", g.errOut.String())
+	}
+}
+
+// Logs read as a person writes: durations as in the config ("30s", not
+// 30000000000 nanoseconds), and one replica is "1 replica".
+func TestServeLogsReadable(t *testing.T) {
+	g := startServe(t, "--replicas", healthyReplica(t), "--drain-timeout", "30s")
+	if !strings.Contains(g.out.String(), "→ 1 replica, policy ttft") {
+		t.Errorf("startup line: %s", g.out.String())
+	}
+	if code := g.stop(); code != 0 {
+		t.Fatalf("exit %d: %s", code, g.errOut.String())
+	}
+	logs := g.errOut.String()
+	if !strings.Contains(logs, `"drain_timeout":"30s"`) || strings.Contains(logs, "30000000000") {
+		t.Errorf("the drain line's duration: %s", logs)
+	}
+	var buf strings.Builder
+	newLogger(&buf, slog.LevelInfo).Info("x", "d", 1500*time.Millisecond, slog.Group("g", "cooldown", 10*time.Second))
+	if !strings.Contains(buf.String(), `"d":"1.5s","g":{"cooldown":"10s"}`) {
+		t.Errorf("durations: %s", buf.String())
 	}
 }

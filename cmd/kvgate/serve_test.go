@@ -74,7 +74,7 @@ func TestServePrefillFlags(t *testing.T) {
 	if got := fleetSummary(cfg); got != "1 prefill + 2 decode replicas" {
 		t.Fatalf("summary %q", got)
 	}
-	if cfg, _ := serveConfig(t, "--replicas", "http://a"); cfg.NonCachedTokens != 16 || fleetSummary(cfg) != "1 replicas" {
+	if cfg, _ := serveConfig(t, "--replicas", "http://a"); cfg.NonCachedTokens != 16 || fleetSummary(cfg) != "1 replica" {
 		t.Fatalf("defaults: %d %q", cfg.NonCachedTokens, fleetSummary(cfg))
 	}
 	if _, err := serveConfig(t, "--prefill-replicas", "http://p1"); !errors.Is(err, errUsage) {

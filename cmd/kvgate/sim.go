@@ -172,7 +172,7 @@ func (f *simFlags) parseRoles(cfg *sim.Config) error {
 	case len(roles) == cfg.Replicas:
 		cfg.Roles = roles
 	default:
-		return fmt.Errorf("--role %q: %d roles for %d replicas (give one, or one per replica)", f.roles, len(roles), cfg.Replicas)
+		return fmt.Errorf("--role %q: %s for %s (give one, or one per replica)", f.roles, count(len(roles), "role"), count(cfg.Replicas, "replica"))
 	}
 	return nil
 }

@@ -168,6 +168,11 @@ func TestRecordRotation(t *testing.T) {
 		if recs[0].Timestamp != 0 {
 			t.Fatalf("%s: first timestamp %v: time restarts at the rotation", k, recs[0].Timestamp)
 		}
+		// Mode 0600, as docs/bench-replay.md says: the recording names
+		// sessions and models, for the gateway's operator only.
+		if st, err := os.Stat(path + k); err != nil || st.Mode().Perm() != 0o600 {
+			t.Fatalf("%s: mode %v, %v; want 0600", k, st.Mode(), err)
+		}
 	}
 	if _, err := os.Stat(path + ".3"); !errors.Is(err, os.ErrNotExist) {
 		t.Fatalf("keep 2 left a .3: %v", err)
