@@ -1,11 +1,13 @@
 package main
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"flag"
 	"fmt"
 	"io"
+	"maps"
 	"net/http"
 	"slices"
 	"strings"
@@ -127,6 +129,7 @@ type benchConfig struct {
 	params   policyParams
 	embedded bool
 	target   string
+	reach    error // why the --target's /metrics could not be read (discover)
 	reqs     []workload.Request
 	load     bench.Config
 	sim      sim.Config
@@ -356,7 +359,7 @@ func (f *benchFlags) requestsFor(seed uint64) ([]workload.Request, workload.Spec
 // run runs every policy, one after another.
 func (c benchConfig) run(ctx context.Context, stderr io.Writer) (report.Result, error) {
 	if !c.embedded {
-		c.load.Replicas = discover(ctx, c.target, c.load.Header, c.meta, stderr)
+		c.load.Replicas, c.reach = discover(ctx, c.target, c.load.Header, c.meta, stderr)
 	}
 	res := report.Result{Meta: c.meta}
 	for _, p := range c.policies {
@@ -400,11 +403,20 @@ func (c benchConfig) runTarget(ctx context.Context, load bench.Config, stderr io
 	load.Target = c.target
 	engines := bench.EngineURLs(c.target, load.Replicas)
 	before := bench.ScrapeEngines(ctx, nil, engines, nil)
+	counted, _ := bench.PolicyCounts(ctx, nil, c.target, load.Header)
 	recs, wall, err := bench.Run(ctx, load, c.reqs)
 	if err != nil && !errors.Is(err, bench.ErrDeadline) {
 		return report.Run{}, err
 	}
-	run := bench.Summarize("target", recs, max(len(load.Replicas), maxReplica(recs)+1), wall)
+	if err := noneServed(c.target, recs, c.reach); err != nil && ctx.Err() == nil {
+		return report.Run{}, err
+	}
+	// The run is named by the policy the gateway routed it with, read from
+	// its kvgate_requests_total before and after; "target" when it does not
+	// say (not a kvgate gateway).
+	now, _ := bench.PolicyCounts(ctx, nil, c.target, load.Header)
+	name := cmp.Or(bench.RoutedBy(counted, now), "target")
+	run := bench.Summarize(name, recs, max(len(load.Replicas), maxReplica(recs)+1), wall)
 	if run.Split != nil {
 		return run, nil
 	}
@@ -435,8 +447,9 @@ func (c benchConfig) runTarget(ctx context.Context, load bench.Config, stderr io
 // in meta: "replicas" and "targets" (and "targets_down", those out of
 // rotation at the start). Without them (not a kvgate gateway, or its
 // metrics unreadable) it says so on log and returns nil: the run then knows
-// the targets that answer only.
-func discover(ctx context.Context, target string, h http.Header, meta map[string]any, log io.Writer) []string {
+// the targets that answer only; the error is why the page could not be
+// read.
+func discover(ctx context.Context, target string, h http.Header, meta map[string]any, log io.Writer) ([]string, error) {
 	all, down, err := bench.Targets(ctx, nil, target, h)
 	switch {
 	case err != nil:
@@ -449,7 +462,37 @@ func discover(ctx context.Context, target string, h http.Header, meta map[string
 			meta["targets_down"] = down
 		}
 	}
-	return all
+	return all, err
+}
+
+// noneServed is the error of a --target run in which no request
+// succeeded, instead of a table of zeros: the failures by kind, why the
+// target's /metrics could not be read (reach: a refused connection says
+// more than "connect"), and the /v1 an OpenAI client's base URL has and a
+// gateway's does not; nil when some request succeeded.
+func noneServed(target string, recs []report.Record, reach error) error {
+	kinds := map[string]int{}
+	for _, r := range recs {
+		if !r.Err {
+			return nil
+		}
+		kinds[r.ErrKind]++
+	}
+	if len(recs) == 0 {
+		return nil
+	}
+	var parts []string
+	for _, k := range slices.Sorted(maps.Keys(kinds)) {
+		parts = append(parts, fmt.Sprintf("%s ×%d", k, kinds[k]))
+	}
+	msg := fmt.Sprintf("no request succeeded: %d of %d failed (%s)", len(recs), len(recs), strings.Join(parts, ", "))
+	if reach != nil {
+		msg += "; " + cmp.Or(errors.Unwrap(reach), reach).Error()
+	}
+	if strings.HasSuffix(strings.TrimRight(target, "/"), "/v1") {
+		msg += "; give --target the gateway's base URL, without /v1 (bench adds /v1/completions)"
+	}
+	return errors.New(msg)
 }
 
 func maxReplica(recs []report.Record) int {
@@ -476,7 +519,7 @@ func (f *benchFlags) soak(ctx context.Context, inv invocation) error {
 	load := f.loadConfig()
 	load.Target = f.target
 	meta := map[string]any{"workload": f.workload, "duration": f.duration.String(), "target": f.target}
-	load.Replicas = discover(ctx, f.target, load.Header, meta, inv.stderr)
+	load.Replicas, _ = discover(ctx, f.target, load.Header, meta, inv.stderr)
 	gen := func(round int) ([]workload.Request, error) {
 		reqs, _, err := f.requestsFor(f.seed + uint64(round))
 		return reqs, err

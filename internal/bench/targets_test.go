@@ -143,3 +143,44 @@ func TestTargetsOfAGateway(t *testing.T) {
 		t.Fatalf("targets %v (down %v), want %v", all, down, want)
 	}
 }
+
+// PolicyCounts sums kvgate_requests_total by policy; RoutedBy names those
+// that grew over a run (several with pools), and none for a page without
+// the series.
+func TestPolicyCountsAndRoutedBy(t *testing.T) {
+	var page atomic.Value
+	page.Store("go_goroutines 9\n")
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		_, _ = io.WriteString(w, page.Load().(string))
+	}))
+	defer srv.Close()
+	ctx := context.Background()
+	none, err := PolicyCounts(ctx, nil, srv.URL, nil)
+	if err != nil || none != nil {
+		t.Fatalf("no series: %v %v", none, err)
+	}
+	page.Store(`kvgate_requests_total{code="200",policy="ttft",replica="http://a"} 3
+kvgate_requests_total{code="503",policy="ttft",replica="http://b"} 1
+kvgate_requests_total{code="200",policy="sglang",replica="http://c"} 5
+`)
+	before, err := PolicyCounts(ctx, nil, srv.URL, nil)
+	if err != nil || before["ttft"] != 4 || before["sglang"] != 5 {
+		t.Fatalf("counts %v %v", before, err)
+	}
+	page.Store(`kvgate_requests_total{code="200",policy="ttft",replica="http://a"} 9
+kvgate_requests_total{code="200",policy="sglang",replica="http://c"} 5
+kvgate_requests_total{code="200",policy="llmd",replica="http://d"} 2
+`)
+	after, _ := PolicyCounts(ctx, nil, srv.URL, nil)
+	for _, tc := range []struct {
+		before, after map[string]float64
+		want          string
+	}{{before, after, "llmd+ttft"}, {nil, before, "sglang+ttft"}, {after, after, ""}, {nil, nil, ""}} {
+		if got := RoutedBy(tc.before, tc.after); got != tc.want {
+			t.Errorf("RoutedBy(%v, %v) = %q, want %q", tc.before, tc.after, got, tc.want)
+		}
+	}
+	if _, err := PolicyCounts(ctx, nil, "http://127.0.0.1:1", nil); err == nil {
+		t.Error("a closed port: no error")
+	}
+}
