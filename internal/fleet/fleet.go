@@ -140,9 +140,9 @@ func (f *Fleet) Sync() {
 
 // Forget drops what the fleet keeps of a replica the router forgot
 // (router.Forget): the rotation last logged for its slot, which the slot's
-// next replica must not inherit, and the engine count warned about for its
-// server, once no replica of that server is left. Its probes stopped when
-// it was removed (Sync).
+// next replica must not inherit, and the engine count warned about and the
+// last health check's failure for its server, once no replica of that
+// server is left. Its probes stopped when it was removed (Sync).
 func (f *Fleet) Forget(slot int, url string) {
 	f.loggedOut.Delete(slot)
 	for i := range f.rt.Replicas() {
@@ -151,6 +151,7 @@ func (f *Fleet) Forget(slot int, url string) {
 		}
 	}
 	f.warned.Delete(url)
+	f.healthWhy.Delete(url)
 }
 
 // startLocked starts server s's probe loops; smu is held.
