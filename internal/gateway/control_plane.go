@@ -7,12 +7,14 @@ import (
 	"net/http"
 	"sync"
 	"sync/atomic"
+	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/kvgate/kvgate/internal/clock"
 	"github.com/kvgate/kvgate/internal/discovery"
 	"github.com/kvgate/kvgate/internal/fleet"
+	"github.com/kvgate/kvgate/internal/policy"
 	"github.com/kvgate/kvgate/internal/router"
 	"github.com/kvgate/kvgate/internal/sharedstate"
 )
@@ -123,10 +125,36 @@ func newControl(cfg Config, o controlOptions) (*control, error) {
 		registerPoolInfo(o.Registry, c.rt)
 	}
 	c.fleet = fleet.New(c.rt, o.Client, fleet.Config{
-		ScrapeInterval: cfg.ScrapeInterval.D(), HealthInterval: cfg.HealthInterval.D(),
+		ScrapeInterval: scrapeInterval(cfg.ScrapeInterval.D(), c.rt), HealthInterval: cfg.HealthInterval.D(),
 		StaleAfter: cfg.ScrapeStaleAfter.D(), Logger: o.Logger, Clock: o.Clock,
 	})
 	return c, nil
+}
+
+// minScrapeInterval bounds how often a policy may have the replicas
+// scraped: a page of metrics per replica every 10 ms is already a hundred
+// requests a second per replica.
+const minScrapeInterval = 10 * time.Millisecond
+
+// scrapeInterval is the replicas' scrape period: scrape_interval, or the
+// period of the fastest policy that routes (the top-level one or a pool's)
+// when it refreshes its metrics faster (policy.MetricsRefresher: llm-d's
+// scheduler reads them every 50 ms, and llmd and precise decide on
+// numbers that old as llm-d does), but never below minScrapeInterval.
+func scrapeInterval(configured time.Duration, rt *router.Router) time.Duration {
+	d := configured
+	pols := []policy.Policy{rt.Policy()}
+	for _, name := range rt.Pools() {
+		if p, ok := rt.PoolPolicy(name); ok {
+			pols = append(pols, p)
+		}
+	}
+	for _, p := range pols {
+		if own := policy.MetricsRefresh(p); own > 0 && own < d {
+			d = own
+		}
+	}
+	return max(d, min(configured, minScrapeInterval))
 }
 
 // Run runs the control plane until ctx ends.
