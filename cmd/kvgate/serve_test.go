@@ -106,6 +106,17 @@ func TestServePrefillDecode(t *testing.T) {
 	}
 	addr := strings.Fields(line[strings.Index(line, "http://"):])[0]
 	body := `{"model":"` + sim.DefaultModel + `","max_tokens":3,"prompt":"` + strings.Repeat("a prompt for two steps. ", 10) + `"}`
+	// /ready waits for both replicas' first health checks: a request
+	// before the prefill replica's has passed goes to the decode replica
+	// alone, without X-Kvgate-Prefill.
+	testutil.Eventually(t, 10*time.Second, "the gateway ready", func() bool {
+		resp, err := http.Get(addr + "/ready")
+		if err != nil {
+			return false
+		}
+		resp.Body.Close()
+		return resp.StatusCode == http.StatusOK
+	})
 	var r testutil.Response
 	testutil.Eventually(t, 10*time.Second, "the replicas listed", func() bool {
 		r = testutil.Post(t, nil, addr+"/v1/completions", body)
