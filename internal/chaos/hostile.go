@@ -154,9 +154,6 @@ func (r *Result) peerInvariants() []string {
 	for _, c := range p.Crashes {
 		out = append(out, "crash: "+c)
 	}
-	if r.Ejections != 0 {
-		out = append(out, fmt.Sprintf("%d healthy replicas ejected during the attack", r.Ejections))
-	}
 	if !r.InFlightZero {
 		out = append(out, "a gateway's in-flight counts did not return to zero")
 	}
