@@ -13,7 +13,7 @@ import (
 // numbers from outside the process: should one still panic, it costs the
 // request its policy, never the connection or the process, and never
 // every request while the input that broke it lasts. Every call into a
-// policy's Pick or PickPair goes through guard: a panic is recovered,
+// policy's Pick, PickPair or Observe goes through guard: a panic is recovered,
 // reported (Config.OnPolicyPanic, with its stack at most once per
 // PanicReportEvery and policy), and the request is routed by least load
 // among the same candidates (the least_load policy, itself total).
@@ -46,13 +46,13 @@ type panicReports struct {
 	suppressed map[string]int       // policy → panics since, reported without a stack
 }
 
-// guard runs f, a call into pol, and reports whether it returned: a panic
-// in it is recovered and reported (false).
-func (rt *Router) guard(pol policy.Policy, f func()) (ok bool) {
+// guard runs f, a call into the policy named name, and reports whether it
+// returned: a panic in it is recovered and reported (false).
+func (rt *Router) guard(name string, f func()) (ok bool) {
 	defer func() {
 		if v := recover(); v != nil {
 			ok = false
-			rt.panicked(pol.Name(), v)
+			rt.panicked(name, v)
 		}
 	}()
 	f()
@@ -87,7 +87,7 @@ func (rt *Router) panicked(name string, v any) {
 func (rt *Router) pick(pol policy.Policy, req *policy.Request, views []policy.ReplicaView) (policy.Decision, error) {
 	var d policy.Decision
 	var err error
-	if rt.guard(pol, func() { d, err = pol.Pick(req, views) }) {
+	if rt.guard(pol.Name(), func() { d, err = pol.Pick(req, views) }) {
 		return d, err
 	}
 	return rt.leastLoad.Pick(req, views)
@@ -98,8 +98,22 @@ func (rt *Router) pick(pol policy.Policy, req *policy.Request, views []policy.Re
 func (rt *Router) pickPairBy(pol policy.Policy, pp policy.PairPicker, req *policy.Request, pre, dec []policy.ReplicaView) (policy.PairDecision, error) {
 	var pd policy.PairDecision
 	var err error
-	if rt.guard(pol, func() { pd, err = pp.PickPair(req, pre, dec) }) {
+	if rt.guard(pol.Name(), func() { pd, err = pp.PickPair(req, pre, dec) }) {
 		return pd, err
 	}
 	return rt.pickPerSide(rt.leastLoad, req, pre, dec)
+}
+
+// observe tells the policy that routed t the event ev, guarded: a panic in
+// Observe costs the policy what it would have learnt, never the request
+// (Observe runs on the request's goroutine, after its bytes may have gone).
+func (t *Ticket) observe(ev policy.Event) {
+	if t.obs == nil {
+		return
+	}
+	name := "" // an Observer is a policy: name it as Pick's panics are named
+	if p, ok := t.obs.(policy.Policy); ok {
+		name = p.Name()
+	}
+	t.rt.guard(name, func() { t.obs.Observe(ev) })
 }

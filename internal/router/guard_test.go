@@ -103,3 +103,49 @@ func TestPolicyPanicInPickPair(t *testing.T) {
 	endPD(pd, rt.Now())
 	assertIdle(t, rt)
 }
+
+// observePanicky routes by least load and panics in every Observe.
+type observePanicky struct{ policy.Policy }
+
+func (observePanicky) Name() string         { return "observe_panicky" }
+func (observePanicky) Observe(policy.Event) { panic("observe_panicky: Observe") }
+
+// TestObservePanicCostsOnlyTheLesson: a policy whose Observe panics (on
+// routing, first token and completion alike) keeps its requests: each is
+// routed, its ticket ends and its replica's counts return to zero, and
+// every panic is reported.
+func TestObservePanicCostsOnlyTheLesson(t *testing.T) {
+	var got []PolicyPanic
+	ll, err := policy.New("least_load", policy.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	rt, err := New(Config{Replicas: []string{"a", "b"}, Policy: observePanicky{ll},
+		OnPolicyPanic: func(p PolicyPanic) { got = append(got, p) }})
+	if err != nil {
+		t.Fatal(err)
+	}
+	p := &prompt.Parsed{Model: "m", Text: "hello there"}
+	for k := range 3 {
+		tk, err := rt.Route(rt.Prepare(p, "", ""))
+		if err != nil {
+			t.Fatalf("request %d: Route: %v", k, err)
+		}
+		now := time.Now()
+		tk.FirstToken(now)
+		tk.Done(now, Outcome{OutputTokens: 1})
+	}
+	if len(got) != 9 {
+		t.Fatalf("%d panics reported, want 9 (routed, first token, done × 3)", len(got))
+	}
+	for _, r := range got {
+		if r.Policy != "observe_panicky" || r.Value != "observe_panicky: Observe" {
+			t.Fatalf("reported %q %v", r.Policy, r.Value)
+		}
+	}
+	for i := range 2 {
+		if n := rt.Replica(i).InFlight(); n != 0 {
+			t.Fatalf("replica %d: %d in flight after every request ended", i, n)
+		}
+	}
+}

@@ -641,9 +641,8 @@ func (rt *Router) commit(req *policy.Request, d policy.Decision, match, approxMa
 	if !rt.cfg.LearnOnAccept {
 		t.learn()
 	}
-	if t.obs = rt.observer(d.Replica); t.obs != nil {
-		t.obs.Observe(policy.Event{Kind: policy.Routed, At: req.Now, Req: req, Decision: d, Replica: d.Replica, Phase: phase})
-	}
+	t.obs = rt.observer(d.Replica)
+	t.observe(policy.Event{Kind: policy.Routed, At: req.Now, Req: req, Decision: d, Replica: d.Replica, Phase: phase})
 	return t
 }
 
@@ -710,10 +709,8 @@ func (t *Ticket) FirstToken(at time.Time) {
 	if !t.prefillDone() {
 		return
 	}
-	if t.obs != nil {
-		t.obs.Observe(policy.Event{Kind: policy.FirstToken, At: at, Req: t.req, Decision: t.Decision,
-			Replica: t.Replica, Phase: t.phase, TTFT: at.Sub(t.start)})
-	}
+	t.observe(policy.Event{Kind: policy.FirstToken, At: at, Req: t.req, Decision: t.Decision,
+		Replica: t.Replica, Phase: t.phase, TTFT: at.Sub(t.start)})
 }
 
 // PrefillDone ends the request's prefill in the replica's counters without
@@ -796,10 +793,8 @@ func (t *Ticket) Done(at time.Time, o Outcome) {
 		t.rt.drained(r)
 	}
 	defer t.rt.releaseIfQueued()
-	if t.obs != nil {
-		t.obs.Observe(policy.Event{Kind: policy.Done, At: at, Req: t.req, Decision: t.Decision,
-			Replica: t.Replica, Phase: t.phase, CachedTokens: o.CachedTokens, OutputTokens: o.OutputTokens, Err: o.Err})
-	}
+	t.observe(policy.Event{Kind: policy.Done, At: at, Req: t.req, Decision: t.Decision,
+		Replica: t.Replica, Phase: t.phase, CachedTokens: o.CachedTokens, OutputTokens: o.OutputTokens, Err: o.Err})
 }
 
 // keyOf is the partition a request for model is hashed under, the one its
