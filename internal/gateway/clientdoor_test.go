@@ -148,3 +148,32 @@ func TestKeysAreCaseSensitive(t *testing.T) {
 		t.Fatalf("MODEL: %d %s", r.Status, r.Body)
 	}
 }
+
+// Only the gateway names the route: X-Kvgate-* headers a replica answers
+// with (a compromised replica, or a gateway behind this one) never reach
+// the client, on a relayed answer or a refusal passed on.
+func TestReplicaGatewayHeadersStripped(t *testing.T) {
+	a := newFakeReplica(t)
+	gw := startGateway(t, baseConfig(a.srv.URL))
+	for _, status := range []int64{0, http.StatusServiceUnavailable} {
+		a.status.Store(status)
+		resp, body := post(t, gw.srv.URL+"/v1/completions", `{"model":"m","prompt":"x"}`,
+			"X-Test-Replica-Sets", "X-Kvgate-Replica=http://evil;X-Kvgate-Pull-From=http://evil;X-Other=kept")
+		if want := map[int64]int{0: 200, 503: 503}[status]; resp.StatusCode != want {
+			t.Fatalf("status %d: %d %s", status, resp.StatusCode, body)
+		}
+		for k, v := range resp.Header {
+			if strings.HasPrefix(k, "X-Kvgate-") && strings.Contains(strings.Join(v, ","), "evil") {
+				t.Errorf("replica status %d: the client got the replica's %s: %q", status, k, v)
+			}
+		}
+		if got := resp.Header.Get("X-Kvgate-Replica"); got != a.srv.URL {
+			t.Errorf("replica status %d: X-Kvgate-Replica %q, want %q", status, got, a.srv.URL)
+		}
+		if resp.Header.Get("X-Other") != "kept" {
+			t.Errorf("replica status %d: the replica's other headers were dropped: %v", status, resp.Header)
+		}
+	}
+	a.status.Store(0)
+	waitIdle(t, gw)
+}

@@ -54,6 +54,11 @@ func newFakeReplica(t *testing.T) *fakeReplica {
 		f.bodies = append(f.bodies, body)
 		f.headers = append(f.headers, r.Header.Clone())
 		f.mu.Unlock()
+		for _, kv := range strings.Split(r.Header.Get("X-Test-Replica-Sets"), ";") { // "Name=value;...": headers to answer with
+			if k, v, ok := strings.Cut(kv, "="); ok {
+				w.Header().Set(k, v)
+			}
+		}
 		if s := f.status.Load(); s != 0 {
 			w.Header().Set("Content-Type", "application/json")
 			w.WriteHeader(int(s))

@@ -23,6 +23,7 @@ import (
 // stream broke, went idle or overran its bounds), clientGone (the client
 // left or stopped reading) or gatewayLimit.
 func (g *Gateway) relay(x *exchange, a *attempt, ctx context.Context, cancel context.CancelCauseFunc, resp *http.Response) {
+	dropKvgateHeaders(resp.Header)
 	moveHeaders(x.w.Header(), resp.Header)
 	setTarget(x.w.Header(), g.rt.Replica(a.tk.Replica), a.prefill)
 	x.w.Header().Set("X-Request-Id", x.id)

@@ -166,13 +166,22 @@ const headerDataParallelRank = "X-Data-Parallel-Rank"
 // picks the rank: a client's pin would bypass its accounting).
 // X-Request-Id is set over the client's; Via is appended to.
 func dropGatewayHeaders(h http.Header) {
+	dropKvgateHeaders(h)
+	h.Del("Authorization")
+	h.Del(headerDataParallelRank)
+}
+
+// dropKvgateHeaders removes the X-Kvgate-* headers from h: from a client's
+// headers on their way upstream, and from a replica's response on its way
+// to the client, where only this gateway names the route it took (a
+// replica, or a gateway behind it, must not make a client believe another
+// replica answered).
+func dropKvgateHeaders(h http.Header) {
 	for k := range h {
 		if strings.HasPrefix(textproto.CanonicalMIMEHeaderKey(k), "X-Kvgate-") {
 			delete(h, k)
 		}
 	}
-	h.Del("Authorization")
-	h.Del(headerDataParallelRank)
 }
 
 // setTarget names the target that answered: X-Kvgate-Replica (its URL)
@@ -305,6 +314,7 @@ type bufferedResponse struct {
 }
 
 func (b *bufferedResponse) write(w http.ResponseWriter) {
+	dropKvgateHeaders(b.header)
 	copyHeaders(w.Header(), b.header)
 	setTarget(w.Header(), b.replica, b.prefill)
 	w.Header().Set("X-Request-Id", b.id)
