@@ -14,9 +14,12 @@ VERSION ?= $(shell git describe --tags --always --dirty 2>/dev/null || echo dev)
 build:
 	$(GO) build -ldflags "-X main.version=$(VERSION)" -o $(BIN) ./cmd/kvgate
 
-# The test command of the README and of CI: formatting, vet, every test with the race detector.
+# The test command of the README and of CI: formatting, vet, every test with the race detector;
+# then, without it, the packages whose large deterministic tests (whole replays, rendered reports:
+# testutil.Deterministic) skip under -race, where the detector costs ~25x and finds nothing.
 test: fmt-check vet
 	$(GO) test -race -count=1 -timeout 20m ./...
+	$(GO) test -count=1 -timeout 20m ./internal/replay ./internal/report
 
 # The fast inner loop, for use between edits: formatting, vet, and every test in -short mode
 # without the race detector (slow scenarios skip or shrink; results are cached per package).

@@ -6,6 +6,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvgate/kvgate/internal/testutil"
 	"github.com/kvgate/kvgate/internal/workload"
 )
 
@@ -15,6 +16,7 @@ import (
 // prefixes) and one whose working set overflows the engines (multiturn on
 // small caches, where a cache-aware policy must trade hits for load).
 func TestOracleBoundsEveryPolicy(t *testing.T) {
+	testutil.Deterministic(t)
 	multiturn, err := workload.Generate(workload.Spec{Name: "multiturn", Seed: 3, Params: map[string]float64{
 		"conversations": 24, "turns": 4, "system_prompts": 3, "system_prompt_len": 1024, "output_len": 64}})
 	if err != nil {
@@ -95,6 +97,7 @@ func TestOracleDeterministicAndAggregatedOnly(t *testing.T) {
 // preble's before the price of the future, ttft_future.go); the last is
 // shared prefixes on small caches at twice the load.
 func TestTTFTUnderCachePressure(t *testing.T) {
+	testutil.Deterministic(t)
 	if testing.Short() {
 		t.Skip("replays six sweep points with every cache-aware policy")
 	}

@@ -20,6 +20,7 @@ import (
 	"github.com/kvgate/kvgate/internal/costmodel"
 	"github.com/kvgate/kvgate/internal/policy"
 	"github.com/kvgate/kvgate/internal/report"
+	"github.com/kvgate/kvgate/internal/testutil"
 	"github.com/kvgate/kvgate/internal/workload"
 )
 
@@ -138,6 +139,7 @@ func TestSlowReplicaGetsLess(t *testing.T) {
 }
 
 func TestBoundDominatesEveryPolicy(t *testing.T) {
+	testutil.Deterministic(t)
 	multiturn, err := workload.Generate(workload.Spec{Name: "multiturn", Seed: 3, Params: map[string]float64{"conversations": 12, "turns": 4}})
 	if err != nil {
 		t.Fatal(err)
@@ -247,6 +249,7 @@ func TestBoundsHandComputed(t *testing.T) {
 // trace's bounds equals the block-hash one, with caches small enough to
 // evict, on hand-made traces and on the head of the real one.
 func TestTraceBoundsMatchBlocks(t *testing.T) {
+	testutil.Deterministic(t)
 	handmade, err := workload.FromTrace([]workload.TraceRecord{
 		{InputLength: 1500, OutputLength: 1, HashIDs: []int{0, 1, 2}},
 		{InputLength: 1100, OutputLength: 1, HashIDs: []int{0, 1, 3}},    // shares 2 ids, then 76 tokens of id 3
@@ -564,6 +567,7 @@ func TestCancel(t *testing.T) {
 }
 
 func TestQuestions(t *testing.T) {
+	testutil.Deterministic(t)
 	ctx := context.Background()
 	base := workload.Spec{Name: "shared_prefix", Seed: 1, Params: map[string]float64{
 		"groups": 8, "prompts_per_group": 8, "system_prompt_len": 900, "question_len": 100, "output_len": 16}}
@@ -682,6 +686,7 @@ func TestQuestions(t *testing.T) {
 }
 
 func TestConversationTraceHead(t *testing.T) {
+	testutil.Deterministic(t)
 	if testing.Short() {
 		t.Skip("replays 2,000 trace requests twice")
 	}
@@ -713,6 +718,7 @@ func TestConversationTraceHead(t *testing.T) {
 // estimate is without the price of the future too (future_weight,
 // wait_weight), which also keeps prefixes where they are kept.
 func TestEvictionCostHoldsHitRateUnderLoad(t *testing.T) {
+	testutil.Deterministic(t)
 	if testing.Short() {
 		t.Skip("replays the synthetic trace twice")
 	}

@@ -15,6 +15,8 @@ import (
 	"testing"
 
 	"gonum.org/v1/plot"
+
+	"github.com/kvgate/kvgate/internal/testutil"
 )
 
 // sampleResult summarises seeded synthetic runs: per policy, exponential TTFTs on a
@@ -51,6 +53,7 @@ var (
 )
 
 func TestWriteReport(t *testing.T) {
+	testutil.Deterministic(t)
 	res := sampleResult(t, []string{"round_robin", "least_load", "ttft"}, 4, 400)
 	res.Bound = &Bound{PrefixReuse: 0.83, MergedLRU: 0.71}
 	res.Runs[2].CapacitySpeedup = fptr(2.75)
@@ -173,6 +176,7 @@ func wellFormed(doc []byte) error {
 }
 
 func TestWriteReportDeterministic(t *testing.T) {
+	testutil.Deterministic(t)
 	res := sampleResult(t, []string{"p2c", "ttft"}, 3, 200)
 	res.Meta = map[string]any{"seed": 1, "b": "x", "a": "y", "workload": "zipf"}
 	var pages [2][]byte
@@ -191,6 +195,7 @@ func TestWriteReportDeterministic(t *testing.T) {
 }
 
 func TestWriteReportFromJSON(t *testing.T) {
+	testutil.Deterministic(t)
 	// A result read back from JSON has no series: the TTFT chart falls back to the three
 	// percentiles, the hit-rate chart is left out with a note, and the shares still draw.
 	res := sampleResult(t, []string{"round_robin", "ttft"}, 4, 100)
@@ -275,6 +280,7 @@ func TestWriteReportNonFinite(t *testing.T) {
 // TestChartScales renders charts at the edges: many policies (the legend grows the canvas),
 // many replicas (lines instead of bars), log axes, empty series, a single point.
 func TestChartScales(t *testing.T) {
+	testutil.Deterministic(t)
 	many := make([]string, 40)
 	for i := range many {
 		many[i] = "policy_" + string(rune('a'+i%26)) + string(rune('a'+i/26))

@@ -9,6 +9,8 @@ import (
 	"slices"
 	"strings"
 	"testing"
+
+	"github.com/kvgate/kvgate/internal/testutil"
 )
 
 // ttftRun summarises n synthetic requests whose TTFTs are base + Exp(scale) ms, seeded.
@@ -23,6 +25,7 @@ func ttftRun(policy string, seed uint64, n int, base, scale float64) Run {
 
 // The exact bootstrap interval is the one resampling converges to.
 func TestQuantileIntervalMatchesResampling(t *testing.T) {
+	testutil.Deterministic(t)
 	rng := rand.New(rand.NewPCG(1, 2))
 	for _, n := range []int{20, 301, 2000} {
 		x := make([]float64, n)
@@ -180,6 +183,7 @@ func TestDecideCapacity(t *testing.T) {
 }
 
 func TestOutputsVerdict(t *testing.T) {
+	testutil.Deterministic(t)
 	res := Result{Runs: []Run{ttftRun("round_robin", 1, 300, 80, 60), ttftRun("ttft", 2, 300, 40, 25)}}
 	dir := filepath.Join(t.TempDir(), "r")
 	var table, log bytes.Buffer

@@ -143,3 +143,17 @@ func (s *SyncBuffer) String() string {
 	defer s.mu.Unlock()
 	return s.b.String()
 }
+
+// Deterministic skips t under the race detector: t computes a large
+// deterministic result (a whole trace replayed in virtual time, a report
+// rendered), where the detector costs ~25× (internal/replay: 20 s without
+// it, 530 s with it on a busy machine) and finds nothing the small tests of
+// the same code under -race would not. make test runs the packages holding
+// such tests a second time without -race, so every one still runs on every
+// make test.
+func Deterministic(t testing.TB) {
+	t.Helper()
+	if RaceEnabled {
+		t.Skip("deterministic, single-goroutine replay: make test runs it without -race")
+	}
+}
