@@ -49,7 +49,9 @@ import (
 // (vLLM sends no such header): "pulled" when the prompt's KV is pulled
 // from the prefill replica, "recomputed: REASON" when the prefill side
 // could not be read and the decode replica computes the prompt itself.
-const HeaderKVPull = "X-Kvgate-Sim-KV-Pull"
+// Named X-Sim-*, as HeaderHold: X-Kvgate-* is the gateway's, which drops a
+// replica's X-Kvgate-* answer headers.
+const HeaderKVPull = "X-Sim-KV-Pull"
 
 // Paths of the side channel a prefill replica serves.
 const (
