@@ -28,6 +28,7 @@ type accessWriter struct {
 	ttft                    time.Duration // -1: no first token seen
 	prompt, cached, output  int
 	attempts                int
+	route                   *receipt // the answering attempt's (nil: none)
 }
 
 func (w *accessWriter) WriteHeader(code int) {
@@ -87,7 +88,7 @@ func noteAccess(s *settledAttempt) {
 		return
 	}
 	aw.attempts++ // tries of the answering step: more than one is a retry
-	aw.replica, aw.ttft = name, ttft
+	aw.replica, aw.ttft, aw.route = name, ttft, &s.route
 	if a.prefill == nil {
 		aw.prefill = ""
 	}
@@ -127,6 +128,9 @@ func (g *Gateway) logAccess(aw *accessWriter, r *http.Request, start time.Time) 
 		attrs = append(attrs, slog.Float64("ttft_ms", ms(aw.ttft)))
 	}
 	attrs = append(attrs, slog.Float64("e2e_ms", ms(g.clock.Since(start))))
+	if aw.route != nil {
+		attrs = append(attrs, aw.route.attrs()...)
+	}
 	if aw.prompt > 0 || aw.output > 0 {
 		attrs = append(attrs, slog.Int("prompt_tokens", aw.prompt), slog.Int("completion_tokens", aw.output))
 		if aw.cached >= 0 {

@@ -193,6 +193,16 @@ type Config struct {
 	// Tracing turns OpenTelemetry tracing on (tracing.go; also
 	// OTEL_TRACES_EXPORTER=otlp), exported as the OTEL_* variables say.
 	Tracing bool `json:"tracing,omitempty"`
+	// RouteReceipts adds the X-Kvgate-Route receipt to every answer
+	// relayed (receipt.go); the access log and spans carry it always.
+	RouteReceipts bool `json:"route_receipts,omitempty"`
+	// TTFTObjective is the TTFT the pools' saturation gauge is measured
+	// against, and SaturationWindow the time constant of the load it
+	// weighs (config_epp.go).
+	TTFTObjective    Duration `json:"ttft_objective"`
+	SaturationWindow Duration `json:"saturation_window"`
+	// EPP configures kvgate epp, the endpoint picker (config_epp.go).
+	EPP EPPConfig `json:"epp"`
 }
 
 // Defaults returns the configuration with every default set.
@@ -233,6 +243,10 @@ func Defaults() Config {
 		KVEventsMaxConnectionsPerAddress: kvzmq.DefaultMaxConnectionsPerAddress,
 		KVEventsIdleTimeout:              Duration(kvzmq.DefaultIdleTimeout),
 		KVEventsHandshakeTimeout:         Duration(5 * time.Second),
+
+		TTFTObjective:    Duration(2 * time.Second),
+		SaturationWindow: Duration(30 * time.Second),
+		EPP:              DefaultEPP(),
 	}
 }
 
@@ -341,6 +355,7 @@ func (c *Config) Validate() error {
 	errs = append(errs, c.Record.validate()...)
 	errs = append(errs, validatePassthrough(c.Passthrough)...)
 	errs = append(errs, c.validateNoSelf()...)
+	errs = append(errs, c.validateEPP()...)
 	if c.SharedState != "" {
 		if _, err := sharedstate.ParseURL(c.SharedState); err != nil {
 			errs = append(errs, keyErr("shared_state", "%v", err))

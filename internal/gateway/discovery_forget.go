@@ -30,7 +30,7 @@ func (m *metrics) replicaSeries() []*prometheus.MetricVec {
 	return []*prometheus.MetricVec{m.requests.MetricVec, m.ttft.MetricVec, m.ejections.MetricVec, m.attempts.MetricVec,
 		m.underpredicted.MetricVec, m.pdAttempts.MetricVec, m.decisions.MetricVec,
 		m.ttftRatio.MetricVec, m.promptTokens.MetricVec, m.cachedTokens.MetricVec, m.genTokens.MetricVec,
-		m.usageReported.MetricVec}
+		m.usageReported.MetricVec, m.routeChecks.MetricVec, m.wrongRoutes.MetricVec}
 }
 
 // forgetReplica deletes every series of the replica named name.

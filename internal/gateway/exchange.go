@@ -57,6 +57,9 @@ type exchange struct {
 	// lookup: the request names a response the gateway has not seen; a 404
 	// means "not on this replica" and the next replica is asked.
 	lookup bool
+	// waited is how long the request last waited in the router's queue
+	// (the route receipt's queue wait).
+	waited time.Duration
 }
 
 // serveInference handles POST /v1/completions and /v1/chat/completions:
@@ -119,6 +122,25 @@ func (g *Gateway) run(x *exchange, route func(*exchange, bool) (*attempt, error)
 // routeAttempt routes the exchange (less the replicas already tried),
 // attempts the chosen replica and settles the attempt.
 func (g *Gateway) routeAttempt(x *exchange, _ bool) (*attempt, error) {
+	tk, err := g.route(x)
+	if err != nil {
+		return nil, err
+	}
+	a := &attempt{tk: tk, cached: -1}
+	if g.allow(a) {
+		g.try(x, a)
+	}
+	g.settle(x, a)
+	if a.refusal != nil {
+		x.refusal = a.refusal
+	}
+	return a, nil
+}
+
+// route routes the exchange (less the replicas already tried): through the
+// router's queue when the policy defers, with x.pol when set. The ticket
+// is the chosen replica's; nothing is sent yet.
+func (g *Gateway) route(x *exchange) (*router.Ticket, error) {
 	t0 := g.clock.Now()
 	x.req.Now = t0
 	span := g.startSpan(x.ctx, "kvgate.route")
@@ -143,15 +165,7 @@ func (g *Gateway) routeAttempt(x *exchange, _ bool) (*attempt, error) {
 	if n := len(x.req.Blocks); n > 0 && len(x.exclude) == 0 {
 		g.met.matchRatio.Observe(float64(tk.Decision.Matched) / float64(n))
 	}
-	a := &attempt{tk: tk, cached: -1}
-	if g.allow(a) {
-		g.try(x, a)
-	}
-	g.settle(x, a)
-	if a.refusal != nil {
-		x.refusal = a.refusal
-	}
-	return a, nil
+	return tk, nil
 }
 
 // waitInQueue waits while the request is held in the router's queue (a
@@ -162,7 +176,7 @@ func (g *Gateway) waitInQueue(x *exchange, w *router.Waiting) (*router.Ticket, e
 	g.met.routerQueued.Inc()
 	defer g.met.routerQueued.Dec()
 	t0 := g.clock.Now()
-	defer func() { g.met.routerWait.Observe(g.clock.Since(t0).Seconds()) }()
+	defer func() { x.waited = g.clock.Since(t0); g.met.routerWait.Observe(x.waited.Seconds()) }()
 	timer := g.clock.NewTimer(g.conf().QueueTimeout.D())
 	defer timer.Stop()
 	select {

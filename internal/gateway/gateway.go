@@ -230,6 +230,27 @@ func (g *Gateway) routes() {
 	m.HandleFunc("/v1/completions", func(w http.ResponseWriter, r *http.Request) { g.serveInference(w, r, prompt.Completion) })
 	m.HandleFunc("/v1/chat/completions", func(w http.ResponseWriter, r *http.Request) { g.serveInference(w, r, prompt.Chat) })
 	m.HandleFunc("/v1/models", g.models)
+	g.opsRoutes(m)
+	g.passthroughRoutes(m) // the rest of the replicas' API (passthrough.go)
+	m.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) { writeError(w, errUnknownPath) })
+	g.mux = g.withWriteDeadline(g.withAccessLog(g.withTracing(&guard{g: g, mux: m}))) // withWriteDeadline: relay.go
+}
+
+// OpsHandler serves the gateway's own endpoints without the API: probes,
+// metrics, the admin and debug endpoints and the live view. An endpoint
+// picker (kvgate epp) serves it beside its gRPC service: the proxy in
+// front calls the replicas.
+func (g *Gateway) OpsHandler() http.Handler {
+	m := http.NewServeMux()
+	g.opsRoutes(m)
+	m.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) {
+		writeError(w, errNotFound.with("no such endpoint: this kvgate is an endpoint picker; send requests to the proxy in front of it"))
+	})
+	return g.withWriteDeadline(&guard{g: g, mux: m})
+}
+
+// opsRoutes registers the gateway's own endpoints on m.
+func (g *Gateway) opsRoutes(m *http.ServeMux) {
 	m.HandleFunc("/health", func(w http.ResponseWriter, r *http.Request) {
 		w.Header().Set("Content-Type", "text/plain")
 		_, _ = io.WriteString(w, "ok\n")
@@ -246,9 +267,6 @@ func (g *Gateway) routes() {
 	view := g.adminOn(g.serveUI(ui.New(liveView{g}, g.ui, bearer, g.clock.Now)))
 	m.HandleFunc("/ui", view)
 	m.HandleFunc("/ui/", view)
-	g.passthroughRoutes(m) // the rest of the replicas' API (passthrough.go)
-	m.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) { writeError(w, errUnknownPath) })
-	g.mux = g.withWriteDeadline(g.withAccessLog(g.withTracing(&guard{g: g, mux: m}))) // withWriteDeadline: relay.go
 }
 
 // guard checks what every request must pass before the mux routes it:
@@ -280,24 +298,33 @@ func (gd *guard) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 // replica that answered first (on a prefill/decode fleet, without a
 // prefill step).
 func (g *Gateway) ready(w http.ResponseWriter, r *http.Request) {
-	if g.draining.Load() {
-		writeError(w, errDraining)
-		return
-	}
-	if err := g.ctl.Ready(); err != nil {
+	if err := g.Ready(); err != nil {
 		writeError(w, err)
 		return
+	}
+	w.Header().Set("Content-Type", "text/plain")
+	_, _ = io.WriteString(w, "ready\n")
+}
+
+// Ready is nil when the gateway may take requests (ready's conditions:
+// not draining, the first health checks over, a replica that answers in
+// rotation), else why not: /ready's answer, and the endpoint picker's
+// gRPC readiness.
+func (g *Gateway) Ready() error {
+	if g.draining.Load() {
+		return errDraining
+	}
+	if err := g.ctl.Ready(); err != nil {
+		return err
 	}
 	for i := range g.rt.Replicas() {
 		// A replica that answers: on a prefill/decode fleet a prefill
 		// replica alone serves no request.
 		if r := g.rt.Replica(i); r.Ready() && !r.Removed() && r.Role().Decodes() {
-			w.Header().Set("Content-Type", "text/plain")
-			_, _ = io.WriteString(w, "ready\n")
-			return
+			return nil
 		}
 	}
-	writeError(w, errNoReplica)
+	return errNoReplica
 }
 
 // requestID is the client's X-Request-Id, or a new one.

@@ -40,6 +40,8 @@ type metrics struct {
 	cachedTokens  *prometheus.CounterVec   // replica
 	genTokens     *prometheus.CounterVec   // replica
 	usageReported *prometheus.CounterVec   // replica
+	// Route receipts' checks (receipt.go).
+	routeChecks, wrongRoutes *prometheus.CounterVec // policy, replica
 }
 
 var latencyBuckets = []float64{.005, .01, .025, .05, .075, .1, .15, .2, .3, .5, .75, 1, 1.5, 2, 3, 5, 7.5, 10, 20, 40, 80}
@@ -83,6 +85,7 @@ func newMetrics(reg prometheus.Registerer, rt *router.Router, clk clock.Clock) *
 	reg.MustRegister(m.routerQueued, m.routerWait, m.policyPanics)
 	m.newPDMetrics(reg)
 	m.newOutcomeMetrics(reg)
+	m.newRouteMetrics(reg)
 	reg.MustRegister(m.requests, m.errors, m.ttft, m.e2e, m.decision, m.matchRatio, m.retries, m.ejections, m.attempts, m.tokenize,
 		m.underpredicted)
 	reg.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "kvgate_index_entries",

@@ -26,6 +26,7 @@ func (g *Gateway) relay(x *exchange, a *attempt, ctx context.Context, cancel con
 	dropKvgateHeaders(resp.Header)
 	moveHeaders(x.w.Header(), resp.Header)
 	setTarget(x.w.Header(), g.rt.Replica(a.tk.Replica), a.prefill)
+	g.addReceipt(x.w.Header(), x, a)
 	x.w.Header().Set("X-Request-Id", x.id)
 	a.started = true
 	x.w.WriteHeader(resp.StatusCode)

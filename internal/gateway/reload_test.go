@@ -108,6 +108,7 @@ func TestReloadableKeysPartitionConfig(t *testing.T) {
 		"shared_state":     func(c *Config) { c.SharedState = "redis://127.0.0.1:6379/0" },
 		"api_keys":         func(c *Config) { c.APIKeys = []string{"key"} },
 		"passthrough":      func(c *Config) { c.Passthrough = []string{"/v1/load_lora_adapter"} },
+		"epp":              func(c *Config) { c.EPP.Fallbacks = 2 },
 	}
 	keys := jsonKeys(reflect.TypeFor[Config]())
 	if len(keys) != len(slices.Compact(slices.Sorted(slices.Values(keys)))) {

@@ -28,6 +28,9 @@ type settledAttempt struct {
 	// ttft is from the request's arrival to the attempt's first token
 	// (-1: none seen).
 	ttft time.Duration
+	// route is the decision's receipt, with its check against the
+	// replica's report (receipt.go).
+	route receipt
 }
 
 // sink hears every settled attempt, once (settle). A sink must not block:
@@ -56,7 +59,7 @@ func (g *Gateway) newSinks(met *metrics, rec *recorder, tr *tracing) sinks {
 		k.all = append(k.all, noteAccess)
 	}
 	if tr != nil {
-		k.all = append(k.all, func(s *settledAttempt) { endAttempt(s.a) })
+		k.all = append(k.all, func(s *settledAttempt) { endAttempt(s.a, &s.route) })
 	}
 	if rec != nil {
 		k.all = append(k.all, rec.settled)

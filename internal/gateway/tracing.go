@@ -166,11 +166,12 @@ func (g *Gateway) traceAttempt(ctx context.Context, x *exchange, a *attempt) con
 
 // endAttempt ends an attempt's span with its status, verdict and usage:
 // the tracing sink, when settle settles the attempt.
-func endAttempt(a *attempt) {
+func endAttempt(a *attempt, r *receipt) {
 	if a.span == nil {
 		return
 	}
 	a.span.SetAttributes(attribute.String("kvgate.verdict", a.v.String()))
+	a.span.SetAttributes(r.spanAttrs()...)
 	if a.status != 0 {
 		a.span.SetAttributes(attribute.Int("http.response.status_code", a.status))
 	}

@@ -268,7 +268,7 @@ func TestTracingOffAllocatesNothing(t *testing.T) {
 			ctx := g.traceAttempt(x.ctx, x, &at)
 			g.injectTrace(ctx, h)
 			traceFirstToken(&at)
-			endAttempt(&at)
+			endAttempt(&at, &receipt{})
 		})
 	}
 	off := startGateway(t, baseConfig(a.srv.URL))

@@ -58,11 +58,7 @@ func (g *Gateway) try(x *exchange, a *attempt) {
 		}
 	})
 	if !x.parsed.Stream {
-		// A non-streamed answer shows no first token: once the replica has
-		// surely run the prefill, it leaves the queue the policies see, and
-		// the replica has taken the request (vLLM rejects at once).
-		t := g.clock.AfterFunc(g.prefillBound(tk), func() { tk.PrefillDone(); tk.Accept() })
-		defer t.Stop()
+		defer g.watchPrefill(tk).Stop()
 	} else if d := g.conf().FirstByteTimeout.D(); d > 0 {
 		// Streamed answers start at once (vLLM sends the header when it
 		// admits the request): a replica silent this long is stuck.
@@ -77,6 +73,21 @@ func (g *Gateway) try(x *exchange, a *attempt) {
 		g.transportFailure(x, a, ctx, wrote.Load(), err)
 		return
 	}
+	g.answered(x, a, ctx, cancel, resp)
+}
+
+// watchPrefill ends a non-streamed request's prefill in the ticket once it
+// has surely run: such an answer shows no first token, so the request
+// leaves the queue the policies see after prefillBound, and the replica
+// has taken it (vLLM rejects at once). Stop the timer when the attempt ends.
+func (g *Gateway) watchPrefill(tk *router.Ticket) clock.Timer {
+	return g.clock.AfterFunc(g.prefillBound(tk), func() { tk.PrefillDone(); tk.Accept() })
+}
+
+// answered reads the replica's answer to attempt a, whichever proxy made
+// the call (try here; the proxy an endpoint picker serves, handoff.go): a
+// refusal is kept to pass on, anything else is relayed; it sets the verdict.
+func (g *Gateway) answered(x *exchange, a *attempt, ctx context.Context, cancel context.CancelCauseFunc, resp *http.Response) {
 	defer resp.Body.Close()
 	a.status = resp.StatusCode
 	if resp.StatusCode == http.StatusServiceUnavailable || resp.StatusCode == http.StatusTooManyRequests ||
@@ -85,7 +96,7 @@ func (g *Gateway) try(x *exchange, a *attempt) {
 		return
 	}
 	if resp.StatusCode < 400 {
-		tk.Accept()
+		a.tk.Accept()
 	}
 	g.relay(x, a, ctx, cancel, resp)
 	if a.v == failed && resp.StatusCode == http.StatusLoopDetected {

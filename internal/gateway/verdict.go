@@ -180,7 +180,7 @@ func (g *Gateway) settle(x *exchange, a *attempt) {
 		g.underpredicted(a.tk.Replica)
 	}
 	a.settled = settledAttempt{x: x, a: a, end: end, sent: o.sent, name: g.rt.Name(a.tk.Replica), policy: a.tk.Policy(),
-		branch: branchOf(a.tk), ttft: -1}
+		branch: branchOf(a.tk), ttft: -1, route: g.receiptOf(x, a)}
 	s := &a.settled // in the attempt, which the sinks share: nothing more to allocate
 	if !a.firstAt.IsZero() {
 		s.ttft = a.firstAt.Sub(x.start)
