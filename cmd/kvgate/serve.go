@@ -39,7 +39,8 @@ type serveFlags struct {
 	seed                                                      uint64
 	blockSize, retries, maxConns                              int
 	scrape, firstByte, idle, write, request, drain            time.Duration
-	check, accessLog                                          bool
+	check, accessLog, receipts                                bool
+	objective                                                 time.Duration
 }
 
 func (f *serveFlags) register(fs *flag.FlagSet) {
@@ -87,6 +88,10 @@ func (f *serveFlags) register(fs *flag.FlagSet) {
 	fs.StringVar(&f.logLevel, "log-level", "info", "debug, info, warn or error")
 	fs.BoolVar(&f.accessLog, "access-log", false, "log one line per request at info: method, path, model, replica, status, "+
 		"TTFT, e2e, prompt/cached/generated tokens, request id (never the prompt or a key)")
+	fs.BoolVar(&f.receipts, "route-receipts", false, "add the X-Kvgate-Route receipt to every answer: policy, matched tokens, "+
+		"estimated TTFT, branch, queue wait (the access log and spans carry it always)")
+	fs.DurationVar(&f.objective, "ttft-objective", d.TTFTObjective.D(), "the TTFT objective the pools' saturation gauge "+
+		"(kvgate_pool_saturation) measures load against")
 	rd := gateway.DefaultRecord()
 	fs.StringVar(&f.record, "record", "", fmt.Sprintf("write a trace of the requests served to this file, for kvgate replay --trace: "+
 		"block hashes and lengths, never text (rotates at %d MiB keeping %d files; config record: for more)", rd.MaxBytes>>20, rd.Keep))
@@ -262,6 +267,12 @@ func (f *serveFlags) override(cfg *gateway.Config, set map[string]bool) error {
 	}
 	if set["access-log"] {
 		cfg.AccessLog = f.accessLog
+	}
+	if set["route-receipts"] {
+		cfg.RouteReceipts = f.receipts
+	}
+	if set["ttft-objective"] {
+		cfg.TTFTObjective = gateway.Duration(f.objective)
 	}
 	f.overrideLimits(cfg, set)
 	f.overrideSecrets(cfg)

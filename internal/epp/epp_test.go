@@ -1,0 +1,218 @@
+package epp
+
+import (
+	"encoding/json"
+	"fmt"
+	"net/http"
+	"strings"
+	"testing"
+	"time"
+
+	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
+	"google.golang.org/grpc"
+
+	"github.com/kvgate/kvgate/internal/epp/standin"
+	"github.com/kvgate/kvgate/internal/gateway"
+	"github.com/kvgate/kvgate/internal/openai"
+	"github.com/kvgate/kvgate/internal/testutil"
+)
+
+var modes = []struct {
+	name string
+	mode standin.Mode
+}{{"full_duplex_streamed", standin.FullDuplex}, {"buffered", standin.Buffered}}
+
+// Through the Envoy stand-in in both body modes, streamed and not, a chat
+// is answered by the replica the picker chose, whole, and its ticket
+// settles exactly as kvgate serve settles it: served, with the usage the
+// replica reported (prompt and cached tokens), the first token of a
+// streamed answer (TTFT), and nothing left in flight.
+func TestStandInBodyModes(t *testing.T) {
+	fl := startSims(t, 2)
+	for _, m := range modes {
+		for _, stream := range []bool{false, true} {
+			t.Run(fmt.Sprintf("%s/stream=%v", m.name, stream), func(t *testing.T) {
+				r := startRig(t, gatewayConfig(fl, "ttft"), fl, standin.Config{RequestMode: m.mode, ResponseMode: m.mode,
+					MessageTimeout: time.Minute})
+				resp := post(t, r.front.URL, chat("You are terse.", "Say something about caches.", stream, 7))
+				if resp.Status != http.StatusOK || resp.Header.Get("X-Kvgate-Replica") == "" {
+					t.Fatalf("status %d, replica %q: %s", resp.Status, resp.Header.Get("X-Kvgate-Replica"), resp.Body)
+				}
+				checkAnswer(t, resp, stream, 7)
+				testutil.Eventually(t, 10*time.Second, "the ticket settled", func() bool {
+					return counter(t, r.reg, "kvgate_attempts_total", map[string]string{"verdict": "served"}) == 1
+				})
+				if got := counter(t, r.reg, "kvgate_replica_prompt_tokens_total", nil); got <= 0 {
+					t.Errorf("prompt tokens counted %v: the usage was not read", got)
+				}
+				if got := counter(t, r.reg, "kvgate_time_to_first_token_seconds", nil); stream && got != 1 {
+					t.Errorf("TTFT observations %v, want 1 for a streamed answer", got)
+				}
+				for i := range r.g.Router().Replicas() {
+					if n := r.g.Router().InFlight(i); n != 0 {
+						t.Errorf("replica %d: %d requests still in flight", i, n)
+					}
+				}
+				if r.proxy.Stats.Picked.Load() != 1 {
+					t.Errorf("the stand-in did not route by the picker: %+v", r.proxy.Stats.Picked.Load())
+				}
+			})
+		}
+	}
+}
+
+// checkAnswer checks a chat answer of n tokens: SSE chunks ending in
+// [DONE], or one JSON body with its usage.
+func checkAnswer(t *testing.T, resp testutil.Response, stream bool, n int) {
+	t.Helper()
+	if stream {
+		if !strings.Contains(resp.Body, "data: [DONE]") || strings.Count(resp.Body, `"delta"`) < n {
+			t.Fatalf("streamed answer cut: %q", resp.Body)
+		}
+		return
+	}
+	var body struct {
+		Usage openai.Usage `json:"usage"`
+	}
+	if err := json.Unmarshal([]byte(resp.Body), &body); err != nil || body.Usage.CompletionTokens != n {
+		t.Fatalf("answer %q: %v", resp.Body, err)
+	}
+}
+
+// Conversations stick to a replica and distinct ones spread, through the
+// picker as through kvgate serve on the same replicas: every turn of a
+// conversation extends the last one's prompt, and lands where it did.
+func TestStickinessAndSpread(t *testing.T) {
+	fronts := map[string]func(t *testing.T) string{
+		"serve": func(t *testing.T) string {
+			fl := startSims(t, 4)
+			cfg := gatewayConfig(fl, "ttft")
+			g, _ := startGateway(t, cfg)
+			srv := httpServer(t, g.Handler())
+			return srv
+		},
+		"epp": func(t *testing.T) string {
+			fl := startSims(t, 4)
+			return startRig(t, gatewayConfig(fl, "ttft"), fl, standin.Config{MessageTimeout: time.Minute}).front.URL
+		},
+	}
+	for name, start := range fronts {
+		t.Run(name, func(t *testing.T) {
+			url := start(t)
+			used := map[string]bool{}
+			for c := range 8 {
+				system := fmt.Sprintf("Conversation %d. %s", c, strings.Repeat(fmt.Sprintf("context %d ", c), 120))
+				first, history := "", "Hello."
+				for turn := range 3 {
+					resp := post(t, url, chat(system, history, turn%2 == 1, 4))
+					if resp.Status != http.StatusOK {
+						t.Fatalf("conversation %d turn %d: %d %s", c, turn, resp.Status, resp.Body)
+					}
+					rep := resp.Header.Get("X-Kvgate-Replica")
+					if turn == 0 {
+						first = rep
+					} else if rep != first {
+						t.Errorf("conversation %d turn %d went to %s, its first turn to %s", c, turn, rep, first)
+					}
+					history += " And then, turn " + fmt.Sprint(turn) + "."
+				}
+				used[first] = true
+			}
+			if len(used) < 2 {
+				t.Errorf("8 conversations on %d replica(s) of 4: no spread", len(used))
+			}
+		})
+	}
+}
+
+// The gateway's own answers reach the client as local replies: an unknown
+// model (404), a subset hint naming no replica (503), a path it does not
+// serve (404).
+func TestLocalReplies(t *testing.T) {
+	fl := startSims(t, 2)
+	for _, m := range modes {
+		t.Run(m.name, func(t *testing.T) {
+			r := startRig(t, gatewayConfig(fl, "ttft"), fl, standin.Config{RequestMode: m.mode, ResponseMode: m.mode,
+				MessageTimeout: time.Minute, Subset: func(req *http.Request) []string {
+					if req.Header.Get("X-Test-Subset") == "" {
+						return nil
+					}
+					return strings.Split(req.Header.Get("X-Test-Subset"), ",")
+				}})
+			resp := testutil.Post(t, nil, r.front.URL+"/v1/chat/completions", strings.Replace(chat("s", "u", false, 2),
+				`"sim-llama-8b"`, `"gpt-9"`, 1))
+			if resp.Status != http.StatusNotFound || !strings.Contains(resp.Body, "model_not_found") {
+				t.Fatalf("unknown model: %d %s", resp.Status, resp.Body)
+			}
+			resp = testutil.Post(t, nil, r.front.URL+"/v1/chat/completions", chat("s", "u", false, 2), "X-Test-Subset", "10.9.9.9:1")
+			if resp.Status != http.StatusServiceUnavailable {
+				t.Fatalf("subset of no replica: %d %s", resp.Status, resp.Body)
+			}
+			resp = testutil.Post(t, nil, r.front.URL+"/reset_prefix_cache", "{}")
+			if resp.Status != http.StatusNotFound {
+				t.Fatalf("a path outside the allow-list: %d %s", resp.Status, resp.Body)
+			}
+			if r.proxy.Stats.Local.Load() != 3 {
+				t.Fatalf("%d local replies, want 3", r.proxy.Stats.Local.Load())
+			}
+		})
+	}
+}
+
+// A subset hint restricts the pick: every request goes to the one
+// endpoint the proxy allows, whatever the policy prefers.
+func TestSubsetHint(t *testing.T) {
+	fl := startSims(t, 3)
+	only, err := gateway.Endpoint(fl.URLs()[2])
+	if err != nil {
+		t.Fatal(err)
+	}
+	r := startRig(t, gatewayConfig(fl, "round_robin"), fl, standin.Config{MessageTimeout: time.Minute,
+		Subset: func(*http.Request) []string { return []string{only} }})
+	for i := range 6 {
+		resp := post(t, r.front.URL, chat("s", fmt.Sprint("question ", i), false, 2))
+		if resp.Status != http.StatusOK || resp.Header.Get("X-Kvgate-Replica") != fl.URLs()[2] {
+			t.Fatalf("request %d: %d on %q, want %s", i, resp.Status, resp.Header.Get("X-Kvgate-Replica"), fl.URLs()[2])
+		}
+	}
+}
+
+// silent is a picker that reads every message and never answers.
+type silent struct {
+	extprocv3.UnimplementedExternalProcessorServer
+}
+
+func (silent) Process(s extprocv3.ExternalProcessor_ProcessServer) error {
+	for {
+		if _, err := s.Recv(); err != nil {
+			return nil
+		}
+	}
+}
+
+// A picker that never answers does not wedge the proxy: each request
+// fails with a 504 once the message timeout passes, or, with
+// failure_mode_allow, goes to one of the cluster's endpoints without it —
+// in both body modes.
+func TestSilentPicker(t *testing.T) {
+	fl := startSims(t, 1)
+	ep, _ := gateway.Endpoint(fl.URLs()[0])
+	conn := servePicker(t, func(gs *grpc.Server) { extprocv3.RegisterExternalProcessorServer(gs, silent{}) })
+	for _, m := range modes {
+		for _, allow := range []bool{false, true} {
+			t.Run(fmt.Sprintf("%s/failure_mode_allow=%v", m.name, allow), func(t *testing.T) {
+				p := standin.New(standin.Config{Conn: conn, RequestMode: m.mode, ResponseMode: m.mode,
+					MessageTimeout: 20 * time.Millisecond, FailureModeAllow: allow, Cluster: []string{ep}})
+				front := httpServer(t, p)
+				resp := post(t, front, chat("s", "u", false, 2))
+				want := http.StatusGatewayTimeout
+				if allow {
+					want = http.StatusOK
+				}
+				if resp.Status != want {
+					t.Fatalf("status %d, want %d: %s", resp.Status, want, resp.Body)
+				}
+			})
+		}
+	}
+}

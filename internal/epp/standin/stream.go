@@ -1,0 +1,378 @@
+package standin
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"io"
+	"net/http"
+	"strconv"
+	"strings"
+	"time"
+
+	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
+	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
+	"google.golang.org/protobuf/types/known/structpb"
+)
+
+// stream is one request's ext_proc stream.
+type stream struct {
+	p    *Proxy
+	c    extprocv3.ExternalProcessor_ProcessClient
+	recv chan received
+	stop context.CancelFunc
+}
+
+type received struct {
+	r   *extprocv3.ProcessingResponse
+	err error
+}
+
+// open opens the request's stream, with a reader of its answers (it ends
+// with the stream's context: the request's).
+func (p *Proxy) open(ctx context.Context) (*stream, error) {
+	ctx, stop := context.WithCancel(ctx)
+	c, err := p.client.Process(ctx)
+	if err != nil {
+		stop()
+		return nil, fmt.Errorf("%w: %v", errPicker, err)
+	}
+	s := &stream{p: p, c: c, recv: make(chan received, 64), stop: stop}
+	go func() {
+		for {
+			r, err := c.Recv()
+			select {
+			case s.recv <- received{r, err}:
+			case <-ctx.Done():
+				return
+			}
+			if err != nil {
+				return
+			}
+		}
+	}()
+	return s, nil
+}
+
+// next is the picker's next answer, within the message timeout.
+func (s *stream) next() (*extprocv3.ProcessingResponse, error) {
+	t := time.NewTimer(s.p.cfg.MessageTimeout)
+	defer t.Stop()
+	select {
+	case v := <-s.recv:
+		if v.err != nil {
+			return nil, fmt.Errorf("%w: %v", errPicker, v.err)
+		}
+		return v.r, nil
+	case <-t.C:
+		return nil, errTimeout
+	}
+}
+
+func (s *stream) send(r *extprocv3.ProcessingRequest) error {
+	if err := s.c.Send(r); err != nil {
+		return fmt.Errorf("%w: %v", errPicker, err)
+	}
+	return nil
+}
+
+// abort ends the stream early.
+func (s *stream) abort() { s.stop() }
+
+// request sends the request's header and body and reads the decision.
+func (s *stream) request(r *http.Request, body []byte) (decision, error) {
+	first := &extprocv3.ProcessingRequest{
+		Request: &extprocv3.ProcessingRequest_RequestHeaders{RequestHeaders: &extprocv3.HttpHeaders{
+			Headers: requestHeaders(r), EndOfStream: len(body) == 0}},
+		ProtocolConfig:  &extprocv3.ProtocolConfiguration{RequestBodyMode: s.p.cfg.RequestMode, ResponseBodyMode: s.p.cfg.ResponseMode},
+		MetadataContext: s.subsetHint(r),
+	}
+	if err := s.send(first); err != nil {
+		return decision{}, err
+	}
+	d := decision{header: r.Header.Clone(), body: body}
+	switch {
+	case len(body) == 0:
+		return s.headersAnswer(d)
+	case s.p.cfg.RequestMode == Buffered:
+		return s.buffered(d)
+	}
+	return s.duplex(d)
+}
+
+// headersAnswer reads the answer to the request's header: the pick, or a
+// local reply.
+func (s *stream) headersAnswer(d decision) (decision, error) {
+	resp, err := s.next()
+	if err != nil {
+		return d, err
+	}
+	if ir := resp.GetImmediateResponse(); ir != nil {
+		d.local = ir
+		return d, nil
+	}
+	h := resp.GetRequestHeaders()
+	if h == nil {
+		return d, fmt.Errorf("%w: a spurious answer to the request header: %T", errPicker, resp.GetResponse())
+	}
+	return s.decide(d, h.GetResponse(), resp.GetDynamicMetadata())
+}
+
+// buffered: the header's answer first (a continue), then the whole body
+// in one message, whose answer carries the pick.
+func (s *stream) buffered(d decision) (decision, error) {
+	resp, err := s.next()
+	if err != nil {
+		return d, err
+	}
+	if ir := resp.GetImmediateResponse(); ir != nil {
+		d.local = ir
+		return d, nil
+	}
+	if resp.GetRequestHeaders() == nil {
+		return d, fmt.Errorf("%w: a spurious answer to the request header", errPicker)
+	}
+	applyMutation(d.header, resp.GetRequestHeaders().GetResponse().GetHeaderMutation())
+	if err := s.send(&extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_RequestBody{
+		RequestBody: &extprocv3.HttpBody{Body: d.body, EndOfStream: true}}}); err != nil {
+		return d, err
+	}
+	if resp, err = s.next(); err != nil {
+		return d, err
+	}
+	if ir := resp.GetImmediateResponse(); ir != nil {
+		d.local = ir
+		return d, nil
+	}
+	if resp.GetRequestBody() == nil {
+		return d, fmt.Errorf("%w: a spurious answer to the request body", errPicker)
+	}
+	return s.decide(d, resp.GetRequestBody().GetResponse(), resp.GetDynamicMetadata())
+}
+
+// duplex: the body in chunks as it comes; the header's answer (the pick)
+// then the body sent back in chunks up to its end of stream.
+func (s *stream) duplex(d decision) (decision, error) {
+	for off := 0; off < len(d.body); {
+		n := min(len(d.body)-off, 16<<10)
+		if err := s.send(&extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_RequestBody{
+			RequestBody: &extprocv3.HttpBody{Body: d.body[off : off+n], EndOfStream: off+n == len(d.body)}}}); err != nil {
+			return d, err
+		}
+		off += n
+	}
+	d, err := s.headersAnswer(d)
+	if err != nil || d.local != nil {
+		return d, err
+	}
+	var out bytes.Buffer
+	for {
+		resp, err := s.next()
+		if err != nil {
+			return d, err
+		}
+		sb := resp.GetRequestBody().GetResponse().GetBodyMutation().GetStreamedResponse()
+		if sb == nil {
+			return d, fmt.Errorf("%w: a spurious answer in the request body's stream", errPicker)
+		}
+		out.Write(sb.GetBody())
+		if sb.GetEndOfStream() {
+			d.body = out.Bytes()
+			return d, nil
+		}
+	}
+}
+
+// decide reads the pick from an answer: the destination header (which the
+// stand-in routes by, as an ORIGINAL_DST cluster with use_http_header
+// does), which must equal the dynamic metadata's.
+func (s *stream) decide(d decision, c *extprocv3.CommonResponse, md *structpb.Struct) (decision, error) {
+	applyMutation(d.header, c.GetHeaderMutation())
+	dest := d.header.Get("X-Gateway-Destination-Endpoint")
+	meta := md.GetFields()[s.p.cfg.Namespace].GetStructValue().GetFields()["x-gateway-destination-endpoint"].GetStringValue()
+	if dest == "" || dest != meta {
+		return d, fmt.Errorf("%w: destination header %q and envoy.lb metadata %q differ", errPicker, dest, meta)
+	}
+	for _, ep := range strings.Split(dest, ",") {
+		d.endpoints = append(d.endpoints, strings.TrimSpace(ep))
+	}
+	return d, nil
+}
+
+// response sends the replica's answer through the picker and writes what
+// it answers to the client.
+func (s *stream) response(w http.ResponseWriter, resp *http.Response, served string) {
+	defer s.stop()
+	md := &corev3.Metadata{FilterMetadata: map[string]*structpb.Struct{s.p.cfg.Namespace: {Fields: map[string]*structpb.Value{
+		"x-gateway-destination-endpoint-served": structpb.NewStringValue(served)}}}}
+	err := s.send(&extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_ResponseHeaders{
+		ResponseHeaders: &extprocv3.HttpHeaders{Headers: responseHeaders(resp)}}, MetadataContext: md})
+	var ans *extprocv3.ProcessingResponse
+	if err == nil {
+		ans, err = s.next()
+	}
+	for k, vs := range resp.Header {
+		w.Header()[k] = vs
+	}
+	if err == nil {
+		applyMutation(w.Header(), ans.GetResponseHeaders().GetResponse().GetHeaderMutation())
+	}
+	w.WriteHeader(resp.StatusCode)
+	if err != nil {
+		s.failedMidway(w, resp.Body)
+		return
+	}
+	if s.p.cfg.ResponseMode == Buffered {
+		err = s.bufferedBody(w, resp.Body)
+	} else {
+		err = s.duplexBody(w, resp.Body)
+	}
+	if err != nil {
+		s.failedMidway(w, resp.Body)
+		return
+	}
+	_ = s.c.CloseSend()
+}
+
+// failedMidway: the picker failed while the answer was passing. With
+// failure_mode_allow the rest passes without it; else the client's
+// connection is cut.
+func (s *stream) failedMidway(w http.ResponseWriter, body io.Reader) {
+	if !s.p.cfg.FailureModeAllow {
+		s.p.Stats.FailedClosed.Add(1)
+		panic(http.ErrAbortHandler)
+	}
+	s.p.Stats.FailedOpen.Add(1)
+	_, _ = io.Copy(w, body)
+}
+
+// duplexBody sends each chunk as it comes and writes the chunks the picker
+// sends back, flushed.
+func (s *stream) duplexBody(w http.ResponseWriter, body io.Reader) error {
+	rc := http.NewResponseController(w)
+	buf := make([]byte, 32<<10)
+	for {
+		n, rerr := body.Read(buf)
+		eos := rerr != nil
+		if n > 0 || eos {
+			if err := s.send(&extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_ResponseBody{
+				ResponseBody: &extprocv3.HttpBody{Body: buf[:n], EndOfStream: eos}}}); err != nil {
+				return err
+			}
+			if err := s.echoed(w, n, eos); err != nil {
+				return err
+			}
+			_ = rc.Flush()
+		}
+		if eos {
+			return nil
+		}
+	}
+}
+
+// echoed reads the picker's answers to one response chunk of n bytes:
+// chunks sent back until as many bytes (and the end of stream with eos).
+func (s *stream) echoed(w io.Writer, n int, eos bool) error {
+	for got := 0; ; {
+		resp, err := s.next()
+		if err != nil {
+			return err
+		}
+		sb := resp.GetResponseBody().GetResponse().GetBodyMutation().GetStreamedResponse()
+		if sb == nil {
+			return fmt.Errorf("%w: a spurious answer in the response body's stream", errPicker)
+		}
+		if _, err := w.Write(sb.GetBody()); err != nil {
+			return err
+		}
+		got += len(sb.GetBody())
+		if got >= n && (!eos || sb.GetEndOfStream()) {
+			return nil
+		}
+	}
+}
+
+// bufferedBody sends the whole answer in one message and writes it once
+// the picker answered.
+func (s *stream) bufferedBody(w io.Writer, body io.Reader) error {
+	all, err := io.ReadAll(body)
+	if err != nil {
+		return err
+	}
+	if err := s.send(&extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_ResponseBody{
+		ResponseBody: &extprocv3.HttpBody{Body: all, EndOfStream: true}}}); err != nil {
+		return err
+	}
+	resp, err := s.next()
+	if err != nil {
+		return err
+	}
+	if resp.GetResponseBody() == nil {
+		return fmt.Errorf("%w: a spurious answer to the response body", errPicker)
+	}
+	_, err = w.Write(all)
+	return err
+}
+
+// subsetHint is the request's subset hint as filter metadata (nil: none).
+func (s *stream) subsetHint(r *http.Request) *corev3.Metadata {
+	if s.p.cfg.Subset == nil {
+		return nil
+	}
+	eps := s.p.cfg.Subset(r)
+	if eps == nil {
+		return nil
+	}
+	vals := make([]any, len(eps))
+	for i, e := range eps {
+		vals[i] = e
+	}
+	l, _ := structpb.NewList(vals)
+	return &corev3.Metadata{FilterMetadata: map[string]*structpb.Struct{s.p.cfg.SubsetNamespace: {Fields: map[string]*structpb.Value{
+		"x-gateway-destination-endpoint-subset": structpb.NewListValue(l)}}}}
+}
+
+// requestHeaders is r's header as Envoy sends it: pseudo-headers first,
+// lower-case keys, values in raw_value.
+func requestHeaders(r *http.Request) *corev3.HeaderMap {
+	m := &corev3.HeaderMap{}
+	add := func(k, v string) { m.Headers = append(m.Headers, &corev3.HeaderValue{Key: k, RawValue: []byte(v)}) }
+	add(":method", r.Method)
+	add(":path", r.URL.RequestURI())
+	add(":authority", r.Host)
+	add(":scheme", "http")
+	for k, vs := range r.Header {
+		for _, v := range vs {
+			add(strings.ToLower(k), v)
+		}
+	}
+	return m
+}
+
+// responseHeaders is resp's header as Envoy sends it.
+func responseHeaders(resp *http.Response) *corev3.HeaderMap {
+	m := &corev3.HeaderMap{Headers: []*corev3.HeaderValue{{Key: ":status", RawValue: []byte(strconv.Itoa(resp.StatusCode))}}}
+	for k, vs := range resp.Header {
+		for _, v := range vs {
+			m.Headers = append(m.Headers, &corev3.HeaderValue{Key: strings.ToLower(k), RawValue: []byte(v)})
+		}
+	}
+	return m
+}
+
+// applyMutation applies a header mutation to h.
+func applyMutation(h http.Header, m *extprocv3.HeaderMutation) {
+	for _, k := range m.GetRemoveHeaders() {
+		h.Del(k)
+	}
+	for _, o := range m.GetSetHeaders() {
+		h.Set(o.GetHeader().GetKey(), value(o.GetHeader()))
+	}
+}
+
+func value(h *corev3.HeaderValue) string {
+	if len(h.GetRawValue()) > 0 {
+		return string(h.GetRawValue())
+	}
+	return h.GetValue()
+}
