@@ -216,3 +216,53 @@ func TestSilentPicker(t *testing.T) {
 		}
 	}
 }
+
+// fakeReplica is a vLLM-like replica that answers chats with code (200:
+// a short answer with its usage).
+func fakeReplica(t *testing.T, code int) string {
+	t.Helper()
+	return httpServer(t, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		switch r.URL.Path {
+		case "/metrics":
+			_, _ = w.Write([]byte("vllm:num_requests_running 0\nvllm:num_requests_waiting 0\nvllm:kv_cache_usage_perc 0\n"))
+		case "/v1/models":
+			_, _ = w.Write([]byte(`{"object":"list","data":[{"id":"` + "sim-llama-8b" + `","object":"model"}]}`))
+		case "/v1/chat/completions":
+			w.Header().Set("Content-Type", "application/json")
+			w.WriteHeader(code)
+			if code == http.StatusOK {
+				_, _ = w.Write([]byte(`{"id":"c","object":"chat.completion","choices":[{"index":0,"message":{"role":"assistant",` +
+					`"content":"ok"}}],"usage":{"prompt_tokens":5,"completion_tokens":2,"prompt_tokens_details":{"cached_tokens":0}}}`))
+			}
+		}
+	}))
+}
+
+// When the chosen replica refuses (503), the proxy moves on to the
+// fallback the pick listed and says so (the served endpoint's metadata):
+// the refusal is settled against the chosen replica, the answer against
+// the fallback.
+func TestFallbackServed(t *testing.T) {
+	refuser, good := fakeReplica(t, http.StatusServiceUnavailable), fakeReplica(t, http.StatusOK)
+	cfg := gateway.Defaults()
+	cfg.Policy = "round_robin"
+	cfg.EjectAfter = 1000 // the refuser stays in rotation: each request may pick it
+	cfg.ScrapeInterval, cfg.HealthInterval = gateway.Duration(20*time.Millisecond), gateway.Duration(50*time.Millisecond)
+	cfg.Replicas = []gateway.ReplicaConfig{{URL: refuser}, {URL: good}}
+	r := startRig(t, cfg, nil, standin.Config{MessageTimeout: time.Minute})
+	for i := range 4 {
+		resp := post(t, r.front.URL, chat("s", fmt.Sprint("q", i), false, 2))
+		if resp.Status != http.StatusOK || resp.Header.Get("X-Kvgate-Replica") != good {
+			t.Fatalf("request %d: %d from %q, want the good replica's answer", i, resp.Status, resp.Header.Get("X-Kvgate-Replica"))
+		}
+	}
+	testutil.Eventually(t, 10*time.Second, "the attempts settled", func() bool {
+		return counter(t, r.reg, "kvgate_attempts_total", map[string]string{"replica": good, "verdict": "served"}) == 4
+	})
+	if n := counter(t, r.reg, "kvgate_attempts_total", map[string]string{"replica": refuser, "verdict": "refused"}); n != 2 {
+		t.Fatalf("%v refusals settled against the refuser, want 2 (round robin chose it for every other request)", n)
+	}
+	if r.proxy.Stats.Fallbacks.Load() != 2 {
+		t.Fatalf("the stand-in used %d fallbacks, want 2", r.proxy.Stats.Fallbacks.Load())
+	}
+}
