@@ -13,6 +13,7 @@ import (
 
 	"github.com/kvgate/kvgate/internal/costmodel"
 	"github.com/kvgate/kvgate/internal/engine"
+	"github.com/kvgate/kvgate/internal/policy"
 	"github.com/kvgate/kvgate/internal/replay"
 	"github.com/kvgate/kvgate/internal/report"
 	"github.com/kvgate/kvgate/internal/router"
@@ -35,6 +36,8 @@ const (
 	questionScore     = "score-surface"
 	questionStaleness = "staleness"
 	questionPressure  = "cache-pressure"
+	// questionSaturation: the pool saturation gauge's lead on a ramp (saturation.go).
+	questionSaturation = "saturation"
 )
 
 // replayFlags are the flags of `kvgate replay`.
@@ -90,7 +93,7 @@ func (f *replayFlags) register(fs *flag.FlagSet) {
 	fs.DurationVar(&f.staleness, "staleness", 0, "policies see the replicas' scraped metrics (and KV events) this much late")
 	fs.DurationVar(&f.scrape, "scrape-interval", 0, "period of the metric scrapes (0: each policy's upstream period: llm-d's 50 ms for llmd and precise, else 250 ms, the gateway's)")
 	fs.BoolVar(&f.capacity, "capacity", false, "search each policy's largest speed-up meeting --slo-ttft-p90")
-	fs.DurationVar(&f.slo, "slo-ttft-p90", 2*time.Second, "the p90 TTFT objective of --capacity")
+	fs.DurationVar(&f.slo, "slo-ttft-p90", 2*time.Second, "the p90 TTFT objective of --capacity and of --question saturation")
 	fs.BoolVar(&f.oracle, "oracle", true, "compute the oracle bound beside the hit-rate bounds: every request hits as in one LRU of the fleet's "+
 		"capacity and goes where the engines' exact queues give it its first token soonest (its TTFT, and with --capacity its capacity "+
 		"and each run's capacity_vs_bound); one gateway, aggregated replicas")
@@ -99,7 +102,9 @@ func (f *replayFlags) register(fs *flag.FlagSet) {
 	fs.Uint64Var(&f.seed, "seed", 1, "seed of the workload and the policies")
 	fs.StringVar(&f.question, "question", "", "answer one question instead: sharing (TTFT and hit rate against the sharing ratio), "+
 		"score-surface (score's cache weight against load weight), staleness (p90 TTFT against staleness), "+
-		"cache-pressure (p90 TTFT and hit rate against --kv-blocks from 1000 to 8000); "+
+		"cache-pressure (p90 TTFT and hit rate against --kv-blocks from 1000 to 8000), "+
+		"saturation (the pool saturation gauge on a ramp from --rate/10 to 2×--rate, and at steady rates: its lead on "+
+		"the measured p90 TTFT over --slo-ttft-p90); "+
 		"without --trace or --workload, on the "+replayDefaultWorkload+" workload at --rate")
 }
 
@@ -167,6 +172,7 @@ type replayConfig struct {
 	specs    []replay.PolicySpec
 	workload workload.Spec
 	rate     float64
+	slo      time.Duration // --question saturation's objective
 	question string
 	capacity *replay.SLO
 	oracle   bool
@@ -183,7 +189,7 @@ func (f *replayFlags) config(inv invocation) (replayConfig, error) {
 	if err != nil {
 		return replayConfig{}, fmt.Errorf("%w: --profile: %v", errUsage, err)
 	}
-	c := replayConfig{rate: f.rate, question: f.question,
+	c := replayConfig{rate: f.rate, question: f.question, slo: f.slo,
 		oracle: f.oracle && f.gateways <= 1 && f.prefillReplicas == 0 && f.decodeReplicas == 0}
 	c.replay = replay.Config{
 		Replicas: f.aggregated(), PrefillReplicas: f.prefillReplicas, DecodeReplicas: f.decodeReplicas,
@@ -308,7 +314,7 @@ func (f *replayFlags) check() error {
 		return bad("--slo-ttft-p90 %v: must be > 0", f.slo)
 	case f.capacity && f.question != "":
 		return bad("--capacity and --question do not combine")
-	case f.set["slo-ttft-p90"] && !f.capacity:
+	case f.set["slo-ttft-p90"] && !f.capacity && f.question != questionSaturation:
 		return bad("--slo-ttft-p90 needs --capacity")
 	case f.set["oracle"] && f.oracle && (f.gateways > 1 || f.decodeReplicas > 0):
 		return bad("--oracle is computed for one gateway in front of aggregated replicas")
@@ -319,9 +325,10 @@ func (f *replayFlags) check() error {
 // checkQuestion rejects --question values and the flags a question sweeps.
 func (f *replayFlags) checkQuestion(bad func(format string, a ...any) error) error {
 	switch f.question {
-	case "", questionSharing, questionScore, questionStaleness, questionPressure:
+	case "", questionSharing, questionScore, questionStaleness, questionPressure, questionSaturation:
 	default:
-		return bad("--question %q: want %s, %s, %s or %s", f.question, questionSharing, questionScore, questionStaleness, questionPressure)
+		return bad("--question %q: want %s, %s, %s, %s or %s", f.question, questionSharing, questionScore, questionStaleness,
+			questionPressure, questionSaturation)
 	}
 	switch {
 	case f.question == questionScore && (f.set["policies"] || len(f.policyParams) > 0):
@@ -332,6 +339,8 @@ func (f *replayFlags) checkQuestion(bad func(format string, a ...any) error) err
 		return bad("--question staleness sweeps the staleness: drop --staleness")
 	case f.question == questionPressure && f.set["kv-blocks"]:
 		return bad("--question cache-pressure sweeps --kv-blocks: drop it")
+	case f.question == questionSaturation && (strings.Contains(f.policies, ",") || f.rate <= 0 || f.trace != ""):
+		return bad("--question saturation replays one policy (--policies), on a generated workload at --rate > 0")
 	}
 	return nil
 }
@@ -346,6 +355,8 @@ func (f *replayFlags) specs() ([]replay.PolicySpec, error) {
 			names = replay.SharingPolicies()
 		case questionStaleness, questionPressure:
 			names = replay.CacheAware()
+		case questionSaturation:
+			names = []string{policy.Default}
 		}
 	}
 	for i := range names {
@@ -497,6 +508,11 @@ func (c replayConfig) execute(ctx context.Context, progress func(replay.PolicySp
 		return replay.Staleness(ctx, c.replay, reqs, replay.DefaultStaleness(), c.specs, progress)
 	case questionPressure:
 		return replay.CachePressure(ctx, c.replay, reqs, replay.DefaultPressureBlocks(), c.specs, progress)
+	case questionSaturation:
+		res, charts, _, err := replay.SaturationQuestion(ctx, c.replay, reqs, c.specs[0], replay.SaturationOptions{Objective: c.slo,
+			Window: 5 * time.Second, P90Window: 10 * time.Second, From: c.rate / 10, To: 2 * c.rate,
+			Steady: []float64{c.rate / 4, c.rate / 2, c.rate * 0.8}, Seed: c.workload.Seed})
+		return res, charts, err
 	}
 	res, err := replay.Compare(ctx, c.replay, reqs, c.specs, replay.Options{Progress: progress, Capacity: c.capacity, Oracle: c.oracle})
 	return res, nil, err

@@ -245,7 +245,7 @@ func Defaults() Config {
 		KVEventsHandshakeTimeout:         Duration(5 * time.Second),
 
 		TTFTObjective:    Duration(2 * time.Second),
-		SaturationWindow: Duration(30 * time.Second),
+		SaturationWindow: Duration(5 * time.Second),
 		EPP:              DefaultEPP(),
 	}
 }

@@ -135,6 +135,7 @@ func New(cfg Config, o Options) (*Gateway, error) {
 	}
 	g.ctl, g.fleet = ctl, ctl.Fleet()
 	g.met = newMetrics(o.Registry, rt, o.Clock)
+	o.Registry.MustRegister(newSaturationCollector(rt, cfg, prof)) // saturation.go
 	g.registerLimiterMetrics(o.Registry)
 	if cfg.Tokenizer == "remote" {
 		g.tok = newRemoteTokenizer(g, 8192)

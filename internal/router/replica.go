@@ -72,6 +72,11 @@ type Replica struct {
 	// pendingTransfer is the prompt tokens decode steps will pull
 	// (ReplicaView.PendingTransfer).
 	pendingTransfer atomic.Int64
+	// prefilled, prompted, decoded and routed count, for ever, the
+	// uncached prompt tokens, the prompt tokens and the output tokens the
+	// replica was sent, and the requests: the saturation's rates
+	// (saturation.go).
+	prefilled, prompted, decoded, routed atomic.Int64
 	// remote is the other gateways' load (nil: none), added in Views.
 	remote atomic.Pointer[Load]
 	// preciseOK: the precise index is in sync for this replica.

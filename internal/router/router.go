@@ -638,6 +638,7 @@ func (rt *Router) commit(req *policy.Request, d policy.Decision, match, approxMa
 	r.pendingPrefill.Add(t.uncached)
 	r.pendingCount.Add(1)
 	r.pendingTransfer.Add(t.transfer)
+	r.countWork(t.uncached, int64(req.Tokens), int64(max(req.MaxTokens, 0))) // saturation.go
 	if !rt.cfg.LearnOnAccept {
 		t.learn()
 	}
@@ -789,6 +790,7 @@ func (t *Ticket) Done(at time.Time, o Outcome) {
 	}
 	r.inFlightTokens.Add(-t.tokens)
 	r.inFlightKV.Add(-t.kv)
+	r.correctWork(t, o) // saturation.go
 	if r.inFlight.Add(-1) == 0 && r.removed.Load() {
 		t.rt.drained(r)
 	}
