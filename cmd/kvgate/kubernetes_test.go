@@ -138,16 +138,19 @@ type k8sService struct {
 
 // loadManifests parses every YAML document of every file under
 // deploy/kubernetes, each of which must name its apiVersion, kind and name.
-func loadManifests(t *testing.T) []k8sObject {
+func loadManifests(t *testing.T) []k8sObject { return loadManifestsIn(t, "kubernetes") }
+
+// loadManifestsIn is loadManifests of deploy/DIR.
+func loadManifestsIn(t *testing.T, dir string) []k8sObject {
 	t.Helper()
-	files, err := filepath.Glob(filepath.Join(repoRoot(t), "deploy", "kubernetes", "*"))
+	files, err := filepath.Glob(filepath.Join(repoRoot(t), "deploy", dir, "*"))
 	if err != nil || len(files) == 0 {
-		t.Fatalf("no manifests under deploy/kubernetes: %v", err)
+		t.Fatalf("no manifests under deploy/%s: %v", dir, err)
 	}
 	var out []k8sObject
 	for _, f := range files {
 		if ext := filepath.Ext(f); ext != ".yaml" && ext != ".yml" {
-			t.Errorf("%s: not a .yaml file; kubectl apply -f deploy/kubernetes would skip or refuse it", f)
+			t.Errorf("%s: not a .yaml file; kubectl apply -f deploy/%s would skip or refuse it", f, dir)
 			continue
 		}
 		data, err := os.ReadFile(f)
@@ -180,7 +183,7 @@ func find(t *testing.T, objs []k8sObject, kind, name string) k8sObject {
 			return o
 		}
 	}
-	t.Fatalf("no %s %q under deploy/kubernetes", kind, name)
+	t.Fatalf("no %s %q among the manifests", kind, name)
 	return k8sObject{}
 }
 
