@@ -252,9 +252,18 @@ func (c *call) responseHeaders(h *extprocv3.HttpHeaders, md *corev3.Metadata) er
 	return c.send(&extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_ResponseHeaders{ResponseHeaders: resp}})
 }
 
-// responseBody sends a chunk of the replica's answer back (full-duplex:
-// the chunk itself; else: unchanged) and hands it to the request.
+// responseBody hands a chunk of the replica's answer to the request —
+// and at its end of stream settles it — then sends the chunk back
+// (full-duplex: the chunk itself; else: unchanged). In that order: the
+// proxy ends the stream once it has the answer's last chunk, which would
+// cut an answer complete but not yet settled (client_gone).
 func (c *call) responseBody(b *extprocv3.HttpBody) error {
+	if c.h != nil {
+		c.h.Body(b.GetBody())
+		if b.GetEndOfStream() {
+			c.endHandoff(true)
+		}
+	}
 	resps := []*extprocv3.BodyResponse{{}}
 	if c.respMode == procmodev3.ProcessingMode_FULL_DUPLEX_STREAMED {
 		resps = resps[:0]
@@ -265,12 +274,6 @@ func (c *call) responseBody(b *extprocv3.HttpBody) error {
 	for _, r := range resps {
 		if err := c.send(&extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_ResponseBody{ResponseBody: r}}); err != nil {
 			return err
-		}
-	}
-	if c.h != nil {
-		c.h.Body(b.GetBody())
-		if b.GetEndOfStream() {
-			c.endHandoff(true)
 		}
 	}
 	return nil

@@ -3,6 +3,7 @@ package epp
 import (
 	"encoding/json"
 	"fmt"
+	"io"
 	"net/http"
 	"strings"
 	"testing"
@@ -11,6 +12,7 @@ import (
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
 	"google.golang.org/grpc"
 
+	"github.com/kvgate/kvgate/internal/clock"
 	"github.com/kvgate/kvgate/internal/epp/standin"
 	"github.com/kvgate/kvgate/internal/gateway"
 	"github.com/kvgate/kvgate/internal/openai"
@@ -193,7 +195,8 @@ func (silent) Process(s extprocv3.ExternalProcessor_ProcessServer) error {
 // A picker that never answers does not wedge the proxy: each request
 // fails with a 504 once the message timeout passes, or, with
 // failure_mode_allow, goes to one of the cluster's endpoints without it —
-// in both body modes.
+// in both body modes. The timeout runs on a fake clock, advanced once the
+// proxy waits for the answer.
 func TestSilentPicker(t *testing.T) {
 	fl := startSims(t, 1)
 	ep, _ := gateway.Endpoint(fl.URLs()[0])
@@ -201,16 +204,21 @@ func TestSilentPicker(t *testing.T) {
 	for _, m := range modes {
 		for _, allow := range []bool{false, true} {
 			t.Run(fmt.Sprintf("%s/failure_mode_allow=%v", m.name, allow), func(t *testing.T) {
-				p := standin.New(standin.Config{Conn: conn, RequestMode: m.mode, ResponseMode: m.mode,
-					MessageTimeout: 20 * time.Millisecond, FailureModeAllow: allow, Cluster: []string{ep}})
-				front := httpServer(t, p)
-				resp := post(t, front, chat("s", "u", false, 2))
+				c := clock.NewFake(time.Time{})
+				p := standin.New(standin.Config{Conn: conn, RequestMode: m.mode, ResponseMode: m.mode, Clock: c,
+					MessageTimeout: time.Second, FailureModeAllow: allow, Cluster: []string{ep}})
+				res := postAsync(httpServer(t, p), chat("s", "u", false, 2))
+				if !c.WaitTimers(1, time.Minute) {
+					t.Fatal("the proxy never waited for the picker's answer")
+				}
+				c.Advance(time.Second)
+				r := <-res
 				want := http.StatusGatewayTimeout
 				if allow {
 					want = http.StatusOK
 				}
-				if resp.Status != want {
-					t.Fatalf("status %d, want %d: %s", resp.Status, want, resp.Body)
+				if r.err != nil || r.status != want {
+					t.Fatalf("status %d (%v), want %d: %s", r.status, r.err, want, r.body)
 				}
 			})
 		}
@@ -264,5 +272,168 @@ func TestFallbackServed(t *testing.T) {
 	}
 	if r.proxy.Stats.Fallbacks.Load() != 2 {
 		t.Fatalf("the stand-in used %d fallbacks, want 2", r.proxy.Stats.Fallbacks.Load())
+	}
+}
+
+// muted is a picker stream whose answers of the kinds drop says are
+// dropped: the picker picks, then goes silent. The first dropped answer
+// is told on dropped.
+type muted struct {
+	grpc.ServerStream
+	drop    func(*extprocv3.ProcessingResponse) bool
+	dropped chan<- struct{}
+}
+
+func (m muted) SendMsg(msg any) error {
+	if r, ok := msg.(*extprocv3.ProcessingResponse); ok && m.drop(r) {
+		select {
+		case m.dropped <- struct{}{}:
+		default:
+		}
+		return nil
+	}
+	return m.ServerStream.SendMsg(msg)
+}
+
+// mute is a stream interceptor dropping the answers drop says.
+func mute(drop func(*extprocv3.ProcessingResponse) bool, dropped chan<- struct{}) grpc.ServerOption {
+	return grpc.StreamInterceptor(func(srv any, ss grpc.ServerStream, _ *grpc.StreamServerInfo, h grpc.StreamHandler) error {
+		return h(srv, muted{ss, drop, dropped})
+	})
+}
+
+// A picker that picks and then never answers the response's messages does
+// not wedge the proxy either: once the message timeout passes (a fake
+// clock, advanced when the proxy waits for an answer that was dropped),
+// the client gets a 504 (silent on the response header) or its connection
+// cut (silent on the body: part of the answer may have left), or with
+// failure_mode_allow the whole answer without the picker; kvgate settles
+// the request when the proxy ends the stream, nothing stays in flight. In
+// both body modes.
+func TestPickerSilentOnTheAnswer(t *testing.T) {
+	fl := startSims(t, 2)
+	silentOn := map[string]func(*extprocv3.ProcessingResponse) bool{
+		"header": func(r *extprocv3.ProcessingResponse) bool {
+			return r.GetResponseHeaders() != nil || r.GetResponseBody() != nil
+		},
+		"body": func(r *extprocv3.ProcessingResponse) bool { return r.GetResponseBody() != nil },
+	}
+	for _, m := range modes {
+		for part, drop := range silentOn {
+			for _, allow := range []bool{false, true} {
+				t.Run(fmt.Sprintf("%s/silent_on=%s/failure_mode_allow=%v", m.name, part, allow), func(t *testing.T) {
+					c, dropped := clock.NewFake(time.Time{}), make(chan struct{}, 1)
+					r := startRig(t, gatewayConfig(fl, "ttft"), fl, standin.Config{RequestMode: m.mode, ResponseMode: m.mode,
+						MessageTimeout: time.Second, Clock: c, FailureModeAllow: allow}, mute(drop, dropped))
+					res := postAsync(r.front.URL, chat("s", "u", false, 5))
+					select {
+					case <-dropped:
+					case got := <-res:
+						t.Fatalf("answered %+v before the picker went silent", got)
+					}
+					if !c.WaitTimers(1, time.Minute) {
+						t.Fatal("the proxy never waited for the dropped answer")
+					}
+					c.Advance(time.Second)
+					checkSilentOutcome(t, r, <-res, part, allow)
+					testutil.Eventually(t, 10*time.Second, "the request settled", func() bool {
+						return counter(t, r.reg, "kvgate_attempts_total", nil) == 1 && r.g.Router().InFlight(0)+r.g.Router().InFlight(1) == 0
+					})
+				})
+			}
+		}
+	}
+}
+
+// checkSilentOutcome checks what the client got when the picker went
+// silent on part of the answer.
+func checkSilentOutcome(t *testing.T, r *rig, got posted, part string, allow bool) {
+	t.Helper()
+	switch {
+	case allow:
+		if got.err != nil || got.status != http.StatusOK || r.proxy.Stats.FailedOpen.Load() != 1 {
+			t.Fatalf("%+v (failed open %d): want the whole answer", got, r.proxy.Stats.FailedOpen.Load())
+		}
+		checkAnswer(t, testutil.Response{Status: got.status, Body: got.body}, false, 5)
+	case part == "header":
+		if got.err != nil || got.status != http.StatusGatewayTimeout {
+			t.Fatalf("%+v: want a 504", got)
+		}
+	case got.err == nil:
+		t.Fatalf("answer %+v read whole: want the connection cut", got)
+	}
+	if r.proxy.Stats.Picked.Load() != 1 || !allow && r.proxy.Stats.FailedClosed.Load() != 1 {
+		t.Fatalf("picked %d, failed closed %d: want the pick, then the failure", r.proxy.Stats.Picked.Load(),
+			r.proxy.Stats.FailedClosed.Load())
+	}
+}
+
+// posted is a chat's outcome: the status and the body, or the error of a
+// cut connection.
+type posted struct {
+	status int
+	body   string
+	err    error
+}
+
+// postAsync posts a chat to url (the stand-in's front); the outcome comes
+// on the channel.
+func postAsync(url, body string) <-chan posted {
+	res := make(chan posted, 1)
+	go func() {
+		resp, err := http.Post(url+"/v1/chat/completions", "application/json", strings.NewReader(body))
+		if err != nil {
+			res <- posted{err: err}
+			return
+		}
+		defer resp.Body.Close()
+		b, err := io.ReadAll(resp.Body)
+		res <- posted{resp.StatusCode, string(b), err}
+	}()
+	return res
+}
+
+// lastWordWaits is a picker stream that, once it has sent the answer's
+// last chunk back, returns only when the proxy has ended the stream — as
+// Envoy does as soon as it has that chunk: whatever the picker does after
+// its last word happens with the stream gone.
+type lastWordWaits struct{ grpc.ServerStream }
+
+func (s lastWordWaits) SendMsg(msg any) error {
+	err := s.ServerStream.SendMsg(msg)
+	r, _ := msg.(*extprocv3.ProcessingResponse)
+	if b := r.GetResponseBody(); b != nil && (b.GetResponse().GetBodyMutation().GetStreamedResponse().GetEndOfStream() ||
+		b.GetResponse().GetBodyMutation() == nil) {
+		select {
+		case <-s.Context().Done():
+		case <-time.After(time.Minute): // a proxy that never ends it: go on
+		}
+	}
+	return err
+}
+
+// An answer whose last chunk the picker sent back is settled served, even
+// when the proxy ends the stream at once (the picker settles before its
+// last word) — in both body modes, streamed or not.
+func TestSettledBeforeTheLastWord(t *testing.T) {
+	fl := startSims(t, 2)
+	wait := grpc.StreamInterceptor(func(srv any, ss grpc.ServerStream, _ *grpc.StreamServerInfo, h grpc.StreamHandler) error {
+		return h(srv, lastWordWaits{ss})
+	})
+	for _, m := range modes {
+		for _, stream := range []bool{false, true} {
+			t.Run(fmt.Sprintf("%s/stream=%v", m.name, stream), func(t *testing.T) {
+				r := startRig(t, gatewayConfig(fl, "ttft"), fl, standin.Config{RequestMode: m.mode, ResponseMode: m.mode,
+					MessageTimeout: time.Minute}, wait)
+				resp := post(t, r.front.URL, chat("s", "u", stream, 3))
+				checkAnswer(t, resp, stream, 3)
+				testutil.Eventually(t, 10*time.Second, "the request settled", func() bool {
+					return counter(t, r.reg, "kvgate_attempts_total", nil) == 1
+				})
+				if n := counter(t, r.reg, "kvgate_attempts_total", map[string]string{"verdict": "served"}); n != 1 {
+					t.Fatalf("%v served, want 1: a complete answer settled otherwise", n)
+				}
+			})
+		}
 	}
 }

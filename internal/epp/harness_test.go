@@ -86,15 +86,15 @@ func startGateway(t *testing.T, cfg gateway.Config) (*gateway.Gateway, *promethe
 	return g, reg
 }
 
-// servePicker serves srv on a loopback port until the test ends; it
-// returns a client connection to it.
-func servePicker(t *testing.T, register func(*grpc.Server)) *grpc.ClientConn {
+// servePicker serves srv on a loopback port until the test ends, with
+// opts; it returns a client connection to it.
+func servePicker(t *testing.T, register func(*grpc.Server), opts ...grpc.ServerOption) *grpc.ClientConn {
 	t.Helper()
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
 	}
-	gs := grpc.NewServer()
+	gs := grpc.NewServer(opts...)
 	register(gs)
 	var wg sync.WaitGroup
 	wg.Go(func() { _ = gs.Serve(ln) })
@@ -107,15 +107,15 @@ func servePicker(t *testing.T, register func(*grpc.Server)) *grpc.ClientConn {
 }
 
 // startRig starts the whole chain with the stand-in configured by sc
-// (its Conn set here).
-func startRig(t *testing.T, cfg gateway.Config, fl *sim.Fleet, sc standin.Config) *rig {
+// (its Conn set here), the picker's gRPC server with opts.
+func startRig(t *testing.T, cfg gateway.Config, fl *sim.Fleet, sc standin.Config, opts ...grpc.ServerOption) *rig {
 	t.Helper()
 	g, reg := startGateway(t, cfg)
 	srv, err := New(g, cfg.EPP, cfg.MaxBodyBytes, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
-	sc.Conn = servePicker(t, func(gs *grpc.Server) { srv.Register(gs) })
+	sc.Conn = servePicker(t, func(gs *grpc.Server) { srv.Register(gs) }, opts...)
 	p := standin.New(sc)
 	front := httptest.NewServer(p)
 	t.Cleanup(front.Close)

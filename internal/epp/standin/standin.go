@@ -14,10 +14,12 @@
 // Envoy has no per-message timeout in full-duplex mode, where the route's
 // timeout bounds the request: the stand-in uses MessageTimeout there too,
 // for the pick); when the picker fails (no stream, an error, a timeout, a
-// spurious answer) the request fails with 504 (a timeout) or 500, unless
-// FailureModeAllow, and then it goes on without the picker, to one of the
-// cluster's endpoints of the stand-in's own choosing (round robin) as
-// Envoy's failure_mode_allow and the InferencePool's FailOpen say.
+// spurious answer) the request fails with 504 (a timeout) or 500 — or,
+// once part of the answer reached the client, its connection is cut —
+// unless FailureModeAllow, and then it goes on without the picker: to one
+// of the cluster's endpoints of the stand-in's own choosing (round robin)
+// when there was no pick, else the rest of the answer passes unchanged,
+// as Envoy's failure_mode_allow and the InferencePool's FailOpen say.
 //
 // It is for tests and for trying the picker without Envoy (kvgate epp
 // --standin): one request per ext_proc stream, no TLS, no retries but the
@@ -36,6 +38,8 @@ import (
 	procmodev3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
 	"google.golang.org/grpc"
+
+	"github.com/kvgate/kvgate/internal/clock"
 )
 
 // Mode is a body send mode the stand-in speaks.
@@ -57,6 +61,8 @@ type Config struct {
 	// MessageTimeout bounds each wait for the picker's answer (Envoy's
 	// message_timeout; 200 ms when unset).
 	MessageTimeout time.Duration
+	// Clock times MessageTimeout (nil: the real clock; tests use a fake).
+	Clock clock.Clock
 	// FailureModeAllow goes on without the picker when it fails.
 	FailureModeAllow bool
 	// Cluster are the endpoints (host:port) a request goes to without the
@@ -100,6 +106,7 @@ func New(cfg Config) *Proxy {
 	if cfg.MessageTimeout <= 0 {
 		cfg.MessageTimeout = 200 * time.Millisecond
 	}
+	cfg.Clock = clock.OrReal(cfg.Clock)
 	if cfg.Namespace == "" {
 		cfg.Namespace = "envoy.lb"
 	}
@@ -143,12 +150,7 @@ func (p *Proxy) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		writeLocal(w, d.local)
 		return
 	case err != nil && !p.cfg.FailureModeAllow:
-		p.Stats.FailedClosed.Add(1)
-		code := http.StatusInternalServerError
-		if errors.Is(err, errTimeout) {
-			code = http.StatusGatewayTimeout
-		}
-		http.Error(w, err.Error(), code)
+		p.failClosed(w, err)
 		return
 	case err != nil:
 		p.Stats.FailedOpen.Add(1)
@@ -158,6 +160,18 @@ func (p *Proxy) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		p.Stats.Picked.Add(1)
 	}
 	p.forward(w, r, s, d)
+}
+
+// failClosed answers the client when the picker failed before any of the
+// answer reached it: 504 when the picker did not answer in time, else 500
+// (Envoy's local replies with failure_mode_allow false).
+func (p *Proxy) failClosed(w http.ResponseWriter, err error) {
+	p.Stats.FailedClosed.Add(1)
+	code := http.StatusInternalServerError
+	if errors.Is(err, errTimeout) {
+		code = http.StatusGatewayTimeout
+	}
+	http.Error(w, err.Error(), code)
 }
 
 // decision is what the picker said of a request: a local reply, or the

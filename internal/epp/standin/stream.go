@@ -8,7 +8,6 @@ import (
 	"net/http"
 	"strconv"
 	"strings"
-	"time"
 
 	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
@@ -56,7 +55,7 @@ func (p *Proxy) open(ctx context.Context) (*stream, error) {
 
 // next is the picker's next answer, within the message timeout.
 func (s *stream) next() (*extprocv3.ProcessingResponse, error) {
-	t := time.NewTimer(s.p.cfg.MessageTimeout)
+	t := s.p.cfg.Clock.NewTimer(s.p.cfg.MessageTimeout)
 	defer t.Stop()
 	select {
 	case v := <-s.recv:
@@ -64,7 +63,7 @@ func (s *stream) next() (*extprocv3.ProcessingResponse, error) {
 			return nil, fmt.Errorf("%w: %v", errPicker, v.err)
 		}
 		return v.r, nil
-	case <-t.C:
+	case <-t.C():
 		return nil, errTimeout
 	}
 }
@@ -211,6 +210,11 @@ func (s *stream) response(w http.ResponseWriter, resp *http.Response, served str
 	if err == nil {
 		ans, err = s.next()
 	}
+	if err != nil && !s.p.cfg.FailureModeAllow {
+		// Nothing reached the client yet: Envoy answers it itself.
+		s.p.failClosed(w, err)
+		return
+	}
 	for k, vs := range resp.Header {
 		w.Header()[k] = vs
 	}
@@ -219,36 +223,42 @@ func (s *stream) response(w http.ResponseWriter, resp *http.Response, served str
 	}
 	w.WriteHeader(resp.StatusCode)
 	if err != nil {
-		s.failedMidway(w, resp.Body)
+		s.failedMidway(w, nil, resp.Body)
 		return
 	}
+	var pending []byte
 	if s.p.cfg.ResponseMode == Buffered {
-		err = s.bufferedBody(w, resp.Body)
+		pending, err = s.bufferedBody(w, resp.Body)
 	} else {
-		err = s.duplexBody(w, resp.Body)
+		pending, err = s.duplexBody(w, resp.Body)
 	}
 	if err != nil {
-		s.failedMidway(w, resp.Body)
+		s.failedMidway(w, pending, resp.Body)
 		return
 	}
 	_ = s.c.CloseSend()
 }
 
 // failedMidway: the picker failed while the answer was passing. With
-// failure_mode_allow the rest passes without it; else the client's
-// connection is cut.
-func (s *stream) failedMidway(w http.ResponseWriter, body io.Reader) {
+// failure_mode_allow the rest passes without it — first pending, the part
+// read from the replica that the picker did not send back; else the
+// client's connection is cut.
+func (s *stream) failedMidway(w http.ResponseWriter, pending []byte, body io.Reader) {
 	if !s.p.cfg.FailureModeAllow {
 		s.p.Stats.FailedClosed.Add(1)
 		panic(http.ErrAbortHandler)
 	}
 	s.p.Stats.FailedOpen.Add(1)
+	if _, err := w.Write(pending); err != nil {
+		return
+	}
 	_, _ = io.Copy(w, body)
 }
 
 // duplexBody sends each chunk as it comes and writes the chunks the picker
-// sends back, flushed.
-func (s *stream) duplexBody(w http.ResponseWriter, body io.Reader) error {
+// sends back, flushed. On an error, pending is the part of the chunk in
+// flight the picker did not send back.
+func (s *stream) duplexBody(w http.ResponseWriter, body io.Reader) (pending []byte, err error) {
 	rc := http.NewResponseController(w)
 	buf := make([]byte, 32<<10)
 	for {
@@ -257,61 +267,63 @@ func (s *stream) duplexBody(w http.ResponseWriter, body io.Reader) error {
 		if n > 0 || eos {
 			if err := s.send(&extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_ResponseBody{
 				ResponseBody: &extprocv3.HttpBody{Body: buf[:n], EndOfStream: eos}}}); err != nil {
-				return err
+				return buf[:n], err
 			}
-			if err := s.echoed(w, n, eos); err != nil {
-				return err
+			if got, err := s.echoed(w, n, eos); err != nil {
+				return buf[min(got, n):n], err
 			}
 			_ = rc.Flush()
 		}
 		if eos {
-			return nil
+			return nil, nil
 		}
 	}
 }
 
 // echoed reads the picker's answers to one response chunk of n bytes:
-// chunks sent back until as many bytes (and the end of stream with eos).
-func (s *stream) echoed(w io.Writer, n int, eos bool) error {
-	for got := 0; ; {
+// chunks sent back until as many bytes (and the end of stream with eos);
+// got is how many it wrote.
+func (s *stream) echoed(w io.Writer, n int, eos bool) (got int, err error) {
+	for {
 		resp, err := s.next()
 		if err != nil {
-			return err
+			return got, err
 		}
 		sb := resp.GetResponseBody().GetResponse().GetBodyMutation().GetStreamedResponse()
 		if sb == nil {
-			return fmt.Errorf("%w: a spurious answer in the response body's stream", errPicker)
+			return got, fmt.Errorf("%w: a spurious answer in the response body's stream", errPicker)
 		}
 		if _, err := w.Write(sb.GetBody()); err != nil {
-			return err
+			return got, err
 		}
 		got += len(sb.GetBody())
 		if got >= n && (!eos || sb.GetEndOfStream()) {
-			return nil
+			return got, nil
 		}
 	}
 }
 
 // bufferedBody sends the whole answer in one message and writes it once
-// the picker answered.
-func (s *stream) bufferedBody(w io.Writer, body io.Reader) error {
+// the picker answered. On an error, pending is what it read and did not
+// write.
+func (s *stream) bufferedBody(w io.Writer, body io.Reader) (pending []byte, err error) {
 	all, err := io.ReadAll(body)
 	if err != nil {
-		return err
+		return all, err
 	}
 	if err := s.send(&extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_ResponseBody{
 		ResponseBody: &extprocv3.HttpBody{Body: all, EndOfStream: true}}}); err != nil {
-		return err
+		return all, err
 	}
 	resp, err := s.next()
 	if err != nil {
-		return err
+		return all, err
 	}
 	if resp.GetResponseBody() == nil {
-		return fmt.Errorf("%w: a spurious answer to the response body", errPicker)
+		return all, fmt.Errorf("%w: a spurious answer to the response body", errPicker)
 	}
 	_, err = w.Write(all)
-	return err
+	return nil, err
 }
 
 // subsetHint is the request's subset hint as filter metadata (nil: none).
