@@ -243,8 +243,10 @@ func (c *call) responseHeaders(h *extprocv3.HttpHeaders, md *corev3.Metadata) er
 			c.endHandoff(false)
 			return status.Error(codes.InvalidArgument, err.Error())
 		}
-		add := c.h.Respond(st, header, metaString(md, c.s.cfg.DestinationNamespace, KeyServed))
-		resp.Response = &extprocv3.CommonResponse{HeaderMutation: setHeaders(add)}
+		set, remove := c.h.Respond(st, header, metaString(md, c.s.cfg.DestinationNamespace, KeyServed))
+		m := setHeaders(set)
+		m.RemoveHeaders = lower(remove)
+		resp.Response = &extprocv3.CommonResponse{HeaderMutation: m}
 		if h.GetEndOfStream() {
 			c.endHandoff(true)
 		}

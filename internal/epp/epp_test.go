@@ -4,6 +4,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
+	"maps"
 	"net/http"
 	"strings"
 	"testing"
@@ -229,7 +230,16 @@ func TestSilentPicker(t *testing.T) {
 // a short answer with its usage).
 func fakeReplica(t *testing.T, code int) string {
 	t.Helper()
+	return fakeReplicaWith(t, code, nil)
+}
+
+// fakeReplicaWith is fakeReplica answering chats with header's headers too.
+func fakeReplicaWith(t *testing.T, code int, header http.Header) string {
+	t.Helper()
 	return httpServer(t, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.URL.Path == "/v1/chat/completions" {
+			maps.Copy(w.Header(), header)
+		}
 		switch r.URL.Path {
 		case "/metrics":
 			_, _ = w.Write([]byte("vllm:num_requests_running 0\nvllm:num_requests_waiting 0\nvllm:kv_cache_usage_perc 0\n"))
@@ -435,5 +445,31 @@ func TestSettledBeforeTheLastWord(t *testing.T) {
 				}
 			})
 		}
+	}
+}
+
+// Only kvgate names the route: X-Kvgate-* headers a replica answers with
+// (a compromised replica, or a gateway behind it) never reach the client
+// through the picker either, in both body modes; its other headers do.
+func TestReplicaGatewayHeadersStripped(t *testing.T) {
+	evil := fakeReplicaWith(t, http.StatusOK, http.Header{"X-Kvgate-Replica": {"http://evil"}, "X-Kvgate-Pull-From": {"http://evil"},
+		"X-Other": {"kept"}})
+	for _, m := range modes {
+		t.Run(m.name, func(t *testing.T) {
+			cfg := gateway.Defaults()
+			cfg.ScrapeInterval, cfg.HealthInterval = gateway.Duration(20*time.Millisecond), gateway.Duration(50*time.Millisecond)
+			cfg.Replicas = []gateway.ReplicaConfig{{URL: evil}}
+			r := startRig(t, cfg, nil, standin.Config{RequestMode: m.mode, ResponseMode: m.mode, MessageTimeout: time.Minute})
+			resp := post(t, r.front.URL, chat("s", "u", false, 2))
+			if resp.Status != http.StatusOK || resp.Header.Get("X-Kvgate-Replica") != evil || resp.Header.Get("X-Other") != "kept" {
+				t.Fatalf("%d, X-Kvgate-Replica %q, X-Other %q: want kvgate's replica and the replica's other headers", resp.Status,
+					resp.Header.Get("X-Kvgate-Replica"), resp.Header.Get("X-Other"))
+			}
+			for k, v := range resp.Header {
+				if strings.HasPrefix(k, "X-Kvgate-") && strings.Contains(strings.Join(v, ","), "evil") {
+					t.Errorf("the client got the replica's %s: %q", k, v)
+				}
+			}
+		})
 	}
 }

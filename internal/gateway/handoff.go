@@ -369,13 +369,15 @@ func Endpoint(replicaURL string) (string, error) {
 // Respond hands the replica's answer to the gateway: its status and
 // header, and the endpoint that served it ("" : the chosen one; a
 // fallback's when the proxy moved on). The body follows (Body), then End.
-// It returns the headers to add to the client's answer: the replica
-// served and, when on, the route receipt.
-func (h *Handoff) Respond(status int, header http.Header, served string) http.Header {
+// It returns the changes to the client's answer: the headers to set (the
+// replica served and, when on, the route receipt) and the replica's own
+// X-Kvgate-* headers to remove (only the gateway names the route, as the
+// HTTP front's relay drops them).
+func (h *Handoff) Respond(status int, header http.Header, served string) (set http.Header, remove []string) {
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	if h.responded || h.finished {
-		return nil
+		return nil, nil
 	}
 	h.responded, h.w.relayed = true, true
 	if served != "" {
@@ -397,7 +399,13 @@ func (h *Handoff) Respond(status int, header http.Header, served string) http.He
 	setTarget(add, h.g.rt.Replica(h.a.tk.Replica), nil)
 	add.Set("X-Request-Id", h.x.id)
 	h.g.addReceipt(add, h.x, h.a)
-	return add
+	for k := range header {
+		if isKvgateHeader(k) && add.Get(k) == "" {
+			remove = append(remove, k)
+		}
+	}
+	slices.Sort(remove)
+	return add, remove
 }
 
 // switchTo makes the replica at endpoint served the attempt's when the

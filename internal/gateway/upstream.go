@@ -189,10 +189,15 @@ func dropGatewayHeaders(h http.Header) {
 // replica answered).
 func dropKvgateHeaders(h http.Header) {
 	for k := range h {
-		if strings.HasPrefix(textproto.CanonicalMIMEHeaderKey(k), "X-Kvgate-") {
+		if isKvgateHeader(k) {
 			delete(h, k)
 		}
 	}
+}
+
+// isKvgateHeader: k is one of the headers only the gateway writes.
+func isKvgateHeader(k string) bool {
+	return strings.HasPrefix(textproto.CanonicalMIMEHeaderKey(k), "X-Kvgate-")
 }
 
 // setTarget names the target that answered: X-Kvgate-Replica (its URL)
