@@ -74,6 +74,16 @@ type Request struct {
 	// pool routes the model; 0: not resolved, resolved when routed).
 	// Policies ignore it.
 	Pool int
+	// Flow control (the router's flow controller, router/flow.go; policies
+	// ignore them): the tenant the request counts against, its priority
+	// band (vLLM's priority: lower is earlier), the time its first token
+	// is due by (zero: none; EDF within the tenant) and its rank among the
+	// tenant's requests of its band (lower first, before the deadline: a
+	// caller's own order, e.g. a program's turn; 0 by default).
+	Tenant   string
+	Priority int
+	Deadline time.Time
+	Rank     int64
 }
 
 // ReplicaView is what the router knows of one replica now.

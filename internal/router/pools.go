@@ -57,7 +57,7 @@ type pool struct {
 // newPools builds cfg's pools (the default pool when none are configured).
 func (rt *Router) newPools(cfg []Pool) error {
 	if len(cfg) == 0 {
-		rt.pools = []*pool{{all: true, pol: &rt.pol, q: &rt.q}}
+		rt.pools = []*pool{{all: true, pol: &rt.pol, q: newQueue(&rt.flow)}}
 		return nil
 	}
 	seen := map[string]bool{}
@@ -73,7 +73,7 @@ func (rt *Router) newPools(cfg []Pool) error {
 			return fmt.Errorf("%w: pool %q has no policy", ErrPool, c.Name)
 		}
 		seen[c.Name] = true
-		p := &pool{name: c.Name, exact: map[string]bool{}, pol: &atomic.Pointer[policies]{}, q: &queue{}}
+		p := &pool{name: c.Name, exact: map[string]bool{}, pol: &atomic.Pointer[policies]{}, q: newQueue(&rt.flow)}
 		for _, m := range c.Models {
 			if m == "" {
 				return fmt.Errorf("%w: pool %q lists an empty model name", ErrPool, c.Name)

@@ -4,19 +4,22 @@ import (
 	"errors"
 	"slices"
 	"sync"
+	"time"
 
 	"github.com/kvgate/kvgate/internal/policy"
 )
 
-// The router's queue: late binding. A policy may answer policy.ErrDefer
-// (every replica's queue is too long to join now: Dynamo's router queue);
-// the request then waits in the router, first come first served, and is
-// routed when a replica's prefill work shrinks (a first token, an end) or
-// the router's view changes (a scrape). While requests wait, newcomers
-// queue behind them. A request is never deferred while nothing is in
-// flight, so the queue always has an event to wait for. Each pool has its
-// own queue (pools.go): a pool whose replicas are all busy holds back its
-// own requests only.
+// The router's queue: late binding, and flow control's (flow.go). A policy
+// may answer policy.ErrDefer (every replica's queue is too long to join
+// now: Dynamo's router queue), or the flow controller may find the pool
+// saturated; the request then waits in the router and is routed when a
+// replica's prefill work shrinks (a first token, an end) or the router's
+// view changes (a scrape). While requests wait, newcomers queue too, in
+// the queue's order: first come first served with flow control off; by
+// band, tenant and deadline with it on. A request is never deferred while
+// nothing is in flight, so the queue always has an event to wait for.
+// Each pool has its own queue (pools.go): a pool whose replicas are all
+// busy holds back its own requests only.
 
 // Waiting is a request held in the router's queue.
 type Waiting struct {
@@ -27,9 +30,23 @@ type Waiting struct {
 	t       *Ticket
 	err     error
 	// OnRouted, when set before the queue moves (the replay, which routes
-	// in its own event loop), is called with the ticket as the request
-	// leaves the queue, on the goroutine that released it.
+	// in its own event loop), is called with the ticket (or the error: a
+	// shed request's *ShedError) as the request leaves the queue, on the
+	// goroutine that released it.
 	OnRouted func(*Ticket, error)
+
+	// Its place in the queue (the queue's mutex): the band and tenant
+	// queue it waits in (nil once it left), its index in that heap, its
+	// order (seq: arrival), when it is due (its deadline, else its TTL's
+	// end: EDF) and when it expires (zero: never, flow control off).
+	bnd      *band
+	tq       *tenantQ
+	idx      int
+	seq      uint64
+	due      time.Time
+	expires  time.Time
+	enqueued time.Time
+	work     float64 // estimated GPU work: prompt + expected output
 }
 
 // Done is closed when the request has left the queue.
@@ -39,30 +56,106 @@ func (w *Waiting) Done() <-chan struct{} { return w.done }
 // once Done is closed.
 func (w *Waiting) Result() (*Ticket, error) { return w.t, w.err }
 
-// queue is the router's FIFO of waiting requests.
+// Enqueued is when the request started waiting.
+func (w *Waiting) Enqueued() time.Time { return w.enqueued }
+
+// Expires is when the request's wait ends, shed (its deadline or its
+// band's TTL; zero with flow control off: the caller bounds the wait).
+func (w *Waiting) Expires() time.Time { return w.expires }
+
+// queue is one pool's queue: its bands, most urgent first, each holding
+// the tenants with requests waiting in it.
 type queue struct {
-	mu      sync.Mutex
-	waiting []*Waiting
+	mu    sync.Mutex
+	n     int
+	bands []*band // non-empty, by priority
+	seq   uint64
+	fl    *flow   // nil: flow control off
+	solo  *tenant // the one tenant of a queue without flow control
 }
 
-// Submit routes req like Route, unless the policy defers it or requests
-// are already waiting: then it joins the queue and Submit returns its
-// Waiting (nil ticket, nil error).
+// band is one priority's requests.
+type band struct {
+	prio    int
+	conf    Band
+	n       int
+	work    float64
+	tenants []*tenantQ // with requests waiting, in the order they came
+}
+
+// tenantQ is one tenant's requests in one band: a heap by rank, due time
+// and arrival.
+type tenantQ struct {
+	t    *tenant
+	h    waitHeap
+	work float64
+}
+
+type waitHeap []*Waiting
+
+func (h waitHeap) Len() int { return len(h) }
+func (h waitHeap) Less(i, j int) bool {
+	a, b := h[i], h[j]
+	if a.req.Rank != b.req.Rank {
+		return a.req.Rank < b.req.Rank
+	}
+	if !a.due.Equal(b.due) {
+		return a.due.Before(b.due)
+	}
+	return a.seq < b.seq
+}
+func (h waitHeap) Swap(i, j int) {
+	h[i], h[j] = h[j], h[i]
+	h[i].idx, h[j].idx = i, j
+}
+func (h *waitHeap) Push(x any) {
+	w := x.(*Waiting)
+	w.idx = len(*h)
+	*h = append(*h, w)
+}
+func (h *waitHeap) Pop() any {
+	old := *h
+	w := old[len(old)-1]
+	old[len(old)-1] = nil
+	*h = old[:len(old)-1]
+	return w
+}
+
+func newQueue(cfg *FlowConfig) *queue {
+	q := &queue{solo: &tenant{weight: 1}}
+	if cfg != nil && cfg.Enabled {
+		q.fl = newFlow(cfg)
+	}
+	return q
+}
+
+// Submit routes req like Route, unless the policy defers it, the flow
+// controller holds it (its pool saturated) or requests are already
+// waiting: then it joins the queue and Submit returns its Waiting (nil
+// ticket, nil error). With flow control, a request the queue cannot take
+// is refused with a *ShedError.
 func (rt *Router) Submit(req *policy.Request, exclude ...int) (*Ticket, *Waiting, error) {
 	pl := rt.poolOfRequest(req)
 	if pl == nil {
 		return nil, nil, ErrModelNotServed
 	}
-	pl.q.mu.Lock()
-	defer pl.q.mu.Unlock()
-	if len(pl.q.waiting) == 0 {
-		t, err := rt.routeOrForce(pl, req, exclude)
+	q := pl.q
+	q.mu.Lock()
+	saturated := q.n > 0
+	if !saturated {
+		t, err := rt.routeQueued(pl, req, exclude)
 		if !errors.Is(err, policy.ErrDefer) {
+			q.mu.Unlock()
 			return t, nil, err
 		}
 	}
 	w := &Waiting{req: req, pl: pl, exclude: slices.Clone(exclude), done: make(chan struct{})}
-	pl.q.waiting = append(pl.q.waiting, w)
+	evicted, err := q.admit(w, rt.cfg.Now())
+	q.mu.Unlock()
+	leave(evicted)
+	if err != nil {
+		return nil, nil, err
+	}
 	return nil, w, nil
 }
 
@@ -73,12 +166,24 @@ func (rt *Router) Cancel(w *Waiting) bool {
 	q := w.pl.q
 	q.mu.Lock()
 	defer q.mu.Unlock()
-	i := slices.Index(q.waiting, w)
-	if i < 0 {
+	if w.tq == nil {
 		return false
 	}
-	q.waiting = slices.Delete(q.waiting, i, i+1)
+	q.remove(w)
 	return true
+}
+
+// Expire sheds w if it is still waiting (its Expires came: the caller's
+// timer) and returns why; nil means it already left the queue (Result).
+func (rt *Router) Expire(w *Waiting) error {
+	q := w.pl.q
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	if w.tq == nil {
+		return nil
+	}
+	q.remove(w)
+	return q.expiredErr(w)
 }
 
 // Queued is the number of requests waiting in the router (every pool's).
@@ -93,7 +198,7 @@ func (rt *Router) Queued() int {
 func (q *queue) len() int {
 	q.mu.Lock()
 	defer q.mu.Unlock()
-	return len(q.waiting)
+	return q.n
 }
 
 // Release routes each pool's queue's head while its policy lets it; the
@@ -104,22 +209,39 @@ func (rt *Router) Release() {
 	}
 }
 
-// release routes pl's queue's head while pl's policy lets it.
+// release routes pl's queue's head while the pool takes it: a head past
+// its expiry is shed instead.
 func (rt *Router) release(pl *pool) {
-	pl.q.mu.Lock()
+	q := pl.q
+	q.mu.Lock()
 	var out []*Waiting
-	for len(pl.q.waiting) > 0 {
-		w := pl.q.waiting[0]
-		w.req.Now = rt.cfg.Now()
-		t, err := rt.routeOrForce(pl, w.req, w.exclude)
+	now := rt.cfg.Now()
+	for q.n > 0 {
+		w := q.head()
+		if !w.expires.IsZero() && !now.Before(w.expires) {
+			q.remove(w)
+			w.err = q.expiredErr(w)
+			out = append(out, w)
+			continue
+		}
+		w.req.Now = now
+		t, err := rt.routeQueued(pl, w.req, w.exclude)
 		if errors.Is(err, policy.ErrDefer) {
 			break
 		}
-		pl.q.waiting = pl.q.waiting[1:]
+		q.remove(w)
+		if q.fl != nil && err == nil {
+			q.fl.drained(now, w.work)
+		}
 		w.t, w.err = t, err
 		out = append(out, w)
 	}
-	pl.q.mu.Unlock()
+	q.mu.Unlock()
+	leave(out)
+}
+
+// leave tells the requests that left the queue.
+func leave(out []*Waiting) {
 	for _, w := range out {
 		close(w.done)
 		if w.OnRouted != nil {
@@ -128,16 +250,18 @@ func (rt *Router) release(pl *pool) {
 	}
 }
 
-// routeOrForce is Route, except that a deferral while nothing is in flight
-// in req's pool pl (no event would ever release its queue) is overruled.
-func (rt *Router) routeOrForce(pl *pool, req *policy.Request, exclude []int) (*Ticket, error) {
-	t, err := rt.Route(req, exclude...)
+// routeQueued is Route through pl's flow controller (gated by saturation,
+// the decision checked against the deadline, the work charged), except
+// that a deferral while nothing is in flight in pl (no event would ever
+// release its queue) is overruled. pl's queue's mutex is held.
+func (rt *Router) routeQueued(pl *pool, req *policy.Request, exclude []int) (*Ticket, error) {
+	t, err := rt.routeWith(nil, req, exclude, pl.q)
 	if !errors.Is(err, policy.ErrDefer) || rt.inFlight(pl) > 0 {
 		return t, err
 	}
 	req.NoDefer = true
 	defer func() { req.NoDefer = false }()
-	return rt.Route(req, exclude...)
+	return rt.routeWith(nil, req, exclude, pl.q)
 }
 
 // inFlight is the requests in flight to pl's replicas.

@@ -93,6 +93,9 @@ type Config struct {
 	// own policy (pools.go; Spec.Pool names a replica's). None: one pool of
 	// every replica, routed by Policy.
 	Pools []Pool
+	// Flow configures every pool's flow controller (flow.go; the zero
+	// value: off, the queue is late binding's FIFO).
+	Flow FlowConfig
 }
 
 // DefaultNonCachedTokens is Config.NonCachedTokens' default.
@@ -134,7 +137,8 @@ type Router struct {
 	nextID atomic.Uint64
 	// serials numbers the replicas added (Replica.Serial).
 	serials atomic.Uint64
-	q       queue
+	// flow is Config.Flow with its defaults, which every pool's queue reads.
+	flow FlowConfig
 	// pools are the configured pools, or the default one (pools.go).
 	pools []*pool
 	// leastLoad routes a request whose policy panicked (guard.go).
@@ -182,6 +186,11 @@ func New(cfg Config) (*Router, error) {
 		return nil, err
 	}
 	rt := &Router{cfg: cfg, tok: cfg.Tokenizer, approx: ix, leastLoad: ll}
+	if cfg.Flow.Enabled {
+		if rt.flow, err = cfg.Flow.withDefaults(); err != nil {
+			return nil, err
+		}
+	}
 	rt.SetPolicy(cfg.Policy)
 	if err := rt.newPools(cfg.Pools); err != nil {
 		return nil, err
@@ -514,6 +523,11 @@ type Ticket struct {
 	// Allow was called, allowed: it admitted the request.
 	pass           Pass
 	asked, allowed bool
+	// fq is the queue whose flow controller charged the ticket's work to
+	// ten (expOut: the output it expected), settled by Done; nil: none.
+	fq     *queue
+	ten    *tenant
+	expOut float64
 }
 
 // Route decides and commits: the replica's counters go up (before the
@@ -532,10 +546,25 @@ func (rt *Router) Route(req *policy.Request, exclude ...int) (*Ticket, error) {
 // state. The candidates are still the pool's, and its policy's observer
 // still hears the request, whose load counts like any other.
 func (rt *Router) RouteWith(pol policy.Policy, req *policy.Request, exclude ...int) (*Ticket, error) {
+	return rt.routeWith(pol, req, exclude, nil)
+}
+
+// routeWith is RouteWith, through the flow controller of q when q has one
+// (q's mutex held): a saturated pool defers the request, a decision whose
+// estimated first token comes after the request's deadline sheds it, and
+// the ticket's work is charged to its tenant.
+func (rt *Router) routeWith(pol policy.Policy, req *policy.Request, exclude []int, q *queue) (*Ticket, error) {
 	views, approx := rt.views(req)
 	pl, err := rt.candidates(req, views, exclude)
 	if err != nil {
 		return nil, err
+	}
+	var fl *flow
+	if q != nil {
+		fl = q.fl
+	}
+	if fl != nil && !req.NoDefer && fl.saturated(views) {
+		return nil, policy.ErrDefer
 	}
 	if pol == nil {
 		pol = pl.pol.Load().pol
@@ -547,7 +576,17 @@ func (rt *Router) RouteWith(pol policy.Policy, req *policy.Request, exclude ...i
 	if d.Replica < 0 || d.Replica >= len(views) || !views[d.Replica].Healthy {
 		return nil, fmt.Errorf("router: policy %s chose replica %d of %d, not a candidate", pol.Name(), d.Replica, len(views))
 	}
-	return rt.commitView(pol, req, d, views, approx, policy.PhaseNone), nil
+	if fl != nil {
+		if err := fl.feasible(req, d); err != nil {
+			return nil, err
+		}
+	}
+	t := rt.commitView(pol, req, d, views, approx, policy.PhaseNone)
+	if fl != nil {
+		t.fq = q
+		fl.charge(t, fl.tenant(req.Tenant))
+	}
+	return t, nil
 }
 
 // commitView commits d, which pol decided, for one step (phase) of req,
@@ -793,6 +832,11 @@ func (t *Ticket) Done(at time.Time, o Outcome) {
 	r.correctWork(t, o) // saturation.go
 	if r.inFlight.Add(-1) == 0 && r.removed.Load() {
 		t.rt.drained(r)
+	}
+	if t.fq != nil {
+		t.fq.mu.Lock()
+		t.fq.fl.settle(t, o.OutputTokens)
+		t.fq.mu.Unlock()
 	}
 	defer t.rt.releaseIfQueued()
 	t.observe(policy.Event{Kind: policy.Done, At: at, Req: t.req, Decision: t.Decision,

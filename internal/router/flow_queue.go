@@ -1,0 +1,276 @@
+package router
+
+import (
+	"cmp"
+	"container/heap"
+	"slices"
+	"time"
+)
+
+// The queue's structure (flow.go says the order): bands by priority, in
+// each the tenants with requests waiting, in each a heap. Every method
+// runs with the queue's mutex held.
+
+// admit puts w in the queue at now, or refuses it. With flow control its
+// band bounds it: a sheddable band's request is refused (the pool is
+// saturated: it would wait), a full band refuses it, a request whose
+// estimated wait passes its expiry is shed now, and a full pool displaces
+// the newest request of the least urgent band below it (returned, to be
+// told once the mutex is released) or refuses it.
+func (q *queue) admit(w *Waiting, now time.Time) ([]*Waiting, error) {
+	q.seq++
+	w.seq, w.enqueued = q.seq, now
+	f := q.fl
+	if f == nil {
+		q.push(w, 0, Band{}, q.solo)
+		return nil, nil
+	}
+	req := w.req
+	conf := f.cfg.band(req.Priority)
+	ten := f.tenant(req.Tenant)
+	w.work = float64(max(req.Tokens, 0)) + ten.expectedOutput(req.MaxTokens)
+	w.expires = now.Add(conf.TTL)
+	if !req.Deadline.IsZero() && req.Deadline.Before(w.expires) {
+		w.expires = req.Deadline
+	}
+	w.due = w.expires
+	ahead := q.ahead(w, ten)
+	switch b := q.findBand(req.Priority); {
+	case conf.Sheddable:
+		return nil, shed(ShedSaturated, f.wait(ahead))
+	case b != nil && b.n >= conf.MaxQueued:
+		return nil, shed(ShedQueueFull, f.wait(ahead))
+	}
+	if wait := f.wait(ahead); wait > 0 && now.Add(wait).After(w.expires) {
+		return nil, shed(q.expiryReason(w), wait)
+	}
+	if q.n == 0 {
+		// The drain rate is measured from when requests start waiting.
+		f.winStart, f.winWork = now, 0
+	}
+	var evicted []*Waiting
+	if q.n >= f.cfg.MaxQueued {
+		v := q.victim(req.Priority)
+		if v == nil {
+			return nil, shed(ShedQueueFull, f.wait(ahead))
+		}
+		q.remove(v)
+		v.err = shed(ShedDisplaced, f.wait(q.totalWork()))
+		evicted = append(evicted, v)
+	}
+	q.push(w, req.Priority, conf, ten)
+	return evicted, nil
+}
+
+// push adds w to its band's tenant queue (both made when missing).
+func (q *queue) push(w *Waiting, prio int, conf Band, ten *tenant) {
+	b := q.findBand(prio)
+	if b == nil {
+		b = &band{prio: prio, conf: conf}
+		i, _ := slices.BinarySearchFunc(q.bands, prio, func(x *band, p int) int { return cmp.Compare(x.prio, p) })
+		q.bands = slices.Insert(q.bands, i, b)
+	}
+	var tq *tenantQ
+	for _, x := range b.tenants {
+		if x.t == ten {
+			tq = x
+			break
+		}
+	}
+	if tq == nil {
+		tq = &tenantQ{t: ten}
+		b.tenants = append(b.tenants, tq)
+	}
+	heap.Push(&tq.h, w)
+	w.bnd, w.tq = b, tq
+	tq.work += w.work
+	b.work += w.work
+	b.n++
+	q.n++
+	ten.queued++
+	if q.fl != nil {
+		q.fl.activate(ten)
+	}
+}
+
+// findBand is priority p's band (nil: none waiting).
+func (q *queue) findBand(p int) *band {
+	i, ok := slices.BinarySearchFunc(q.bands, p, func(x *band, p int) int { return cmp.Compare(x.prio, p) })
+	if !ok {
+		return nil
+	}
+	return q.bands[i]
+}
+
+// head is the next request: of the most urgent band, the tenant with the
+// least counter (ties by name), its first by rank, due time and arrival.
+func (q *queue) head() *Waiting {
+	b := q.bands[0]
+	best := b.tenants[0]
+	for _, tq := range b.tenants[1:] {
+		if tq.t.vtime < best.t.vtime || tq.t.vtime == best.t.vtime && tq.t.name < best.t.name {
+			best = tq
+		}
+	}
+	return best.h[0]
+}
+
+// remove takes w out of the queue (it leaves: routed, shed or cancelled).
+func (q *queue) remove(w *Waiting) {
+	b, tq := w.bnd, w.tq
+	heap.Remove(&tq.h, w.idx)
+	w.bnd, w.tq = nil, nil
+	tq.work -= w.work
+	b.work -= w.work
+	b.n--
+	q.n--
+	tq.t.queued--
+	if q.fl != nil {
+		q.fl.deactivate(tq.t)
+	}
+	if len(tq.h) == 0 {
+		b.tenants = slices.DeleteFunc(b.tenants, func(x *tenantQ) bool { return x == tq })
+	}
+	if b.n == 0 {
+		q.bands = slices.DeleteFunc(q.bands, func(x *band) bool { return x == b })
+	}
+	if q.n == 0 && q.fl != nil {
+		// The drain rate is measured while requests wait: an idle queue
+		// must not dilute the next window.
+		q.fl.winStart, q.fl.winWork = time.Time{}, 0
+	}
+}
+
+// expiryReason is why w's wait ends at its expiry: its deadline, or its
+// band's TTL.
+func (q *queue) expiryReason(w *Waiting) string {
+	if d := w.req.Deadline; !d.IsZero() && w.expires.Equal(d) {
+		return ShedDeadline
+	}
+	return ShedTTL
+}
+
+// expiredErr is the error of w shed at its expiry.
+func (q *queue) expiredErr(w *Waiting) error {
+	var wait time.Duration
+	if q.fl != nil {
+		wait = q.fl.wait(q.totalWork())
+	}
+	return shed(q.expiryReason(w), wait)
+}
+
+// ahead is the work w waits for: every more urgent band's, and in its own
+// band its tenant's and, of every other tenant, at most its weighted share
+// of the same (generalized processor sharing: the others are served in
+// proportion to their weights while w's tenant drains), plus w's own.
+func (q *queue) ahead(w *Waiting, ten *tenant) float64 {
+	sum := w.work
+	for _, b := range q.bands {
+		if b.prio < w.req.Priority {
+			sum += b.work
+			continue
+		}
+		if b.prio > w.req.Priority {
+			break
+		}
+		mine := w.work
+		for _, tq := range b.tenants {
+			if tq.t == ten {
+				mine += tq.work
+			}
+		}
+		for _, tq := range b.tenants {
+			if tq.t == ten {
+				sum += tq.work
+			} else {
+				sum += min(tq.work, mine*tq.t.weight/ten.weight)
+			}
+		}
+	}
+	return sum
+}
+
+// totalWork is the work waiting in every band.
+func (q *queue) totalWork() float64 {
+	s := 0.0
+	for _, b := range q.bands {
+		s += b.work
+	}
+	return s
+}
+
+// victim is the request a request of priority p displaces from a full
+// pool: the newest of the least urgent band, when it is less urgent than
+// p (nil: none).
+func (q *queue) victim(p int) *Waiting {
+	if len(q.bands) == 0 || q.bands[len(q.bands)-1].prio <= p {
+		return nil
+	}
+	var newest *Waiting
+	for _, tq := range q.bands[len(q.bands)-1].tenants {
+		for _, w := range tq.h {
+			if newest == nil || w.seq > newest.seq {
+				newest = w
+			}
+		}
+	}
+	return newest
+}
+
+// QueueDepth is the requests waiting in one pool's band for one tenant.
+type QueueDepth struct {
+	Pool     string
+	Band     int
+	Tenant   string
+	Requests int
+}
+
+// QueueDepths are the requests waiting, by pool, band and tenant (none
+// when nothing waits).
+func (rt *Router) QueueDepths() []QueueDepth {
+	var out []QueueDepth
+	for _, pl := range rt.pools {
+		q := pl.q
+		q.mu.Lock()
+		for _, b := range q.bands {
+			for _, tq := range b.tenants {
+				out = append(out, QueueDepth{Pool: pl.name, Band: b.prio, Tenant: tq.t.name, Requests: len(tq.h)})
+			}
+		}
+		q.mu.Unlock()
+	}
+	return out
+}
+
+// TenantFlow is one tenant's flow-control state in one pool.
+type TenantFlow struct {
+	Pool, Tenant string
+	Weight       float64
+	// Served is the tenant's VTC counter times its weight: the GPU work
+	// (tokens) it was served, less the idle time's lifts.
+	Served float64
+	// Queued are its requests waiting; Active those waiting or in flight.
+	Queued, Active int
+}
+
+// FlowTenants is every pool's tenants' state, by pool and name (none with
+// flow control off).
+func (rt *Router) FlowTenants() []TenantFlow {
+	var out []TenantFlow
+	for _, pl := range rt.pools {
+		q := pl.q
+		if q.fl == nil {
+			continue
+		}
+		q.mu.Lock()
+		for _, t := range q.fl.tenants {
+			out = append(out, TenantFlow{Pool: pl.name, Tenant: t.name, Weight: t.weight, Served: t.vtime * t.weight,
+				Queued: t.queued, Active: t.active})
+		}
+		q.mu.Unlock()
+	}
+	slices.SortFunc(out, func(a, b TenantFlow) int {
+		return cmp.Or(cmp.Compare(a.Pool, b.Pool), cmp.Compare(a.Tenant, b.Tenant))
+	})
+	return out
+}

@@ -1,0 +1,409 @@
+package router
+
+import (
+	"errors"
+	"fmt"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/kvgate/kvgate/internal/policy"
+	"github.com/kvgate/kvgate/internal/prompt"
+)
+
+// flowRig is a router with flow control on, a fake clock and a policy
+// that sends each request to the replica with the least pending prefill
+// (lowest index on ties) and estimates its first token est later.
+type flowRig struct {
+	t   *testing.T
+	rt  *Router
+	now time.Time
+	est time.Duration
+	// released lists the requests the queue let go, by their text, with
+	// their error's reason ("" when routed).
+	released []string
+	tickets  map[string]*Ticket
+}
+
+func newFlowRig(t *testing.T, replicas int, fc FlowConfig) *flowRig {
+	t.Helper()
+	fr := &flowRig{t: t, now: time.Unix(1000, 0), tickets: map[string]*Ticket{}}
+	names := make([]string, replicas)
+	for i := range names {
+		names[i] = fmt.Sprintf("r%d", i)
+	}
+	least := policyFunc(func(req *policy.Request, rs []policy.ReplicaView) (policy.Decision, error) {
+		best := -1
+		for i, r := range rs {
+			if r.Healthy && (best < 0 || r.PendingPrefill < rs[best].PendingPrefill) {
+				best = i
+			}
+		}
+		if best < 0 {
+			return policy.Decision{}, policy.ErrNoReplica
+		}
+		return policy.Decision{Replica: best, EstTTFT: fr.est}, nil
+	})
+	fc.Enabled = true
+	rt, err := New(Config{Replicas: names, Policy: least, Now: func() time.Time { return fr.now }, Flow: fc})
+	if err != nil {
+		t.Fatal(err)
+	}
+	fr.rt = rt
+	return fr
+}
+
+// tightFlow saturates a replica as soon as anything is pending on it.
+func tightFlow() FlowConfig {
+	return FlowConfig{Saturation: Saturation{QueueMs: 1}}
+}
+
+// submit sends a request named name (its prompt: name and tokens×4
+// characters) of tenant at priority prio; it is routed now (true) or
+// waits; a shed one fails the test unless wantShed.
+func (fr *flowRig) submit(name, tenant string, prio, tokens int, mod ...func(*policy.Request)) (*Waiting, error) {
+	fr.t.Helper()
+	text := name + " " + strings.Repeat("abcd", tokens)
+	req := fr.rt.Prepare(&prompt.Parsed{Kind: prompt.Completion, Model: "m", Text: text, KeyText: text, Prompts: 1, MaxTokens: 10}, "", "")
+	req.Tenant, req.Priority = tenant, prio
+	for _, m := range mod {
+		m(req)
+	}
+	tk, w, err := fr.rt.Submit(req)
+	if err != nil {
+		return nil, err
+	}
+	if tk != nil {
+		fr.tickets[name] = tk
+		fr.released = append(fr.released, name)
+		return nil, nil
+	}
+	w.OnRouted = func(tk *Ticket, err error) {
+		if err != nil {
+			var se *ShedError
+			if !errors.As(err, &se) {
+				fr.t.Errorf("%s left the queue with %v", name, err)
+			}
+			fr.released = append(fr.released, name+":"+se.Reason)
+			return
+		}
+		fr.tickets[name] = tk
+		fr.released = append(fr.released, name)
+	}
+	return w, nil
+}
+
+// first reports the first token of name's ticket (its prefill ends).
+func (fr *flowRig) first(name string) {
+	fr.t.Helper()
+	tk, ok := fr.tickets[name]
+	if !ok {
+		fr.t.Fatalf("%s was not routed", name)
+	}
+	tk.FirstToken(fr.now)
+}
+
+func (fr *flowRig) done(name string, out int) {
+	fr.t.Helper()
+	fr.tickets[name].Done(fr.now, Outcome{CachedTokens: -1, OutputTokens: out})
+}
+
+func (fr *flowRig) order() string { return strings.Join(fr.released, " ") }
+
+// The gate: with every replica's prefill queue full, requests wait in
+// the router; each first token lets the next one go.
+func TestFlowHoldsWhileSaturated(t *testing.T) {
+	fr := newFlowRig(t, 2, tightFlow())
+	for _, n := range []string{"a1", "a2", "a3", "a4"} {
+		if _, err := fr.submit(n, "A", 0, 100); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if got := fr.order(); got != "a1 a2" || fr.rt.Queued() != 2 {
+		t.Fatalf("released %q with %d waiting; want a1 a2 routed (one per replica), two waiting", got, fr.rt.Queued())
+	}
+	fr.first("a1")
+	if got := fr.order(); got != "a1 a2 a3" {
+		t.Fatalf("after a1's first token: %q", got)
+	}
+	for _, n := range []string{"a2", "a3"} {
+		fr.first(n)
+	}
+	if got := fr.order(); got != "a1 a2 a3 a4" || fr.rt.Queued() != 0 {
+		t.Fatalf("after every first token: %q, %d waiting", got, fr.rt.Queued())
+	}
+}
+
+// Bands are strict: a more urgent request waiting goes before every less
+// urgent one, whenever it came.
+func TestFlowBandsStrict(t *testing.T) {
+	fr := newFlowRig(t, 1, tightFlow())
+	mustSubmit(t, fr, "x", "A", 0, 100)
+	mustSubmit(t, fr, "low1", "A", 2, 100)
+	mustSubmit(t, fr, "mid", "B", 1, 100)
+	mustSubmit(t, fr, "top", "B", 0, 100)
+	mustSubmit(t, fr, "low2", "B", 2, 100)
+	for _, n := range []string{"x", "top", "mid", "low1"} {
+		fr.first(n)
+	}
+	if got, want := fr.order(), "x top mid low1 low2"; got != want {
+		t.Fatalf("order %q, want %q", got, want)
+	}
+}
+
+func mustSubmit(t *testing.T, fr *flowRig, name, tenant string, prio, tokens int, mod ...func(*policy.Request)) *Waiting {
+	t.Helper()
+	w, err := fr.submit(name, tenant, prio, tokens, mod...)
+	if err != nil {
+		t.Fatalf("%s: %v", name, err)
+	}
+	return w
+}
+
+// Within a band tenants share by weight: B (weight 3) and A (weight 1),
+// both always waiting with equal requests, are served 3:1.
+func TestFlowWeightedFairShare(t *testing.T) {
+	fr := newFlowRig(t, 1, FlowConfig{Saturation: Saturation{QueueMs: 1}, Weights: map[string]float64{"B": 3}})
+	mustSubmit(t, fr, "start", "C", 0, 100)
+	for i := range 40 {
+		mustSubmit(t, fr, fmt.Sprintf("A%d", i), "A", 0, 100)
+		mustSubmit(t, fr, fmt.Sprintf("B%d", i), "B", 0, 100)
+	}
+	last := "start"
+	served := map[byte]int{}
+	for range 40 {
+		fr.first(last)
+		fr.done(last, 10)
+		last = fr.released[len(fr.released)-1]
+		served[last[0]]++
+	}
+	if served['B'] < 28 || served['B'] > 32 || served['A']+served['B'] != 40 {
+		t.Fatalf("served A %d, B %d of 40; want B's 3/4 (30 ± 2)", served['A'], served['B'])
+	}
+}
+
+// The fairness unit is GPU work: a tenant whose prompts the chosen
+// replica holds costs only its uncached tokens, so it is served more
+// requests than one whose equal prompts are computed whole.
+func TestFlowCacheHitsCostLess(t *testing.T) {
+	fr := newFlowRig(t, 1, tightFlow())
+	shared := strings.Repeat("the same long system prompt ", 80) // ≈ 560 tokens, cached
+	warm := fr.rt.Prepare(&prompt.Parsed{Kind: prompt.Completion, Model: "m", Text: shared, KeyText: shared, Prompts: 1}, "", "")
+	if err := fr.rt.Index().Insert(0, warm.Blocks); err != nil {
+		t.Fatal(err)
+	}
+	mustSubmit(t, fr, "start", "C", 0, 10)
+	for i := range 30 {
+		mustSubmit(t, fr, fmt.Sprintf("H%d", i), "H", 0, 0, func(r *policy.Request) {
+			*r = *fr.rt.Prepare(&prompt.Parsed{Kind: prompt.Completion, Model: "m", Text: shared + fmt.Sprint(i), Prompts: 1, MaxTokens: 10}, "", "")
+			r.Tenant = "H"
+		})
+		mustSubmit(t, fr, fmt.Sprintf("M%d", i), "M", 0, 560)
+	}
+	last, served := "start", map[byte]int{}
+	for range 30 {
+		fr.first(last)
+		fr.done(last, 10)
+		last = fr.released[len(fr.released)-1]
+		served[last[0]]++
+	}
+	if served['H'] < 3*served['M'] {
+		t.Fatalf("served H (cached) %d, M (uncached) %d: the cached tenant should get several times more", served['H'], served['M'])
+	}
+}
+
+// Within a tenant: rank first, then the earliest deadline, then arrival.
+func TestFlowEDFWithinTenant(t *testing.T) {
+	fr := newFlowRig(t, 1, tightFlow())
+	mustSubmit(t, fr, "x", "A", 0, 10)
+	mustSubmit(t, fr, "late", "A", 0, 10, func(r *policy.Request) { r.Deadline = fr.now.Add(30 * time.Second) })
+	mustSubmit(t, fr, "none", "A", 0, 10)
+	mustSubmit(t, fr, "soon", "A", 0, 10, func(r *policy.Request) { r.Deadline = fr.now.Add(5 * time.Second) })
+	mustSubmit(t, fr, "ranked", "A", 0, 10, func(r *policy.Request) { r.Rank = -1 })
+	for _, n := range []string{"x", "ranked", "soon", "late"} {
+		fr.first(n)
+	}
+	if got, want := fr.order(), "x ranked soon late none"; got != want {
+		t.Fatalf("order %q, want %q", got, want)
+	}
+}
+
+// A request waiting past its band's TTL is shed (ttl), as is one at its
+// deadline (deadline): by the caller's timer (Expire) or when the queue
+// next moves.
+func TestFlowTTLAndDeadline(t *testing.T) {
+	fr := newFlowRig(t, 1, FlowConfig{Saturation: Saturation{QueueMs: 1}, Band: Band{TTL: 10 * time.Second}})
+	mustSubmit(t, fr, "x", "A", 0, 10)
+	w1 := mustSubmit(t, fr, "ttl", "A", 0, 10)
+	mustSubmit(t, fr, "dl", "A", 0, 10, func(r *policy.Request) { r.Deadline = fr.now.Add(3 * time.Second) })
+	if !w1.Expires().Equal(fr.now.Add(10 * time.Second)) {
+		t.Fatalf("expires %v", w1.Expires())
+	}
+	fr.now = fr.now.Add(11 * time.Second)
+	err := fr.rt.Expire(w1)
+	var se *ShedError
+	if !errors.As(err, &se) || se.Reason != ShedTTL || !errors.Is(err, ErrShed) || se.RetryAfter < time.Second {
+		t.Fatalf("expire: %v", err)
+	}
+	if fr.rt.Expire(w1) != nil || fr.rt.Cancel(w1) {
+		t.Fatal("an expired request is still in the queue")
+	}
+	fr.first("x") // the queue moves: dl is past its deadline
+	if got := fr.order(); got != "x dl:deadline" || fr.rt.Queued() != 0 {
+		t.Fatalf("order %q, %d waiting", got, fr.rt.Queued())
+	}
+}
+
+// Once the queue's drain rate is known, a request whose estimated wait
+// passes its TTL is shed at once, not after waiting it out.
+func TestFlowShedsEarlyByEstimate(t *testing.T) {
+	fc := FlowConfig{Saturation: Saturation{QueueMs: 1}, Bands: []Band{{Priority: 1, TTL: 3500 * time.Millisecond}}}
+	fr := newFlowRig(t, 1, fc)
+	for i := 0; i <= 6; i++ {
+		mustSubmit(t, fr, fmt.Sprintf("r%d", i), "A", 0, 1000)
+	}
+	// One request (≈ 1,000 tokens + 10 out) leaves per second.
+	for i := range 4 {
+		fr.now = fr.now.Add(time.Second)
+		fr.first(fmt.Sprintf("r%d", i))
+	}
+	// Band 0's r5 and r6 (≈ 2 s of work) and its own: within band 1's 3.5 s.
+	if _, err := fr.submit("fits", "A", 1, 1000); err != nil {
+		t.Fatalf("a request that fits its TTL was shed: %v", err)
+	}
+	_, err := fr.submit("late", "B", 1, 1000)
+	var se *ShedError
+	if !errors.As(err, &se) || se.Reason != ShedTTL || se.RetryAfter < 3*time.Second {
+		t.Fatalf("4 s of work ahead with a 3.5 s TTL: %v", err)
+	}
+	// A more urgent band is ahead of all of it: it still fits.
+	if _, err := fr.submit("urgent", "B", -1, 1000); err != nil {
+		t.Fatalf("urgent: %v", err)
+	}
+}
+
+// A decision whose estimated first token comes after the request's
+// deadline sheds it before anything is sent, queue or not.
+func TestFlowDeadlineByEstimate(t *testing.T) {
+	fr := newFlowRig(t, 2, tightFlow())
+	fr.est = 2 * time.Second
+	_, err := fr.submit("tight", "A", 0, 10, func(r *policy.Request) { r.Deadline = fr.now.Add(time.Second) })
+	var se *ShedError
+	if !errors.As(err, &se) || se.Reason != ShedDeadline {
+		t.Fatalf("a 1 s deadline with a 2 s estimate: %v", err)
+	}
+	if fr.rt.InFlight(0)+fr.rt.InFlight(1) != 0 {
+		t.Fatal("a shed request was counted in flight")
+	}
+	mustSubmit(t, fr, "ok", "A", 0, 10, func(r *policy.Request) { r.Deadline = fr.now.Add(3 * time.Second) })
+	if fr.order() != "ok" {
+		t.Fatalf("order %q", fr.order())
+	}
+}
+
+// Bounds: a full band refuses; a full pool displaces the newest request
+// of its least urgent band for a more urgent one, else refuses; a
+// sheddable band's request is refused while the pool is saturated.
+func TestFlowCapsAndShedding(t *testing.T) {
+	fc := FlowConfig{Saturation: Saturation{QueueMs: 1}, MaxQueued: 3,
+		Band: Band{MaxQueued: 2}, Bands: []Band{{Priority: 5, Sheddable: true}}}
+	fr := newFlowRig(t, 1, fc)
+	mustSubmit(t, fr, "x", "A", 0, 10)
+	_, err := fr.submit("shed", "A", 5, 10)
+	if reason(err) != ShedSaturated {
+		t.Fatalf("sheddable while saturated: %v", err)
+	}
+	mustSubmit(t, fr, "a", "A", 1, 10)
+	mustSubmit(t, fr, "b", "A", 1, 10)
+	if _, err := fr.submit("c", "A", 1, 10); reason(err) != ShedQueueFull {
+		t.Fatalf("third in a band of 2: %v", err)
+	}
+	mustSubmit(t, fr, "d", "A", 2, 10)
+	if _, err := fr.submit("e", "A", 2, 10); reason(err) != ShedQueueFull {
+		t.Fatalf("a full pool, nothing less urgent: %v", err)
+	}
+	mustSubmit(t, fr, "f", "B", 0, 10) // displaces d, the newest of the lowest band
+	if _, err := fr.submit("g", "B", 0, 10); err != nil {
+		t.Fatalf("g displaces b: %v", err)
+	}
+	if got := fr.order(); got != "x d:displaced b:displaced" || fr.rt.Queued() != 3 {
+		t.Fatalf("order %q, %d waiting", got, fr.rt.Queued())
+	}
+	for _, n := range []string{"x", "f", "g"} {
+		fr.first(n)
+	}
+	if got := fr.order(); got != "x d:displaced b:displaced f g a" {
+		t.Fatalf("order %q", got)
+	}
+}
+
+func reason(err error) string {
+	var se *ShedError
+	if errors.As(err, &se) {
+		return se.Reason
+	}
+	return fmt.Sprint(err)
+}
+
+// Idle time earns no credit: a tenant that comes back after being idle is
+// lifted to the others' counter, and the two then share.
+func TestFlowIdleEarnsNoCredit(t *testing.T) {
+	fr := newFlowRig(t, 1, tightFlow())
+	// A is served alone for a while (B idle).
+	last := ""
+	for i := range 20 {
+		n := fmt.Sprintf("A%d", i)
+		mustSubmit(t, fr, n, "A", 0, 100)
+		fr.first(n)
+		fr.done(n, 10)
+		last = n
+	}
+	_ = last
+	mustSubmit(t, fr, "x", "C", 0, 100)
+	for i := range 10 {
+		mustSubmit(t, fr, fmt.Sprintf("B%d", i), "B", 0, 100)
+		mustSubmit(t, fr, fmt.Sprintf("a%d", i), "A", 0, 100)
+	}
+	prev, served := "x", map[byte]int{}
+	for range 10 {
+		fr.first(prev)
+		fr.done(prev, 10)
+		prev = fr.released[len(fr.released)-1]
+		served[prev[0]]++
+	}
+	if served['B'] > 6 || served['a'] < 4 {
+		t.Fatalf("after A's lone service: B %d, A %d of 10; B must not take all on old credit", served['B'], served['a'])
+	}
+}
+
+// Off, the queue is late binding's FIFO: a request's tenant and priority
+// change nothing, and nothing is bounded.
+func TestFlowOffIsFIFO(t *testing.T) {
+	rt, err := New(Config{Replicas: []string{"a"}, Policy: &deferring{}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var order []string
+	var first *Ticket
+	for i, p := range []int{3, 0, 1} {
+		text := fmt.Sprint("request ", i)
+		req := rt.Prepare(&prompt.Parsed{Kind: prompt.Completion, Model: "m", Text: text, KeyText: text, Prompts: 1}, "", "")
+		req.Priority, req.Tenant = p, fmt.Sprint(i)
+		tk, w, err := rt.Submit(req)
+		switch {
+		case err != nil:
+			t.Fatal(err)
+		case tk != nil:
+			first = tk
+		default:
+			if !w.Expires().IsZero() {
+				t.Fatal("an expiry without flow control")
+			}
+			w.OnRouted = func(tk *Ticket, _ error) { order = append(order, text); tk.FirstToken(time.Now()) }
+		}
+	}
+	first.FirstToken(time.Now())
+	if strings.Join(order, ",") != "request 1,request 2" || len(rt.FlowTenants()) != 0 {
+		t.Fatalf("order %v", order)
+	}
+}
