@@ -59,6 +59,7 @@ type replayFlags struct {
 	seed                                          uint64
 	out                                           outputFlags
 	set                                           map[string]bool
+	tenancy                                       flowFlags
 }
 
 func (f *replayFlags) register(fs *flag.FlagSet) {
@@ -99,6 +100,7 @@ func (f *replayFlags) register(fs *flag.FlagSet) {
 		"and each run's capacity_vs_bound); one gateway, aggregated replicas")
 	fs.DurationVar(&f.sloITL, "slo-itl-p99", 0, "with --capacity, an objective on the p99 of the requests' mean inter-token latency too (0: none)")
 	f.out.register(fs, "")
+	f.tenancy.register(fs)
 	fs.Uint64Var(&f.seed, "seed", 1, "seed of the workload and the policies")
 	fs.StringVar(&f.question, "question", "", "answer one question instead: sharing (TTFT and hit rate against the sharing ratio), "+
 		"score-surface (score's cache weight against load weight), staleness (p90 TTFT against staleness), "+
@@ -171,6 +173,7 @@ type replayConfig struct {
 	replay   replay.Config
 	specs    []replay.PolicySpec
 	workload workload.Spec
+	tenants  []workload.TenantSpec // a multi-tenant workload (--tenant) instead
 	rate     float64
 	slo      time.Duration // --question saturation's objective
 	question string
@@ -217,6 +220,13 @@ func (f *replayFlags) config(inv invocation) (replayConfig, error) {
 	if c.workload, err = f.workloadSpec(); err != nil {
 		return c, err
 	}
+	if c.tenants, err = f.tenancy.tenantSpecs(); err != nil {
+		return c, err
+	}
+	if c.replay.Flow, err = f.tenancy.config(c.tenants); err != nil {
+		return c, err
+	}
+	c.replay.EnginePriority = f.tenancy.enginePriority
 	if f.capacity {
 		c.capacity = &replay.SLO{TTFTP90: f.slo, ITLP99: f.sloITL}
 	}
@@ -270,8 +280,10 @@ func (f *replayFlags) check() error {
 	switch {
 	case f.trace != "" && f.workload != "":
 		return bad("give --trace or --workload, not both")
-	case f.trace == "" && f.workload == "" && f.question == "":
-		return bad("give --trace FILE or --workload NAME (or --question %s|%s|%s|%s)", questionSharing, questionScore, questionStaleness, questionPressure)
+	case len(f.tenancy.tenants) > 0 && (f.trace != "" || f.workload != "" || f.question != ""):
+		return bad("--tenant makes the workload: drop --trace, --workload and --question")
+	case f.trace == "" && f.workload == "" && f.question == "" && len(f.tenancy.tenants) == 0:
+		return bad("give --trace FILE, --workload NAME or --tenant SPEC (or --question %s|%s|%s|%s)", questionSharing, questionScore, questionStaleness, questionPressure)
 	case f.replicas < 0 || f.prefillReplicas < 0 || f.decodeReplicas < 0:
 		return bad("--replicas, --prefill-replicas and --decode-replicas must be ≥ 0")
 	case (f.prefillReplicas > 0) != (f.decodeReplicas > 0):
@@ -486,6 +498,7 @@ func (f *replayFlags) meta(inv invocation, ws workload.Spec, prof costmodel.Prof
 		}
 		m["replica_profiles"] = pm
 	}
+	f.tenancy.meta(m)
 	return m
 }
 
@@ -494,12 +507,9 @@ func (c replayConfig) execute(ctx context.Context, progress func(replay.PolicySp
 	if c.question == questionSharing {
 		return replay.Sharing(ctx, c.replay, c.workload, c.rate, replay.DefaultSharingRatios(), c.specs, progress)
 	}
-	reqs, err := workload.Generate(c.workload)
+	reqs, err := c.requests()
 	if err != nil {
 		return report.Result{}, nil, err
-	}
-	if c.workload.Name != workload.TraceName {
-		workload.Arrivals(reqs, c.rate, c.workload.Seed)
 	}
 	switch c.question {
 	case questionScore:
@@ -516,6 +526,26 @@ func (c replayConfig) execute(ctx context.Context, progress func(replay.PolicySp
 	}
 	res, err := replay.Compare(ctx, c.replay, reqs, c.specs, replay.Options{Progress: progress, Capacity: c.capacity, Oracle: c.oracle})
 	return res, nil, err
+}
+
+// requests is the replay's request sequence: the tenants' merged, or the
+// workload's with its arrivals.
+func (c replayConfig) requests() ([]workload.Request, error) {
+	if len(c.tenants) > 0 {
+		reqs, err := workload.Mix(c.tenants, c.workload.Seed)
+		if err != nil {
+			return nil, fmt.Errorf("%w: --tenant: %v", errUsage, err)
+		}
+		return reqs, nil
+	}
+	reqs, err := workload.Generate(c.workload)
+	if err != nil {
+		return nil, err
+	}
+	if c.workload.Name != workload.TraceName {
+		workload.Arrivals(reqs, c.rate, c.workload.Seed)
+	}
+	return reqs, nil
 }
 
 // scrapeMeta records the scrape period of a replay: each policy's own when

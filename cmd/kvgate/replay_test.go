@@ -30,7 +30,7 @@ func TestReplayUsageErrors(t *testing.T) {
 		code int
 		want string // in stderr
 	}{
-		{"nothing to replay", []string{"replay"}, 2, "give --trace FILE or --workload NAME"},
+		{"nothing to replay", []string{"replay"}, 2, "give --trace FILE, --workload NAME or --tenant SPEC"},
 		{"both sources", []string{"replay", "--trace", "x.jsonl", "--workload", "random"}, 2, "not both"},
 		{"missing trace", []string{"replay", "--trace", "/nonexistent/trace.jsonl"}, 1, "no such file"},
 		{"unknown policy", replayArgs("--policies", "ttft,nope"), 2, "unknown policy \"nope\" (known: all, chwbl"},
@@ -57,6 +57,11 @@ func TestReplayUsageErrors(t *testing.T) {
 		{"itl slo without capacity", replayArgs("--slo-itl-p99", "50ms"), 2, "--slo-itl-p99 needs --capacity"},
 		{"zero max seqs", replayArgs("--max-seqs", "0"), 2, "--max-seqs 0"},
 		{"replica profile past a P/D fleet", append(pdArgs(), "--replica-profile", "4=seed004"), 2, "4 replicas, numbered 0 to 3"},
+		{"tenant and workload", replayArgs("--tenant", "name=A,rate=1"), 2, "--tenant makes the workload"},
+		{"bad tenant", []string{"replay", "--tenant", "name=A"}, 2, "needs rate= or concurrency="},
+		{"closed-loop tenant", []string{"replay", "--tenant", "name=A,concurrency=4"}, 2, "open loop"},
+		{"bad flow queue", []string{"replay", "--tenant", "name=A,rate=1", "--flow", "--flow-queue-ms", "0"}, 2, "--flow-queue-ms"},
+		{"bad sheddable", []string{"replay", "--tenant", "name=A,rate=1", "--flow", "--flow-sheddable", "x"}, 2, "--flow-sheddable"},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
@@ -105,6 +110,26 @@ func TestReplayJSONDeterministic(t *testing.T) {
 	}
 	if cmd, _ := res.Meta["command"].(string); strings.Contains(cmd, "--json") || !strings.Contains(cmd, "--seed 3") {
 		t.Errorf("meta command %q: want the experiment without its output flags", cmd)
+	}
+}
+
+// A multi-tenant replay reports each tenant and band apart, and its meta
+// names the tenants and the flow settings.
+func TestReplayTenants(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "t.json")
+	code, _, stderr := runCmd(t, "", "replay", "--tenant", "name=A,rate=20,requests=40,input_len=200,output_len=8",
+		"--tenant", "name=B,rate=5,requests=10,input_len=100,output_len=8,priority=1", "--replicas", "2", "--policies", "ttft",
+		"--flow", "--engine-priority", "--json", path)
+	if code != 0 {
+		t.Fatalf("exit %d: %s", code, stderr)
+	}
+	res := readResult(t, path)
+	run := res.Runs[0]
+	if run.Requests != 50 || run.Tenants["A"].Requests != 40 || run.Tenants["B"].Requests != 10 || run.Priorities["1"].Requests != 10 {
+		t.Fatalf("tenants %+v priorities %+v", run.Tenants, run.Priorities)
+	}
+	if _, ok := res.Meta["flow"]; !ok || res.Meta["engine_priority"] != true {
+		t.Fatalf("meta %v", res.Meta)
 	}
 }
 

@@ -47,6 +47,9 @@ func (f *simFlags) register(fs *flag.FlagSet) {
 	fs.IntVar(&cfg.BlockSize, "block-size", engine.DefaultBlockSize, "tokens per KV block")
 	fs.IntVar(&cfg.MaxBatchTokens, "max-batch-tokens", engine.DefaultMaxBatchTokens, "token budget of one scheduler step")
 	fs.IntVar(&cfg.MaxSeqs, "max-seqs", engine.DefaultMaxSeqs, "running sequences cap")
+	fs.StringVar(&cfg.SchedulingPolicy, "scheduling-policy", sim.SchedulingFCFS,
+		"vLLM's --scheduling-policy: fcfs, or priority (the waiting queue by each request's priority field, lower first; "+
+			"under fcfs a priority other than 0 is refused with 400, as vLLM does)")
 	fs.IntVar(&cfg.MaxModelLen, "max-model-len", 0,
 		fmt.Sprintf("longest prompt + max_tokens (default min(%d, kv-blocks × block-size))", sim.DefaultMaxModelLen))
 	fs.Float64Var(&cfg.Jitter, "jitter", 0, "relative step-time noise in [0, 1)")

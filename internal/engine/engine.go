@@ -75,6 +75,12 @@ type Config struct {
 	// VLLM_NIXL_ABORT_REQUEST_TIMEOUT), in engine time; default
 	// DefaultKVHoldTimeout.
 	KVHoldTimeout time.Duration
+	// PriorityScheduling is vLLM's --scheduling-policy priority: the
+	// waiting queue is ordered by Request.Priority (lower first), then
+	// arrival, and a preemption takes the running request of the largest
+	// (priority, arrival) (vLLM v1's scheduler). Off: first come first
+	// served, Priority ignored.
+	PriorityScheduling bool
 }
 
 // Defaults of Config.
@@ -168,6 +174,9 @@ type Request struct {
 	// whole blocks and at most the prompt less its last token. The assumed
 	// blocks are allocated, counted as hit and cached like computed ones.
 	AssumedCached int
+	// Priority is vLLM's request priority (lower is earlier), honoured
+	// with Config.PriorityScheduling.
+	Priority int
 }
 
 // Output reports one request's progress in one step.
@@ -305,6 +314,7 @@ type seq struct {
 	tokenIDs  []uint32
 	lora      string
 	arrival   time.Duration
+	priority  int
 
 	blocks   []int32 // block table: block i holds tokens [i·bs, (i+1)·bs)
 	computed int     // tokens whose KV is computed (or scheduled in the current step)
@@ -438,6 +448,9 @@ func (e *Engine) Add(r *Request, now time.Duration) error {
 	s.arrival, s.cached, s.state = now, -1, stWaiting
 	s.remoteDecode, s.remotePrefill = r.RemoteDecode, r.RemotePrefill
 	s.assumed = max(r.AssumedCached, 0)
+	if e.cfg.PriorityScheduling {
+		s.priority = r.Priority
+	}
 	// Size the block table for the request's whole life once, so that
 	// decode steps never allocate.
 	if need := e.blocksFor(r.PromptTokens + r.MaxTokens - 1); cap(s.blocks) < need {
@@ -448,7 +461,10 @@ func (e *Engine) Add(r *Request, now time.Duration) error {
 	i := e.waiting.len()
 	for i > 0 {
 		p := e.waiting.at(i - 1)
-		if p.preempted || p.pulled || p.arrival <= now {
+		// A preempted request keeps its place at the head, but under
+		// priority scheduling, where it waits by its priority as vLLM's
+		// heap holds it.
+		if p.preempted && !e.cfg.PriorityScheduling || p.pulled || !later(p.priority, p.arrival, s.priority, now) {
 			break
 		}
 		i--
@@ -708,10 +724,29 @@ func (e *Engine) extend(s *seq, n int) bool {
 	return true
 }
 
+// later reports whether a request of priority p arriving at a comes after
+// one of priority q arriving at b: (priority, arrival) order, the waiting
+// queue's (every priority 0 without priority scheduling: arrival order).
+func later(p int, a time.Duration, q int, b time.Duration) bool {
+	return p > q || p == q && a > b
+}
+
 // victim is the most recently admitted running sequence other than s that
 // has not been scheduled in this step, or s itself if there is none (vLLM v1
-// pops the tail of its running list, which is never already scheduled).
+// pops the tail of its running list, which is never already scheduled);
+// with priority scheduling, the one of the largest (priority, arrival), s
+// itself when it is the largest (vLLM v1: max(running, key=(priority,
+// arrival_time))).
 func (e *Engine) victim(s *seq) *seq {
+	if e.cfg.PriorityScheduling {
+		v := s
+		for _, r := range e.running {
+			if r != s && r.state == stRunning && r.lastStep != e.stepNo && later(r.priority, r.arrival, v.priority, v.arrival) {
+				v = r
+			}
+		}
+		return v
+	}
 	for j := len(e.running) - 1; j >= 0; j-- {
 		r := e.running[j]
 		if r != s && r.state == stRunning && r.lastStep != e.stepNo {
@@ -731,9 +766,28 @@ func (e *Engine) preempt(v *seq) {
 	v.state = stWaiting
 	v.preempted = true
 	e.live--
-	e.waiting.pushFront(v)
+	if i := e.priorityPlace(v); i > 0 {
+		e.waiting.insert(i, v)
+	} else {
+		e.waiting.pushFront(v)
+	}
 	e.st.Preemptions++
 	e.preemptedNow = true
+}
+
+// priorityPlace is where preempted v goes back into the waiting queue
+// under priority scheduling: before the first request later than it (0
+// without priority scheduling: the head).
+func (e *Engine) priorityPlace(v *seq) int {
+	if !e.cfg.PriorityScheduling {
+		return 0
+	}
+	for i := range e.waiting.len() {
+		if w := e.waiting.at(i); !w.pulled && later(w.priority, w.arrival, v.priority, v.arrival) {
+			return i
+		}
+	}
+	return e.waiting.len()
 }
 
 func (e *Engine) compactRunning() {

@@ -1128,6 +1128,40 @@ func TestFCFSByArrival(t *testing.T) {
 	}
 }
 
+// TestPriorityScheduling: with vLLM's --scheduling-policy priority the
+// waiting queue is ordered by (priority, arrival); without it, priorities
+// are ignored.
+func TestPriorityScheduling(t *testing.T) {
+	prios := []int{2, 0, 1, 0, -1}
+	for _, tc := range []struct {
+		on   bool
+		want []uint64
+	}{{false, []uint64{0, 1, 2, 3, 4}}, {true, []uint64{4, 1, 3, 2, 0}}} {
+		e := newEngine(t, Config{MaxSeqs: 1, MaxBatchTokens: 256, PriorityScheduling: tc.on})
+		for i, p := range prios {
+			r := req(uint64(i), 16, 1, 2, seg{uint64(i), 3})
+			r.Priority = p
+			if err := e.Add(r, time.Duration(i)); err != nil {
+				t.Fatal(err)
+			}
+		}
+		var got []uint64
+		var now time.Duration = 10
+		for steps := 0; e.HasWork() && steps < 100; steps++ {
+			sr := e.Step(now)
+			for _, o := range sr.Outputs {
+				if o.First {
+					got = append(got, o.ReqID)
+				}
+			}
+			now = sr.End
+		}
+		if !slices.Equal(got, tc.want) {
+			t.Errorf("priority scheduling %v: served %v, want %v", tc.on, got, tc.want)
+		}
+	}
+}
+
 // TestPreemptingStepAdmitsNothing: like vLLM, a step that preempted admits no
 // waiting request, even when budget and blocks would allow a small chunk. With
 // a budget of 2 and two decoding requests, the preempting step has 1 token of

@@ -219,6 +219,8 @@ func TestParseStrictKeysAndTokenLimits(t *testing.T) {
 		{"string", `{"model":"m","prompt":"x","max_tokens":"10"}`, "max_tokens", Completion},
 		{"Role is not role", `{"model":"m","messages":[{"Role":"user","content":"hi"}]}`, "messages[0].role", Chat},
 		{"stream not a bool", `{"model":"m","prompt":"x","stream":"yes"}`, "stream", Completion},
+		{"priority a string", `{"model":"m","prompt":"x","priority":"1"}`, "priority", Completion},
+		{"priority a fraction", `{"model":"m","prompt":"x","priority":0.5}`, "priority", Completion},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
@@ -235,5 +237,12 @@ func TestParseStrictKeysAndTokenLimits(t *testing.T) {
 	}
 	if _, err := Parse(Completion, []byte(`[1,2]`)); err == nil {
 		t.Fatal("a body that is not an object was accepted")
+	}
+	// vLLM's priority: any integer, saturated to ±MaxPriority.
+	for body, want := range map[string]int{`-3`: -3, `7`: 7, `99999999999999999999`: MaxPriority, `-9223372036854775808`: -MaxPriority, `null`: 0} {
+		p, err := Parse(Completion, []byte(`{"model":"m","prompt":"x","priority":`+body+`}`))
+		if err != nil || p.Priority != want || p.PrioritySet != (body != "null") {
+			t.Fatalf("priority %s: %+v %v, want %d", body, p, err, want)
+		}
 	}
 }

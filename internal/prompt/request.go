@@ -117,7 +117,15 @@ type Parsed struct {
 	// PreviousResponseID is a Responses request's previous_response_id: the
 	// replica holding that response must answer it.
 	PreviousResponseID string
+	// Priority is vLLM's priority (lower is earlier; 0 when absent),
+	// saturated to ±MaxPriority; PrioritySet: the body named one.
+	Priority    int
+	PrioritySet bool
 }
+
+// MaxPriority bounds a request's priority: a larger one counts as this
+// (vLLM takes any integer; only its order matters).
+const MaxPriority = 1 << 20
 
 // MaxNesting bounds JSON nesting depth of a request body: a body of a million
 // '[' must not cost a million stack frames of anyone's decoder.
@@ -141,6 +149,7 @@ type body struct {
 	MaxCompletionTokens *int
 	User                string
 	CacheSalt           string
+	Priority            *int
 	raw                 map[string]json.RawMessage // every member, for the other kinds' fields
 }
 
@@ -180,7 +189,33 @@ func decodeBody(data []byte) (*body, error) {
 	if b.MaxCompletionTokens, err = tokenLimit(raw, "max_completion_tokens"); err != nil {
 		return nil, err
 	}
+	if b.Priority, err = priority(raw); err != nil {
+		return nil, err
+	}
 	return b, nil
+}
+
+// priority reads the optional priority: an integer, saturated to
+// ±MaxPriority (nil: absent).
+func priority(raw map[string]json.RawMessage) (*int, error) {
+	v, ok := raw["priority"]
+	if !ok || isNull(v) {
+		return nil, nil
+	}
+	s := string(bytes.TrimSpace(v))
+	n, err := strconv.ParseInt(s, 10, 64)
+	if err != nil {
+		var ne *strconv.NumError
+		if !errors.As(err, &ne) || !errors.Is(ne.Err, strconv.ErrRange) {
+			return nil, invalid("priority", "must be an integer, got %s", s)
+		}
+		n = MaxPriority
+		if strings.HasPrefix(s, "-") {
+			n = -MaxPriority
+		}
+	}
+	p := int(min(max(n, -MaxPriority), MaxPriority))
+	return &p, nil
 }
 
 func decodeField(raw map[string]json.RawMessage, key string, dst any) error {
@@ -244,6 +279,9 @@ func Parse(kind Kind, data []byte) (*Parsed, error) {
 		return nil, invalid("model", "you must provide a model parameter")
 	}
 	p := &Parsed{Kind: kind, Model: b.Model, Stream: b.Stream, User: b.User, CacheSalt: b.CacheSalt}
+	if b.Priority != nil {
+		p.Priority, p.PrioritySet = *b.Priority, true
+	}
 	switch {
 	case b.MaxTokens != nil:
 		p.MaxTokens = *b.MaxTokens

@@ -252,7 +252,7 @@ func (vr *virtualRun) afterLast(ev event) bool {
 	case evSync:
 		vr.syncInFlight.pop()
 		return true
-	case evPublish, evHeartbeat, evWake:
+	case evPublish, evHeartbeat, evWake, evExpire:
 		return true
 	}
 	return false

@@ -142,6 +142,17 @@ type Config struct {
 	// LoadsOnChange, the live gateway's rule).
 	SyncLoads SyncLoads
 
+	// Flow is every gateway's flow control (router.FlowConfig; off by
+	// default): requests carry their tenant, their band (their priority
+	// clamped to their tenant's range) and their deadline, wait in the
+	// router while the fleet is saturated, and are shed as the gateway
+	// sheds them (recorded as errors "shed_<reason>").
+	Flow router.FlowConfig
+	// EnginePriority passes each request's band to its engine as vLLM's
+	// priority, the engines scheduling by it (vLLM's --scheduling-policy
+	// priority; engine.Config.PriorityScheduling).
+	EnginePriority bool
+
 	// observe, when set (tests, benchmarks), is called with every scrape
 	// as it is taken and every ctxCheckEvery events.
 	observe func(ev observation)
@@ -317,6 +328,8 @@ func (c Config) engineConfig(i int, events bool) engine.Config {
 		Seed:            c.Seed + uint64(i),
 		DisableKVEvents: !events,
 		Role:            c.role(i),
+
+		PriorityScheduling: c.EnginePriority,
 	}
 }
 

@@ -12,6 +12,7 @@ import (
 	"github.com/kvgate/kvgate/internal/prompt"
 	"github.com/kvgate/kvgate/internal/report"
 	"github.com/kvgate/kvgate/internal/router"
+	"github.com/kvgate/kvgate/internal/workload"
 )
 
 // Event kinds.
@@ -25,6 +26,7 @@ const (
 	evHeartbeat              // arg: gateway; its heartbeat is due
 	evSync                   // the oldest batch in transit reaches the other gateways
 	evWake                   // arg: engine; its next transfer or hold event is due
+	evExpire                 // arg: request index; its wait in the router's queue ends (flow control)
 )
 
 // ctxCheckEvery is how many events pass between two looks at ctx.
@@ -50,6 +52,10 @@ type liveRequest struct {
 	prefillHit  int
 	transferred int // prompt tokens the decode engine pulled
 	stage       uint8
+	// waiting is its place in the router's queue while it waits there
+	// (nil otherwise); band its priority band (flow control).
+	waiting *router.Waiting
+	band    int
 }
 
 // snapshot is one scrape of one engine on its way to the router.
@@ -170,6 +176,7 @@ func newVirtualRun(cfg Config, p *plan, spec PolicySpec) (*virtualRun, error) {
 			Precise:          vr.precise,
 			Model:            cfg.Model,
 			Now:              func() time.Time { return epoch.Add(vr.now) },
+			Flow:             cfg.Flow,
 		}
 		if vr.sharing() && !vr.precise {
 			// In precise mode every gateway follows every replica's KV
@@ -251,6 +258,8 @@ func (vr *virtualRun) handle(ev event) error {
 		vr.deliverSync()
 	case evWake:
 		vr.woken(int(ev.arg), ev.at)
+	case evExpire:
+		vr.expire(int(ev.arg))
 	}
 	return nil
 }
@@ -280,6 +289,7 @@ func (vr *virtualRun) arrive(i int) error {
 	rt := vr.gateways[st.gw].router
 	preq := rt.Prepare(&p, r.Session, "")
 	st.arrive, st.tokens = vr.now, preq.Tokens
+	vr.flowTags(preq, r, st)
 	if vr.cfg.disaggregated() {
 		pd, err := rt.RoutePD(preq)
 		return vr.dispatchPD(i, text, pd, err)
@@ -288,12 +298,55 @@ func (vr *virtualRun) arrive(i int) error {
 	if w != nil {
 		// Routed later, inside a ticket event of this loop: dispatched once
 		// that event is handled.
+		st.waiting = w
 		w.OnRouted = func(tk *router.Ticket, err error) {
+			st.waiting = nil
 			vr.released = append(vr.released, released{req: i, text: text, ticket: tk, err: err})
+		}
+		if exp := w.Expires(); !exp.IsZero() {
+			vr.events.push(exp.Sub(epoch), evExpire, int32(i))
 		}
 		return nil
 	}
 	return vr.dispatch(i, text, tk, err)
+}
+
+// flowTags gives a request its tenant, band and deadline (flow control),
+// as the gateway gives them: the band is the request's priority clamped
+// to its tenant's range.
+func (vr *virtualRun) flowTags(preq *policy.Request, r *workload.Request, st *liveRequest) {
+	if !vr.cfg.Flow.Enabled {
+		return
+	}
+	preq.Tenant = r.Tenant
+	preq.Priority = vr.cfg.Flow.BandOf(r.Tenant, r.Priority, true)
+	if r.Deadline > 0 {
+		preq.Deadline = preq.Now.Add(r.Deadline)
+	}
+	st.band = preq.Priority
+}
+
+// expire ends request i's wait in its router's queue at its expiry, if it
+// still waits there: it is shed.
+func (vr *virtualRun) expire(i int) {
+	st := &vr.requests[i]
+	if st.waiting == nil {
+		return
+	}
+	w := st.waiting
+	st.waiting = nil
+	if err := vr.gateways[st.gw].router.Expire(w); err != nil {
+		vr.shed(i, err)
+	}
+}
+
+// shed records request i as refused by flow control (a *router.ShedError).
+func (vr *virtualRun) shed(i int, err error) {
+	var se *router.ShedError
+	if !errors.As(err, &se) {
+		se = &router.ShedError{Reason: "unknown"}
+	}
+	vr.fail(i, -1, "shed_"+se.Reason)
 }
 
 // released is a request the router's queue let go.
@@ -335,6 +388,10 @@ func (vr *virtualRun) dispatch(i int, text string, tk *router.Ticket, err error)
 
 // unrouted records why request i could not be routed.
 func (vr *virtualRun) unrouted(i int, err error) error {
+	if errors.Is(err, router.ErrShed) {
+		vr.shed(i, err)
+		return nil
+	}
 	if !errors.Is(err, policy.ErrNoReplica) {
 		return fmt.Errorf("replay: request %d: %w", i, err)
 	}
@@ -350,6 +407,7 @@ func (vr *virtualRun) engineRequest(i int, text string) engine.Request {
 		ID:           uint64(i) + 1,
 		PromptTokens: st.tokens,
 		MaxTokens:    max(vr.plan.reqs[i].MaxTokens, 1),
+		Priority:     st.band,
 	}
 	er.BlockHashes = prompt.ApproxBlockHashes(vr.hashBuf(), vr.engineRoot, text, vr.cfg.BlockSize)
 	if vr.precise {
@@ -387,7 +445,8 @@ func (vr *virtualRun) submit(i, e int, er *engine.Request) error {
 // fail records request i as failed at now and releases its dependants.
 func (vr *virtualRun) fail(i, replica int, kind string) {
 	st := &vr.requests[i]
-	vr.records[i] = report.Record{Start: st.arrive, PromptTokens: st.tokens, Replica: replica, Err: true, ErrKind: kind}
+	vr.records[i] = report.Record{Start: st.arrive, PromptTokens: st.tokens, Replica: replica, Err: true, ErrKind: kind,
+		Tenant: vr.plan.reqs[i].Tenant, Priority: st.band}
 	vr.failures[kind]++
 	vr.release(st)
 	vr.finished(i)
@@ -543,6 +602,7 @@ func (vr *virtualRun) output(i, e int, o engine.Output, at time.Time) {
 	vr.records[i] = report.Record{
 		Start: st.arrive, TTFT: st.first - st.arrive, E2E: vr.now - st.arrive,
 		PromptTokens: st.tokens, CachedTokens: vr.computedHit(st), OutputTokens: out, Replica: e, MaxITL: st.stall,
+		Tenant: vr.plan.reqs[i].Tenant, Priority: st.band,
 	}
 	vr.release(st)
 	vr.finished(i)

@@ -38,6 +38,12 @@ type Record struct {
 	Replica int    // index of the replica that served (or was sent) it; -1 if none
 	Err     bool   // the request failed: excluded from latency, throughput and hit rate, counted in Errors
 	ErrKind string // short class of the failure (e.g. "timeout", "http_503"), for the caller's breakdowns
+
+	// Tenant and Priority are the tenant the request was sent for ("":
+	// none) and its priority band: a run with either gets a summary per
+	// tenant and per priority (Run.Tenants, Run.Priorities).
+	Tenant   string
+	Priority int
 }
 
 // Dist summarises one latency distribution in milliseconds.
@@ -110,6 +116,10 @@ type Run struct {
 	// when the replicas told nothing of their own times.
 	Split  *Split  `json:"split,omitempty"`
 	Series *Series `json:"-"`
+	// Tenants and Priorities summarise the run per tenant and per priority
+	// band (groups.go), when its records name any.
+	Tenants    map[string]Group `json:"tenants,omitempty"`
+	Priorities map[string]Group `json:"priorities,omitempty"`
 }
 
 // Sources of a Split.
@@ -217,6 +227,7 @@ func Summarize(policy string, recs []Record, replicas int, wall time.Duration) R
 		HitRate:         hitRateSeries(recs, t.firstOK, t.lastOK),
 		ReplicaRequests: t.perReplica,
 	}
+	run.Tenants, run.Priorities = groups(recs, wall)
 	return run
 }
 

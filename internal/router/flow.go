@@ -3,6 +3,7 @@ package router
 import (
 	"errors"
 	"fmt"
+	"maps"
 	"math"
 	"slices"
 	"time"
@@ -63,8 +64,9 @@ import (
 // the zero value is off.
 type FlowConfig struct {
 	Enabled bool
-	// Weights are the tenants' shares (a tenant not listed: 1).
-	Weights map[string]float64
+	// Tenants are the tenants' shares and priority ranges (a tenant not
+	// listed, or "": weight 1, priority 0, at most 0).
+	Tenants map[string]FlowTenant
 	// Saturation says when a replica is saturated.
 	Saturation Saturation
 	// Band holds every band's settings but those Bands list.
@@ -77,6 +79,27 @@ type FlowConfig struct {
 	// (Saturation.QueueMs); the zero profile is costmodel.Default.
 	Profile        costmodel.Profile
 	MaxBatchTokens int
+}
+
+// FlowTenant is one tenant's part in flow control.
+type FlowTenant struct {
+	// Weight is its share of the GPU work in a band (0: 1).
+	Weight float64
+	// Priority is its requests' band when they name none; MaxPriority the
+	// most urgent (lowest) band they may name: a request asking for more
+	// is clamped to it. A request may always ask for less.
+	Priority, MaxPriority int
+}
+
+// BandOf is the band of a request of tenant asking for priority requested
+// (given: the request named one): the tenant's default, or the request's
+// clamped to the tenant's range.
+func (c *FlowConfig) BandOf(tenant string, requested int, given bool) int {
+	t := c.Tenants[tenant]
+	if !given {
+		return t.Priority
+	}
+	return max(requested, t.MaxPriority)
 }
 
 // Band is the settings of one priority band.
@@ -109,7 +132,7 @@ const (
 	DefaultFlowTTL       = 60 * time.Second
 	DefaultBandMaxQueued = 5000
 	DefaultPoolMaxQueued = 20000
-	DefaultQueueMs       = 100
+	DefaultQueueMs       = 50
 	DefaultSatWaiting    = 5
 	DefaultSatKVUsage    = 0.8
 	// defaultOutput is the output expected of a tenant's request before
@@ -189,10 +212,19 @@ func (c FlowConfig) withDefaults() (FlowConfig, error) {
 	for i := range c.Bands {
 		c.Bands[i] = c.Bands[i].withDefaults()
 	}
-	for name, w := range c.Weights {
-		if !(w > 0) || math.IsInf(w, 0) {
-			return c, fmt.Errorf("router: flow: tenant %q has weight %g, want a positive finite number", name, w)
+	c.Tenants = maps.Clone(c.Tenants)
+	for name, t := range c.Tenants {
+		if t.Weight == 0 {
+			t.Weight = 1
 		}
+		if !(t.Weight > 0) || math.IsInf(t.Weight, 0) {
+			return c, fmt.Errorf("router: flow: tenant %q has weight %g, want a positive finite number", name, t.Weight)
+		}
+		if t.MaxPriority > t.Priority {
+			return c, fmt.Errorf("router: flow: tenant %q: max_priority %d is less urgent than its priority %d (lower is more urgent)",
+				name, t.MaxPriority, t.Priority)
+		}
+		c.Tenants[name] = t
 	}
 	return c, nil
 }
@@ -271,9 +303,9 @@ func (f *flow) tenant(name string) *tenant {
 			return t
 		}
 	}
-	w, ok := f.cfg.Weights[name]
-	if !ok {
-		w = 1
+	w := 1.0
+	if ft, ok := f.cfg.Tenants[name]; ok {
+		w = ft.Weight
 	}
 	t := &tenant{name: name, weight: w}
 	f.tenants[name] = t
@@ -323,19 +355,32 @@ func (t *tenant) expectedOutput(maxTokens int) float64 {
 }
 
 // saturated reports whether every candidate (Healthy) of views is
-// saturated; false when there is none (routing then answers why).
+// saturated, and otherwise takes the saturated ones out of views (Healthy
+// false): a request the controller lets go joins an engine with room, not
+// the queue it was held back from. False when there is no candidate
+// (routing then answers why).
 func (f *flow) saturated(views []policy.ReplicaView) bool {
-	candidates := 0
+	candidates, full := 0, 0
 	for i := range views {
 		if !views[i].Healthy {
 			continue
 		}
 		candidates++
-		if !f.replicaSaturated(&views[i]) {
-			return false
+		if f.replicaSaturated(&views[i]) {
+			full++
 		}
 	}
-	return candidates > 0
+	if full == candidates {
+		return candidates > 0
+	}
+	if full > 0 {
+		for i := range views {
+			if views[i].Healthy && f.replicaSaturated(&views[i]) {
+				views[i].Healthy = false
+			}
+		}
+	}
+	return false
 }
 
 // replicaSaturated is the saturation detector for one replica.
@@ -427,3 +472,12 @@ func (f *flow) wait(work float64) time.Duration {
 	}
 	return time.Duration(min(work/f.rate, maxRetryAfter.Seconds()*10) * float64(time.Second))
 }
+
+// BandOf is the band of a request of tenant asking for priority requested
+// (given: it named one), by the router's flow configuration (FlowConfig.BandOf).
+func (rt *Router) BandOf(tenant string, requested int, given bool) int {
+	return rt.flow.BandOf(tenant, requested, given)
+}
+
+// FlowEnabled reports whether the router's flow control is on.
+func (rt *Router) FlowEnabled() bool { return rt.flow.Enabled }

@@ -37,7 +37,7 @@ func TestFlowNothingLost(t *testing.T) {
 			MaxQueued:  rapid.IntRange(1, 8).Draw(rt, "max_queued"),
 			Band:       Band{TTL: time.Duration(rapid.IntRange(1, 10).Draw(rt, "ttl_s")) * time.Second, MaxQueued: rapid.IntRange(1, 5).Draw(rt, "band_max")},
 			Bands:      []Band{{Priority: 3, Sheddable: true}},
-			Weights:    map[string]float64{"B": 2},
+			Tenants:    map[string]FlowTenant{"B": {Weight: 2}},
 		}
 		fr := newFlowRig(t, rapid.IntRange(1, 3).Draw(rt, "replicas"), fc)
 		var cases []*flowCase

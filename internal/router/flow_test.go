@@ -163,7 +163,7 @@ func mustSubmit(t *testing.T, fr *flowRig, name, tenant string, prio, tokens int
 // Within a band tenants share by weight: B (weight 3) and A (weight 1),
 // both always waiting with equal requests, are served 3:1.
 func TestFlowWeightedFairShare(t *testing.T) {
-	fr := newFlowRig(t, 1, FlowConfig{Saturation: Saturation{QueueMs: 1}, Weights: map[string]float64{"B": 3}})
+	fr := newFlowRig(t, 1, FlowConfig{Saturation: Saturation{QueueMs: 1}, Tenants: map[string]FlowTenant{"B": {Weight: 3}}})
 	mustSubmit(t, fr, "start", "C", 0, 100)
 	for i := range 40 {
 		mustSubmit(t, fr, fmt.Sprintf("A%d", i), "A", 0, 100)

@@ -49,6 +49,12 @@ const (
 
 // Config describes a fleet of simulated replicas. The zero value of every
 // field but Replicas takes a default.
+// Scheduling policies (Config.SchedulingPolicy), vLLM's names.
+const (
+	SchedulingFCFS     = "fcfs"
+	SchedulingPriority = "priority"
+)
+
 type Config struct {
 	Replicas int
 	// Host is the listening address of every replica, default 127.0.0.1.
@@ -143,6 +149,12 @@ type Config struct {
 	BlockSize      int // tokens per block, default engine.DefaultBlockSize
 	MaxBatchTokens int // default engine.DefaultMaxBatchTokens
 	MaxSeqs        int // default engine.DefaultMaxSeqs
+	// SchedulingPolicy is vLLM's --scheduling-policy: "fcfs" (the
+	// default) or "priority" (the waiting queue by each request's
+	// priority field, lower first; engine.Config.PriorityScheduling).
+	// Under fcfs a request naming a priority other than 0 is refused, as
+	// vLLM refuses it.
+	SchedulingPolicy string
 	// MaxModelLen is the longest prompt + max_tokens accepted, default
 	// min(DefaultMaxModelLen, KVBlocks × BlockSize); it may not exceed what
 	// the cache holds (vLLM refuses to start then).
@@ -259,6 +271,9 @@ func (c Config) withDefaults() Config {
 	if c.MaxSeqs == 0 {
 		c.MaxSeqs = engine.DefaultMaxSeqs
 	}
+	if c.SchedulingPolicy == "" {
+		c.SchedulingPolicy = SchedulingFCFS
+	}
 	if c.MaxModelLen == 0 && c.KVBlocks > 0 && c.BlockSize > 0 {
 		c.MaxModelLen = int(min(int64(DefaultMaxModelLen), int64(c.KVBlocks)*int64(c.BlockSize)))
 	}
@@ -295,6 +310,8 @@ func (c Config) validate() error {
 		return bad("ports %d..%d out of range", c.Port, c.Port+c.Replicas-1)
 	case c.KVEventsForm != kvevents.FormMap && c.KVEventsForm != kvevents.FormArray:
 		return bad("kv-event form %v", c.KVEventsForm)
+	case c.SchedulingPolicy != SchedulingFCFS && c.SchedulingPolicy != SchedulingPriority:
+		return bad("scheduling policy %q: want %s or %s", c.SchedulingPolicy, SchedulingFCFS, SchedulingPriority)
 	case !(c.TimeScale > 0 && c.TimeScale <= MaxTimeScale):
 		return bad("time scale %v out of (0, %g]", c.TimeScale, float64(MaxTimeScale))
 	case c.MaxLag < 0:

@@ -65,6 +65,8 @@ func newEngine(cfg Config, idx, rank int) (*engine.Engine, error) {
 		DisableKVEvents: !cfg.KVEvents,
 		Role:            cfg.Role,
 		KVHoldTimeout:   cfg.KVHoldTimeout,
+
+		PriorityScheduling: cfg.SchedulingPolicy == SchedulingPriority,
 	})
 	if err != nil {
 		return nil, fmt.Errorf("%w: %w", ErrInvalidConfig, err)

@@ -35,6 +35,7 @@ type job struct {
 	ignoreEOS    bool
 	minTokens    int
 	seed         int64
+	priority     int      // vLLM's priority, with --scheduling-policy priority
 	kv           kvParams // kv_transfer_params (prefill/decode disaggregation)
 	// pull: a remote prefill whose prefill side holds the prompt's blocks
 	// (openPull succeeded): the engine pulls them instead of computing.
@@ -79,8 +80,11 @@ func (r *Replica) parseJob(kind prompt.Kind, data []byte) (*job, error) {
 	if choices := x.n * max(p.Prompts, 1); choices > maxN { // x.n ≤ maxN: no overflow
 		return nil, badRequest("n", "at most %d choices per request (n × prompts), got %d.", maxN, choices)
 	}
+	if x.priority != 0 && r.cfg.SchedulingPolicy != SchedulingPriority {
+		return nil, badRequest("priority", "Got priority %d but Priority scheduling is not enabled.", x.priority)
+	}
 	j := &job{kind: kind, model: p.Model, adapter: adapter, stream: x.stream, includeUsage: x.includeUsage,
-		n: x.n, ignoreEOS: x.ignoreEOS, seed: x.seed, kv: kv}
+		n: x.n, ignoreEOS: x.ignoreEOS, seed: x.seed, priority: x.priority, kv: kv}
 	if err := r.readPrompts(j, p, b.get("prompt")); err != nil {
 		return nil, err
 	}
@@ -219,6 +223,7 @@ func (r *Replica) newCall(j *job) (*call, []engine.Request) {
 				LoraName:      j.adapter,
 				RemoteDecode:  j.kv.remoteDecode && c.reason == finishLength,
 				RemotePrefill: j.pull,
+				Priority:      j.priority,
 			})
 			if j.pull {
 				c.remote = remoteOf(j.kv)

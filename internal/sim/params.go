@@ -20,6 +20,7 @@ type params struct {
 	maxField                        string   // the field maxTokens came from
 	minTokens                       int64    // ≥ 0; may be saturated
 	seed                            int64
+	priority                        int // vLLM's priority (lower is earlier); may be saturated
 }
 
 func readParams(kind prompt.Kind, b body) (params, error) {
@@ -40,6 +41,11 @@ func readParams(kind prompt.Kind, b body) (params, error) {
 	if err := x.readMaxTokens(kind, b); err != nil {
 		return x, err
 	}
+	p, err := b.integer("priority")
+	if err != nil {
+		return x, err
+	}
+	x.priority = clampInt(p.v)
 	return x, checkLogprobs(kind, b)
 }
 

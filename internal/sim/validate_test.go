@@ -70,6 +70,9 @@ func validationCases(long string) []errorCase {
 		{"top_logprobs too many", chat, m(`"logprobs":true,"top_logprobs":21`), 400, "", "top_logprobs"},
 		{"prompt_logprobs beyond int64", cmpl, c(`"prompt_logprobs":1e30`), 400, "", "prompt_logprobs"},
 		{"stream not a bool", cmpl, c(`"stream":"yes"`), 400, "", "stream"},
+		// vLLM refuses a priority under its default fcfs scheduling.
+		{"priority under fcfs", cmpl, c(`"priority":1`), 400, "", "priority"},
+		{"priority a string", cmpl, c(`"priority":"1"`), 400, "", "priority"},
 		{"ignore_eos not a bool", cmpl, c(`"ignore_eos":1`), 400, "", "ignore_eos"},
 		{"stream_options not an object", cmpl, c(`"stream":true,"stream_options":"x"`), 400, "", "stream_options"},
 		{"include_usage not a bool", cmpl, c(`"stream":true,"stream_options":{"include_usage":1}`), 400, "",
@@ -169,6 +172,23 @@ func TestBodyInteger(t *testing.T) {
 
 // fuzzReplica is a replica with no listener or driver, enough to parse
 // requests: max_model_len 1024 (64 blocks of 16), two adapters.
+// Under --scheduling-policy priority a request's priority goes to its
+// engine requests; priority 0 is always accepted.
+func TestPriorityField(t *testing.T) {
+	r := fuzzReplica(t)
+	if j, err := r.parseJob(prompt.Completion, []byte(`{"model":"sim-llama-8b","prompt":"x","priority":0}`)); err != nil || j.priority != 0 {
+		t.Fatalf("priority 0 under fcfs: %v", err)
+	}
+	r.cfg.SchedulingPolicy = SchedulingPriority
+	j, err := r.parseJob(prompt.Completion, []byte(`{"model":"sim-llama-8b","prompt":"x","priority":-3}`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, reqs := r.newCall(j); reqs[0].Priority != -3 {
+		t.Fatalf("engine request priority %d", reqs[0].Priority)
+	}
+}
+
 func fuzzReplica(tb testing.TB) *Replica {
 	cfg := Config{Replicas: 1, KVBlocks: 64, Adapters: []string{"lora-a", "lora-b"}, Faults: Faults{}}.withDefaults()
 	if err := cfg.validate(); err != nil {

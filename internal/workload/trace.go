@@ -34,6 +34,10 @@ type TraceRecord struct {
 	Model   string
 	Session string
 	Chat    bool
+	// Tenant ("tenant") and Priority ("priority") are the recorded
+	// request's tenant and priority band ("" and 0: none).
+	Tenant   string
+	Priority int
 }
 
 // blockTokens is the record's tokens per hash id.
@@ -52,6 +56,9 @@ const (
 	MaxTraceLine      = 16 << 20
 	MaxTraceTokens    = 1 << 22
 	MaxTraceTimestamp = 1e12 * time.Millisecond
+	// MaxTenantName bounds a tenant's name, MaxPriority a priority's size.
+	MaxTenantName = 128
+	MaxPriority   = 1 << 20
 )
 
 var (
@@ -138,6 +145,8 @@ type traceLine struct {
 	Model     string          `json:"model"`
 	Session   json.RawMessage `json:"session"`
 	Chat      bool            `json:"chat"`
+	Tenant    string          `json:"tenant"`
+	Priority  int             `json:"priority"`
 }
 
 func parseRecord(b []byte) (TraceRecord, error) {
@@ -189,7 +198,22 @@ func parseRecord(b []byte) (TraceRecord, error) {
 	if rec.Session, err = sessionOf(l.Session); err != nil {
 		return TraceRecord{}, err
 	}
+	if err := checkTenant(l.Tenant, l.Priority); err != nil {
+		return TraceRecord{}, err
+	}
+	rec.Tenant, rec.Priority = l.Tenant, l.Priority
 	return rec, nil
+}
+
+// checkTenant bounds a record's tenant and priority.
+func checkTenant(tenant string, priority int) error {
+	if len(tenant) > MaxTenantName {
+		return fmt.Errorf("tenant is %d bytes, at most %d", len(tenant), MaxTenantName)
+	}
+	if priority < -MaxPriority || priority > MaxPriority {
+		return fmt.Errorf("priority %d is outside [%d, %d]", priority, -MaxPriority, MaxPriority)
+	}
+	return nil
 }
 
 // sessionOf reads a record's session: a string, or a number (a recorder's
@@ -265,7 +289,7 @@ func FromTrace(recs []TraceRecord, speedup float64) ([]Request, error) {
 			at = seconds(rec.Timestamp.Seconds() / speedup)
 		}
 		reqs[i] = Request{Index: i, At: at, Prev: -1, MaxTokens: rec.OutputLength,
-			InputTokens: rec.InputLength, Session: rec.Session, Timed: true}
+			InputTokens: rec.InputLength, Session: rec.Session, Timed: true, Tenant: rec.Tenant, Priority: rec.Priority}
 		if bt := rec.blockTokens(); bt == BlockTokens {
 			reqs[i].HashIDs = rec.HashIDs
 		} else {

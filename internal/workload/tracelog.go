@@ -174,6 +174,7 @@ type logLine struct {
 	CompletionTokens *int            `json:"completion_tokens"`
 	SessionID        string          `json:"session_id"`
 	Session          string          `json:"session"`
+	Tenant           string          `json:"tenant"`
 }
 
 func parseLogged(b []byte) (Request, time.Time, error) {
@@ -213,6 +214,10 @@ func parseLogged(b []byte) (Request, time.Time, error) {
 		req.MaxTokens = out
 	}
 	req.Session = cmp.Or(l.SessionID, l.Session, req.Session)
+	if err := checkTenant(l.Tenant, req.Priority); err != nil {
+		return Request{}, time.Time{}, err
+	}
+	req.Tenant = l.Tenant
 	return req, at, nil
 }
 
@@ -236,7 +241,7 @@ func loggedRequest(body []byte) (Request, error) {
 	if p.Text == "" {
 		return Request{}, errors.New("the prompt is empty")
 	}
-	req := Request{Prev: -1, Session: p.User, Timed: true, MaxTokens: p.MaxTokens}
+	req := Request{Prev: -1, Session: p.User, Timed: true, MaxTokens: p.MaxTokens, Priority: p.Priority}
 	if p.MaxTokens == 0 {
 		req.MaxTokens = DefaultLogOutputTokens
 	}

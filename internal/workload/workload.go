@@ -63,6 +63,13 @@ type Request struct {
 	// Timed: At is the request's own arrival time from a trace or a request
 	// log, which Arrivals keeps.
 	Timed bool
+	// Tenant is the tenant the request is sent for ("" none): a trace's or
+	// a multi-tenant workload's (Mix); Priority its priority (vLLM's:
+	// lower is earlier); Deadline its time-to-first-token deadline (0:
+	// none).
+	Tenant   string
+	Priority int
+	Deadline time.Duration
 }
 
 // Text returns the routing text: the Prompt, the chat rendered as the
