@@ -111,7 +111,7 @@ func newStore(opt *redis.Options, ns string, timeout, bulk time.Duration, maxLen
 	o.ReadTimeout, o.WriteTimeout = -1, -1
 	o.ContextTimeoutEnabled = true
 	o.MaxRetries = -1
-	o.PoolSize = 4 // the reader's blocking XREAD, the publisher, the snapshot writer
+	o.PoolSize = 5 // the reader's blocking XREAD, the publisher, the snapshot writer, the quota sync
 	o.PoolTimeout = timeout
 	o.DisableIdentity = true
 	o.MaintNotificationsConfig = &maintnotifications.Config{Mode: maintnotifications.ModeDisabled}
