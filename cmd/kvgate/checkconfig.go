@@ -191,6 +191,8 @@ func enabledText(cfg gateway.Config) string {
 	}{
 		{cfg.AdminToken != "", "admin endpoints (/debug, /admin: token set)"},
 		{len(cfg.APIKeys) > 0, fmt.Sprintf("client API keys (%d)", len(cfg.APIKeys))},
+		{len(cfg.Tenants) > 0, fmt.Sprintf("tenants (%d) with flow control", len(cfg.Tenants))},
+		{len(cfg.Tenants) == 0 && cfg.FlowControl.Enabled, "flow control"},
 		{cfg.SharedState != "", "shared state " + redactURL(cfg.SharedState)},
 		{cfg.StateFile != "", "state file " + cfg.StateFile},
 		{cfg.Record.Path != "", "recording to " + cfg.Record.Path},

@@ -66,7 +66,7 @@ func (f *flowFlags) config(tenants []workload.TenantSpec) (router.FlowConfig, er
 			"--flow-waiting and --flow-max-queued at least 1", errUsage)
 	}
 	fc := router.FlowConfig{Enabled: true, Tenants: map[string]router.FlowTenant{},
-		Saturation: router.Saturation{QueueMs: f.queueMs, Waiting: f.waiting, KVUsage: f.kvUsage},
+		Saturation: router.SaturationRule{QueueMs: f.queueMs, Waiting: f.waiting, KVUsage: f.kvUsage},
 		Band:       router.Band{TTL: f.ttl, MaxQueued: f.maxQueued}}
 	for _, t := range tenants {
 		fc.Tenants[t.Name] = router.FlowTenant{Weight: t.Weight, Priority: t.Priority, MaxPriority: t.Priority}

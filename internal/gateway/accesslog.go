@@ -9,7 +9,7 @@ import (
 
 // The access log (access_log: true, kvgate serve --access-log): one line
 // per request at info, when it ends, with what an operator looks for —
-// method, path, model, the replica that answered (and the prefill replica
+// method, path, the client's tenant, model, the replica that answered (and the prefill replica
 // of a disaggregated request), the status the client got, TTFT, end to
 // end, the usage's prompt, cached and generated tokens, and the request
 // id. Never the prompt, the answer or any key: the line is built from
@@ -25,6 +25,7 @@ type accessWriter struct {
 	// Filled by noteAccess from the attempts (the last one wins; a prefill
 	// step names only the prefill replica).
 	model, replica, prefill string
+	tenant                  string        // the client's tenant ("": none)
 	ttft                    time.Duration // -1: no first token seen
 	prompt, cached, output  int
 	attempts                int
@@ -112,6 +113,9 @@ func (g *Gateway) logAccess(aw *accessWriter, r *http.Request, start time.Time) 
 	}
 	attrs := []slog.Attr{slog.String("method", r.Method), slog.String("path", r.URL.Path),
 		slog.Int("status", status), slog.String("request_id", aw.Header().Get("X-Request-Id"))}
+	if aw.tenant != "" {
+		attrs = append(attrs, slog.String("tenant", aw.tenant))
+	}
 	if aw.model != "" {
 		attrs = append(attrs, slog.String("model", aw.model))
 	}

@@ -180,8 +180,12 @@ type Config struct {
 
 	// AdminToken enables /debug/* and /admin/*, behind "Authorization: Bearer".
 	AdminToken string `json:"admin_token,omitempty"`
-	// APIKeys, when set, are the only bearer tokens clients may use.
+	// APIKeys, when set, are the only bearer tokens clients may use
+	// (with tenants: keys of no tenant; config_tenants.go).
 	APIKeys []string `json:"api_keys,omitempty"`
+	// Tenants and FlowControl: several tenants on one fleet (config_tenants.go).
+	Tenants     []TenantConfig    `json:"tenants,omitempty"`
+	FlowControl FlowControlConfig `json:"flow_control"`
 	// Passthrough opts replica paths in beyond the default allow-list
 	// (passthroughPaths: vLLM's inference and read-only endpoints): exact
 	// paths such as /v1/load_lora_adapter, open to every client the
@@ -235,6 +239,7 @@ func Defaults() Config {
 		IndexMaxEntries:    4 << 20,
 		BlocksPerReplica:   30000,
 		Record:             DefaultRecord(),
+		FlowControl:        DefaultFlowControl(),
 
 		// The KV-event socket's trust and bounds.
 		KVEventsTrust:                    TrustList{kvzmq.TrustReplicaAddress},
@@ -356,6 +361,7 @@ func (c *Config) Validate() error {
 	errs = append(errs, validatePassthrough(c.Passthrough)...)
 	errs = append(errs, c.validateNoSelf()...)
 	errs = append(errs, c.validateEPP()...)
+	errs = append(errs, c.validateTenants()...)
 	if c.SharedState != "" {
 		if _, err := sharedstate.ParseURL(c.SharedState); err != nil {
 			errs = append(errs, keyErr("shared_state", "%v", err))

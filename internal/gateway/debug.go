@@ -73,7 +73,9 @@ func replicaDebugs(g *Gateway, views []policy.ReplicaView, d *policy.Decision) [
 	return out
 }
 
-// debug serves POST /debug/route: the decision for a request body, nothing sent.
+// debug serves POST /debug/route: the decision for a request body, nothing
+// sent; ?tenant=NAME keys it as that tenant's request would be (its
+// cache salt: an isolated tenant matches only its own prefixes).
 func (g *Gateway) debug(w http.ResponseWriter, r *http.Request) {
 	if r.URL.Path != "/debug/route" {
 		writeError(w, errNotFound)
@@ -99,7 +101,12 @@ func (g *Gateway) debug(w http.ResponseWriter, r *http.Request) {
 	if r.URL.Query().Get("kind") == "chat" {
 		kind = prompt.Chat
 	}
-	model, req, err := g.prepare(r.Context(), kind, body, r.Header.Get("X-Session-Id"))
+	t, err := g.debugTenant(r.URL.Query().Get("tenant"))
+	if err != nil {
+		writeError(w, err)
+		return
+	}
+	model, req, err := g.prepare(r.Context(), kind, body, r.Header.Get("X-Session-Id"), t)
 	if err != nil {
 		writeError(w, err)
 		return

@@ -6,6 +6,8 @@ import (
 	"errors"
 	"net"
 	"net/http"
+	"strconv"
+	"time"
 
 	"github.com/kvgate/kvgate/internal/gateway/ui"
 	"github.com/kvgate/kvgate/internal/policy"
@@ -20,6 +22,8 @@ type apiError struct {
 	Code    string
 	Param   string
 	Message string
+	// RetryAfter is the Retry-After of a 429 or 503 (0: one second).
+	RetryAfter time.Duration
 }
 
 func (e *apiError) Error() string { return e.Message }
@@ -79,6 +83,7 @@ func isAPIError(err error, e *apiError) bool {
 func toAPIError(err error) *apiError {
 	var ae *apiError
 	var re *prompt.RequestError
+	var se *router.ShedError
 	var ne net.Error
 	switch {
 	case errors.As(err, &ae):
@@ -91,6 +96,8 @@ func toAPIError(err error) *apiError {
 		return errUnauth.with(err.Error())
 	case errors.As(err, &re):
 		return &apiError{Status: http.StatusBadRequest, Type: "invalid_request_error", Param: re.Param, Message: re.Error()}
+	case errors.As(err, &se):
+		return shedError(se)
 	case errors.Is(err, policy.ErrNoReplica):
 		return errNoReplica
 	case errors.Is(err, router.ErrModelNotServed):
@@ -129,12 +136,38 @@ func (e *apiError) body() []byte {
 	return out
 }
 
+// retryAfter is d in whole seconds, rounded up, at least 1 (RFC 9110
+// §10.2.3's delay-seconds).
+func retryAfter(d time.Duration) string {
+	return strconv.FormatInt(max(int64((d+time.Second-1)/time.Second), 1), 10)
+}
+
+// shedMessages word the flow controller's refusals (router.ShedError).
+var shedMessages = map[string]string{
+	router.ShedQueueFull: "the gateway's queue for this priority is full",
+	router.ShedTTL:       "the request would wait in the gateway's queue longer than its priority's time to live",
+	router.ShedDeadline:  "the request's first token cannot come before its " + headerDeadline + " deadline",
+	router.ShedSaturated: "the replicas are saturated and this priority is sheddable",
+	router.ShedDisplaced: "a more urgent request took this one's place in the gateway's full queue",
+}
+
+// shedError is a flow-control refusal in its HTTP form: 429, with the
+// controller's estimate of when to retry.
+func shedError(se *router.ShedError) *apiError {
+	msg, ok := shedMessages[se.Reason]
+	if !ok {
+		msg = "the gateway's flow control refused the request"
+	}
+	return &apiError{Status: http.StatusTooManyRequests, Type: "rate_limit_error", Code: "shed_" + se.Reason,
+		Message: msg + "; retry later", RetryAfter: se.RetryAfter}
+}
+
 func writeError(w http.ResponseWriter, err error) *apiError {
 	ae := toAPIError(err)
 	h := w.Header()
 	h.Set("Content-Type", "application/json")
 	if ae.Status == http.StatusServiceUnavailable || ae.Status == http.StatusTooManyRequests {
-		h.Set("Retry-After", "1")
+		h.Set("Retry-After", retryAfter(ae.RetryAfter))
 	}
 	w.WriteHeader(ae.Status)
 	_, _ = w.Write(append(ae.body(), '\n'))

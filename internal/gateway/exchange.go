@@ -60,6 +60,22 @@ type exchange struct {
 	// waited is how long the request last waited in the router's queue
 	// (the route receipt's queue wait).
 	waited time.Duration
+	// tenant is the client's tenant (nil: none, or no tenants); band and
+	// deadline are its request's (tenants.go).
+	tenant   *tenant
+	band     int
+	deadline time.Time
+	// charge is what its tenant's quota was charged (nil: none), usage
+	// what the replicas reported, to correct it (quota.go).
+	charge *quotaCharge
+	usage  exchangeUsage
+}
+
+// exchangeUsage is what an exchange's attempts told of its tokens: sent,
+// some attempt went to a replica; known, the answering one reported usage.
+type exchangeUsage struct {
+	sent, known    bool
+	prompt, output int
 }
 
 // serveInference handles POST /v1/completions and /v1/chat/completions:
@@ -160,6 +176,9 @@ func (g *Gateway) route(x *exchange) (*router.Ticket, error) {
 	}
 	g.traceRoute(span, x, tk, nil, err)
 	if err != nil {
+		if g.ten != nil {
+			g.ten.noteShed(x, err)
+		}
 		return nil, err
 	}
 	if n := len(x.req.Blocks); n > 0 && len(x.exclude) == 0 {
@@ -169,15 +188,24 @@ func (g *Gateway) route(x *exchange) (*router.Ticket, error) {
 }
 
 // waitInQueue waits while the request is held in the router's queue (a
-// policy that defers: late binding), for at most queue_timeout: past it the
-// request leaves the queue and is routed at once, wherever the policy
-// prefers; a client that leaves takes it out of the queue.
+// policy that defers: late binding; flow control), for at most
+// queue_timeout, or with flow control until its deadline or its band's
+// TTL: past it the request leaves the queue and is routed at once,
+// wherever the policy prefers, or, with flow control, shed (429). A
+// client that leaves takes it out of the queue.
 func (g *Gateway) waitInQueue(x *exchange, w *router.Waiting) (*router.Ticket, error) {
 	g.met.routerQueued.Inc()
 	defer g.met.routerQueued.Dec()
 	t0 := g.clock.Now()
 	defer func() { x.waited = g.clock.Since(t0); g.met.routerWait.Observe(x.waited.Seconds()) }()
-	timer := g.clock.NewTimer(g.conf().QueueTimeout.D())
+	if g.ten != nil {
+		defer g.ten.waited(x, t0, g.clock.Now)
+	}
+	wait := g.conf().QueueTimeout.D()
+	if exp := w.Expires(); !exp.IsZero() {
+		wait = exp.Sub(t0)
+	}
+	timer := g.clock.NewTimer(wait)
 	defer timer.Stop()
 	select {
 	case <-w.Done():
@@ -191,13 +219,26 @@ func (g *Gateway) waitInQueue(x *exchange, w *router.Waiting) (*router.Ticket, e
 		}
 		return nil, context.Cause(x.ctx)
 	case <-timer.C():
-		if !g.rt.Cancel(w) {
-			<-w.Done()
-			return w.Result()
-		}
-		x.req.NoDefer, x.req.Now = true, g.clock.Now()
-		return g.rt.Route(x.req, x.exclude...)
+		return g.queueTimedOut(x, w)
 	}
+}
+
+// queueTimedOut ends a wait in the router's queue at its timer: with flow
+// control the request is shed (its expiry); without, routed at once.
+func (g *Gateway) queueTimedOut(x *exchange, w *router.Waiting) (*router.Ticket, error) {
+	if !w.Expires().IsZero() {
+		if err := g.rt.Expire(w); err != nil {
+			return nil, err
+		}
+		<-w.Done()
+		return w.Result()
+	}
+	if !g.rt.Cancel(w) {
+		<-w.Done()
+		return w.Result()
+	}
+	x.req.NoDefer, x.req.Now = true, g.clock.Now()
+	return g.rt.Route(x.req, x.exclude...)
 }
 
 // endUnrouted answers a request no attempt answered: the last replica's
@@ -259,8 +300,14 @@ func (g *Gateway) begin(w http.ResponseWriter, r *http.Request, kind prompt.Kind
 		w.Header().Set("Allow", strings.Join(methods, ", "))
 		return nil, errMethod.with("use " + strings.Join(methods, " or "))
 	}
-	if !g.authorized(r) {
+	t, ok := g.identify(r)
+	if !ok {
 		return nil, errUnauth
+	}
+	if x.tenant = t; t != nil {
+		if aw, ok := w.(*accessWriter); ok {
+			aw.tenant = t.name
+		}
 	}
 	if g.cut.Err() != nil {
 		return nil, errDraining // past the drain: the process is stopping
@@ -277,7 +324,10 @@ func (g *Gateway) enter(x *exchange, releaseBody func(), parse func() (*prompt.P
 	x.ctx = ctx
 	span := g.startSpan(ctx, "kvgate.parse")
 	var err error
-	if x.parsed, x.model, err = parse(); err != nil {
+	if x.parsed, x.model, err = parse(); err == nil {
+		err = g.applyTenant(x)
+	}
+	if err != nil {
 		endSpan(span, err)
 		releaseAll()
 		return nil, err
@@ -290,6 +340,10 @@ func (g *Gateway) enter(x *exchange, releaseBody func(), parse func() (*prompt.P
 	}
 	// Remote tokenization costs the replicas work: only admitted requests.
 	x.req, err = g.routingKey(ctx, x.kind, x.parsed, x.model, x.body, x.r.Header.Get("X-Session-Id"))
+	if err == nil {
+		g.tagRequest(x)
+		err = g.admitQuota(x)
+	}
 	endSpan(span, err)
 	if err != nil {
 		lim.release()
@@ -297,7 +351,7 @@ func (g *Gateway) enter(x *exchange, releaseBody func(), parse func() (*prompt.P
 		return nil, err
 	}
 	g.inFlight.Add(1)
-	return func() { lim.release(); releaseAll(); g.inFlight.Add(-1) }, nil
+	return func() { g.settleQuota(x); lim.release(); releaseAll(); g.inFlight.Add(-1) }, nil
 }
 
 // requestContext derives a request's context: cancelled when the client
@@ -320,11 +374,14 @@ func (g *Gateway) requestContext(parent context.Context) (context.Context, func(
 }
 
 // prepare parses a request body into a routing key (/debug/route), its
-// model resolved.
-func (g *Gateway) prepare(ctx context.Context, kind prompt.Kind, body []byte, session string) (router.Resolved, *policy.Request, error) {
+// model resolved, as a request of tenant t would be keyed (its cache salt).
+func (g *Gateway) prepare(ctx context.Context, kind prompt.Kind, body []byte, session string, t *tenant) (router.Resolved, *policy.Request, error) {
 	p, model, err := g.parse(kind, body)
 	if err != nil {
 		return model, nil, err
+	}
+	if g.ten != nil {
+		p.CacheSalt, _ = g.ten.salt(t, p.CacheSalt)
 	}
 	req, err := g.routingKey(ctx, kind, p, model, body, session)
 	return model, req, err

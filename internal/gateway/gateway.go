@@ -72,6 +72,9 @@ type Gateway struct {
 	sinks
 	// via is this gateway's Via pseudonym (loop.go): kvgate-<its id>.
 	via string
+	// ten is the gateway's tenants (tenants.go; nil without tenants and
+	// flow control).
+	ten *tenancy
 }
 
 // Options are a Gateway's injected parts.
@@ -136,6 +139,11 @@ func New(cfg Config, o Options) (*Gateway, error) {
 	g.ctl, g.fleet = ctl, ctl.Fleet()
 	g.met = newMetrics(o.Registry, rt, o.Clock)
 	o.Registry.MustRegister(newSaturationCollector(rt, cfg, prof)) // saturation.go
+	var qsync quotaSyncer
+	if syncer != nil {
+		qsync = syncer
+	}
+	g.ten = newTenancy(cfg, o, rt, qsync)
 	g.registerLimiterMetrics(o.Registry)
 	if cfg.Tokenizer == "remote" {
 		g.tok = newRemoteTokenizer(g, 8192)
@@ -170,7 +178,8 @@ func newRouter(cfg Config, specs []router.Spec, prof costmodel.Profile, clk cloc
 	return router.New(router.Config{Specs: specs, Policy: pol, Pools: pools, BlockSize: cfg.BlockSize, NonCachedTokens: nonCached,
 		BlocksPerReplica: cfg.BlocksPerReplica, MaxEntries: cfg.IndexMaxEntries, Precise: cfg.Precise(), Now: clk.Now,
 		StaleAfter: cfg.ScrapeStaleAfter.D(), LearnOnAccept: true, OnLearn: learn, OnDrained: drained, OnPolicyPanic: panicked, OnEject: eject, Dynamic: cfg.dynamic(),
-		Breaker: router.BreakerConfig{EjectAfter: cfg.EjectAfter, Cooldown: cfg.EjectCooldown.D()}, ForgetAfter: cfg.ForgetAfter.D()})
+		Breaker: router.BreakerConfig{EjectAfter: cfg.EjectAfter, Cooldown: cfg.EjectCooldown.D()}, ForgetAfter: cfg.ForgetAfter.D(),
+		Flow: cfg.routerFlow(prof)})
 }
 
 // newTransport is the upstream transport: no environment proxy, bounded
@@ -211,6 +220,9 @@ func (g *Gateway) Run(ctx context.Context) {
 	wg.Go(func() { g.ctl.Run(ctx) })
 	if g.rec != nil {
 		wg.Go(func() { g.rec.run(ctx) })
+	}
+	if g.ten != nil && g.ten.quotas != nil {
+		wg.Go(func() { g.ten.quotas.run(ctx) })
 	}
 	wg.Wait()
 	g.saveStateFile()
@@ -338,8 +350,15 @@ func requestID(r *http.Request) string {
 	return hex.EncodeToString(b[:])
 }
 
-// authorized checks the client's API key when keys are configured.
+// authorized checks the client's API key when keys are configured (a
+// tenant's too: identify).
 func (g *Gateway) authorized(r *http.Request) bool {
+	_, ok := g.identify(r)
+	return ok
+}
+
+// keysOK checks the client's key against api_keys, when they are configured.
+func (g *Gateway) keysOK(r *http.Request) bool {
 	if len(g.cfg.APIKeys) == 0 {
 		return true
 	}

@@ -51,6 +51,8 @@ import (
 //   - session: the request's session (X-Session-Id, else the body's
 //     "user"), as a number per distinct session in the file; absent when none.
 //   - chat: true for /v1/chat/completions, false for /v1/completions.
+//   - tenant, priority: the request's tenant (from its key) and its
+//     priority band, with tenants configured; absent when none and 0.
 //
 // Lines are in completion order, not arrival order; readers sort them by
 // timestamp. Ids and session numbers are per file: the tables are reset
@@ -126,6 +128,10 @@ type recordEntry struct {
 	model     string
 	session   string
 	chat      bool
+	// tenant and priority are the request's tenant and band (tenants.go;
+	// "" and 0 without tenants), written when set.
+	tenant   string
+	priority int
 }
 
 // Reasons of kvgate_record_dropped_total.
@@ -205,7 +211,8 @@ func (r *recorder) record(x *exchange, a *attempt) {
 		return // the trace is of generation requests: embeddings, scores … are not replayed
 	}
 	e := recordEntry{at: x.start, tokens: x.req.Tokens, output: a.output, maxTokens: x.req.MaxTokens,
-		blocks: x.req.Blocks, model: x.req.Model, session: x.req.Session, chat: x.kind == prompt.Chat}
+		blocks: x.req.Blocks, model: x.req.Model, session: x.req.Session, chat: x.kind == prompt.Chat,
+		tenant: x.req.Tenant, priority: x.req.Priority}
 	r.mu.RLock()
 	defer r.mu.RUnlock()
 	if r.closed {
@@ -344,6 +351,14 @@ func (r *recorder) encode(e recordEntry) []byte {
 	}
 	b = append(b, `,"chat":`...)
 	b = strconv.AppendBool(b, e.chat)
+	if e.tenant != "" {
+		b = append(b, `,"tenant":`...)
+		b = append(b, jsonString(e.tenant)...)
+	}
+	if e.priority != 0 {
+		b = append(b, `,"priority":`...)
+		b = strconv.AppendInt(b, int64(e.priority), 10)
+	}
 	b = append(b, "}\n"...)
 	r.line = b
 	return b

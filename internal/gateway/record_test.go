@@ -75,6 +75,7 @@ func TestRecordFormat(t *testing.T) {
 	e1.session, e1.chat = "alice@example.com", true
 	e2 := entry(time.Second, 48, 11, 12, 13) // shares 2 blocks with e1
 	e2.output, e2.maxTokens, e2.session = 0, 7, "bob"
+	e2.tenant, e2.priority = "gold", -1
 	e3 := entry(500*time.Millisecond, 32, 11, 14) // arrived before e2, completed after
 	e3.output, e3.session, e3.model = 0, "alice@example.com", `m"x`
 	e4 := entry(2*time.Second, 0) // no tokens: no line can hold it
@@ -85,7 +86,7 @@ func TestRecordFormat(t *testing.T) {
 	r.close()
 	want := []string{
 		`{"timestamp":1.5,"input_length":40,"output_length":5,"hash_ids":[0,1,2],"block_size":16,"model":"m","session":0,"chat":true}`,
-		`{"timestamp":1000,"input_length":48,"output_length":7,"hash_ids":[0,1,3],"block_size":16,"model":"m","session":1,"chat":false}`,
+		`{"timestamp":1000,"input_length":48,"output_length":7,"hash_ids":[0,1,3],"block_size":16,"model":"m","session":1,"chat":false,"tenant":"gold","priority":-1}`,
 		`{"timestamp":500,"input_length":32,"output_length":1,"hash_ids":[0,4],"block_size":16,"model":"m\"x","session":0,"chat":false}`,
 		`{"timestamp":0,"input_length":16,"output_length":5,"hash_ids":[0],"block_size":16,"model":"m","chat":false}`,
 	}
@@ -113,6 +114,9 @@ func TestRecordFormat(t *testing.T) {
 	}
 	if rec := recs[1]; rec.BlockSize != 16 || rec.Model != "m" || rec.Session != "0" || !rec.Chat || rec.OutputLength != 5 {
 		t.Fatalf("record %+v", rec)
+	}
+	if recs[3].Tenant != "gold" || recs[3].Priority != -1 {
+		t.Fatalf("record %+v: want tenant gold, priority -1", recs[3])
 	}
 	if recs[2].Model != `m"x` {
 		t.Fatalf("model %q", recs[2].Model)

@@ -109,6 +109,8 @@ func TestReloadableKeysPartitionConfig(t *testing.T) {
 		"api_keys":         func(c *Config) { c.APIKeys = []string{"key"} },
 		"passthrough":      func(c *Config) { c.Passthrough = []string{"/v1/load_lora_adapter"} },
 		"epp":              func(c *Config) { c.EPP.Fallbacks = 2 },
+		"flow_control":     func(c *Config) { c.FlowControl.QueueMs = 75 },
+		"tenants":          func(c *Config) { c.Tenants = []TenantConfig{{Name: "t", APIKeys: []string{"k"}}} },
 	}
 	keys := jsonKeys(reflect.TypeFor[Config]())
 	if len(keys) != len(slices.Compact(slices.Sorted(slices.Values(keys)))) {

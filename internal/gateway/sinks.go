@@ -64,6 +64,9 @@ func (g *Gateway) newSinks(met *metrics, rec *recorder, tr *tracing) sinks {
 	if rec != nil {
 		k.all = append(k.all, rec.settled)
 	}
+	if g.ten != nil {
+		k.all = append(k.all, g.ten.settled)
+	}
 	k.all = append(k.all, logAttempt)
 	return k
 }

@@ -150,7 +150,7 @@ func (g *Gateway) upstreamHeader(h http.Header, x *exchange, rep *router.Replica
 	copyHeaders(h, x.r.Header)
 	dropGatewayHeaders(h)
 	h.Add("Via", viaEntry(x.r, g.via)) // after the client's: loop detection (loop.go)
-	if key == "" && len(g.cfg.APIKeys) == 0 && x.r.Header.Get("Authorization") != "" {
+	if key == "" && len(g.cfg.APIKeys) == 0 && len(g.cfg.Tenants) == 0 && x.r.Header.Get("Authorization") != "" {
 		// No gateway keys: the client's key is meant for the replicas (its
 		// scheme spelt as vLLM's --api-key check compares it).
 		h.Set("Authorization", x.r.Header.Get("Authorization"))

@@ -22,9 +22,9 @@ import (
 // saturated, and keeps the engines' own queues short. A replica is
 // saturated when the prefill queued on it (its uncached prompt tokens
 // without a first token, and what its scrape shows waiting beyond them)
-// would take longer than Saturation.QueueMs by the cost model, or more than
-// Saturation.Waiting requests wait there, or its KV cache is fuller than
-// Saturation.KVUsage; a pool is saturated when every candidate replica is.
+// would take longer than SaturationRule.QueueMs by the cost model, or more than
+// SaturationRule.Waiting requests wait there, or its KV cache is fuller than
+// SaturationRule.KVUsage; a pool is saturated when every candidate replica is.
 // It is llm-d's saturation detector (the Gateway API inference
 // extension's pkg/epp/saturationdetector: a pod has capacity while its
 // waiting queue is at most 5 and its KV cache at most 80 % full; the pool
@@ -68,7 +68,7 @@ type FlowConfig struct {
 	// listed, or "": weight 1, priority 0, at most 0).
 	Tenants map[string]FlowTenant
 	// Saturation says when a replica is saturated.
-	Saturation Saturation
+	Saturation SaturationRule
 	// Band holds every band's settings but those Bands list.
 	Band Band
 	// Bands override Band for their priorities.
@@ -76,7 +76,7 @@ type FlowConfig struct {
 	// MaxQueued caps a pool's queue, every band (0: DefaultPoolMaxQueued).
 	MaxQueued int
 	// Profile and MaxBatchTokens turn prefill tokens into time
-	// (Saturation.QueueMs); the zero profile is costmodel.Default.
+	// (SaturationRule.QueueMs); the zero profile is costmodel.Default.
 	Profile        costmodel.Profile
 	MaxBatchTokens int
 }
@@ -93,13 +93,28 @@ type FlowTenant struct {
 
 // BandOf is the band of a request of tenant asking for priority requested
 // (given: the request named one): the tenant's default, or the request's
-// clamped to the tenant's range.
+// clamped to the tenant's range, from its MaxPriority to the least urgent
+// band configured (Lowest): the bands, and so the queues and the series
+// labelled by band, are the configuration's, whatever clients ask.
 func (c *FlowConfig) BandOf(tenant string, requested int, given bool) int {
 	t := c.Tenants[tenant]
 	if !given {
 		return t.Priority
 	}
-	return max(requested, t.MaxPriority)
+	return min(max(requested, t.MaxPriority), max(c.Lowest(), t.MaxPriority))
+}
+
+// Lowest is the least urgent band configured: the largest of 0, the
+// tenants' priorities and the bands'.
+func (c *FlowConfig) Lowest() int {
+	low := 0
+	for _, t := range c.Tenants {
+		low = max(low, t.Priority)
+	}
+	for _, b := range c.Bands {
+		low = max(low, b.Priority)
+	}
+	return low
 }
 
 // Band is the settings of one priority band.
@@ -113,9 +128,10 @@ type Band struct {
 	Sheddable bool
 }
 
-// Saturation is when a replica counts as saturated (zero fields: the
-// defaults; a criterion is turned off by a bound it never reaches).
-type Saturation struct {
+// SaturationRule is when a replica counts as saturated, for admission
+// (zero fields: the defaults; a criterion is turned off by a bound it
+// never reaches). The pools' scaling gauge is Saturation (saturation.go).
+type SaturationRule struct {
 	// QueueMs: the prefill queued on the replica would take longer, ms.
 	QueueMs float64
 	// Waiting: more requests wait there without a first token.

@@ -33,7 +33,7 @@ type flowCase struct {
 func TestFlowNothingLost(t *testing.T) {
 	rapid.Check(t, func(rt *rapid.T) {
 		fc := FlowConfig{
-			Saturation: Saturation{QueueMs: rapid.SampledFrom([]float64{1, 40, 1000}).Draw(rt, "queue_ms")},
+			Saturation: SaturationRule{QueueMs: rapid.SampledFrom([]float64{1, 40, 1000}).Draw(rt, "queue_ms")},
 			MaxQueued:  rapid.IntRange(1, 8).Draw(rt, "max_queued"),
 			Band:       Band{TTL: time.Duration(rapid.IntRange(1, 10).Draw(rt, "ttl_s")) * time.Second, MaxQueued: rapid.IntRange(1, 5).Draw(rt, "band_max")},
 			Bands:      []Band{{Priority: 3, Sheddable: true}},

@@ -55,7 +55,7 @@ func newFlowRig(t *testing.T, replicas int, fc FlowConfig) *flowRig {
 
 // tightFlow saturates a replica as soon as anything is pending on it.
 func tightFlow() FlowConfig {
-	return FlowConfig{Saturation: Saturation{QueueMs: 1}}
+	return FlowConfig{Saturation: SaturationRule{QueueMs: 1}}
 }
 
 // submit sends a request named name (its prompt: name and tokens×4
@@ -163,7 +163,7 @@ func mustSubmit(t *testing.T, fr *flowRig, name, tenant string, prio, tokens int
 // Within a band tenants share by weight: B (weight 3) and A (weight 1),
 // both always waiting with equal requests, are served 3:1.
 func TestFlowWeightedFairShare(t *testing.T) {
-	fr := newFlowRig(t, 1, FlowConfig{Saturation: Saturation{QueueMs: 1}, Tenants: map[string]FlowTenant{"B": {Weight: 3}}})
+	fr := newFlowRig(t, 1, FlowConfig{Saturation: SaturationRule{QueueMs: 1}, Tenants: map[string]FlowTenant{"B": {Weight: 3}}})
 	mustSubmit(t, fr, "start", "C", 0, 100)
 	for i := range 40 {
 		mustSubmit(t, fr, fmt.Sprintf("A%d", i), "A", 0, 100)
@@ -232,7 +232,7 @@ func TestFlowEDFWithinTenant(t *testing.T) {
 // deadline (deadline): by the caller's timer (Expire) or when the queue
 // next moves.
 func TestFlowTTLAndDeadline(t *testing.T) {
-	fr := newFlowRig(t, 1, FlowConfig{Saturation: Saturation{QueueMs: 1}, Band: Band{TTL: 10 * time.Second}})
+	fr := newFlowRig(t, 1, FlowConfig{Saturation: SaturationRule{QueueMs: 1}, Band: Band{TTL: 10 * time.Second}})
 	mustSubmit(t, fr, "x", "A", 0, 10)
 	w1 := mustSubmit(t, fr, "ttl", "A", 0, 10)
 	mustSubmit(t, fr, "dl", "A", 0, 10, func(r *policy.Request) { r.Deadline = fr.now.Add(3 * time.Second) })
@@ -257,7 +257,7 @@ func TestFlowTTLAndDeadline(t *testing.T) {
 // Once the queue's drain rate is known, a request whose estimated wait
 // passes its TTL is shed at once, not after waiting it out.
 func TestFlowShedsEarlyByEstimate(t *testing.T) {
-	fc := FlowConfig{Saturation: Saturation{QueueMs: 1}, Bands: []Band{{Priority: 1, TTL: 3500 * time.Millisecond}}}
+	fc := FlowConfig{Saturation: SaturationRule{QueueMs: 1}, Bands: []Band{{Priority: 1, TTL: 3500 * time.Millisecond}}}
 	fr := newFlowRig(t, 1, fc)
 	for i := 0; i <= 6; i++ {
 		mustSubmit(t, fr, fmt.Sprintf("r%d", i), "A", 0, 1000)
@@ -305,7 +305,7 @@ func TestFlowDeadlineByEstimate(t *testing.T) {
 // of its least urgent band for a more urgent one, else refuses; a
 // sheddable band's request is refused while the pool is saturated.
 func TestFlowCapsAndShedding(t *testing.T) {
-	fc := FlowConfig{Saturation: Saturation{QueueMs: 1}, MaxQueued: 3,
+	fc := FlowConfig{Saturation: SaturationRule{QueueMs: 1}, MaxQueued: 3,
 		Band: Band{MaxQueued: 2}, Bands: []Band{{Priority: 5, Sheddable: true}}}
 	fr := newFlowRig(t, 1, fc)
 	mustSubmit(t, fr, "x", "A", 0, 10)
@@ -405,5 +405,26 @@ func TestFlowOffIsFIFO(t *testing.T) {
 	first.FirstToken(time.Now())
 	if strings.Join(order, ",") != "request 1,request 2" || len(rt.FlowTenants()) != 0 {
 		t.Fatalf("order %v", order)
+	}
+}
+
+// A request's band: its tenant's default when it names none, else what it
+// asks clamped to its tenant's range, up to the least urgent band
+// configured.
+func TestFlowBandOf(t *testing.T) {
+	c := FlowConfig{Tenants: map[string]FlowTenant{"gold": {Priority: 1, MaxPriority: -1}, "bulk": {Priority: 3, MaxPriority: 3}},
+		Bands: []Band{{Priority: 5, Sheddable: true}}}
+	for _, tc := range []struct {
+		tenant    string
+		requested int
+		given     bool
+		want      int
+	}{
+		{"gold", 0, false, 1}, {"gold", -5, true, -1}, {"gold", 2, true, 2}, {"gold", 99, true, 5},
+		{"bulk", 0, true, 3}, {"bulk", 4, true, 4}, {"", -3, true, 0}, {"", 7, true, 5}, {"", 7, false, 0},
+	} {
+		if got := c.BandOf(tc.tenant, tc.requested, tc.given); got != tc.want {
+			t.Errorf("%s asking %d (%v): band %d, want %d", tc.tenant, tc.requested, tc.given, got, tc.want)
+		}
 	}
 }

@@ -201,6 +201,18 @@ func (q *queue) len() int {
 	return q.n
 }
 
+// eachLocked calls f with every request waiting in q, in no order; q.mu
+// is held by the caller.
+func (q *queue) eachLocked(f func(*Waiting)) {
+	for _, b := range q.bands {
+		for _, tq := range b.tenants {
+			for _, w := range tq.h {
+				f(w)
+			}
+		}
+	}
+}
+
 // Release routes each pool's queue's head while its policy lets it; the
 // router calls it itself on a first token, an end or a scrape.
 func (rt *Router) Release() {

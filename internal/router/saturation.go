@@ -165,11 +165,11 @@ func (pr *poolRate) queuedWork(pl *pool) [4]float64 {
 	pl.q.mu.Lock()
 	defer pl.q.mu.Unlock()
 	var out [4]float64
-	for _, w := range pl.q.waiting {
+	pl.q.eachLocked(func(w *Waiting) {
 		out[1] += float64(w.req.Tokens)
 		out[2] += float64(max(w.req.MaxTokens, 0))
 		out[3]++
-	}
+	})
 	ratio := 1.0 // before anything was routed: all of it
 	if pr.routed[1] > 0 {
 		ratio = pr.routed[0] / pr.routed[1]

@@ -1,0 +1,245 @@
+package gateway
+
+import (
+	"errors"
+	"fmt"
+	"math"
+	"time"
+
+	"github.com/kvgate/kvgate/internal/costmodel"
+	"github.com/kvgate/kvgate/internal/prompt"
+	"github.com/kvgate/kvgate/internal/router"
+)
+
+// Tenants (the config's tenants:) and flow control (flow_control:):
+// several tenants on one fleet (docs/tenants.md). A request's tenant comes
+// from its API key; the top-level api_keys: are keys of no tenant. With
+// tenants configured the router's flow controller runs (router/flow.go):
+// priority bands, each tenant's weighted share of GPU work within a band,
+// deadlines, bounded queues; each tenant may have a token quota per
+// minute, shared by the gateways of one shared_state: (quota.go), and an
+// isolated prefix cache (cache_salt). Without tenants (and without
+// flow_control.enabled), none of it runs: the gateway behaves as before.
+// Tenants are fixed at start (a reload does not change them).
+
+// TenantConfig is one entry of tenants:.
+type TenantConfig struct {
+	Name string `json:"name"`
+	// APIKeys are the bearer tokens of the tenant's clients.
+	APIKeys []string `json:"api_keys"`
+	// Priority is the band of its requests that name no priority (vLLM's
+	// priority: lower is earlier; default 0); MaxPriority the most urgent
+	// band they may ask for (default: Priority). A request asking for a
+	// more urgent band gets MaxPriority.
+	Priority    int  `json:"priority"`
+	MaxPriority *int `json:"max_priority,omitempty"`
+	// Weight is its share of the GPU work within a band (default 1).
+	Weight float64 `json:"weight"`
+	// TokensPerMinute caps its prompt + output tokens per minute; the
+	// prompt and output ones cap each apart (0: no cap).
+	TokensPerMinute       int64 `json:"tokens_per_minute,omitempty"`
+	PromptTokensPerMinute int64 `json:"prompt_tokens_per_minute,omitempty"`
+	OutputTokensPerMinute int64 `json:"output_tokens_per_minute,omitempty"`
+	// IsolateCache gives its requests a cache_salt of their own, so that
+	// no replica shares their KV with another tenant's and the index never
+	// credits another tenant's prefix to them.
+	IsolateCache bool `json:"isolate_cache,omitempty"`
+}
+
+// FlowControlConfig is flow_control:, the router's flow controller's
+// settings (on with tenants; Enabled turns it on without).
+type FlowControlConfig struct {
+	Enabled bool `json:"enabled,omitempty"`
+	// QueueMs, Waiting and KVUsage say when a replica is saturated: its
+	// queued prefill would take longer than QueueMs (by the cost model),
+	// more than Waiting requests wait there, or its KV cache is fuller
+	// than KVUsage. While every replica is, requests wait in the gateway.
+	QueueMs float64 `json:"queue_ms"`
+	Waiting int     `json:"waiting"`
+	KVUsage float64 `json:"kv_usage"`
+	// TTL and MaxQueued bound every band's wait and queue, MaxQueuedTotal
+	// the whole queue of a pool; Bands set them apart for some priorities,
+	// and make a band sheddable.
+	TTL            Duration         `json:"ttl"`
+	MaxQueued      int              `json:"max_queued"`
+	MaxQueuedTotal int              `json:"max_queued_total"`
+	Bands          []BandFlowConfig `json:"bands,omitempty"`
+	// EnginePriority sends each request's band to its replica as vLLM's
+	// priority field (for vLLM run with --scheduling-policy priority;
+	// kvgate sim's flag of that name); off, the gateway removes a
+	// client's priority field, which only it may set.
+	EnginePriority bool        `json:"engine_priority,omitempty"`
+	Quota          QuotaConfig `json:"quota"`
+}
+
+// BandFlowConfig is one entry of flow_control.bands:.
+type BandFlowConfig struct {
+	Priority  int      `json:"priority"`
+	TTL       Duration `json:"ttl,omitempty"`
+	MaxQueued int      `json:"max_queued,omitempty"`
+	// Sheddable: refused at once (429) while the fleet is saturated,
+	// never queued.
+	Sheddable bool `json:"sheddable,omitempty"`
+}
+
+// QuotaConfig is flow_control.quota:: how tenants' token quotas are kept
+// across gateways (quota.go).
+type QuotaConfig struct {
+	// SyncInterval is how often a gateway adds its tenants' tokens to the
+	// shared budgets in Redis and reads them back.
+	SyncInterval Duration `json:"sync_interval"`
+	// Fallback is what a gateway enforces while Redis does not answer:
+	// local_share (each gateway its share of the quota, by the gateways
+	// last seen: never over the quota), local_full (each gateway the
+	// whole quota: up to one quota per gateway) or reject (the tenant's
+	// requests are refused until Redis answers).
+	Fallback string `json:"fallback"`
+}
+
+// Quota fallbacks.
+const (
+	QuotaLocalShare = "local_share"
+	QuotaLocalFull  = "local_full"
+	QuotaReject     = "reject"
+)
+
+// DefaultFlowControl is flow_control:'s defaults: the router's.
+func DefaultFlowControl() FlowControlConfig {
+	return FlowControlConfig{
+		QueueMs: router.DefaultQueueMs, Waiting: router.DefaultSatWaiting, KVUsage: router.DefaultSatKVUsage,
+		TTL: Duration(router.DefaultFlowTTL), MaxQueued: router.DefaultBandMaxQueued, MaxQueuedTotal: router.DefaultPoolMaxQueued,
+		Quota: QuotaConfig{SyncInterval: Duration(time.Second), Fallback: QuotaLocalShare},
+	}
+}
+
+// Bounds of tenants:.
+const (
+	maxTenants      = 1024
+	maxTenantName   = 64
+	maxTenantWeight = 1e6
+	maxTenantTokens = 1 << 40
+)
+
+// flowOn reports whether the flow controller runs: tenants are
+// configured, or flow_control.enabled.
+func (c *Config) flowOn() bool { return len(c.Tenants) > 0 || c.FlowControl.Enabled }
+
+// validateTenants checks tenants: and flow_control:.
+func (c *Config) validateTenants() []error {
+	var errs []error
+	if len(c.Tenants) > maxTenants {
+		errs = append(errs, fmt.Errorf("tenants: %d tenants, at most %d", len(c.Tenants), maxTenants))
+	}
+	names, keys := map[string]bool{}, map[string]string{}
+	for _, k := range c.APIKeys {
+		keys[k] = "api_keys"
+	}
+	for i, t := range c.Tenants {
+		where := fmt.Sprintf("tenants[%d]", i)
+		if t.Name != "" {
+			where += " (" + t.Name + ")"
+		}
+		errs = append(errs, t.validate(where)...)
+		if names[t.Name] {
+			errs = append(errs, fmt.Errorf("%s: tenant %q is configured twice", where, t.Name))
+		}
+		names[t.Name] = true
+		for _, k := range t.APIKeys {
+			if other, dup := keys[k]; dup {
+				errs = append(errs, fmt.Errorf("%s: one of its api_keys is also %s's: a key names one tenant", where, other))
+			}
+			keys[k] = where
+		}
+	}
+	return append(errs, c.FlowControl.validate()...)
+}
+
+// validate checks one tenant (where names it).
+func (t *TenantConfig) validate(where string) []error {
+	var errs []error
+	switch {
+	case t.Name == "" || len(t.Name) > maxTenantName:
+		errs = append(errs, fmt.Errorf("%s: give the tenant a name of 1 to %d bytes", where, maxTenantName))
+	case len(t.APIKeys) == 0:
+		errs = append(errs, fmt.Errorf("%s: api_keys: is empty; a tenant's requests are told by their keys", where))
+	}
+	for _, k := range t.APIKeys {
+		if k == "" {
+			errs = append(errs, fmt.Errorf("%s: an empty API key", where))
+		}
+	}
+	if t.Weight < 0 || t.Weight > maxTenantWeight || math.IsNaN(t.Weight) {
+		errs = append(errs, fmt.Errorf("%s: weight %g: want 0 (1) to %g", where, t.Weight, float64(maxTenantWeight)))
+	}
+	if abs(t.Priority) > prompt.MaxPriority || t.MaxPriority != nil && abs(*t.MaxPriority) > prompt.MaxPriority {
+		errs = append(errs, fmt.Errorf("%s: priorities must be within ±%d", where, prompt.MaxPriority))
+	}
+	if t.MaxPriority != nil && *t.MaxPriority > t.Priority {
+		errs = append(errs, fmt.Errorf("%s: max_priority %d is less urgent than priority %d (lower is more urgent): "+
+			"max_priority is the most urgent band its requests may ask for", where, *t.MaxPriority, t.Priority))
+	}
+	for _, n := range []int64{t.TokensPerMinute, t.PromptTokensPerMinute, t.OutputTokensPerMinute} {
+		if n < 0 || n > maxTenantTokens {
+			errs = append(errs, fmt.Errorf("%s: token quotas must be 0 (none) to %d per minute", where, int64(maxTenantTokens)))
+			break
+		}
+	}
+	return errs
+}
+
+func abs(n int) int { return max(n, -n) }
+
+// validate checks flow_control:.
+func (f *FlowControlConfig) validate() []error {
+	var errs []error
+	if !(f.QueueMs > 0) || math.IsInf(f.QueueMs, 0) || f.Waiting < 1 || !(f.KVUsage > 0) || f.KVUsage > 1 {
+		errs = append(errs, errors.New("flow_control: queue_ms must be positive, waiting at least 1, kv_usage in (0, 1]"))
+	}
+	if f.TTL <= 0 || f.MaxQueued < 1 || f.MaxQueuedTotal < 1 {
+		errs = append(errs, errors.New("flow_control: ttl must be positive, max_queued and max_queued_total at least 1"))
+	}
+	seen := map[int]bool{}
+	for i, b := range f.Bands {
+		if seen[b.Priority] {
+			errs = append(errs, fmt.Errorf("flow_control.bands[%d]: priority %d is configured twice", i, b.Priority))
+		}
+		seen[b.Priority] = true
+		if b.MaxQueued < 0 {
+			errs = append(errs, fmt.Errorf("flow_control.bands[%d]: max_queued %d: want ≥ 0 (0: flow_control's)", i, b.MaxQueued))
+		}
+	}
+	if f.Quota.SyncInterval.D() < 10*time.Millisecond || f.Quota.SyncInterval.D() > time.Minute {
+		errs = append(errs, fmt.Errorf("flow_control.quota.sync_interval %v: want 10ms to 1m", f.Quota.SyncInterval.D()))
+	}
+	switch f.Quota.Fallback {
+	case QuotaLocalShare, QuotaLocalFull, QuotaReject:
+	default:
+		errs = append(errs, fmt.Errorf("flow_control.quota.fallback %q: want %s, %s or %s", f.Quota.Fallback,
+			QuotaLocalShare, QuotaLocalFull, QuotaReject))
+	}
+	return errs
+}
+
+// routerFlow is the router's flow configuration (off without tenants and
+// flow_control.enabled).
+func (c *Config) routerFlow(prof costmodel.Profile) router.FlowConfig {
+	if !c.flowOn() {
+		return router.FlowConfig{}
+	}
+	f := c.FlowControl
+	fc := router.FlowConfig{Enabled: true, Tenants: map[string]router.FlowTenant{},
+		Saturation: router.SaturationRule{QueueMs: f.QueueMs, Waiting: f.Waiting, KVUsage: f.KVUsage},
+		Band:       router.Band{TTL: f.TTL.D(), MaxQueued: f.MaxQueued}, MaxQueued: f.MaxQueuedTotal,
+		Profile: prof, MaxBatchTokens: c.MaxBatchTokens}
+	for _, b := range f.Bands {
+		fc.Bands = append(fc.Bands, router.Band{Priority: b.Priority, TTL: b.TTL.D(), MaxQueued: b.MaxQueued, Sheddable: b.Sheddable})
+	}
+	for _, t := range c.Tenants {
+		ft := router.FlowTenant{Weight: t.Weight, Priority: t.Priority, MaxPriority: t.Priority}
+		if t.MaxPriority != nil {
+			ft.MaxPriority = *t.MaxPriority
+		}
+		fc.Tenants[t.Name] = ft
+	}
+	return fc
+}

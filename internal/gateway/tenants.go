@@ -1,0 +1,227 @@
+package gateway
+
+import (
+	"crypto/sha256"
+	"encoding/json"
+	"net/http"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/kvgate/kvgate/internal/prompt"
+	"github.com/kvgate/kvgate/internal/router"
+)
+
+// The request path's side of tenants (config_tenants.go says what they
+// are): a request's tenant from its key, then its terms — its band (the
+// body's priority clamped to the tenant's range, or the tenant's
+// default), its deadline (headerDeadline), its cache salt and its token
+// quota — and the body its replica gets (priority and cache_salt as the
+// gateway set them). Without tenants nothing here runs.
+
+// headerDeadline is a request's time-to-first-token deadline in
+// milliseconds from its arrival: the flow controller orders a tenant's
+// requests by it (EDF) and sheds one that cannot meet it. It is the
+// gateway's own header (X-Kvgate-*), read here and never sent upstream.
+const headerDeadline = "X-Kvgate-Deadline-Ms"
+
+// maxDeadlineMs bounds headerDeadline: an hour.
+const maxDeadlineMs = 3_600_000
+
+// saltTenant and saltClient prefix the cache_salt the gateway sends when
+// a tenant isolates its cache: an isolated tenant's requests get
+// saltTenant+name+":"+their own salt, every other request that names a
+// salt saltClient+its salt, so that no client can name an isolated
+// tenant's salt and share its KV.
+const (
+	saltTenant = "kvgate-tenant:"
+	saltClient = "kvgate-client:"
+)
+
+// errQuota: the tenant's token quota for the minute is spent (quota.go).
+var errQuota = &apiError{Status: http.StatusTooManyRequests, Type: "rate_limit_error", Code: "quota_exceeded",
+	Message: "the tenant's token quota for this minute is spent; retry later"}
+
+var errDeadline = &apiError{Status: http.StatusBadRequest, Type: "invalid_request_error", Code: "invalid_deadline",
+	Message: headerDeadline + " must be an integer number of milliseconds from 1 to " + strconv.Itoa(maxDeadlineMs)}
+
+// tenancy is the gateway's tenants: whose a key is, and what each
+// tenant's requests get.
+type tenancy struct {
+	byKey map[[sha256.Size]byte]*tenant // by the SHA-256 of a key: a lookup that compares no key
+	list  []*tenant
+	// flow: the router's flow controller runs; enginePriority: bands go to
+	// the replicas as vLLM's priority; isolating: some tenant isolates
+	// its cache (every client salt is then namespaced).
+	flow, enginePriority, isolating bool
+	met                             *tenantMetrics
+	// quotas are the tenants' token quotas (quota.go; nil: none has one).
+	quotas *quotas
+}
+
+// tenant is one tenant (name "": the top-level api_keys', no tenant).
+type tenant struct {
+	name    string
+	isolate bool
+}
+
+// newTenancy is the gateway's tenants (nil without tenants and flow
+// control); shared is the shared state the quotas sync through (nil: none).
+func newTenancy(cfg Config, o Options, rt *router.Router, shared quotaSyncer) *tenancy {
+	if !cfg.flowOn() {
+		return nil
+	}
+	tc := &tenancy{byKey: map[[sha256.Size]byte]*tenant{}, flow: true, enginePriority: cfg.FlowControl.EnginePriority}
+	none := &tenant{}
+	for _, k := range cfg.APIKeys {
+		tc.byKey[sha256.Sum256([]byte(k))] = none
+	}
+	for _, c := range cfg.Tenants {
+		t := &tenant{name: c.Name, isolate: c.IsolateCache}
+		tc.isolating = tc.isolating || c.IsolateCache
+		tc.list = append(tc.list, t)
+		for _, k := range c.APIKeys {
+			tc.byKey[sha256.Sum256([]byte(k))] = t
+		}
+	}
+	tc.met = newTenantMetrics(o.Registry, rt)
+	if tc.quotas = newQuotas(cfg, o.Clock, o.Logger, shared); tc.quotas != nil {
+		o.Registry.MustRegister(quotaUsed{tc.quotas})
+	}
+	return tc
+}
+
+// admitQuota charges an exchange to its tenant's token quota: its prompt
+// (as counted for its routing key) and its max_tokens; 429 when the
+// tenant's minute is spent.
+func (g *Gateway) admitQuota(x *exchange) error {
+	if g.ten == nil || g.ten.quotas == nil || x.tenant == nil {
+		return nil
+	}
+	tq := g.ten.quotas.byName[x.tenant.name]
+	if tq == nil {
+		return nil
+	}
+	c, err := g.ten.quotas.admit(tq, x.req.Tokens, x.parsed.MaxTokens)
+	if err != nil {
+		g.ten.noteShed(x, err)
+		return err
+	}
+	x.charge = c
+	return nil
+}
+
+// settleQuota corrects an ended exchange's charge to its usage.
+func (g *Gateway) settleQuota(x *exchange) {
+	if x.charge != nil {
+		g.ten.quotas.settle(x.charge, x.usage.known, x.usage.sent, x.usage.prompt, x.usage.output)
+	}
+}
+
+// identify is a request's tenant and whether its key lets it in: with
+// tenants, a key of a tenant or of api_keys (every request needs one);
+// without, the api_keys check (authorized), and no tenant.
+func (g *Gateway) identify(r *http.Request) (*tenant, bool) {
+	tc := g.ten
+	if tc == nil || len(tc.byKey) == 0 {
+		return nil, g.keysOK(r)
+	}
+	tok, ok := bearer(r.Header)
+	if !ok {
+		return nil, false
+	}
+	t, ok := tc.byKey[sha256.Sum256([]byte(tok))]
+	return t, ok
+}
+
+// debugTenant is the tenant named name for /debug/route ("": none).
+func (g *Gateway) debugTenant(name string) (*tenant, error) {
+	if name == "" {
+		return nil, nil
+	}
+	if g.ten != nil {
+		for _, t := range g.ten.list {
+			if t.name == name {
+				return t, nil
+			}
+		}
+	}
+	return nil, errNotFound.with("no tenant " + strconv.Quote(name) + " is configured")
+}
+
+// label is the tenant's name ("" for none).
+func (t *tenant) label() string {
+	if t == nil {
+		return ""
+	}
+	return t.name
+}
+
+// applyTenant gives a parsed exchange its tenant's terms: its band and
+// deadline (kept for its routing key) and its cache salt, and edits its
+// body to carry them as the replica must see them.
+func (g *Gateway) applyTenant(x *exchange) error {
+	tc := g.ten
+	if tc == nil {
+		return nil
+	}
+	p := x.parsed
+	x.band = g.rt.BandOf(x.tenant.label(), p.Priority, p.PrioritySet)
+	if v := x.r.Header.Get(headerDeadline); v != "" {
+		ms, err := strconv.Atoi(strings.TrimSpace(v))
+		if err != nil || ms < 1 || ms > maxDeadlineMs {
+			return errDeadline
+		}
+		x.deadline = x.start.Add(time.Duration(ms) * time.Millisecond)
+	}
+	if x.kind != prompt.Completion && x.kind != prompt.Chat {
+		return nil // only these bodies carry vLLM's priority and cache_salt
+	}
+	var edits []fieldEdit
+	if salt, ok := tc.salt(x.tenant, p.CacheSalt); ok {
+		p.CacheSalt = salt
+		edits = append(edits, fieldEdit{key: "cache_salt", value: jsonString(salt)})
+	}
+	switch {
+	case tc.enginePriority:
+		edits = append(edits, fieldEdit{key: "priority", value: strconv.AppendInt(nil, int64(x.band), 10)})
+	case p.PrioritySet:
+		edits = append(edits, fieldEdit{key: "priority"}) // only the gateway may set it
+	}
+	if len(edits) == 0 {
+		return nil
+	}
+	body, err := editObject(x.body, edits...)
+	if err != nil {
+		return &prompt.RequestError{Msg: err.Error()}
+	}
+	x.body = body
+	return nil
+}
+
+// salt is the cache_salt of a request of t whose client named salt, and
+// whether it differs (false: the body's stands).
+func (tc *tenancy) salt(t *tenant, salt string) (string, bool) {
+	switch {
+	case t != nil && t.isolate:
+		return saltTenant + t.name + ":" + salt, true
+	case tc.isolating && salt != "":
+		return saltClient + salt, true
+	}
+	return salt, false
+}
+
+// tagRequest puts the exchange's tenant, band and deadline on its
+// routing key, for the flow controller.
+func (g *Gateway) tagRequest(x *exchange) {
+	if g.ten == nil {
+		return
+	}
+	x.req.Tenant, x.req.Priority, x.req.Deadline = x.tenant.label(), x.band, x.deadline
+}
+
+// jsonString is s as a JSON string.
+func jsonString(s string) []byte {
+	b, _ := json.Marshal(s)
+	return b
+}
