@@ -1,7 +1,6 @@
 package gateway
 
 import (
-	"errors"
 	"fmt"
 	"math"
 	"time"
@@ -124,11 +123,12 @@ const (
 // configured, or flow_control.enabled.
 func (c *Config) flowOn() bool { return len(c.Tenants) > 0 || c.FlowControl.Enabled }
 
-// validateTenants checks tenants: and flow_control:.
+// validateTenants checks tenants: and flow_control:, each problem with
+// its key path (config_errors.go).
 func (c *Config) validateTenants() []error {
 	var errs []error
 	if len(c.Tenants) > maxTenants {
-		errs = append(errs, fmt.Errorf("tenants: %d tenants, at most %d", len(c.Tenants), maxTenants))
+		errs = append(errs, keyErr("tenants", "%d tenants, at most %d", len(c.Tenants), maxTenants))
 	}
 	names, keys := map[string]bool{}, map[string]string{}
 	for _, k := range c.APIKeys {
@@ -136,17 +136,14 @@ func (c *Config) validateTenants() []error {
 	}
 	for i, t := range c.Tenants {
 		where := fmt.Sprintf("tenants[%d]", i)
-		if t.Name != "" {
-			where += " (" + t.Name + ")"
-		}
 		errs = append(errs, t.validate(where)...)
 		if names[t.Name] {
-			errs = append(errs, fmt.Errorf("%s: tenant %q is configured twice", where, t.Name))
+			errs = append(errs, keyErr(where+".name", "tenant %q is configured twice", t.Name))
 		}
 		names[t.Name] = true
-		for _, k := range t.APIKeys {
+		for j, k := range t.APIKeys {
 			if other, dup := keys[k]; dup {
-				errs = append(errs, fmt.Errorf("%s: one of its api_keys is also %s's: a key names one tenant", where, other))
+				errs = append(errs, keyErr(fmt.Sprintf("%s.api_keys[%d]", where, j), "also a key of %s: a key names one tenant", other))
 			}
 			keys[k] = where
 		}
@@ -154,34 +151,37 @@ func (c *Config) validateTenants() []error {
 	return append(errs, c.FlowControl.validate()...)
 }
 
-// validate checks one tenant (where names it).
+// validate checks one tenant (where: its key path).
 func (t *TenantConfig) validate(where string) []error {
 	var errs []error
 	switch {
 	case t.Name == "" || len(t.Name) > maxTenantName:
-		errs = append(errs, fmt.Errorf("%s: give the tenant a name of 1 to %d bytes", where, maxTenantName))
+		errs = append(errs, keyErr(where+".name", "give the tenant a name of 1 to %d bytes", maxTenantName))
 	case len(t.APIKeys) == 0:
-		errs = append(errs, fmt.Errorf("%s: api_keys: is empty; a tenant's requests are told by their keys", where))
+		errs = append(errs, keyErr(where+".api_keys", "empty; a tenant's requests are told by their keys"))
 	}
-	for _, k := range t.APIKeys {
+	for j, k := range t.APIKeys {
 		if k == "" {
-			errs = append(errs, fmt.Errorf("%s: an empty API key", where))
+			errs = append(errs, keyErr(fmt.Sprintf("%s.api_keys[%d]", where, j), "an empty API key"))
 		}
 	}
 	if t.Weight < 0 || t.Weight > maxTenantWeight || math.IsNaN(t.Weight) {
-		errs = append(errs, fmt.Errorf("%s: weight %g: want 0 (1) to %g", where, t.Weight, float64(maxTenantWeight)))
+		errs = append(errs, keyErr(where+".weight", "%g: want 0 (1) to %g", t.Weight, float64(maxTenantWeight)))
 	}
 	if abs(t.Priority) > prompt.MaxPriority || t.MaxPriority != nil && abs(*t.MaxPriority) > prompt.MaxPriority {
-		errs = append(errs, fmt.Errorf("%s: priorities must be within ±%d", where, prompt.MaxPriority))
+		errs = append(errs, keyErr(where+".priority", "priorities must be within ±%d", prompt.MaxPriority))
 	}
 	if t.MaxPriority != nil && *t.MaxPriority > t.Priority {
-		errs = append(errs, fmt.Errorf("%s: max_priority %d is less urgent than priority %d (lower is more urgent): "+
-			"max_priority is the most urgent band its requests may ask for", where, *t.MaxPriority, t.Priority))
+		errs = append(errs, keyErr(where+".max_priority", "%d is less urgent than priority %d (lower is more urgent): "+
+			"max_priority is the most urgent band its requests may ask for", *t.MaxPriority, t.Priority))
 	}
-	for _, n := range []int64{t.TokensPerMinute, t.PromptTokensPerMinute, t.OutputTokensPerMinute} {
-		if n < 0 || n > maxTenantTokens {
-			errs = append(errs, fmt.Errorf("%s: token quotas must be 0 (none) to %d per minute", where, int64(maxTenantTokens)))
-			break
+	for _, q := range []struct {
+		key string
+		n   int64
+	}{{"tokens_per_minute", t.TokensPerMinute}, {"prompt_tokens_per_minute", t.PromptTokensPerMinute},
+		{"output_tokens_per_minute", t.OutputTokensPerMinute}} {
+		if q.n < 0 || q.n > maxTenantTokens {
+			errs = append(errs, keyErr(where+"."+q.key, "%d: want 0 (none) to %d per minute", q.n, int64(maxTenantTokens)))
 		}
 	}
 	return errs
@@ -192,29 +192,43 @@ func abs(n int) int { return max(n, -n) }
 // validate checks flow_control:.
 func (f *FlowControlConfig) validate() []error {
 	var errs []error
-	if !(f.QueueMs > 0) || math.IsInf(f.QueueMs, 0) || f.Waiting < 1 || !(f.KVUsage > 0) || f.KVUsage > 1 {
-		errs = append(errs, errors.New("flow_control: queue_ms must be positive, waiting at least 1, kv_usage in (0, 1]"))
+	if !(f.QueueMs > 0) || math.IsInf(f.QueueMs, 0) {
+		errs = append(errs, keyErr("flow_control.queue_ms", "%g: want a positive number of milliseconds", f.QueueMs))
 	}
-	if f.TTL <= 0 || f.MaxQueued < 1 || f.MaxQueuedTotal < 1 {
-		errs = append(errs, errors.New("flow_control: ttl must be positive, max_queued and max_queued_total at least 1"))
+	if f.Waiting < 1 {
+		errs = append(errs, keyErr("flow_control.waiting", "%d: want at least 1", f.Waiting))
+	}
+	if !(f.KVUsage > 0) || f.KVUsage > 1 {
+		errs = append(errs, keyErr("flow_control.kv_usage", "%g: want a fraction in (0, 1]", f.KVUsage))
+	}
+	if f.TTL <= 0 {
+		errs = append(errs, keyErr("flow_control.ttl", "%v: want a positive duration", f.TTL.D()))
+	}
+	if f.MaxQueued < 1 || f.MaxQueuedTotal < 1 {
+		errs = append(errs, keyErr("flow_control.max_queued", "max_queued %d and max_queued_total %d: want at least 1",
+			f.MaxQueued, f.MaxQueuedTotal))
 	}
 	seen := map[int]bool{}
 	for i, b := range f.Bands {
+		where := fmt.Sprintf("flow_control.bands[%d]", i)
 		if seen[b.Priority] {
-			errs = append(errs, fmt.Errorf("flow_control.bands[%d]: priority %d is configured twice", i, b.Priority))
+			errs = append(errs, keyErr(where+".priority", "priority %d is configured twice", b.Priority))
 		}
 		seen[b.Priority] = true
-		if b.MaxQueued < 0 {
-			errs = append(errs, fmt.Errorf("flow_control.bands[%d]: max_queued %d: want ≥ 0 (0: flow_control's)", i, b.MaxQueued))
+		if b.MaxQueued < 0 || b.TTL < 0 {
+			errs = append(errs, keyErr(where, "max_queued %d, ttl %v: want ≥ 0 (0: flow_control's)", b.MaxQueued, b.TTL.D()))
+		}
+		if abs(b.Priority) > prompt.MaxPriority {
+			errs = append(errs, keyErr(where+".priority", "priorities must be within ±%d", prompt.MaxPriority))
 		}
 	}
-	if f.Quota.SyncInterval.D() < 10*time.Millisecond || f.Quota.SyncInterval.D() > time.Minute {
-		errs = append(errs, fmt.Errorf("flow_control.quota.sync_interval %v: want 10ms to 1m", f.Quota.SyncInterval.D()))
+	if d := f.Quota.SyncInterval.D(); d < 10*time.Millisecond || d > time.Minute {
+		errs = append(errs, keyErr("flow_control.quota.sync_interval", "%v: want 10ms to 1m", d))
 	}
 	switch f.Quota.Fallback {
 	case QuotaLocalShare, QuotaLocalFull, QuotaReject:
 	default:
-		errs = append(errs, fmt.Errorf("flow_control.quota.fallback %q: want %s, %s or %s", f.Quota.Fallback,
+		errs = append(errs, keyErr("flow_control.quota.fallback", "%q: want %s, %s or %s", f.Quota.Fallback,
 			QuotaLocalShare, QuotaLocalFull, QuotaReject))
 	}
 	return errs
