@@ -2,6 +2,7 @@ package gateway
 
 import (
 	"encoding/json"
+	"fmt"
 	"io"
 	"log/slog"
 	"net/http"
@@ -14,6 +15,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/kvgate/kvgate/internal/clock"
+	"github.com/kvgate/kvgate/internal/sim"
 )
 
 // tenantsConfig has tenants gold (default band 1, may ask for 0, weight 2,
@@ -232,4 +234,69 @@ func TestFlowShedsWith429(t *testing.T) {
 		t.Logf("gold's tokens %v (the stub reports no usage in streams)", n)
 	}
 	waitIdle(t, gw)
+}
+
+// Cache isolation on a simulated replica: two isolated tenants sending
+// the same long prompt get cached_tokens 0 from each other's first
+// requests and > 0 from their own repeats, and /debug/route shows the
+// index crediting a tenant's prefix to it only. Without isolate_cache the
+// second tenant's first request hits the first's prefix (the control:
+// the sim and the index share prefixes across clients by default).
+func TestTenantCacheIsolation(t *testing.T) {
+	for _, isolate := range []bool{true, false} {
+		t.Run(fmt.Sprintf("isolate=%v", isolate), func(t *testing.T) {
+			fl := startSim(t, sim.Config{Replicas: 1})
+			cfg := simConfig("ttft", fl.URLs()...)
+			cfg.AdminToken = "adm"
+			cfg.Tenants = []TenantConfig{{Name: "a", APIKeys: []string{"ka"}, IsolateCache: isolate},
+				{Name: "b", APIKeys: []string{"kb"}, IsolateCache: isolate}}
+			gw := startGateway(t, cfg)
+			waitHealthy(t, gw)
+			body := `{"model":"` + sim.DefaultModel + `","max_tokens":2,"prompt":"` + strings.Repeat("the same long prompt ", 40) + `"}`
+			cached := func(key string) int {
+				resp, b := post(t, gw.srv.URL+"/v1/completions", body, bearerHdr(key)...)
+				if resp.StatusCode != 200 {
+					t.Fatalf("%s: %d %s", key, resp.StatusCode, b)
+				}
+				var out struct {
+					Usage struct {
+						Details struct {
+							Cached int `json:"cached_tokens"`
+						} `json:"prompt_tokens_details"`
+					} `json:"usage"`
+				}
+				if err := json.Unmarshal([]byte(b), &out); err != nil {
+					t.Fatal(err)
+				}
+				return out.Usage.Details.Cached
+			}
+			match := func(tenant string) int {
+				resp, b := post(t, gw.srv.URL+"/debug/route?tenant="+tenant, body, bearerHdr("adm")...)
+				if resp.StatusCode != 200 {
+					t.Fatalf("/debug/route: %d %s", resp.StatusCode, b)
+				}
+				var out struct {
+					Replicas []struct {
+						Match int `json:"match_blocks"`
+					} `json:"replicas"`
+				}
+				if err := json.Unmarshal([]byte(b), &out); err != nil || len(out.Replicas) != 1 {
+					t.Fatalf("/debug/route: %v %s", err, b)
+				}
+				return out.Replicas[0].Match
+			}
+			if n := cached("ka"); n != 0 {
+				t.Fatalf("a's first request: %d cached tokens", n)
+			}
+			if ma, mb := match("a"), match("b"); ma == 0 || (mb == 0) != isolate {
+				t.Fatalf("index after a's request: a matches %d blocks, b %d (isolate %v)", ma, mb, isolate)
+			}
+			if n := cached("kb"); (n == 0) != isolate {
+				t.Fatalf("b's first request: %d cached tokens (isolate %v)", n, isolate)
+			}
+			if na, nb := cached("ka"), cached("kb"); na == 0 || nb == 0 {
+				t.Fatalf("repeats: a %d, b %d cached tokens", na, nb)
+			}
+		})
+	}
 }
