@@ -1,8 +1,12 @@
 package report
 
 import (
+	"cmp"
+	"fmt"
+	"maps"
 	"slices"
 	"strconv"
+	"strings"
 	"time"
 )
 
@@ -90,4 +94,36 @@ func span(recs []Record) time.Duration {
 		last = max(last, r.Start+r.E2E)
 	}
 	return last - first
+}
+
+// groupLines are the table's lines per tenant and per priority of each
+// run that has them ("" for none): the figures a noisy neighbour's flood
+// and a well-behaved tenant's latency are read apart by.
+func groupLines(res Result) string {
+	var b strings.Builder
+	for _, r := range res.Runs {
+		for _, g := range []struct {
+			what string
+			m    map[string]Group
+		}{{"tenant", r.Tenants}, {"priority", r.Priorities}} {
+			if len(g.m) == 0 || (g.what == "priority" && len(g.m) < 2) {
+				continue
+			}
+			for _, k := range slices.Sorted(maps.Keys(g.m)) {
+				v := g.m[k]
+				fmt.Fprintf(&b, "%s %s %s: %d requests, ttft p50 %s p90 %s p99 %s ms, out tok/s %s, hit %s%%, errors %d",
+					r.Policy, g.what, cmp.Or(k, `""`), v.Requests, fmtMs(v.TTFTms.P50), fmtMs(v.TTFTms.P90), fmtMs(v.TTFTms.P99),
+					fmtTokRate(v.OutputTokensPerS), fmtPercent(v.HitRate), v.Errors)
+				if len(v.ErrKinds) > 0 {
+					var kinds []string
+					for _, kind := range slices.Sorted(maps.Keys(v.ErrKinds)) {
+						kinds = append(kinds, fmt.Sprintf("%s %d", kind, v.ErrKinds[kind]))
+					}
+					b.WriteString(" (" + strings.Join(kinds, ", ") + ")")
+				}
+				b.WriteByte('\n')
+			}
+		}
+	}
+	return strings.TrimSuffix(b.String(), "\n")
 }

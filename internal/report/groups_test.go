@@ -1,6 +1,7 @@
 package report
 
 import (
+	"strings"
 	"testing"
 	"time"
 )
@@ -27,5 +28,13 @@ func TestGroups(t *testing.T) {
 	}
 	if plain := Summarize("p", []Record{{TTFT: ms, E2E: ms}}, 1, 0); plain.Tenants != nil || plain.Priorities != nil {
 		t.Fatal("groups without tenants")
+	}
+	var out strings.Builder
+	WriteTable(&out, Result{Runs: []Run{run}})
+	for _, want := range []string{"p tenant A: 2 requests, ttft p50 20.0", "p tenant B: 1 requests", "errors 1 (shed_ttl 1)",
+		"p priority 0: 1 requests", "p priority 1: 2 requests"} {
+		if !strings.Contains(out.String(), want) {
+			t.Errorf("the table lacks %q:\n%s", want, out.String())
+		}
 	}
 }

@@ -179,7 +179,7 @@ func WriteTable(w io.Writer, res Result) {
 	for _, row := range t.Rows {
 		line(row)
 	}
-	for _, s := range []string{splitLine(res), ceilingNote(res), boundLine(res.Bound)} {
+	for _, s := range []string{groupLines(res), splitLine(res), ceilingNote(res), boundLine(res.Bound)} {
 		if s != "" {
 			b.WriteString(s)
 			b.WriteByte('\n')
