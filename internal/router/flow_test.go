@@ -428,3 +428,43 @@ func TestFlowBandOf(t *testing.T) {
 		}
 	}
 }
+
+// BenchmarkDecisionFlow times a decision as the gateway asks for it
+// (Submit, then the ticket's end) with flow control off and on, in one
+// run, over BenchmarkDecision's index and prompt: with an empty queue and
+// unsaturated replicas the flow controller adds only its saturation check
+// and its tenant's accounting (the done-when: within 5 % of off).
+func BenchmarkDecisionFlow(b *testing.B) {
+	for _, on := range []bool{false, true} {
+		b.Run(map[bool]string{false: "off", true: "on"}[on], func(b *testing.B) {
+			p, err := policy.New("ttft", policy.Options{Seed: 1})
+			if err != nil {
+				b.Fatal(err)
+			}
+			urls := make([]string, 16)
+			for i := range urls {
+				urls[i] = "http://r" + string(rune('a'+i))
+			}
+			now := time.Unix(0, 0)
+			rt, err := New(Config{Replicas: urls, Policy: p, Now: func() time.Time { return now }, MaxEntries: 2 << 20,
+				BlocksPerReplica: 1 << 20, Flow: FlowConfig{Enabled: on}})
+			if err != nil {
+				b.Fatal(err)
+			}
+			req := rt.Prepare(benchFill(rt, 5), "", "")
+			req.Tenant = "t"
+			var lat []time.Duration
+			b.ResetTimer()
+			for b.Loop() {
+				t0 := time.Now()
+				tk, w, err := rt.Submit(req)
+				if err != nil || w != nil {
+					b.Fatal(err, w)
+				}
+				lat = append(lat, time.Since(t0))
+				tk.Done(now, Outcome{CachedTokens: -1, OutputTokens: 16})
+			}
+			reportLatencies(b, lat)
+		})
+	}
+}

@@ -113,17 +113,7 @@ func BenchmarkDecision(b *testing.B) {
 // set; it reports the median and p99 beside the mean (ns/op): the goal is
 // on the median decision.
 func benchDecision(b *testing.B, rt *Router, holder int, ok func(policy.Decision) bool) {
-	rng := rand.New(rand.NewPCG(1, 2))
-	hs := make([]uint64, 500)
-	for i := 0; rt.Index().Len() < 1<<20; i++ {
-		for j := range hs {
-			hs[j] = rng.Uint64()
-		}
-		_ = rt.Index().Insert(i%16, hs)
-	}
-	text := strings.Repeat("The quick brown fox jumps over the lazy dog. ", 32000/45+1)[:32000]
-	p := parse(b, text)
-	rt.Index().Insert(holder, rt.Prepare(p, "", "").Blocks[:300])
+	p := benchFill(rt, holder)
 	b.ResetTimer()
 	var lat []time.Duration
 	for b.Loop() {
@@ -134,9 +124,31 @@ func benchDecision(b *testing.B, rt *Router, holder int, ok func(policy.Decision
 		}
 		lat = append(lat, time.Since(t0))
 	}
+	reportLatencies(b, lat)
+}
+
+// reportLatencies reports the median and p99 of lat beside the mean.
+func reportLatencies(b *testing.B, lat []time.Duration) {
 	sort.Slice(lat, func(i, j int) bool { return lat[i] < lat[j] })
 	b.ReportMetric(float64(lat[len(lat)/2].Nanoseconds()), "p50-ns")
 	b.ReportMetric(float64(lat[len(lat)*99/100].Nanoseconds()), "p99-ns")
+}
+
+// benchFill is benchDecision's index and prompt: 2^20 random blocks over
+// 16 replicas, and replica holder with the prompt's first 300 blocks.
+func benchFill(rt *Router, holder int) *prompt.Parsed {
+	rng := rand.New(rand.NewPCG(1, 2))
+	hs := make([]uint64, 500)
+	for i := 0; rt.Index().Len() < 1<<20; i++ {
+		for j := range hs {
+			hs[j] = rng.Uint64()
+		}
+		_ = rt.Index().Insert(i%16, hs)
+	}
+	text := strings.Repeat("The quick brown fox jumps over the lazy dog. ", 32000/45+1)[:32000]
+	p := parse(nil, text)
+	rt.Index().Insert(holder, rt.Prepare(p, "", "").Blocks[:300])
+	return p
 }
 
 // recorder is a policy that records the events it observes.
