@@ -67,6 +67,7 @@ type benchFlags struct {
 	soakEvery      time.Duration
 	gateways       int
 	sharedState    string
+	tenancy        flowFlags // --tenant, --flow and its settings (benchtenants.go)
 }
 
 func (f *benchFlags) register(fs *flag.FlagSet) {
@@ -77,6 +78,7 @@ func (f *benchFlags) register(fs *flag.FlagSet) {
 	fs.DurationVar(&f.soakEvery, "soak-interval", 10*time.Second, "soak: how often the gateway's /metrics is read")
 	fs.IntVar(&f.gateways, "gateways", 1, "gateways in front of the simulated replicas (--embedded), each with its own router; requests go to them in turn")
 	fs.StringVar(&f.sharedState, "shared-state", "", "the --embedded gateways share their routing state through this Redis (redis://HOST:PORT/DB)")
+	f.tenancy.register(fs)
 }
 
 // registerLoad registers the flags bench and demo share, with d's defaults.
@@ -160,20 +162,30 @@ func (f *benchFlags) config(inv invocation, title string) (benchConfig, error) {
 	if c.params, err = parsePolicyParams(f.policyParams, c.policies); err != nil {
 		return c, err
 	}
-	reqs, spec, err := f.requestsFor(f.seed)
+	reqs, keys, err := f.tenantRequests()
 	if err != nil {
 		return c, err
 	}
+	var spec workload.Spec
+	if reqs == nil {
+		if reqs, spec, err = f.requestsFor(f.seed); err != nil {
+			return c, err
+		}
+	}
 	c.reqs = reqs
 	c.load = f.loadConfig()
-	c.load.MaxDuration = f.maxDuration
+	c.load.MaxDuration, c.load.Keys = f.maxDuration, keys
 	c.sim = sim.Config{Replicas: f.aggregated() + f.decode + f.prefill, Roles: f.roles(), Profile: f.profile, KVBlocks: f.kvBlocks,
 		TimeScale: f.timeScale, Seed: f.seed, Model: f.model, DataParallelSize: f.dataParallel}
 	c.gateway = gateway.Defaults()
 	c.gateway.NonCachedTokens = f.nonCached
 	c.gateway.Seed, c.gateway.Profile = f.seed, f.profile
 	c.gateway.SharedState, c.gateways = f.sharedState, max(f.gateways, 1)
+	if err := f.tenantGateway(&c.gateway, &c.sim, keys); err != nil {
+		return c, err
+	}
 	c.meta = f.meta(inv, spec, len(reqs))
+	f.tenancy.meta(c.meta)
 	c.out.Verdict = true
 	return c, nil
 }
@@ -217,7 +229,7 @@ func (f *benchFlags) targetOnly(set map[string]bool) error {
 	if f.embedded {
 		return nil
 	}
-	for _, name := range embeddedOnly {
+	for _, name := range append(embeddedOnly, flowOnly...) {
 		if set[name] {
 			return fmt.Errorf("%w: --%s describes the --embedded fleet: a --target gateway has its own", errUsage, name)
 		}
@@ -316,9 +328,10 @@ func (f *benchFlags) policyList() ([]string, error) {
 	return out, nil
 }
 
-// open reports an open loop: arrivals at --rate or at a trace's timestamps.
+// open reports an open loop: arrivals at --rate, at a trace's timestamps
+// or at the tenants' rates.
 func (f *benchFlags) open() bool {
-	return f.rate > 0 || strings.HasPrefix(f.workload, "trace:")
+	return f.rate > 0 || strings.HasPrefix(f.workload, "trace:") || len(f.tenancy.tenants) > 0
 }
 
 // loadConfig is the load generator's configuration without target and bound.

@@ -95,6 +95,9 @@ func TestBenchUsageErrors(t *testing.T) {
 		{"unknown workload param", []string{"--embedded", "--workload-param", "bogus=1"}, "bogus"},
 		{"prefill without decode", []string{"--embedded", "--prefill-replicas", "2"}, "needs both"},
 		{"negative non-cached tokens", []string{"--embedded", "--non-cached-tokens", "-1"}, "must be ≥ 0"},
+		{"tenant beside rate", []string{"--embedded", "--tenant", "name=A,rate=1", "--rate", "3"}, "drop --rate"},
+		{"closed-loop tenant", []string{"--embedded", "--tenant", "name=A,concurrency=4"}, "open loop"},
+		{"flow with target", []string{"--target", "http://127.0.0.1:1", "--tenant", "name=A,rate=1,key=k", "--flow"}, "--flow describes the --embedded fleet"},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
@@ -273,5 +276,28 @@ func TestBenchTargetEngineSplit(t *testing.T) {
 	}
 	if !strings.Contains(stdout, "outside ttft ms") || !strings.Contains(stdout, "the replicas' vLLM histograms") {
 		t.Errorf("the table does not show the split:\n%s", stdout)
+	}
+}
+
+// Several tenants in-process: with --flow the gateway has them configured
+// (keys, priorities), each request goes with its tenant's key and the
+// result is summarised per tenant and per priority, in the table too.
+func TestBenchEmbeddedTenants(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "tenants.json")
+	code, stdout, stderr := runCmd(t, "", "bench", "--embedded", "--replicas", "2", "--policies", "ttft", "--flow",
+		"--tenant", "name=A,rate=40,requests=12,input_len=200,output_len=4",
+		"--tenant", "name=B,rate=10,requests=4,input_len=200,output_len=4,priority=1", "--json", path)
+	if code != 0 {
+		t.Fatalf("exit %d: %s", code, stderr)
+	}
+	r := readResult(t, path).Runs[0]
+	a, b := r.Tenants["A"], r.Tenants["B"]
+	if r.Errors != 0 || a.Requests != 12 || b.Requests != 4 || r.Priorities["1"].Requests != 4 {
+		t.Fatalf("run: %d errors, tenants %+v, priorities %+v", r.Errors, r.Tenants, r.Priorities)
+	}
+	for _, want := range []string{"ttft tenant A: 12 requests", "ttft tenant B: 4 requests", "ttft priority 1: 4 requests"} {
+		if !strings.Contains(stdout, want) {
+			t.Errorf("stdout lacks %q:\n%s", want, stdout)
+		}
 	}
 }

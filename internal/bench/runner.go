@@ -68,6 +68,11 @@ type Config struct {
 	Progress func(done, total int)
 	// Header adds headers to every request (e.g. Authorization).
 	Header http.Header
+	// Keys are the tenants' API keys (workload.Request.Tenant to key): a
+	// tenant's request is sent with its key as Authorization: Bearer, its
+	// priority (when not 0) as the body's priority and its deadline as
+	// X-Kvgate-Deadline-Ms, in wall time; its record names tenant and priority.
+	Keys map[string]string
 }
 
 // NewClient is the load generator's HTTP client: keep-alive connections
@@ -324,6 +329,9 @@ func (r *runner) body(q *workload.Request) ([]byte, string) {
 		"stream_options": map[string]any{"include_usage": true},
 		"temperature":    0,
 	}
+	if q.Priority != 0 {
+		m["priority"] = q.Priority
+	}
 	if q.Chat {
 		msgs := make([]map[string]string, len(q.Roles))
 		for i := range q.Roles {
@@ -386,7 +394,7 @@ func (r *runner) do(ctx context.Context, q *workload.Request, key uint64) report
 			r.tl.Release(key + k)
 		}
 	}()
-	rec := report.Record{Replica: -1, PromptTokens: q.InputTokens}
+	rec := report.Record{Replica: -1, PromptTokens: q.InputTokens, Tenant: q.Tenant, Priority: q.Priority}
 	runCtx := ctx
 	ctx, cancel := context.WithTimeout(ctx, r.wall(r.cfg.RequestTimeout))
 	defer cancel()
@@ -501,8 +509,18 @@ func (r *runner) request(ctx context.Context, q *workload.Request) (*http.Reques
 	for k, vs := range r.cfg.Header {
 		req.Header[k] = vs
 	}
+	if key := r.cfg.Keys[q.Tenant]; key != "" {
+		req.Header.Set("Authorization", "Bearer "+key)
+	}
+	if q.Deadline > 0 {
+		req.Header.Set(headerDeadline, strconv.FormatInt(max(r.wall(q.Deadline).Milliseconds(), 1), 10))
+	}
 	return req, nil
 }
+
+// headerDeadline is the gateway's TTFT deadline header (in milliseconds;
+// internal/gateway's tenants.go).
+const headerDeadline = "X-Kvgate-Deadline-Ms"
 
 // streamed is what one SSE answer carried.
 type streamed struct {

@@ -2,15 +2,18 @@ package bench
 
 import (
 	"context"
+	"encoding/json"
 	"io"
 	"net/http"
 	"net/http/httptest"
 	"slices"
 	"sync/atomic"
 	"testing"
+	"time"
 
 	"github.com/kvgate/kvgate/internal/report"
 	"github.com/kvgate/kvgate/internal/sim"
+	"github.com/kvgate/kvgate/internal/workload"
 )
 
 // standIn is a gateway stand-in: its /metrics lists four targets (two
@@ -182,5 +185,41 @@ kvgate_requests_total{code="200",policy="llmd",replica="http://d"} 2
 	}
 	if _, err := PolicyCounts(ctx, nil, "http://127.0.0.1:1", nil); err == nil {
 		t.Error("a closed port: no error")
+	}
+}
+
+// Tenants: each request goes with its tenant's key, its priority in the
+// body (none when 0) and its deadline in wall milliseconds; each record
+// names its tenant and priority.
+func TestRunTenantKeys(t *testing.T) {
+	type seen struct{ auth, deadline, priority string }
+	got := make(chan seen, 4)
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		var body struct {
+			Priority json.RawMessage `json:"priority"`
+		}
+		_ = json.NewDecoder(r.Body).Decode(&body)
+		got <- seen{r.Header.Get("Authorization"), r.Header.Get(headerDeadline), string(body.Priority)}
+		w.Header().Set("Content-Type", "text/event-stream")
+		_, _ = io.WriteString(w, `data: {"choices":[{"index":0,"text":"a"}]}`+"\n\ndata: [DONE]\n\n")
+	}))
+	defer srv.Close()
+	reqs := []workload.Request{
+		{Index: 0, Prev: -1, InputTokens: 4, MaxTokens: 1, Tenant: "A", Priority: 2, Deadline: 4 * time.Second},
+		{Index: 1, Prev: -1, InputTokens: 4, MaxTokens: 1, Tenant: "B"},
+	}
+	recs, _, err := Run(context.Background(), Config{Target: srv.URL, Model: "m", Concurrency: 1, TimeScale: 2,
+		Keys: map[string]string{"A": "ka"}}, reqs)
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := []seen{{"Bearer ka", "2000", "2"}, {"", "", ""}}
+	for i := range want {
+		if s := <-got; s != want[i] {
+			t.Errorf("request %d: %+v, want %+v", i, s, want[i])
+		}
+	}
+	if recs[0].Tenant != "A" || recs[0].Priority != 2 || recs[1].Tenant != "B" || recs[1].Err {
+		t.Errorf("records %+v", recs)
 	}
 }
