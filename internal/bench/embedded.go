@@ -84,6 +84,7 @@ func RunEmbedded(ctx context.Context, e EmbeddedConfig, policy string, reqs []wo
 	// share would always be 0.
 	load.Target, load.Replicas, load.TimeScale = targets[0], targetNames(answering(urls, simCfg), simCfg.DataParallelSize), simCfg.TimeScale
 	load.Timeline = fl.Timeline()
+	load.GatewayQueues = len(e.Gateway.Tenants) > 0 || e.Gateway.FlowControl.Enabled
 	if len(targets) > 1 {
 		load.Targets = targets
 	}

@@ -73,6 +73,11 @@ type Config struct {
 	// priority (when not 0) as the body's priority and its deadline as
 	// X-Kvgate-Deadline-Ms, in wall time; its record names tenant and priority.
 	Keys map[string]string
+	// GatewayQueues: the gateway holds requests back (flow control), so a
+	// request's send does not hold an elastic Timeline until the replica
+	// has it: the engines' model time must go on to drain the gateway's
+	// queue (with a hold per queued request it would stand still).
+	GatewayQueues bool
 }
 
 // NewClient is the load generator's HTTP client: keep-alive connections
@@ -265,7 +270,9 @@ func (r *runner) run(ctx context.Context) error {
 		}
 		// Model time waits until the replica has the request.
 		key := r.keys.Add(4)
-		r.tl.Hold(key, r.tl.Now())
+		if !r.cfg.GatewayQueues {
+			r.tl.Hold(key, r.tl.Now())
+		}
 		r.tl.Release(pacerKey)
 		wg.Add(1)
 		go func() {
