@@ -30,17 +30,12 @@ func BenchmarkProxy(b *testing.B) {
 	up := httptest.NewServer(mux)
 	defer up.Close()
 
-	cfg := baseConfig(up.URL)
-	g, err := New(cfg, Options{})
-	if err != nil {
-		b.Fatal(err)
-	}
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan struct{})
-	go func() { defer close(done); g.Run(ctx) }()
-	defer func() { cancel(); <-done }()
-	gw := httptest.NewServer(g.Handler())
-	defer gw.Close()
+	gw := benchGateway(b, baseConfig(up.URL))
+	// The same gateway with a tenant: its key, the flow controller on, its
+	// queue empty (the done-when: no measurable cost).
+	tcfg := baseConfig(up.URL)
+	tcfg.Tenants = []TenantConfig{{Name: "t", APIKeys: []string{"k"}}}
+	gwt := benchGateway(b, tcfg)
 	u, _ := url.Parse(up.URL)
 	rp := httptest.NewServer(httputil.NewSingleHostReverseProxy(u))
 	defer rp.Close()
@@ -48,7 +43,10 @@ func BenchmarkProxy(b *testing.B) {
 	body := []byte(`{"model":"m","max_tokens":1,"prompt":"` + strings.Repeat("The quick brown fox jumps. ", 45) + `"}`)
 	client := &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: 256}}
 	post := func(b *testing.B, url string) bool {
-		r, err := client.Post(url+"/v1/completions", "application/json", bytes.NewReader(body))
+		req, _ := http.NewRequest(http.MethodPost, url+"/v1/completions", bytes.NewReader(body))
+		req.Header.Set("Content-Type", "application/json")
+		req.Header.Set("Authorization", "Bearer k")
+		r, err := client.Do(req)
 		if err != nil {
 			b.Error(err)
 			return false
@@ -61,7 +59,7 @@ func BenchmarkProxy(b *testing.B) {
 		}
 		return true
 	}
-	targets := []struct{ name, url string }{{"direct", up.URL}, {"kvgate", gw.URL}, {"httputil", rp.URL}}
+	targets := []struct{ name, url string }{{"direct", up.URL}, {"kvgate", gw.URL}, {"kvgate-tenant", gwt.URL}, {"httputil", rp.URL}}
 	for _, tc := range targets {
 		b.Run("latency/"+tc.name, func(b *testing.B) {
 			for b.Loop() {
@@ -82,4 +80,18 @@ func BenchmarkProxy(b *testing.B) {
 			})
 		})
 	}
+}
+
+// benchGateway starts a gateway of cfg for a benchmark, stopped at its end.
+func benchGateway(b *testing.B, cfg Config) *httptest.Server {
+	g, err := New(cfg, Options{})
+	if err != nil {
+		b.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { defer close(done); g.Run(ctx) }()
+	gw := httptest.NewServer(g.Handler())
+	b.Cleanup(func() { gw.Close(); cancel(); <-done })
+	return gw
 }
