@@ -297,6 +297,18 @@ func TestTenantCacheIsolation(t *testing.T) {
 			if na, nb := cached("ka"), cached("kb"); na == 0 || nb == 0 {
 				t.Fatalf("repeats: a %d, b %d cached tokens", na, nb)
 			}
+			// The live view lists the tenants and the GPU work each was served.
+			code, st := testGet(t, gw.srv.URL+"/ui/state", "adm")
+			var state struct {
+				Tenants []struct {
+					Name   string  `json:"name"`
+					Served float64 `json:"served_tokens"`
+				} `json:"tenants"`
+			}
+			if err := json.Unmarshal([]byte(st), &state); code != 200 || err != nil || len(state.Tenants) != 2 ||
+				state.Tenants[0].Name != "a" || state.Tenants[1].Served <= 0 {
+				t.Fatalf("/ui/state: %d %v %s", code, err, st)
+			}
 		})
 	}
 }

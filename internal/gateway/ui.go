@@ -2,6 +2,7 @@ package gateway
 
 import (
 	"net/http"
+	"strconv"
 	"time"
 
 	"github.com/kvgate/kvgate/internal/gateway/ui"
@@ -65,7 +66,28 @@ func (l liveView) Fleet(now time.Time) ui.Fleet {
 		}
 		fl.Replicas = append(fl.Replicas, row)
 	}
+	fl.Tenants = g.uiTenants()
 	return fl
+}
+
+// uiTenants are the flow controller's tenants with their requests waiting
+// by band (none with flow control off).
+func (g *Gateway) uiTenants() []ui.Tenant {
+	type key struct{ pool, tenant string }
+	bands := map[key]map[string]int{}
+	for _, d := range g.rt.QueueDepths() {
+		k := key{d.Pool, d.Tenant}
+		if bands[k] == nil {
+			bands[k] = map[string]int{}
+		}
+		bands[k][strconv.Itoa(d.Band)] += d.Requests
+	}
+	var out []ui.Tenant
+	for _, t := range g.rt.FlowTenants() {
+		out = append(out, ui.Tenant{Pool: t.Pool, Name: t.Tenant, Weight: t.Weight, Served: t.Served, Queued: t.Queued,
+			Active: t.Active, Bands: bands[key{t.Pool, t.Tenant}]})
+	}
+	return out
 }
 
 // replicaState names replica i's rotation state for the view.

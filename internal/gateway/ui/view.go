@@ -50,6 +50,24 @@ type Fleet struct {
 	Policy   string
 	InFlight int64
 	Replicas []Replica
+	// Tenants are the flow controller's tenants, by pool (none with flow
+	// control off).
+	Tenants []Tenant
+}
+
+// Tenant is one tenant's row in one pool: its share and what it was
+// served, and its requests waiting in the gateway, by band.
+type Tenant struct {
+	Pool   string  `json:"pool,omitempty"`
+	Name   string  `json:"name"` // "" for keys of no tenant
+	Weight float64 `json:"weight"`
+	// Served is the GPU work it was served (uncached prompt tokens plus
+	// output tokens), the fair share's measure.
+	Served float64 `json:"served_tokens"`
+	Queued int     `json:"queued"`
+	Active int     `json:"active"` // waiting or in flight
+	// Bands are its requests waiting by band (priority), when any waits.
+	Bands map[string]int `json:"queued_by_band,omitempty"`
 }
 
 // ReplicaRow is a replica as the operator's pages show it: /admin/replicas,
@@ -102,6 +120,7 @@ type State struct {
 	Replicas      []Replica  `json:"replicas"`
 	Series        []Point    `json:"series"`
 	Decisions     []Decision `json:"decisions"`
+	Tenants       []Tenant   `json:"tenants,omitempty"`
 }
 
 // View serves the page and its state.
@@ -225,7 +244,7 @@ func (v *View) State() State {
 	fl := v.src.Fleet(now)
 	st := State{Policy: fl.Policy, Now: now.UTC(), BucketSeconds: BucketWidth.Seconds(), InFlight: fl.InFlight,
 		Attempts: snap.Attempts, HitRate: snap.Fleet.HitRate(), Replicas: fl.Replicas, Series: snap.Series,
-		Decisions: snap.Decisions}
+		Decisions: snap.Decisions, Tenants: fl.Tenants}
 	if st.Decisions == nil {
 		st.Decisions = []Decision{}
 	}
