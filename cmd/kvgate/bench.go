@@ -175,6 +175,10 @@ func (f *benchFlags) config(inv invocation, title string) (benchConfig, error) {
 	c.reqs = reqs
 	c.load = f.loadConfig()
 	c.load.MaxDuration, c.load.Keys = f.maxDuration, keys
+	// A request's priority goes to a --target gateway as given; an
+	// embedded one gets it only with its flow control (its sims schedule
+	// first come first served and refuse a priority, as vLLM does).
+	c.load.SendPriority = !f.embedded || f.tenancy.flow
 	c.sim = sim.Config{Replicas: f.aggregated() + f.decode + f.prefill, Roles: f.roles(), Profile: f.profile, KVBlocks: f.kvBlocks,
 		TimeScale: f.timeScale, Seed: f.seed, Model: f.model, DataParallelSize: f.dataParallel}
 	c.gateway = gateway.Defaults()

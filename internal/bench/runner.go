@@ -71,8 +71,11 @@ type Config struct {
 	// Keys are the tenants' API keys (workload.Request.Tenant to key): a
 	// tenant's request is sent with its key as Authorization: Bearer, its
 	// priority (when not 0) as the body's priority and its deadline as
-	// X-Kvgate-Deadline-Ms, in wall time; its record names tenant and priority.
-	Keys map[string]string
+	// X-Kvgate-Deadline-Ms, in wall time; its record names tenant and
+	// priority. Its priority goes in the body only with SendPriority: an
+	// engine scheduling first come first served refuses one (vLLM's 400).
+	Keys         map[string]string
+	SendPriority bool
 	// GatewayQueues: the gateway holds requests back (flow control), so a
 	// request's send does not hold an elastic Timeline until the replica
 	// has it: the engines' model time must go on to drain the gateway's
@@ -336,7 +339,7 @@ func (r *runner) body(q *workload.Request) ([]byte, string) {
 		"stream_options": map[string]any{"include_usage": true},
 		"temperature":    0,
 	}
-	if q.Priority != 0 {
+	if q.Priority != 0 && r.cfg.SendPriority {
 		m["priority"] = q.Priority
 	}
 	if q.Chat {

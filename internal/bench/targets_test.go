@@ -209,7 +209,7 @@ func TestRunTenantKeys(t *testing.T) {
 		{Index: 1, Prev: -1, InputTokens: 4, MaxTokens: 1, Tenant: "B"},
 	}
 	recs, _, err := Run(context.Background(), Config{Target: srv.URL, Model: "m", Concurrency: 1, TimeScale: 2,
-		Keys: map[string]string{"A": "ka"}}, reqs)
+		Keys: map[string]string{"A": "ka"}, SendPriority: true}, reqs)
 	if err != nil {
 		t.Fatal(err)
 	}
