@@ -6,6 +6,7 @@ import (
 
 	"github.com/kvgate/kvgate/internal/report"
 	"github.com/kvgate/kvgate/internal/router"
+	"github.com/kvgate/kvgate/internal/testutil"
 	"github.com/kvgate/kvgate/internal/workload"
 )
 
@@ -38,6 +39,7 @@ func tenantRun(t *testing.T, fc router.FlowConfig, specs ...string) report.Run {
 // behind A's in the engines; with it, B's p90 TTFT stays within 1.5× of
 // its p90 alone, and A is queued or shed, never lost.
 func TestNoisyNeighbour(t *testing.T) {
+	testutil.Deterministic(t)
 	const b = "name=B,rate=8,requests=160,input_len=2000,output_len=128,range_ratio=0.5"
 	const a = "name=A,rate=200,requests=4000,input_len=2000,output_len=128,range_ratio=0.5"
 	on := router.FlowConfig{Enabled: true}
@@ -64,6 +66,7 @@ func TestNoisyNeighbour(t *testing.T) {
 // sheddable) at 160 %: band 0's p90 TTFT stays within 1.2× of its p90
 // without overload, and band 2's excess is refused (shed), not queued.
 func TestPriorityUnderOverload(t *testing.T) {
+	testutil.Deterministic(t)
 	const hi = "name=hi,rate=16,requests=320,input_len=2000,output_len=128,range_ratio=0.5,priority=0"
 	const lo = "name=lo,rate=64,requests=1280,input_len=2000,output_len=128,range_ratio=0.5,priority=2"
 	fc := router.FlowConfig{Enabled: true, Bands: []router.Band{{Priority: 2, Sheddable: true}},
