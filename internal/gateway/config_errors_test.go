@@ -161,3 +161,36 @@ func TestNearestKeyProperty(t *testing.T) {
 		t.Errorf("a key like none: suggested %q", got)
 	}
 }
+
+// tenants: and flow_control: problems, each located at its key: a key
+// of two tenants, a max_priority less urgent than the priority, a
+// negative quota, a band twice, an unknown quota fallback.
+func TestTenantsConfigProblems(t *testing.T) {
+	got := readAndValidate(t, `replicas: [{url: "http://10.0.0.1:8000"}]
+api_keys: [k0]
+tenants:
+  - name: gold
+    api_keys: [k1]
+    priority: 1
+    max_priority: 2
+  - name: bulk
+    api_keys: [k0]
+    tokens_per_minute: -5
+flow_control:
+  bands:
+    - {priority: 2, sheddable: true}
+    - {priority: 2}
+  quota:
+    fallback: open
+`)
+	want := []string{
+		"7: tenants[0].max_priority: 2 is less urgent than priority 1 (lower is more urgent): max_priority is the most urgent band its requests may ask for",
+		"9: tenants[1].api_keys[0]: also a key of api_keys: a key names one tenant",
+		"10: tenants[1].tokens_per_minute: -5: want 0 (none) to 1099511627776 per minute",
+		"14: flow_control.bands[1].priority: priority 2 is configured twice",
+		`16: flow_control.quota.fallback: "open": want local_share, local_full or reject`,
+	}
+	if !reflect.DeepEqual(got, want) {
+		t.Fatalf("problems:\n%s\nwant:\n%s", strings.Join(got, "\n"), strings.Join(want, "\n"))
+	}
+}
