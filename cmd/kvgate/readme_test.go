@@ -504,7 +504,7 @@ func runLine(t *testing.T, env readmeEnv, js *jobs, where, text string) error {
 		return nil
 	case verb == "sim":
 		return errors.New("kvgate sim runs until it is stopped, so the lines after it would never run: end it with &, and stop it at the end of the block")
-	case verb == "serve" && len(p.stages) == 1 && flagIndex(p.stages[0], "check-config") < 0:
+	case (verb == "serve" || verb == "epp") && len(p.stages) == 1 && flagIndex(p.stages[0], "check-config") < 0:
 		// A server a reader runs in the foreground, against replicas of
 		// their own: what can be checked here is its configuration.
 		p.stages[0] = append(p.stages[0], "--check-config")
@@ -609,10 +609,14 @@ func (env readmeEnv) start(t *testing.T, where string, args []string) *job {
 		t.Fatalf("%s\n  %v", where, err)
 	}
 	go func() { j.err = j.cmd.Wait(); close(j.done) }()
-	probe := map[string]string{"sim": "/health", "serve": "/ready"}[args[0]]
+	probe := map[string]string{"sim": "/health", "serve": "/ready", "epp": "/ready"}[args[0]]
 	testutil.Eventually(t, 30*time.Second, where+": ready", func() bool {
 		if j.ended() {
 			return true
+		}
+		if args[0] == "epp" { // its ops URL answers /ready; its stand-in's is an API
+			m := eppOps.FindStringSubmatch(out.String())
+			return m != nil && answers(m[1], probe)
 		}
 		return answers(out.String(), probe)
 	})
@@ -626,6 +630,9 @@ func (env readmeEnv) start(t *testing.T, where string, args []string) *job {
 }
 
 var printedURL = regexp.MustCompile(`http://[0-9a-z.]+:\d+`)
+
+// eppOps is the ops URL kvgate epp prints ("ops http://...").
+var eppOps = regexp.MustCompile(`ops (http://[0-9a-z.]+:\d+)`)
 
 // answers reports whether output names a URL and every URL it names
 // answers 200 at path.
