@@ -40,7 +40,8 @@ fmt-check:
 	@out=$$(gofmt -l $$(git ls-files '*.go' 2>/dev/null || find . -name '*.go')); \
 	if [ -n "$$out" ]; then echo "gofmt would change:"; echo "$$out"; exit 1; fi
 
-# Benchmarks quoted in the README (decision time, index memory, engine speed), and the wall-clock
+# Benchmarks quoted in the README (decision time, and at fleet scale beside the hash alone:
+# BenchmarkDecisionScale's decision-x-hash at 256 replicas × 128k tokens; index memory, engine speed), and the wall-clock
 # comparisons (figures reported, not asserted; make test asserts what no timing can change):
 # cache-aware vs round_robin through the gateway, the replay's hit rates against a live fleet's,
 # the sim's cold vs cached TTFT, and what sharing state between 4 gateways costs in Redis (a redis-server

@@ -2,7 +2,9 @@ package router
 
 import (
 	"errors"
+	"fmt"
 	"math/rand/v2"
+	"slices"
 	"sort"
 	"strings"
 	"testing"
@@ -149,6 +151,98 @@ func benchFill(rt *Router, holder int) *prompt.Parsed {
 	p := parse(nil, text)
 	rt.Index().Insert(holder, rt.Prepare(p, "", "").Blocks[:300])
 	return p
+}
+
+// BenchmarkDecisionScale measures the decision at fleet scale beside the
+// hash it cannot avoid: 256 replicas, a 512,000-character prompt (128k
+// tokens, 8,000 blocks) in an index of 4M blocks, and the same prompt
+// hashed alone, timed alternately in one loop so that both see the same
+// load (the machine's, the garbage collector's). The decision is the
+// request path's, as the gateway makes it: Prepare (the hash) and Route
+// (views, match, pick, commit), learning at Accept; the ticket is ended
+// untimed. It reports both medians and their ratio, decision-x-hash (the
+// goal: at most 1.5), and DryRun's (/debug/route, which returns the views
+// it allocates); the 16-replica, 32,000-character case beside it.
+func BenchmarkDecisionScale(b *testing.B) {
+	for _, c := range []struct{ replicas, chars, blocks int }{{16, 32000, 1 << 20}, {256, 512000, 4 << 20}} {
+		b.Run(fmt.Sprintf("%dx%dkchars", c.replicas, c.chars/1000), func(b *testing.B) {
+			p, err := policy.New("ttft", policy.Options{Seed: 1})
+			if err != nil {
+				b.Fatal(err)
+			}
+			rt, err := New(Config{Replicas: replicaURLs(c.replicas), Policy: p, Now: func() time.Time { return time.Unix(0, 0) },
+				MaxEntries: c.blocks, BlocksPerReplica: 1 << 20, LearnOnAccept: true})
+			if err != nil {
+				b.Fatal(err)
+			}
+			text := fillScale(b, rt, c.replicas, c.chars, c.blocks)
+			benchScale(b, rt, parse(b, text))
+		})
+	}
+}
+
+func replicaURLs(n int) []string {
+	urls := make([]string, n)
+	for i := range urls {
+		urls[i] = fmt.Sprintf("http://r%d", i)
+	}
+	return urls
+}
+
+// fillScale fills rt's index with random 500-block prompts spread over
+// the replicas up to 7/8 of blocks entries, and returns a prompt of chars
+// characters of which every fourth replica r holds the first
+// (r+1)·n/(2·replicas) of its n blocks: holders at every depth, the
+// deepest holding half, so that the match resolves many lengths.
+func fillScale(b *testing.B, rt *Router, replicas, chars, blocks int) string {
+	rng := rand.New(rand.NewPCG(1, 2))
+	hs := make([]uint64, 500)
+	for i := 0; rt.Index().Len() < blocks-blocks/8; i++ {
+		for j := range hs {
+			hs[j] = rng.Uint64()
+		}
+		_ = rt.Index().Insert(i%replicas, hs)
+	}
+	text := strings.Repeat("The quick brown fox jumps over the lazy dog. ", chars/45+1)[:chars]
+	full := rt.Prepare(parse(b, text), "", "").Blocks
+	for r := 0; r < replicas; r += 4 {
+		_ = rt.Index().Insert(r, full[:(r+1)*len(full)/(2*replicas)])
+	}
+	return text
+}
+
+// benchScale times, alternately, p's hash alone (prompt.Parsed.Blocks),
+// rt's decision on p (Prepare and Route) and its dry run (Prepare and
+// DryRun).
+func benchScale(b *testing.B, rt *Router, p *prompt.Parsed) {
+	root := prompt.Key{Model: p.Model}.Root()
+	var hashes, decisions, dry []time.Duration
+	for b.Loop() {
+		t0 := time.Now()
+		_, hs := p.Blocks(nil, rt.tok, root, rt.cfg.BlockSize)
+		t1 := time.Now()
+		tk, err := rt.Route(rt.Prepare(p, "", ""))
+		t2 := time.Now()
+		if err != nil || len(hs) == 0 || tk.Decision.Matched == 0 {
+			b.Fatal(tk, err)
+		}
+		tk.Done(time.Unix(0, 0), Outcome{CachedTokens: -1})
+		t3 := time.Now()
+		if _, _, err := rt.DryRun(rt.Prepare(p, "", "")); err != nil {
+			b.Fatal(err)
+		}
+		hashes, decisions, dry = append(hashes, t1.Sub(t0)), append(decisions, t2.Sub(t1)), append(dry, time.Since(t3))
+	}
+	h, d := median(hashes), median(decisions)
+	b.ReportMetric(float64(d.Nanoseconds()), "p50-ns")
+	b.ReportMetric(float64(h.Nanoseconds()), "hash-p50-ns")
+	b.ReportMetric(float64(d)/float64(h), "decision-x-hash")
+	b.ReportMetric(float64(median(dry))/float64(h), "dryrun-x-hash")
+}
+
+func median(ds []time.Duration) time.Duration {
+	slices.Sort(ds)
+	return ds[len(ds)/2]
 }
 
 // recorder is a policy that records the events it observes.
