@@ -33,7 +33,9 @@ type Policy interface {
 	Name() string
 	// Pick chooses among replicas (all configured ones, unhealthy included
 	// with Healthy false, in a stable order). It must not modify req or
-	// replicas and returns ErrNoReplica when none is healthy.
+	// replicas, nor keep replicas once it returns (the router reuses their
+	// memory for the next decision), and returns ErrNoReplica when none is
+	// healthy.
 	Pick(req *Request, replicas []ReplicaView) (Decision, error)
 }
 

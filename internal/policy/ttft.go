@@ -59,6 +59,9 @@ type TTFT struct {
 	// It is a memo for learning and changes no decision: a dry run is still
 	// a dry run.
 	picks [ttftPickSlots]ttftPick
+	// ttfts and matched are Pick's scratch (pickScratch).
+	ttfts   []float64
+	matched []int
 }
 
 type pendEst struct {
@@ -351,11 +354,9 @@ func (t *TTFT) prefillMs(own, cached int, l *ttftLoad) float64 {
 
 func (t *TTFT) Pick(req *Request, rs []ReplicaView) (Decision, error) {
 	scores := make([]float64, len(rs)) // estimated TTFT + decode and eviction costs, ms (returned)
-	var tbuf [scratchLen]float64
-	var mbuf [scratchLen]int
-	ttfts, matched := scratch(&tbuf, len(rs)), scratch(&mbuf, len(rs)) // estimated TTFT (ms), blocks credited
 	t.mu.Lock()
 	defer t.mu.Unlock()
+	ttfts, matched := t.pickScratch(len(rs)) // estimated TTFT (ms), blocks credited
 	best, queueMs := t.estimateAll(req, rs, scores, ttfts, matched)
 	if math.IsInf(best, 1) {
 		return Decision{}, ErrNoReplica
@@ -378,6 +379,19 @@ func (t *TTFT) Pick(req *Request, rs []ReplicaView) (Decision, error) {
 	}
 	d.Scores = scores
 	return d, nil
+}
+
+// pickScratch is Pick's per-replica scratch for n replicas, zeroed: kept
+// by the policy (Pick holds t.mu throughout), so that a pick over a large
+// fleet allocates only the scores it returns. t.mu must be held.
+func (t *TTFT) pickScratch(n int) ([]float64, []int) {
+	if cap(t.ttfts) < n {
+		t.ttfts, t.matched = make([]float64, n), make([]int, n)
+	}
+	ttfts, matched := t.ttfts[:n], t.matched[:n]
+	clear(ttfts)
+	clear(matched)
+	return ttfts, matched
 }
 
 // estimateAll fills, for every healthy replica, its corrected estimated

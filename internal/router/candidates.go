@@ -7,7 +7,7 @@ import "github.com/kvgate/kvgate/internal/policy"
 // (its pool's, serving its model, in rotation), less exclude. The
 // endpoint picker names its fallbacks from it.
 func (rt *Router) Candidates(req *policy.Request, exclude ...int) ([]policy.ReplicaView, error) {
-	views, _ := rt.views(req)
+	views, _ := rt.views(req, new(viewBuf)) // returned: memory of its own, not the pool's
 	if _, err := rt.candidates(req, views, exclude); err != nil {
 		return nil, err
 	}

@@ -61,7 +61,9 @@ type PD struct {
 // decode ticket (its replica never got the blocks), end both with Done and
 // the error, and route again with the prefill replica excluded.
 func (rt *Router) RoutePD(req *policy.Request, exclude ...int) (PD, error) {
-	views, approx := rt.views(req)
+	vb := rt.getBuf()
+	defer rt.putBuf(vb)
+	views, approx := rt.views(req, vb)
 	pl, err := rt.candidates(req, views, exclude)
 	if err != nil {
 		return PD{}, err
@@ -95,7 +97,9 @@ func (rt *Router) RoutePD(req *policy.Request, exclude ...int) (PD, error) {
 // prefill candidate). The ticket is a decode step's (PhaseDecode: it pulls
 // what it lacks). policy.ErrNoReplica: no decode replica can take the KV.
 func (rt *Router) RouteDecode(req *policy.Request, prefill int, exclude ...int) (*Ticket, error) {
-	views, approx := rt.views(req)
+	vb := rt.getBuf()
+	defer rt.putBuf(vb)
+	views, approx := rt.views(req, vb)
 	pl, err := rt.candidates(req, views, append(slices.Clone(exclude), prefill))
 	if err != nil {
 		return nil, err
