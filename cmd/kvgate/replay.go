@@ -30,6 +30,9 @@ const replayDefaultRate = 20
 // and the other two use the same one.
 const replayDefaultWorkload = "shared_prefix"
 
+// maxParallel bounds --parallel: each replay at once holds a fleet.
+const maxParallel = 1024
+
 // Questions of --question.
 const (
 	questionSharing   = "sharing"
@@ -52,7 +55,7 @@ type replayFlags struct {
 	workloadParams, policyParams, replicaProfiles listFlag
 	requests, replicas, kvBlocks                  int
 	prefillReplicas, decodeReplicas, nonCached    int
-	maxSeqs                                       int
+	maxSeqs, parallel                             int
 	rate, speedup                                 float64
 	staleness, scrape, slo, sloITL                time.Duration
 	capacity, oracle                              bool
@@ -98,6 +101,8 @@ func (f *replayFlags) register(fs *flag.FlagSet) {
 	fs.BoolVar(&f.oracle, "oracle", true, "compute the oracle bound beside the hit-rate bounds: every request hits as in one LRU of the fleet's "+
 		"capacity and goes where the engines' exact queues give it its first token soonest (its TTFT, and with --capacity its capacity "+
 		"and each run's capacity_vs_bound); one gateway, aggregated replicas")
+	fs.IntVar(&f.parallel, "parallel", 0, "replays run at once (the bounds, the oracle's and each policy's run and capacity search, each on a fleet of its own; "+
+		"0: one per CPU, 1: one after another): the figures are the same, memory grows with it")
 	fs.DurationVar(&f.sloITL, "slo-itl-p99", 0, "with --capacity, an objective on the p99 of the requests' mean inter-token latency too (0: none)")
 	f.out.register(fs, "")
 	f.tenancy.register(fs)
@@ -179,6 +184,7 @@ type replayConfig struct {
 	question string
 	capacity *replay.SLO
 	oracle   bool
+	parallel int
 	meta     map[string]any
 	out      report.Outputs
 }
@@ -192,7 +198,7 @@ func (f *replayFlags) config(inv invocation) (replayConfig, error) {
 	if err != nil {
 		return replayConfig{}, fmt.Errorf("%w: --profile: %v", errUsage, err)
 	}
-	c := replayConfig{rate: f.rate, question: f.question, slo: f.slo,
+	c := replayConfig{rate: f.rate, question: f.question, slo: f.slo, parallel: f.parallel,
 		oracle: f.oracle && f.gateways <= 1 && f.prefillReplicas == 0 && f.decodeReplicas == 0}
 	c.replay = replay.Config{
 		Replicas: f.aggregated(), PrefillReplicas: f.prefillReplicas, DecodeReplicas: f.decodeReplicas,
@@ -300,6 +306,8 @@ func (f *replayFlags) check() error {
 		return bad("--kv-blocks %d: need at least 1", f.kvBlocks)
 	case f.maxSeqs < 1:
 		return bad("--max-seqs %d: need at least 1", f.maxSeqs)
+	case f.parallel < 0 || f.parallel > maxParallel:
+		return bad("--parallel %d: want 0 (one per CPU) to %d", f.parallel, maxParallel)
 	case f.requests < 0:
 		return bad("--requests %d: must be ≥ 0", f.requests)
 	case !(f.rate >= 0):
@@ -524,7 +532,7 @@ func (c replayConfig) execute(ctx context.Context, progress func(replay.PolicySp
 			Steady: []float64{c.rate / 4, c.rate / 2, c.rate * 0.8}, Seed: c.workload.Seed})
 		return res, charts, err
 	}
-	res, err := replay.Compare(ctx, c.replay, reqs, c.specs, replay.Options{Progress: progress, Capacity: c.capacity, Oracle: c.oracle})
+	res, err := replay.Compare(ctx, c.replay, reqs, c.specs, replay.Options{Progress: progress, Capacity: c.capacity, Oracle: c.oracle, Parallel: c.parallel})
 	return res, nil, err
 }
 

@@ -56,6 +56,8 @@ func TestReplayUsageErrors(t *testing.T) {
 		{"negative non-cached tokens", replayArgs("--non-cached-tokens", "-1"), 2, "--non-cached-tokens -1"},
 		{"itl slo without capacity", replayArgs("--slo-itl-p99", "50ms"), 2, "--slo-itl-p99 needs --capacity"},
 		{"zero max seqs", replayArgs("--max-seqs", "0"), 2, "--max-seqs 0"},
+		{"negative parallel", replayArgs("--parallel", "-1"), 2, "--parallel -1"},
+		{"huge parallel", replayArgs("--parallel", "100000"), 2, "--parallel 100000"},
 		{"replica profile past a P/D fleet", append(pdArgs(), "--replica-profile", "4=seed004"), 2, "4 replicas, numbered 0 to 3"},
 		{"tenant and workload", replayArgs("--tenant", "name=A,rate=1"), 2, "--tenant makes the workload"},
 		{"bad tenant", []string{"replay", "--tenant", "name=A"}, 2, "needs rate= or concurrency="},
