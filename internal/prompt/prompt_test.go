@@ -187,6 +187,23 @@ func BenchmarkApproxBlockHashes32k(b *testing.B) {
 	}
 }
 
+// RenderChat allocates its text once, however long the conversation, and
+// renders each message as RenderMessage does.
+func TestRenderChatAllocatesOnce(t *testing.T) {
+	roles := []string{"system", "user", "assistant", "user", "tool"}
+	contents := []string{strings.Repeat("s", 3000), "first", strings.Repeat("a", 9000), "", "é"}
+	var want strings.Builder
+	for i := range roles {
+		RenderMessage(&want, roles[i], contents[i])
+	}
+	if got := RenderChat(roles, contents); got != want.String() {
+		t.Fatalf("RenderChat %q, want %q", got, want.String())
+	}
+	if n := testing.AllocsPerRun(20, func() { _ = RenderChat(roles, contents) }); n != 1 {
+		t.Fatalf("RenderChat allocates %v times, want 1", n)
+	}
+}
+
 // ChatParsed gives the routing key Parse gives the same chat's body.
 func TestChatParsedEqualsParse(t *testing.T) {
 	roles := []string{"system", "user", "assistant", "user"}
