@@ -6,9 +6,11 @@ import (
 	"encoding/binary"
 	"slices"
 	"time"
+	"unsafe"
 
 	"github.com/cespare/xxhash/v2"
 
+	"github.com/kvgate/kvgate/internal/hashtab"
 	"github.com/kvgate/kvgate/internal/prompt"
 	"github.com/kvgate/kvgate/internal/report"
 	"github.com/kvgate/kvgate/internal/workload"
@@ -86,19 +88,23 @@ func hitLimit(blocks, tokens, blockSize int) int {
 // blockBounds computes the bounds on the blocks' chained hashes.
 func blockBounds(ctx context.Context, cfg Config, reqs []workload.Request, order []int32) (report.Bound, error) {
 	root := prompt.RootOf("engine", prompt.Key{Model: cfg.Model})
+	// A Go map: its slots hold the 8-byte keys alone, where hashtab's
+	// (16 bytes with an empty value) would double the largest structure of
+	// a large replay (17M distinct blocks in a 1M-request multiturn one).
 	seen := make(map[uint64]struct{}, 1<<16)
 	lru := newBlockLRU(cfg.engines() * cfg.KVBlocks)
 	var t tally
 	var hashes []uint64
+	var text []byte // each request's text in turn, in one buffer
 	for k, i := range order {
 		if k%ctxCheckEvery == 0 {
 			if err := ctx.Err(); err != nil {
 				return report.Bound{}, err
 			}
 		}
-		text := reqs[i].Text()
-		tokens := prompt.Approx{}.Count(text)
-		hashes = prompt.ApproxBlockHashes(hashes[:0], root, text, cfg.BlockSize)
+		text = reqs[i].AppendText(text[:0])
+		tokens := prompt.Approx{}.Count(bytesString(text))
+		hashes = prompt.ApproxBlockHashes(hashes[:0], root, bytesString(text), cfg.BlockSize)
 		limit := hitLimit(len(hashes), tokens, cfg.BlockSize)
 		t.total += int64(tokens)
 
@@ -148,13 +154,19 @@ func nominalOrder(reqs []workload.Request) []int32 {
 	return order
 }
 
-// blockLRU is an LRU set of block hashes: a hash map to slots and an
+// bytesString views b as a string without copying; b must not change while
+// the string is in use.
+func bytesString(b []byte) string { return unsafe.String(unsafe.SliceData(b), len(b)) }
+
+// blockLRU is an LRU set of block hashes: a hash table to slots
+// (hashtab: block hashes need no rehash, and a look-up is one probe run,
+// where Go's map spent a third of a large replay's bounds) and an
 // intrusive doubly linked list over slot indices (slot 0 is the sentinel),
 // with freed slots reused, so that touching a hash allocates nothing in the
 // steady state. touch may overflow the capacity; trim evicts down to it.
 type blockLRU struct {
 	cap        int
-	slot       map[uint64]int32
+	slot       *hashtab.Table[int32]
 	hash       []uint64
 	prev, next []int32
 	free       []int32
@@ -163,19 +175,16 @@ type blockLRU struct {
 func newBlockLRU(capacity int) *blockLRU {
 	return &blockLRU{
 		cap:  max(capacity, 0),
-		slot: make(map[uint64]int32, min(capacity, 1<<16)),
+		slot: hashtab.New[int32](),
 		hash: []uint64{0},
 		prev: []int32{0},
 		next: []int32{0},
 	}
 }
 
-func (l *blockLRU) len() int { return len(l.slot) }
+func (l *blockLRU) len() int { return l.slot.Len() }
 
-func (l *blockLRU) has(h uint64) bool {
-	_, ok := l.slot[h]
-	return ok
-}
+func (l *blockLRU) has(h uint64) bool { return l.slot.Get(h) != nil }
 
 func (l *blockLRU) unlink(i int32) {
 	p, n := l.prev[i], l.next[i]
@@ -191,9 +200,10 @@ func (l *blockLRU) pushFront(i int32) {
 
 // touch makes h the most recent, inserting it if absent.
 func (l *blockLRU) touch(h uint64) {
-	if i, ok := l.slot[h]; ok {
-		l.unlink(i)
-		l.pushFront(i)
+	slot, ok := l.slot.Upsert(h)
+	if ok {
+		l.unlink(*slot)
+		l.pushFront(*slot)
 		return
 	}
 	var i int32
@@ -205,16 +215,16 @@ func (l *blockLRU) touch(h uint64) {
 		l.hash, l.prev, l.next = append(l.hash, 0), append(l.prev, 0), append(l.next, 0)
 	}
 	l.hash[i] = h
-	l.slot[h] = i
+	*slot = i
 	l.pushFront(i)
 }
 
 // trim evicts the least recent hashes down to the capacity.
 func (l *blockLRU) trim() {
-	for len(l.slot) > l.cap {
+	for l.slot.Len() > l.cap {
 		i := l.prev[0]
 		l.unlink(i)
-		delete(l.slot, l.hash[i])
+		l.slot.Del(l.hash[i])
 		l.free = append(l.free, i)
 	}
 }
