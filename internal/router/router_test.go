@@ -171,13 +171,17 @@ func BenchmarkDecisionScale(b *testing.B) {
 			if err != nil {
 				b.Fatal(err)
 			}
-			rt, err := New(Config{Replicas: replicaURLs(c.replicas), Policy: p, Now: func() time.Time { return time.Unix(0, 0) },
+			// A virtual clock, 10 s a decision (a 128k-token prefill takes
+			// seconds): ttft's recent-flow rates decay between decisions as
+			// under real traffic, instead of piling onto the holders.
+			now := time.Unix(0, 0)
+			rt, err := New(Config{Replicas: replicaURLs(c.replicas), Policy: p, Now: func() time.Time { return now },
 				MaxEntries: c.blocks, BlocksPerReplica: 1 << 20, LearnOnAccept: true})
 			if err != nil {
 				b.Fatal(err)
 			}
 			text := fillScale(b, rt, c.replicas, c.chars, c.blocks)
-			benchScale(b, rt, parse(b, text))
+			benchScale(b, rt, parse(b, text), func() { now = now.Add(10 * time.Second) })
 		})
 	}
 }
@@ -214,8 +218,8 @@ func fillScale(b *testing.B, rt *Router, replicas, chars, blocks int) string {
 
 // benchScale times, alternately, p's hash alone (prompt.Parsed.Blocks),
 // rt's decision on p (Prepare and Route) and its dry run (Prepare and
-// DryRun).
-func benchScale(b *testing.B, rt *Router, p *prompt.Parsed) {
+// DryRun), calling tick between decisions.
+func benchScale(b *testing.B, rt *Router, p *prompt.Parsed, tick func()) {
 	root := prompt.Key{Model: p.Model}.Root()
 	var hashes, decisions, dry []time.Duration
 	for b.Loop() {
@@ -228,6 +232,7 @@ func benchScale(b *testing.B, rt *Router, p *prompt.Parsed) {
 			b.Fatal(tk, err)
 		}
 		tk.Done(time.Unix(0, 0), Outcome{CachedTokens: -1})
+		tick()
 		t3 := time.Now()
 		if _, _, err := rt.DryRun(rt.Prepare(p, "", "")); err != nil {
 			b.Fatal(err)
