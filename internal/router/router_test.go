@@ -13,6 +13,7 @@ import (
 
 	"github.com/kvgate/kvgate/internal/policy"
 	"github.com/kvgate/kvgate/internal/prompt"
+	"github.com/kvgate/kvgate/internal/testutil"
 )
 
 func newRouter(t testing.TB, pol string, n int) *Router {
@@ -468,7 +469,7 @@ func TestTicketHeld(t *testing.T) {
 // scratch are reused (at 256 replicas the views alone were 40 KiB a
 // request, a third of a decision's cost beside the hash).
 func TestRouteAllocatesNothingPerReplica(t *testing.T) {
-	if raceDetector {
+	if testutil.RaceEnabled { // its sync.Pool drops a share of what is put back, on purpose
 		t.Skip("the race detector's sync.Pool drops buffers on purpose")
 	}
 	perRoute := func(n int) float64 {
