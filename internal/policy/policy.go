@@ -51,10 +51,16 @@ type Request struct {
 	Model   string
 	Adapter string
 	Salt    string
-	Text    string   // routing text: prompt, or chat rendered with roles ("" for token-id prompts)
-	KeyText string   // the first user message (chat) or the prompt: prefix-key policies
-	System  string   // the chat's system prompt, if any
-	Session string   // X-Session-Id header, else the body's "user"
+	Text    string // routing text: prompt, or chat rendered with roles ("" for token-id prompts)
+	KeyText string // the first user message (chat) or the prompt: prefix-key policies
+	System  string // the chat's system prompt, if any
+	// Session is the request's program id when it names one (Program.ID
+	// set: prompt_cache_key, else a session header, else its Responses
+	// chain; see router.Prepare), else the body's "user".
+	Session string
+	// Program is the request's program and what the router knows of it
+	// (zero: the request names none).
+	Program Program
 	Blocks  []uint64 // kvgate's chained block hashes of the prompt's full blocks
 	// BlockOffset is the prompt's block Blocks[0] is: 0, but for a remote
 	// decision (Event.Remote), which carries only the blocks from there on.
@@ -86,6 +92,23 @@ type Request struct {
 	Priority int
 	Deadline time.Time
 	Rank     int64
+}
+
+// Program is a request's program: an agent's session, a conversation, a
+// rollout: requests that follow one another over one growing context. The
+// router fills it (internal/router, programs.go); policies read it.
+type Program struct {
+	// ID names the program within its partition (model, adapter,
+	// cache_salt): a hash of the client's id; 0: the request names none.
+	ID uint64
+	// Continues: the router knows the program from an earlier turn. Home
+	// is then the replica slot it last went to (its context is there),
+	// Tokens that context (its last turn's prompt and output), Turns the
+	// turns routed so far.
+	Continues bool
+	Home      int
+	Tokens    int
+	Turns     int
 }
 
 // ReplicaView is what the router knows of one replica now.
@@ -122,6 +145,13 @@ type ReplicaView struct {
 	Running     int
 	KVUsage     float64 // 0..1
 	NumBlocks   int     // the replica's KV capacity in blocks: scraped, else the router's assumption (0: unknown)
+
+	// Programs and ProgramTokens are the live programs whose home is the
+	// replica (a turn in flight, or idle less than the programs' TTL) and
+	// the contexts they reserve there, in tokens: the KV their next turns
+	// expect to find (router, programs.go).
+	Programs      int
+	ProgramTokens int
 
 	// Match is the number of leading blocks of the request the router's
 	// index (approximate, or precise when KV events feed it) believes the
@@ -213,4 +243,19 @@ func MetricsRefresh(p Policy) time.Duration {
 		return m.MetricsRefresh()
 	}
 	return 0
+}
+
+// ProgramPlacer is implemented by a policy that wants the router to place
+// programs (router, programs.go): KV admission of new programs and the
+// co-location of bursts of identical prompts. kvgate's ttft does unless its
+// parameter programs is false; the peers' rules do not, as their upstreams
+// (as launched) have neither.
+type ProgramPlacer interface {
+	PlacesPrograms() bool
+}
+
+// PlacesPrograms reports whether p wants the router to place programs.
+func PlacesPrograms(p Policy) bool {
+	pp, ok := p.(ProgramPlacer)
+	return ok && pp.PlacesPrograms()
 }

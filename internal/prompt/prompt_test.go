@@ -103,6 +103,12 @@ func TestParse(t *testing.T) {
 				t.Fatalf("%+v", p)
 			}
 		}},
+		{"prompt_cache_key", Chat, `{"model":"m","messages":[{"role":"user","content":"hi"}],"prompt_cache_key":"agent-7","user":"u"}`, "-", func(t *testing.T, p *Parsed) {
+			if p.PromptCacheKey != "agent-7" || p.User != "u" {
+				t.Fatalf("%+v", p)
+			}
+		}},
+		{"prompt_cache_key not a string", Completion, `{"model":"m","prompt":"x","prompt_cache_key":7}`, "prompt_cache_key", nil},
 		{"no model", Completion, `{"prompt":"x"}`, "model", nil},
 		{"no prompt", Completion, `{"model":"m"}`, "prompt", nil},
 		{"empty prompt list", Completion, `{"model":"m","prompt":[]}`, "prompt", nil},

@@ -97,6 +97,11 @@ type Parsed struct {
 	MaxTokens int // 0 when absent
 	User      string
 	CacheSalt string
+	// PromptCacheKey is OpenAI's prompt_cache_key: the client's own name
+	// for the requests that share a prefix (an agent's session, a
+	// conversation), the first source of a request's program id (see
+	// router.ProgramOf). "" when absent.
+	PromptCacheKey string
 	// Text is the routing text: the completions prompt (the first one of a
 	// batch), or the chat messages rendered in order with their roles, so
 	// that a shared system prompt is a shared prefix.
@@ -150,6 +155,7 @@ type body struct {
 	User                string
 	CacheSalt           string
 	Priority            *int
+	PromptCacheKey      string
 	raw                 map[string]json.RawMessage // every member, for the other kinds' fields
 }
 
@@ -176,7 +182,7 @@ func decodeBody(data []byte) (*body, error) {
 		key string
 		dst any
 	}{{"model", &b.Model}, {"messages", &b.Messages}, {"stream", &b.Stream},
-		{"user", &b.User}, {"cache_salt", &b.CacheSalt}}
+		{"user", &b.User}, {"cache_salt", &b.CacheSalt}, {"prompt_cache_key", &b.PromptCacheKey}}
 	for _, f := range fields {
 		if err := decodeField(raw, f.key, f.dst); err != nil {
 			return nil, err
@@ -278,7 +284,7 @@ func Parse(kind Kind, data []byte) (*Parsed, error) {
 		// The other endpoints default to the replica's model, as vLLM's do.
 		return nil, invalid("model", "you must provide a model parameter")
 	}
-	p := &Parsed{Kind: kind, Model: b.Model, Stream: b.Stream, User: b.User, CacheSalt: b.CacheSalt}
+	p := &Parsed{Kind: kind, Model: b.Model, Stream: b.Stream, User: b.User, CacheSalt: b.CacheSalt, PromptCacheKey: b.PromptCacheKey}
 	if b.Priority != nil {
 		p.Priority, p.PrioritySet = *b.Priority, true
 	}

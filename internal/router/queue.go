@@ -47,6 +47,8 @@ type Waiting struct {
 	expires  time.Time
 	enqueued time.Time
 	work     float64 // estimated GPU work: prompt + expected output
+	// since is when a new program was parked for room (programs_admit.go).
+	since time.Time
 }
 
 // Done is closed when the request has left the queue.
@@ -144,6 +146,10 @@ func (rt *Router) Submit(req *policy.Request, exclude ...int) (*Ticket, *Waiting
 	saturated := q.n > 0
 	if !saturated {
 		t, err := rt.routeQueued(pl, req, exclude)
+		if errors.Is(err, errNoRoom) {
+			q.mu.Unlock() // lock order: parked before the queue
+			return nil, rt.park(pl, req, exclude), nil
+		}
 		if !errors.Is(err, policy.ErrDefer) {
 			q.mu.Unlock()
 			return t, nil, err
@@ -163,6 +169,9 @@ func (rt *Router) Submit(req *policy.Request, exclude ...int) (*Ticket, *Waiting
 // and reports whether it was still waiting; false means it was routed, and
 // the caller owns its ticket.
 func (rt *Router) Cancel(w *Waiting) bool {
+	if rt.progs.park.cancel(w) {
+		return true
+	}
 	q := w.pl.q
 	q.mu.Lock()
 	defer q.mu.Unlock()
@@ -188,7 +197,7 @@ func (rt *Router) Expire(w *Waiting) error {
 
 // Queued is the number of requests waiting in the router (every pool's).
 func (rt *Router) Queued() int {
-	n := 0
+	n := rt.progs.park.len()
 	for _, pl := range rt.pools {
 		n += pl.q.len()
 	}
@@ -222,11 +231,12 @@ func (rt *Router) Release() {
 }
 
 // release routes pl's queue's head while the pool takes it: a head past
-// its expiry is shed instead.
+// its expiry is shed instead, and a new program with no room leaves the
+// queue to wait for room apart (programs_admit.go).
 func (rt *Router) release(pl *pool) {
 	q := pl.q
 	q.mu.Lock()
-	var out []*Waiting
+	var out, noRoom []*Waiting
 	now := rt.cfg.Now()
 	for q.n > 0 {
 		w := q.head()
@@ -242,6 +252,10 @@ func (rt *Router) release(pl *pool) {
 			break
 		}
 		q.remove(w)
+		if errors.Is(err, errNoRoom) {
+			noRoom = append(noRoom, w)
+			continue
+		}
 		if q.fl != nil && err == nil {
 			q.fl.drained(now, w.work)
 		}
@@ -249,6 +263,9 @@ func (rt *Router) release(pl *pool) {
 		out = append(out, w)
 	}
 	q.mu.Unlock()
+	for _, w := range noRoom {
+		rt.progs.park.add(w, now)
+	}
 	leave(out)
 }
 

@@ -96,6 +96,8 @@ type Config struct {
 	// Flow configures every pool's flow controller (flow.go; the zero
 	// value: off, the queue is late binding's FIFO).
 	Flow FlowConfig
+	// Programs configures the program table (programs.go).
+	Programs ProgramConfig
 }
 
 // DefaultNonCachedTokens is Config.NonCachedTokens' default.
@@ -145,6 +147,10 @@ type Router struct {
 	// leastLoad routes a request whose policy panicked (guard.go).
 	leastLoad policy.Policy
 	panics    panicReports
+	// progs is the program table (programs.go) and bursts the recent
+	// bursts of identical prompts (bursts.go).
+	progs  *programs
+	bursts *bursts
 }
 
 // New builds a Router.
@@ -186,12 +192,13 @@ func New(cfg Config) (*Router, error) {
 	if err != nil {
 		return nil, err
 	}
-	rt := &Router{cfg: cfg, tok: cfg.Tokenizer, approx: ix, leastLoad: ll}
+	rt := &Router{cfg: cfg, tok: cfg.Tokenizer, approx: ix, leastLoad: ll, progs: newPrograms(cfg.Programs)}
 	if cfg.Flow.Enabled {
 		if rt.flow, err = cfg.Flow.withDefaults(); err != nil {
 			return nil, err
 		}
 	}
+	rt.bursts = newBursts(rt.progs.cfg)
 	rt.SetPolicy(cfg.Policy)
 	if err := rt.newPools(cfg.Pools); err != nil {
 		return nil, err
@@ -294,7 +301,11 @@ func (rt *Router) Pending(i int) int { return int(rt.reps()[i].pendingPrefill.Lo
 func (rt *Router) InFlight(i int) int { return int(rt.reps()[i].inFlight.Load()) }
 
 // Prepare makes the routing key of a parsed request (its model resolved
-// now: PrepareIn takes a resolution made before).
+// now: PrepareIn takes a resolution made before). session is the program
+// id the transport found (a session header, or the program of a Responses
+// call's previous_response_id; "" for none): the request's program is its
+// body's prompt_cache_key, else session, else it has none and its Session
+// is the body's user (see ProgramOf).
 func (rt *Router) Prepare(p *prompt.Parsed, session, adapter string) *policy.Request {
 	return rt.prepare(rt.resolve(p.Model), p, session, adapter)
 }
@@ -316,16 +327,17 @@ func (rt *Router) prepare(m Resolved, p *prompt.Parsed, session, adapter string)
 		Text:      p.Text,
 		KeyText:   p.KeyText,
 		System:    p.System,
-		Session:   session,
 		MaxTokens: p.MaxTokens,
 		Pool:      m.ref,
-	}
-	if req.Session == "" {
-		req.Session = p.User
 	}
 	model := p.Model
 	if adapter == "" {
 		model, adapter = m.base, m.adapter
+	}
+	if id := ProgramOf(p, session); id != "" {
+		SetProgram(req, id)
+	} else {
+		req.Session = p.User
 	}
 	root := prompt.Key{Model: model, Adapter: adapter, Salt: p.CacheSalt}.Root()
 	req.Tokens, req.Blocks = p.Blocks(nil, rt.tok, root, rt.cfg.BlockSize)
@@ -364,6 +376,7 @@ func (rt *Router) putBuf(b *viewBuf) { rt.bufs.Put(b) }
 func (rt *Router) views(req *policy.Request, vb *viewBuf) ([]policy.ReplicaView, []int) {
 	reps := rt.reps()
 	n := len(reps)
+	rt.lookupProgram(req)
 	if cap(vb.views) < n {
 		vb.views, vb.ints = make([]policy.ReplicaView, n), make([]int, 4*n)
 	}
@@ -402,6 +415,7 @@ func (rt *Router) views(req *policy.Request, vb *viewBuf) ([]policy.ReplicaView,
 			v.Match, v.Cached = precise[i], max(v.Cached, preciseLen[i])
 		}
 	}
+	rt.progs.fill(views, req.Now, rt.serialOf)
 	return views, approx
 }
 
@@ -441,7 +455,16 @@ func (rt *Router) DryRun(req *policy.Request) (policy.Decision, []policy.Replica
 	if err != nil {
 		return policy.Decision{}, views, err
 	}
-	d, err := rt.pick(pl.pol.Load().pol, req, views)
+	pol := pl.pol.Load().pol
+	if policy.PlacesPrograms(pol) {
+		if d, ok := rt.burstPick(req, views); ok {
+			return d, views, nil
+		}
+		if err := rt.admit(req, views); err != nil {
+			return policy.Decision{}, views, err
+		}
+	}
+	d, err := rt.pick(pol, req, views)
 	return d, views, err
 }
 
@@ -595,9 +618,20 @@ func (rt *Router) routeWith(pol policy.Policy, req *policy.Request, exclude []in
 	if pol == nil {
 		pol = pl.pol.Load().pol
 	}
-	d, err := rt.pick(pol, req, views)
-	if err != nil {
-		return nil, err
+	placer := policy.PlacesPrograms(pol)
+	var d policy.Decision
+	burst := false
+	if placer {
+		if d, burst = rt.burstPick(req, views); !burst {
+			if err := rt.admit(req, views); err != nil {
+				return nil, err
+			}
+		}
+	}
+	if !burst {
+		if d, err = rt.pick(pol, req, views); err != nil {
+			return nil, err
+		}
 	}
 	if d.Replica < 0 || d.Replica >= len(views) || !views[d.Replica].Healthy {
 		return nil, fmt.Errorf("router: policy %s chose replica %d of %d, not a candidate", pol.Name(), d.Replica, len(views))
@@ -608,6 +642,9 @@ func (rt *Router) routeWith(pol policy.Policy, req *policy.Request, exclude []in
 		}
 	}
 	t := rt.commitView(pol, req, d, views, approx, policy.PhaseNone)
+	if placer {
+		rt.burstRouted(req, t)
+	}
 	if fl != nil {
 		t.fq = q
 		fl.charge(t, fl.tenant(req.Tenant))
@@ -707,6 +744,7 @@ func (rt *Router) commit(req *policy.Request, d policy.Decision, match, approxMa
 	if !rt.cfg.LearnOnAccept {
 		t.learn()
 	}
+	rt.programRouted(t)
 	t.obs = rt.observer(d.Replica)
 	t.observe(policy.Event{Kind: policy.Routed, At: req.Now, Req: req, Decision: d, Replica: d.Replica, Phase: phase})
 	return t
@@ -812,12 +850,16 @@ func (t *Ticket) prefillDone() bool {
 	return true
 }
 
-// releaseIfQueued moves the queue when requests wait (cheap when none do).
+// releaseIfQueued moves the queue, and the new programs waiting for room,
+// when requests wait (cheap when none do).
 func (rt *Router) releaseIfQueued() {
 	for _, pl := range rt.pools {
 		if pl.q.len() > 0 {
 			rt.release(pl)
 		}
+	}
+	if rt.progs.park.len() > 0 {
+		rt.releaseParked()
 	}
 }
 
@@ -864,6 +906,7 @@ func (t *Ticket) Done(at time.Time, o Outcome) {
 		t.fq.fl.settle(t, o.OutputTokens)
 		t.fq.mu.Unlock()
 	}
+	t.rt.programEnded(t, at)
 	defer t.rt.releaseIfQueued()
 	t.observe(policy.Event{Kind: policy.Done, At: at, Req: t.req, Decision: t.Decision,
 		Replica: t.Replica, Phase: t.phase, CachedTokens: o.CachedTokens, OutputTokens: o.OutputTokens, Err: o.Err})

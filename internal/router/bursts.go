@@ -1,0 +1,120 @@
+package router
+
+import (
+	"fmt"
+	"sync"
+	"time"
+
+	"github.com/kvgate/kvgate/internal/policy"
+)
+
+// Bursts: requests with an identical prompt arriving together (the n
+// samples of one prompt in an RL rollout, best-of-N fan-out) go to the
+// replica the first one went to, so the prompt is prefilled once and the
+// others hit it, up to ProgramConfig.BurstCap per replica; the next one
+// past the cap is placed afresh and starts the burst's next group there. A
+// burst lasts ProgramConfig.BurstWindow from its first request. llm-d's
+// burst-prefix-cache-producer does the same by holding every request for
+// its window and placing the window's groups together; kvgate holds none:
+// the first request of a burst goes at once, placed by the policy, and the
+// others follow it. Live, where the index learns a request only once its
+// replica takes it (Config.LearnOnAccept), identical requests arriving
+// together would otherwise each see a cold cache everywhere. Only for
+// policies that place programs (policy.PlacesPrograms); the OpenAI n
+// parameter is one request already.
+
+// maxBursts bounds the bursts remembered at once: far more than a window
+// of 100 ms sees (a thousand distinct prompts at 10,000 requests/s); past
+// it the oldest is forgotten early.
+const maxBursts = 1 << 14
+
+// burst is one burst's last group: its replica, how many requests it took.
+type burst struct {
+	key     uint64
+	replica int
+	serial  uint64
+	count   int
+	start   time.Time
+}
+
+// bursts are the bursts under way, oldest first.
+type bursts struct {
+	window time.Duration // ≤ 0: off
+	cap    int           // < 0: none
+	mu     sync.Mutex
+	byKey  map[uint64]*burst
+	order  []*burst
+}
+
+func newBursts(cfg ProgramConfig) *bursts {
+	return &bursts{window: cfg.BurstWindow, cap: cfg.BurstCap, byKey: map[uint64]*burst{}}
+}
+
+// burstKey names req's prompt: its last full block's chained hash (which
+// names every full block before it) and its token count; 0 for a prompt
+// without a full block.
+func burstKey(req *policy.Request) uint64 {
+	if len(req.Blocks) == 0 {
+		return 0
+	}
+	k := req.Blocks[len(req.Blocks)-1] ^ (uint64(req.Tokens) * 0x9E3779B97F4A7C15)
+	if k == 0 {
+		k = 1
+	}
+	return k
+}
+
+// expire forgets the bursts older than the window at now. b.mu held.
+func (b *bursts) expire(now time.Time) {
+	n := 0
+	for n < len(b.order) && (now.Sub(b.order[n].start) > b.window || len(b.order)-n > maxBursts) {
+		if e := b.order[n]; b.byKey[e.key] == e {
+			delete(b.byKey, e.key)
+		}
+		n++
+	}
+	if n > 0 {
+		b.order = append(b.order[:0], b.order[n:]...)
+	}
+}
+
+// burstPick is the decision for req when it belongs to a burst whose group
+// has room on a candidate replica (nothing changes: burstRouted counts it).
+func (rt *Router) burstPick(req *policy.Request, views []policy.ReplicaView) (policy.Decision, bool) {
+	b := rt.bursts
+	key := burstKey(req)
+	if b.window <= 0 || key == 0 {
+		return policy.Decision{}, false
+	}
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	b.expire(req.Now)
+	e, ok := b.byKey[key]
+	if !ok || e.replica >= len(views) || !views[e.replica].Healthy || rt.serialOf(e.replica) != e.serial ||
+		(b.cap >= 0 && e.count >= b.cap) {
+		return policy.Decision{}, false
+	}
+	v := &views[e.replica]
+	return policy.Decision{Replica: e.replica, Matched: min(v.Match, len(req.Blocks)), Load: float64(v.InFlight),
+		Reason: fmt.Sprintf("burst: an identical prompt went here %v ago (%d of this group)", req.Now.Sub(e.start), e.count)}, true
+}
+
+// burstRouted counts t's request in its burst's group, or starts a group on
+// its replica.
+func (rt *Router) burstRouted(req *policy.Request, t *Ticket) {
+	b := rt.bursts
+	key := burstKey(req)
+	if b.window <= 0 || key == 0 {
+		return
+	}
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	b.expire(req.Now)
+	if e, ok := b.byKey[key]; ok && e.replica == t.Replica && e.serial == t.r.serial {
+		e.count++
+		return
+	}
+	e := &burst{key: key, replica: t.Replica, serial: t.r.serial, count: 1, start: req.Now}
+	b.byKey[key] = e
+	b.order = append(b.order, e)
+}

@@ -1,0 +1,252 @@
+package router
+
+import (
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/kvgate/kvgate/internal/policy"
+	"github.com/kvgate/kvgate/internal/prompt"
+)
+
+// placer is least load that places programs (policy.PlacesPrograms).
+type placer struct{ policy.Policy }
+
+func (placer) PlacesPrograms() bool { return true }
+
+// progFleet is a router of n replicas of blocks blocks each (16 tokens)
+// under pol, on a clock the test moves.
+type progFleet struct {
+	rt  *Router
+	now time.Time
+}
+
+func newProgFleet(t *testing.T, pol policy.Policy, n, blocks int, pc ProgramConfig) *progFleet {
+	t.Helper()
+	f := &progFleet{now: time.Unix(1000, 0)}
+	urls := make([]string, n)
+	for i := range urls {
+		urls[i] = "r" + string(rune('a'+i))
+	}
+	rt, err := New(Config{Replicas: urls, Policy: pol, Now: func() time.Time { return f.now },
+		BlocksPerReplica: blocks, Programs: pc})
+	if err != nil {
+		t.Fatal(err)
+	}
+	f.rt = rt
+	return f
+}
+
+// req is a request of program id ("" none) with a prompt of tokens tokens
+// (4 characters each) made of word, and 16 output tokens.
+func (f *progFleet) req(id, word string, tokens int) *policy.Request {
+	p := &prompt.Parsed{Kind: prompt.Completion, Model: "m", Text: strings.Repeat(word, tokens*4/len(word)), MaxTokens: 16, Prompts: 1}
+	return f.rt.Prepare(p, id, "")
+}
+
+func leastLoadPolicy(t *testing.T) policy.Policy {
+	t.Helper()
+	p, err := policy.New("least_load", policy.Options{Seed: 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return p
+}
+
+func TestProgramIdentityOrder(t *testing.T) {
+	f := newProgFleet(t, leastLoadPolicy(t), 2, 1000, ProgramConfig{})
+	parsed := func(key, user string) *prompt.Parsed {
+		return &prompt.Parsed{Kind: prompt.Completion, Model: "m", Text: "hello", PromptCacheKey: key, User: user, Prompts: 1}
+	}
+	cases := []struct {
+		name, key, header, user, session string
+		program                          bool
+	}{
+		{"prompt_cache_key first", "pck", "hdr", "u", "pck", true},
+		{"then the header", "", "hdr", "u", "hdr", true},
+		{"none: the user, no program", "", "", "u", "u", false},
+		{"nothing", "", "", "", "", false},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			req := f.rt.Prepare(parsed(c.key, c.user), c.header, "")
+			if req.Session != c.session || (req.Program.ID != 0) != c.program {
+				t.Fatalf("session %q program %d, want %q program %v", req.Session, req.Program.ID, c.session, c.program)
+			}
+		})
+	}
+	a := f.rt.Prepare(parsed("k", ""), "", "")
+	b := f.rt.Prepare(parsed("", ""), "k", "")
+	other := f.rt.Prepare(&prompt.Parsed{Kind: prompt.Completion, Model: "m2", Text: "x", PromptCacheKey: "k", Prompts: 1}, "", "")
+	if a.Program.ID != b.Program.ID || a.Program.ID == other.Program.ID {
+		t.Fatalf("one id names one program within a model only: %d %d %d", a.Program.ID, b.Program.ID, other.Program.ID)
+	}
+	long := strings.Repeat("x", 10_000)
+	r1 := f.rt.Prepare(parsed(long, ""), "", "")
+	r2 := f.rt.Prepare(parsed(long+"y", ""), "", "")
+	if len(r1.Session) != MaxProgramID || r1.Session == r2.Session || r1.Program.ID == r2.Program.ID {
+		t.Fatalf("long ids: %d bytes, %q vs %q", len(r1.Session), r1.Session[len(r1.Session)-20:], r2.Session[len(r2.Session)-20:])
+	}
+}
+
+func TestProgramHomeFootprintAndTTL(t *testing.T) {
+	f := newProgFleet(t, leastLoadPolicy(t), 3, 1000, ProgramConfig{IdleTTL: 30 * time.Second})
+	first := f.req("agent-1", "alpha ", 200)
+	if first.Program.Continues {
+		t.Fatal("a program never seen continues")
+	}
+	tk, err := f.rt.Route(first)
+	if err != nil {
+		t.Fatal(err)
+	}
+	home := tk.Replica
+	views := f.rt.Views(f.req("", "x", 10))
+	if views[home].Programs != 1 || views[home].ProgramTokens != 216 {
+		t.Fatalf("home's programs %d tokens %d, want 1 and 216", views[home].Programs, views[home].ProgramTokens)
+	}
+	f.now = f.now.Add(time.Minute) // in flight: still live however long
+	if v := f.rt.Views(f.req("", "x", 10)); v[home].Programs != 1 {
+		t.Fatalf("a program with a turn in flight expired")
+	}
+	tk.Done(f.now, Outcome{CachedTokens: -1})
+	next := f.req("agent-1", "alpha ", 300)
+	f.rt.Views(next)
+	if !next.Program.Continues || next.Program.Home != home || next.Program.Tokens != 216 || next.Program.Turns != 1 {
+		t.Fatalf("second turn sees %+v, want home %d, 216 tokens, 1 turn", next.Program, home)
+	}
+	f.now = f.now.Add(30 * time.Second)
+	next.Now = f.now
+	views = f.rt.Views(next)
+	if views[home].Programs != 0 || views[home].ProgramTokens != 0 {
+		t.Fatalf("idle past the TTL, still reserving %d tokens", views[home].ProgramTokens)
+	}
+	if !next.Program.Continues || next.Program.Home != home {
+		t.Fatalf("its home is forgotten with its reservation: %+v", next.Program)
+	}
+	if st := f.rt.ProgramStats(); st.Tracked != 1 || st.Live != 0 {
+		t.Fatalf("stats %+v", st)
+	}
+}
+
+func TestProgramTableCapped(t *testing.T) {
+	f := newProgFleet(t, leastLoadPolicy(t), 2, 1000, ProgramConfig{MaxPrograms: 3})
+	for i := range 10 {
+		tk, err := f.rt.Route(f.req("p"+string(rune('a'+i)), "w ", 20))
+		if err != nil {
+			t.Fatal(err)
+		}
+		tk.Done(f.now, Outcome{CachedTokens: -1})
+		f.now = f.now.Add(time.Second)
+	}
+	if st := f.rt.ProgramStats(); st.Tracked != 3 || st.Live != 3 {
+		t.Fatalf("stats %+v, want 3 tracked", st)
+	}
+	old := f.req("pa", "w ", 20)
+	f.rt.Views(old)
+	last := f.req("pj", "w ", 20)
+	f.rt.Views(last)
+	if old.Program.Continues || !last.Program.Continues {
+		t.Fatalf("the oldest is forgotten, the newest kept: %+v %+v", old.Program, last.Program)
+	}
+	views := f.rt.Views(last)
+	if views[0].Programs+views[1].Programs != 3 {
+		t.Fatalf("reservations of forgotten programs remain: %d + %d", views[0].Programs, views[1].Programs)
+	}
+}
+
+// A new program goes where the live programs leave room; where none has,
+// it waits until one idles past its TTL, or until AdmissionWait.
+func TestProgramAdmission(t *testing.T) {
+	// 2 replicas of 100 blocks (1,600 tokens); share 0.9: 1,440 tokens of programs each.
+	f := newProgFleet(t, placer{leastLoadPolicy(t)}, 2, 100, ProgramConfig{IdleTTL: 10 * time.Second, AdmissionWait: 2 * time.Second})
+	big := func(id, word string) *policy.Request { return f.req(id, word, 900) } // 916 tokens with output
+	a, err := f.rt.Route(big("a", "aa "))
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, _, err := f.rt.Submit(big("b", "bb "))
+	if err != nil || b == nil {
+		t.Fatalf("b: %v %v", b, err)
+	}
+	if a.Replica == b.Replica {
+		t.Fatalf("two programs that fit only apart share replica %d", a.Replica)
+	}
+	a.Done(f.now, Outcome{CachedTokens: -1})
+	b.Done(f.now, Outcome{CachedTokens: -1})
+	tk, w, err := f.rt.Submit(big("c", "cc "))
+	if err != nil || tk != nil || w == nil {
+		t.Fatalf("no room: c should wait, got %v %v %v", tk, w, err)
+	}
+	if f.rt.Queued() != 1 {
+		t.Fatalf("queued %d", f.rt.Queued())
+	}
+	// A continuing program never waits (least load places it; ttft
+	// would keep it home).
+	f.now = f.now.Add(5 * time.Second)
+	a2, _, err := f.rt.Submit(big("a", "aa "))
+	if err != nil || a2 == nil {
+		t.Fatalf("a's next turn: %v %v", a2, err)
+	}
+	a2.Done(f.now, Outcome{CachedTokens: -1})
+	f.now = f.now.Add(6 * time.Second) // b idles past its TTL, a not yet
+	f.rt.SetMetrics(0, Metrics{NumBlocks: 100, BlockSize: 16}, f.now)
+	<-w.Done()
+	tk, err = w.Result()
+	if err != nil || tk.Replica == a2.Replica {
+		t.Fatalf("c went to %v (%v), want the replica a's live program leaves free", tk, err)
+	}
+	// None has room again: past AdmissionWait the program is placed anyway.
+	_, w2, _ := f.rt.Submit(big("d", "dd "))
+	if w2 == nil {
+		t.Fatal("d should wait")
+	}
+	f.now = f.now.Add(2 * time.Second)
+	f.rt.SetMetrics(1, Metrics{NumBlocks: 100, BlockSize: 16}, f.now)
+	<-w2.Done()
+	if tk, err := w2.Result(); err != nil || tk == nil {
+		t.Fatalf("d after AdmissionWait: %v", err)
+	}
+	// A waiting program leaves when its client does.
+	_, w3, _ := f.rt.Submit(big("e", "ee "))
+	if w3 == nil || !f.rt.Cancel(w3) || f.rt.Queued() != 0 {
+		t.Fatalf("cancel: %v, queued %d", w3, f.rt.Queued())
+	}
+}
+
+// Policies that do not place programs (the peers) get no admission.
+func TestProgramAdmissionOnlyForPlacers(t *testing.T) {
+	f := newProgFleet(t, leastLoadPolicy(t), 1, 100, ProgramConfig{})
+	for _, id := range []string{"a", "b"} {
+		tk, w, err := f.rt.Submit(f.req(id, id+" ", 900))
+		if err != nil || tk == nil || w != nil {
+			t.Fatalf("%s: %v %v %v", id, tk, w, err)
+		}
+	}
+}
+
+func TestBursts(t *testing.T) {
+	f := newProgFleet(t, placer{leastLoadPolicy(t)}, 3, 1000, ProgramConfig{BurstWindow: 100 * time.Millisecond, BurstCap: 3})
+	var got []int
+	for range 5 {
+		tk, err := f.rt.Route(f.req("", "sample ", 300))
+		if err != nil {
+			t.Fatal(err)
+		}
+		got = append(got, tk.Replica)
+	}
+	if got[1] != got[0] || got[2] != got[0] || got[3] == got[0] || got[4] != got[3] {
+		t.Fatalf("burst of 5 with a cap of 3 went to %v: three together, then two elsewhere", got)
+	}
+	d, _, err := f.rt.DryRun(f.req("", "sample ", 300))
+	if err != nil || d.Replica != got[3] || !strings.HasPrefix(d.Reason, "burst:") {
+		t.Fatalf("dry run: %+v %v", d, err)
+	}
+	f.now = f.now.Add(101 * time.Millisecond)
+	d, _, _ = f.rt.DryRun(f.req("", "sample ", 300))
+	if strings.HasPrefix(d.Reason, "burst:") {
+		t.Fatalf("past the window, still a burst: %s", d.Reason)
+	}
+	if tk, _ := f.rt.Route(f.req("", "other ", 300)); tk.Replica == got[3] && tk.Decision.Reason[:6] == "burst:" {
+		t.Fatal("another prompt joined the burst")
+	}
+}
