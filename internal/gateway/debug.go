@@ -53,7 +53,8 @@ func replicaDebugs(g *Gateway, views []policy.ReplicaView, d *policy.Decision) [
 			continue // a forgotten replica's slot: nothing to show
 		}
 		rd := replicaDebug{Slot: v.Index, URL: v.URL, State: replicaState(g.rt.Replica(v.Index)), Healthy: v.Healthy, MatchBlocks: v.Match, InFlight: v.InFlight,
-			PendingPrefill: v.PendingPrefill, IndexBlocks: g.rt.Index().ReplicaLen(v.Index), Pool: g.rt.Replica(v.Index).Pool()}
+			PendingPrefill: v.PendingPrefill, IndexBlocks: g.rt.Index().ReplicaLen(v.Index), Pool: g.rt.Replica(v.Index).Pool(),
+			Programs: v.Programs, ProgramTokens: v.ProgramTokens}
 		if g.ctl.Disaggregated() {
 			rd.Role = v.Role.String()
 		}
@@ -106,7 +107,7 @@ func (g *Gateway) debug(w http.ResponseWriter, r *http.Request) {
 		writeError(w, err)
 		return
 	}
-	model, req, err := g.prepare(r.Context(), kind, body, r.Header.Get("X-Session-Id"), t)
+	model, req, err := g.prepare(r.Context(), kind, body, programHeader(r.Header), t)
 	if err != nil {
 		writeError(w, err)
 		return
@@ -156,6 +157,9 @@ func (g *Gateway) readDebugBody(w http.ResponseWriter, r *http.Request) ([]byte,
 func (g *Gateway) debugDecision(resp map[string]any, req *policy.Request) {
 	d, views, err := g.rt.DryRun(req)
 	resp["replicas"] = replicaDebugs(g, views, &d)
+	if req.Program.ID != 0 {
+		resp["program"] = g.programDebug(req)
+	}
 	if err != nil {
 		resp["error"] = err.Error()
 		return

@@ -339,7 +339,7 @@ func (g *Gateway) enter(x *exchange, releaseBody func(), parse func() (*prompt.P
 		return nil, err
 	}
 	// Remote tokenization costs the replicas work: only admitted requests.
-	x.req, err = g.routingKey(ctx, x.kind, x.parsed, x.model, x.body, x.r.Header.Get("X-Session-Id"))
+	x.req, err = g.routingKey(ctx, x.kind, x.parsed, x.model, x.body, programHeader(x.r.Header))
 	if err == nil {
 		g.tagRequest(x)
 		err = g.admitQuota(x)

@@ -7,6 +7,7 @@ import (
 
 	"github.com/kvgate/kvgate/internal/policy"
 	"github.com/kvgate/kvgate/internal/prompt"
+	"github.com/kvgate/kvgate/internal/router"
 )
 
 // The rest of vLLM's API. Every path the replicas serve besides
@@ -124,6 +125,9 @@ func (pt *passthrough) serve(w http.ResponseWriter, r *http.Request, kind prompt
 // configured policy (on a prefill/decode fleet, a Responses call among the
 // replicas that decode).
 func (pt *passthrough) choose(x *exchange) error {
+	if prev := x.parsed.PreviousResponseID; prev != "" && x.req.Program.ID == 0 {
+		router.SetProgram(x.req, pt.homes.chain(prev)) // the client names none: its chain does
+	}
 	if id := statefulID(x); id != "" {
 		if r, ok := pt.homes.get(id); ok && !r.Removed() {
 			if !r.Healthy() {
@@ -175,17 +179,22 @@ func (pt *passthrough) attempt(x *exchange, last bool) (*attempt, error) {
 	if err != nil || a.v != served {
 		return a, err
 	}
+	prev := x.parsed.PreviousResponseID
 	if a.respID != "" {
-		pt.homes.add(a.respID, a.tk.Replica)
+		root := ""
+		if prev != "" {
+			root = pt.homes.chain(prev)
+		}
+		pt.homes.add(a.respID, a.tk.Replica, root)
 	}
 	if id, ok := responsePathID(x.r.URL.Path); ok {
 		if x.r.Method == http.MethodDelete {
 			pt.homes.remove(id)
 		} else if x.lookup {
-			pt.homes.add(id, a.tk.Replica)
+			pt.homes.add(id, a.tk.Replica, pt.homes.chain(id))
 		}
-	} else if x.lookup && x.parsed.PreviousResponseID != "" {
-		pt.homes.add(x.parsed.PreviousResponseID, a.tk.Replica)
+	} else if x.lookup && prev != "" {
+		pt.homes.add(prev, a.tk.Replica, pt.homes.chain(prev))
 	}
 	return a, nil
 }

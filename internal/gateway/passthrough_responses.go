@@ -12,8 +12,10 @@ import (
 )
 
 // responseHomesSize bounds the response ids remembered: at about 100
-// bytes an entry, 64 Ki ids are 6 MiB. An id evicted is looked up again
-// (passthrough.go), never lost.
+// bytes an entry, and the chain's first id (the replica's id format: about
+// 40 bytes for vLLM's, at most responsesHeadLen), 64 Ki ids are about 10
+// MiB. An id evicted is looked up again (passthrough.go), never lost; its
+// chain then starts again as a program of its own.
 const responseHomesSize = 64 << 10
 
 // responseHomes remembers which replica holds each stored response (vLLM
@@ -26,10 +28,14 @@ type responseHomes struct {
 	c  *lru.Cache[string, home]
 }
 
-// home is a stored response's replica: its slot and serial.
+// home is a stored response's replica: its slot and serial; and the
+// first response of its chain (previous_response_id back to a call that
+// had none), which names the chain's program (program.go) when the client
+// names none.
 type home struct {
 	slot   int
 	serial uint64
+	root   string
 }
 
 func newResponseHomes(rt *router.Router, n int) *responseHomes {
@@ -53,9 +59,22 @@ func (h *responseHomes) get(id string) (*router.Replica, bool) {
 	return nil, false
 }
 
-// add remembers that replica slot holds response id.
-func (h *responseHomes) add(id string, slot int) {
-	h.c.Add(id, home{slot: slot, serial: h.rt.Replica(slot).Serial()})
+// add remembers that replica slot holds response id, of the chain that
+// root began ("": id begins it).
+func (h *responseHomes) add(id string, slot int, root string) {
+	if root == "" {
+		root = id
+	}
+	h.c.Add(id, home{slot: slot, serial: h.rt.Replica(slot).Serial(), root: root})
+}
+
+// chain is the first response of the chain response id belongs to: its
+// remembered root, else id itself (a chain met in its middle starts there).
+func (h *responseHomes) chain(id string) string {
+	if hm, ok := h.c.Peek(id); ok {
+		return hm.root
+	}
+	return id
 }
 
 func (h *responseHomes) remove(id string) { h.c.Remove(id) }

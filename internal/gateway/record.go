@@ -48,8 +48,10 @@ import (
 //   - block_size: tokens per hash id: the gateway's block_size (16 by
 //     default; Mooncake's is 512). Readers take 512 when it is absent.
 //   - model: the model the request named (an adapter is served under its own name).
-//   - session: the request's session (X-Session-Id, else the body's
-//     "user"), as a number per distinct session in the file; absent when none.
+//   - session: the request's program (prompt_cache_key, a session header,
+//     its Responses chain: program.go), else the body's "user", as a
+//     number per distinct session in the file; absent when none. A replay
+//     of the file takes it as the program id (as X-Session-Id).
 //   - chat: true for /v1/chat/completions, false for /v1/completions.
 //   - tenant, priority: the request's tenant (from its key) and its
 //     priority band, with tenants configured; absent when none and 0.

@@ -3,6 +3,7 @@ package gateway
 import (
 	"context"
 	"net/http"
+	"strconv"
 	"strings"
 
 	"go.opentelemetry.io/otel/attribute"
@@ -137,6 +138,10 @@ func (g *Gateway) traceRoute(span trace.Span, x *exchange, tk, prefill *router.T
 	}
 	span.SetAttributes(attribute.String("kvgate.policy", policy), attribute.Int("kvgate.retry", len(x.exclude)),
 		attribute.String("gen_ai.request.model", x.req.Model), attribute.Int("kvgate.prompt_tokens", x.req.Tokens))
+	if id := x.req.Program.ID; id != 0 {
+		// The program's hash, not the client's id: a trace backend need not see it.
+		span.SetAttributes(attribute.String("kvgate.program", strconv.FormatUint(id, 16)))
+	}
 	if tk != nil {
 		d := tk.Decision
 		span.SetAttributes(attribute.String("kvgate.replica", g.rt.Name(tk.Replica)),

@@ -89,6 +89,10 @@ type ReplicaRow struct {
 	MetricsAgeMs   *float64 `json:"metrics_age_ms,omitempty"`
 	Score          *float64 `json:"score,omitempty"`
 	IndexBlocks    int      `json:"index_blocks"`
+	// Programs and ProgramTokens: the live programs homed on the replica
+	// and the contexts they reserve there (router, programs.go).
+	Programs      int `json:"programs,omitempty"`
+	ProgramTokens int `json:"program_tokens,omitempty"`
 }
 
 // Replica is one replica's row in the view: its row as /admin/replicas

@@ -1,0 +1,93 @@
+package gateway
+
+import (
+	"encoding/json"
+	"fmt"
+	"testing"
+)
+
+// A program is named by prompt_cache_key, else X-Session-Id, else
+// X-Dynamo-Session-Id: under the session policy (consistent hashing of the
+// program id) every turn of one program goes to one replica, whatever its
+// prompt and whatever session header a turn also sends.
+func TestProgramIdentityHonoured(t *testing.T) {
+	reps := []*fakeReplica{newFakeReplica(t), newFakeReplica(t), newFakeReplica(t)}
+	cfg := baseConfig(reps[0].srv.URL, reps[1].srv.URL, reps[2].srv.URL)
+	cfg.Policy, cfg.AdminToken = "session", "s3cret"
+	gw := startGateway(t, cfg)
+	cases := []struct {
+		name   string
+		body   func(i int) string
+		header func(i int) []string
+	}{
+		{"prompt_cache_key, whatever X-Session-Id says",
+			func(i int) string {
+				return fmt.Sprintf(`{"model":"m","prompt":"turn %d of the task","prompt_cache_key":"agent-7"}`, i)
+			},
+			func(i int) []string { return []string{"X-Session-Id", fmt.Sprintf("other-%d", i)} }},
+		{"X-Session-Id",
+			func(i int) string { return fmt.Sprintf(`{"model":"m","prompt":"step %d"}`, i) },
+			func(int) []string { return []string{"X-Session-Id", "conv-3"} }},
+		{"X-Dynamo-Session-Id",
+			func(i int) string { return fmt.Sprintf(`{"model":"m","prompt":"call %d"}`, i) },
+			func(int) []string { return []string{"X-Dynamo-Session-Id", "run-42:researcher"} }},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			seen := map[string]int{}
+			for i := range 12 {
+				resp, body := post(t, gw.srv.URL+"/v1/completions", c.body(i), c.header(i)...)
+				if resp.StatusCode != 200 {
+					t.Fatalf("%d %s", resp.StatusCode, body)
+				}
+				seen[resp.Header.Get("X-Kvgate-Replica")]++
+			}
+			if len(seen) != 1 {
+				t.Fatalf("one program spread over %d replicas: %v", len(seen), seen)
+			}
+			resp, body := post(t, gw.srv.URL+"/debug/route", c.body(99), append(c.header(99), "Authorization", "Bearer s3cret")...)
+			var out struct {
+				Program *struct {
+					ID        string `json:"id"`
+					Continues bool   `json:"continues"`
+					Home      string `json:"home"`
+					Turns     int    `json:"turns"`
+				} `json:"program"`
+			}
+			if resp.StatusCode != 200 || json.Unmarshal([]byte(body), &out) != nil || out.Program == nil {
+				t.Fatalf("/debug/route names no program: %d %s", resp.StatusCode, body)
+			}
+			if p := out.Program; !p.Continues || p.Turns != 12 || seen[p.Home] != 12 {
+				t.Fatalf("/debug/route: %+v, want the home of 12 turns", *p)
+			}
+		})
+	}
+}
+
+// A Responses chain without a program id of its own is one program, named
+// after its first response: each call's previous_response_id leads back
+// to it.
+func TestProgramOfAResponsesChain(t *testing.T) {
+	a, b := newAPIReplica(t, "a", "m", ""), newAPIReplica(t, "b", "m", "")
+	gw := apiGateway(t, a, b)
+	prev := ""
+	for k := range 4 {
+		body := fmt.Sprintf(`{"model":"m","input":"turn %d"}`, k)
+		if prev != "" {
+			body = fmt.Sprintf(`{"model":"m","input":"turn %d","previous_response_id":%q}`, k, prev)
+		}
+		status, _, out := do(t, "POST", gw.srv.URL+"/v1/responses", "application/json", body)
+		var r struct {
+			ID string `json:"id"`
+		}
+		if status != 200 || json.Unmarshal([]byte(out), &r) != nil || r.ID == "" {
+			t.Fatalf("turn %d: %d %s", k, status, out)
+		}
+		prev = r.ID
+	}
+	// The first call named no program; the three after it are one.
+	if st := gw.g.rt.ProgramStats(); st.Tracked != 1 {
+		t.Fatalf("a chain of 4 calls made %d programs, want 1", st.Tracked)
+	}
+	waitIdle(t, gw)
+}
