@@ -103,6 +103,8 @@ var generators = [...]generator{
 		},
 		plan: planRandom,
 	},
+	agentsGenerator,
+	rlGenerator,
 }
 
 var traceParams = []Param{
@@ -187,7 +189,7 @@ func planMultiturn(p params, requests int) (plan, error) {
 				roles[2*k+1], contents[2*k+1] = "user", u
 				size += renderLen(roles[2*k+1:2*k+2], contents[2*k+1:2*k+2])
 				idx := k*c + conv
-				req := Request{Index: idx, Prev: -1, Session: session, Chat: true,
+				req := Request{Index: idx, Prev: -1, Session: session, Program: conv + 1, Chat: true,
 					Roles: roles[: 2*k+2 : 2*k+2], Contents: contents[: 2*k+2 : 2*k+2],
 					MaxTokens: out, InputTokens: ceilDiv(size, prompt.TokenBytesPer)}
 				if k > 0 {

@@ -66,6 +66,13 @@ func (r *rng) exp() float64 {
 	return -math.Log(1 - r.float64())
 }
 
+// norm returns a standard normal variate by the Box–Muller transform of
+// two uniforms (1−U in (0, 1], so the logarithm is finite).
+func (r *rng) norm() float64 {
+	u1, u2 := 1-r.float64(), r.float64()
+	return math.Sqrt(-2*math.Log(u1)) * math.Cos(2*math.Pi*u2)
+}
+
 // shuffle is the Fisher–Yates shuffle.
 func (r *rng) shuffle(n int, swap func(i, j int)) {
 	for i := n - 1; i > 0; i-- {

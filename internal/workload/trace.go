@@ -296,7 +296,27 @@ func FromTrace(recs []TraceRecord, speedup float64) ([]Request, error) {
 			reqs[i].BlockIDs, reqs[i].BlockTokens = rec.HashIDs, bt
 		}
 	}
+	numberPrograms(reqs)
 	return reqs, nil
+}
+
+// numberPrograms numbers the programs of a trace's requests (Program) by
+// their distinct sessions, in order of first appearance; a request
+// without a session has none.
+func numberPrograms(reqs []Request) {
+	seen := map[string]int{}
+	for i := range reqs {
+		s := reqs[i].Session
+		if s == "" {
+			continue
+		}
+		n, ok := seen[s]
+		if !ok {
+			n = len(seen) + 1
+			seen[s] = n
+		}
+		reqs[i].Program = n
+	}
 }
 
 func generateTrace(s Spec) ([]Request, error) {
@@ -384,5 +404,6 @@ func generateRequestLog(s Spec, speedup float64) ([]Request, error) {
 	if err := checkSize(TraceName, float64(len(reqs)), text); err != nil {
 		return nil, err
 	}
+	numberPrograms(reqs)
 	return reqs, nil
 }

@@ -206,14 +206,17 @@ func parseLogged(b []byte) (Request, time.Time, error) {
 		}
 		break
 	}
-	req, err := loggedRequest(body)
+	req, user, err := loggedRequest(body)
 	if err != nil {
 		return Request{}, time.Time{}, err
 	}
 	if out := loggedOutput(l); out > 0 {
 		req.MaxTokens = out
 	}
-	req.Session = cmp.Or(l.SessionID, l.Session, req.Session)
+	// The program as the gateway names it (router.ProgramOf): the body's
+	// prompt_cache_key (in req.Session) first, the log's session after;
+	// else the body's user.
+	req.Session = cmp.Or(req.Session, l.SessionID, l.Session, user)
 	if err := checkTenant(l.Tenant, req.Priority); err != nil {
 		return Request{}, time.Time{}, err
 	}
@@ -221,11 +224,12 @@ func parseLogged(b []byte) (Request, time.Time, error) {
 	return req, at, nil
 }
 
-// loggedRequest parses an OpenAI request body into a Request.
-func loggedRequest(body []byte) (Request, error) {
+// loggedRequest parses an OpenAI request body into a Request (its Session
+// the body's prompt_cache_key) and the body's user.
+func loggedRequest(body []byte) (Request, string, error) {
 	var keys map[string]json.RawMessage
 	if err := json.Unmarshal(body, &keys); err != nil || keys == nil {
-		return Request{}, errors.New("the request is not a JSON object")
+		return Request{}, "", errors.New("the request is not a JSON object")
 	}
 	kind := prompt.Completion
 	if _, ok := keys["messages"]; ok {
@@ -233,15 +237,15 @@ func loggedRequest(body []byte) (Request, error) {
 	}
 	p, err := prompt.Parse(kind, body)
 	if err != nil {
-		return Request{}, fmt.Errorf("the request: %v", err)
+		return Request{}, "", fmt.Errorf("the request: %v", err)
 	}
 	if p.TokenIDs != nil {
-		return Request{}, errors.New("the prompt is token ids: a request log must carry text")
+		return Request{}, "", errors.New("the prompt is token ids: a request log must carry text")
 	}
 	if p.Text == "" {
-		return Request{}, errors.New("the prompt is empty")
+		return Request{}, "", errors.New("the prompt is empty")
 	}
-	req := Request{Prev: -1, Session: p.User, Timed: true, MaxTokens: p.MaxTokens, Priority: p.Priority}
+	req := Request{Prev: -1, Session: p.PromptCacheKey, Timed: true, MaxTokens: p.MaxTokens, Priority: p.Priority}
 	if p.MaxTokens == 0 {
 		req.MaxTokens = DefaultLogOutputTokens
 	}
@@ -256,9 +260,9 @@ func loggedRequest(body []byte) (Request, error) {
 	}
 	req.InputTokens = prompt.Approx{}.Count(p.Text)
 	if req.InputTokens > MaxTraceTokens || req.MaxTokens > MaxTraceTokens {
-		return Request{}, fmt.Errorf("%d prompt tokens and %d output tokens: at most %d each", req.InputTokens, req.MaxTokens, MaxTraceTokens)
+		return Request{}, "", fmt.Errorf("%d prompt tokens and %d output tokens: at most %d each", req.InputTokens, req.MaxTokens, MaxTraceTokens)
 	}
-	return req, nil
+	return req, p.User, nil
 }
 
 // chatMessages are the roles and text contents of a chat's messages.

@@ -37,9 +37,19 @@ type Request struct {
 	// it at max(At, Prev's completion + Think).
 	Prev  int
 	Think time.Duration
-	// Session is the conversation, group or prefix id (X-Session-Id); "" when
-	// the workload has none.
+	// Session is the conversation, group or prefix id, or the agent
+	// program (X-Session-Id: a program id, router.ProgramOf); "" when the
+	// workload has none.
 	Session string
+	// Program numbers the request's program for the makespan measures
+	// (report.Record.Program): a conversation, an agent program with its
+	// subagent (whose Session is its own); 0 for none.
+	Program int
+	// Batch numbers an RL rollout's batch (1, 2, …; 0: none). A request
+	// of batch b > 1 without a Prev is sent once every request of batch
+	// b − 1 has ended, Think after the last of them (At still bounds it
+	// below).
+	Batch int
 	// Chat selects /v1/chat/completions with Roles and Contents; otherwise
 	// /v1/completions with the text (see Text).
 	Chat            bool
@@ -61,7 +71,8 @@ type Request struct {
 	BlockIDs    []int
 	BlockTokens int
 	// Timed: At is the request's own arrival time from a trace or a request
-	// log, which Arrivals keeps.
+	// log, or the workload's own (an agent program's start; 0 for a
+	// request that waits for its Prev or its Batch), which Arrivals keeps.
 	Timed bool
 	// Tenant is the tenant the request is sent for ("" none): a trace's or
 	// a multi-tenant workload's (Mix); Priority its priority (vLLM's:

@@ -46,12 +46,23 @@ var small = map[string]map[string]float64{
 	"prefix_repetition": {"num_prefixes": 3, "prefix_len": 64, "suffix_len": 32, "output_len": 9},
 	"zipf":              {"num_prefixes": 8, "prefix_len": 64, "suffix_len": 16, "output_len": 11},
 	"random":            {"input_len": 100, "range_ratio": 0.5, "output_len": 13},
+	"agents": {"programs": 6, "turns": 5, "system_prompt_len": 100, "task_len": 20, "tool_len": 30, "output_len": 16,
+		"compact_at": 400, "summary_len": 50, "subagents": 0.5},
+	"rl": {"batches": 3, "prompts": 4, "samples": 3, "system_prompt_len": 50, "prompt_len": 40, "output_len": 20},
 }
+
+// chatOnly are the workloads without a chat parameter (always chat);
+// variableOutput those whose answers vary around output_len, within
+// [1, 2 × output_len].
+var (
+	chatOnly       = map[string]bool{"multiturn": true, "agents": true}
+	variableOutput = map[string]bool{"agents": true, "rl": true}
+)
 
 func synthetic() []string { return Names()[:len(Names())-1] }
 
 func TestNamesAndParams(t *testing.T) {
-	want := []string{"multiturn", "shared_prefix", "prefix_repetition", "zipf", "random", "trace"}
+	want := []string{"multiturn", "shared_prefix", "prefix_repetition", "zipf", "random", "agents", "rl", "trace"}
 	if !slices.Equal(Names(), want) {
 		t.Fatalf("Names() = %v", Names())
 	}
@@ -87,7 +98,7 @@ func TestParse(t *testing.T) {
 		{in: "trace:C:/a:b.jsonl", name: "trace", path: "C:/a:b.jsonl"},
 		{in: "trace:", errSubstr: "needs a file"},
 		{in: "trace", errSubstr: "trace:PATH"},
-		{in: "sharegpt", errSubstr: "want one of multiturn, shared_prefix, prefix_repetition, zipf, random, trace:FILE"},
+		{in: "sharegpt", errSubstr: "want one of multiturn, shared_prefix, prefix_repetition, zipf, random, agents, rl, trace:FILE"},
 		{in: "", errSubstr: "want one of"},
 		{in: "Multiturn", errSubstr: "want one of"},
 	}
@@ -191,7 +202,7 @@ func TestRequestInvariants(t *testing.T) {
 			for k, v := range small[name] {
 				params[k] = v
 			}
-			if name != "multiturn" {
+			if !chatOnly[name] {
 				params["chat"] = chat
 			} else if chat == 0 {
 				continue
@@ -219,7 +230,7 @@ func TestRequestInvariants(t *testing.T) {
 					if r.Prev >= i || r.Prev < -1 {
 						t.Fatalf("request %d: Prev %d", i, r.Prev)
 					}
-					if r.MaxTokens != int(params["output_len"]) {
+					if out := int(params["output_len"]); r.MaxTokens != out && (!variableOutput[name] || r.MaxTokens < 1 || r.MaxTokens > 2*out) {
 						t.Fatalf("request %d: MaxTokens %d, want %v", i, r.MaxTokens, params["output_len"])
 					}
 					if r.HashIDs != nil {
