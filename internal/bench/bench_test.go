@@ -254,3 +254,31 @@ func TestSoak(t *testing.T) {
 		}
 	}
 }
+
+// An RL batch starts once the last answer of the batch before has come;
+// the records carry the batch, and the run its makespans.
+func TestRunBatchesWaitForTheBatchBefore(t *testing.T) {
+	reqs := generate(t, "rl", map[string]float64{"batches": 3, "prompts": 2, "samples": 3, "system_prompt_len": 16,
+		"prompt_len": 16, "output_len": 4})
+	res, err := RunEmbedded(context.Background(), embedded(2), "ttft", reqs)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// (A record's E2E mixes model and real time, so that Start + E2E is
+	// not on the runner's clock: the starts are compared.)
+	starts := map[int32]time.Duration{}
+	for _, rec := range res.Records {
+		if rec.Err || rec.Batch < 1 {
+			t.Fatalf("record %+v", rec)
+		}
+		starts[rec.Batch] = max(starts[rec.Batch], rec.Start)
+	}
+	for i, rec := range res.Records {
+		if b := rec.Batch; b > 1 && rec.Start < starts[b-1] {
+			t.Fatalf("request %d of batch %d sent at %v, before batch %d's last was sent at %v", i, b, rec.Start, b-1, starts[b-1])
+		}
+	}
+	if b := res.Run.Batches; b == nil || b.Count != 3 || b.Makespanms.P50 <= 0 || b.PrefillTokensMean <= 0 {
+		t.Fatalf("batches: %+v", b)
+	}
+}

@@ -14,6 +14,7 @@ import (
 	"fmt"
 	"io"
 	"net/http"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -118,11 +119,17 @@ func Run(ctx context.Context, cfg Config, reqs []workload.Request) ([]report.Rec
 	ctx, cancel := context.WithTimeout(ctx, cfg.MaxDuration)
 	defer cancel()
 	r := &runner{cfg: cfg, tl: cfg.Timeline, reqs: reqs, recs: make([]report.Record, len(reqs)),
-		ready: make(chan struct{}, 1), dependents: make(map[int][]int)}
+		ready: make(chan struct{}, 1), dependents: make(map[int][]int), batchLeft: map[int]int{}, batchNext: map[int][]int{}}
 	r.start = r.tl.Now()
 	for i := range reqs {
 		if p := reqs[i].Prev; p >= 0 && p < len(reqs) {
 			r.dependents[p] = append(r.dependents[p], i)
+		}
+		if b := reqs[i].Batch; b > 0 {
+			r.batchLeft[b]++
+			if gated(&reqs[i]) {
+				r.batchNext[b-1] = append(r.batchNext[b-1], i)
+			}
 		}
 	}
 	err := r.run(ctx)
@@ -140,6 +147,10 @@ type runner struct {
 	recs       []report.Record
 	start      time.Duration // model time at the run's start
 	dependents map[int][]int
+	// batchLeft[b]: the requests of RL batch b not ended (mu); batchNext[b]
+	// those of batch b+1 that wait for them (workload.Request.Batch).
+	batchLeft map[int]int
+	batchNext map[int][]int
 
 	sent atomic.Uint64 // requests sent (the next one's gateway in Targets)
 	keys atomic.Uint64 // the last request's hold key (sim.HeaderHold)
@@ -244,9 +255,10 @@ func (r *runner) next(ctx context.Context) (item, bool) {
 
 func (r *runner) run(ctx context.Context) error {
 	for i := range r.reqs {
-		r.recs[i] = report.Record{Start: r.reqs[i].At, Replica: -1}
-		if p := r.reqs[i].Prev; p < 0 || p >= len(r.reqs) {
-			r.release(item{idx: i, at: r.reqs[i].At})
+		q := &r.reqs[i]
+		r.recs[i] = report.Record{Start: q.At, Replica: -1, Program: int32(q.Program), Batch: int32(q.Batch)}
+		if p := q.Prev; (p < 0 || p >= len(r.reqs)) && !(gated(q) && r.batchLeft[q.Batch-1] > 0) {
+			r.release(item{idx: i, at: q.At})
 		}
 	}
 	if len(r.reqs) == 0 {
@@ -297,23 +309,35 @@ func (r *runner) run(ctx context.Context) error {
 	return ctx.Err()
 }
 
-// send runs one request (hold key: see do) and releases its dependents.
+// gated reports whether q waits for the batch before its own (a request of
+// batch b > 1 without a predecessor).
+func gated(q *workload.Request) bool { return q.Prev < 0 && q.Batch > 1 }
+
+// send runs one request (hold key: see do) and releases its dependents,
+// and the next batch when it ends its own.
 func (r *runner) send(ctx context.Context, it item, key uint64) {
 	q := &r.reqs[it.idx]
 	sent := r.since()
 	rec := r.do(ctx, q, key)
 	rec.Start = sent
-	if q.Prev < 0 {
+	if q.Prev < 0 && !gated(q) {
 		rec.Start = q.At // open loop: measured from the scheduled arrival
 	}
 	doneAt := r.since()
 	r.tl.Release(key + 3) // model time may go on now that the end is noted
+	rec.Program, rec.Batch = int32(q.Program), int32(q.Batch)
 	r.mu.Lock()
 	r.recs[it.idx] = rec
 	r.done++
 	done := r.done
+	next := r.dependents[it.idx]
+	if b := q.Batch; b > 0 {
+		if r.batchLeft[b]--; r.batchLeft[b] == 0 {
+			next = append(slices.Clip(next), r.batchNext[b]...)
+		}
+	}
 	r.mu.Unlock()
-	for _, d := range r.dependents[it.idx] {
+	for _, d := range next {
 		at := max(r.reqs[d].At, doneAt+r.reqs[d].Think)
 		if rec.Err {
 			at = doneAt // a failed turn still lets the conversation go on

@@ -441,7 +441,15 @@ type plan struct {
 	reqs  []workload.Request
 	roots []int32   // requests without a predecessor, by (At, index)
 	kids  [][]int32 // kids[i]: the requests waiting for i to finish
+	// batchSize[b] is the requests of RL batch b (workload.Request.Batch),
+	// batchNext[b] those of batch b+1 that wait for all of them to end.
+	batchSize []int
+	batchNext [][]int32
 }
+
+// gated reports whether r waits for the batch before its own (a request
+// of batch b > 1 without a predecessor).
+func gated(r *workload.Request) bool { return r.Prev < 0 && r.Batch > 1 }
 
 func newPlan(reqs []workload.Request) (*plan, error) {
 	pl := &plan{reqs: reqs, kids: make([][]int32, len(reqs))}
@@ -451,6 +459,11 @@ func newPlan(reqs []workload.Request) (*plan, error) {
 	for i := range reqs {
 		r := &reqs[i]
 		switch {
+		case r.Batch < 0 || r.Batch > len(reqs):
+			return nil, fmt.Errorf("%w: request %d is in batch %d, outside [0, %d]", ErrInput, i, r.Batch, len(reqs))
+		case gated(r):
+			pl.addBatch(r.Batch - 1)
+			pl.batchNext[r.Batch-1] = append(pl.batchNext[r.Batch-1], int32(i))
 		case r.Prev < 0:
 			pl.roots = append(pl.roots, int32(i))
 		case r.Prev >= i:
@@ -459,14 +472,31 @@ func newPlan(reqs []workload.Request) (*plan, error) {
 		default:
 			pl.kids[r.Prev] = append(pl.kids[r.Prev], int32(i))
 		}
+		if r.Batch > 0 {
+			pl.addBatch(r.Batch)
+			pl.batchSize[r.Batch]++
+		}
 		if r.At < 0 || r.Think < 0 {
 			return nil, fmt.Errorf("%w: request %d has a negative arrival or think time", ErrInput, i)
+		}
+	}
+	for b, next := range pl.batchNext {
+		if len(next) > 0 && pl.batchSize[b] == 0 {
+			return nil, fmt.Errorf("%w: batch %d waits for batch %d, which has no request", ErrInput, b+1, b)
 		}
 	}
 	slices.SortStableFunc(pl.roots, func(a, b int32) int {
 		return cmp.Compare(reqs[a].At, reqs[b].At)
 	})
 	return pl, nil
+}
+
+// addBatch sizes the batch tables to hold batch b.
+func (pl *plan) addBatch(b int) {
+	for len(pl.batchSize) <= b {
+		pl.batchSize = append(pl.batchSize, 0)
+		pl.batchNext = append(pl.batchNext, nil)
+	}
 }
 
 // scale divides a trace duration by the speed-up.

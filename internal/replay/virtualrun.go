@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"time"
 
 	"github.com/kvgate/kvgate/internal/engine"
@@ -116,6 +117,8 @@ type virtualRun struct {
 	// oracle: the run is the oracle bound's (oracle.go): each engine
 	// treats the prefix the router credited as cached.
 	oracle bool
+	// batchLeft[b]: the requests of RL batch b not ended yet.
+	batchLeft []int
 }
 
 // newVirtualRun builds cfg.Gateways routers, each with its own instance
@@ -144,6 +147,7 @@ func newVirtualRun(cfg Config, p *plan, spec PolicySpec) (*virtualRun, error) {
 		records:     make([]report.Record, len(p.reqs)),
 		failures:    map[string]int{},
 		gateways:    make([]gatewayState, cfg.Gateways),
+		batchLeft:   slices.Clone(p.batchSize),
 	}
 	specs := make([]router.Spec, cfg.engines())
 	for i := range specs {
@@ -278,7 +282,7 @@ func (vr *virtualRun) pushNextRoot() {
 // that defers: late binding).
 func (vr *virtualRun) arrive(i int) error {
 	r := &vr.plan.reqs[i]
-	if r.Prev < 0 {
+	if r.Prev < 0 && !gated(r) {
 		vr.pushNextRoot()
 	}
 	text := r.Text()
@@ -445,8 +449,9 @@ func (vr *virtualRun) submit(i, e int, er *engine.Request) error {
 // fail records request i as failed at now and releases its dependants.
 func (vr *virtualRun) fail(i, replica int, kind string) {
 	st := &vr.requests[i]
+	r := &vr.plan.reqs[i]
 	vr.records[i] = report.Record{Start: st.arrive, PromptTokens: st.tokens, Replica: replica, Err: true, ErrKind: kind,
-		Tenant: vr.plan.reqs[i].Tenant, Priority: st.band}
+		Tenant: r.Tenant, Priority: st.band, Program: int32(r.Program), Batch: int32(r.Batch)}
 	vr.failures[kind]++
 	vr.release(st)
 	vr.finished(i)
@@ -470,10 +475,18 @@ func (vr *virtualRun) release(st *liveRequest) {
 	st.hashes, st.ids, st.ticket, st.prefill = nil, nil, nil, nil
 }
 
-// finished schedules the requests that waited for request i.
+// finished schedules the requests that waited for request i: its
+// dependants, and, when it was the last of its batch to end, the next
+// batch.
 func (vr *virtualRun) finished(i int) {
 	vr.ended++
-	for _, k := range vr.plan.kids[i] {
+	next := vr.plan.kids[i]
+	if b := vr.plan.reqs[i].Batch; b > 0 {
+		if vr.batchLeft[b]--; vr.batchLeft[b] == 0 && b < len(vr.plan.batchNext) {
+			next = append(slices.Clip(next), vr.plan.batchNext[b]...)
+		}
+	}
+	for _, k := range next {
 		r := &vr.plan.reqs[k]
 		at := max(scale(r.At, vr.cfg.Speedup), vr.now+scale(r.Think, vr.cfg.Speedup))
 		vr.events.push(at, evArrive, k)
@@ -603,6 +616,7 @@ func (vr *virtualRun) output(i, e int, o engine.Output, at time.Time) {
 		Start: st.arrive, TTFT: st.first - st.arrive, E2E: vr.now - st.arrive,
 		PromptTokens: st.tokens, CachedTokens: vr.computedHit(st), OutputTokens: out, Replica: e, MaxITL: st.stall,
 		Tenant: vr.plan.reqs[i].Tenant, Priority: st.band,
+		Program: int32(vr.plan.reqs[i].Program), Batch: int32(vr.plan.reqs[i].Batch),
 	}
 	vr.release(st)
 	vr.finished(i)

@@ -37,7 +37,7 @@ func groups(recs []Record, wall time.Duration) (tenants, priorities map[string]G
 		return nil, nil
 	}
 	if wall <= 0 {
-		wall = span(recs)
+		wall = recordsSpan(recs)
 	}
 	by := func(key func(Record) string) map[string]Group {
 		parts := map[string][]Record{}
@@ -84,8 +84,8 @@ func groupOf(recs []Record, wall time.Duration) Group {
 	return g
 }
 
-// span is the time from the first arrival to the last completion.
-func span(recs []Record) time.Duration {
+// recordsSpan is the time from the first arrival to the last completion.
+func recordsSpan(recs []Record) time.Duration {
 	var first, last time.Duration
 	for i, r := range recs {
 		if i == 0 || r.Start < first {

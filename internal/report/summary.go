@@ -35,6 +35,11 @@ type Record struct {
 	// the network, the client — counted once in real time (bench.Run).
 	EngineTTFT, EngineE2E time.Duration
 
+	// Program and Batch number the request's program (an agent's session
+	// with its subagents, a conversation) and RL batch, 1, 2, …; 0: none.
+	// They group the records for the makespan measures (programs.go).
+	Program, Batch int32
+
 	Replica int    // index of the replica that served (or was sent) it; -1 if none
 	Err     bool   // the request failed: excluded from latency, throughput and hit rate, counted in Errors
 	ErrKind string // short class of the failure (e.g. "timeout", "http_503"), for the caller's breakdowns
@@ -114,8 +119,12 @@ type Run struct {
 	Extra           map[string]float64 `json:"extra,omitempty"` // e.g. hit_rate_vs_bound
 	// Split is where the time went: in the engines and outside them; absent
 	// when the replicas told nothing of their own times.
-	Split  *Split  `json:"split,omitempty"`
-	Series *Series `json:"-"`
+	Split *Split `json:"split,omitempty"`
+	// Programs and Batches: the makespans of programs and RL batches
+	// (programs.go); absent when no record names one.
+	Programs *Makespans `json:"programs,omitempty"`
+	Batches  *Makespans `json:"batches,omitempty"`
+	Series   *Series    `json:"-"`
 	// Tenants and Priorities summarise the run per tenant and per priority
 	// band (groups.go), when its records name any.
 	Tenants    map[string]Group `json:"tenants,omitempty"`
@@ -222,6 +231,7 @@ func Summarize(policy string, recs []Record, replicas int, wall time.Duration) R
 	}
 	run.ReplicaShare, run.Imbalance = shares(t.perReplica)
 	run.Split = t.split.summary()
+	run.Programs, run.Batches = makespans(recs)
 	run.Series = &Series{
 		TTFTCDF:         cdfOf(t.ttft),
 		HitRate:         hitRateSeries(recs, t.firstOK, t.lastOK),
