@@ -248,6 +248,8 @@ func drawViews(t *rapid.T, label string, n, blocks int) []ReplicaView {
 			NumBlocks:       anyInt(t, l+"num_blocks"),
 			Match:           rapid.OneOf(rapid.IntRange(0, blocks+3), rapid.Custom(func(t *rapid.T) int { return anyInt(t, "any") })).Draw(t, l+"match"),
 			Cached:          anyInt(t, l+"cached"),
+			Programs:        anyInt(t, l+"programs"),
+			ProgramTokens:   anyInt(t, l+"program_tokens"),
 		}
 	}
 	return rs
@@ -336,6 +338,8 @@ func drawRequest(t *rapid.T, label string, n int) *Request {
 			rapid.SampledFrom([]int{math.MaxInt, 1 << 24, -1, math.MinInt})).Draw(t, label+"/max_tokens"),
 		NoDefer:          rapid.Bool().Draw(t, label+"/no_defer"),
 		SkipPrefillBelow: rapid.OneOf(rapid.IntRange(0, 1000), rapid.Custom(func(t *rapid.T) int { return anyInt(t, "any") })).Draw(t, label+"/skip_below"),
+		Program: Program{ID: rapid.Uint64Range(0, 3).Draw(t, label+"/program"), Continues: rapid.Bool().Draw(t, label+"/continues"),
+			Home: rapid.IntRange(-1, n).Draw(t, label+"/home"), Tokens: anyInt(t, label+"/program_tokens"), Turns: anyInt(t, label+"/turns")},
 	}
 }
 

@@ -150,6 +150,12 @@ type ttftParams struct {
 	// WindowS is the time constant (s) of the rates the two terms read:
 	// blocks written to and requests routed to each replica.
 	WindowS float64 `json:"window_s"`
+	// Programs, ProgramWeight and ProgramFutureTurns: programs (turns of
+	// one growing context) in the estimate and in the router's placement
+	// (ttft_programs.go).
+	Programs           bool    `json:"programs"`
+	ProgramWeight      float64 `json:"program_weight"`
+	ProgramFutureTurns float64 `json:"program_future_turns"`
 }
 
 var _ Policy = (*TTFT)(nil)
@@ -186,6 +192,7 @@ func init() {
 			MarginRel: 0.2, MarginMs: 2, Alpha: 0.1, ReplicaAlpha: 0.02, MaxCorrection: 4,
 			DecodeWeight: 1, InterferenceWeight: 0, EvictionWeight: 2, DeferMs: 1000,
 			FutureWeight: 2, PrefixLifeS: 40, WaitWeight: 1, WindowS: 20,
+			Programs: true, ProgramWeight: 1, ProgramFutureTurns: 8,
 		}
 		if err := decodeParams(o.Params, &params); err != nil {
 			return nil, err
@@ -195,10 +202,11 @@ func init() {
 		}
 		if params.MarginRel < 0 || params.MarginMs < 0 || params.Alpha < 0 || params.Alpha > 1 ||
 			params.ReplicaAlpha < 0 || params.ReplicaAlpha > 1 || params.MaxCorrection < 1 ||
-			params.DecodeWeight < 0 || params.InterferenceWeight < 0 || params.EvictionWeight < 0 || params.DeferMs < 0 {
+			params.DecodeWeight < 0 || params.InterferenceWeight < 0 || params.EvictionWeight < 0 || params.DeferMs < 0 ||
+			!(params.ProgramWeight >= 0 && params.ProgramWeight <= 1e3) || !(params.ProgramFutureTurns >= 0 && params.ProgramFutureTurns <= 1e3) {
 			return nil, fmt.Errorf("%w: need margin_rel ≥ 0, margin_ms ≥ 0, 0 ≤ correction_alpha ≤ 1, "+
 				"0 ≤ replica_alpha ≤ 1, max_correction ≥ 1, decode_weight ≥ 0, interference_weight ≥ 0, "+
-				"eviction_weight ≥ 0", ErrParam)
+				"eviction_weight ≥ 0, 0 ≤ program_weight ≤ 1000, 0 ≤ program_future_turns ≤ 1000", ErrParam)
 		}
 		return &TTFT{
 			o: o, params: params, g: newRNG(o.Seed),
@@ -234,6 +242,7 @@ type ttftEstimate struct {
 	matched int     // blocks credited
 	cost    float64 // decode and eviction cost of the choice, ms
 	queueMs float64 // the part of ms spent on the work queued ahead, uncorrected
+	load    ttftLoad
 }
 
 // ttftLoad is a replica's load as the estimate reads it.
@@ -342,7 +351,7 @@ func (t *TTFT) estimate(req *Request, v *ReplicaView, meanPrompt, out float64) t
 	}
 	queueMs := t.queueMs(&l)
 	cost += t.futureCost(req, v, &l, own, cached, tokens, out, queueMs)
-	return ttftEstimate{ms: ms, matched: matched, cost: cost, queueMs: queueMs}
+	return ttftEstimate{ms: ms, matched: matched, cost: cost, queueMs: queueMs, load: l}
 }
 
 // prefillMs is the time r of load l takes to compute own tokens after
@@ -368,6 +377,9 @@ func (t *TTFT) Pick(req *Request, rs []ReplicaView) (Decision, error) {
 	reason := "lowest score (estimated TTFT + decode and eviction costs)"
 	if scores[choice] > best {
 		reason = "deepest match within the margin of the lowest score"
+	}
+	if pp := t.programPrice(req, rs); pp.home >= 0 && choice != pp.home {
+		reason = moveReason(&pp, rs, ttfts, scores, choice)
 	}
 	d := decide(rs, choice, reason, matched[choice], float64(count(rs[choice].PendingPrefill)))
 	d.EstTTFT = msDuration(ttfts[choice])
@@ -400,6 +412,7 @@ func (t *TTFT) pickScratch(n int) ([]float64, []int) {
 // score and the shortest corrected queue ahead (ms). t.mu must be held.
 func (t *TTFT) estimateAll(req *Request, rs []ReplicaView, scores, ttfts []float64, matched []int) (float64, float64) {
 	meanPrompt, out := t.means(req)
+	pp := t.programPrice(req, rs)
 	best, queue := math.Inf(1), math.Inf(1)
 	for i := range rs {
 		if !rs[i].Healthy {
@@ -409,7 +422,7 @@ func (t *TTFT) estimateAll(req *Request, rs []ReplicaView, scores, ttfts []float
 		e := t.estimate(req, &rs[i], meanPrompt, out)
 		c := t.corr(rs[i].Index)
 		ttfts[i] = e.ms * c
-		scores[i], matched[i] = ttfts[i]+e.cost, e.matched
+		scores[i], matched[i] = ttfts[i]+e.cost+t.moveMs(&pp, req, rs, i, &e.load), e.matched
 		best, queue = min(best, scores[i]), min(queue, e.queueMs*c)
 	}
 	return best, queue

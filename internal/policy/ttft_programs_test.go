@@ -1,0 +1,63 @@
+package policy
+
+import (
+	"strings"
+	"testing"
+)
+
+// A continuing program of a 32,000-token context: its home (position 0)
+// holds it all, the other replica its first 4,000 tokens (a shared system
+// prompt). Re-prefilling the other 28,000 tokens there takes about 1.2 s.
+func programCase(homeQueued, awayReserved int) (*Request, []ReplicaView) {
+	req := peerReq(1, strings.Repeat("abcd", 32000), peerT0)
+	rs := peerViews(2)
+	req.Program = Program{ID: 9, Continues: true, Home: rs[0].Index, Tokens: 31000, Turns: 6}
+	rs[0].Match, rs[1].Match = len(req.Blocks), 250
+	rs[0].PendingPrefill, rs[0].PendingCount, rs[0].InFlight = homeQueued, 1, 1
+	for i := range rs {
+		rs[i].NumBlocks, rs[i].Cached = 30000, rs[i].Match // room in the cache: no eviction cost
+	}
+	rs[1].ProgramTokens = awayReserved
+	return req, rs
+}
+
+func TestTTFTPricesMovingAProgram(t *testing.T) {
+	base := map[string]any{"margin_rel": 0, "margin_ms": 0, "decode_weight": 0}
+	cases := []struct {
+		name         string
+		params       map[string]any
+		homeQueued   int // tokens queued at the home (40,000: about 1.6 s)
+		awayReserved int // the other replica's programs' contexts
+		want         int
+	}{
+		{"unpriced, a busy home loses the program", map[string]any{"programs": false}, 40_000, 0, 1},
+		{"priced, the re-prefill keeps it home", nil, 40_000, 0, 0},
+		{"priced, a saturated home loses it", nil, 200_000, 0, 1},
+		{"into a full replica, every future turn pays", nil, 100_000, 470_000, 0},
+		{"into one with room, once", nil, 100_000, 0, 1},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			params := map[string]any{}
+			for k, v := range base {
+				params[k] = v
+			}
+			for k, v := range c.params {
+				params[k] = v
+			}
+			p := peerNew(t, "ttft", params)
+			req, rs := programCase(c.homeQueued, c.awayReserved)
+			pos, d := peerPick(t, p, req, rs)
+			if pos != c.want {
+				t.Fatalf("chose %d, want %d (scores %v, %s)", pos, c.want, d.Scores, d.Reason)
+			}
+			if moved := strings.HasPrefix(d.Reason, "program moved off its home "+rs[0].URL); moved != (pos == 1 && c.params == nil) {
+				t.Fatalf("reason %q", d.Reason)
+			}
+		})
+	}
+	if PlacesPrograms(peerNew(t, "ttft", map[string]any{"programs": false})) || !PlacesPrograms(peerNew(t, "ttft", nil)) ||
+		PlacesPrograms(peerNew(t, "llmd", nil)) {
+		t.Fatal("ttft places programs unless programs=false; the peers never")
+	}
+}
