@@ -84,6 +84,9 @@ func writeReport(dir string, res Result, title string, verdict *Verdict, extra [
 	if s := ceilingNote(res); s != "" {
 		page.Notes = append(page.Notes, s)
 	}
+	if line := makespanLine(res); line != "" {
+		page.Notes = append(page.Notes, line+".")
+	}
 	if !anyRun(res, func(r Run) bool { return r.Series != nil && len(r.Series.HitRate) > 0 }) {
 		page.Notes = append(page.Notes, "Hit rate over time: not available (no per-request series; the result was read from JSON or had no successful requests).")
 	}

@@ -56,6 +56,13 @@ func buildTable(res Result) table {
 	if split {
 		t.Header = append(t.Header, "engine ttft ms", "outside ttft ms")
 	}
+	programs, batches := hasPrograms(res), hasBatches(res)
+	if programs {
+		t.Header = append(t.Header, "program p50 s", "program p90 s")
+	}
+	if batches {
+		t.Header = append(t.Header, "batch p50 s", "prefill/batch")
+	}
 	for _, r := range res.Runs {
 		row := []string{
 			r.Policy,
@@ -82,6 +89,12 @@ func buildTable(res Result) table {
 		if split {
 			row = append(row, timeSplitCells(r)...)
 		}
+		if programs {
+			row = append(row, makespanCells(r.Programs, false)...)
+		}
+		if batches {
+			row = append(row, makespanCells(r.Batches, true)...)
+		}
 		t.Rows = append(t.Rows, row)
 	}
 	t.Right = make([]bool, len(t.Header))
@@ -92,6 +105,37 @@ func buildTable(res Result) table {
 }
 
 func hasSplit(res Result) bool { return anyRun(res, func(r Run) bool { return r.Split != nil }) }
+
+func hasPrograms(res Result) bool { return anyRun(res, func(r Run) bool { return r.Programs != nil }) }
+func hasBatches(res Result) bool  { return anyRun(res, func(r Run) bool { return r.Batches != nil }) }
+
+// makespanCells are a run's makespan cells: programs' p50 and p90 (s), or
+// batches' p50 (s) and mean prefill tokens; "-" without any.
+func makespanCells(m *Makespans, batches bool) []string {
+	switch {
+	case m == nil:
+		return []string{"-", "-"}
+	case batches:
+		return []string{fmtSeconds(m.Makespanms.P50), fmtTokRate(m.PrefillTokensMean)}
+	}
+	return []string{fmtSeconds(m.Makespanms.P50), fmtSeconds(m.Makespanms.P90)}
+}
+
+func fmtSeconds(ms float64) string { return fmt.Sprintf("%.1f", ms/1000) }
+
+// makespanLine explains the makespan columns in one line, "" without them.
+func makespanLine(res Result) string {
+	var parts []string
+	if hasPrograms(res) {
+		parts = append(parts, "program p50/p90 s: a program's makespan, its first request's arrival to its last answer "+
+			"(an agent with its subagents, a conversation)")
+	}
+	if hasBatches(res) {
+		parts = append(parts, "batch p50 s: an RL batch's makespan, its release to its last answer; prefill/batch: "+
+			"the prompt tokens its requests computed (prompt − cached), mean over the batches")
+	}
+	return strings.Join(parts, "; ")
+}
 
 // timeSplitCells are a run's engine and outside TTFT means, "-" without a split.
 func timeSplitCells(r Run) []string {
@@ -179,7 +223,7 @@ func WriteTable(w io.Writer, res Result) {
 	for _, row := range t.Rows {
 		line(row)
 	}
-	for _, s := range []string{groupLines(res), splitLine(res), ceilingNote(res), boundLine(res.Bound)} {
+	for _, s := range []string{groupLines(res), splitLine(res), makespanLine(res), ceilingNote(res), boundLine(res.Bound)} {
 		if s != "" {
 			b.WriteString(s)
 			b.WriteByte('\n')
