@@ -16,17 +16,18 @@ import (
 
 // The agents workload's shape, from what is measured of coding agents, and
 // how it is scaled so that a replay of the default workload on 8 replicas
-// takes seconds, not minutes (about 6,000 requests):
+// takes seconds (8,348 requests, 400 programs and 160 subagents at seed 1):
 //
 //   - vLLM's AgentX traces: median 43 turns per session, median input
 //     142k tokens, output 444, prefix reuse above 96 %, subagents in 44 % of
-//     sessions. Here: turns lognormal around a median of 24 (σ 0.5),
-//     contexts growing by a tool result (lognormal, median 500 tokens, σ 1,
-//     at most 8,000) and an answer (256 tokens ± 50 %) per turn, to about
-//     20k tokens at the median turn count (a quarter of AgentX's, so that
-//     about 25 live programs fit a default replica's 480k tokens of KV, as
-//     about 10 of AgentX's fit a 1.5M-token H100 cache); reuse 93–97 %;
-//     subagents in 44 % of programs.
+//     sessions. Here: turns lognormal around a median of 16 (σ 0.5),
+//     contexts growing by a tool result (lognormal, median 1,200 tokens,
+//     σ 1, at most 8,000) and an answer (256 tokens ± 50 %) per turn from a
+//     4,000-token shared system prompt: a median final context of 29k
+//     tokens (p90 51k), a mean prompt of 21k, about a fifth of AgentX's, so
+//     that about 16 programs at their end fill a default replica's 480k
+//     tokens of KV (of AgentX's, about 3 would); subagents in 44 % of
+//     programs.
 //   - vllm-router #285: 86 % of a program's next calls arrive within 1 s
 //     of the previous answer, 95 % within 10 s. Here: a tool pause is
 //     log-uniform in [50 ms, 1 s] with probability 0.86, in [1 s, 10 s]
@@ -56,14 +57,14 @@ var agentsGenerator = generator{
 	doc:    "coding-agent programs: a shared system prompt, a task, then tool results and answers appended each turn, with tool pauses, compaction and subagents",
 	domain: 6,
 	params: []Param{
-		countParam("programs", 200, 1e6, "number of agent programs (subagents come on top); with --requests, programs are made until there are that many"),
+		countParam("programs", 400, 1e6, "number of agent programs (subagents come on top); with --requests, programs are made until there are that many"),
 		{Name: "program_rate", Default: 1, Min: 1e-6, Max: 1e6, Doc: "Poisson arrival rate of programs per second (--rate does not apply)"},
-		countParam("turns", 24, 1000, "median turns of a program (lognormal, σ 0.5, at most 4× this)"),
-		lenParam("system_prompt_len", 3000, "tokens of the agents' shared system prompt (and tool definitions)"),
+		countParam("turns", 16, 1000, "median turns of a program (lognormal, σ 0.5, at most 4× this)"),
+		lenParam("system_prompt_len", 4000, "tokens of the agents' shared system prompt (and tool definitions)"),
 		lenParam("task_len", 300, "mean tokens of a program's task (± 50 %)"),
-		lenParam("tool_len", 500, "median tokens of a tool result (lognormal, σ 1, at most 8,000)"),
+		lenParam("tool_len", 1200, "median tokens of a tool result (lognormal, σ 1, at most 8,000)"),
 		lenParam("output_len", 256, "mean tokens of an answer (± 50 %)"),
-		lenParam("compact_at", 40000, "context (tokens) past which the next turn is compacted"),
+		lenParam("compact_at", 60000, "context (tokens) past which the next turn is compacted"),
 		lenParam("summary_len", 2000, "tokens of the summary a compacted context keeps"),
 		{Name: "subagents", Default: 0.44, Min: 0, Max: 1, Doc: "share of programs that start one subagent (AgentX: 44 %)"},
 	},
@@ -83,16 +84,21 @@ func planAgents(p params, requests int) (plan, error) {
 	if a.summary >= a.compactAt {
 		return plan{}, fmt.Errorf("%w: agents summary_len=%d must be below compact_at=%d", ErrBadParam, a.summary, a.compactAt)
 	}
-	// A request's text is at most its compacted context plus one turn's
-	// growth; a program at most 4 × turns requests, its subagent 4 × theirs.
-	perReq := float64(4 * (a.compactAt + agentToolMax + subagentResult + 2*a.out + a.sys + 2*a.task + a.summary + 4*msgOverhead))
-	made := float64(a.programs) * float64(4*a.turns+4*subagentTurns)
+	// The text is sized before it is made by its expectation, twice over
+	// (an upper bound of lognormal draws would be a hundred times the
+	// text): a typo in a parameter still fails at once, and Generate checks
+	// the text made.
+	turns := 1.13 * float64(a.turns) * (1 + a.subagents/3) // E[lognormal σ 0.5], subagents' turns
+	growth := float64(a.out) + 1.65*float64(a.tool)        // per turn; E[lognormal σ 1] = 1.65 × median
+	perReq := 4 * (float64(a.sys+a.task) + min(turns/2*growth, float64(a.compactAt)))
+	made := float64(a.programs) * turns
 	n := -1 // every program's requests, however many
 	if requests > 0 {
 		n, made = requests, float64(requests)
 	}
+	textBytes := 2 * made * perReq
 	gen := func(r *rng, n int) []Request { return genAgents(r, a, n) }
-	return plan{n: n, made: made, textBytes: made * perReq, gen: gen}, nil
+	return plan{n: n, made: made, textBytes: textBytes, gen: gen}, nil
 }
 
 // genAgents makes the programs' requests, program after program (a

@@ -11,7 +11,7 @@ import (
 // calls do; its subagent is a program of its own session, and the parent's
 // next turn waits for the subagent's last.
 func TestAgentsPrograms(t *testing.T) {
-	reqs, err := Generate(Spec{Name: "agents", Seed: 5, Params: map[string]float64{"programs": 40, "compact_at": 12000}})
+	reqs, err := Generate(Spec{Name: "agents", Seed: 5, Params: map[string]float64{"programs": 40, "compact_at": 20000, "system_prompt_len": 1000}})
 	if err != nil {
 		t.Fatal(err)
 	}

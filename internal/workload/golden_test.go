@@ -39,7 +39,7 @@ func TestGolden(t *testing.T) {
 		"prefix_repetition": 0x63c88b5b5bb726c2,
 		"zipf":              0xc290e9809c975724,
 		"random":            0xf1ad92ed30962f1d,
-		"agents":            0xcb7ed8b54c1c1136,
+		"agents":            0x69ad2db6188b5f15,
 		"rl":                0xbabaddb1752cf1c8,
 	}
 	for _, name := range synthetic() {

@@ -360,7 +360,15 @@ func Generate(s Spec) ([]Request, error) {
 	if err := checkSize(g.name, max(float64(pl.n), pl.made), pl.textBytes); err != nil {
 		return nil, err
 	}
-	return pl.gen(newRNG(s.Seed, g.domain), pl.n), nil
+	reqs := pl.gen(newRNG(s.Seed, g.domain), pl.n)
+	text := 0.0 // what was made, for the workloads sized by expectation
+	for i := range reqs {
+		text += float64(reqs[i].InputTokens) * prompt.TokenBytesPer
+	}
+	if err := checkSize(g.name, float64(len(reqs)), text); err != nil {
+		return nil, err
+	}
+	return reqs, nil
 }
 
 func checkSize(name string, n, textBytes float64) error {
