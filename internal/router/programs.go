@@ -324,6 +324,33 @@ func (ps *programs) routed(id uint64, slot int, serial uint64, tokens int, now t
 	ps.attach(p, true)
 }
 
+// remote records a turn of program id another gateway sent to slot
+// (serial) at `at` with a context of tokens: as routed, with nothing in
+// flight here. A new program is refused (false) when the table is full and
+// none of its programs is idle: a peer's record never evicts a live one.
+func (ps *programs) remote(id uint64, slot int, serial uint64, tokens int, at time.Time) bool {
+	ps.mu.Lock()
+	defer ps.mu.Unlock()
+	ps.expire(at)
+	p, ok := ps.byID[id]
+	if !ok {
+		if len(ps.byID) >= ps.cfg.MaxPrograms && ps.idle.head == nil {
+			return false
+		}
+		ps.evict()
+		p = &program{id: id}
+		ps.byID[id] = p
+	}
+	ps.detach(p)
+	p.home, p.serial, p.tokens = slot, serial, tokens
+	p.turns++
+	if at.After(p.last) {
+		p.last = at
+	}
+	ps.attach(p, true)
+	return true
+}
+
 // ended records the end of one of program id's turns at now.
 func (ps *programs) ended(id uint64, now time.Time) {
 	ps.mu.Lock()

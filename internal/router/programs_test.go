@@ -1,6 +1,7 @@
 package router
 
 import (
+	"errors"
 	"strings"
 	"testing"
 	"time"
@@ -248,5 +249,73 @@ func TestBursts(t *testing.T) {
 	}
 	if tk, _ := f.rt.Route(f.req("", "other ", 300)); tk.Replica == got[3] && tk.Decision.Reason[:6] == "burst:" {
 		t.Fatal("another prompt joined the burst")
+	}
+}
+
+// Another gateway's program records are checked where they enter: a
+// context beyond any prompt, or larger than the blocks sent with it, is
+// refused, and a flood of new ids never evicts a live program.
+func TestApplyRemoteProgramBounded(t *testing.T) {
+	cases := []struct {
+		name                string
+		slot, blocks, toks  int
+		id                  uint64
+		reason              string // "" accepted
+		programs, reserved1 int    // on replica 1 after it
+	}{
+		{"accepted", 1, 100, 1605, 77, "", 1, 1605},
+		{"a partial block more is backed", 1, 100, 1615, 77, "", 1, 1615},
+		{"unbacked: more than its blocks", 1, 100, 1616, 77, "unbacked", 0, 0},
+		{"unbacked: no blocks", 1, 0, 5000, 77, "unbacked", 0, 0},
+		{"negative blocks", 1, -1, 0, 77, "unbacked", 0, 0},
+		{"oversize", 1, 1 << 40, 1 << 40, 77, "oversize", 0, 0},
+		{"negative context", 1, 1, -1, 77, "oversize", 0, 0},
+		{"no such replica: skipped", 5, 100, 1605, 77, "", 0, 0},
+		{"negative slot: skipped", -1, 100, 1605, 77, "", 0, 0},
+		{"no program: nothing", 1, 100, 1605, 0, "", 0, 0},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			f := newProgFleet(t, leastLoadPolicy(t), 2, 1000, ProgramConfig{MaxPrograms: 4})
+			err := f.rt.ApplyRemoteProgram(c.slot, c.id, c.blocks, c.toks, f.now)
+			var pe *RemoteProgramError
+			if c.reason == "" && err != nil || c.reason != "" && (!errors.As(err, &pe) || pe.Reason != c.reason || !errors.Is(err, ErrRemoteProgram)) {
+				t.Fatalf("err %v, want reason %q", err, c.reason)
+			}
+			views := f.rt.Views(f.req("", "x", 10))
+			if views[1].Programs != c.programs || views[1].ProgramTokens != c.reserved1 || views[0].Programs != 0 {
+				t.Fatalf("views %+v / %+v", views[0], views[1])
+			}
+		})
+	}
+}
+
+// A flood of forged program ids from a peer costs the table's idle
+// programs their entries, never a live program (one with a turn in flight,
+// or idle less than the TTL) its entry and reservation.
+func TestRemoteProgramsNeverEvictLive(t *testing.T) {
+	f := newProgFleet(t, leastLoadPolicy(t), 2, 1000, ProgramConfig{MaxPrograms: 4, IdleTTL: time.Second})
+	tk, err := f.rt.Route(f.req("local", "a", 100))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tk.Done(f.now, Outcome{})
+	refused := 0
+	for id := uint64(100); id < 200; id++ {
+		if err := f.rt.ApplyRemoteProgram(0, id, 10, 160, f.now); errors.Is(err, ErrRemoteProgram) {
+			refused++
+		}
+	}
+	if st := f.rt.ProgramStats(); st.Tracked != 4 || refused != 97 {
+		t.Fatalf("stats %+v, %d refused", st, refused)
+	}
+	next := f.req("local", "a", 120)
+	if f.rt.Views(next); !next.Program.Continues || next.Program.Home != tk.Replica {
+		t.Fatalf("the local program lost its home: %+v", next.Program)
+	}
+	// Once the forged ones are idle past the TTL, new records replace them.
+	f.now = f.now.Add(2 * time.Second)
+	if err := f.rt.ApplyRemoteProgram(0, 500, 10, 160, f.now); err != nil {
+		t.Fatal(err)
 	}
 }

@@ -763,7 +763,8 @@ func (t *Ticket) learn() {
 	t.learned = true
 	_ = t.rt.approx.Insert(t.Replica, t.req.Blocks)
 	if f := t.rt.cfg.OnLearn; f != nil {
-		f(Learned{Replica: t.Replica, Model: t.req.Model, Held: min(t.match, len(t.req.Blocks)), Blocks: t.req.Blocks, Tokens: t.req.Tokens})
+		f(Learned{Replica: t.Replica, Model: t.req.Model, Held: min(t.match, len(t.req.Blocks)), Blocks: t.req.Blocks, Tokens: t.req.Tokens,
+			Program: t.req.Program.ID})
 	}
 }
 

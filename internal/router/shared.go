@@ -1,6 +1,8 @@
 package router
 
 import (
+	"errors"
+	"fmt"
 	"time"
 
 	"github.com/kvgate/kvgate/internal/policy"
@@ -31,6 +33,13 @@ type Learned struct {
 	Held    int
 	Blocks  []uint64 // not to be kept: the request's own slice
 	Tokens  int
+	// Program is the request's program (policy.Program.ID; 0: none): the
+	// others learn that its context lives on the replica (its home) and
+	// how large it is (Tokens), so that several gateways keep a program
+	// together (ApplyRemoteProgram). In precise mode no decision is shared:
+	// every gateway sees the program's context on its replica through the
+	// KV events, only its reservation stays each gateway's own.
+	Program uint64
 }
 
 // Load is a gateway's own counts for one replica.
@@ -77,6 +86,54 @@ func (l Load) clamped() Load {
 func (l Load) Add(o Load) Load {
 	return Load{l.InFlight + o.InFlight, l.InFlightTokens + o.InFlightTokens,
 		l.PendingPrefill + o.PendingPrefill, l.PendingCount + o.PendingCount}
+}
+
+// ErrRemoteProgram is what ApplyRemoteProgram returns for a program record
+// it refuses (as a *RemoteProgramError, which names the reason).
+var ErrRemoteProgram = errors.New("router: another gateway's program refused")
+
+// RemoteProgramError is a refused program record; Reason is "oversize" (a
+// context beyond any served prompt), "unbacked" (a context larger than the
+// blocks sent with it: a reservation nobody's prompt backs, which would
+// steer new programs off the replica) or "full" (the table holds only
+// programs with a live reservation, which a peer's record never evicts).
+type RemoteProgramError struct {
+	Reason string
+	Tokens int
+}
+
+func (e *RemoteProgramError) Error() string {
+	return fmt.Sprintf("%v: %s (%d tokens)", ErrRemoteProgram, e.Reason, e.Tokens)
+}
+
+// Is makes errors.Is(err, ErrRemoteProgram) hold.
+func (e *RemoteProgramError) Is(target error) bool { return target == ErrRemoteProgram }
+
+// ApplyRemoteProgram records a turn of program id (0: none, nothing
+// recorded) another gateway sent to replica slot i at `at` with a prompt of
+// tokens, blocks of it sent (the decision's offset and blocks): its home and
+// context, reserved on the replica as a turn this gateway routed would be
+// (with nothing in flight: it stays live ProgramConfig.IdleTTL from at). A
+// record about a replica this router does not have is skipped (nil). A
+// peer's records are bounded where they enter: the context within [0,
+// remoteMaxPrompt] and backed by its blocks (at most one partial block
+// more), and a new program takes an entry of the capped table only from an
+// idle one: a flood of forged ids costs idle programs their affinity,
+// never a live program its reservation.
+func (rt *Router) ApplyRemoteProgram(i int, id uint64, blocks, tokens int, at time.Time) error {
+	if id == 0 || i < 0 || i >= len(rt.reps()) || rt.reps()[i].removed.Load() {
+		return nil
+	}
+	switch {
+	case tokens < 0 || tokens > remoteMaxPrompt:
+		return &RemoteProgramError{Reason: "oversize", Tokens: tokens}
+	case blocks < 0 || tokens/rt.cfg.BlockSize > blocks:
+		return &RemoteProgramError{Reason: "unbacked", Tokens: tokens}
+	}
+	if !rt.progs.remote(id, i, rt.reps()[i].serial, tokens, at) {
+		return &RemoteProgramError{Reason: "full", Tokens: tokens}
+	}
+	return nil
 }
 
 // Lookup is the slot of the replica named name (Name: URL, or URL#k).

@@ -18,8 +18,13 @@ import (
 //	batch:    version 'B' strings gateway seq at loads decisions
 //	strings:  n, then n × (len, bytes): every replica and model name once
 //	loads:    n, then n × (replica-index, in-flight, in-flight-tokens, pending-prefill, pending-count)
-//	decision: replica-index model-index offset tokens nblocks, nblocks × 8 bytes
+//	decision: replica-index model-index offset tokens [program] nblocks, nblocks × 8 bytes
 //	snapshot: version 'S' position at n, then n × (name nblocks, nblocks × 8 bytes)
+//
+// Version 2 (a batch whose decisions name programs: router.Learned.Program)
+// adds each decision's program, 8 bytes (0: none); a batch without one is
+// written as version 1, which gateways before it read, so that a rolling
+// upgrade loses only the batches that carry programs on the old gateways.
 //
 // Integers are varints (loads zig-zag, since a count may dip below zero for
 // an instant), times Unix nanoseconds (0: the zero time). Block hashes are
@@ -29,9 +34,10 @@ import (
 // byte. A decision of 60 new blocks costs 480 bytes of hashes and about 6
 // of everything else.
 const (
-	codecVersion = 1
-	kindBatch    = 'B'
-	kindSnapshot = 'S'
+	codecVersion         = 1
+	codecVersionPrograms = 2 // batches with programs
+	kindBatch            = 'B'
+	kindSnapshot         = 'S'
 )
 
 // ErrCorrupt is what the decoders return for input they cannot read
@@ -50,7 +56,13 @@ func AppendBatch(dst []byte, b *Batch) []byte {
 		st.add(b.Decisions[i].Replica)
 		st.add(b.Decisions[i].Model)
 	}
-	dst = append(dst, codecVersion, kindBatch)
+	version := byte(codecVersion)
+	for i := range b.Decisions {
+		if b.Decisions[i].Program != 0 {
+			version = codecVersionPrograms
+		}
+	}
+	dst = append(dst, version, kindBatch)
 	dst = binary.AppendUvarint(dst, uint64(len(st.list)))
 	for _, s := range st.list {
 		dst = appendString(dst, s)
@@ -74,6 +86,9 @@ func AppendBatch(dst []byte, b *Batch) []byte {
 		dst = binary.AppendUvarint(dst, st.add(d.Model))
 		dst = binary.AppendUvarint(dst, uint64(max(d.Offset, 0)))
 		dst = binary.AppendUvarint(dst, uint64(max(d.Tokens, 0)))
+		if version == codecVersionPrograms {
+			dst = binary.LittleEndian.AppendUint64(dst, d.Program)
+		}
 		dst = appendBlocks(dst, d.Blocks)
 	}
 	return dst
@@ -85,7 +100,7 @@ func AppendBatch(dst []byte, b *Batch) []byte {
 func DecodeBatch(p []byte) (Batch, error) {
 	d := decoder{p: p}
 	var b Batch
-	d.header(kindBatch)
+	programs := d.header(kindBatch, codecVersionPrograms) == codecVersionPrograms
 	n := d.count(1) // an empty string is one byte
 	strs := make([]string, 0, n)
 	for range n {
@@ -112,7 +127,7 @@ func DecodeBatch(p []byte) (Batch, error) {
 			l.Load = router.Load{InFlight: d.varint(), InFlightTokens: d.varint(), PendingPrefill: d.varint(), PendingCount: d.varint()}
 		}
 	}
-	if n := d.count(5); n > 0 {
+	if n := d.count(5); n > 0 { // a decision is at least 5 bytes (13 with a program)
 		b.Decisions = make([]Decision, n)
 		for i := range b.Decisions {
 			x := &b.Decisions[i]
@@ -120,6 +135,9 @@ func DecodeBatch(p []byte) (Batch, error) {
 			x.Model = str()
 			x.Offset = d.int()
 			x.Tokens = d.int()
+			if programs {
+				x.Program = d.uint64()
+			}
 			x.Blocks = d.blocks()
 		}
 	}
@@ -292,20 +310,41 @@ func (d *decoder) fail(format string, args ...any) {
 
 func (d *decoder) left() int { return len(d.p) - d.off }
 
-func (d *decoder) header(kind byte) {
+// header reads the version and the kind: codecVersion, or also upTo for
+// a kind that has later versions; it returns the version.
+func (d *decoder) header(kind byte, upTo ...byte) byte {
 	if d.left() < 2 {
 		d.fail("%d bytes: too short", len(d.p))
-		return
+		return 0
 	}
-	if v := d.p[0]; v != codecVersion {
-		d.fail("format version %d (this kvgate reads %d)", v, codecVersion)
-		return
+	top := byte(codecVersion)
+	if len(upTo) > 0 {
+		top = upTo[0]
+	}
+	if v := d.p[0]; v < codecVersion || v > top {
+		d.fail("format version %d (this kvgate reads %d to %d)", v, codecVersion, top)
+		return 0
 	}
 	if k := d.p[1]; k != kind {
 		d.fail("kind %q, want %q", k, kind)
-		return
+		return 0
 	}
 	d.off = 2
+	return d.p[0]
+}
+
+// uint64 reads 8 little-endian bytes.
+func (d *decoder) uint64() uint64 {
+	if d.err != nil {
+		return 0
+	}
+	if d.left() < 8 {
+		d.fail("%d bytes left, want 8", d.left())
+		return 0
+	}
+	v := binary.LittleEndian.Uint64(d.p[d.off:])
+	d.off += 8
+	return v
 }
 
 func (d *decoder) uvarint() uint64 {

@@ -102,7 +102,7 @@ func TestBatchRoundTrip(t *testing.T) {
 func TestDecodeRefusesOtherVersionsAndKinds(t *testing.T) {
 	b := realisticBatch(2, 1)
 	p := AppendBatch(nil, &b)
-	p[0] = codecVersion + 1
+	p[0] = codecVersionPrograms + 1
 	if _, err := DecodeBatch(p); !errors.Is(err, ErrCorrupt) {
 		t.Fatalf("version %d decoded: %v", p[0], err)
 	}
@@ -279,6 +279,8 @@ func FuzzDecodeBatch(f *testing.F) {
 	}
 	small := Batch{Gateway: "g", Seq: 2, At: time.Unix(0, 1), Loads: []ReplicaLoad{{Replica: "a", Load: router.Load{InFlight: -1}}},
 		Decisions: []Decision{{Replica: "a", Model: "m", Offset: 1, Tokens: 2, Blocks: []uint64{3}}, {Replica: "b", Model: "m"}}}
+	f.Add(AppendBatch(nil, &small))
+	small.Decisions[1].Program = 9 // version 2
 	f.Add(AppendBatch(nil, &small))
 	f.Add([]byte{codecVersion, kindBatch})
 	f.Add([]byte{})

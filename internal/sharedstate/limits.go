@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/kvgate/kvgate/internal/prefixindex"
+	"github.com/kvgate/kvgate/internal/prompt"
 	"github.com/kvgate/kvgate/internal/router"
 )
 
@@ -33,6 +34,11 @@ const (
 	// gateway's load for one replica: MaxLoadCount requests of 16M tokens.
 	// The sum over maxPeers gateways (2^54) cannot overflow an int64.
 	MaxLoadTokens = MaxLoadCount << 24
+	// MaxProgramTokens bounds a program's context (a decision's Tokens
+	// when it names a program): the longest prompt a request may carry
+	// (prompt.MaxTokensLimit). A receiving router also refuses a context
+	// its blocks do not back (router.ApplyRemoteProgram).
+	MaxProgramTokens = prompt.MaxTokensLimit
 	// MaxNameBytes bounds a gateway, replica or model name.
 	MaxNameBytes = 2048
 	// MaxClockSkew bounds how far a batch's At (the sender's clock) may be
@@ -80,7 +86,7 @@ var ErrInvalid = errors.New("sharedstate: value out of bounds")
 // InvalidError is an entry refused by Check; Reason is the metric label of
 // kvgate_shared_state_dropped_total.
 type InvalidError struct {
-	Reason string // "load", "decision", "name" or "time"
+	Reason string // "load", "decision", "program", "name" or "time"
 	Detail string
 }
 
@@ -150,6 +156,18 @@ func (d *Decision) check() error {
 	if d.Tokens < 0 || d.Tokens > MaxDecisionTokens {
 		return invalid("decision", "%d tokens outside [0, %d]", d.Tokens, MaxDecisionTokens)
 	}
+	if d.Program == 0 {
+		return nil
+	}
+	// A program's record reserves its context on the replica for every
+	// receiver: its size is bounded, and its blocks (whole blocks of its
+	// prompt, one token each at the least) cannot outnumber its tokens.
+	if d.Tokens > MaxProgramTokens {
+		return invalid("program", "a program's context of %d tokens, at most %d", d.Tokens, MaxProgramTokens)
+	}
+	if d.Offset+len(d.Blocks) > d.Tokens {
+		return invalid("program", "%d blocks for a context of %d tokens", d.Offset+len(d.Blocks), d.Tokens)
+	}
 	return nil
 }
 
@@ -162,19 +180,25 @@ func clampLoad(l router.Load) router.Load {
 }
 
 // shareable is a decision as a gateway publishes it: a prompt longer than
-// MaxDecisionBlocks by its first blocks, its tokens within the bound.
+// MaxDecisionBlocks by its first blocks, its tokens within the bound; a
+// program whose record the receivers would refuse (its context past
+// MaxProgramTokens, or not backed by the blocks sent) is not named.
 func shareable(d Decision) Decision {
 	if len(d.Blocks) > MaxDecisionBlocks {
 		d.Blocks = d.Blocks[:MaxDecisionBlocks]
+		d.Program = 0
 	}
 	d.Tokens = min(max(d.Tokens, 0), MaxDecisionTokens)
+	if d.Tokens > MaxProgramTokens || d.Offset+len(d.Blocks) > d.Tokens {
+		d.Program = 0
+	}
 	return d
 }
 
 // decisionBytes is an upper bound of d's encoded size in a batch (names at
 // their full length: the string table may share them).
 func decisionBytes(d *Decision) int {
-	return len(d.Replica) + len(d.Model) + 8*len(d.Blocks) + 5*binaryMaxVarint
+	return len(d.Replica) + len(d.Model) + 8*len(d.Blocks) + 5*binaryMaxVarint + 8
 }
 
 const binaryMaxVarint = 10

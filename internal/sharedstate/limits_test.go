@@ -62,6 +62,16 @@ func TestCheckBounds(t *testing.T) {
 			b.Decisions[0].Offset, b.Decisions[0].Blocks = 0, make([]uint64, MaxDecisionBlocks+1)
 		}},
 		{"decision", always, func(t *rapid.T, b *Batch, _ time.Time) { b.Decisions = make([]Decision, maxBatchDecisions+1) }},
+		{"program", hasDecisions, func(t *rapid.T, b *Batch, _ time.Time) { // oversize
+			d := &b.Decisions[0]
+			d.Program, d.Tokens = rapid.Uint64Min(1).Draw(t, "program"), rapid.IntRange(MaxProgramTokens+1, MaxDecisionTokens).Draw(t, "v")
+			d.Offset = min(d.Offset, MaxProgramTokens)
+		}},
+		{"program", hasDecisions, func(t *rapid.T, b *Batch, _ time.Time) { // forged: more blocks than tokens
+			d := &b.Decisions[0]
+			d.Offset = max(d.Offset, 1)
+			d.Program, d.Tokens = rapid.Uint64Min(1).Draw(t, "program"), rapid.IntRange(0, d.Offset+len(d.Blocks)-1).Draw(t, "v")
+		}},
 		{"name", always, func(t *rapid.T, b *Batch, _ time.Time) { b.Gateway = "" }},
 		{"name", always, func(t *rapid.T, b *Batch, _ time.Time) { b.Gateway = strings.Repeat("g", MaxNameBytes+1) }},
 		{"name", hasLoads, func(t *rapid.T, b *Batch, _ time.Time) { b.Loads[0].Replica = strings.Repeat("r", MaxNameBytes+1) }},
@@ -101,7 +111,7 @@ func TestPublishedValuesPassTheCheck(t *testing.T) {
 		if err := checkLoad(clampLoad(l)); err != nil {
 			t.Fatalf("clampLoad(%+v): %v", l, err)
 		}
-		d := shareable(Decision{Replica: "r", Model: "m", Tokens: rapid.Int().Draw(t, "tokens"),
+		d := shareable(Decision{Replica: "r", Model: "m", Tokens: rapid.Int().Draw(t, "tokens"), Program: rapid.Uint64().Draw(t, "program"),
 			Blocks: make([]uint64, rapid.SampledFrom([]int{0, 1, MaxDecisionBlocks, MaxDecisionBlocks + 1, 3 * MaxDecisionBlocks}).Draw(t, "blocks"))})
 		if err := d.check(); err != nil {
 			t.Fatalf("shareable: %v", err)

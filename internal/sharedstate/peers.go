@@ -24,6 +24,9 @@ type Decision struct {
 	Offset  int
 	Tokens  int
 	Blocks  []uint64
+	// Program is the request's program (router.Learned.Program; 0: none):
+	// the receivers record the replica as its home, Tokens as its context.
+	Program uint64
 }
 
 // ReplicaLoad is a gateway's own counts for one replica.
@@ -74,19 +77,23 @@ func NewPeers(rt *router.Router, self string, ttl time.Duration) *Peers {
 
 // Apply applies b, received at now: its decisions to the router's index
 // and policy (those about replicas this gateway does not know are
-// skipped), and its loads in place of the sender's previous ones. Its own
-// batches are ignored, and so are those of a gateway Admit refuses. It
-// returns the decisions applied.
-func (p *Peers) Apply(b *Batch, now time.Time) int {
+// skipped), their programs to its program table, and its loads in place of
+// the sender's previous ones. Its own batches are ignored, and so are those
+// of a gateway Admit refuses. It returns the decisions applied, and the
+// program records the router refused (router.ErrRemoteProgram: their
+// decisions are applied without them).
+func (p *Peers) Apply(b *Batch, now time.Time) (applied, refused int) {
 	if b.Gateway == p.self || !p.Admit(b.Gateway) {
-		return 0
+		return 0, 0
 	}
-	n := 0
 	for i := range b.Decisions {
 		d := &b.Decisions[i]
 		if slot, ok := p.rt.Lookup(d.Replica); ok {
 			p.rt.ApplyRemote(slot, d.Model, d.Offset, d.Blocks, d.Tokens, now)
-			n++
+			if p.rt.ApplyRemoteProgram(slot, d.Program, d.Offset+len(d.Blocks), d.Tokens, now) != nil {
+				refused++
+			}
+			applied++
 		}
 	}
 	loads := make([]router.Load, p.rt.Replicas())
@@ -99,7 +106,7 @@ func (p *Peers) Apply(b *Batch, now time.Time) int {
 	p.peers[b.Gateway] = &peer{seen: now, loads: loads}
 	p.mu.Unlock()
 	p.Expire(now)
-	return n
+	return applied, refused
 }
 
 // Admit reports whether a batch from gateway gw is applied: one already
@@ -160,5 +167,5 @@ func Loads(rt *router.Router) []ReplicaLoad {
 // whole prompt (see router.Learned), its blocks copied.
 func FromLearned(rt *router.Router, l router.Learned) Decision {
 	return Decision{Replica: rt.Name(l.Replica), Model: l.Model, Tokens: l.Tokens,
-		Blocks: append([]uint64(nil), l.Blocks...)}
+		Blocks: append([]uint64(nil), l.Blocks...), Program: l.Program}
 }

@@ -447,7 +447,11 @@ func (s *Syncer) applyOne(m redis.XMessage, ref, now time.Time, warm bool) {
 		s.drop("peers", "id", m.ID, "gateway", b.Gateway, "max_peers", maxPeers)
 		return
 	}
-	s.applied(s.peers.Apply(&b, at), warm)
+	n, refused := s.peers.Apply(&b, at)
+	s.applied(n, warm)
+	if refused > 0 {
+		s.dropN("program", refused, "id", m.ID, "gateway", b.Gateway, "programs_refused", refused)
+	}
 	if !warm && !b.At.IsZero() {
 		s.m.lag.Set(s.clk.Now().Sub(b.At).Seconds())
 	}
@@ -503,11 +507,15 @@ func (s *Syncer) fault(op string, err error) {
 
 // drop counts an entry (or snapshot) refused, by reason, and logs it at
 // most once a minute per reason, with how many went unlogged.
-func (s *Syncer) drop(reason string, args ...any) {
-	s.dropped.Add(1)
-	s.m.dropped.WithLabelValues(reason).Inc()
-	if n, ok := s.logs.allow(reason, s.clk.Now()); ok {
-		s.log.Warn("shared state: dropped what a peer wrote to Redis", append([]any{"reason", reason, "dropped_since_last_line", n}, args...)...)
+func (s *Syncer) drop(reason string, args ...any) { s.dropN(reason, 1, args...) }
+
+// dropN is drop for n things refused at once (the program records of one
+// entry, whose decisions are applied without them).
+func (s *Syncer) dropN(reason string, n int, args ...any) {
+	s.dropped.Add(uint64(n))
+	s.m.dropped.WithLabelValues(reason).Add(float64(n))
+	if skipped, ok := s.logs.allow(reason, s.clk.Now()); ok {
+		s.log.Warn("shared state: dropped what a peer wrote to Redis", append([]any{"reason", reason, "dropped_since_last_line", skipped}, args...)...)
 	}
 }
 

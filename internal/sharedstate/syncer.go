@@ -535,7 +535,7 @@ func (s *Syncer) batchOf(now time.Time, loads []ReplicaLoad, queued []router.Lea
 		if l.Replica < 0 || l.Replica >= s.rt.Replicas() {
 			continue
 		}
-		d := shareable(Decision{Replica: s.rt.Name(l.Replica), Model: l.Model, Tokens: l.Tokens, Blocks: l.Blocks})
+		d := shareable(Decision{Replica: s.rt.Name(l.Replica), Model: l.Model, Tokens: l.Tokens, Blocks: l.Blocks, Program: l.Program})
 		if size += decisionBytes(&d); size > maxBatchBytes && len(b.Decisions) > 0 {
 			return b, i
 		}
@@ -698,7 +698,7 @@ func newMetrics(reg prometheus.Registerer, receiving func() bool) (*metrics, err
 	errs := prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvgate_shared_state_errors_total",
 		Help: "Failed shared-state Redis commands by operation."}, []string{"op"})
 	dropped := prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvgate_shared_state_dropped_total",
-		Help: "Stream entries and snapshots refused, by reason: entry_size, snapshot_size, decode, load, decision, name, time, snapshot, future_id, peers."}, []string{"reason"})
+		Help: "Stream entries and snapshots refused, by reason: entry_size, snapshot_size, decode, load, decision, program, name, time, snapshot, future_id, peers (program: one per program record of an applied entry the router refused)."}, []string{"reason"})
 	resyncs := prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvgate_shared_state_resyncs_total",
 		Help: "Times the reader started over (healed: the stream's IDs ran ahead of Redis's clock and it was deleted; reset: the stream went back behind the reader; trimmed: entries were trimmed before the reader read them)."}, []string{"reason"})
 	if reg != nil {
