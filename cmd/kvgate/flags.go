@@ -7,9 +7,11 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"time"
 
 	"github.com/kvgate/kvgate/internal/policy"
 	"github.com/kvgate/kvgate/internal/report"
+	"github.com/kvgate/kvgate/internal/router"
 )
 
 // listFlag is the one repeatable flag of every verb: each use appends its
@@ -120,4 +122,46 @@ func (o *outputFlags) register(fs *flag.FlagSet, reportDefault string) {
 // outputs is where a verb's result goes besides the table.
 func (o outputFlags) outputs(title string) report.Outputs {
 	return report.Outputs{JSON: o.json, ReportDir: o.report, Title: title}
+}
+
+// programFlags configure the program table of replay's and bench
+// --embedded's routers (router.ProgramConfig), as serve's programs: does.
+type programFlags struct {
+	ttl, wait, window time.Duration
+	share             float64
+	burstCap          int
+}
+
+func (p *programFlags) register(fs *flag.FlagSet) {
+	fs.DurationVar(&p.ttl, "program-idle-ttl", router.DefaultProgramIdleTTL, "a program idle this long releases its KV reservation")
+	fs.DurationVar(&p.wait, "program-admission-wait", router.DefaultProgramAdmissionWait,
+		"how long a new program waits for KV room before it is placed anyway (ttft places programs)")
+	fs.Float64Var(&p.share, "program-kv-share", router.DefaultProgramKVShare, "share of a replica's KV the live programs homed there may reserve")
+	fs.DurationVar(&p.window, "burst-window", router.DefaultBurstWindow, "identical prompts within this long of the first go to its replica (0: off)")
+	fs.IntVar(&p.burstCap, "burst-cap", router.DefaultBurstCap, "requests of one burst a replica takes (0: no cap)")
+}
+
+// check rejects values that cannot run.
+func (p *programFlags) check() error {
+	switch {
+	case p.ttl <= 0 || p.wait <= 0:
+		return fmt.Errorf("%w: --program-idle-ttl %v and --program-admission-wait %v must be > 0", errUsage, p.ttl, p.wait)
+	case !(p.share > 0 && p.share <= 1):
+		return fmt.Errorf("%w: --program-kv-share %v: want (0, 1]", errUsage, p.share)
+	case p.window < 0 || p.burstCap < 0:
+		return fmt.Errorf("%w: --burst-window %v and --burst-cap %d must be ≥ 0", errUsage, p.window, p.burstCap)
+	}
+	return nil
+}
+
+// config is the router's ProgramConfig (its "off" values negative).
+func (p *programFlags) config() router.ProgramConfig {
+	c := router.ProgramConfig{IdleTTL: p.ttl, AdmissionWait: p.wait, KVShare: p.share, BurstWindow: p.window, BurstCap: p.burstCap}
+	if c.BurstWindow == 0 {
+		c.BurstWindow = -1
+	}
+	if c.BurstCap == 0 {
+		c.BurstCap = -1
+	}
+	return c
 }

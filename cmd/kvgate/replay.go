@@ -61,6 +61,7 @@ type replayFlags struct {
 	capacity, oracle                              bool
 	seed                                          uint64
 	out                                           outputFlags
+	programs                                      programFlags
 	set                                           map[string]bool
 	tenancy                                       flowFlags
 }
@@ -106,6 +107,7 @@ func (f *replayFlags) register(fs *flag.FlagSet) {
 	fs.DurationVar(&f.sloITL, "slo-itl-p99", 0, "with --capacity, an objective on the p99 of the requests' mean inter-token latency too (0: none)")
 	f.out.register(fs, "")
 	f.tenancy.register(fs)
+	f.programs.register(fs)
 	fs.Uint64Var(&f.seed, "seed", 1, "seed of the workload and the policies")
 	fs.StringVar(&f.question, "question", "", "answer one question instead: sharing (TTFT and hit rate against the sharing ratio), "+
 		"score-surface (score's cache weight against load weight), staleness (p90 TTFT against staleness), "+
@@ -206,7 +208,7 @@ func (f *replayFlags) config(inv invocation) (replayConfig, error) {
 		Staleness: f.staleness, ScrapeInterval: f.scrape, Seed: f.seed,
 		KVEvents: replay.KVMode(f.kvEvents), DataParallelSize: f.dataParallel,
 		Gateways: f.gateways, GatewaySync: replay.GatewaySync(f.gatewaySync), SyncDelay: f.syncDelay,
-		SyncLoads: replay.SyncLoads(f.syncLoads),
+		SyncLoads: replay.SyncLoads(f.syncLoads), Programs: f.programs.config(),
 	}
 	profiles, err := f.replicaProfileMap()
 	if err != nil {
@@ -338,6 +340,9 @@ func (f *replayFlags) check() error {
 		return bad("--slo-ttft-p90 needs --capacity")
 	case f.set["oracle"] && f.oracle && (f.gateways > 1 || f.decodeReplicas > 0):
 		return bad("--oracle is computed for one gateway in front of aggregated replicas")
+	}
+	if err := f.programs.check(); err != nil {
+		return err
 	}
 	return f.checkQuestion(bad)
 }

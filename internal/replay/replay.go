@@ -141,6 +141,9 @@ type Config struct {
 	// SyncLoads is when a gateway publishes its loads (default
 	// LoadsOnChange, the live gateway's rule).
 	SyncLoads SyncLoads
+	// Programs configures each gateway's program table (the zero value:
+	// the router's defaults).
+	Programs router.ProgramConfig
 
 	// Flow is every gateway's flow control (router.FlowConfig; off by
 	// default): requests carry their tenant, their band (their priority

@@ -181,6 +181,7 @@ func newVirtualRun(cfg Config, p *plan, spec PolicySpec) (*virtualRun, error) {
 			Model:            cfg.Model,
 			Now:              func() time.Time { return epoch.Add(vr.now) },
 			Flow:             cfg.Flow,
+			Programs:         cfg.Programs,
 		}
 		if vr.sharing() && !vr.precise {
 			// In precise mode every gateway follows every replica's KV
