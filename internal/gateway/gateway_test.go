@@ -29,6 +29,7 @@ type fakeReplica struct {
 	requests atomic.Int64
 	status   atomic.Int64 // when non-zero, completions answer this status
 	breakAt  atomic.Int64 // when non-zero, streams break after this many chunks
+	waiting  atomic.Int64 // vllm:num_requests_waiting its /metrics reports
 	mu       sync.Mutex
 	bodies   [][]byte
 	headers  []http.Header
@@ -39,10 +40,10 @@ func newFakeReplica(t *testing.T) *fakeReplica {
 	mux := http.NewServeMux()
 	mux.HandleFunc("/health", func(w http.ResponseWriter, r *http.Request) { _, _ = io.WriteString(w, "ok") })
 	mux.HandleFunc("/metrics", func(w http.ResponseWriter, r *http.Request) {
-		fmt.Fprintf(w, "# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting{model_name=\"m\"} 0\n"+
+		fmt.Fprintf(w, "# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting{model_name=\"m\"} %d\n"+
 			"# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{model_name=\"m\"} %d\n"+
 			"# TYPE vllm:kv_cache_usage_perc gauge\nvllm:kv_cache_usage_perc{model_name=\"m\"} 0.25\n"+
-			"# TYPE vllm:cache_config_info gauge\nvllm:cache_config_info{block_size=\"16\",num_gpu_blocks=\"1000\"} 1\n", 0)
+			"# TYPE vllm:cache_config_info gauge\nvllm:cache_config_info{block_size=\"16\",num_gpu_blocks=\"1000\"} 1\n", f.waiting.Load(), 0)
 	})
 	mux.HandleFunc("/v1/models", func(w http.ResponseWriter, r *http.Request) {
 		_, _ = io.WriteString(w, `{"object":"list","data":[{"id":"m","object":"model"}]}`)

@@ -3,6 +3,7 @@ package gateway
 import (
 	"encoding/json"
 	"fmt"
+	"strings"
 	"testing"
 )
 
@@ -90,4 +91,74 @@ func TestProgramOfAResponsesChain(t *testing.T) {
 		t.Fatalf("a chain of 4 calls made %d programs, want 1", st.Tracked)
 	}
 	waitIdle(t, gw)
+}
+
+// A program stays on its home until the home is saturated (its engine
+// reports a queue of thousands): then its next turn moves, /debug/route
+// says why (the estimates at the home and where it goes, the move priced
+// in), and the router counts the move.
+func TestSaturatedProgramMoves(t *testing.T) {
+	reps := []*fakeReplica{newFakeReplica(t), newFakeReplica(t), newFakeReplica(t)}
+	cfg := baseConfig(reps[0].srv.URL, reps[1].srv.URL, reps[2].srv.URL)
+	cfg.Policy, cfg.AdminToken = "ttft", "s3cret"
+	gw := startGateway(t, cfg)
+	task := strings.Repeat("read the file, run the tests, fix the bug; ", 200) // about 2,000 tokens
+	turn := func(i int) string {
+		return fmt.Sprintf(`{"model":"m","prompt":%q,"max_tokens":16,"prompt_cache_key":"agent-9"}`, task+strings.Repeat("tool result. ", 20*i))
+	}
+	home := ""
+	for i := range 3 {
+		resp, body := post(t, gw.srv.URL+"/v1/completions", turn(i))
+		if resp.StatusCode != 200 {
+			t.Fatalf("%d %s", resp.StatusCode, body)
+		}
+		if got := resp.Header.Get("X-Kvgate-Replica"); home == "" {
+			home = got
+		} else if got != home {
+			t.Fatalf("turn %d went to %s, its home is %s", i, got, home)
+		}
+	}
+	for _, r := range reps {
+		if r.srv.URL == home {
+			r.waiting.Store(5000)
+		}
+	}
+	type route struct {
+		Decision struct {
+			Reason string `json:"reason"`
+		} `json:"decision"`
+		ReplicaURL string `json:"replica_url"`
+		Program    struct {
+			Home string `json:"home"`
+		} `json:"program"`
+		Replicas []struct {
+			URL     string `json:"url"`
+			Waiting *int   `json:"waiting"`
+		} `json:"replicas"`
+	}
+	var out route
+	eventually(t, "the home's queue scraped", func() bool {
+		out = route{}
+		resp, body := post(t, gw.srv.URL+"/debug/route", turn(3), "Authorization", "Bearer s3cret")
+		if resp.StatusCode != 200 || json.Unmarshal([]byte(body), &out) != nil {
+			t.Fatalf("/debug/route: %d %s", resp.StatusCode, body)
+		}
+		for _, r := range out.Replicas {
+			if r.URL == home {
+				return r.Waiting != nil && *r.Waiting == 5000
+			}
+		}
+		return false
+	})
+	if out.Program.Home != home || out.ReplicaURL == home || !strings.Contains(out.Decision.Reason, "program moved off its home "+home) {
+		t.Fatalf("/debug/route for a saturated home %s: to %s, program home %s, reason %q", home, out.ReplicaURL, out.Program.Home, out.Decision.Reason)
+	}
+	t.Logf("reason: %s", out.Decision.Reason)
+	resp, body := post(t, gw.srv.URL+"/v1/completions", turn(3))
+	if resp.StatusCode != 200 || resp.Header.Get("X-Kvgate-Replica") == home {
+		t.Fatalf("the turn stayed on its saturated home: %d %s %s", resp.StatusCode, resp.Header.Get("X-Kvgate-Replica"), body)
+	}
+	if st := gw.g.rt.ProgramStats(); st.Moves != 1 {
+		t.Fatalf("program stats %+v, want 1 move", st)
+	}
 }
