@@ -9,6 +9,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/kvgate/kvgate/internal/gateway"
 	"github.com/kvgate/kvgate/internal/policy"
 	"github.com/kvgate/kvgate/internal/report"
 	"github.com/kvgate/kvgate/internal/router"
@@ -124,8 +125,8 @@ func (o outputFlags) outputs(title string) report.Outputs {
 	return report.Outputs{JSON: o.json, ReportDir: o.report, Title: title}
 }
 
-// programFlags configure the program table of replay's and bench
-// --embedded's routers (router.ProgramConfig), as serve's programs: does.
+// programFlags configure the program table of replay's routers
+// (router.ProgramConfig), as serve's programs: key does.
 type programFlags struct {
 	ttl, wait, window time.Duration
 	share             float64
@@ -154,14 +155,10 @@ func (p *programFlags) check() error {
 	return nil
 }
 
-// config is the router's ProgramConfig (its "off" values negative).
+// config is the router's ProgramConfig, as serve's programs: makes it.
 func (p *programFlags) config() router.ProgramConfig {
-	c := router.ProgramConfig{IdleTTL: p.ttl, AdmissionWait: p.wait, KVShare: p.share, BurstWindow: p.window, BurstCap: p.burstCap}
-	if c.BurstWindow == 0 {
-		c.BurstWindow = -1
-	}
-	if c.BurstCap == 0 {
-		c.BurstCap = -1
-	}
-	return c
+	c := gateway.DefaultPrograms()
+	c.IdleTTL, c.AdmissionWait, c.KVShare = gateway.Duration(p.ttl), gateway.Duration(p.wait), p.share
+	c.BurstWindow, c.BurstCap = gateway.Duration(p.window), p.burstCap
+	return c.RouterConfig()
 }

@@ -168,6 +168,10 @@ type Config struct {
 	// block hashes and lengths, never text. See RecordConfig.
 	Record RecordConfig `json:"record"`
 
+	// Programs bounds and tunes the program table (agents' sessions,
+	// conversations, rollouts: program.go), fixed at start.
+	Programs ProgramsConfig `json:"programs"`
+
 	// SharedState (redis://HOST:PORT/DB) shares this gateway's routing
 	// decisions and loads with the other gateways in front of the same
 	// replicas, through Redis (internal/sharedstate); never on a request's
@@ -240,6 +244,7 @@ func Defaults() Config {
 		BlocksPerReplica:   30000,
 		Record:             DefaultRecord(),
 		FlowControl:        DefaultFlowControl(),
+		Programs:           DefaultPrograms(),
 
 		// The KV-event socket's trust and bounds.
 		KVEventsTrust:                    TrustList{kvzmq.TrustReplicaAddress},
@@ -358,6 +363,7 @@ func (c *Config) Validate() error {
 	errs = append(errs, c.validateKVEvents()...)
 	errs = append(errs, c.validateBodies()...)
 	errs = append(errs, c.Record.validate()...)
+	errs = append(errs, c.Programs.validate()...)
 	errs = append(errs, validatePassthrough(c.Passthrough)...)
 	errs = append(errs, c.validateNoSelf()...)
 	errs = append(errs, c.validateEPP()...)

@@ -179,7 +179,7 @@ func newRouter(cfg Config, specs []router.Spec, prof costmodel.Profile, clk cloc
 		BlocksPerReplica: cfg.BlocksPerReplica, MaxEntries: cfg.IndexMaxEntries, Precise: cfg.Precise(), Now: clk.Now,
 		StaleAfter: cfg.ScrapeStaleAfter.D(), LearnOnAccept: true, OnLearn: learn, OnDrained: drained, OnPolicyPanic: panicked, OnEject: eject, Dynamic: cfg.dynamic(),
 		Breaker: router.BreakerConfig{EjectAfter: cfg.EjectAfter, Cooldown: cfg.EjectCooldown.D()}, ForgetAfter: cfg.ForgetAfter.D(),
-		Flow: cfg.routerFlow(prof)})
+		Flow: cfg.routerFlow(prof), Programs: cfg.Programs.RouterConfig()})
 }
 
 // newTransport is the upstream transport: no environment proxy, bounded

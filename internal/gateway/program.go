@@ -1,10 +1,13 @@
 package gateway
 
 import (
+	"fmt"
 	"net/http"
 	"strconv"
+	"time"
 
 	"github.com/kvgate/kvgate/internal/policy"
+	"github.com/kvgate/kvgate/internal/router"
 )
 
 // Program identity (router.ProgramOf): a request's program is named, in
@@ -45,4 +48,81 @@ func (g *Gateway) programDebug(req *policy.Request) map[string]any {
 		out["home"], out["context_tokens"] = g.rt.URL(p.Home), p.Tokens
 	}
 	return out
+}
+
+// ProgramsConfig is the program table's configuration (the programs: key;
+// router.ProgramConfig, whose defaults it takes). Fixed at start.
+//
+// Memory: a program costs about 150 bytes whatever its context (its 64-bit
+// id's hash, home, context size, turns, last activity, list links, map
+// slot), so max_programs bounds the table: 65,536 programs, about 10 MB.
+type ProgramsConfig struct {
+	// IdleTTL: a program with nothing in flight for this long releases
+	// its KV reservation on its replica (its home is remembered for
+	// affinity until the cap forgets it).
+	IdleTTL Duration `json:"idle_ttl"`
+	// MaxPrograms caps the programs remembered; past it the longest idle
+	// one is forgotten (another gateway's never evicts a live one).
+	MaxPrograms int `json:"max_programs"`
+	// KVShare: the share of a replica's KV cache the live programs homed
+	// there may reserve before a new program is placed elsewhere.
+	KVShare float64 `json:"kv_share"`
+	// AdmissionWait: how long a new program waits for KV room before it
+	// is placed anyway.
+	AdmissionWait Duration `json:"admission_wait"`
+	// BurstWindow: requests with an identical prompt within this long of
+	// the first go to its replica (0: off); BurstCap: how many of one
+	// burst a replica takes (0: no cap).
+	BurstWindow Duration `json:"burst_window"`
+	BurstCap    int      `json:"burst_cap"`
+}
+
+// The bounds of programs:'s values.
+const (
+	maxProgramsCap        = 1 << 22 // 4M programs, about 600 MB
+	maxProgramIdleTTL     = time.Hour
+	maxAdmissionWait      = time.Minute
+	maxBurstWindow        = 10 * time.Second
+	maxBurstCapPerReplica = 1 << 20
+)
+
+// DefaultPrograms is the router's defaults.
+func DefaultPrograms() ProgramsConfig {
+	return ProgramsConfig{IdleTTL: Duration(router.DefaultProgramIdleTTL), MaxPrograms: router.DefaultMaxPrograms,
+		KVShare: router.DefaultProgramKVShare, AdmissionWait: Duration(router.DefaultProgramAdmissionWait),
+		BurstWindow: Duration(router.DefaultBurstWindow), BurstCap: router.DefaultBurstCap}
+}
+
+func (c *ProgramsConfig) validate() []error {
+	var errs []error
+	for _, b := range []struct {
+		key  string
+		bad  bool
+		want string
+	}{
+		{"programs.idle_ttl", c.IdleTTL <= 0 || c.IdleTTL.D() > maxProgramIdleTTL, fmt.Sprintf("want > 0 and ≤ %v", maxProgramIdleTTL)},
+		{"programs.max_programs", c.MaxPrograms < 1 || c.MaxPrograms > maxProgramsCap, fmt.Sprintf("want 1 to %d", maxProgramsCap)},
+		{"programs.kv_share", !(c.KVShare > 0 && c.KVShare <= 1), "want a share in (0, 1]"},
+		{"programs.admission_wait", c.AdmissionWait <= 0 || c.AdmissionWait.D() > maxAdmissionWait, fmt.Sprintf("want > 0 and ≤ %v", maxAdmissionWait)},
+		{"programs.burst_window", c.BurstWindow < 0 || c.BurstWindow.D() > maxBurstWindow, fmt.Sprintf("want 0 (off) to %v", maxBurstWindow)},
+		{"programs.burst_cap", c.BurstCap < 0 || c.BurstCap > maxBurstCapPerReplica, fmt.Sprintf("want 0 (no cap) to %d", maxBurstCapPerReplica)},
+	} {
+		if b.bad {
+			errs = append(errs, keyErr(b.key, "%s", b.want))
+		}
+	}
+	return errs
+}
+
+// RouterConfig is the router's ProgramConfig (its "off" values negative).
+func (c *ProgramsConfig) RouterConfig() router.ProgramConfig {
+	pc := router.ProgramConfig{IdleTTL: c.IdleTTL.D(), MaxPrograms: c.MaxPrograms, KVShare: c.KVShare,
+		AdmissionWait: c.AdmissionWait.D(), BurstWindow: c.BurstWindow.D(), BurstCap: c.BurstCap}
+	if pc.BurstWindow == 0 {
+		pc.BurstWindow = -1
+	}
+	if pc.BurstCap == 0 {
+		pc.BurstCap = -1
+	}
+	return pc
 }

@@ -5,6 +5,9 @@ import (
 	"fmt"
 	"strings"
 	"testing"
+	"time"
+
+	"github.com/kvgate/kvgate/internal/router"
 )
 
 // A program is named by prompt_cache_key, else X-Session-Id, else
@@ -160,5 +163,53 @@ func TestSaturatedProgramMoves(t *testing.T) {
 	}
 	if st := gw.g.rt.ProgramStats(); st.Moves != 1 {
 		t.Fatalf("program stats %+v, want 1 move", st)
+	}
+}
+
+// programs: is read from the file over the router's defaults, each value
+// bounded at validation with its key, and reaches the router.
+func TestProgramsConfig(t *testing.T) {
+	cfg, err := ParseConfig([]byte("replicas: [{url: 'http://127.0.0.1:1'}]\nprograms: {idle_ttl: 5s, max_programs: 3, burst_window: 0s}\n"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	got := cfg.Programs.RouterConfig()
+	if got.IdleTTL != 5*time.Second || got.MaxPrograms != 3 || got.BurstWindow >= 0 || got.BurstCap != router.DefaultBurstCap ||
+		got.KVShare != router.DefaultProgramKVShare || got.AdmissionWait != router.DefaultProgramAdmissionWait {
+		t.Fatalf("programs %+v", got)
+	}
+	for _, c := range []struct {
+		key string
+		set func(*ProgramsConfig)
+	}{
+		{"programs.idle_ttl", func(p *ProgramsConfig) { p.IdleTTL = 0 }},
+		{"programs.idle_ttl", func(p *ProgramsConfig) { p.IdleTTL = Duration(2 * time.Hour) }},
+		{"programs.max_programs", func(p *ProgramsConfig) { p.MaxPrograms = 0 }},
+		{"programs.max_programs", func(p *ProgramsConfig) { p.MaxPrograms = maxProgramsCap + 1 }},
+		{"programs.kv_share", func(p *ProgramsConfig) { p.KVShare = 0 }},
+		{"programs.kv_share", func(p *ProgramsConfig) { p.KVShare = 1.5 }},
+		{"programs.admission_wait", func(p *ProgramsConfig) { p.AdmissionWait = -1 }},
+		{"programs.burst_window", func(p *ProgramsConfig) { p.BurstWindow = -1 }},
+		{"programs.burst_cap", func(p *ProgramsConfig) { p.BurstCap = -1 }},
+	} {
+		t.Run(c.key, func(t *testing.T) {
+			cfg := baseConfig("http://127.0.0.1:1")
+			c.set(&cfg.Programs)
+			if err := cfg.Validate(); err == nil || !strings.Contains(err.Error(), c.key) {
+				t.Fatalf("err %v, want %s", err, c.key)
+			}
+		})
+	}
+	run := baseConfig(newFakeReplica(t).srv.URL)
+	run.Programs = cfg.Programs
+	g := startGateway(t, run)
+	for i := range 5 {
+		resp, body := post(t, g.srv.URL+"/v1/completions", fmt.Sprintf(`{"model":"m","prompt":"x","prompt_cache_key":"p%d"}`, i))
+		if resp.StatusCode != 200 {
+			t.Fatalf("%d %s", resp.StatusCode, body)
+		}
+	}
+	if st := g.g.rt.ProgramStats(); st.Tracked != 3 {
+		t.Fatalf("max_programs 3: %+v", st)
 	}
 }
