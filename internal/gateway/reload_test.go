@@ -105,6 +105,7 @@ func TestReloadableKeysPartitionConfig(t *testing.T) {
 		"kv_events_trust":  func(c *Config) { c.KVEventsTrust = TrustList{"any"} },
 		"profile":          func(c *Config) { c.Profile = "llama3-70b-h100-tp2" },
 		"record":           func(c *Config) { c.Record.Path = "trace.jsonl" },
+		"programs":         func(c *Config) { c.Programs.IdleTTL = Duration(time.Second) },
 		"shared_state":     func(c *Config) { c.SharedState = "redis://127.0.0.1:6379/0" },
 		"api_keys":         func(c *Config) { c.APIKeys = []string{"key"} },
 		"passthrough":      func(c *Config) { c.Passthrough = []string{"/v1/load_lora_adapter"} },
