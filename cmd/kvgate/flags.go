@@ -130,6 +130,7 @@ func (o outputFlags) outputs(title string) report.Outputs {
 type programFlags struct {
 	ttl, wait, window time.Duration
 	share             float64
+	admission         bool
 	burstCap          int
 }
 
@@ -137,7 +138,8 @@ func (p *programFlags) register(fs *flag.FlagSet) {
 	fs.DurationVar(&p.ttl, "program-idle-ttl", router.DefaultProgramIdleTTL, "a program idle this long releases its KV reservation")
 	fs.DurationVar(&p.wait, "program-admission-wait", router.DefaultProgramAdmissionWait,
 		"how long a new program waits for KV room before it is placed anyway (ttft places programs)")
-	fs.Float64Var(&p.share, "program-kv-share", router.DefaultProgramKVShare, "share of a replica's KV the live programs homed there may reserve")
+	fs.BoolVar(&p.admission, "program-kv-admission", false, "KV admission by program: a new program goes only where the live programs leave it room")
+	fs.Float64Var(&p.share, "program-kv-share", router.DefaultProgramKVShare, "with --program-kv-admission: share of a replica's KV the live programs homed there may reserve")
 	fs.DurationVar(&p.window, "burst-window", router.DefaultBurstWindow, "identical prompts within this long of the first go to its replica (0: off)")
 	fs.IntVar(&p.burstCap, "burst-cap", router.DefaultBurstCap, "requests of one burst a replica takes (0: no cap)")
 }
@@ -159,6 +161,7 @@ func (p *programFlags) check() error {
 func (p *programFlags) config() router.ProgramConfig {
 	c := gateway.DefaultPrograms()
 	c.IdleTTL, c.AdmissionWait, c.KVShare = gateway.Duration(p.ttl), gateway.Duration(p.wait), p.share
+	c.KVAdmission = p.admission
 	c.BurstWindow, c.BurstCap = gateway.Duration(p.window), p.burstCap
 	return c.RouterConfig()
 }

@@ -64,6 +64,9 @@ type ProgramsConfig struct {
 	// MaxPrograms caps the programs remembered; past it the longest idle
 	// one is forgotten (another gateway's never evicts a live one).
 	MaxPrograms int `json:"max_programs"`
+	// KVAdmission: a new program goes only where the live programs leave
+	// it room (router.ProgramConfig.KVAdmission; off by default).
+	KVAdmission bool `json:"kv_admission"`
 	// KVShare: the share of a replica's KV cache the live programs homed
 	// there may reserve before a new program is placed elsewhere.
 	KVShare float64 `json:"kv_share"`
@@ -116,7 +119,7 @@ func (c *ProgramsConfig) validate() []error {
 
 // RouterConfig is the router's ProgramConfig (its "off" values negative).
 func (c *ProgramsConfig) RouterConfig() router.ProgramConfig {
-	pc := router.ProgramConfig{IdleTTL: c.IdleTTL.D(), MaxPrograms: c.MaxPrograms, KVShare: c.KVShare,
+	pc := router.ProgramConfig{IdleTTL: c.IdleTTL.D(), MaxPrograms: c.MaxPrograms, KVAdmission: c.KVAdmission, KVShare: c.KVShare,
 		AdmissionWait: c.AdmissionWait.D(), BurstWindow: c.BurstWindow.D(), BurstCap: c.BurstCap}
 	if pc.BurstWindow == 0 {
 		pc.BurstWindow = -1

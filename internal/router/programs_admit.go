@@ -32,11 +32,10 @@ var errNoRoom = errors.New("router: no replica has room for a new program")
 // must be routed now (NoDefer), or whose program fits no replica even
 // empty, is placed by the policy alone.
 func (rt *Router) admit(req *policy.Request, views []policy.ReplicaView) error {
-	if req.Program.ID == 0 || req.Program.Continues {
+	if !rt.progs.cfg.KVAdmission || req.Program.ID == 0 || req.Program.Continues {
 		return nil
 	}
 	share := rt.progs.cfg.KVShare
-	need := float64(req.Tokens + max(req.MaxTokens, 0))
 	fit, ever := 0, false
 	room := make([]bool, len(views))
 	for i := range views {
@@ -44,6 +43,10 @@ func (rt *Router) admit(req *policy.Request, views []policy.ReplicaView) error {
 		if !v.Healthy {
 			continue
 		}
+		// What the program adds there: its context beyond the prefix the
+		// replica already holds (a shared system prompt is held once).
+		held := min(max(v.Match, 0)*rt.cfg.BlockSize, req.Tokens)
+		need := float64(req.Tokens - held + max(req.MaxTokens, 0))
 		limit := float64(max(v.NumBlocks, 0)) * float64(rt.cfg.BlockSize) * share
 		if need > limit {
 			continue

@@ -159,7 +159,7 @@ func TestProgramTableCapped(t *testing.T) {
 // it waits until one idles past its TTL, or until AdmissionWait.
 func TestProgramAdmission(t *testing.T) {
 	// 2 replicas of 100 blocks (1,600 tokens); share 0.9: 1,440 tokens of programs each.
-	f := newProgFleet(t, placer{leastLoadPolicy(t)}, 2, 100, ProgramConfig{IdleTTL: 10 * time.Second, AdmissionWait: 2 * time.Second})
+	f := newProgFleet(t, placer{leastLoadPolicy(t)}, 2, 100, ProgramConfig{KVAdmission: true, IdleTTL: 10 * time.Second, AdmissionWait: 2 * time.Second})
 	big := func(id, word string) *policy.Request { return f.req(id, word, 900) } // 916 tokens with output
 	a, err := f.rt.Route(big("a", "aa "))
 	if err != nil {
@@ -216,7 +216,7 @@ func TestProgramAdmission(t *testing.T) {
 
 // Policies that do not place programs (the peers) get no admission.
 func TestProgramAdmissionOnlyForPlacers(t *testing.T) {
-	f := newProgFleet(t, leastLoadPolicy(t), 1, 100, ProgramConfig{})
+	f := newProgFleet(t, leastLoadPolicy(t), 1, 100, ProgramConfig{KVAdmission: true})
 	for _, id := range []string{"a", "b"} {
 		tk, w, err := f.rt.Submit(f.req(id, id+" ", 900))
 		if err != nil || tk == nil || w != nil {
