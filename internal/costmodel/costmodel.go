@@ -20,6 +20,12 @@
 // plus the bytes of the tokens moved over the link's bandwidth,
 //
 //	transfer = latency + tokens × kv_bytes_per_token / bandwidth
+//
+// and the load of KV from the engine's host (CPU) tier, an offloading
+// connector's cache in host memory (vLLM's OffloadingConnector, LMCache):
+// the same form over the GPU's PCIe link,
+//
+//	host load = host_latency + tokens × kv_bytes_per_token / host_bandwidth
 package costmodel
 
 import (
@@ -54,6 +60,16 @@ type Profile struct {
 	TransferLatencyMs float64 `json:"transfer_latency_ms"`
 	// TransferSource says where the transfer figures come from.
 	TransferSource string `json:"transfer_source,omitempty"`
+
+	// HostGBps is the bandwidth of loading KV from the host tier into GPU
+	// memory, GB/s; 0 only with KVBytesPerToken 0.
+	HostGBps float64 `json:"host_gb_per_s"`
+	// HostLatencyMs is the fixed cost of one load from the host tier
+	// (posting the copies, their completion, the scheduler step that
+	// notices it), ms.
+	HostLatencyMs float64 `json:"host_latency_ms"`
+	// HostSource says where the host-tier figures come from.
+	HostSource string `json:"host_source,omitempty"`
 }
 
 // Step describes the work of one scheduler iteration.
@@ -114,11 +130,35 @@ func (p Profile) DecodeStepMs(n int, meanContext float64) float64 {
 // TransferWireMs is the time the bytes of tokens' KV take on the link:
 // tokens × KVBytesPerToken / bandwidth, in ms (0 for no tokens or no bytes).
 func (p Profile) TransferWireMs(tokens int) float64 {
+	return p.wireMs(tokens, p.TransferGBps)
+}
+
+// wireMs is the time tokens' KV bytes take at gbps, in ms.
+func (p Profile) wireMs(tokens int, gbps float64) float64 {
 	if tokens <= 0 || p.KVBytesPerToken == 0 {
 		return 0
 	}
-	return float64(tokens) * p.KVBytesPerToken / (p.TransferGBps * 1e9) * 1e3
+	return float64(tokens) * p.KVBytesPerToken / (gbps * 1e9) * 1e3
 }
+
+// HostWireMs is the time tokens' KV take on the host tier's PCIe link, ms.
+func (p Profile) HostWireMs(tokens int) float64 { return p.wireMs(tokens, p.HostGBps) }
+
+// HostLoadMs is the time of one load of tokens' KV from the host tier
+// alone on its link: the per-load latency plus the wire time, ms (0 for no
+// tokens).
+func (p Profile) HostLoadMs(tokens int) float64 {
+	if tokens <= 0 {
+		return 0
+	}
+	return p.HostLatencyMs + p.HostWireMs(tokens)
+}
+
+// HostLatency is HostLatencyMs as a duration.
+func (p Profile) HostLatency() time.Duration { return msToDuration(p.HostLatencyMs) }
+
+// HostWireTime is HostWireMs as a duration.
+func (p Profile) HostWireTime(tokens int) time.Duration { return msToDuration(p.HostWireMs(tokens)) }
 
 // TransferMs is the time of one transfer of tokens' KV alone on the link:
 // the per-transfer latency plus the wire time, ms (0 for no tokens).
@@ -161,6 +201,9 @@ func (p Profile) Validate() error {
 		(p.KVBytesPerToken > 0 && p.TransferGBps == 0) {
 		return fmt.Errorf("costmodel: profile %q: transfer costs must be ≥ 0, and bytes per token need a bandwidth > 0", p.Name)
 	}
+	if !(p.HostGBps >= 0 && p.HostLatencyMs >= 0) || (p.KVBytesPerToken > 0 && p.HostGBps == 0) {
+		return fmt.Errorf("costmodel: profile %q: host-tier costs must be ≥ 0, and bytes per token need a host bandwidth > 0", p.Name)
+	}
 	return nil
 }
 
@@ -194,7 +237,26 @@ const (
 	// model's activation dtype, bf16 (also for fp8-weight checkpoints
 	// without fp8 KV scales).
 	bf16Bytes = 2
+
+	// DefaultHostGBps is one H100's host link as a KV offloading connector
+	// uses it: PCIe Gen5 x16 carries 64 GB/s per direction in theory and
+	// about 50 GB/s in pinned-memory copies; vLLM's OffloadingConnector
+	// moves blocks by DMA (cudaMemcpyAsync) in 0.5–2 MB physical blocks
+	// since vLLM 0.12's contiguous layout (blog.vllm.ai, 2026-01-08, "Inside
+	// vLLM's new KV offloading connector"), well below the link's peak with
+	// compute running beside it. 25 GB/s is the issue's figure (#28): half
+	// the copy rate, for the interference.
+	DefaultHostGBps = 25
+	// DefaultHostLatencyMs is the fixed part of a host load: the scheduler
+	// posts it in one step (the request waits for remote KVs, as with NIXL)
+	// and sees it done in a later one; about one decode step at batch 1 on
+	// the 8B profile would be 10 ms, but the copy is polled every step of
+	// any size, so a millisecond is taken, not measured.
+	DefaultHostLatencyMs = 1
 )
+
+const hostSource = "host tier: PCIe Gen5 x16 per GPU, 25 GB/s for DMA copies of 0.5–2 MB KV blocks with compute " +
+	"beside them (half the ≈50 GB/s of pinned copies; vLLM's OffloadingConnector since 0.12), 1 ms per load."
 
 const transferSource = "per-transfer latency 2 ms (seed 004's RDMA transfer); bandwidth: one 400 Gb/s " +
 	"RDMA NIC per GPU (ConnectX-7 on DGX/HGX H100) at line rate, 50 GB/s, as NIXL over UCX reads the " +
@@ -215,6 +277,9 @@ var profiles = map[string]Profile{
 		TransferLatencyMs: DefaultTransferLatencyMs,
 		TransferSource: transferSource + "KV: Llama-3-8B config.json, 2 (K, V) × 32 layers × 8 KV heads × " +
 			"128 head dim × 2 bytes (bf16) = 131,072 B per token.",
+		HostGBps:      DefaultHostGBps,
+		HostLatencyMs: DefaultHostLatencyMs,
+		HostSource:    hostSource,
 	},
 	"llama3-70b-h100-tp2": {
 		Name: "llama3-70b-h100-tp2",
@@ -231,6 +296,10 @@ var profiles = map[string]Profile{
 		TransferSource: transferSource + "two GPUs, each reading its tensor-parallel half of the KV heads " +
 			"over its own NIC: 100 GB/s together. KV: Llama-3-70B config.json, 2 (K, V) × 80 layers × 8 KV " +
 			"heads × 128 head dim × 2 bytes (bf16 KV; --kv-cache-dtype auto) = 327,680 B per token.",
+		// Each GPU loads its tensor-parallel half over its own PCIe link.
+		HostGBps:      2 * DefaultHostGBps,
+		HostLatencyMs: DefaultHostLatencyMs,
+		HostSource:    hostSource + " Two GPUs, each loading its half of the KV heads: 50 GB/s together.",
 	},
 	Seed004: {
 		Name: Seed004,
@@ -247,6 +316,8 @@ var profiles = map[string]Profile{
 			"not model; run one sequence per step (max_seqs 1) to keep them apart.",
 		TransferLatencyMs: 2,
 		TransferSource:    "seed 004: RDMA transfer 2 ms per request, whatever its size (no bytes per token).",
+		HostLatencyMs:     DefaultHostLatencyMs,
+		HostSource:        "seed 004 has no host tier; a host load costs the default 1 ms, whatever its size.",
 	},
 }
 

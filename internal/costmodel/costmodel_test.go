@@ -120,3 +120,36 @@ func TestSeed004(t *testing.T) {
 		t.Errorf("decode step %v ms", got)
 	}
 }
+
+func TestHostLoad(t *testing.T) {
+	p := MustLookup(Default)
+	// 1,000 tokens of 128 KiB at 25 GB/s: 5.24288 ms, plus 1 ms.
+	if got, want := p.HostLoadMs(1000), 1+1000*131072/25e9*1e3; math.Abs(got-want) > 1e-9 {
+		t.Fatalf("host load %v want %v", got, want)
+	}
+	if p.HostLoadMs(0) != 0 || p.HostWireMs(-5) != 0 {
+		t.Fatal("no tokens cost something")
+	}
+	if d := p.HostLatency() + p.HostWireTime(1000); d != time.Duration(p.HostLatencyMs*1e6)+time.Duration(p.HostWireMs(1000)*1e6) {
+		t.Fatalf("durations %v", d)
+	}
+	// A host hit costs less than computing the same tokens, on every
+	// built-in profile that has KV bytes, from one block to a long prompt.
+	for _, n := range Names() {
+		q := MustLookup(n)
+		for _, tokens := range []int{16, 1000, 32000} {
+			if load, pre := q.HostLoadMs(tokens), q.PrefillMs(tokens, 0, 8192); load >= pre {
+				t.Errorf("%s: loading %d tokens takes %v ms, computing them %v", n, tokens, load, pre)
+			}
+		}
+	}
+	bad := p
+	bad.HostGBps = 0
+	if bad.Validate() == nil {
+		t.Fatal("bytes per token without a host bandwidth validated")
+	}
+	bad.HostGBps, bad.HostLatencyMs = 25, -1
+	if bad.Validate() == nil {
+		t.Fatal("a negative host latency validated")
+	}
+}

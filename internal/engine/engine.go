@@ -81,6 +81,9 @@ type Config struct {
 	// (priority, arrival) (vLLM v1's scheduler). Off: first come first
 	// served, Priority ignored.
 	PriorityScheduling bool
+	// HostBlocks is the host (CPU) tier's size in blocks, vLLM's
+	// OffloadingConnector's num_cpu_blocks (see tier.go); 0: no host tier.
+	HostBlocks int
 }
 
 // Defaults of Config.
@@ -134,6 +137,8 @@ func (c Config) validate() error {
 		return fmt.Errorf("%w: role %v", ErrInvalidConfig, c.Role)
 	case c.KVHoldTimeout < 0:
 		return fmt.Errorf("%w: kv hold timeout %v < 0", ErrInvalidConfig, c.KVHoldTimeout)
+	case c.HostBlocks < 0 || c.HostBlocks >= math.MaxInt32:
+		return fmt.Errorf("%w: host blocks %d out of [0, %d)", ErrInvalidConfig, c.HostBlocks, math.MaxInt32)
 	}
 	if err := c.Profile.Validate(); err != nil {
 		return fmt.Errorf("%w: %w", ErrInvalidConfig, err)
@@ -177,6 +182,14 @@ type Request struct {
 	// Priority is vLLM's request priority (lower is earlier), honoured
 	// with Config.PriorityScheduling.
 	Priority int
+	// PullBlocks (a peer pull, vLLM's kv_transfer_params.remote_kv_source)
+	// is how many leading prompt blocks the named peer holds, as the driver
+	// asked it (Servable) when the request came: when admitted, the request
+	// pulls those of them its own GPU and host tiers lack over the KV link
+	// (tier.go), and computes the rest. 0: no pull; a peer that holds no
+	// more than the request's own hit makes it compute, no error. At most
+	// len(BlockHashes); not with RemotePrefill.
+	PullBlocks int
 }
 
 // Output reports one request's progress in one step.
@@ -193,8 +206,13 @@ type Output struct {
 	CachedTokens int
 	// ExternalTokens are the prompt tokens a RemotePrefill request pulled
 	// (vLLM's num_external_computed_tokens); its own cache held the
-	// PromptTokens − ExternalTokens before them. Set on the First output.
+	// PromptTokens − ExternalTokens before them. For a request that loaded
+	// from the host tier or pulled from a peer, those tokens
+	// (HostTokens + PulledTokens). Set on the First output.
 	ExternalTokens int
+	// HostTokens and PulledTokens are the prompt tokens a request loaded
+	// from its host tier and pulled from a peer. Set on the First output.
+	HostTokens, PulledTokens int
 	// Held (on the Finished output of a RemoteDecode request): its blocks
 	// are held for the remote decode; HeldBlocks gives their ids, what the
 	// decode side reads (vLLM's remote_block_ids).
@@ -223,12 +241,33 @@ func (k KVKind) String() string {
 	return fmt.Sprintf("KVKind(%d)", uint8(k))
 }
 
+// Medium is where a KV event's blocks are: vLLM's event medium.
+type Medium uint8
+
+// Media.
+const (
+	MediumGPU Medium = iota // the engine's GPU KV cache
+	MediumCPU               // its host tier (tier.go)
+)
+
+// String is vLLM's name of the medium (MEDIUM_GPU, MEDIUM_CPU in
+// vllm/distributed/kv_events.py).
+func (m Medium) String() string {
+	if m == MediumCPU {
+		return "CPU"
+	}
+	return "GPU"
+}
+
 // KVEvent mirrors one vLLM KV cache event. Replaying a replica's events in
-// order into a set (add on Stored, delete on Removed, empty on Cleared) gives
-// exactly the hashes it holds: a hash is never stored twice without a Removed
-// in between.
+// order into a set per medium (add on Stored, delete on Removed, empty all
+// on Cleared) gives exactly the hashes each tier holds: a hash is never
+// stored twice in one medium without a Removed in between. Events of the
+// host tier (Medium CPU) carry the hashes only, as vLLM's
+// OffloadingConnector sends them by default.
 type KVEvent struct {
 	Kind        KVKind
+	Medium      Medium
 	BlockHashes []uint64 // Stored: a subslice of the request's BlockHashes, do not modify
 	ParentHash  uint64   // Stored: hash of the block before the first stored one
 	HasParent   bool     // Stored: false when the first stored block is the prompt's first
@@ -282,11 +321,22 @@ type Stats struct {
 	// ExternalQueries and ExternalHits are vLLM's external prefix cache
 	// counters (vllm:external_prefix_cache_*): the prompt tokens a
 	// RemotePrefill request's own cache lacked, and of those the ones
-	// pulled (all of them).
+	// pulled (all of them); for the other requests, the prompt tokens
+	// their GPU cache lacked, and of those the ones loaded from the host
+	// tier or pulled from a peer.
 	ExternalQueries, ExternalHits int64
-	Transfers                     int64 // pulls completed
-	TransferTokens                int64 // tokens pulled
-	HoldsReleased, HoldsExpired   int64 // holds ended by Release, by KVHoldTimeout
+
+	// The host tier (tier.go): its blocks now and its size; blocks stored
+	// and evicted; loads and their tokens. Peer pulls (Request.PullBlocks):
+	// done, their tokens, and those that found nothing to pull.
+	HostBlocks, HostCapacity    int
+	HostStored, HostEvicted     int64
+	HostLoads, HostLoadTokens   int64
+	PeerPulls, PeerPullTokens   int64
+	PeerPullMisses              int64
+	Transfers                   int64 // pulls completed
+	TransferTokens              int64 // tokens pulled
+	HoldsReleased, HoldsExpired int64 // holds ended by Release, by KVHoldTimeout
 	// Prompt tokens of requests that emitted their first token, by source
 	// as vLLM's vllm:prompt_tokens_by_source: computed here, hit in the
 	// local prefix cache, pulled from a remote prefill.
@@ -335,6 +385,14 @@ type seq struct {
 	pullStart     time.Duration // the transfer: admitted at pullStart, done at pullDone
 	pullDone      time.Duration
 	holdUntil     time.Duration // stHeld: freed at this time unless released
+
+	// Host tier and peer pulls (tier.go, transfer.go).
+	nOffered   int  // leading blocks offered to the host tier
+	pullBlocks int  // Request.PullBlocks until admitted
+	tierLoad   bool // stPulling for a host load or a peer pull, not a remote prefill
+	loadTo     int  // tokens computed when the transfer is done
+	hostTokens int  // prompt tokens loaded from the host tier
+	pullTokens int  // prompt tokens pulled from a peer
 }
 
 // target is the sequence length whose KV must exist before the next token can
@@ -360,6 +418,9 @@ type Engine struct {
 	holds    []hold        // holds in order of deadline; ended ones are skipped
 	held     int           // stHeld requests
 	linkFree time.Duration // when the KV link finishes the wire time of the transfers posted
+
+	host     *hostTier     // nil: no host tier
+	hostFree time.Duration // when the host link finishes the wire time of the loads posted
 
 	// Per-step scratch.
 	stepNo       uint64
@@ -392,6 +453,9 @@ func New(cfg Config) (*Engine, error) {
 	if cfg.Jitter > 0 {
 		e.rng = rand.New(rand.NewPCG(cfg.Seed, cfg.Seed^0x9e3779b97f4a7c15))
 	}
+	if cfg.HostBlocks > 0 {
+		e.host = newHostTier(cfg.HostBlocks, !cfg.DisableKVEvents)
+	}
 	e.st.NumBlocks, e.st.BlockSize = cfg.NumBlocks, cfg.BlockSize
 	return e, nil
 }
@@ -420,6 +484,11 @@ func (e *Engine) Add(r *Request, now time.Duration) error {
 	case len(r.TokenIDs) != 0 && len(r.TokenIDs) != r.PromptTokens:
 		return fmt.Errorf("%w: id %d: %d token ids for %d prompt tokens", ErrInvalidRequest,
 			r.ID, len(r.TokenIDs), r.PromptTokens)
+	case r.PullBlocks < 0 || r.PullBlocks > len(r.BlockHashes):
+		return fmt.Errorf("%w: id %d: pull of %d blocks out of [0, %d]", ErrInvalidRequest,
+			r.ID, r.PullBlocks, len(r.BlockHashes))
+	case r.PullBlocks > 0 && r.RemotePrefill:
+		return fmt.Errorf("%w: id %d: a peer pull on a remote prefill", ErrInvalidRequest, r.ID)
 	}
 	if err := e.checkTransfer(r); err != nil {
 		return err
@@ -451,6 +520,7 @@ func (e *Engine) Add(r *Request, now time.Duration) error {
 	if e.cfg.PriorityScheduling {
 		s.priority = r.Priority
 	}
+	s.pullBlocks = r.PullBlocks
 	// Size the block table for the request's whole life once, so that
 	// decode steps never allocate.
 	if need := e.blocksFor(r.PromptTokens + r.MaxTokens - 1); cap(s.blocks) < need {
@@ -529,6 +599,10 @@ func (e *Engine) Stats() Stats {
 	s.KVUsage = float64(e.pool.used()) / float64(e.cfg.NumBlocks)
 	s.CachedBlocks = e.pool.cache.Len()
 	s.EvictedBlocks = e.pool.evicted
+	if e.host != nil {
+		s.HostBlocks, s.HostCapacity = e.host.len(), e.host.n
+		s.HostStored, s.HostEvicted = e.host.storedN, e.host.evicted
+	}
 	return s
 }
 
@@ -620,6 +694,9 @@ func (e *Engine) ResetPrefixCache() (KVEvent, bool) {
 		return KVEvent{}, false
 	}
 	e.pool.clearHashes()
+	if e.host != nil {
+		e.host.clear()
+	}
 	return KVEvent{Kind: Cleared, BlockSize: e.bs}, true
 }
 
@@ -674,18 +751,24 @@ func (e *Engine) Step(now time.Duration) StepResult {
 	}
 	// 3. Admissions, unless this step preempted: the cache is short, and
 	// admitting would only take blocks the preempted request needs (vLLM).
-	// A step that preempted always schedules something: the first running
+	// Requests whose transfers are done are admitted all the same, within
+	// the blocks they hold (they need none: see admitPulled). So a step
+	// that preempted always schedules something: the first running
 	// sequence only preempts itself once every other one is gone, and then
-	// the whole cache but its own blocks is free, which fits it (Add rejects
-	// what cannot fit alone).
-	if !e.preemptedNow {
-		e.admit()
-	}
+	// the whole cache is free but its own blocks and those of requests
+	// holding blocks outside the running list: those transferring (which
+	// end at NextEvent), held (likewise) and pulled (admitted here).
+	// What is free then fits it (Add rejects what cannot fit alone).
+	e.admit(e.preemptedNow)
 	e.flushRemoved()
+	if e.host != nil {
+		e.events = e.host.flush(e.events, e.bs)
+	}
 
 	if len(e.sched) == 0 {
 		// Nothing computed; a transfer may still have started or ended,
-		// and a hold expired.
+		// a hold expired, and a sequence preempted itself.
+		e.compactRunning()
 		return StepResult{Start: start, End: start, KV: e.events, Pulls: e.pulls, Expired: e.expired}
 	}
 	var dur time.Duration
@@ -757,7 +840,8 @@ func (e *Engine) victim(s *seq) *seq {
 }
 
 // preempt frees v's blocks (they stay cached, so the recompute hits them if
-// they survive) and puts it back at the head of the waiting queue. Its entry
+// they survive) and puts it back at the head of the waiting queue (behind
+// the pulled requests). Its entry
 // in running becomes a tombstone removed by compactRunning.
 func (e *Engine) preempt(v *seq) {
 	e.pool.release(v.blocks)
@@ -766,11 +850,15 @@ func (e *Engine) preempt(v *seq) {
 	v.state = stWaiting
 	v.preempted = true
 	e.live--
-	if i := e.priorityPlace(v); i > 0 {
-		e.waiting.insert(i, v)
-	} else {
-		e.waiting.pushFront(v)
+	// At the head of the queue (or its priority's place), but behind the
+	// requests whose transfers are done: they hold their prompts' blocks
+	// and need none to start, and a preempted request needing blocks must
+	// not block them.
+	i := e.priorityPlace(v)
+	for i < e.waiting.len() && e.waiting.at(i).pulled {
+		i++
 	}
+	e.waiting.insert(i, v)
 	e.st.Preemptions++
 	e.preemptedNow = true
 }
@@ -796,13 +884,19 @@ func (e *Engine) compactRunning() {
 
 // admit moves waiting requests into running, FCFS, stopping at the first one
 // that cannot start (no budget, sequence cap, or not enough free blocks for
-// its first chunk once its cached prefix is taken).
-func (e *Engine) admit() {
+// its first chunk once its cached prefix is taken); pulledOnly, only the
+// requests at the head whose transfers are done, within their own blocks.
+func (e *Engine) admit(pulledOnly bool) {
 	for e.budget > 0 && e.live < e.cfg.MaxSeqs && e.waiting.len() > 0 {
 		s := e.waiting.front()
 		if s.pulled {
-			e.admitPulled(s)
+			if !e.admitPulled(s, !pulledOnly) {
+				return
+			}
 			continue
+		}
+		if pulledOnly {
+			return
 		}
 		limit := min(len(s.hashes), (s.target()-1)/e.bs)
 		s.blocks = s.blocks[:0]
@@ -826,6 +920,14 @@ func (e *Engine) admit() {
 			}
 			continue
 		}
+		if computed == hit*e.bs {
+			if host, pull := e.loadable(s, hit, limit); host+pull > 0 {
+				if !e.admitLoad(s, hit, host, pull, evictable) {
+					return
+				}
+				continue
+			}
+		}
 		n := min(s.target()-computed, e.budget)
 		need := e.blocksFor(computed+n) - hit
 		if need > e.pool.free-evictable {
@@ -836,6 +938,7 @@ func (e *Engine) admit() {
 		for _, b := range s.blocks {
 			e.pool.touch(b)
 		}
+		e.lookedUp(s, limit)
 		s.computed, s.nHashed = computed, hit
 		if s.cached < 0 {
 			s.cached = computed
@@ -896,6 +999,7 @@ func (e *Engine) registerComputed(s *seq) {
 		e.stored(s, run, hi)
 	}
 	s.nHashed = max(s.nHashed, hi)
+	e.offload(s, hi)
 }
 
 // stored emits the Stored event of blocks [lo, hi) of s, after any pending
@@ -946,6 +1050,7 @@ func (e *Engine) emit() {
 		o := Output{ReqID: s.id, NewTokens: 1}
 		if s.outputs == 1 {
 			o.First, o.CachedTokens, o.ExternalTokens = true, s.cached, s.external
+			o.HostTokens, o.PulledTokens = s.hostTokens, s.pullTokens
 			e.st.PromptTokens += int64(s.prompt)
 			e.countSources(s)
 		}

@@ -179,17 +179,20 @@ func (e *Engine) advance(now time.Duration) {
 	}
 }
 
-// pulled finishes s's transfer: its pulled blocks are cached (Stored
-// events) up to prompt − 1 tokens, the last one left to compute, and it
-// waits at the head of the queue behind earlier pulled requests.
+// pulled finishes s's transfer: its pulled (or loaded) blocks are cached
+// (Stored events), for a remote prefill up to prompt − 1 tokens, the last
+// one left to compute, and it waits at the head of the queue behind
+// earlier pulled requests.
 func (e *Engine) pulled(s *seq) {
-	s.computed = s.prompt - 1
+	s.computed = s.loadTo
 	e.registerComputed(s)
 	s.pulled, s.state = true, stWaiting
-	e.st.Transfers++
-	e.st.TransferTokens += int64(s.external)
-	e.pulls = append(e.pulls, Pull{ReqID: s.id, Tokens: s.external,
-		Bytes: e.cfg.Profile.TransferBytes(s.external), Start: s.pullStart, End: s.pullDone})
+	if !s.tierLoad {
+		e.st.Transfers++
+		e.st.TransferTokens += int64(s.external)
+		e.pulls = append(e.pulls, Pull{ReqID: s.id, Tokens: s.external,
+			Bytes: e.cfg.Profile.TransferBytes(s.external), Start: s.pullStart, End: s.pullDone})
+	}
 	i := 0
 	for i < e.waiting.len() && e.waiting.at(i).pulled {
 		i++
@@ -217,6 +220,7 @@ func (e *Engine) admitPull(s *seq, hit, evictable int) bool {
 	s.nHashed, s.computed = hit, local
 	s.remotePrefill = false // one transfer per request, as vLLM
 	s.external = s.prompt - local
+	s.loadTo = s.prompt - 1
 	e.st.PrefixQueries += int64(s.prompt)
 	e.st.PrefixHits += int64(local)
 	e.st.ExternalQueries += int64(s.external)
@@ -227,24 +231,40 @@ func (e *Engine) admitPull(s *seq, hit, evictable int) bool {
 	e.linkFree = begin + prof.TransferWireTime(s.external)
 	s.pullStart, s.pullDone = e.now, e.linkFree+prof.TransferLatency()
 	s.state = stPulling
-	e.pulling = append(e.pulling, s) // pullDone never decreases: the list stays ordered
+	e.insertPulling(s)
 	return true
 }
 
 // admitPulled runs the waiting head s, whose transfer is done, with its
-// blocks: it computes its last prompt token (which fits its last block).
-func (e *Engine) admitPulled(s *seq) {
+// blocks: it computes the rest of its prompt, chunked to the budget (a
+// remote prefill: its last prompt token, which fits its last block). It
+// reports false, leaving s waiting, when no block is free (or newBlocks is
+// false) for a chunk past its blocks, which it then does not need: its
+// transfer stopped short of its last prompt token.
+func (e *Engine) admitPulled(s *seq, newBlocks bool) bool {
+	// Its blocks cover its prompt, whose last token is never transferred;
+	// a chunk past them (a preempted request's outputs) takes free blocks,
+	// unless newBlocks is false.
+	room := len(s.blocks) * e.bs
+	if newBlocks {
+		room += e.pool.free * e.bs
+	}
+	n := min(s.target()-s.computed, e.budget, room-s.computed)
+	if n < 1 {
+		return false
+	}
+	need := max(e.blocksFor(s.computed+n)-len(s.blocks), 0)
 	e.waiting.popFront()
-	s.pulled = false
+	s.pulled, s.tierLoad = false, false
 	if s.cached < 0 {
-		s.cached = s.computed // vLLM's num_cached_tokens: local and pulled, prompt − 1
+		s.cached = s.computed // vLLM's num_cached_tokens: local, loaded and pulled
 	}
 	s.state, s.preempted = stRunning, false
 	e.running = append(e.running, s)
 	e.live++
-	n := s.target() - s.computed // 1
-	e.allocate(s, e.blocksFor(s.computed+n)-len(s.blocks))
+	e.allocate(s, need)
 	e.schedule(s, n)
+	return true
 }
 
 // removePulling drops s from the transfers under way.
