@@ -6,6 +6,7 @@ import (
 	"flag"
 	"fmt"
 	"log/slog"
+	"math"
 	"strconv"
 	"strings"
 	"time"
@@ -80,6 +81,11 @@ func (f *simFlags) register(fs *flag.FlagSet) {
 	fs.DurationVar(&cfg.KVHoldTimeout, "kv-hold-timeout", engine.DefaultKVHoldTimeout,
 		"how long a prefill replica holds a request's KV blocks for its decode replica, in simulated time "+
 			"(vLLM's VLLM_NIXL_ABORT_REQUEST_TIMEOUT)")
+	fs.IntVar(&cfg.OffloadBlocks, "cpu-offload-blocks", 0,
+		"host (CPU) KV tier of each replica (each rank), in blocks, as vLLM's OffloadingConnector keeps it: every "+
+			"computed block is stored there too (LRU), a prompt evicted from the GPU is loaded from it over PCIe at the "+
+			"profile's rate, and its KV events carry medium CPU (0: none). Every replica also serves peer pulls: a "+
+			"request with kv_transfer_params.remote_kv_source {remote_host, remote_port} pulls what that sim holds")
 	f.registerFaults(fs)
 }
 
@@ -126,6 +132,8 @@ func (f *simFlags) config() (sim.Config, error) {
 		return cfg, usageErr("--time-scale %v: want > 0", cfg.TimeScale)
 	case cfg.KVHoldTimeout <= 0:
 		return cfg, usageErr("--kv-hold-timeout %v: want > 0", cfg.KVHoldTimeout)
+	case cfg.OffloadBlocks < 0 || cfg.OffloadBlocks >= math.MaxInt32:
+		return cfg, usageErr("--cpu-offload-blocks %d: want 0 to %d", cfg.OffloadBlocks, math.MaxInt32-1)
 	}
 	if err := f.parseRoles(&cfg); err != nil {
 		return cfg, usageErr("%v", err)

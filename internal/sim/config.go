@@ -132,6 +132,9 @@ type Config struct {
 	// for its decode replica, in virtual time (vLLM's
 	// VLLM_NIXL_ABORT_REQUEST_TIMEOUT); default engine.DefaultKVHoldTimeout.
 	KVHoldTimeout time.Duration
+	// OffloadBlocks is each core's host (CPU) tier in blocks, vLLM's
+	// OffloadingConnector (engine.Config.HostBlocks); 0: none.
+	OffloadBlocks int
 	// Logger gets the sim's warnings (a failed KV pull or release); nil
 	// discards them.
 	Logger *slog.Logger
@@ -336,6 +339,8 @@ func (c Config) validate() error {
 		return bad("%d per-replica roles for %d replicas", len(c.Roles), c.Replicas)
 	case c.KVHoldTimeout < 0:
 		return bad("kv hold timeout %v < 0", c.KVHoldTimeout)
+	case c.OffloadBlocks < 0 || c.OffloadBlocks >= math.MaxInt32:
+		return bad("offload blocks %d out of [0, %d)", c.OffloadBlocks, math.MaxInt32)
 	}
 	for _, role := range append([]engine.Role{c.Role}, c.Roles...) {
 		if role > engine.RoleDecode {

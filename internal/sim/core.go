@@ -67,6 +67,7 @@ func newEngine(cfg Config, idx, rank int) (*engine.Engine, error) {
 		KVHoldTimeout:   cfg.KVHoldTimeout,
 
 		PriorityScheduling: cfg.SchedulingPolicy == SchedulingPriority,
+		HostBlocks:         cfg.OffloadBlocks,
 	})
 	if err != nil {
 		return nil, fmt.Errorf("%w: %w", ErrInvalidConfig, err)

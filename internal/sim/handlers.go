@@ -31,6 +31,7 @@ func (r *Replica) routes() http.Handler {
 	mux.Handle("GET /metrics", promhttp.HandlerFor(r.metrics.reg, promhttp.HandlerOpts{}))
 	mux.HandleFunc("POST "+PathKVRead, r.kvRead)
 	mux.HandleFunc("POST "+PathKVRelease, r.kvReleaseSide)
+	mux.HandleFunc("POST "+PathKVServable, r.kvServable)
 	return http.HandlerFunc(func(w http.ResponseWriter, req *http.Request) {
 		if !r.gate.enter() {
 			writeError(w, errShuttingDown)
@@ -183,6 +184,9 @@ func (r *Replica) inference(kind prompt.Kind) http.HandlerFunc {
 			pullErr = r.openPull(req.Context(), j)
 		}
 		j.pull = j.kv.remotePrefill && pullErr == nil
+		if j.kv.source != nil {
+			j.pullBlocks, pullErr = r.openSource(req.Context(), j)
+		}
 		cl, reqs := r.newCall(j)
 		j.submitted = r.clock.Now()
 		j.hold, j.hasHold = HoldKey(req.Header)
@@ -206,8 +210,11 @@ func (r *Replica) inference(kind prompt.Kind) http.HandlerFunc {
 			// The sim's own aid: vLLM does not say which rank served.
 			w.Header().Set(HeaderDataParallelRank, strconv.Itoa(cl.core.rank))
 		}
-		if j.kv.remotePrefill {
+		switch {
+		case j.kv.remotePrefill:
 			r.notePull(w, cl, pullErr)
+		case j.kv.source != nil:
+			r.noteSource(w, j, pullErr)
 		}
 		if j.stream {
 			r.streamCall(w, req, j, cl, die)

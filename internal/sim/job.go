@@ -40,6 +40,9 @@ type job struct {
 	// pull: a remote prefill whose prefill side holds the prompt's blocks
 	// (openPull succeeded): the engine pulls them instead of computing.
 	pull bool
+	// pullBlocks: the leading blocks of the prompt the peer named by
+	// kv.source holds (openSource), to pull (engine.Request.PullBlocks).
+	pullBlocks int
 	// crash: a prompt contains the query of death (Faults.CrashOn).
 	crash bool
 	// submitted and firstOut are the wall times at which the request went
@@ -224,6 +227,7 @@ func (r *Replica) newCall(j *job) (*call, []engine.Request) {
 				RemoteDecode:  j.kv.remoteDecode && c.reason == finishLength,
 				RemotePrefill: j.pull,
 				Priority:      j.priority,
+				PullBlocks:    min(j.pullBlocks, len(in.hashes)),
 			})
 			if j.pull {
 				c.remote = remoteOf(j.kv)

@@ -81,6 +81,9 @@ type kvParams struct {
 	// span (PrefillKey, PrefillWallKey), which the decode side counts in
 	// its Timing.
 	prefillMs, prefillWallMs float64
+	// source is a peer to pull the cached prefix from (remote_kv_source,
+	// tiers.go), nil when none.
+	source *kvSource
 }
 
 // kvBad is a 400 naming a field of kv_transfer_params.
@@ -122,6 +125,9 @@ func readKVParams(b body) (kvParams, error) {
 	if err := p.readNumbers(o); err != nil {
 		return p, err
 	}
+	if p.source, err = readKVSource(o); err != nil {
+		return p, err
+	}
 	return p, p.check()
 }
 
@@ -157,6 +163,8 @@ func (p *kvParams) check() error {
 	switch {
 	case p.remoteDecode && p.remotePrefill:
 		return badRequest("kv_transfer_params", "do_remote_decode and do_remote_prefill cannot both be true.")
+	case p.remotePrefill && p.source != nil:
+		return kvBad(remoteKVSource, "a remote prefill pulls its whole prompt: remote_kv_source goes with do_remote_decode or alone.")
 	case !p.remotePrefill:
 		return nil
 	case p.engineID == "":
@@ -178,7 +186,7 @@ func (p *kvParams) check() error {
 // non-streamed (its parameters are in the response body).
 func (r *Replica) checkKVJob(j *job) error {
 	kv := j.kv
-	if !kv.remoteDecode && !kv.remotePrefill {
+	if !kv.remoteDecode && !kv.remotePrefill && kv.source == nil {
 		return nil
 	}
 	role := r.cfg.Role
@@ -362,7 +370,7 @@ func remoteOf(p kvParams) *kvRemote {
 
 // sideCall posts q to the remote's side channel path and decodes a 200
 // answer into out.
-func (r *Replica) sideCall(ctx context.Context, url string, q kvReadRequest, out any) error {
+func (r *Replica) sideCall(ctx context.Context, url string, q, out any) error {
 	ctx, cancel := context.WithTimeout(ctx, sideChannelTimeout)
 	defer cancel()
 	body, _ := json.Marshal(q)

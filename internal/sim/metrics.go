@@ -106,7 +106,7 @@ func newMetrics(r *Replica) *metrics {
 		// started with --data-parallel-size has.
 		labels := prometheus.Labels{"model_name": r.cfg.servedName(), "engine": strconv.Itoa(c.rank)}
 		c.metrics = newCoreMetrics(m.reg, labels)
-		m.reg.MustRegister(newEngineCollector(labels, c))
+		m.reg.MustRegister(newEngineCollector(labels, c), newTierCollector(labels, c))
 	}
 	// vLLM's cache_config_info carries the CacheConfig fields as labels
 	// (plus "engine") and no model_name; one per server.

@@ -26,6 +26,11 @@ func TestEvents(t *testing.T) {
 			[]kvevents.Event{&kvevents.BlockRemoved{BlockHashes: hashes, Medium: "GPU"}, &kvevents.AllBlocksCleared{}}},
 		{"an unknown kind is skipped", []engine.KVEvent{{Kind: 0, BlockHashes: hashes}, {Kind: engine.Cleared}},
 			[]kvevents.Event{&kvevents.AllBlocksCleared{}}},
+		{"the host tier's, in the connector's payload", []engine.KVEvent{
+			{Kind: engine.Stored, Medium: engine.MediumCPU, BlockHashes: hashes, ParentHash: 6, HasParent: true, TokenIDs: tokens, BlockSize: 2, LoraName: "a"},
+			{Kind: engine.Removed, Medium: engine.MediumCPU, BlockHashes: hashes[:1]}},
+			[]kvevents.Event{&kvevents.BlockStored{BlockHashes: hashes, BlockSize: 2, Medium: "CPU"},
+				&kvevents.BlockRemoved{BlockHashes: hashes[:1], Medium: "CPU"}}},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
@@ -43,7 +48,22 @@ func TestEvents(t *testing.T) {
 				if err != nil || len(back.Events) != len(got) {
 					t.Fatalf("%v: decoded %d events (%v), want %d", f, len(back.Events), err, len(got))
 				}
+				for i, ev := range back.Events {
+					if m, want := medium(ev), medium(got[i]); m != want {
+						t.Fatalf("%v: event %d decoded with medium %q, want %q", f, i, m, want)
+					}
+				}
 			}
 		})
 	}
+}
+
+func medium(ev kvevents.Event) string {
+	switch e := ev.(type) {
+	case *kvevents.BlockStored:
+		return e.Medium
+	case *kvevents.BlockRemoved:
+		return e.Medium
+	}
+	return ""
 }
