@@ -155,12 +155,27 @@ type ReplicaView struct {
 
 	// Match is the number of leading blocks of the request the router's
 	// index (approximate, or precise when KV events feed it) believes the
-	// replica holds.
+	// replica holds in its GPU cache.
 	Match int
 	// Cached is the number of blocks the same index believes the replica
 	// holds in all.
 	Cached int
+	// MatchHost is the number of leading blocks of the request the index
+	// believes the replica's host (CPU) tier holds, counted from the
+	// prompt's start like Match (0: no host tier known). A request's hit
+	// continues there where its GPU hit stops: the blocks from Match to
+	// MatchHost are loaded, not computed (HostBeyond). A count, apart from
+	// any tier's weight.
+	MatchHost int
 }
+
+// HostBeyond is the blocks of the request v's host tier holds past its GPU
+// match: what the engine loads from host memory instead of computing.
+func (v *ReplicaView) HostBeyond() int { return max(count(v.MatchHost)-count(v.Match), 0) }
+
+// Local is the leading blocks of the request v holds in any tier: its GPU
+// match, continued in its host tier.
+func (v *ReplicaView) Local() int { return max(count(v.Match), count(v.MatchHost)) }
 
 // Decision is a policy's choice and why.
 type Decision struct {
@@ -177,6 +192,20 @@ type Decision struct {
 	// Scores holds the policy's per-replica score or cost, indexed like the
 	// replicas passed to Pick (nil if the policy has none).
 	Scores []float64 `json:"scores,omitempty"`
+	// Pull, when set, is a peer the chosen replica pulls the request's
+	// cached prefix from (vLLM's kv_transfer_params.remote_kv_source)
+	// instead of computing it: "replica B, pulling from A".
+	Pull *Pull `json:"pull,omitempty"`
+}
+
+// Pull names a peer replica to pull a prefix from.
+type Pull struct {
+	Replica int    `json:"replica"` // ReplicaView.Index of the source
+	URL     string `json:"url"`
+	// Blocks is the leading blocks of the request the router believes the
+	// source holds (GPU or host tier); the chosen replica pulls those past
+	// its own.
+	Blocks int `json:"blocks"`
 }
 
 // EventKind is the kind of an outcome event.

@@ -33,7 +33,7 @@ func breakerRouter(t *testing.T, n, ejectAfter int) (*Router, *clock.Fake, *[]Ej
 // routed just before its breaker opened is.
 func ticketTo(rt *Router, i int) *Ticket {
 	req := rt.Prepare(parse(nil, "a prompt"), "", "")
-	return rt.commit(req, policy.Decision{Replica: i}, 0, 0, policy.PhaseNone)
+	return rt.commit(req, policy.Decision{Replica: i}, &policy.ReplicaView{}, 0, policy.PhaseNone)
 }
 
 // end ends a ticket with health h.

@@ -57,17 +57,19 @@ type KVDrop struct {
 
 // KVReport is what following one batch did.
 type KVReport struct {
-	Stored, Removed int      // blocks
-	BlockSize       int      // the block size of the batch's stored events (0: none)
-	Drops           []KVDrop // stored events not taken
-	Gap             bool     // the sequence jumped from Expected to the batch's
-	Expected        uint64
-	Restart         bool  // the publisher started over: the replica's index was cleared
-	Duplicate       bool  // a batch already applied (live after a replay): ignored
-	Replayed        int   // batches applied from the replay endpoint first
-	ResyncErr       error // the replay endpoint failed (the fallback rule applies)
-	Synced          bool  // in sync after the batch
-	SyncChanged     bool
+	Stored, Removed int // blocks of the GPU
+	// StoredHost and RemovedHost are the host tier's blocks (medium CPU).
+	StoredHost, RemovedHost int
+	BlockSize               int      // the block size of the batch's stored events (0: none)
+	Drops                   []KVDrop // stored events not taken
+	Gap                     bool     // the sequence jumped from Expected to the batch's
+	Expected                uint64
+	Restart                 bool  // the publisher started over: the replica's index was cleared
+	Duplicate               bool  // a batch already applied (live after a replay): ignored
+	Replayed                int   // batches applied from the replay endpoint first
+	ResyncErr               error // the replay endpoint failed (the fallback rule applies)
+	Synced                  bool  // in sync after the batch
+	SyncChanged             bool
 }
 
 // kvFollow is one replica's follower state.
@@ -253,22 +255,32 @@ func (rt *Router) applyEvents(i int, m KVMessage, rep *KVReport) int {
 	for _, ev := range m.Events {
 		switch e := ev.(type) {
 		case *kvevents.BlockStored:
-			if e.Medium != "" && e.Medium != "GPU" {
-				continue // offloaded tiers are not what the engine hits first
+			tier, ok := tierOf(e.Medium)
+			if !ok {
+				continue // disk, remote stores: not indexed (tiers.go)
 			}
-			if err := p.Stored(i, base, e.BlockHashes, e.ParentBlockHash, e.TokenIDs, e.BlockSize, e.LoraName); err != nil {
+			if err := p.StoredTier(i, tier, base, e.BlockHashes, e.ParentBlockHash, e.TokenIDs, e.BlockSize, e.LoraName); err != nil {
 				rep.Drops = append(rep.Drops, KVDrop{Reason: dropReason(err), Err: err})
 				continue
+			}
+			if tier != prefixindex.TierGPU {
+				rep.StoredHost += len(e.BlockHashes)
+				continue // a sync counts the GPU's stores: what the engine hits first
 			}
 			stored += len(e.BlockHashes) * e.BlockSize / p.BlockSize()
 			rep.BlockSize = e.BlockSize
 			rep.Stored += len(e.BlockHashes)
 		case *kvevents.BlockRemoved:
-			if e.Medium != "" && e.Medium != "GPU" {
+			tier, ok := tierOf(e.Medium)
+			if !ok {
 				continue
 			}
-			_ = p.Removed(i, e.BlockHashes)
-			rep.Removed += len(e.BlockHashes)
+			_ = p.RemovedTier(i, tier, e.BlockHashes)
+			if tier == prefixindex.TierGPU {
+				rep.Removed += len(e.BlockHashes)
+			} else {
+				rep.RemovedHost += len(e.BlockHashes)
+			}
 		case *kvevents.AllBlocksCleared:
 			_ = p.Cleared(i)
 		}
@@ -282,6 +294,8 @@ func dropReason(err error) string {
 		return "unknown_parent"
 	case errors.Is(err, prefixindex.ErrBlockSize):
 		return "block_size"
+	case errors.Is(err, prefixindex.ErrUnknownBlock):
+		return "unknown_block"
 	}
 	return "other"
 }

@@ -218,6 +218,9 @@ func (rt *Router) addLocked(old *members, specs []Spec, ch *Change) {
 	if rt.precise != nil {
 		rt.precise.Index().SetReplicas(len(next.replicas))
 	}
+	for _, ix := range rt.hostIndexes() {
+		ix.SetReplicas(len(next.replicas))
+	}
 	rt.mem.Store(next)
 }
 
@@ -255,8 +258,11 @@ func (rt *Router) forgetLocked(now time.Time) []Forgotten {
 	rt.mem.Store(next)
 	for _, f := range gone {
 		_ = rt.approx.Forget(f.Slot)
+		if rt.approxHost != nil {
+			_ = rt.approxHost.Forget(f.Slot)
+		}
 		if rt.precise != nil {
-			_ = rt.precise.Forget(f.Slot)
+			_ = rt.precise.Forget(f.Slot) // both tiers
 		}
 		rt.forgetPolicies(f.Slot)
 	}

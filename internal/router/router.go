@@ -98,6 +98,10 @@ type Config struct {
 	Flow FlowConfig
 	// Programs configures the program table (programs.go).
 	Programs ProgramConfig
+	// OffloadBlocks is each replica's host (CPU) tier in blocks, for the
+	// approximate index of the host tiers (tiers.go); 0: none assumed (the
+	// precise index learns host tiers from events of medium CPU anyway).
+	OffloadBlocks int
 }
 
 // DefaultNonCachedTokens is Config.NonCachedTokens' default.
@@ -127,6 +131,9 @@ type Router struct {
 	tok     prompt.Tokenizer
 	approx  *prefixindex.Index
 	precise *prefixindex.Precise
+	// approxHost is the approximate index of the replicas' host tiers
+	// (nil without Config.OffloadBlocks); the precise one is precise's.
+	approxHost *prefixindex.Index
 	// mem is the membership, copy-on-write: routing reads a snapshot
 	// without a lock; SetReplicas (a cold path) publishes a new one.
 	// A slot number read from any snapshot stays valid (tickets, policies'
@@ -209,6 +216,9 @@ func New(cfg Config) (*Router, error) {
 			return nil, err
 		}
 		rt.precise = prefixindex.NewPrecise(pix, cfg.Model, cfg.BlockSize)
+	}
+	if err := rt.newHostIndexes(); err != nil {
+		return nil, err
 	}
 	m := &members{byName: map[string]int{}}
 	for _, sp := range cfg.Specs {
@@ -386,6 +396,7 @@ func (rt *Router) views(req *policy.Request, vb *viewBuf) ([]policy.ReplicaView,
 	if rt.precise != nil {
 		precise, preciseLen = rt.precise.Index().MatchLens(req.Blocks, buf[2*n:3*n:3*n], buf[3*n:])
 	}
+	host := rt.hostMatches(req.Blocks)
 	for i, r := range reps {
 		v := &views[i]
 		// A removed replica (draining, or gone) is never a candidate.
@@ -414,6 +425,7 @@ func (rt *Router) views(req *policy.Request, vb *viewBuf) ([]policy.ReplicaView,
 			// match of the two indexes stands.
 			v.Match, v.Cached = precise[i], max(v.Cached, preciseLen[i])
 		}
+		v.MatchHost = host.of(i, precise != nil && r.preciseTrusted(req.Now))
 	}
 	rt.progs.fill(views, req.Now, rt.serialOf)
 	return views, approx
@@ -657,7 +669,7 @@ func (rt *Router) routeWith(pol policy.Policy, req *policy.Request, exclude []in
 // precise prediction is not checked (Underpredicted): the cached tokens
 // its replica reports count the pulled ones.
 func (rt *Router) commitView(pol policy.Policy, req *policy.Request, d policy.Decision, views []policy.ReplicaView, approx []int, phase policy.Phase) *Ticket {
-	t := rt.commit(req, d, views[d.Replica].Match, approx[d.Replica], phase)
+	t := rt.commit(req, d, &views[d.Replica], approx[d.Replica], phase)
 	t.policy = pol.Name()
 	t.Held, t.BestHeld = views[d.Replica].Match, bestHeld(views, phase)
 	t.predicted = -1
@@ -724,13 +736,17 @@ func (rt *Router) ModelInfo(model string) (Model, bool) {
 // (PhaseDecode) pulls what its replica lacks of the prompt and computes
 // only the last token, as vLLM's NixlConnector does: its pending prefill is
 // that token, and what it pulls is pending transfer until its first token.
-func (rt *Router) commit(req *policy.Request, d policy.Decision, match, approxMatch int, phase policy.Phase) *Ticket {
+func (rt *Router) commit(req *policy.Request, d policy.Decision, v *policy.ReplicaView, approxMatch int, phase policy.Phase) *Ticket {
 	r := rt.reps()[d.Replica]
-	cached := min(match*rt.cfg.BlockSize, max(req.Tokens-1, 0))
-	t := &Ticket{rt: rt, r: r, req: req, Decision: d, Replica: d.Replica, start: req.Now, phase: phase,
-		uncached: int64(req.Tokens - cached), tokens: int64(req.Tokens + req.MaxTokens)}
+	local := *v
 	if phase == policy.PhaseDecode {
-		t.transfer, t.uncached = t.uncached, min(t.uncached, 1)
+		local.MatchHost = 0 // a decode step pulls what its GPU lacks from the prefill replica
+	}
+	cached, pulled := cachedAt(&local, d.Pull, req.Tokens, rt.cfg.BlockSize)
+	t := &Ticket{rt: rt, r: r, req: req, Decision: d, Replica: d.Replica, start: req.Now, phase: phase,
+		uncached: int64(req.Tokens - cached), tokens: int64(req.Tokens + req.MaxTokens), transfer: int64(pulled)}
+	if phase == policy.PhaseDecode {
+		t.transfer, t.uncached = t.uncached+t.transfer, min(t.uncached, 1)
 	}
 	t.match = approxMatch
 	t.kv = t.uncached + t.transfer + int64(max(req.MaxTokens, 0))
@@ -762,6 +778,9 @@ func (t *Ticket) learn() {
 	}
 	t.learned = true
 	_ = t.rt.approx.Insert(t.Replica, t.req.Blocks)
+	if h := t.rt.approxHost; h != nil {
+		_ = h.Insert(t.Replica, t.req.Blocks) // write-through, as the connector offloads
+	}
 	if f := t.rt.cfg.OnLearn; f != nil {
 		f(Learned{Replica: t.Replica, Model: t.req.Model, Held: min(t.match, len(t.req.Blocks)), Blocks: t.req.Blocks, Tokens: t.req.Tokens,
 			Program: t.req.Program.ID})
@@ -778,6 +797,9 @@ func (t *Ticket) Reject() {
 	t.learned, t.rejected = false, true
 	if learned && t.match < len(t.req.Blocks) {
 		_ = t.rt.approx.Remove(t.Replica, t.req.Blocks[t.match:])
+		if h := t.rt.approxHost; h != nil {
+			_ = h.Remove(t.Replica, t.req.Blocks[t.match:])
+		}
 	}
 }
 

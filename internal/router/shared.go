@@ -190,6 +190,9 @@ func (rt *Router) ApplyRemote(i int, model string, offset int, blocks []uint64, 
 	blocks = blocks[:min(len(blocks), maxBlocks-offset)]
 	if len(blocks) > 0 {
 		_ = rt.approx.Insert(i, blocks)
+		if rt.approxHost != nil {
+			_ = rt.approxHost.Insert(i, blocks)
+		}
 	}
 	obs := rt.observer(i) // the policy of the replica's pool
 	if obs == nil {
