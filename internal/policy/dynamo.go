@@ -32,6 +32,7 @@ func init() {
 	register("dynamo", func(o Options) (Policy, error) {
 		params := dynamoParams{
 			OverlapScoreCredit:             1,
+			HostCacheHitWeight:             dynamoHostCacheHitWeight,
 			PrefillLoadScale:               1,
 			QueueThreshold:                 nullableFloat{V: dynamoQueueThreshold, Set: true},
 			ConditionalPrefillMaxNewTokens: dynamoConditionalPrefillMaxNewTokens,
@@ -51,10 +52,10 @@ func init() {
 			}
 		}
 		q := params.QueueThreshold
-		if !(params.OverlapScoreCredit >= 0 && params.PrefillLoadScale >= 0 && params.Temperature >= 0) ||
-			math.IsInf(params.OverlapScoreCredit+params.PrefillLoadScale+params.Temperature, 0) ||
+		if !(params.OverlapScoreCredit >= 0 && params.PrefillLoadScale >= 0 && params.Temperature >= 0 && params.HostCacheHitWeight >= 0) ||
+			math.IsInf(params.OverlapScoreCredit+params.PrefillLoadScale+params.Temperature+params.HostCacheHitWeight, 0) ||
 			(q.Set && !(q.V >= 0 && !math.IsInf(q.V, 0))) || params.ConditionalPrefillMaxNewTokens < 0 {
-			return nil, fmt.Errorf("%w: overlap_score_credit, prefill_load_scale, temperature and "+
+			return nil, fmt.Errorf("%w: overlap_score_credit, host_cache_hit_weight, prefill_load_scale, temperature and "+
 				"router_queue_threshold must be finite and ≥ 0, conditional_prefill_max_new_tokens ≥ 0", ErrParam)
 		}
 		return &Dynamo{
@@ -73,6 +74,11 @@ type dynamoParams struct {
 	// OverlapScoreCredit credits each matched (device-local) block against
 	// the prefill blocks (--router-kv-overlap-score-credit).
 	OverlapScoreCredit float64 `json:"overlap_score_credit"`
+	// HostCacheHitWeight credits each block the worker's host tier holds
+	// past its device match (--router-host-cache-hit-weight, default 0.75;
+	// lib/kv-router/src/scheduling/selector.rs: overlap_credit_blocks =
+	// credit × device + host_cache_hit_weight × host_pinned + disk …).
+	HostCacheHitWeight float64 `json:"host_cache_hit_weight"`
 	// PrefillLoadScale scales the credited prefill blocks before the
 	// decode blocks are added (--router-prefill-load-scale).
 	PrefillLoadScale float64 `json:"prefill_load_scale"`
@@ -96,6 +102,11 @@ type dynamoParams struct {
 	ConditionalPrefill             bool `json:"conditional_prefill"`
 	ConditionalPrefillMaxNewTokens int  `json:"conditional_prefill_max_new_tokens"`
 }
+
+// dynamoHostCacheHitWeight is --router-host-cache-hit-weight's default
+// (lib/kv-router's config: default_host_cache_hit_weight; disk's is 0.25,
+// a tier kvgate's engine model does not have).
+const dynamoHostCacheHitWeight = 0.75
 
 // dynamoConditionalPrefillMaxNewTokens is
 // --router-conditional-prefill-max-new-tokens' default.
@@ -200,7 +211,8 @@ func (p *Dynamo) cost(req *Request, v *ReplicaView, set map[uint64]int32) float6
 // a sum of two impossible counts must not wrap around).
 func (p *Dynamo) prefillCost(req *Request, v *ReplicaView) float64 {
 	prefill := float64(count(v.PendingPrefill)+count(req.Tokens)) / p.blockSize
-	return p.params.PrefillLoadScale * max(prefill-p.params.OverlapScoreCredit*float64(count(v.Match)), 0)
+	credit := p.params.OverlapScoreCredit*float64(count(v.Match)) + p.params.HostCacheHitWeight*float64(v.HostBeyond())
+	return p.params.PrefillLoadScale * max(prefill-credit, 0)
 }
 
 // activePrefix is the number of blocks (hashes) in set. A chained hash

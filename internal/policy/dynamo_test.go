@@ -28,13 +28,14 @@ func dynEvent(p Policy, kind EventKind, req *Request, slot int) {
 // --router-mode kv` (ai-dynamo/dynamo components/src/dynamo/common/
 // configuration/groups/kv_router_args.py): overlap credit 1, prefill load
 // scale 1, temperature 0, router queue threshold 16, KV events on,
-// conditional prefill off (its cap 5000 tokens); and the
+// conditional prefill off (its cap 5000 tokens), host tier credit 0.75
+// (lib/kv-router's default_host_cache_hit_weight); and the
 // deprecated overlap_score_weight's mapping (nonzero → prefill_load_scale,
 // 0 → both 0).
 func TestDynamoDefaults(t *testing.T) {
 	p := peerNew(t, "dynamo", nil).(*Dynamo)
-	want := dynamoParams{OverlapScoreCredit: 1, PrefillLoadScale: 1, QueueThreshold: nullableFloat{V: 16, Set: true},
-		ConditionalPrefillMaxNewTokens: 5000}
+	want := dynamoParams{OverlapScoreCredit: 1, HostCacheHitWeight: 0.75, PrefillLoadScale: 1,
+		QueueThreshold: nullableFloat{V: 16, Set: true}, ConditionalPrefillMaxNewTokens: 5000}
 	if p.params != want || p.maxBatch != 8192 || p.blockSize != 16 || !WantsKVEvents(p) {
 		t.Fatalf("params %+v, max batch %v, block %v, KV events %v", p.params, p.maxBatch, p.blockSize, WantsKVEvents(p))
 	}

@@ -53,6 +53,7 @@ func init() {
 			BlockSizeChars:  gie15BlockSizeChars,
 			MaxPrefixBlocks: gie15MaxPrefixBlocks,
 			NonCachedTokens: llmdNonCachedTokens,
+			CPULRUCapacity:  llmdLRUCapacity,
 		}
 		if err := decodeParams(o.Params, &params); err != nil {
 			return nil, err
@@ -74,6 +75,9 @@ func init() {
 		if params.NonCachedTokens < 0 {
 			return nil, fmt.Errorf("%w: non_cached_tokens must be ≥ 0", ErrParam)
 		}
+		if !(params.CPUPrefixWeight >= 0) || params.CPULRUCapacity < 1 {
+			return nil, fmt.Errorf("%w: cpu_prefix_weight must be ≥ 0, cpu_lru_capacity_per_server ≥ 1", ErrParam)
+		}
 		l := &LLMD{params: params, bs: o.BlockSize, g: newRNG(o.Seed)}
 		l.blockTokens, l.per, l.maxBlocks = l.params.layout(o.BlockSize)
 		cfg := prefixindex.Config{}
@@ -85,6 +89,11 @@ func init() {
 			return nil, err
 		}
 		l.ix = ix
+		if params.CPUPrefixWeight > 0 {
+			if l.cpu, err = prefixindex.New(prefixindex.Config{BlocksPerReplica: params.CPULRUCapacity}); err != nil {
+				return nil, err
+			}
+		}
 		l.scratch.New = func() any { return &llmdScratch{} }
 		return l, nil
 	})
@@ -171,6 +180,20 @@ type llmdParams struct {
 	// (P/D, see PickPair): the prefill step runs when the decode server
 	// lacks at least this many tokens of the prompt; 0: always.
 	NonCachedTokens int `json:"non_cached_tokens"`
+
+	// CPUPrefixWeight is the weight of a second prefix scorer over a
+	// second approximate producer for the host tier, as llm-d's
+	// tiered-prefix-cache guide runs them (llm-d/llm-d
+	// guides/tiered-prefix-cache/cpu: gpu-prefix-cache-producer and
+	// cpu-prefix-cache-producer, scorers weighted queue 2, kv-cache 2, gpu
+	// prefix 1, cpu prefix 1); 0 (the chart's default): no such producer.
+	// The CPU producer indexes every routed request too (the connector
+	// offloads every block: write-through), in an LRU of
+	// CPULRUCapacity blocks per server, set by hand (autoTune false) since
+	// vLLM exports no CPU block count; the GPU producer keeps its
+	// auto-tuned, GPU-sized LRU (llm-d-router #1650).
+	CPUPrefixWeight float64 `json:"cpu_prefix_weight"`
+	CPULRUCapacity  int     `json:"cpu_lru_capacity_per_server"`
 }
 
 // llmdNonCachedTokens is non_cached_tokens' default: llm-d's
@@ -244,7 +267,8 @@ type LLMD struct {
 	maxBlocks   int // llm-d blocks hashed at most
 	g           *rng
 	ix          *prefixindex.Index
-	scratch     sync.Pool // *llmdScratch
+	cpu         *prefixindex.Index // the CPU producer's (cpu_prefix_weight > 0), else nil
+	scratch     sync.Pool          // *llmdScratch
 
 	mu        sync.Mutex
 	numBlocks []int  // per slot: the server's block count last seen by Pick (auto-tune)
@@ -351,6 +375,9 @@ func (l *LLMD) Pick(req *Request, rs []ReplicaView) (Decision, error) {
 	}
 	scores := make([]float64, len(rs))
 	l.params.fill(rs, c, prefix, scores)
+	if l.cpu != nil && l.cpuScores(rs, c, sc, scores) {
+		cold = false
+	}
 	reason := "max weighted queue + kv-cache + prefix score"
 	if w := l.params.NoHitLRUWeight; w > 0 {
 		sc.nohit = grow(sc.nohit, len(rs))
@@ -457,6 +484,30 @@ func (l *LLMD) Observe(ev Event) {
 		l.sizeLRU(ev.Replica)
 	}
 	_ = l.ix.Insert(ev.Replica, sc.hashes) // the slot exists: grown above
+	if l.cpu != nil {
+		if ev.Replica >= l.cpu.Replicas() {
+			l.cpu.SetReplicas(ev.Replica + 1)
+		}
+		_ = l.cpu.Insert(ev.Replica, sc.hashes)
+	}
+}
+
+// cpuScores adds the CPU prefix scorer (cpu_prefix_weight × leading blocks
+// the CPU producer's LRU holds / prompt blocks) to the candidates' scores,
+// and reports whether it holds any block of the request.
+func (l *LLMD) cpuScores(rs []ReplicaView, c []int, sc *llmdScratch, scores []float64) bool {
+	if len(sc.hashes) == 0 {
+		return false
+	}
+	sc.match = l.cpu.Match(sc.hashes, sc.match)
+	hit := false
+	for _, i := range c {
+		if idx := rs[i].Index; idx >= 0 && idx < len(sc.match) && sc.match[idx] > 0 {
+			scores[i] += l.params.CPUPrefixWeight * float64(sc.match[idx]) / float64(len(sc.hashes))
+			hit = true
+		}
+	}
+	return hit
 }
 
 // remoteHashes are llm-d's full blocks among a remote decision's blocks

@@ -76,7 +76,7 @@ func TestLLMDDefaults(t *testing.T) {
 				want := llmdParams{
 					scorerWeights: scorerWeights{Queue: 2, KV: 2, Prefix: 3}, Index: "llm-d", AutoTune: true,
 					BlockSizeTokens: 16, MaxPrefixTokens: 131072, LRUCapacity: 31250,
-					BlockSizeChars: 64, MaxPrefixBlocks: 256, NonCachedTokens: 16,
+					BlockSizeChars: 64, MaxPrefixBlocks: 256, NonCachedTokens: 16, CPULRUCapacity: 31250,
 				}
 				if l.params != want {
 					t.Fatalf("params %+v, want %+v", l.params, want)

@@ -38,9 +38,13 @@ func init() {
 			PrefixScore:         preciseRatio,
 			SpeculativeIndexing: true,
 			SpeculativeTTLSecs:  preciseSpeculativeTTL,
+			CPUWeight:           preciseCPUWeight,
 		}
 		if err := decodeParams(o.Params, &params); err != nil {
 			return nil, err
+		}
+		if !(params.CPUWeight >= 0 && params.CPUWeight <= 1) {
+			return nil, fmt.Errorf("%w: cpu_weight must be in [0, 1]", ErrParam)
 		}
 		if err := params.scorerWeights.validate(); err != nil {
 			return nil, err
@@ -67,7 +71,17 @@ type preciseParams struct {
 	// arrive (the guide's speculativeIndexing: true; TTL 2 s upstream).
 	SpeculativeIndexing bool    `json:"speculative_indexing"`
 	SpeculativeTTLSecs  float64 `json:"speculative_ttl_secs"`
+	// CPUWeight weighs each block of the prefix a replica holds in its host
+	// tier past its GPU match (medium CPU events), a GPU block weighing 1:
+	// llm-d-kv-cache's LongestPrefixScorer's backend weights (gpu 1.0, cpu
+	// 0.8 by default, kvCacheBackendConfigs). The weight ranks; the count
+	// (Decision.Matched) is the blocks held, unweighted (the fix of
+	// llm-d-router #1047, where the weighted score was read as a count).
+	CPUWeight float64 `json:"cpu_weight"`
 }
+
+// preciseCPUWeight is llm-d-kv-cache's default weight of the cpu tier.
+const preciseCPUWeight = 0.8
 
 // Precise is llm-d's precise prefix-cache scoring: the queue and
 // kv-cache-utilization scorers of llmd and a prefix scorer over the match
@@ -144,21 +158,26 @@ func (p *Precise) Pick(req *Request, rs []ReplicaView) (Decision, error) {
 	p.mu.RUnlock()
 	var pbuf [scratchLen]float64
 	prefix := scratch(&pbuf, len(rs))
+	// The host tier's blocks past the GPU's match, weighted (cpu_weight).
+	host := func(i int) float64 {
+		return p.params.CPUWeight * float64(max(min(count(rs[i].MatchHost), n)-match[i], 0))
+	}
 	for _, i := range c {
 		switch m := match[i]; {
-		case m == 0:
+		case m == 0 && host(i) == 0:
 		case p.params.PrefixScore == preciseRatio:
-			prefix[i] = float64(m) / float64(n)
+			prefix[i] = (float64(m) + host(i)) / float64(n)
 		case hi == lo:
 			prefix[i] = 1
 		default:
-			prefix[i] = float64(m-lo) / float64(hi-lo)
+			prefix[i] = max(float64(m-lo)+host(i), 0) / float64(hi-lo)
 		}
 	}
 	scores := make([]float64, len(rs))
 	p.params.fill(rs, c, prefix, scores)
 	i := argBest(c, func(i int) float64 { return scores[i] }, false, p.g)
-	d := decide(rs, i, "max weighted queue + kv-cache + precise prefix score", max(rs[i].Match, match[i]), float64(rs[i].InFlight))
+	held := max(rs[i].Match, match[i], min(count(rs[i].MatchHost), n))
+	d := decide(rs, i, "max weighted queue + kv-cache + precise prefix score", held, float64(rs[i].InFlight))
 	d.Scores = scores
 	return d, nil
 }

@@ -12,12 +12,13 @@ import (
 // kv-cache-utilization-scorer 1, queue-scorer 1, speculativeIndexing true)
 // with llm-d ≥ v0.9's scorer (llm-d-router scheduling/scorer/
 // preciseprefixcache: absoluteScoredPods, defaultSpeculativeTTL 2 s), KV
-// events, and the scheduler's 50 ms metrics period.
+// events, the cpu tier weighed 0.8 (llm-d-kv-cache's LongestPrefixScorer),
+// and the scheduler's 50 ms metrics period.
 func TestPreciseDefaults(t *testing.T) {
 	p := peerNew(t, "precise", nil).(*Precise)
 	want := preciseParams{
 		scorerWeights: scorerWeights{Queue: 1, KV: 1, Prefix: 2},
-		PrefixScore:   "ratio", SpeculativeIndexing: true, SpeculativeTTLSecs: 2,
+		PrefixScore:   "ratio", SpeculativeIndexing: true, SpeculativeTTLSecs: 2, CPUWeight: 0.8,
 	}
 	if p.params != want || p.ttl != 2*time.Second {
 		t.Fatalf("params %+v ttl %v, want %+v 2s", p.params, p.ttl, want)

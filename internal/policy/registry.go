@@ -23,6 +23,10 @@ type Options struct {
 	// Params are the policy's own parameters (names as in PEERS.md), decoded
 	// strictly: an unknown name is an error.
 	Params map[string]any
+	// Pulls: the replicas pull a prefix from a peer when told to (vLLM's
+	// kv_transfer_params.remote_kv_source), so a policy may choose a
+	// replica with a pull (Decision.Pull; ttft prices it).
+	Pulls bool
 }
 
 func (o Options) withDefaults() Options {

@@ -59,9 +59,10 @@ type TTFT struct {
 	// It is a memo for learning and changes no decision: a dry run is still
 	// a dry run.
 	picks [ttftPickSlots]ttftPick
-	// ttfts and matched are Pick's scratch (pickScratch).
+	// ttfts, matched and plans are Pick's scratch (pickScratch).
 	ttfts   []float64
 	matched []int
+	plans   []tierPlan
 }
 
 type pendEst struct {
@@ -161,6 +162,8 @@ type ttftParams struct {
 	Programs           bool    `json:"programs"`
 	ProgramWeight      float64 `json:"program_weight"`
 	ProgramFutureTurns float64 `json:"program_future_turns"`
+	// The KV tiers' parameters (ttft_tiers.go).
+	ttftTierParams
 }
 
 var _ Policy = (*TTFT)(nil)
@@ -198,11 +201,15 @@ func init() {
 			DecodeWeight: 1, InterferenceWeight: 0, EvictionWeight: 2, DeferMs: 1000,
 			FutureWeight: 2, PrefixLifeS: 40, WaitWeight: 1, WindowS: 20,
 			Programs: true, ProgramWeight: 0.1, ProgramFutureTurns: 8,
+			ttftTierParams: ttftTierParams{HostHits: hostHitsLoad},
 		}
 		if err := decodeParams(o.Params, &params); err != nil {
 			return nil, err
 		}
 		if err := params.checkFuture(); err != nil {
+			return nil, err
+		}
+		if err := params.ttftTierParams.validate(); err != nil {
 			return nil, err
 		}
 		if params.MarginRel < 0 || params.MarginMs < 0 || params.Alpha < 0 || params.Alpha > 1 ||
@@ -237,7 +244,7 @@ func (*TTFT) Name() string { return "ttft" }
 // Estimate returns the uncorrected estimated TTFT on v in milliseconds and
 // the blocks credited.
 func (t *TTFT) Estimate(req *Request, v *ReplicaView, meanPrompt float64) (float64, int) {
-	e := t.estimate(req, v, meanPrompt, 0)
+	e := t.estimate(req, v, meanPrompt, 0, t.hostPlan(req, v))
 	return e.ms, e.matched
 }
 
@@ -329,12 +336,13 @@ func (t *TTFT) evictShare(v *ReplicaView, own int) float64 {
 	return min(max((float64(count(v.Cached))+ownBlocks-float64(count(v.NumBlocks)))/ownBlocks, 0), 1)
 }
 
-// estimate estimates sending req to v, for out expected output tokens.
-// Counts read through count (see load), every term is finite and at
-// least 0.
-func (t *TTFT) estimate(req *Request, v *ReplicaView, meanPrompt, out float64) ttftEstimate {
+// estimate estimates sending req to v, for out expected output tokens,
+// with the blocks past v's GPU match that tp credits (ttft_tiers.go) and
+// their transfer before its prefill. Counts read through count (see load),
+// every term is finite and at least 0.
+func (t *TTFT) estimate(req *Request, v *ReplicaView, meanPrompt, out float64, tp tierPlan) ttftEstimate {
 	prof, bs := t.o.Profile, t.o.BlockSize
-	matched := min(count(v.Match), len(req.Blocks))
+	matched := min(count(v.Match)+tp.blocks, len(req.Blocks))
 	tokens := count(req.Tokens)
 	cached := min(matched*bs, max(tokens-1, 0))
 	own := max(tokens-cached, 1)
@@ -342,7 +350,7 @@ func (t *TTFT) estimate(req *Request, v *ReplicaView, meanPrompt, out float64) t
 	l := t.load(v, meanPrompt)
 	work := l.queued + float64(own)
 	steps := math.Ceil(work / l.chunk)
-	ms := steps*l.stepMs + prof.C1*work + prof.C2*float64(own)*float64(cached+own)
+	ms := steps*l.stepMs + prof.C1*work + prof.C2*float64(own)*float64(cached+own) + tp.ms
 	ms += t.kvWaitMs(v, &l, own, out)
 	// The decode cost of the choice: the request's own tokens slowed by r's
 	// batch, and the request's prefill stalling r's running decodes.
@@ -350,9 +358,10 @@ func (t *TTFT) estimate(req *Request, v *ReplicaView, meanPrompt, out float64) t
 	cost := t.params.DecodeWeight*out*perStep*float64(l.decodes) +
 		t.params.InterferenceWeight*float64(l.decodes)*prof.C1*float64(own)
 	// The prefill the choice writes into r's cache evicts as much of other
-	// prefixes once the cache is full.
+	// prefixes once the cache is full; so do the blocks it loads or pulls.
 	if t.params.EvictionWeight > 0 {
-		cost += t.params.EvictionWeight * t.evictShare(v, own) * t.prefillMs(own, cached, &l)
+		w := own + tp.written(bs)
+		cost += t.params.EvictionWeight * t.evictShare(v, w) * t.prefillMs(w, cached, &l)
 	}
 	queueMs := t.queueMs(&l)
 	cost += t.futureCost(req, v, &l, own, cached, tokens, out, queueMs)
@@ -370,8 +379,8 @@ func (t *TTFT) Pick(req *Request, rs []ReplicaView) (Decision, error) {
 	scores := make([]float64, len(rs)) // estimated TTFT + decode and eviction costs, ms (returned)
 	t.mu.Lock()
 	defer t.mu.Unlock()
-	ttfts, matched := t.pickScratch(len(rs)) // estimated TTFT (ms), blocks credited
-	best, queueMs := t.estimateAll(req, rs, scores, ttfts, matched)
+	ttfts, matched, plans := t.pickScratch(len(rs)) // estimated TTFT (ms), blocks credited, tier plans
+	best, queueMs := t.estimateAll(req, rs, scores, ttfts, matched, plans)
 	if math.IsInf(best, 1) {
 		return Decision{}, ErrNoReplica
 	}
@@ -388,6 +397,7 @@ func (t *TTFT) Pick(req *Request, rs []ReplicaView) (Decision, error) {
 	}
 	d := decide(rs, choice, reason, matched[choice], float64(count(rs[choice].PendingPrefill)))
 	d.EstTTFT = msDuration(ttfts[choice])
+	d.Pull = plans[choice].decision(rs)
 	t.picks[req.ID%ttftPickSlots] = ttftPick{id: req.ID, replica: d.Replica, est: d.EstTTFT, corr: t.corr(d.Replica), learnt: d.Replica}
 	for i := range scores {
 		if math.IsInf(scores[i], 1) {
@@ -401,30 +411,33 @@ func (t *TTFT) Pick(req *Request, rs []ReplicaView) (Decision, error) {
 // pickScratch is Pick's per-replica scratch for n replicas, zeroed: kept
 // by the policy (Pick holds t.mu throughout), so that a pick over a large
 // fleet allocates only the scores it returns. t.mu must be held.
-func (t *TTFT) pickScratch(n int) ([]float64, []int) {
+func (t *TTFT) pickScratch(n int) ([]float64, []int, []tierPlan) {
 	if cap(t.ttfts) < n {
-		t.ttfts, t.matched = make([]float64, n), make([]int, n)
+		t.ttfts, t.matched, t.plans = make([]float64, n), make([]int, n), make([]tierPlan, n)
 	}
-	ttfts, matched := t.ttfts[:n], t.matched[:n]
+	ttfts, matched, plans := t.ttfts[:n], t.matched[:n], t.plans[:n]
 	clear(ttfts)
 	clear(matched)
-	return ttfts, matched
+	clear(plans)
+	return ttfts, matched, plans
 }
 
 // estimateAll fills, for every healthy replica, its corrected estimated
 // TTFT, its score (the TTFT plus the decode and eviction costs) and the
 // blocks credited; unhealthy replicas score +Inf. It returns the lowest
 // score and the shortest corrected queue ahead (ms). t.mu must be held.
-func (t *TTFT) estimateAll(req *Request, rs []ReplicaView, scores, ttfts []float64, matched []int) (float64, float64) {
+func (t *TTFT) estimateAll(req *Request, rs []ReplicaView, scores, ttfts []float64, matched []int, plans []tierPlan) (float64, float64) {
 	meanPrompt, out := t.means(req)
 	pp := t.programPrice(req, rs)
 	best, queue := math.Inf(1), math.Inf(1)
+	src := t.peerSources(req, rs)
 	for i := range rs {
 		if !rs[i].Healthy {
 			scores[i] = math.Inf(1)
 			continue
 		}
-		e := t.estimate(req, &rs[i], meanPrompt, out)
+		var e ttftEstimate
+		e, plans[i] = t.estimateTiers(req, rs, i, meanPrompt, out, src)
 		c := t.corr(rs[i].Index)
 		ttfts[i] = e.ms * c
 		scores[i], matched[i] = ttfts[i]+e.cost+t.moveMs(&pp, req, rs, i, &e.load), e.matched

@@ -94,7 +94,7 @@ func (t *TTFT) pairSides(req *Request, prefill, decode []ReplicaView, pre, dec [
 	meanPrompt, out := t.means(req)
 	for i := range prefill {
 		if v := &prefill[i]; v.Healthy {
-			e := t.estimate(req, v, meanPrompt, 1)
+			e := t.estimate(req, v, meanPrompt, 1, t.hostPlan(req, v))
 			pre[i] = ttftSide{ok: true, preMs: e.ms, preCost: e.cost, corr: t.corr(v.Index), matched: e.matched}
 		}
 	}
@@ -115,7 +115,7 @@ func (t *TTFT) pairSides(req *Request, prefill, decode []ReplicaView, pre, dec [
 			t.params.EvictionWeight*t.evictShare(v, s.uncached)*s.pullMs
 		s.aggregated = v.Role.Prefills()
 		if s.whole = s.aggregated || s.uncached < req.SkipPrefillBelow; s.whole {
-			e := t.estimate(req, v, meanPrompt, out)
+			e := t.estimate(req, v, meanPrompt, out, t.hostPlan(req, v))
 			s.wholeMs, s.wholeCost = e.ms*s.corr, e.cost
 		}
 	}

@@ -102,6 +102,11 @@ type Config struct {
 	// approximate index of the host tiers (tiers.go); 0: none assumed (the
 	// precise index learns host tiers from events of medium CPU anyway).
 	OffloadBlocks int
+	// Pulls: the replicas pull a prefix from a peer when told to
+	// (Decision.Pull, vLLM's remote_kv_source): a policy that plans pulls
+	// (policy.PullPlanner) names them, and for the others the router adds
+	// llm-d's p2p-source-producer's pull after their choice. Off: no pull.
+	Pulls bool
 }
 
 // DefaultNonCachedTokens is Config.NonCachedTokens' default.
@@ -477,6 +482,9 @@ func (rt *Router) DryRun(req *policy.Request) (policy.Decision, []policy.Replica
 		}
 	}
 	d, err := rt.pick(pol, req, views)
+	if err == nil {
+		rt.pullFor(pol, req, views, &d)
+	}
 	return d, views, err
 }
 
@@ -648,6 +656,7 @@ func (rt *Router) routeWith(pol policy.Policy, req *policy.Request, exclude []in
 	if d.Replica < 0 || d.Replica >= len(views) || !views[d.Replica].Healthy {
 		return nil, fmt.Errorf("router: policy %s chose replica %d of %d, not a candidate", pol.Name(), d.Replica, len(views))
 	}
+	rt.pullFor(pol, req, views, &d)
 	if fl != nil {
 		if err := fl.feasible(req, d); err != nil {
 			return nil, err

@@ -118,3 +118,25 @@ func cachedAt(v *policy.ReplicaView, pull *policy.Pull, tokens, bs int) (cached,
 	cached = min(blocks*bs, limit)
 	return cached, max(cached-min(local*bs, limit), 0)
 }
+
+// pullFor settles d's pull: none without Config.Pulls; a policy's own kept
+// only when it names another healthy replica (blocks clamped to the
+// prompt's); for a policy that does not plan pulls, llm-d's rule after the
+// choice (policy.P2PSource).
+func (rt *Router) pullFor(pol policy.Policy, req *policy.Request, views []policy.ReplicaView, d *policy.Decision) {
+	switch {
+	case !rt.cfg.Pulls:
+		d.Pull = nil
+	case d.Pull != nil:
+		s := d.Pull.Replica
+		if s < 0 || s >= len(views) || s == d.Replica || !views[s].Healthy || d.Pull.Blocks < 1 {
+			d.Pull = nil
+			return
+		}
+		p := *d.Pull
+		p.URL, p.Blocks = views[s].URL, min(p.Blocks, len(req.Blocks))
+		d.Pull = &p
+	case !policy.PlansPulls(pol):
+		d.Pull = policy.P2PSource(req, views, d.Replica, policy.P2PMinCachedTokenDelta, rt.cfg.BlockSize)
+	}
+}

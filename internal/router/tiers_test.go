@@ -87,3 +87,43 @@ func TestApproxHostTier(t *testing.T) {
 		t.Fatalf("uncached %d of %d tokens", got, tk.Request().Tokens)
 	}
 }
+
+// With Pulls, a policy that does not plan pulls gets llm-d's rule after
+// its choice: round_robin sends the prompt to the next replica, pulling it
+// from its holder; the ticket counts the pulled tokens as a transfer, not
+// as prefill. Without Pulls nothing is pulled.
+func TestRouterAddsP2PPull(t *testing.T) {
+	for _, pulls := range []bool{true, false} {
+		p, _ := policy.New("round_robin", policy.Options{Seed: 1})
+		now := time.Unix(1000, 0)
+		rt, err := New(Config{Replicas: []string{"a", "b", "c"}, Policy: p, Model: "m", Pulls: pulls,
+			Now: func() time.Time { return now }})
+		if err != nil {
+			t.Fatal(err)
+		}
+		text := textOf(0)
+		req := func() *policy.Request {
+			return rt.Prepare(&prompt.Parsed{Kind: prompt.Completion, Model: "m", Text: text, KeyText: text, Prompts: 1}, "", "")
+		}
+		first, err := rt.Route(req()) // to a: the holder
+		if err != nil || first.Replica != 0 {
+			t.Fatalf("first: %v on %d", err, first.Replica)
+		}
+		tk, err := rt.Route(req())
+		if err != nil || tk.Replica != 1 {
+			t.Fatalf("second: %v on %d", err, tk.Replica)
+		}
+		blocks := len(tk.Request().Blocks)
+		switch {
+		case pulls && (tk.Decision.Pull == nil || tk.Decision.Pull.Replica != 0 || tk.Decision.Pull.URL != "a"):
+			t.Fatalf("pull %+v", tk.Decision.Pull)
+		case pulls && (tk.TransferTokens() != blocks*16 || tk.UncachedTokens() != tk.Request().Tokens-blocks*16):
+			t.Fatalf("transfer %d, uncached %d", tk.TransferTokens(), tk.UncachedTokens())
+		case !pulls && (tk.Decision.Pull != nil || tk.TransferTokens() != 0):
+			t.Fatalf("pull without Pulls: %+v", tk.Decision.Pull)
+		}
+		if d, _, _ := rt.DryRun(req()); (d.Pull != nil) != pulls {
+			t.Fatalf("dry run pull %+v", d.Pull)
+		}
+	}
+}

@@ -1,0 +1,152 @@
+package policy
+
+import "fmt"
+
+// KV tiers in ttft's estimate (#28). A candidate's TTFT is
+//
+//	queue + (GPU-hit tokens: free) + (host-tier tokens: load time)
+//	      + (tokens pullable from a peer: pull time over the link) + (the rest: prefill)
+//
+// in the engine model's terms (internal/engine, tier.go): the request's hit
+// continues from its GPU match into the replica's host tier, whose blocks
+// load over the host's PCIe link (the profile's HostLoadMs); with pulls
+// (Options.Pulls), the blocks a peer holds past those come over the KV link
+// (TransferMs, behind the link's backlog, PendingTransfer). The two
+// transfers run at once, so the slower one is waited for, and both end
+// before the request computes the rest of its prompt; loads never cover the
+// prompt's last token. A pull is planned only where it lowers the estimate
+// (score): a short one costs its latency and saves little compute, which
+// is where pulls stop paying. The choice may then be "replica B, pulling
+// from A" (Decision.Pull): an idle replica pulling a busy holder's prefix
+// beats both waiting for the holder and recomputing.
+//
+// host_hits is the tier-blind estimates, for measuring what tiers are
+// worth: "gpu" counts host-tier blocks as GPU hits (no load time), "miss"
+// as misses (computed).
+
+// How host-tier hits are priced (host_hits).
+const (
+	hostHitsLoad = "load"
+	hostHitsGPU  = "gpu"
+	hostHitsMiss = "miss"
+)
+
+// ttftTierParams are ttft's parameters for KV tiers.
+type ttftTierParams struct {
+	// HostHits is how host-tier hits are priced: "load" (the default),
+	// "gpu" or "miss" (tier-blind, see above).
+	HostHits string `json:"host_hits"`
+}
+
+func (p ttftTierParams) validate() error {
+	switch p.HostHits {
+	case hostHitsLoad, hostHitsGPU, hostHitsMiss:
+		return nil
+	}
+	return fmt.Errorf("%w: host_hits must be %q, %q or %q", ErrParam, hostHitsLoad, hostHitsGPU, hostHitsMiss)
+}
+
+// tierPlan is what a candidate's estimate credits past its GPU match.
+type tierPlan struct {
+	blocks int     // blocks credited past the GPU match (host and pulled)
+	ms     float64 // the transfers before its prefill: the slower of the host load and the pull, ms
+	host   int     // blocks loaded from its host tier
+	pull   int     // blocks pulled from the source
+	source int     // position in the views of the pull's source (when pull > 0)
+	// sourceBlocks is the leading blocks the source holds, at most the
+	// prompt's loadable ones.
+	sourceBlocks int
+}
+
+// written is the tokens the plan's transfers write into the GPU cache.
+func (p tierPlan) written(bs int) int { return (p.host + p.pull) * bs }
+
+// loadLimit is the request's blocks a transfer may cover: its full blocks
+// short of its last prompt token, which is always computed.
+func loadLimit(req *Request, bs int) int {
+	return min(len(req.Blocks), max(count(req.Tokens)-1, 0)/bs)
+}
+
+// hostPlan is v's host tier's part: the blocks it holds past v's GPU match.
+func (t *TTFT) hostPlan(req *Request, v *ReplicaView) tierPlan {
+	limit := loadLimit(req, t.o.BlockSize)
+	h := max(min(count(v.MatchHost), limit)-min(count(v.Match), limit), 0)
+	switch {
+	case h == 0 || t.params.HostHits == hostHitsMiss:
+		return tierPlan{}
+	case t.params.HostHits == hostHitsGPU:
+		return tierPlan{blocks: h}
+	}
+	return tierPlan{blocks: h, host: h, ms: t.o.Profile.HostLoadMs(h * t.o.BlockSize)}
+}
+
+// sources are the positions of the two healthy replicas holding the most
+// of the request (in any tier), the first best; -1 when none holds any.
+type sources [2]int
+
+// peerSources finds the pull sources (with Options.Pulls): the replicas
+// holding the longest local prefix, fewer requests in flight first (the
+// source's own link is not modelled: any holder serves as fast).
+func (t *TTFT) peerSources(req *Request, rs []ReplicaView) sources {
+	s := sources{-1, -1}
+	if !t.o.Pulls {
+		return s
+	}
+	limit := loadLimit(req, t.o.BlockSize)
+	better := func(i, j int) bool {
+		li, lj := min(rs[i].Local(), limit), min(rs[j].Local(), limit)
+		return li > lj || (li == lj && count(rs[i].InFlight) < count(rs[j].InFlight))
+	}
+	for i := range rs {
+		switch {
+		case !rs[i].Healthy || min(rs[i].Local(), limit) == 0:
+		case s[0] < 0 || better(i, s[0]):
+			s[0], s[1] = i, s[0]
+		case s[1] < 0 || better(i, s[1]):
+			s[1] = i
+		}
+	}
+	return s
+}
+
+// estimateTiers is candidate i's estimate with its host tier, and with a
+// pull from the best source other than itself when that lowers the score.
+func (t *TTFT) estimateTiers(req *Request, rs []ReplicaView, i int, meanPrompt, out float64, src sources) (ttftEstimate, tierPlan) {
+	v := &rs[i]
+	plan := t.hostPlan(req, v)
+	e := t.estimate(req, v, meanPrompt, out, plan)
+	s := src[0]
+	if s == i {
+		s = src[1]
+	}
+	if s < 0 {
+		return e, plan
+	}
+	limit := loadLimit(req, t.o.BlockSize)
+	have := min(v.Local(), limit)
+	if t.params.HostHits != hostHitsLoad {
+		have = min(count(v.Match)+plan.blocks, limit) // what the blind estimate believes it holds
+	}
+	p := min(rs[s].Local(), limit) - have
+	if p <= 0 {
+		return e, plan
+	}
+	prof := t.o.Profile
+	pp := plan
+	pp.blocks += p
+	pp.pull, pp.source, pp.sourceBlocks = p, s, min(rs[s].Local(), limit)
+	pp.ms = max(plan.ms, prof.TransferWireMs(count(v.PendingTransfer))+prof.TransferMs(p*t.o.BlockSize))
+	if ep := t.estimate(req, v, meanPrompt, out, pp); ep.ms+ep.cost < e.ms+e.cost {
+		return ep, pp
+	}
+	return e, plan
+}
+
+// decision is the plan's pull for the chosen replica's decision, nil when
+// it pulls nothing.
+func (p tierPlan) decision(rs []ReplicaView) *Pull {
+	if p.pull <= 0 {
+		return nil
+	}
+	return &Pull{Replica: rs[p.source].Index, URL: rs[p.source].URL, Blocks: p.sourceBlocks}
+}
