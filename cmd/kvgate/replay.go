@@ -53,7 +53,8 @@ type replayFlags struct {
 	gatewaySync, syncLoads                        string
 	syncDelay                                     time.Duration
 	workloadParams, policyParams, replicaProfiles listFlag
-	requests, replicas, kvBlocks                  int
+	requests, replicas, kvBlocks, offloadBlocks   int
+	kvPulls                                       bool
 	prefillReplicas, decodeReplicas, nonCached    int
 	maxSeqs, parallel                             int
 	rate, speedup                                 float64
@@ -87,6 +88,10 @@ func (f *replayFlags) register(fs *flag.FlagSet) {
 	fs.StringVar(&f.profile, "profile", costmodel.Default, "latency profile: "+strings.Join(costmodel.Names(), ", "))
 	fs.Var(&f.replicaProfiles, "replica-profile", "replica I runs profile NAME instead (I=NAME, repeatable): a heterogeneous fleet; the policies still assume --profile")
 	fs.IntVar(&f.kvBlocks, "kv-blocks", engine.DefaultNumBlocks, "KV cache blocks per replica (16 tokens each)")
+	fs.IntVar(&f.offloadBlocks, "offload-blocks", 0, "host (CPU) KV tier of each replica, in blocks, as vLLM's OffloadingConnector keeps "+
+		"it (write-through LRU; a hit there loads over PCIe at the profile's rate) and as the router's approximate index of it is sized (0: none)")
+	fs.BoolVar(&f.kvPulls, "kv-pulls", false, "peer pulls: a replica told kv_transfer_params.remote_kv_source pulls the prefix the named peer holds "+
+		"over the KV link; ttft plans pulls in its estimate, the other policies get llm-d's p2p-source-producer's after their choice")
 	fs.IntVar(&f.maxSeqs, "max-seqs", engine.DefaultMaxSeqs, "each engine's running-sequence cap (vLLM's --max-num-seqs; 1 serves one request at a time)")
 	fs.IntVar(&f.dataParallel, "data-parallel-size", 1, "data-parallel ranks per replica: each rank an engine and a routing target, as the gateway routes a DP server")
 	fs.StringVar(&f.kvEvents, "kv-events", string(replay.KVAuto), "precise mode, the router following the engines' KV events: auto (for policies defined on them, e.g. precise), on (every policy), off")
@@ -205,6 +210,7 @@ func (f *replayFlags) config(inv invocation) (replayConfig, error) {
 	c.replay = replay.Config{
 		Replicas: f.aggregated(), PrefillReplicas: f.prefillReplicas, DecodeReplicas: f.decodeReplicas,
 		NonCachedTokens: nonCachedConfig(f.nonCached), Profile: prof, MaxSeqs: f.maxSeqs, KVBlocks: f.kvBlocks, Speedup: f.speedup,
+		OffloadBlocks: f.offloadBlocks, Pulls: f.kvPulls,
 		Staleness: f.staleness, ScrapeInterval: f.scrape, Seed: f.seed,
 		KVEvents: replay.KVMode(f.kvEvents), DataParallelSize: f.dataParallel,
 		Gateways: f.gateways, GatewaySync: replay.GatewaySync(f.gatewaySync), SyncDelay: f.syncDelay,
@@ -306,6 +312,10 @@ func (f *replayFlags) check() error {
 		return bad("--slo-itl-p99 needs --capacity")
 	case f.kvBlocks < 1:
 		return bad("--kv-blocks %d: need at least 1", f.kvBlocks)
+	case f.offloadBlocks < 0 || f.offloadBlocks >= 1<<31-1:
+		return bad("--offload-blocks %d: want 0 to %d", f.offloadBlocks, 1<<31-2)
+	case f.kvPulls && f.decodeReplicas > 0:
+		return bad("--kv-pulls is for aggregated replicas (a decode replica pulls its whole prompt already)")
 	case f.maxSeqs < 1:
 		return bad("--max-seqs %d: need at least 1", f.maxSeqs)
 	case f.parallel < 0 || f.parallel > maxParallel:
@@ -467,6 +477,12 @@ func (f *replayFlags) meta(inv invocation, ws workload.Spec, prof costmodel.Prof
 	}
 	if f.dataParallel > 1 {
 		m["data_parallel_size"] = f.dataParallel
+	}
+	if f.offloadBlocks > 0 {
+		m["offload_blocks"] = f.offloadBlocks
+	}
+	if f.kvPulls {
+		m["kv_pulls"] = true
 	}
 	if f.decodeReplicas > 0 {
 		m["prefill_replicas"], m["decode_replicas"] = f.prefillReplicas, f.decodeReplicas

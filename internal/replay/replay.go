@@ -101,11 +101,19 @@ type Config struct {
 	// profile): a heterogeneous fleet. The policies still assume Profile,
 	// as a gateway configured with one profile would.
 	ReplicaProfiles map[int]costmodel.Profile
-	KVBlocks        int    // KV blocks per engine (default engine.DefaultNumBlocks)
-	BlockSize       int    // tokens per block (default 16)
-	MaxBatchTokens  int    // engine token budget per step (default engine's)
-	MaxSeqs         int    // engine running-sequence cap (default engine's)
-	Model           string // model name: the root of both hash chains (default sim-llama-8b)
+	KVBlocks        int // KV blocks per engine (default engine.DefaultNumBlocks)
+	// OffloadBlocks is each engine's host (CPU) tier in blocks (vLLM's
+	// OffloadingConnector, engine.Config.HostBlocks), also the router's
+	// approximate host-tier index's size; 0: none.
+	OffloadBlocks int
+	// Pulls lets the engines pull a prefix from a peer when the router
+	// names one (Decision.Pull: ttft's plan, or llm-d's
+	// p2p-source-producer after the other policies' choice).
+	Pulls          bool
+	BlockSize      int    // tokens per block (default 16)
+	MaxBatchTokens int    // engine token budget per step (default engine's)
+	MaxSeqs        int    // engine running-sequence cap (default engine's)
+	Model          string // model name: the root of both hash chains (default sim-llama-8b)
 	// Speedup divides arrival and think times: 2 replays the trace twice as fast.
 	Speedup float64
 	// KVEvents is precise mode: whether the router follows the engines' KV
@@ -231,6 +239,8 @@ func (c Config) validate() error {
 		return fmt.Errorf("%w: scrape interval %v < 0", ErrConfig, c.ScrapeInterval)
 	case c.KVBlocks < 1 || c.BlockSize < 1:
 		return fmt.Errorf("%w: kv blocks %d and block size %d must be ≥ 1", ErrConfig, c.KVBlocks, c.BlockSize)
+	case c.OffloadBlocks < 0 || c.OffloadBlocks >= 1<<31-1:
+		return fmt.Errorf("%w: offload blocks %d out of [0, %d)", ErrConfig, c.OffloadBlocks, 1<<31-1)
 	case c.KVEvents != KVAuto && c.KVEvents != KVOn && c.KVEvents != KVOff:
 		return fmt.Errorf("%w: kv events %q: want auto, on or off", ErrConfig, c.KVEvents)
 	case c.servers() > 1<<16 || c.DataParallelSize < 1 || c.servers()*c.DataParallelSize > 1<<16:
@@ -333,6 +343,7 @@ func (c Config) engineConfig(i int, events bool) engine.Config {
 		Role:            c.role(i),
 
 		PriorityScheduling: c.EnginePriority,
+		HostBlocks:         c.OffloadBlocks,
 	}
 }
 

@@ -130,6 +130,7 @@ func newVirtualRun(cfg Config, p *plan, spec PolicySpec) (*virtualRun, error) {
 		Profile:        cfg.Profile,
 		MaxBatchTokens: cfg.MaxBatchTokens,
 		Params:         spec.Params,
+		Pulls:          cfg.Pulls,
 	}
 	pol, err := spec.build(opt)
 	if err != nil {
@@ -179,6 +180,8 @@ func newVirtualRun(cfg Config, p *plan, spec PolicySpec) (*virtualRun, error) {
 			BlocksPerReplica: cfg.KVBlocks,
 			Precise:          vr.precise,
 			Model:            cfg.Model,
+			OffloadBlocks:    cfg.OffloadBlocks,
+			Pulls:            cfg.Pulls,
 			Now:              func() time.Time { return epoch.Add(vr.now) },
 			Flow:             cfg.Flow,
 			Programs:         cfg.Programs,
@@ -387,6 +390,12 @@ func (vr *virtualRun) dispatch(i int, text string, tk *router.Ticket, err error)
 	er := vr.engineRequest(i, text)
 	if vr.oracle {
 		er.AssumedCached = tk.Decision.Matched * vr.cfg.BlockSize
+	}
+	if p := tk.Decision.Pull; p != nil && p.Replica >= 0 && p.Replica < len(vr.replicas) {
+		// The engine asks its peer what it holds as the request comes, as
+		// the sim's side channel does; a peer that evicted it since makes
+		// the request compute (tiers.go in the engine).
+		er.PullBlocks = vr.replicas[p.Replica].engine.Servable(er.BlockHashes)
 	}
 	return vr.submit(i, tk.Replica, &er)
 }
@@ -700,6 +709,7 @@ func (vr *virtualRun) summary(label string) report.Run {
 	}
 	extra["preemptions"] = float64(pre)
 	extra["evicted_blocks"] = float64(evicted)
+	vr.tierSummary(extra)
 	extra["virtual_s"] = vr.now.Seconds()
 	for k, n := range vr.failures {
 		extra["errors_"+k] = float64(n)
