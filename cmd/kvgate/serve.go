@@ -29,7 +29,8 @@ import (
 type serveFlags struct {
 	configPath, listen, replicas, policy, kvEvents, tokenizer string
 	prefillReplicas                                           string
-	nonCached                                                 int
+	nonCached, offloadBlocks                                  int
+	kvPulls                                                   bool
 	kvReplay, kvListen, kvTrust                               string
 	dataParallel                                              int
 	adminToken, apiKeys, profile, logLevel                    string
@@ -56,6 +57,10 @@ func (f *serveFlags) register(fs *flag.FlagSet) {
 		"prompt's KV and stream the answers")
 	fs.IntVar(&f.nonCached, "non-cached-tokens", router.DefaultNonCachedTokens, "prefill/decode: skip the prefill step when the "+
 		"decode replica lacks fewer than this many prompt tokens (0: never skip)")
+	fs.IntVar(&f.offloadBlocks, "offload-blocks", 0, "each replica's host (CPU) KV tier in blocks (vLLM's OffloadingConnector; "+
+		"kvgate sim --cpu-offload-blocks), the size of the approximate index of the host tiers (config offload_blocks; 0: none)")
+	fs.BoolVar(&f.kvPulls, "kv-pulls", false, "peer pulls: a decision may send a request to one replica pulling the prompt's cached "+
+		"prefix from another, as vLLM's kv_transfer_params.remote_kv_source (config kv_pulls.enabled; kv_pulls.param and .port shape it)")
 	fs.StringVar(&f.policy, "policy", policy.Default, "routing policy: "+strings.Join(policy.Names(), ", "))
 	fs.Var(&f.params, "policy-param", "a policy parameter name=value (repeatable), e.g. cache_threshold=0.3")
 	fs.StringVar(&f.kvEvents, "kv-events", "", "precise mode: each replica's KV-event endpoint, in --replicas order, then --prefill-replicas' "+
@@ -231,6 +236,12 @@ func (f *serveFlags) override(cfg *gateway.Config, set map[string]bool) error {
 	}
 	if set["non-cached-tokens"] {
 		cfg.NonCachedTokens = f.nonCached
+	}
+	if set["offload-blocks"] {
+		cfg.OffloadBlocks = f.offloadBlocks
+	}
+	if set["kv-pulls"] {
+		cfg.KVPulls.Enabled = f.kvPulls
 	}
 	if set["policy"] || noFile {
 		cfg.Policy = f.policy

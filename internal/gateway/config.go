@@ -158,6 +158,14 @@ type Config struct {
 	BodyRateGrace      Duration `json:"body_rate_grace"`
 	MaxBodyMemoryShare float64  `json:"max_body_memory_share"`
 
+	// OffloadBlocks is each replica's host (CPU) KV tier in blocks (vLLM's
+	// OffloadingConnector), the size of the approximate index of the host
+	// tiers; 0: none assumed (precise mode learns the tiers from events of
+	// medium CPU all the same).
+	OffloadBlocks int `json:"offload_blocks"`
+	// KVPulls lets a decision pull a prefix from a peer (kvpulls.go).
+	KVPulls KVPullsConfig `json:"kv_pulls"`
+
 	// IndexMaxEntries caps the prefix index ((block, replica) entries).
 	IndexMaxEntries int `json:"index_max_entries"`
 	// BlocksPerReplica is each replica's index capacity until its
@@ -242,6 +250,7 @@ func Defaults() Config {
 		MaxBodyMemoryShare: 0.25,
 		IndexMaxEntries:    4 << 20,
 		BlocksPerReplica:   30000,
+		KVPulls:            KVPullsConfig{Param: DefaultKVPullParam},
 		Record:             DefaultRecord(),
 		FlowControl:        DefaultFlowControl(),
 		Programs:           DefaultPrograms(),
@@ -489,6 +498,12 @@ func validateRoles(where string, list []ReplicaConfig) []error {
 // validateLimits checks the routing thresholds.
 func (c *Config) validateLimits() []error {
 	var errs []error
+	if err := c.KVPulls.validate(); err != nil {
+		errs = append(errs, err)
+	}
+	if c.OffloadBlocks < 0 || c.OffloadBlocks >= 1<<31-1 {
+		errs = append(errs, fmt.Errorf("offload_blocks %d: want 0 (none) to %d", c.OffloadBlocks, 1<<31-2))
+	}
 	if c.NonCachedTokens < 0 {
 		errs = append(errs, keyErr("non_cached_tokens", "%d: want ≥ 0 (0: never skip the prefill step)", c.NonCachedTokens))
 	}

@@ -171,6 +171,9 @@ func (g *Gateway) debugDecision(resp map[string]any, req *policy.Request) {
 		resp["replica_rank"] = *rd.ReplicaRank
 	}
 	resp["est_ttft_ms"] = rd.EstTTFTMs
+	if d.Pull != nil && g.cfg.KVPulls.Enabled {
+		resp["pull_from"] = d.Pull.URL // X-Kvgate-Pull-From
+	}
 }
 
 // routeDecision is a decision as /debug/route and the live view show it.

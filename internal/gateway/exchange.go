@@ -143,6 +143,7 @@ func (g *Gateway) routeAttempt(x *exchange, _ bool) (*attempt, error) {
 		return nil, err
 	}
 	a := &attempt{tk: tk, cached: -1}
+	g.preparePull(x, a)
 	if g.allow(a) {
 		g.try(x, a)
 	}

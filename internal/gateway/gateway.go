@@ -163,7 +163,7 @@ func New(cfg Config, o Options) (*Gateway, error) {
 func newRouter(cfg Config, specs []router.Spec, prof costmodel.Profile, clk clock.Clock, learn func(router.Learned), drained func(int),
 	panicked func(router.PolicyPanic), eject func(router.Ejection)) (*router.Router, error) {
 	pol, err := policy.New(cfg.Policy, policy.Options{Seed: cfg.Seed, BlockSize: cfg.BlockSize, Profile: prof,
-		MaxBatchTokens: cfg.MaxBatchTokens, Params: cfg.PolicyParams})
+		MaxBatchTokens: cfg.MaxBatchTokens, Params: cfg.PolicyParams, Pulls: cfg.KVPulls.Enabled})
 	if err != nil {
 		return nil, err
 	}
@@ -179,7 +179,8 @@ func newRouter(cfg Config, specs []router.Spec, prof costmodel.Profile, clk cloc
 		BlocksPerReplica: cfg.BlocksPerReplica, MaxEntries: cfg.IndexMaxEntries, Precise: cfg.Precise(), Now: clk.Now,
 		StaleAfter: cfg.ScrapeStaleAfter.D(), LearnOnAccept: true, OnLearn: learn, OnDrained: drained, OnPolicyPanic: panicked, OnEject: eject, Dynamic: cfg.dynamic(),
 		Breaker: router.BreakerConfig{EjectAfter: cfg.EjectAfter, Cooldown: cfg.EjectCooldown.D()}, ForgetAfter: cfg.ForgetAfter.D(),
-		Flow: cfg.routerFlow(prof), Programs: cfg.Programs.RouterConfig()})
+		Flow: cfg.routerFlow(prof), Programs: cfg.Programs.RouterConfig(),
+		OffloadBlocks: cfg.OffloadBlocks, Pulls: cfg.KVPulls.Enabled})
 }
 
 // newTransport is the upstream transport: no environment proxy, bounded

@@ -27,6 +27,7 @@ func (g *Gateway) relay(x *exchange, a *attempt, ctx context.Context, cancel con
 	moveHeaders(x.w.Header(), resp.Header)
 	setTarget(x.w.Header(), g.rt.Replica(a.tk.Replica), a.prefill)
 	g.addReceipt(x.w.Header(), x, a)
+	setPullFrom(x, a)
 	x.w.Header().Set("X-Request-Id", x.id)
 	a.started = true
 	x.w.WriteHeader(resp.StatusCode)

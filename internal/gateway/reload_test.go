@@ -106,6 +106,7 @@ func TestReloadableKeysPartitionConfig(t *testing.T) {
 		"profile":          func(c *Config) { c.Profile = "llama3-70b-h100-tp2" },
 		"record":           func(c *Config) { c.Record.Path = "trace.jsonl" },
 		"programs":         func(c *Config) { c.Programs.IdleTTL = Duration(time.Second) },
+		"kv_pulls":         func(c *Config) { c.KVPulls.Enabled = true },
 		"shared_state":     func(c *Config) { c.SharedState = "redis://127.0.0.1:6379/0" },
 		"api_keys":         func(c *Config) { c.APIKeys = []string{"key"} },
 		"passthrough":      func(c *Config) { c.Passthrough = []string{"/v1/load_lora_adapter"} },

@@ -88,6 +88,9 @@ type attempt struct {
 	prefill *router.Replica
 	// kv is a prefill step's answer's kv_transfer_params (nil: none).
 	kv []byte
+	// pullFrom is the peer the replica pulls the prompt's prefix from
+	// (kvpulls.go), named in X-Kvgate-Pull-From; nil: none.
+	pullFrom *router.Replica
 	// noKV: a prefill step answered 2xx without kv_transfer_params.
 	noKV bool
 	// took is how long a prefill step took.
