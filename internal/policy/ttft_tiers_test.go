@@ -4,6 +4,8 @@ import (
 	"math"
 	"strings"
 	"testing"
+
+	"github.com/kvgate/kvgate/internal/costmodel"
 )
 
 // A host-tier hit is priced between a GPU hit and a prefill: the estimate
@@ -95,5 +97,40 @@ func TestTTFTPullSource(t *testing.T) {
 	pos, d := peerPick(t, p, req, rs)
 	if pos != 2 || d.Pull == nil || d.Pull.Replica != rs[1].Index {
 		t.Fatalf("chose %d pulling %+v (scores %v)", pos, d.Pull, d.Scores)
+	}
+}
+
+// Where pulls stop paying, with the 8B profile's costs (c1 0.04 ms a
+// token, 128 KiB of KV a token): a pull beats recomputing on an idle
+// replica when latency + tokens × 128 KiB / bandwidth < the prefill it
+// saves. At 50 GB/s (the default RDMA link) from a few blocks on; at 5
+// GB/s from a few hundred tokens; below about 3.3 GB/s (128 KiB / 0.04 ms)
+// only for prompts so long that their attention term (c2) makes computing
+// them dearer still (80k tokens at 3 GB/s), and at 2 GB/s not even then.
+func TestTTFTPullBreakEven(t *testing.T) {
+	for _, c := range []struct {
+		gbps   float64
+		blocks int
+		pull   bool
+	}{
+		{50, 2, false}, {50, 8, true}, {50, 500, true},
+		{5, 8, false}, {5, 500, true},
+		{3, 500, false}, {3, 5000, true}, {2, 5000, false},
+	} {
+		prof := costmodel.MustLookup(costmodel.Default)
+		prof.TransferGBps = c.gbps
+		p, err := New("ttft", Options{Seed: 7, Pulls: true, Profile: prof,
+			Params: map[string]any{"margin_rel": 0, "margin_ms": 0, "decode_weight": 0, "eviction_weight": 0}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		req := peerReq(1, strings.Repeat("abcd", c.blocks*16+8), peerT0)
+		rs := peerViews(2)
+		rs[0].Match = len(req.Blocks)
+		rs[0].PendingPrefill, rs[0].PendingCount, rs[0].InFlight = 1<<20, 50, 50
+		_, d := peerPick(t, p, req, rs)
+		if (d.Pull != nil) != c.pull {
+			t.Errorf("%v GB/s, %d blocks: pull %+v, want %v (scores %v)", c.gbps, c.blocks, d.Pull, c.pull, d.Scores)
+		}
 	}
 }
