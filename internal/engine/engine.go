@@ -19,7 +19,11 @@
 //   - prefill/decode disaggregation as vLLM's NixlConnector does it (see
 //     Role and transfer.go): a prefill instance holds a finished request's
 //     blocks for the decode instance, which pulls the part of the prompt its
-//     own cache lacks, in a transfer timed by the profile, and then decodes.
+//     own cache lacks, in a transfer timed by the profile, and then decodes;
+//   - a host (CPU) tier as vLLM's OffloadingConnector keeps it (tier.go):
+//     write-through LRU, a hit continuing from the GPU into it loaded over
+//     the host link; and peer pulls (Request.PullBlocks, llm-d's
+//     remote_kv_source) over the KV link.
 //
 // Step durations come from a costmodel.Profile. The engine owns no clock: the
 // driver passes the current time to Add and Step and advances its clock to
