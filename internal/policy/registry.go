@@ -27,6 +27,9 @@ type Options struct {
 	// kv_transfer_params.remote_kv_source), so a policy may choose a
 	// replica with a pull (Decision.Pull; ttft prices it).
 	Pulls bool
+	// OffloadBlocks is each replica's host (CPU) tier in blocks, as the
+	// router knows it (0: none known).
+	OffloadBlocks int
 }
 
 func (o Options) withDefaults() Options {

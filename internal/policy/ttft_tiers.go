@@ -150,3 +150,14 @@ func (p tierPlan) decision(rs []ReplicaView) *Pull {
 	}
 	return &Pull{Replica: rs[p.source].Index, URL: rs[p.source].URL, Blocks: p.sourceBlocks}
 }
+
+// reuseMs is what reusing w tokens evicted from a replica's GPU costs: their
+// prefill (computeMs), or, with host tiers (Options.OffloadBlocks), their
+// load from the host tier, where write-through keeps a copy of what the GPU
+// evicts while it is among the tier's most recent blocks.
+func (t *TTFT) reuseMs(computeMs float64, w int) float64 {
+	if t.o.OffloadBlocks <= 0 || t.params.HostHits != hostHitsLoad {
+		return computeMs
+	}
+	return min(computeMs, t.o.Profile.HostLoadMs(w))
+}

@@ -131,6 +131,7 @@ func newVirtualRun(cfg Config, p *plan, spec PolicySpec) (*virtualRun, error) {
 		MaxBatchTokens: cfg.MaxBatchTokens,
 		Params:         spec.Params,
 		Pulls:          cfg.Pulls,
+		OffloadBlocks:  cfg.OffloadBlocks,
 	}
 	pol, err := spec.build(opt)
 	if err != nil {
