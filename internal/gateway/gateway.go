@@ -163,7 +163,8 @@ func New(cfg Config, o Options) (*Gateway, error) {
 func newRouter(cfg Config, specs []router.Spec, prof costmodel.Profile, clk clock.Clock, learn func(router.Learned), drained func(int),
 	panicked func(router.PolicyPanic), eject func(router.Ejection)) (*router.Router, error) {
 	pol, err := policy.New(cfg.Policy, policy.Options{Seed: cfg.Seed, BlockSize: cfg.BlockSize, Profile: prof,
-		MaxBatchTokens: cfg.MaxBatchTokens, Params: cfg.PolicyParams, Pulls: cfg.KVPulls.Enabled})
+		MaxBatchTokens: cfg.MaxBatchTokens, Params: cfg.PolicyParams, Pulls: cfg.KVPulls.Enabled,
+		OffloadBlocks: cfg.OffloadBlocks})
 	if err != nil {
 		return nil, err
 	}

@@ -19,7 +19,8 @@ func routerPools(cfg Config, prof costmodel.Profile) ([]router.Pool, error) {
 	for i, p := range cfg.Pools {
 		name, params := p.policyOf(&cfg)
 		pol, err := policy.New(name, policy.Options{Seed: cfg.Seed + uint64(i+1)*poolSeedStep, BlockSize: cfg.BlockSize,
-			Profile: prof, MaxBatchTokens: cfg.MaxBatchTokens, Params: params, Pulls: cfg.KVPulls.Enabled})
+			Profile: prof, MaxBatchTokens: cfg.MaxBatchTokens, Params: params, Pulls: cfg.KVPulls.Enabled,
+			OffloadBlocks: cfg.OffloadBlocks})
 		if err != nil {
 			return nil, fmt.Errorf("pool %s: %w", p.Name, err)
 		}

@@ -104,7 +104,8 @@ func (g *Gateway) rebuild(cur, next Config) error {
 	}
 	if !reflect.DeepEqual(cur.PolicyParams, next.PolicyParams) {
 		p, err := policy.New(cur.Policy, policy.Options{Seed: g.live.seed, BlockSize: cur.BlockSize, Profile: g.prof,
-			MaxBatchTokens: cur.MaxBatchTokens, Params: next.PolicyParams, Pulls: cur.KVPulls.Enabled})
+			MaxBatchTokens: cur.MaxBatchTokens, Params: next.PolicyParams, Pulls: cur.KVPulls.Enabled,
+			OffloadBlocks: cur.OffloadBlocks})
 		if err != nil {
 			return err
 		}
@@ -134,7 +135,8 @@ func (g *Gateway) reloadPools(cur, next Config) (func(), error) {
 			continue
 		}
 		pol, err := policy.New(name, policy.Options{Seed: g.live.seed + uint64(i+1)*poolSeedStep, BlockSize: next.BlockSize,
-			Profile: g.prof, MaxBatchTokens: next.MaxBatchTokens, Params: params, Pulls: cur.KVPulls.Enabled})
+			Profile: g.prof, MaxBatchTokens: next.MaxBatchTokens, Params: params, Pulls: cur.KVPulls.Enabled,
+			OffloadBlocks: cur.OffloadBlocks})
 		if err != nil {
 			return nil, fmt.Errorf("pool %s: %w", p.Name, err)
 		}

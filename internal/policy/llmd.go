@@ -55,6 +55,7 @@ func init() {
 			NonCachedTokens: llmdNonCachedTokens,
 			CPULRUCapacity:  llmdLRUCapacity,
 		}
+		params.tiered(o.OffloadBlocks)
 		if err := decodeParams(o.Params, &params); err != nil {
 			return nil, err
 		}
@@ -194,6 +195,27 @@ type llmdParams struct {
 	// auto-tuned, GPU-sized LRU (llm-d-router #1650).
 	CPUPrefixWeight float64 `json:"cpu_prefix_weight"`
 	CPULRUCapacity  int     `json:"cpu_lru_capacity_per_server"`
+}
+
+// llmdTieredWeights are the scorer weights of llm-d's tiered-prefix-cache
+// guide (guides/tiered-prefix-cache/cpu, the inference pool's
+// EndpointPickerConfig): queue 2, kv-cache 2, gpu prefix 1 and, below, cpu
+// prefix 1.
+var llmdTieredWeights = scorerWeights{Queue: 2, KV: 2, Prefix: 1}
+
+// tiered makes the defaults those of the tiered-prefix-cache guide when the
+// replicas have a host tier of hostBlocks blocks (Options.OffloadBlocks):
+// the CPU producer on, its LRU set by hand to the tier's block count, as
+// the guide sets lruCapacityPerServer from the host memory in the server's
+// 16-token blocks; llm-d's producer counts its own (64-token) blocks
+// against it, the unit mix-up of llm-d-router #1650 kept as upstream has
+// it. Parameters given by name still override each.
+func (p *llmdParams) tiered(hostBlocks int) {
+	if hostBlocks <= 0 {
+		return
+	}
+	p.scorerWeights = llmdTieredWeights
+	p.CPUPrefixWeight, p.CPULRUCapacity = 1, hostBlocks
 }
 
 // llmdNonCachedTokens is non_cached_tokens' default: llm-d's

@@ -52,18 +52,27 @@ func TestLLMDCPUProducer(t *testing.T) {
 		p.(Observer).Observe(Event{Kind: Routed, Req: req, Replica: peerBase + replica, Decision: Decision{Replica: peerBase + replica}})
 	}
 	for _, c := range []struct {
-		name   string
-		params map[string]any
-		lead   float64 // replica 0's score over replica 1's for a
+		name    string
+		params  map[string]any
+		offload int     // Options.OffloadBlocks
+		lead    float64 // replica 0's score over replica 1's for a
 	}{
 		// Prefix 3 × 5/25 blocks.
-		{"gpu producer only", map[string]any{"auto_tune": false, "lru_capacity_per_server": 30}, 0.6},
+		{"gpu producer only", map[string]any{"auto_tune": false, "lru_capacity_per_server": 30}, 0, 0.6},
 		// GPU prefix 1 × 5/25 + CPU prefix 1 × 25/25.
 		{"with the cpu producer", map[string]any{"auto_tune": false, "lru_capacity_per_server": 30,
-			"prefix_weight": 1, "cpu_prefix_weight": 1, "cpu_lru_capacity_per_server": 1000}, 1.2},
+			"prefix_weight": 1, "cpu_prefix_weight": 1, "cpu_lru_capacity_per_server": 1000}, 0, 1.2},
+		// A known host tier makes the guide's configuration the default.
+		{"tiered by the host tier", map[string]any{"auto_tune": false, "lru_capacity_per_server": 30}, 1000, 1.2},
+		// Named parameters still override it: no CPU producer.
+		{"tiered, cpu producer off", map[string]any{"auto_tune": false, "lru_capacity_per_server": 30,
+			"cpu_prefix_weight": 0}, 1000, 0.2},
 	} {
 		t.Run(c.name, func(t *testing.T) {
-			p := peerNew(t, "llmd", c.params)
+			p, err := New("llmd", Options{Seed: 7, Params: c.params, OffloadBlocks: c.offload})
+			if err != nil {
+				t.Fatal(err)
+			}
 			route(p, a, 1, 0)
 			route(p, b, 2, 0) // 25 blocks of 64 tokens: the GPU's LRU of 30 keeps 5 of a's
 			_, d := peerPick(t, p, peerReq(3, a, peerT0), peerViews(2))
