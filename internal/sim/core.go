@@ -3,6 +3,7 @@ package sim
 import (
 	"fmt"
 	"math"
+	"sync/atomic"
 	"time"
 
 	"github.com/kvgate/kvgate/internal/clock"
@@ -45,6 +46,9 @@ type core struct {
 	// pub is the rank's KV-event publisher, nil without KV events. Set
 	// before the driver starts; closed after it ends.
 	pub kvzmq.Publisher
+	// sourceMisses counts the peer pulls whose source held none of the
+	// prompt or did not answer (noteSource): never given to the engine.
+	sourceMisses atomic.Int64
 }
 
 // newEngine is the engine model of replica idx's core of the given rank.

@@ -214,7 +214,7 @@ func (r *Replica) inference(kind prompt.Kind) http.HandlerFunc {
 		case j.kv.remotePrefill:
 			r.notePull(w, cl, pullErr)
 		case j.kv.source != nil:
-			r.noteSource(w, j, pullErr)
+			r.noteSource(w, cl, j, pullErr)
 		}
 		if j.stream {
 			r.streamCall(w, req, j, cl, die)

@@ -126,8 +126,14 @@ func (r *Replica) kvServable(w http.ResponseWriter, req *http.Request) {
 
 // noteSource reports a peer pull: the sim's header (HeaderKVPull) says
 // "pulled" when the peer holds some of the prompt (the usage's cached
-// tokens say how much), "recomputed: REASON" when the replica computes it.
-func (r *Replica) noteSource(w http.ResponseWriter, j *job, err error) {
+// tokens say how much), "recomputed: REASON" when the replica computes it;
+// a pull whose peer holds none of it, or did not answer, counts as missed
+// on the core that computes it (the engine counts those it is given that
+// find nothing past its own hit).
+func (r *Replica) noteSource(w http.ResponseWriter, cl *call, j *job, err error) {
+	if err != nil || j.pullBlocks == 0 {
+		cl.core.sourceMisses.Add(1)
+	}
 	switch {
 	case err != nil:
 		w.Header().Set(HeaderKVPull, "recomputed: "+strings.ReplaceAll(err.Error(), "\n", " "))
@@ -188,7 +194,7 @@ func (t *tierCollector) Collect(ch chan<- prometheus.Metric) {
 	ch <- prometheus.MustNewConstMetric(t.storeBytes, prometheus.CounterValue,
 		float64(s.HostStored)*float64(s.BlockSize)*t.bytesPerToken)
 	ch <- prometheus.MustNewConstMetric(t.pulls, prometheus.CounterValue, float64(s.PeerPulls), "pulled")
-	ch <- prometheus.MustNewConstMetric(t.pulls, prometheus.CounterValue, float64(s.PeerPullMisses), "missed")
+	ch <- prometheus.MustNewConstMetric(t.pulls, prometheus.CounterValue, float64(s.PeerPullMisses+t.c.sourceMisses.Load()), "missed")
 	ch <- prometheus.MustNewConstMetric(t.pull, prometheus.CounterValue, float64(s.PeerPullTokens))
 }
 

@@ -113,6 +113,13 @@ func TestPeerPullOverTheWire(t *testing.T) {
 	if decodeCompletion(t, r); !strings.HasPrefix(r.Header.Get(HeaderKVPull), "recomputed") {
 		t.Fatalf("gone peer: header %q", r.Header.Get(HeaderKVPull))
 	}
+	// Both count as missed pulls, the first as pulled.
+	fams = scrape(t, c, dst.URL())
+	pulled, _ := metricValue(fams, MetricPeerPulls, map[string]string{"result": "pulled"})
+	missed, _ := metricValue(fams, MetricPeerPulls, map[string]string{"result": "missed"})
+	if pulled != 1 || missed != 2 {
+		t.Fatalf("pulls: %v pulled, %v missed; want 1 and 2", pulled, missed)
+	}
 	for _, bad := range []string{
 		`{"remote_kv_source":"127.0.0.1:1"}`,
 		`{"remote_kv_source":{"remote_port":1}}`,
