@@ -4,11 +4,19 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"io"
 	"net/http"
+	"runtime"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
+	"time"
 
+	"github.com/prometheus/common/expfmt"
+	"github.com/prometheus/common/model"
+
+	"github.com/kvgate/kvgate/internal/clock"
 	"github.com/kvgate/kvgate/internal/prompt"
 	"github.com/kvgate/kvgate/internal/sim"
 )
@@ -51,9 +59,12 @@ func saturate(t *testing.T, url string, n int) {
 // Live, 4 sims with a host tier behind the gateway, with kv_pulls: a long
 // prompt's holder is saturated by another client, so its next turn goes to
 // an idle replica that pulls the prefix from the holder (usage counts the
-// pulled tokens cached; X-Kvgate-Pull-From names the holder); when the
-// holder has evicted the prefix meanwhile, the pull fails and the replica
-// computes the prompt, without an error to the client.
+// pulled tokens cached; X-Kvgate-Pull-From and /debug/route name the
+// holder); when the holder has evicted the prefix meanwhile, the pull
+// finds nothing and the replica computes the prompt, without an error to
+// the client. The sims run on a fake clock that only the test moves, from
+// one armed timer to the next while it waits for an answer: the holder
+// stays saturated for as long as the test needs, however slow the host.
 func TestPeerPullLive(t *testing.T) {
 	for _, c := range []struct {
 		name    string
@@ -61,35 +72,39 @@ func TestPeerPullLive(t *testing.T) {
 		pulled  bool
 	}{{"pulled", 20000, true}, {"evicted at the source", 0, false}} {
 		t.Run(c.name, func(t *testing.T) {
-			fl := startSim(t, sim.Config{Replicas: 4, KVBlocks: 1024, OffloadBlocks: c.offload, TimeScale: 1})
+			clk := clock.NewFake(time.Time{})
+			fl := startSim(t, sim.Config{Replicas: 4, KVBlocks: 1024, OffloadBlocks: c.offload, TimeScale: 1, Clock: clk})
 			cfg := simConfig("ttft", fl.URLs()...)
 			cfg.KVPulls.Enabled, cfg.OffloadBlocks = true, c.offload
 			cfg.AdminToken = "t"
 			gw := startGateway(t, cfg)
 			waitHealthy(t, gw)
 			prefix := pullText("conv", 8000)
-			turn := func(q string) (*http.Response, string) {
-				return post(t, gw.srv.URL+"/v1/completions",
+			turn := func(q string) (int, http.Header, string) {
+				return driveClock(t, clk, gw.srv.URL+"/v1/completions",
 					fmt.Sprintf(`{"model":%q,"prompt":%q,"max_tokens":4}`, sim.DefaultModel, prefix+q))
 			}
-			resp, _ := turn("first question?")
-			holder := resp.Header.Get("X-Kvgate-Replica")
-			if resp.StatusCode != http.StatusOK || holder == "" || resp.Header.Get(headerPullFrom) != "" {
-				t.Fatalf("first turn: %d on %q, pull from %q", resp.StatusCode, holder, resp.Header.Get(headerPullFrom))
+			code, hdr, _ := turn("first question?")
+			holder := hdr.Get("X-Kvgate-Replica")
+			if code != http.StatusOK || holder == "" || hdr.Get(headerPullFrom) != "" {
+				t.Fatalf("first turn: %d on %q, pull from %q", code, holder, hdr.Get(headerPullFrom))
 			}
-			saturate(t, holder, 24)
-			i := -1
-			for k, u := range fl.URLs() {
-				if u == holder {
-					i = k
-				}
-			}
+			i := slices.Index(fl.URLs(), holder)
+			saturate(t, holder, 24) // queued: the clock stands still
 			eventually(t, "the holder's queue scraped", func() bool {
 				m, _, ok := gw.g.Router().ReplicaMetrics(i)
 				return ok && m.Waiting >= 12
 			})
-			if !c.pulled {
-				eventually(t, "the prefix evicted from the holder", func() bool { return servable(t, holder, prefix) == 0 })
+			if !c.pulled { // the holder computes its queue's first prompts, which evict the prefix
+				for k := 0; servable(t, holder, prefix) > 0; k++ {
+					if k == 100_000 || !nextTimer(clk) {
+						t.Fatalf("the holder does not evict the prefix after %d steps", k)
+					}
+				}
+				eventually(t, "the holder's queue still long", func() bool {
+					m, _, ok := gw.g.Router().ReplicaMetrics(i)
+					return ok && m.Waiting >= 12
+				})
 			} else if n := servable(t, holder, prefix); n != 500 {
 				t.Fatalf("the holder serves %d blocks of the prefix, want 500", n)
 			}
@@ -102,7 +117,7 @@ func TestPeerPullLive(t *testing.T) {
 			if dr.StatusCode != http.StatusOK || json.Unmarshal([]byte(body), &route) != nil || route.PullFrom != holder {
 				t.Fatalf("/debug/route %d: %s", dr.StatusCode, body)
 			}
-			resp, body = turn("second question?")
+			code, hdr, body = turn("second question?")
 			var out struct {
 				Usage struct {
 					Details struct {
@@ -110,20 +125,96 @@ func TestPeerPullLive(t *testing.T) {
 					} `json:"prompt_tokens_details"`
 				} `json:"usage"`
 			}
-			if resp.StatusCode != http.StatusOK || json.Unmarshal([]byte(body), &out) != nil {
-				t.Fatalf("second turn: %d %s", resp.StatusCode, body)
+			if code != http.StatusOK || json.Unmarshal([]byte(body), &out) != nil {
+				t.Fatalf("second turn: %d %s", code, body)
 			}
-			got := resp.Header.Get("X-Kvgate-Replica")
-			cached := out.Usage.Details.Cached
-			t.Logf("second turn on %s pulling from %q: %d tokens cached", got, resp.Header.Get(headerPullFrom), cached)
-			if got == holder || resp.Header.Get(headerPullFrom) != holder {
-				t.Fatalf("second turn on %s (holder %s), pull from %q", got, holder, resp.Header.Get(headerPullFrom))
+			got, cached := hdr.Get("X-Kvgate-Replica"), out.Usage.Details.Cached
+			t.Logf("second turn on %s pulling from %q: %d tokens cached", got, hdr.Get(headerPullFrom), cached)
+			if got == holder || hdr.Get(headerPullFrom) != holder {
+				t.Fatalf("second turn on %s (holder %s), pull from %q", got, holder, hdr.Get(headerPullFrom))
 			}
 			if c.pulled != (cached >= 8000) || (!c.pulled && cached != 0) {
 				t.Fatalf("cached %d tokens, pulled %v", cached, c.pulled)
 			}
+			result := map[bool]string{true: "pulled", false: "missed"}[c.pulled]
+			if n := simPulls(t, got, result); n != 1 {
+				t.Fatalf("%s counts %v pulls %s, want 1", got, n, result)
+			}
 		})
 	}
+}
+
+// driveClock posts body to url and, until the answer comes, moves the
+// sims' fake clock to their next armed timer (a step's end, a transfer's),
+// as fast as they arm them: virtual time runs only while a request waits.
+// Bounded: a million timers at most.
+func driveClock(t *testing.T, clk *clock.Fake, url, body string) (int, http.Header, string) {
+	t.Helper()
+	type answer struct {
+		code int
+		hdr  http.Header
+		body string
+		err  error
+	}
+	done := make(chan answer, 1)
+	go func() {
+		resp, err := http.Post(url, "application/json", strings.NewReader(body))
+		if err != nil {
+			done <- answer{err: err}
+			return
+		}
+		defer resp.Body.Close()
+		b, err := io.ReadAll(resp.Body)
+		done <- answer{resp.StatusCode, resp.Header, string(b), err}
+	}()
+	for k := 0; k < 1_000_000; k++ {
+		select {
+		case a := <-done:
+			if a.err != nil {
+				t.Fatalf("POST %s: %v", url, a.err)
+			}
+			return a.code, a.hdr, a.body
+		default:
+		}
+		nextTimer(clk)
+	}
+	t.Fatalf("POST %s: no answer after a million timers", url)
+	return 0, nil, ""
+}
+
+// nextTimer moves clk to its earliest armed timer, waiting (a bounded
+// while, yielding) for the sims' drivers to arm one; false when none came.
+func nextTimer(clk *clock.Fake) bool {
+	for range 100_000 {
+		if p := clk.Pending(); len(p) > 0 {
+			clk.Advance(slices.Min(p))
+			return true
+		}
+		runtime.Gosched()
+	}
+	return false
+}
+
+// simPulls is a sim's count of peer pulls with result (pulled, missed).
+func simPulls(t *testing.T, url, result string) float64 {
+	t.Helper()
+	resp, err := http.Get(url + "/metrics")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	p := expfmt.NewTextParser(model.LegacyValidation)
+	fams, err := p.TextToMetricFamilies(resp.Body)
+	if err != nil {
+		t.Fatal(err)
+	}
+	total := 0.0
+	for _, m := range fams[sim.MetricPeerPulls].GetMetric() {
+		if matches(m, map[string]string{"result": result}) {
+			total += m.GetCounter().GetValue()
+		}
+	}
+	return total
 }
 
 // servable asks a sim (its side channel, as a peer would) how many leading
