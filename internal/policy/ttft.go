@@ -361,7 +361,7 @@ func (t *TTFT) estimate(req *Request, v *ReplicaView, meanPrompt, out float64, t
 	// prefixes once the cache is full; so do the blocks it loads or pulls.
 	if t.params.EvictionWeight > 0 {
 		w := own + tp.written(bs)
-		cost += t.params.EvictionWeight * t.evictShare(v, w) * t.reuseMs(t.prefillMs(w, cached, &l), w)
+		cost += t.params.EvictionWeight * (t.evictShare(v, w)*t.reuseMs(t.prefillMs(w, cached, &l), w) + t.hostWriteMs(own, tp, &l))
 	}
 	queueMs := t.queueMs(&l)
 	cost += t.futureCost(req, v, &l, own, cached, tokens, out, queueMs)

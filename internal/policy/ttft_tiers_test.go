@@ -134,3 +134,37 @@ func TestTTFTPullBreakEven(t *testing.T) {
 		}
 	}
 }
+
+// With host tiers, a pull's copy crowds the puller's host tier (hostWriteMs):
+// a holder with a short queue keeps its conversation, served from its own
+// tiers, instead of an idle peer copying it; a saturated one still loses it
+// to a pull. Without host tiers the GPU's eviction term prices the copy.
+func TestTTFTPullCopyCrowdsHostTier(t *testing.T) {
+	for _, c := range []struct {
+		name    string
+		offload int
+		queue   int // the holder's queued prefill tokens
+		pull    bool
+	}{
+		{"host tier, short queue", 120000, 2000, false},
+		{"host tier, saturated", 120000, 200000, true},
+		{"no host tier, short queue", 0, 2000, true},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			p, err := New("ttft", Options{Seed: 7, Pulls: true, OffloadBlocks: c.offload})
+			if err != nil {
+				t.Fatal(err)
+			}
+			req := peerReq(1, strings.Repeat("abcd", 4000), peerT0)
+			rs := peerViews(2)
+			rs[0].Match, rs[0].NumBlocks, rs[0].Cached = 20, 3000, 3000
+			rs[0].MatchHost = len(req.Blocks)
+			rs[1].NumBlocks, rs[1].Cached = 3000, 3000
+			rs[0].PendingPrefill, rs[0].PendingCount, rs[0].InFlight = c.queue, 2, 2
+			pos, d := peerPick(t, p, req, rs)
+			if (d.Pull != nil) != c.pull || (c.pull && pos != 1) {
+				t.Fatalf("chose %d with pull %+v, want a pull %v (scores %v)", pos, d.Pull, c.pull, d.Scores)
+			}
+		})
+	}
+}
