@@ -248,7 +248,12 @@ func TestPullBodyShape(t *testing.T) {
 			cfg := simConfig("round_robin", a.srv.URL, b.srv.URL)
 			cfg.KVPulls = KVPullsConfig{Enabled: true, Param: c.param, Port: c.port}
 			gw := startGateway(t, cfg)
-			eventually(t, "both replicas healthy", func() bool { return gw.g.Router().Healthy(0) && gw.g.Router().Healthy(1) })
+			// Healthy, and their models listed: round_robin then alternates
+			// (a replica whose models are not known yet is not a candidate).
+			eventually(t, "both replicas healthy, their models listed", func() bool {
+				rt := gw.g.Router()
+				return rt.Healthy(0) && rt.Healthy(1) && rt.Replica(0).Served() != nil && rt.Replica(1).Served() != nil
+			})
 			body := `{"model":"m","prompt":"` + pullText("x", 200) + `","max_tokens":3,` +
 				`"kv_transfer_params":{"remote_kv_source":{"remote_host":"evil","remote_port":1}}}`
 			first, _ := post(t, gw.srv.URL+"/v1/completions", body)
