@@ -124,15 +124,8 @@ type virtualRun struct {
 // newVirtualRun builds cfg.Gateways routers, each with its own instance
 // of spec's policy, and cfg.Replicas engines for one run of plan.
 func newVirtualRun(cfg Config, p *plan, spec PolicySpec) (*virtualRun, error) {
-	opt := policy.Options{
-		Seed:           cfg.Seed,
-		BlockSize:      cfg.BlockSize,
-		Profile:        cfg.Profile,
-		MaxBatchTokens: cfg.MaxBatchTokens,
-		Params:         spec.Params,
-		Pulls:          cfg.Pulls,
-		OffloadBlocks:  cfg.OffloadBlocks,
-	}
+	opt := policy.Options{Seed: cfg.Seed, BlockSize: cfg.BlockSize, Profile: cfg.Profile, MaxBatchTokens: cfg.MaxBatchTokens,
+		Params: spec.Params, Pulls: cfg.Pulls, OffloadBlocks: cfg.OffloadBlocks}
 	pol, err := spec.build(opt)
 	if err != nil {
 		return nil, fmt.Errorf("%w: %w", ErrConfig, err)
