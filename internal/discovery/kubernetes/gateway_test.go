@@ -34,7 +34,8 @@ func TestGatewayRoutesToDiscoveredReplicas(t *testing.T) {
 	defer up.Close()
 	_, p, _ := net.SplitHostPort(up.Listener.Addr().String())
 	port, _ := strconv.Atoi(p)
-	client := typedFake(t, slice("vllm-a", int32(port), true, "127.0.0.1"))
+	watching := make(chan struct{}, 1)
+	client := typedFakeWatched(t, watching, slice("vllm-a", int32(port), true, "127.0.0.1"))
 	asked := make(chan [2]string, 1)
 	saved := newClient
 	newClient = func(kubeconfig, namespace string) (Client, error) {
@@ -64,6 +65,11 @@ func TestGatewayRoutesToDiscoveredReplicas(t *testing.T) {
 		r := send()
 		return r.Status == http.StatusOK && r.Header.Get("X-Kvgate-Replica") == up.URL
 	})
+	select { // the fake loses a change made before the watch (typedFakeWatched)
+	case <-watching:
+	case <-time.After(2 * time.Minute):
+		t.Fatal("the source never watched the slices")
+	}
 	slices := client.(interface {
 		Delete(context.Context, string, metav1.DeleteOptions) error
 	})

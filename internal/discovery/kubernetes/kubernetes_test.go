@@ -147,6 +147,16 @@ func TestValidate(t *testing.T) {
 // Watch does not (the source filters again).
 func typedFake(t *testing.T, objs ...runtime.Object) Client {
 	t.Helper()
+	return typedFakeWatched(t, nil, objs...)
+}
+
+// typedFakeWatched is typedFake telling watching (when not nil) each time
+// a watch is established. The fake's tracker, unlike an API server, does
+// not replay events since the watch's resourceVersion: a change made
+// between a list and its watch is lost, so a test that changes the slices
+// after a list waits for the watch first.
+func typedFakeWatched(t *testing.T, watching chan<- struct{}, objs ...runtime.Object) Client {
+	t.Helper()
 	scheme := runtime.NewScheme()
 	if err := discoveryv1.AddToScheme(scheme); err != nil {
 		t.Fatal(err)
@@ -161,6 +171,12 @@ func typedFake(t *testing.T, objs ...runtime.Object) Client {
 	f.AddReactor("*", "*", k8stesting.ObjectReaction(tracker))
 	f.AddWatchReactor("*", func(a k8stesting.Action) (bool, watch.Interface, error) {
 		w, err := tracker.Watch(a.GetResource(), a.GetNamespace(), a.(k8stesting.WatchActionImpl).ListOptions)
+		if err == nil && watching != nil {
+			select {
+			case watching <- struct{}{}:
+			default:
+			}
+		}
 		return err == nil, w, err
 	})
 	return (&fakediscovery.FakeDiscoveryV1{Fake: f}).EndpointSlices("llm")
