@@ -48,6 +48,13 @@ func (g *Gateway) NewPicker(fallbacks int) (*Picker, error) {
 		return nil, errors.New("a prefill/decode fleet cannot be served as an endpoint picker: " +
 			"the proxy calls one replica per request; serve it with kvgate serve")
 	}
+	if g.cfg.KVPulls.Enabled {
+		// A pull is a field of the request body the gateway sends; behind a
+		// picker the proxy sends the client's body, so the replica would
+		// recompute what the estimate priced as pulled.
+		return nil, errors.New("kv_pulls cannot be served by an endpoint picker: a pull rides in the request " +
+			"body, which the proxy sends itself; turn kv_pulls off, or serve the fleet with kvgate serve")
+	}
 	byLoad, err := policy.New("least_load", policy.Options{Seed: g.cfg.Seed})
 	if err != nil {
 		return nil, err
