@@ -313,6 +313,33 @@ func (pg *peerGateway) stop() {
 
 // waitReady waits until every gateway lists a model and sees each of its
 // replicas scraped and healthy, then notes the ejection counters.
+// openAndKeyed serves two gateways on e's replicas, each configured by
+// tune: gw-open, without API keys, and gw-keys, whose clients must send
+// chaosClientKey; it returns them ready, with a client of each (the
+// second sending the key).
+func (e *peerEnv) openAndKeyed(ctx context.Context, tune func(*gateway.Config)) ([]*peerGateway, []*client, error) {
+	var gws []*peerGateway
+	for _, keyed := range []bool{false, true} {
+		cfg := e.config(e.urls)
+		tune(&cfg)
+		name := "gw-open"
+		if keyed {
+			cfg.APIKeys, name = []string{chaosClientKey}, "gw-keys"
+		}
+		pg, err := e.serve(name, cfg, nil)
+		if err != nil {
+			return nil, nil, err
+		}
+		gws = append(gws, pg)
+	}
+	if err := e.waitReady(ctx, gws...); err != nil {
+		return nil, nil, err
+	}
+	cls := e.clients(gws...)
+	cls[1].apiKey = chaosClientKey
+	return gws, cls, nil
+}
+
 func (e *peerEnv) waitReady(ctx context.Context, gws ...*peerGateway) error {
 	for _, pg := range gws {
 		if err := gatewayReady(ctx, pg.g, pg.g.Router().Replicas()); err != nil {

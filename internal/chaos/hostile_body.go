@@ -154,25 +154,12 @@ func runTrickle(ctx context.Context, e *peerEnv, res *Result) error {
 	if _, err := e.startSims(ctx, sim.Config{Replicas: 3}); err != nil {
 		return err
 	}
-	var gws []*peerGateway
-	for _, keyed := range []bool{false, true} {
-		cfg := e.config(e.urls)
+	gws, cls, err := e.openAndKeyed(ctx, func(cfg *gateway.Config) {
 		cfg.BodyRateGrace, cfg.MinBodyRate = grace, int64(float64(cfg.MinBodyRate)/s)
-		name := "gw-open"
-		if keyed {
-			cfg.APIKeys, name = []string{chaosClientKey}, "gw-keys"
-		}
-		pg, err := e.serve(name, cfg, nil)
-		if err != nil {
-			return err
-		}
-		gws = append(gws, pg)
-	}
-	if err := e.waitReady(ctx, gws...); err != nil {
+	})
+	if err != nil {
 		return err
 	}
-	cls := e.clients(gws...)
-	cls[1].apiKey = chaosClientKey
 	for _, cl := range cls {
 		cl.pad = " " + strings.Repeat("x", ordinaryPad)
 	}

@@ -192,27 +192,14 @@ func runAdminPaths(ctx context.Context, e *peerEnv, res *Result) error {
 	if err != nil {
 		return err
 	}
-	var gws []*peerGateway
-	for _, keyed := range []bool{false, true} {
-		cfg := e.config(e.urls)
+	gws, cls, err := e.openAndKeyed(ctx, func(cfg *gateway.Config) {
 		for i := range cfg.Replicas {
 			cfg.Replicas[i].APIKey = chaosReplicaKey
 		}
-		name := "gw-open"
-		if keyed {
-			cfg.APIKeys, name = []string{chaosClientKey}, "gw-keys"
-		}
-		pg, err := e.serve(name, cfg, nil)
-		if err != nil {
-			return err
-		}
-		gws = append(gws, pg)
-	}
-	if err := e.waitReady(ctx, gws...); err != nil {
+	})
+	if err != nil {
 		return err
 	}
-	cls := e.clients(gws...)
-	cls[1].apiKey = chaosClientKey
 	t := &adminTally{status: map[string]map[int]int{}}
 	hc := &http.Client{Transport: e.tr, Timeout: 10 * time.Second}
 	results := e.attack(ctx, cls, func(actx context.Context) {
