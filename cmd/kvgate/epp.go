@@ -43,9 +43,8 @@ func (f *eppFlags) register(fs *flag.FlagSet) {
 }
 
 func (f *eppFlags) run(ctx context.Context, inv invocation) error {
-	cfg, level, err := f.config(inv.set)
+	cfg, level, err := f.eppConfig(inv.set)
 	if err == nil {
-		f.overrideEPP(&cfg, inv.set)
 		err = cfg.Validate()
 	}
 	if f.check {
@@ -74,6 +73,16 @@ func (f *eppFlags) run(ctx context.Context, inv invocation) error {
 		return err
 	}
 	return f.serve(ctx, inv, cfg, g, srv, log)
+}
+
+// eppConfig is serve's configuration with the picker's flags given
+// explicitly set over it (overrideEPP).
+func (f *eppFlags) eppConfig(set map[string]bool) (gateway.Config, slog.Level, error) {
+	cfg, level, err := f.config(set)
+	if err == nil {
+		f.overrideEPP(&cfg, set)
+	}
+	return cfg, level, err
 }
 
 // overrideEPP sets the picker's flags given explicitly.

@@ -4,7 +4,6 @@ package main
 
 import (
 	"encoding/json"
-	"flag"
 	"maps"
 	"os"
 	"path"
@@ -75,17 +74,7 @@ type grpcProbe struct {
 func eppConfig(t *testing.T, args ...string) (gateway.Config, error) {
 	t.Helper()
 	var f eppFlags
-	fs := flag.NewFlagSet("epp", flag.ContinueOnError)
-	f.register(fs)
-	if err := fs.Parse(args); err != nil {
-		t.Fatal(err)
-	}
-	set := map[string]bool{}
-	fs.Visit(func(fl *flag.Flag) { set[fl.Name] = true })
-	cfg, _, err := f.config(set)
-	if err == nil {
-		f.overrideEPP(&cfg, set)
-	}
+	cfg, _, err := f.eppConfig(parsedFlags(t, "epp", f.register, args))
 	return cfg, err
 }
 

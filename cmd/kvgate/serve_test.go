@@ -48,15 +48,22 @@ func TestServeExitsZeroAfterDrain(t *testing.T) {
 func serveConfig(t *testing.T, args ...string) (gateway.Config, error) {
 	t.Helper()
 	var f serveFlags
-	fs := flag.NewFlagSet("serve", flag.ContinueOnError)
-	f.register(fs)
+	cfg, _, err := f.config(parsedFlags(t, "serve", f.register, args))
+	return cfg, err
+}
+
+// parsedFlags parses args into the flags register adds, as main does, and
+// returns the names of those given.
+func parsedFlags(t *testing.T, verb string, register func(*flag.FlagSet), args []string) map[string]bool {
+	t.Helper()
+	fs := flag.NewFlagSet(verb, flag.ContinueOnError)
+	register(fs)
 	if err := fs.Parse(args); err != nil {
 		t.Fatal(err)
 	}
 	set := map[string]bool{}
 	fs.Visit(func(fl *flag.Flag) { set[fl.Name] = true })
-	cfg, _, err := f.config(set)
-	return cfg, err
+	return set
 }
 
 // --prefill-replicas makes the --replicas decode replicas; --non-cached-tokens
