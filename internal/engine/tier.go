@@ -260,16 +260,9 @@ func (e *Engine) loadable(s *seq, hit, limit int) (host, pull int) {
 // admitPulled). It reports false, leaving s waiting, when the blocks are
 // not free.
 func (e *Engine) admitLoad(s *seq, hit, host, pull, evictable int) bool {
-	need := e.blocksFor(s.prompt) - hit
-	if need > e.pool.free-evictable {
-		s.blocks = s.blocks[:0]
+	if !e.claim(s, hit, evictable) {
 		return false
 	}
-	e.waiting.popFront()
-	for _, b := range s.blocks {
-		e.pool.touch(b)
-	}
-	e.allocate(s, need)
 	if e.host != nil {
 		e.host.touch(s.hashes[:hit+host])
 	}

@@ -200,12 +200,11 @@ func (e *Engine) pulled(s *seq) {
 	e.waiting.insert(i, s)
 }
 
-// admitPull admits the waiting head s, a RemotePrefill request whose hit
-// blocks (hit of them, evictable of those in the free queue) are in
-// s.blocks: it allocates the rest of the prompt and posts the transfer. It
-// reports false, leaving s waiting, when the blocks are not free. The
-// request takes no budget and no running slot.
-func (e *Engine) admitPull(s *seq, hit, evictable int) bool {
+// claim takes the waiting head s off the queue when the blocks its
+// prompt needs beyond its hit ones (in s.blocks, evictable of them in the
+// free queue) are free: it touches the hit blocks and allocates the rest.
+// It reports false, leaving s waiting, when they are not.
+func (e *Engine) claim(s *seq, hit, evictable int) bool {
 	need := e.blocksFor(s.prompt) - hit
 	if need > e.pool.free-evictable {
 		s.blocks = s.blocks[:0]
@@ -216,6 +215,18 @@ func (e *Engine) admitPull(s *seq, hit, evictable int) bool {
 		e.pool.touch(b)
 	}
 	e.allocate(s, need)
+	return true
+}
+
+// admitPull admits the waiting head s, a RemotePrefill request whose hit
+// blocks (hit of them, evictable of those in the free queue) are in
+// s.blocks: it allocates the rest of the prompt and posts the transfer. It
+// reports false, leaving s waiting, when the blocks are not free. The
+// request takes no budget and no running slot.
+func (e *Engine) admitPull(s *seq, hit, evictable int) bool {
+	if !e.claim(s, hit, evictable) {
+		return false
+	}
 	local := hit * e.bs
 	s.nHashed, s.computed = hit, local
 	s.remotePrefill = false // one transfer per request, as vLLM
