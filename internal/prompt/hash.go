@@ -49,8 +49,11 @@ func RootOf(namespace string, k Key) uint64 {
 // bijection of the parent, so equal blocks under different parents never
 // share a hash; two different (parent, block) pairs collide with
 // probability 2^-64.
-func Chain(parent uint64, block []byte) uint64 {
-	return bits.RotateLeft64(parent*0x9E3779B97F4A7C15, 29) ^ xxh3.Hash(block)
+func Chain(parent uint64, block []byte) uint64 { return link(parent, xxh3.Hash(block)) }
+
+// link is the chain's step from the parent and the block's digest.
+func link(parent, digest uint64) uint64 {
+	return bits.RotateLeft64(parent*0x9E3779B97F4A7C15, 29) ^ digest
 }
 
 // BlockHashes appends to dst the chained hashes of the full blocks of a token
@@ -62,6 +65,13 @@ func BlockHashes(dst []uint64, root uint64, tokenBytes []byte, blockSize int) []
 	}
 	step := blockSize * TokenBytesPer
 	h := root
+	if step == 64 { // the default block: the same hashes, without the library's length switch
+		for off := 0; off+64 <= len(tokenBytes); off += 64 {
+			h = link(h, xxh3Of64(tokenBytes[off:off+64]))
+			dst = append(dst, h)
+		}
+		return dst
+	}
 	for off := 0; off+step <= len(tokenBytes); off += step {
 		h = Chain(h, tokenBytes[off:off+step])
 		dst = append(dst, h)
