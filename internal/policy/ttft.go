@@ -244,7 +244,9 @@ func (*TTFT) Name() string { return "ttft" }
 // Estimate returns the uncorrected estimated TTFT on v in milliseconds and
 // the blocks credited.
 func (t *TTFT) Estimate(req *Request, v *ReplicaView, meanPrompt float64) (float64, int) {
-	e := t.estimate(req, v, meanPrompt, 0, t.hostPlan(req, v))
+	var e ttftEstimate
+	plan := t.hostPlan(req, v)
+	t.estimate(&e, req, v, meanPrompt, 0, &plan)
 	return e.ms, e.matched
 }
 
@@ -270,7 +272,7 @@ type ttftLoad struct {
 // waiting there that the gateway did not send. The estimate reads every
 // count of a view through count: a negative queue made every score
 // negative (finding 1 of #22), a huge one must not wrap around.
-func (t *TTFT) load(v *ReplicaView, meanPrompt float64) ttftLoad {
+func (t *TTFT) load(l *ttftLoad, v *ReplicaView, meanPrompt float64) {
 	prof := t.o.Profile
 	pending, inFlight := count(v.PendingCount), count(v.InFlight)
 	queued := float64(count(v.PendingPrefill))
@@ -288,7 +290,7 @@ func (t *TTFT) load(v *ReplicaView, meanPrompt float64) ttftLoad {
 	budget := float64(t.o.MaxBatchTokens)
 	chunk := max(budget-float64(decodes), budget/ttftMinChunkDiv)
 	stepMs := prof.C0 + prof.C1*float64(decodes) + prof.C3*float64(decodes)*meanCtx
-	return ttftLoad{queued: queued, decodes: decodes, meanCtx: meanCtx, chunk: chunk, stepMs: stepMs}
+	*l = ttftLoad{queued: queued, decodes: decodes, meanCtx: meanCtx, chunk: chunk, stepMs: stepMs}
 }
 
 // queueMs is the time to run the work queued ahead on a replica of load l.
@@ -336,22 +338,26 @@ func (t *TTFT) evictShare(v *ReplicaView, own int) float64 {
 	return min(max((float64(count(v.Cached))+ownBlocks-float64(count(v.NumBlocks)))/ownBlocks, 0), 1)
 }
 
-// estimate estimates sending req to v, for out expected output tokens,
-// with the blocks past v's GPU match that tp credits (ttft_tiers.go) and
-// their transfer before its prefill. Counts read through count (see load),
-// every term is finite and at least 0.
-func (t *TTFT) estimate(req *Request, v *ReplicaView, meanPrompt, out float64, tp tierPlan) ttftEstimate {
+// estimate estimates, into e, sending req to v, for out expected output
+// tokens, with the blocks past v's GPU match that tp credits
+// (ttft_tiers.go) and their transfer before its prefill. Counts read
+// through count (see load), every term is finite and at least 0. It fills
+// e in place (and the load through a pointer): Pick runs it once or twice
+// per replica, and returning the ten words by value cost a third of a
+// 16-replica pick (BenchmarkTTFTPick).
+func (t *TTFT) estimate(e *ttftEstimate, req *Request, v *ReplicaView, meanPrompt, out float64, tp *tierPlan) {
 	prof, bs := t.o.Profile, t.o.BlockSize
 	matched := min(count(v.Match)+tp.blocks, len(req.Blocks))
 	tokens := count(req.Tokens)
 	cached := min(matched*bs, max(tokens-1, 0))
 	own := max(tokens-cached, 1)
 
-	l := t.load(v, meanPrompt)
+	l := &e.load
+	t.load(l, v, meanPrompt)
 	work := l.queued + float64(own)
 	steps := math.Ceil(work / l.chunk)
 	ms := steps*l.stepMs + prof.C1*work + prof.C2*float64(own)*float64(cached+own) + tp.ms
-	ms += t.kvWaitMs(v, &l, own, out)
+	ms += t.kvWaitMs(v, l, own, out)
 	// The decode cost of the choice: the request's own tokens slowed by r's
 	// batch, and the request's prefill stalling r's running decodes.
 	perStep := prof.C1 + prof.C3*l.meanCtx
@@ -361,11 +367,15 @@ func (t *TTFT) estimate(req *Request, v *ReplicaView, meanPrompt, out float64, t
 	// prefixes once the cache is full; so do the blocks it loads or pulls.
 	if t.params.EvictionWeight > 0 {
 		w := own + tp.written(bs)
-		cost += t.params.EvictionWeight * (t.evictShare(v, w)*t.reuseMs(t.prefillMs(w, cached, &l), w) + t.hostWriteMs(own, tp, &l))
+		evicted := 0.0 // the reuse priced only where something is evicted (most replicas have room)
+		if share := t.evictShare(v, w); share > 0 {
+			evicted = share * t.reuseMs(t.prefillMs(w, cached, l), w)
+		}
+		cost += t.params.EvictionWeight * (evicted + t.hostWriteMs(own, tp, l))
 	}
-	queueMs := t.queueMs(&l)
-	cost += t.futureCost(req, v, &l, own, cached, tokens, out, queueMs)
-	return ttftEstimate{ms: ms, matched: matched, cost: cost, queueMs: queueMs, load: l}
+	queueMs := t.queueMs(l)
+	cost += t.futureCost(req, v, l, own, cached, tokens, out, queueMs)
+	e.ms, e.matched, e.cost, e.queueMs = ms, matched, cost, queueMs
 }
 
 // prefillMs is the time r of load l takes to compute own tokens after
@@ -431,13 +441,14 @@ func (t *TTFT) estimateAll(req *Request, rs []ReplicaView, scores, ttfts []float
 	pp := t.programPrice(req, rs)
 	best, queue := math.Inf(1), math.Inf(1)
 	src := t.peerSources(req, rs)
+	var est ttftEstimate
 	for i := range rs {
 		if !rs[i].Healthy {
 			scores[i] = math.Inf(1)
 			continue
 		}
-		var e ttftEstimate
-		e, plans[i] = t.estimateTiers(req, rs, i, meanPrompt, out, src)
+		e := &est
+		t.estimateTiers(e, &plans[i], req, rs, i, meanPrompt, out, src)
 		c := t.corr(rs[i].Index)
 		ttfts[i] = e.ms * c
 		scores[i], matched[i] = ttfts[i]+e.cost+t.moveMs(&pp, req, rs, i, &e.load), e.matched

@@ -94,7 +94,9 @@ func (t *TTFT) pairSides(req *Request, prefill, decode []ReplicaView, pre, dec [
 	meanPrompt, out := t.means(req)
 	for i := range prefill {
 		if v := &prefill[i]; v.Healthy {
-			e := t.estimate(req, v, meanPrompt, 1, t.hostPlan(req, v))
+			var e ttftEstimate
+			plan := t.hostPlan(req, v)
+			t.estimate(&e, req, v, meanPrompt, 1, &plan)
 			pre[i] = ttftSide{ok: true, preMs: e.ms, preCost: e.cost, corr: t.corr(v.Index), matched: e.matched}
 		}
 	}
@@ -106,7 +108,8 @@ func (t *TTFT) pairSides(req *Request, prefill, decode []ReplicaView, pre, dec [
 		}
 		*s = ttftSide{ok: true, corr: t.corr(v.Index), matched: min(count(v.Match), len(req.Blocks))}
 		s.uncached = uncachedOn(req, v, t.o.BlockSize)
-		l := t.load(v, meanPrompt)
+		var l ttftLoad
+		t.load(&l, v, meanPrompt)
 		s.admitMs, s.linkMs, s.pullMs = t.queueMs(&l), prof.TransferWireMs(count(v.PendingTransfer)), prof.TransferMs(s.uncached)
 		tokens := count(req.Tokens)
 		s.lastMs = l.stepMs + prof.C1 + prof.C2*float64(tokens) + t.kvWaitMs(v, &l, tokens, out)
@@ -115,7 +118,9 @@ func (t *TTFT) pairSides(req *Request, prefill, decode []ReplicaView, pre, dec [
 			t.params.EvictionWeight*t.evictShare(v, s.uncached)*s.pullMs
 		s.aggregated = v.Role.Prefills()
 		if s.whole = s.aggregated || s.uncached < req.SkipPrefillBelow; s.whole {
-			e := t.estimate(req, v, meanPrompt, out, t.hostPlan(req, v))
+			var e ttftEstimate
+			plan := t.hostPlan(req, v)
+			t.estimate(&e, req, v, meanPrompt, out, &plan)
 			s.wholeMs, s.wholeCost = e.ms*s.corr, e.cost
 		}
 	}

@@ -109,18 +109,19 @@ func (t *TTFT) peerSources(req *Request, rs []ReplicaView) sources {
 	return s
 }
 
-// estimateTiers is candidate i's estimate with its host tier, and with a
-// pull from the best source other than itself when that lowers the score.
-func (t *TTFT) estimateTiers(req *Request, rs []ReplicaView, i int, meanPrompt, out float64, src sources) (ttftEstimate, tierPlan) {
+// estimateTiers is candidate i's estimate (into e) with its host tier, and
+// with a pull from the best source other than itself when that lowers the
+// score (its plan into plan).
+func (t *TTFT) estimateTiers(e *ttftEstimate, plan *tierPlan, req *Request, rs []ReplicaView, i int, meanPrompt, out float64, src sources) {
 	v := &rs[i]
-	plan := t.hostPlan(req, v)
-	e := t.estimate(req, v, meanPrompt, out, plan)
+	*plan = t.hostPlan(req, v)
+	t.estimate(e, req, v, meanPrompt, out, plan)
 	s := src[0]
 	if s == i {
 		s = src[1]
 	}
 	if s < 0 {
-		return e, plan
+		return
 	}
 	limit := loadLimit(req, t.o.BlockSize)
 	have := min(v.Local(), limit)
@@ -129,17 +130,17 @@ func (t *TTFT) estimateTiers(req *Request, rs []ReplicaView, i int, meanPrompt, 
 	}
 	p := min(rs[s].Local(), limit) - have
 	if p <= 0 {
-		return e, plan
+		return
 	}
 	prof := t.o.Profile
-	pp := plan
+	pp := *plan
 	pp.blocks += p
 	pp.pull, pp.source, pp.sourceBlocks = p, s, min(rs[s].Local(), limit)
 	pp.ms = max(plan.ms, prof.TransferWireMs(count(v.PendingTransfer))+prof.TransferMs(p*t.o.BlockSize))
-	if ep := t.estimate(req, v, meanPrompt, out, pp); ep.ms+ep.cost < e.ms+e.cost {
-		return ep, pp
+	var ep ttftEstimate
+	if t.estimate(&ep, req, v, meanPrompt, out, &pp); ep.ms+ep.cost < e.ms+e.cost {
+		*e, *plan = ep, pp
 	}
-	return e, plan
 }
 
 // decision is the plan's pull for the chosen replica's decision, nil when
@@ -173,7 +174,7 @@ func (t *TTFT) reuseMs(computeMs float64, w int) float64 {
 // tiers out: multiturn on 8 replicas of 3,000 GPU and 12,000 host blocks,
 // 1,526 pulls for 2,400 requests, host tiers evicting 274k blocks (8k under
 // llm-d's rule), hit rate 71 % against 80 % without pulls.
-func (t *TTFT) hostWriteMs(own int, tp tierPlan, l *ttftLoad) float64 {
+func (t *TTFT) hostWriteMs(own int, tp *tierPlan, l *ttftLoad) float64 {
 	if t.o.OffloadBlocks <= 0 || t.params.HostHits != hostHitsLoad {
 		return 0
 	}
