@@ -124,10 +124,9 @@ func restConfig(kubeconfig string) (*rest.Config, error) {
 // are their ready endpoints (conditions.ready true or unset, not
 // terminating).
 type Source struct {
-	cfg     discovery.KubernetesConfig
-	client  Client
-	sel     labels.Selector
-	failing bool // the last list or watch failed (logged once per streak)
+	cfg    discovery.KubernetesConfig
+	client Client
+	sel    labels.Selector
 }
 
 // New makes a source on client (the EndpointSlices of cfg.Namespace).
@@ -209,18 +208,73 @@ func ready(e discoveryv1.Endpoint) bool {
 	return (c.Ready == nil || *c.Ready) && (c.Terminating == nil || !*c.Terminating)
 }
 
-// view is the slices last seen, by name, and the list last given.
+// Run lists and watches the slices until ctx ends; the first list is
+// given as soon as it is read, then one after each change.
+func (k *Source) Run(ctx context.Context, update func([]discovery.Replica)) {
+	r := &reflector[*discoveryv1.EndpointSlice]{kind: "EndpointSlices", source: k.Name(),
+		list: func(ctx context.Context, opts metav1.ListOptions) ([]*discoveryv1.EndpointSlice, string, error) {
+			l, err := k.client.List(ctx, opts)
+			if err != nil {
+				return nil, "", err
+			}
+			return pointers(l.Items), l.ResourceVersion, nil
+		},
+		watch: k.client.Watch, opts: metav1.ListOptions{LabelSelector: k.sel.String()}, clock: k.cfg.Clock, log: k.cfg.Log}
+	r.run(ctx, &view{k: k, give: givenOnChange(update)})
+}
+
+// pointers are the addresses of items' elements.
+func pointers[T any](items []T) []*T {
+	out := make([]*T, len(items))
+	for i := range items {
+		out[i] = &items[i]
+	}
+	return out
+}
+
+// givenOnChange is update called the first time and then only with a
+// list unlike the last.
+func givenOnChange(update func([]discovery.Replica)) func([]discovery.Replica) {
+	var last []discovery.Replica
+	given := false
+	return func(list []discovery.Replica) {
+		if given && slices.Equal(list, last) {
+			return
+		}
+		last, given = list, true
+		update(list)
+	}
+}
+
+// view is the slices last seen, by name (the store of the slices'
+// reflector).
 type view struct {
 	k      *Source
 	slices map[string]*discoveryv1.EndpointSlice
-	last   []discovery.Replica
-	given  bool
-	update func([]discovery.Replica)
+	give   func([]discovery.Replica)
 }
 
-// give hands the replicas of the slices seen to update, the first time
-// and whenever they changed.
-func (v *view) give() {
+func (v *view) replace(items []*discoveryv1.EndpointSlice) {
+	v.slices = make(map[string]*discoveryv1.EndpointSlice, len(items))
+	for _, s := range items {
+		if v.k.sel.Matches(labels.Set(s.Labels)) {
+			v.slices[s.Name] = s
+		}
+	}
+	v.show()
+}
+
+func (v *view) apply(t watch.EventType, s *discoveryv1.EndpointSlice) {
+	if t == watch.Deleted || !v.k.sel.Matches(labels.Set(s.Labels)) { // deleted, or relabelled out of the selector
+		delete(v.slices, s.Name)
+	} else {
+		v.slices[s.Name] = s
+	}
+	v.show()
+}
+
+// show gives the replicas of the slices seen (give drops an unchanged list).
+func (v *view) show() {
 	names := make([]string, 0, len(v.slices))
 	for n := range v.slices {
 		names = append(names, n)
@@ -230,10 +284,5 @@ func (v *view) give() {
 	for i, n := range names {
 		eps[i] = v.slices[n]
 	}
-	list := v.k.Replicas(eps)
-	if v.given && slices.Equal(list, v.last) {
-		return
-	}
-	v.last, v.given = list, true
-	v.update(list)
+	v.give(v.k.Replicas(eps))
 }

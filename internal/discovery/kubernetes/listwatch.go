@@ -3,28 +3,27 @@ package kubernetes
 import (
 	"context"
 	"fmt"
+	"log/slog"
 	"time"
 
-	discoveryv1 "k8s.io/api/discovery/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/apimachinery/pkg/labels"
+	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/watch"
 
 	"github.com/kvgate/kvgate/internal/clock"
-	"github.com/kvgate/kvgate/internal/discovery"
 )
 
 // The list-then-watch of client-go's reflector, for one resource and
-// without its cache: LIST the slices (their state, and the collection's
+// without its cache: LIST the objects (their state, and the collection's
 // resourceVersion), then WATCH from that resourceVersion, applying each
-// event to the slices seen and giving the replicas whenever they change.
-// A watch the server ends cleanly (its timeout) resumes from the last
-// resourceVersion seen; a watch that fails, or whose resourceVersion the
-// server no longer has (410 Gone: "too old resource version"), is
-// followed by a fresh LIST, which replaces the slices seen, so nothing
-// missed in between is lost. While the API server cannot be read the last
-// list stays: replicas are never dropped for the source's own failure.
+// event to the objects seen. A watch the server ends cleanly (its
+// timeout) resumes from the last resourceVersion seen; a watch that
+// fails, or whose resourceVersion the server no longer has (410 Gone:
+// "too old resource version"), is followed by a fresh LIST, which
+// replaces the objects seen, so nothing missed in between is lost. While
+// the API server cannot be read the last list stays: replicas are never
+// dropped for the source's own failure.
 //
 // Each new cycle (a watch resumed, or a list) waits on the injected
 // clock: not at all after a watch that delivered events (it did its
@@ -42,20 +41,44 @@ const (
 	listTimeout = 30 * time.Second
 )
 
-// Run lists and watches until ctx ends; the first list is given as soon
-// as it is read, then one after each change.
-func (k *Source) Run(ctx context.Context, update func([]discovery.Replica)) {
-	v := &view{k: k, update: update}
+// object is what a reflector follows: a typed API object (a pointer) or
+// an unstructured one.
+type object interface {
+	runtime.Object
+	metav1.Object
+}
+
+// store receives what a reflector reads: the whole collection after each
+// list, then each change.
+type store[T object] interface {
+	replace(items []T)
+	apply(t watch.EventType, o T)
+}
+
+// reflector list-watches one resource (kind, for logs: "EndpointSlices")
+// with the selectors of opts, into a store.
+type reflector[T object] struct {
+	kind, source string
+	list         func(ctx context.Context, opts metav1.ListOptions) ([]T, string, error)
+	watch        func(ctx context.Context, opts metav1.ListOptions) (watch.Interface, error)
+	opts         metav1.ListOptions
+	clock        clock.Clock
+	log          *slog.Logger
+	failing      bool // the last list or watch failed (logged once per streak)
+}
+
+// run lists and watches until ctx ends.
+func (r *reflector[T]) run(ctx context.Context, s store[T]) {
 	var rv string
 	relist, delay := true, time.Duration(0)
 	for {
 		var err error
 		progressed := false
 		if relist {
-			rv, err = k.list(ctx, v)
+			rv, err = r.relist(ctx, s)
 		}
 		if err == nil {
-			rv, progressed, err = k.follow(ctx, v, rv)
+			rv, progressed, err = r.follow(ctx, s, rv)
 		}
 		if ctx.Err() != nil {
 			return
@@ -64,47 +87,41 @@ func (k *Source) Run(ctx context.Context, update func([]discovery.Replica)) {
 		if progressed {
 			delay = 0
 		}
-		if !clock.Sleep(k.cfg.Clock, delay, ctx.Done()) {
+		if !clock.Sleep(r.clock, delay, ctx.Done()) {
 			return
 		}
 		delay = min(max(2*delay, minBackoff), maxBackoff)
 	}
 }
 
-// list reads the slices, replaces the view's with them and gives their
-// replicas; it returns the collection's resourceVersion to watch from.
-func (k *Source) list(ctx context.Context, v *view) (string, error) {
+// relist reads the objects and replaces the store's with them; it returns
+// the collection's resourceVersion to watch from.
+func (r *reflector[T]) relist(ctx context.Context, s store[T]) (string, error) {
 	lctx, cancel := context.WithTimeout(ctx, listTimeout)
 	defer cancel()
-	l, err := k.client.List(lctx, metav1.ListOptions{LabelSelector: k.sel.String()})
+	items, rv, err := r.list(lctx, r.opts)
 	if err != nil {
-		k.failed(ctx, "cannot list EndpointSlices", err)
+		r.failed(ctx, "cannot list "+r.kind, err)
 		return "", err
 	}
-	if k.failing {
-		k.cfg.Log.Info("kubernetes discovery: the EndpointSlices are read again", "source", k.Name(), "slices", len(l.Items))
-		k.failing = false
+	if r.failing {
+		r.log.Info("kubernetes discovery: the "+r.kind+" are read again", "source", r.source, "objects", len(items))
+		r.failing = false
 	}
-	v.slices = make(map[string]*discoveryv1.EndpointSlice, len(l.Items))
-	for i := range l.Items {
-		s := &l.Items[i]
-		if k.sel.Matches(labels.Set(s.Labels)) {
-			v.slices[s.Name] = s
-		}
-	}
-	v.give()
-	return l.ResourceVersion, nil
+	s.replace(items)
+	return rv, nil
 }
 
 // follow watches from rv until the watch ends: it returns the last
 // resourceVersion seen, whether any event came, and why the watch ended
 // (nil: the server closed it cleanly; it may be resumed from rv).
-func (k *Source) follow(ctx context.Context, v *view, rv string) (string, bool, error) {
+func (r *reflector[T]) follow(ctx context.Context, s store[T], rv string) (string, bool, error) {
 	timeout := int64(watchTimeout / time.Second)
-	w, err := k.client.Watch(ctx, metav1.ListOptions{LabelSelector: k.sel.String(), ResourceVersion: rv,
-		AllowWatchBookmarks: true, TimeoutSeconds: &timeout})
+	opts := r.opts
+	opts.ResourceVersion, opts.AllowWatchBookmarks, opts.TimeoutSeconds = rv, true, &timeout
+	w, err := r.watch(ctx, opts)
 	if err != nil {
-		k.failed(ctx, "cannot watch EndpointSlices", err)
+		r.failed(ctx, "cannot watch "+r.kind, err)
 		return rv, false, err
 	}
 	defer w.Stop()
@@ -120,45 +137,37 @@ func (k *Source) follow(ctx context.Context, v *view, rv string) (string, bool, 
 		if !open {
 			return rv, progressed, nil
 		}
-		if err := k.apply(v, ev); err != nil {
+		o, err := r.event(ev)
+		if err != nil {
 			if gone(err) {
-				k.cfg.Log.Debug("kubernetes discovery: the watch's resourceVersion expired; listing again", "source", k.Name())
+				r.log.Debug("kubernetes discovery: the watch's resourceVersion expired; listing again", "source", r.source)
 			} else {
-				k.failed(ctx, "the watch failed", err)
+				r.failed(ctx, "the watch of "+r.kind+" failed", err)
 			}
 			return rv, progressed, err
 		}
 		progressed = true
-		if s, ok := ev.Object.(*discoveryv1.EndpointSlice); ok && s.ResourceVersion != "" {
-			rv = s.ResourceVersion
+		if ev.Type != watch.Bookmark { // a bookmark: a newer resourceVersion, nothing changed
+			s.apply(ev.Type, o)
+		}
+		if v := o.GetResourceVersion(); v != "" {
+			rv = v
 		}
 	}
 }
 
-// apply applies one watch event to the view (and gives the replicas when
-// they changed); an error event is returned as the API's error.
-func (k *Source) apply(v *view, ev watch.Event) error {
+// event is a watch event's object; an error event is returned as the
+// API's error.
+func (r *reflector[T]) event(ev watch.Event) (T, error) {
+	var zero T
 	if ev.Type == watch.Error {
-		return apierrors.FromObject(ev.Object)
+		return zero, apierrors.FromObject(ev.Object)
 	}
-	s, ok := ev.Object.(*discoveryv1.EndpointSlice)
+	o, ok := ev.Object.(T)
 	if !ok {
-		return fmt.Errorf("kubernetes discovery: a watch event of %T, not an EndpointSlice", ev.Object)
+		return zero, fmt.Errorf("kubernetes discovery: a watch event of %T among the %s", ev.Object, r.kind)
 	}
-	switch ev.Type {
-	case watch.Added, watch.Modified:
-		if k.sel.Matches(labels.Set(s.Labels)) {
-			v.slices[s.Name] = s
-		} else { // relabelled out of the selector
-			delete(v.slices, s.Name)
-		}
-	case watch.Deleted:
-		delete(v.slices, s.Name)
-	default: // a bookmark: a newer resourceVersion, nothing changed
-		return nil
-	}
-	v.give()
-	return nil
+	return o, nil
 }
 
 // gone reports a resourceVersion the server no longer has (410): the
@@ -167,10 +176,10 @@ func gone(err error) bool { return apierrors.IsResourceExpired(err) || apierrors
 
 // failed logs a failure to read the API server, once per streak of
 // failures (the first), unless ctx ended.
-func (k *Source) failed(ctx context.Context, what string, err error) {
-	if ctx.Err() != nil || k.failing {
+func (r *reflector[T]) failed(ctx context.Context, what string, err error) {
+	if ctx.Err() != nil || r.failing {
 		return
 	}
-	k.failing = true
-	k.cfg.Log.Warn("kubernetes discovery: "+what+"; keeping the previous replica list", "source", k.Name(), "err", err)
+	r.failing = true
+	r.log.Warn("kubernetes discovery: "+what+"; keeping the previous replica list", "source", r.source, "err", err)
 }
