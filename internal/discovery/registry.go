@@ -117,8 +117,16 @@ type KubernetesConfig struct {
 	// Kubeconfig is a kubeconfig file ("": $KUBECONFIG, else the pod's
 	// service account, else the default loading rules).
 	Kubeconfig string
-	// RoleLabel is the EndpointSlice label (copied from the Service) that
-	// gives its replicas' role; a replica without it is of role both.
+	// InferencePool names the Gateway API Inference Extension's pool (in
+	// Namespace) whose selector and target ports give the replicas: its
+	// Ready pods (Selector and Port are then unused).
+	InferencePool string
+	// PoolGroup is the pool's API group: inference.networking.k8s.io
+	// (v1, the default) or inference.networking.x-k8s.io (v1alpha2).
+	PoolGroup string
+	// RoleLabel is the EndpointSlice label (copied from the Service), or
+	// with InferencePool the pod label, that gives its replicas' role; a
+	// replica without it is of role both.
 	RoleLabel string
 	Scheme    string  // default http
 	Template  Replica // every replica's settings but its URL and role

@@ -7,6 +7,7 @@
 package kubernetes
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -46,7 +47,8 @@ var _ Client = discoveryclient.EndpointSliceInterface(nil)
 
 // Validate checks what the API server would refuse, without asking it:
 // the selector's syntax, the namespace and a port name (DNS-1123 labels),
-// the role label's key.
+// the InferencePool's name (a DNS-1123 subdomain) and group, the role
+// label's key.
 func Validate(cfg discovery.KubernetesConfig) []error {
 	var errs []error
 	if _, err := labels.Parse(cfg.Selector); err != nil {
@@ -62,6 +64,14 @@ func Validate(cfg discovery.KubernetesConfig) []error {
 			errs = append(errs, fmt.Errorf("port %q: a port name is a DNS-1123 label: %s", cfg.Port, strings.Join(msgs, "; ")))
 		}
 	}
+	if cfg.InferencePool != "" {
+		if msgs := validation.IsDNS1123Subdomain(cfg.InferencePool); len(msgs) > 0 {
+			errs = append(errs, fmt.Errorf("inference_pool %q: %s", cfg.InferencePool, strings.Join(msgs, "; ")))
+		}
+	}
+	if g := cfg.PoolGroup; g != "" && g != PoolGroup && g != PoolGroupV1Alpha2 {
+		errs = append(errs, fmt.Errorf("inference_pool_group %q: want %s (v1) or %s (v1alpha2)", g, PoolGroup, PoolGroupV1Alpha2))
+	}
 	if cfg.RoleLabel != "" {
 		if _, err := labels.NewRequirement(cfg.RoleLabel, selection.Exists, nil); err != nil {
 			errs = append(errs, fmt.Errorf("role_label %q: %w", cfg.RoleLabel, err))
@@ -70,8 +80,9 @@ func Validate(cfg discovery.KubernetesConfig) []error {
 	return errs
 }
 
-// build is the registered constructor: the API client from the kubeconfig
-// (or in-cluster), then the source.
+// build is the registered constructor: the API clients from the
+// kubeconfig (or in-cluster), then the source: an InferencePool's
+// (pool.go) when one is named, else the EndpointSlices'.
 func build(cfg discovery.KubernetesConfig) (discovery.Source, error) {
 	if errs := Validate(cfg); len(errs) > 0 {
 		return nil, errors.Join(errs...)
@@ -79,6 +90,13 @@ func build(cfg discovery.KubernetesConfig) (discovery.Source, error) {
 	path := cfg.Kubeconfig
 	if path == "" {
 		path = os.Getenv("KUBECONFIG")
+	}
+	if cfg.InferencePool != "" {
+		pools, pods, err := newPoolClients(path, cfg.Namespace, cmp.Or(cfg.PoolGroup, PoolGroup))
+		if err != nil {
+			return nil, err
+		}
+		return NewPool(pools, pods, cfg)
 	}
 	client, err := newClient(path, cfg.Namespace)
 	if err != nil {
@@ -141,11 +159,15 @@ func New(client Client, cfg discovery.KubernetesConfig) (*Source, error) {
 	if cfg.Scheme == "" {
 		cfg.Scheme = "http"
 	}
-	cfg.Clock = clock.OrReal(cfg.Clock)
-	if cfg.Log == nil {
-		cfg.Log = slog.New(slog.DiscardHandler)
-	}
+	cfg.Clock, cfg.Log = clock.OrReal(cfg.Clock), logOr(cfg.Log)
 	return &Source{cfg: cfg, client: client, sel: sel}, nil
+}
+
+func logOr(l *slog.Logger) *slog.Logger {
+	if l == nil {
+		return slog.New(slog.DiscardHandler)
+	}
+	return l
 }
 
 // Name is "kubernetes NAMESPACE/SELECTOR".

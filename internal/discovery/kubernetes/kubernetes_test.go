@@ -125,6 +125,12 @@ func TestValidate(t *testing.T) {
 		{"bad namespace", func(c *discovery.KubernetesConfig) { c.Namespace = "LLM_1" }, "discovery.kubernetes.namespace"},
 		{"bad port name", func(c *discovery.KubernetesConfig) { c.Port = "Http_1" }, "discovery.kubernetes.port"},
 		{"bad role label", func(c *discovery.KubernetesConfig) { c.RoleLabel = "a b" }, "discovery.kubernetes.role_label"},
+		{"inference pool", func(c *discovery.KubernetesConfig) {
+			c.InferencePool, c.PoolGroup, c.Selector, c.Port = "vllm-pool", PoolGroupV1Alpha2, "", ""
+		}, ""},
+		{"bad inference pool", func(c *discovery.KubernetesConfig) { c.InferencePool = "Vllm_Pool" }, "discovery.kubernetes.inference_pool"},
+		{"bad pool group", func(c *discovery.KubernetesConfig) { c.InferencePool, c.PoolGroup = "p", "x.io" },
+			"discovery.kubernetes.inference_pool_group"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			cfg := config()
@@ -157,8 +163,16 @@ func typedFake(t *testing.T, objs ...runtime.Object) Client {
 // after a list waits for the watch first.
 func typedFakeWatched(t *testing.T, watching chan<- struct{}, objs ...runtime.Object) Client {
 	t.Helper()
+	return (&fakediscovery.FakeDiscoveryV1{Fake: fakeTracker(t, discoveryv1.AddToScheme, watching, objs...)}).EndpointSlices("llm")
+}
+
+// fakeTracker is client-go's fake over an object tracker that knows the
+// types addToScheme adds, telling watching (when not nil) each time a
+// watch is established.
+func fakeTracker(t *testing.T, addToScheme func(*runtime.Scheme) error, watching chan<- struct{}, objs ...runtime.Object) *k8stesting.Fake {
+	t.Helper()
 	scheme := runtime.NewScheme()
-	if err := discoveryv1.AddToScheme(scheme); err != nil {
+	if err := addToScheme(scheme); err != nil {
 		t.Fatal(err)
 	}
 	tracker := k8stesting.NewObjectTracker(scheme, serializer.NewCodecFactory(scheme).UniversalDecoder())
@@ -169,7 +183,14 @@ func typedFakeWatched(t *testing.T, watching chan<- struct{}, objs ...runtime.Ob
 	}
 	f := &k8stesting.Fake{}
 	f.AddReactor("*", "*", k8stesting.ObjectReaction(tracker))
-	f.AddWatchReactor("*", func(a k8stesting.Action) (bool, watch.Interface, error) {
+	f.AddWatchReactor("*", signalWatch(tracker, watching))
+	return f
+}
+
+// signalWatch is a watch reactor on tracker telling watching (when not
+// nil) each time a watch is established.
+func signalWatch(tracker k8stesting.ObjectTracker, watching chan<- struct{}) k8stesting.WatchReactionFunc {
+	return func(a k8stesting.Action) (bool, watch.Interface, error) {
 		w, err := tracker.Watch(a.GetResource(), a.GetNamespace(), a.(k8stesting.WatchActionImpl).ListOptions)
 		if err == nil && watching != nil {
 			select {
@@ -178,8 +199,7 @@ func typedFakeWatched(t *testing.T, watching chan<- struct{}, objs ...runtime.Ob
 			}
 		}
 		return err == nil, w, err
-	})
-	return (&fakediscovery.FakeDiscoveryV1{Fake: f}).EndpointSlices("llm")
+	}
 }
 
 // run runs src until the test ends, handing each list to the channel.
@@ -194,9 +214,14 @@ func run(t *testing.T, src discovery.Source) <-chan []discovery.Replica {
 
 func next(t *testing.T, ch <-chan []discovery.Replica) []string {
 	t.Helper()
+	return urls(nextList(t, ch))
+}
+
+func nextList(t *testing.T, ch <-chan []discovery.Replica) []discovery.Replica {
+	t.Helper()
 	select {
 	case l := <-ch:
-		return urls(l)
+		return l
 	case <-time.After(testutil.Bound(10 * time.Second)): // a bound on a broken test, not a wait
 		t.Fatal("no list")
 		return nil
