@@ -1,6 +1,7 @@
 package main
 
 import (
+	"cmp"
 	"errors"
 	"fmt"
 	"io"
@@ -127,6 +128,16 @@ func writeSummary(w io.Writer, cfg gateway.Config) {
 	}
 	fmt.Fprintf(w, "  enabled:   %s\n", enabledText(cfg))
 	fmt.Fprintf(w, "  SIGHUP:    %s\n", reloadText())
+}
+
+// kubernetesSummary says where Kubernetes discovery finds the replicas.
+func kubernetesSummary(k *gateway.KubernetesConfig) string {
+	if k.InferencePool == "" {
+		return fmt.Sprintf("replicas of the EndpointSlices %s in namespace %s", k.Selector, k.Namespace)
+	}
+	group := cmp.Or(k.InferencePoolGroup, "inference.networking.k8s.io")
+	return fmt.Sprintf("replicas of the InferencePool %s in namespace %s (%s): its selector's Ready pods, one replica per target port",
+		k.InferencePool, k.Namespace, group)
 }
 
 // reloadText says what SIGHUP changes while serving (the keys derived

@@ -9,6 +9,7 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
+	"os"
 	"sync"
 	"time"
 
@@ -26,8 +27,9 @@ import (
 // replicas, policies, pools, state), and the picker's own.
 type eppFlags struct {
 	serveFlags
-	grpcListen, standin, standinMode string
-	fallbacks                        int
+	grpcListen, standin, standinMode   string
+	fallbacks                          int
+	poolName, poolNamespace, poolGroup string
 }
 
 func (f *eppFlags) register(fs *flag.FlagSet) {
@@ -40,6 +42,41 @@ func (f *eppFlags) register(fs *flag.FlagSet) {
 	fs.StringVar(&f.standin, "standin", "", "also serve an in-process Envoy stand-in (ext_proc client + HTTP forwarder) on this "+
 		"address, to try and benchmark the picker without Envoy; not for production")
 	fs.StringVar(&f.standinMode, "standin-mode", "full_duplex_streamed", "the stand-in's body mode: full_duplex_streamed or buffered")
+	// The reference endpoint picker's flags for its InferencePool.
+	fs.StringVar(&f.poolName, "pool-name", "", "the InferencePool to follow: its selector's Ready pods, on each of its target ports, "+
+		"are the replicas (discovery.kubernetes.inference_pool; replaces the file's replicas, replicas_file or discovery target)")
+	fs.StringVar(&f.poolNamespace, "pool-namespace", "", "the InferencePool's namespace (default: the file's "+
+		"discovery.kubernetes.namespace, else $NAMESPACE, else default)")
+	fs.StringVar(&f.poolGroup, "pool-group", "", "the InferencePool's API group: inference.networking.k8s.io (v1, the default) "+
+		"or inference.networking.x-k8s.io (v1alpha2)")
+	f.more = f.overridePool
+}
+
+// overridePool makes --pool-name (with --pool-namespace and --pool-group)
+// the replicas' source: the file's discovery settings (scheme, api_key,
+// kubeconfig, role_label) stay, its target is replaced. The namespace
+// falls back as the reference picker's does: the flag, $NAMESPACE, then
+// default (the file's own namespace before $NAMESPACE).
+func (f *eppFlags) overridePool(cfg *gateway.Config, set map[string]bool) error {
+	if !set["pool-name"] {
+		if set["pool-namespace"] || set["pool-group"] {
+			return fmt.Errorf("%w: --pool-namespace and --pool-group need --pool-name", errUsage)
+		}
+		return nil
+	}
+	d := &gateway.DiscoveryConfig{}
+	if cfg.Discovery != nil && cfg.Discovery.DNS == "" {
+		d = cfg.Discovery
+	}
+	k := &gateway.KubernetesConfig{}
+	if d.Kubernetes != nil {
+		k.Namespace, k.Kubeconfig, k.RoleLabel = d.Kubernetes.Namespace, d.Kubernetes.Kubeconfig, d.Kubernetes.RoleLabel
+	}
+	k.Namespace = cmp.Or(f.poolNamespace, k.Namespace, os.Getenv("NAMESPACE"), "default")
+	k.InferencePool, k.InferencePoolGroup = f.poolName, f.poolGroup
+	d.Kubernetes = k
+	cfg.Replicas, cfg.ReplicasFile, cfg.Discovery = nil, "", d
+	return nil
 }
 
 func (f *eppFlags) run(ctx context.Context, inv invocation) error {

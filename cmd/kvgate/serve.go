@@ -42,6 +42,9 @@ type serveFlags struct {
 	scrape, firstByte, idle, write, request, drain            time.Duration
 	check, accessLog, receipts                                bool
 	objective                                                 time.Duration
+	// more sets a verb's own flags over the file's before the check
+	// (kvgate epp's --pool-name).
+	more func(cfg *gateway.Config, set map[string]bool) error
 }
 
 func (f *serveFlags) register(fs *flag.FlagSet) {
@@ -179,6 +182,11 @@ func (f *serveFlags) config(set map[string]bool) (gateway.Config, slog.Level, er
 	if err := f.override(&cfg, set); err != nil {
 		return cfg, level, err
 	}
+	if f.more != nil {
+		if err := f.more(&cfg, set); err != nil {
+			return cfg, level, err
+		}
+	}
 	for name := range set {
 		for _, key := range flagKeys(name) {
 			src.Forget(key)
@@ -197,7 +205,8 @@ func (f *serveFlags) config(set map[string]bool) (gateway.Config, slog.Level, er
 // name with _ for -, but for the flags that set a replica's fields.
 func flagKeys(flag string) []string {
 	switch flag {
-	case "replicas", "prefill-replicas", "kv-events", "kv-events-replay", "data-parallel-size", "replicas-file":
+	case "replicas", "prefill-replicas", "kv-events", "kv-events-replay", "data-parallel-size", "replicas-file",
+		"pool-name", "pool-namespace", "pool-group":
 		return []string{"replicas", "replicas_file", "discovery"}
 	case "policy-param":
 		return []string{"policy_params"}

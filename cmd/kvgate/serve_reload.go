@@ -71,8 +71,7 @@ func replicaSummary(cfg gateway.Config) string {
 	case cfg.Discovery != nil && cfg.Discovery.DNS != "":
 		return "replicas found by DNS " + cfg.Discovery.DNS
 	case cfg.Discovery != nil && cfg.Discovery.Kubernetes != nil:
-		k := cfg.Discovery.Kubernetes
-		return fmt.Sprintf("replicas of the EndpointSlices %s in namespace %s", k.Selector, k.Namespace)
+		return kubernetesSummary(cfg.Discovery.Kubernetes)
 	}
 	return fleetSummary(cfg)
 }

@@ -141,8 +141,8 @@ func waitFor(t *testing.T, ch <-chan struct{}, what string) {
 type errorLog chan string
 
 func (e errorLog) Enabled(context.Context, slog.Level) bool { return true }
-func (e errorLog) WithAttrs([]slog.Attr) slog.Handler      { return e }
-func (e errorLog) WithGroup(string) slog.Handler           { return e }
+func (e errorLog) WithAttrs([]slog.Attr) slog.Handler       { return e }
+func (e errorLog) WithGroup(string) slog.Handler            { return e }
 func (e errorLog) Handle(_ context.Context, r slog.Record) error {
 	if r.Level >= slog.LevelError {
 		msg := r.Message
@@ -181,7 +181,10 @@ func TestPoolSourceFollowsThePoolAndItsPods(t *testing.T) {
 	pods := f.pods.Pods("llm")
 	pools := f.pools.Resource(poolResource(PoolGroup)).Namespace("llm")
 	setPod := func(p *corev1.Pod) error { _, err := pods.Update(ctx, p, metav1.UpdateOptions{}); return err }
-	setPool := func(u *unstructured.Unstructured) error { _, err := pools.Update(ctx, u, metav1.UpdateOptions{}); return err }
+	setPool := func(u *unstructured.Unstructured) error {
+		_, err := pools.Update(ctx, u, metav1.UpdateOptions{})
+		return err
+	}
 	waitFor(t, f.poolWatched, "watch of the pool")
 	steps := []struct {
 		name    string
