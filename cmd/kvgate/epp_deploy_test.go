@@ -79,15 +79,16 @@ func eppConfig(t *testing.T, args ...string) (gateway.Config, error) {
 }
 
 // The Gateway API example parses and holds together: the InferencePool
-// selects the vLLM pods (vllm-example.yaml) that kvgate's discovery finds,
-// on the port it picks; its endpointPickerRef is kvgate's Service, whose
+// selects the vLLM pods (vllm-example.yaml) on one port, and kvgate
+// follows that pool (with the RBAC to read it and its pods); its endpointPickerRef is kvgate's Service, whose
 // port reaches the ext_proc port of kvgate epp's configuration (which
 // passes --check-config); the HTTPRoute sends to the pool through the
 // Gateway; health is gRPC health checking; the ScaledObject scales the
 // vLLM pods on kvgate_pool_saturation.
 func TestEPPManifests(t *testing.T) {
 	objs := append(loadManifestsIn(t, "epp"), loadManifests(t)...)
-	pool := specOf[inferencePool](t, find(t, objs, "InferencePool", "vllm-pool"))
+	poolObj := find(t, objs, "InferencePool", "vllm-pool")
+	pool := specOf[inferencePool](t, poolObj)
 	vllm := specOf[k8sWorkload](t, find(t, objs, "StatefulSet", "vllm"))
 	if !matches(pool.Selector.MatchLabels, vllm.Template.Metadata.Labels) || len(pool.TargetPorts) != 1 {
 		t.Fatalf("the pool's selector %v and ports %v: want the vLLM pods' labels %v and one port", pool.Selector.MatchLabels,
@@ -102,9 +103,8 @@ func TestEPPManifests(t *testing.T) {
 	if err := checkConfig(cfg); err != nil {
 		t.Fatalf("the picker's configuration fails --check-config: %v", err)
 	}
-	checkPoolDiscovery(t, objs, pool, cfg)
+	checkPoolDiscovery(t, objs, poolObj, cfg, d.Template.Spec.ServiceAccountName)
 	checkPickerService(t, objs, pool, d, c, cfg)
-	checkRBAC(t, objs, d.Template.Spec.ServiceAccountName, find(t, objs, "Deployment", "kvgate-epp").Metadata.Namespace)
 	route := specOf[httpRoute](t, find(t, objs, "HTTPRoute", "llm"))
 	find(t, objs, "Gateway", route.ParentRefs[0].Name)
 	if b := route.Rules[0].BackendRefs; len(b) != 1 || b[0] != (struct{ Group, Kind, Name string }{"inference.networking.k8s.io", "InferencePool", "vllm-pool"}) {
@@ -152,26 +152,17 @@ func eppDeployedConfig(t *testing.T, objs []k8sObject, d k8sWorkload, c k8sConta
 	return cfg
 }
 
-// checkPoolDiscovery: kvgate finds the pool's pods on the pool's port —
-// its discovery reads the EndpointSlices of a Service that selects the
-// pods the pool's selector names.
-func checkPoolDiscovery(t *testing.T, objs []k8sObject, pool inferencePool, cfg gateway.Config) {
+// checkPoolDiscovery: kvgate follows the InferencePool whose
+// endpointPickerRef it serves, in the pool's namespace (--pool-name,
+// --pool-namespace), and may read it and its pods.
+func checkPoolDiscovery(t *testing.T, objs []k8sObject, pool k8sObject, cfg gateway.Config, sa string) {
 	t.Helper()
 	k := discoveredIn(cfg)
-	if k == nil {
-		t.Fatal("the picker's configuration has no Kubernetes discovery")
+	if k == nil || k.InferencePool != pool.Metadata.Name || k.Namespace != pool.Metadata.Namespace || k.InferencePoolGroup != "" {
+		t.Fatalf("the picker's discovery %+v: want the InferencePool %s/%s (v1)", k, pool.Metadata.Namespace, pool.Metadata.Name)
 	}
-	name, ok := strings.CutPrefix(k.Selector, "kubernetes.io/service-name=")
-	if !ok {
-		t.Fatalf("discovery selector %q: want kubernetes.io/service-name=NAME", k.Selector)
-	}
-	svc := specOf[k8sService](t, find(t, objs, "Service", name))
-	if !matches(svc.Selector, pool.Selector.MatchLabels) || !matches(pool.Selector.MatchLabels, svc.Selector) {
-		t.Errorf("Service %s selects %v, the pool %v: the picker would route to other pods than the pool's", name, svc.Selector, pool.Selector.MatchLabels)
-	}
-	if string(k.Port) != strconv.Itoa(pool.TargetPorts[0].Number) {
-		t.Errorf("discovery port %q, the pool's target port %d", k.Port, pool.TargetPorts[0].Number)
-	}
+	checkRBAC(t, objs, sa, pool.Metadata.Namespace, "inference.networking.k8s.io", "inferencepools")
+	checkRBAC(t, objs, sa, pool.Metadata.Namespace, "", "pods")
 }
 
 // checkPickerService: the pool's endpointPickerRef is a Service whose port

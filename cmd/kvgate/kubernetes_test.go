@@ -301,7 +301,7 @@ func TestKubernetesManifests(t *testing.T) {
 			t.Errorf("the ConfigMap's %s fails --check-config: %v", key, err)
 		}
 		if k := discoveredIn(cfg); k != nil {
-			checkRBAC(t, objs, kvgateServiceAccount(t, objs), k.Namespace)
+			checkRBAC(t, objs, kvgateServiceAccount(t, objs), k.Namespace, "discovery.k8s.io", "endpointslices")
 		}
 	}
 	cfg := cfgs[deployed]
@@ -326,7 +326,8 @@ func TestKubernetesManifests(t *testing.T) {
 	checkProbes(t, c, port)
 	checkPodLifetime(t, d.Template.Spec, c, cfg)
 	checkService(t, objs, d, c, port)
-	checkRBAC(t, objs, d.Template.Spec.ServiceAccountName, find(t, objs, "Deployment", "kvgate").Metadata.Namespace)
+	checkRBAC(t, objs, d.Template.Spec.ServiceAccountName, find(t, objs, "Deployment", "kvgate").Metadata.Namespace,
+		"discovery.k8s.io", "endpointslices")
 	checkNamespaces(t, objs)
 }
 
@@ -448,9 +449,9 @@ func checkService(t *testing.T, objs []k8sObject, d k8sWorkload, c k8sContainer,
 	}
 }
 
-// checkRBAC: the pods' ServiceAccount may get, list and watch
-// EndpointSlices in namespace ns (discovery: {kubernetes: ...}).
-func checkRBAC(t *testing.T, objs []k8sObject, sa, ns string) {
+// checkRBAC: the pods' ServiceAccount may get, list and watch the
+// resource of group in namespace ns (discovery: {kubernetes: ...}).
+func checkRBAC(t *testing.T, objs []k8sObject, sa, ns, group, resource string) {
 	t.Helper()
 	find(t, objs, "ServiceAccount", sa)
 	for _, rb := range objs {
@@ -464,13 +465,13 @@ func checkRBAC(t *testing.T, objs []k8sObject, sa, ns string) {
 			continue
 		}
 		for _, r := range role.Rules {
-			if slices.Contains(r.APIGroups, "discovery.k8s.io") && slices.Contains(r.Resources, "endpointslices") &&
+			if slices.Contains(r.APIGroups, group) && slices.Contains(r.Resources, resource) &&
 				!slices.ContainsFunc([]string{"get", "list", "watch"}, func(v string) bool { return !slices.Contains(r.Verbs, v) }) {
 				return
 			}
 		}
 	}
-	t.Errorf("no RoleBinding gives ServiceAccount %s get, list and watch on discovery.k8s.io endpointslices in namespace %s", sa, ns)
+	t.Errorf("no RoleBinding gives ServiceAccount %s get, list and watch on %q %s in namespace %s", sa, group, resource, ns)
 }
 
 // checkNamespaces: every namespaced object is in the Namespace the
