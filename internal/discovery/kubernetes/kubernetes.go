@@ -12,6 +12,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"maps"
 	"net"
 	"os"
 	"slices"
@@ -156,11 +157,15 @@ func New(client Client, cfg discovery.KubernetesConfig) (*Source, error) {
 	if cfg.Port == "" {
 		return nil, errors.New("port: give the replicas' port number or its EndpointSlice port name")
 	}
-	if cfg.Scheme == "" {
-		cfg.Scheme = "http"
-	}
+	return &Source{cfg: withDefaults(cfg), client: client, sel: sel}, nil
+}
+
+// withDefaults is cfg with its optional fields filled: scheme http, the
+// real clock, a log that discards.
+func withDefaults(cfg discovery.KubernetesConfig) discovery.KubernetesConfig {
+	cfg.Scheme = cmp.Or(cfg.Scheme, "http")
 	cfg.Clock, cfg.Log = clock.OrReal(cfg.Clock), logOr(cfg.Log)
-	return &Source{cfg: cfg, client: client, sel: sel}, nil
+	return cfg
 }
 
 func logOr(l *slog.Logger) *slog.Logger {
@@ -234,24 +239,30 @@ func ready(e discoveryv1.Endpoint) bool {
 // given as soon as it is read, then one after each change.
 func (k *Source) Run(ctx context.Context, update func([]discovery.Replica)) {
 	r := &reflector[*discoveryv1.EndpointSlice]{kind: "EndpointSlices", source: k.Name(),
-		list: func(ctx context.Context, opts metav1.ListOptions) ([]*discoveryv1.EndpointSlice, string, error) {
-			l, err := k.client.List(ctx, opts)
-			if err != nil {
-				return nil, "", err
-			}
-			return pointers(l.Items), l.ResourceVersion, nil
-		},
+		list:  lister(k.client.List, func(l *discoveryv1.EndpointSliceList) []discoveryv1.EndpointSlice { return l.Items }),
 		watch: k.client.Watch, opts: metav1.ListOptions{LabelSelector: k.sel.String()}, clock: k.cfg.Clock, log: k.cfg.Log}
-	r.run(ctx, &view{k: k, give: givenOnChange(update)})
+	give := givenOnChange(update)
+	r.run(ctx, &byName[*discoveryv1.EndpointSlice]{ // an endpoint in two slices takes the first's role
+		keep: func(s *discoveryv1.EndpointSlice) bool { return k.sel.Matches(labels.Set(s.Labels)) },
+		show: func(eps []*discoveryv1.EndpointSlice) { give(k.Replicas(eps)) }})
 }
 
-// pointers are the addresses of items' elements.
-func pointers[T any](items []T) []*T {
-	out := make([]*T, len(items))
-	for i := range items {
-		out[i] = &items[i]
+// lister is a client's List as a reflector's: the addresses of the
+// list's items, and its resourceVersion.
+func lister[L metav1.ListInterface, T any](list func(context.Context, metav1.ListOptions) (L, error),
+	items func(L) []T) func(context.Context, metav1.ListOptions) ([]*T, string, error) {
+	return func(ctx context.Context, opts metav1.ListOptions) ([]*T, string, error) {
+		l, err := list(ctx, opts)
+		if err != nil {
+			return nil, "", err
+		}
+		its := items(l)
+		out := make([]*T, len(its))
+		for i := range its {
+			out[i] = &its[i]
+		}
+		return out, l.GetResourceVersion(), nil
 	}
-	return out
 }
 
 // givenOnChange is update called the first time and then only with a
@@ -268,43 +279,39 @@ func givenOnChange(update func([]discovery.Replica)) func([]discovery.Replica) {
 	}
 }
 
-// view is the slices last seen, by name (the store of the slices'
-// reflector).
-type view struct {
-	k      *Source
-	slices map[string]*discoveryv1.EndpointSlice
-	give   func([]discovery.Replica)
+// byName is a reflector's store: the objects it read, by name, that keep
+// accepts (a watch brings objects relabelled out of the selector, and a
+// fake's every object); after each change show has them sorted by name.
+type byName[T object] struct {
+	keep func(T) bool
+	show func([]T)
+	objs map[string]T
 }
 
-func (v *view) replace(items []*discoveryv1.EndpointSlice) {
-	v.slices = make(map[string]*discoveryv1.EndpointSlice, len(items))
-	for _, s := range items {
-		if v.k.sel.Matches(labels.Set(s.Labels)) {
-			v.slices[s.Name] = s
+func (b *byName[T]) replace(items []T) {
+	b.objs = make(map[string]T, len(items))
+	for _, o := range items {
+		if b.keep(o) {
+			b.objs[o.GetName()] = o
 		}
 	}
-	v.show()
+	b.changed()
 }
 
-func (v *view) apply(t watch.EventType, s *discoveryv1.EndpointSlice) {
-	if t == watch.Deleted || !v.k.sel.Matches(labels.Set(s.Labels)) { // deleted, or relabelled out of the selector
-		delete(v.slices, s.Name)
+func (b *byName[T]) apply(t watch.EventType, o T) {
+	if t == watch.Deleted || !b.keep(o) {
+		delete(b.objs, o.GetName())
 	} else {
-		v.slices[s.Name] = s
+		b.objs[o.GetName()] = o
 	}
-	v.show()
+	b.changed()
 }
 
-// show gives the replicas of the slices seen (give drops an unchanged list).
-func (v *view) show() {
-	names := make([]string, 0, len(v.slices))
-	for n := range v.slices {
-		names = append(names, n)
-	}
-	slices.Sort(names) // an endpoint in two slices takes the first's role
-	eps := make([]*discoveryv1.EndpointSlice, len(names))
+func (b *byName[T]) changed() {
+	names := slices.Sorted(maps.Keys(b.objs))
+	list := make([]T, len(names))
 	for i, n := range names {
-		eps[i] = v.slices[n]
+		list[i] = b.objs[n]
 	}
-	v.give(v.k.Replicas(eps))
+	b.show(list)
 }

@@ -7,7 +7,6 @@ import (
 	"net"
 	"slices"
 	"strconv"
-	"strings"
 	"sync"
 
 	corev1 "k8s.io/api/core/v1"
@@ -19,7 +18,6 @@ import (
 	"k8s.io/client-go/dynamic"
 	corev1client "k8s.io/client-go/kubernetes/typed/core/v1"
 
-	"github.com/kvgate/kvgate/internal/clock"
 	"github.com/kvgate/kvgate/internal/discovery"
 )
 
@@ -183,11 +181,7 @@ func NewPool(pools PoolClient, pods PodClient, cfg discovery.KubernetesConfig) (
 	if cfg.InferencePool == "" {
 		return nil, errors.New("inference_pool: give the InferencePool's name")
 	}
-	if cfg.Scheme == "" {
-		cfg.Scheme = "http"
-	}
-	cfg.Clock, cfg.Log = clock.OrReal(cfg.Clock), logOr(cfg.Log)
-	return &PoolSource{cfg: cfg, pools: pools, pods: pods}, nil
+	return &PoolSource{cfg: withDefaults(cfg), pools: pools, pods: pods}, nil
 }
 
 // Name is "kubernetes InferencePool NAMESPACE/NAME".
@@ -204,13 +198,7 @@ func (p *PoolSource) Run(ctx context.Context, update func([]discovery.Replica)) 
 	var wg sync.WaitGroup
 	wg.Go(func() { p.followPods(ctx, targets, givenOnChange(update)) })
 	r := &reflector[*unstructured.Unstructured]{kind: "InferencePools", source: p.Name(),
-		list: func(ctx context.Context, opts metav1.ListOptions) ([]*unstructured.Unstructured, string, error) {
-			l, err := p.pools.List(ctx, opts)
-			if err != nil {
-				return nil, "", err
-			}
-			return pointers(l.Items), l.GetResourceVersion(), nil
-		},
+		list:  lister(p.pools.List, func(l *unstructured.UnstructuredList) []unstructured.Unstructured { return l.Items }),
 		watch: p.pools.Watch, opts: metav1.ListOptions{FieldSelector: "metadata.name=" + p.cfg.InferencePool},
 		clock: p.cfg.Clock, log: p.cfg.Log}
 	r.run(ctx, &poolView{p: p, out: targets})
@@ -218,7 +206,8 @@ func (p *PoolSource) Run(ctx context.Context, update func([]discovery.Replica)) 
 }
 
 // followPods list-watches the pods of each target received (the last
-// one; nil: no pool, no replica), one target at a time.
+// one; nil: no pool, no replica), one target at a time: update is called
+// from one goroutine at a time.
 func (p *PoolSource) followPods(ctx context.Context, targets <-chan *target, give func([]discovery.Replica)) {
 	stop := func() {}
 	defer func() { stop() }()
@@ -231,34 +220,35 @@ func (p *PoolSource) followPods(ctx context.Context, targets <-chan *target, giv
 			stop = func() {}
 			if t == nil {
 				give([]discovery.Replica{})
-				continue
+			} else {
+				stop = p.followTarget(ctx, t, give)
 			}
-			pctx, cancel := context.WithCancel(ctx)
-			done := make(chan struct{})
-			r := &reflector[*corev1.Pod]{kind: "Pods", source: p.Name(),
-				list: func(ctx context.Context, opts metav1.ListOptions) ([]*corev1.Pod, string, error) {
-					l, err := p.pods.List(ctx, opts)
-					if err != nil {
-						return nil, "", err
-					}
-					return pointers(l.Items), l.ResourceVersion, nil
-				},
-				watch: p.pods.Watch, opts: metav1.ListOptions{LabelSelector: t.sel.String()}, clock: p.cfg.Clock, log: p.cfg.Log}
-			go func() { defer close(done); r.run(pctx, &podView{p: p, t: t, give: give}) }()
-			stop = func() { cancel(); <-done }
 		}
 	}
 }
 
-// Replicas are the replicas of pods under t: each pod t selects that is
-// Ready, not being deleted and has an IP, on each of t's ports, sorted by
-// URL; its role from its role label. An address twice counts once (the
-// first pod's by name).
+// followTarget list-watches the pods t selects until stop is called.
+func (p *PoolSource) followTarget(ctx context.Context, t *target, give func([]discovery.Replica)) (stop func()) {
+	ctx, cancel := context.WithCancel(ctx)
+	done := make(chan struct{})
+	r := &reflector[*corev1.Pod]{kind: "Pods", source: p.Name(),
+		list:  lister(p.pods.List, func(l *corev1.PodList) []corev1.Pod { return l.Items }),
+		watch: p.pods.Watch, opts: metav1.ListOptions{LabelSelector: t.sel.String()}, clock: p.cfg.Clock, log: p.cfg.Log}
+	pods := &byName[*corev1.Pod]{keep: func(pod *corev1.Pod) bool { return t.sel.Matches(labels.Set(pod.Labels)) },
+		show: func(pods []*corev1.Pod) { give(p.replicas(t, pods)) }}
+	go func() { defer close(done); r.run(ctx, pods) }()
+	return func() { cancel(); <-done }
+}
+
+// replicas are the replicas of pods (t's, sorted by name) on t's ports:
+// each pod Ready, not being deleted and with an IP, on each port, sorted
+// by URL; its role from its role label. An address twice counts once (the
+// first pod's).
 func (p *PoolSource) replicas(t *target, pods []*corev1.Pod) []discovery.Replica {
 	seen := map[string]bool{}
 	out := []discovery.Replica{}
 	for _, pod := range pods {
-		if !t.sel.Matches(labels.Set(pod.Labels)) || !podReady(pod) {
+		if !podReady(pod) {
 			continue
 		}
 		for _, port := range t.ports {
@@ -346,39 +336,4 @@ func (v *poolView) set(pool *unstructured.Unstructured) {
 	default:
 	}
 	v.out <- t
-}
-
-// podView is the pods of one target, by name (the store of the pods'
-// reflector).
-type podView struct {
-	p    *PoolSource
-	t    *target
-	pods map[string]*corev1.Pod
-	give func([]discovery.Replica)
-}
-
-func (v *podView) replace(items []*corev1.Pod) {
-	v.pods = make(map[string]*corev1.Pod, len(items))
-	for _, pod := range items {
-		v.pods[pod.Name] = pod
-	}
-	v.show()
-}
-
-func (v *podView) apply(t watch.EventType, pod *corev1.Pod) {
-	if t == watch.Deleted {
-		delete(v.pods, pod.Name)
-	} else {
-		v.pods[pod.Name] = pod
-	}
-	v.show()
-}
-
-func (v *podView) show() {
-	pods := make([]*corev1.Pod, 0, len(v.pods))
-	for _, pod := range v.pods {
-		pods = append(pods, pod)
-	}
-	slices.SortFunc(pods, func(a, b *corev1.Pod) int { return strings.Compare(a.Name, b.Name) })
-	v.give(v.p.replicas(v.t, pods))
 }
