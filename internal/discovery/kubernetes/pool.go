@@ -108,7 +108,7 @@ func (t *target) equal(o *target) bool {
 
 // parsePool reads and checks a pool's spec (by its apiVersion's group):
 // a selector of 1 to 64 valid labels, 1 to 8 distinct ports from 1 to
-// 65535. A pool that selects nothing would select every pod. Each field
+// 65535, the HTTP/1.1 app protocol. A pool that selects nothing would select every pod. Each field
 // is read by its path, so that a field of the wrong type is named.
 func parsePool(u *unstructured.Unstructured) (*target, error) {
 	if _, ok := u.Object["spec"].(map[string]any); !ok {
@@ -124,6 +124,11 @@ func parsePool(u *unstructured.Unstructured) (*target, error) {
 			return nil, fmt.Errorf("spec.targetPortNumber: want a number (%v)", err)
 		}
 		return checkTarget(set, []int64{port})
+	}
+	// appProtocol (v1): http (HTTP/1.1, the default) or kubernetes.io/h2c,
+	// which kvgate does not speak to replicas.
+	if proto, _, err := unstructured.NestedString(u.Object, "spec", "appProtocol"); err != nil || (proto != "" && proto != "http") {
+		return nil, fmt.Errorf("spec.appProtocol %q: kvgate speaks HTTP/1.1 (http) to the replicas (%v)", proto, err)
 	}
 	set, _, err := unstructured.NestedStringMap(u.Object, "spec", "selector", "matchLabels")
 	if err != nil {
@@ -326,7 +331,10 @@ func (v *poolView) set(pool *unstructured.Unstructured) {
 	} else if !v.sent || v.cur != nil {
 		v.p.cfg.Log.Warn("kubernetes discovery: no such InferencePool: no replica until it exists", "source", v.p.Name())
 	}
-	v.refused = ""
+	if v.refused != "" {
+		v.refused = ""
+		v.p.cfg.Log.Info("kubernetes discovery: InferencePool accepted again", "source", v.p.Name())
+	}
 	if v.sent && t.equal(v.cur) {
 		return
 	}

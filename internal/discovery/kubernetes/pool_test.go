@@ -61,6 +61,9 @@ func TestParsePool(t *testing.T) {
 	}
 	noSpec := pool("p", vllm(), int64(8000))
 	delete(noSpec.Object, "spec")
+	h2c, http1 := pool("p", vllm(), int64(8000)), pool("p", vllm(), int64(8000))
+	h2c.Object["spec"].(map[string]any)["appProtocol"] = "kubernetes.io/h2c"
+	http1.Object["spec"].(map[string]any)["appProtocol"] = "http"
 	for _, tc := range []struct {
 		name  string
 		pool  *unstructured.Unstructured
@@ -71,6 +74,8 @@ func TestParsePool(t *testing.T) {
 		{"v1", pool("p", map[string]any{"app": "vllm", "tier": "gpu"}, int64(8000)), "app=vllm,tier=gpu", []int{8000}, ""},
 		{"v1, one endpoint per port", pool("p", vllm(), int64(8000), int64(8001)), "app=vllm", []int{8000, 8001}, ""},
 		{"v1alpha2", alpha, "app=vllm", []int{8000}, ""},
+		{"v1, appProtocol http", http1, "app=vllm", []int{8000}, ""},
+		{"appProtocol h2c", h2c, "", nil, "spec.appProtocol \"kubernetes.io/h2c\""},
 		{"no spec", noSpec, "", nil, "no spec"},
 		{"a port that is not a number", pool("p", vllm(), "http"), "", nil, "number"},
 		{"port 0", pool("p", vllm(), int64(0)), "", nil, "target port 0"},
@@ -249,6 +254,34 @@ func TestRegistryBuildsThePoolSource(t *testing.T) {
 		want := [3]string{"/kc", "llm", cmp.Or(group, PoolGroup)}
 		if _, ok := src.(*PoolSource); !ok || asked != want || src.Name() != "kubernetes InferencePool llm/vllm-pool" {
 			t.Fatalf("source %T %q, clients for %q: want a PoolSource, clients for %q", src, src.Name(), asked, want)
+		}
+	}
+}
+
+// Which pods are replicas, and at which address: Ready with an IP (v4 or
+// v6), once per port, an address twice once (the first pod's role), the
+// template's settings on each.
+func TestPoolReplicas(t *testing.T) {
+	src, err := NewPool(nil, nil, discovery.KubernetesConfig{Namespace: "llm", InferencePool: "p", RoleLabel: "kvgate.io/role",
+		Template: discovery.Replica{APIKey: "k"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	host1, host2 := pod("h1", "vllm", "10.0.0.9", true), pod("h2", "vllm", "10.0.0.9", true) // hostNetwork: one IP
+	host1.Labels["kvgate.io/role"] = "prefill"
+	noCondition := pod("n", "vllm", "10.0.0.8", true)
+	noCondition.Status.Conditions = nil
+	pods := []*corev1.Pod{pod("a", "vllm", "10.0.0.1", true), pod("b", "vllm", "fd00::2", true), host1, host2, noCondition,
+		pod("x", "vllm", "10.0.0.5/evil", true), pod("y", "vllm", "vllm-0.llm.svc", true), pod("z", "vllm", "10.0.0.6", false)}
+	got := src.replicas(&target{ports: []int{8000, 8001}}, pods)
+	want := []string{"http://10.0.0.1:8000", "http://10.0.0.1:8001", "http://10.0.0.9:8000", "http://10.0.0.9:8001",
+		"http://[fd00::2]:8000", "http://[fd00::2]:8001"}
+	if !slices.Equal(urls(got), want) {
+		t.Fatalf("replicas %v, want %v", urls(got), want)
+	}
+	for _, r := range got {
+		if r.APIKey != "k" || (strings.Contains(r.URL, "10.0.0.9") != (r.Role == "prefill")) {
+			t.Errorf("replica %+v", r)
 		}
 	}
 }
