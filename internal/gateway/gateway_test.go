@@ -126,6 +126,22 @@ func startGatewayWith(t *testing.T, cfg Config, o Options) *testGW {
 	return tg
 }
 
+// allListed waits until every replica of gw has been listed (its models
+// read): until then only the listed ones are candidates, so a test of
+// where a sequence of requests goes must not start before.
+func allListed(t *testing.T, gw *testGW) {
+	t.Helper()
+	rt := gw.g.Router()
+	eventually(t, "every replica listed", func() bool {
+		for i := range rt.Replicas() {
+			if rt.Replica(i).Served() == nil {
+				return false
+			}
+		}
+		return true
+	})
+}
+
 func baseConfig(urls ...string) Config {
 	cfg := Defaults()
 	for _, u := range urls {

@@ -19,6 +19,7 @@ func TestProgramIdentityHonoured(t *testing.T) {
 	cfg := baseConfig(reps[0].srv.URL, reps[1].srv.URL, reps[2].srv.URL)
 	cfg.Policy, cfg.AdminToken = "session", "s3cret"
 	gw := startGateway(t, cfg)
+	allListed(t, gw)
 	cases := []struct {
 		name   string
 		body   func(i int) string
@@ -105,6 +106,7 @@ func TestSaturatedProgramMoves(t *testing.T) {
 	cfg := baseConfig(reps[0].srv.URL, reps[1].srv.URL, reps[2].srv.URL)
 	cfg.Policy, cfg.AdminToken = "ttft", "s3cret"
 	gw := startGateway(t, cfg)
+	allListed(t, gw)
 	task := strings.Repeat("read the file, run the tests, fix the bug; ", 200) // about 2,000 tokens
 	turn := func(i int) string {
 		return fmt.Sprintf(`{"model":"m","prompt":%q,"max_tokens":16,"prompt_cache_key":"agent-9"}`, task+strings.Repeat("tool result. ", 20*i))
