@@ -9,7 +9,8 @@
 #
 # OUTDIR receives, per workload, replica count and rate (e.g. mt-8-r032): NAME.json (the
 # result), NAME/ (its HTML report: p90 TTFT, hit rate and ttft over the best other policy
-# against the cache size), NAME.txt (the replay's table), and summary.txt (the summary).
+# against the cache size), NAME.txt (the replay's table), summary.txt (the summary) and summary/
+# (one chart per workload of every point: summary/sweep_mt.png, summary/sweep_sp.png).
 #
 # The workloads (the issue's, larger: 240-320 requests make p90 noisy):
 #   mt  multiturn: CONVERSATIONS chats of 5 turns over 4 system prompts of 1,536 tokens,

@@ -1,11 +1,14 @@
 package replay
 
 import (
+	"cmp"
 	"fmt"
+	"maps"
 	"os"
 	"path/filepath"
 	"slices"
 	"strconv"
+	"strings"
 	"testing"
 
 	"github.com/kvgate/kvgate/internal/report"
@@ -38,6 +41,7 @@ func TestPressureSweepSummary(t *testing.T) {
 		p    PressurePoint
 	}
 	var all []worst
+	charts := map[string]*report.Chart{} // by workload: one line per replica count and rate
 	fmt.Printf("ttft p90 TTFT / the best other policy's, by KV blocks per replica\n")
 	for _, f := range files {
 		res, err := readResult(f)
@@ -54,6 +58,10 @@ func TestPressureSweepSummary(t *testing.T) {
 			all = append(all, worst{filepath.Base(f), p})
 		}
 		fmt.Println(line)
+		addSweepLine(charts, filepath.Base(f), vs)
+	}
+	if err := writeSweepCharts(filepath.Join(dir, "summary"), charts); err != nil {
+		t.Fatal(err)
 	}
 	slices.SortFunc(all, func(a, b worst) int { return -cmpFloat(a.p.Ratio(), b.p.Ratio()) })
 	above := 0
@@ -72,6 +80,44 @@ func TestPressureSweepSummary(t *testing.T) {
 				w.p.P90, w.p.Ratio(), w.p.Best, w.p.BestP90, limit)
 		}
 	}
+}
+
+// sweepWorkloads are the sweep's workloads by the prefix of its file names.
+var sweepWorkloads = map[string]string{"mt": "multiturn", "sp": "shared prefix"}
+
+// addSweepLine adds the file's ratios to its workload's chart: a file
+// named WORKLOAD-REPLICAS-rRATE.json (the sweep's names) is a line named
+// "REPLICAS replicas, RATE/s" on the chart of WORKLOAD.
+func addSweepLine(charts map[string]*report.Chart, file string, vs []PressurePoint) {
+	var w, rate string
+	var n int
+	if _, err := fmt.Sscanf(strings.ReplaceAll(strings.TrimSuffix(file, ".json"), "-", " "), "%s %d %s", &w, &n, &rate); err != nil {
+		w, n, rate = "sweep", 0, file
+	}
+	c := charts[w]
+	title := cmp.Or(sweepWorkloads[w], w)
+	if c == nil {
+		c = &report.Chart{Name: "sweep_" + w, Title: "ttft's p90 TTFT over the best other policy's: " + title,
+			XLabel: "KV blocks per replica (16 tokens each)", YLabel: "p90 TTFT / best other's",
+			Caption: "One line per fleet and rate; below 1, ttft is ahead of every other policy. The line is the 5% it is held to.",
+			Refs:    []report.RefLine{{Label: "1.05", Y: 1.05}}}
+		charts[w] = c
+	}
+	s := report.ChartSeries{Name: fmt.Sprintf("%d replicas, %s/s", n, strings.TrimLeft(strings.TrimPrefix(rate, "r"), "0")), Points: true}
+	for _, p := range vs {
+		s.X, s.Y = append(s.X, float64(p.KVBlocks)), append(s.Y, p.Ratio())
+	}
+	c.Series = append(c.Series, s)
+}
+
+// writeSweepCharts writes the sweep's charts (dir/sweep_WORKLOAD.png and
+// .svg, and an index.html showing them).
+func writeSweepCharts(dir string, charts map[string]*report.Chart) error {
+	var cs []report.Chart
+	for _, w := range slices.Sorted(maps.Keys(charts)) {
+		cs = append(cs, *charts[w])
+	}
+	return report.WriteReport(dir, report.Result{}, "ttft under KV-cache pressure: the sweep", cs...)
 }
 
 func readResult(path string) (report.Result, error) {
