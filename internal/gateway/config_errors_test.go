@@ -164,7 +164,8 @@ func TestNearestKeyProperty(t *testing.T) {
 
 // tenants: and flow_control: problems, each located at its key: a key
 // of two tenants, a max_priority less urgent than the priority, a
-// negative quota, a band twice, an unknown quota fallback.
+// negative quota, a band twice, an unknown quota fallback, a negative
+// count of gateways.
 func TestTenantsConfigProblems(t *testing.T) {
 	got := readAndValidate(t, `replicas: [{url: "http://10.0.0.1:8000"}]
 api_keys: [k0]
@@ -182,6 +183,7 @@ flow_control:
     - {priority: 2}
   quota:
     fallback: open
+    expected_gateways: -1
 `)
 	want := []string{
 		"7: tenants[0].max_priority: 2 is less urgent than priority 1 (lower is more urgent): max_priority is the most urgent band its requests may ask for",
@@ -189,6 +191,7 @@ flow_control:
 		"10: tenants[1].tokens_per_minute: -5: want 0 (none) to 1099511627776 per minute",
 		"14: flow_control.bands[1].priority: priority 2 is configured twice",
 		`16: flow_control.quota.fallback: "open": want local_share, local_full or reject`,
+		"17: flow_control.quota.expected_gateways: -1: want 0 to 1024",
 	}
 	if !reflect.DeepEqual(got, want) {
 		t.Fatalf("problems:\n%s\nwant:\n%s", strings.Join(got, "\n"), strings.Join(want, "\n"))

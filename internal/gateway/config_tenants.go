@@ -93,7 +93,15 @@ type QuotaConfig struct {
 	// whole quota: up to one quota per gateway) or reject (the tenant's
 	// requests are refused until Redis answers).
 	Fallback string `json:"fallback"`
+	// ExpectedGateways is how many gateways share the budgets (0: only
+	// those seen). local_share divides a quota by the larger of this and
+	// the gateways live at the last sync, so a gateway that starts while
+	// Redis is down, having seen no peer, still keeps to its share.
+	ExpectedGateways int `json:"expected_gateways,omitempty"`
 }
+
+// maxExpectedGateways bounds flow_control.quota.expected_gateways.
+const maxExpectedGateways = 1024
 
 // Quota fallbacks.
 const (
@@ -224,6 +232,9 @@ func (f *FlowControlConfig) validate() []error {
 	}
 	if d := f.Quota.SyncInterval.D(); d < 10*time.Millisecond || d > time.Minute {
 		errs = append(errs, keyErr("flow_control.quota.sync_interval", "%v: want 10ms to 1m", d))
+	}
+	if g := f.Quota.ExpectedGateways; g < 0 || g > maxExpectedGateways {
+		errs = append(errs, keyErr("flow_control.quota.expected_gateways", "%d: want 0 to %d", g, maxExpectedGateways))
 	}
 	switch f.Quota.Fallback {
 	case QuotaLocalShare, QuotaLocalFull, QuotaReject:

@@ -5,6 +5,7 @@ import (
 	"log/slog"
 	"math"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -34,9 +35,12 @@ import (
 // requests admitted without max_tokens until their usage comes back.
 // While Redis does not answer (no sync for three intervals), the fallback
 // holds: local_share counts this gateway's own tokens as many times as
-// gateways were last seen (every gateway enforcing its share: at most the
-// quota when traffic spreads evenly), local_full counts them once (up to
-// one quota per gateway), reject refuses the tenant's requests.
+// there are gateways — the larger of quota.expected_gateways and those
+// live at the last sync — (every gateway enforcing its share: at most the
+// quota), local_full counts them once (up to one quota per gateway),
+// reject refuses the tenant's requests. Without expected_gateways, a
+// gateway that starts while Redis is down has seen no peer and counts
+// itself alone: up to one quota per gateway until Redis answers.
 
 // Token kinds of a quota.
 const (
@@ -63,9 +67,12 @@ type quotas struct {
 	shared   quotaSyncer             // nil: this gateway alone
 	fallback string
 	every    time.Duration
-	lastOK   time.Time // the last sync that succeeded (the start before any)
-	gateways int       // live gateways at the last sync, this one included
-	down     bool      // logged as down
+	lastOK   time.Time     // the last sync that succeeded (the start before any)
+	expected int           // quota.expected_gateways (0: none)
+	gateways int           // max(expected, live gateways at the last sync, this one included)
+	down     bool          // logged as down
+	syncsOK  atomic.Uint64 // syncs that succeeded (kvgate_quota_syncs_total)
+	syncsErr atomic.Uint64 // and failed
 }
 
 // tenantQuota is one tenant's counts, by kind, in the minute before ([0])
@@ -88,7 +95,8 @@ type quotaCharge struct {
 // newQuotas keeps the quotas of the configured tenants (nil when none has one).
 func newQuotas(cfg Config, clk clock.Clock, log *slog.Logger, shared quotaSyncer) *quotas {
 	qs := &quotas{clk: clk, log: log, byName: map[string]*tenantQuota{}, fallback: cfg.FlowControl.Quota.Fallback,
-		every: cfg.FlowControl.Quota.SyncInterval.D(), lastOK: clk.Now(), gateways: 1}
+		every: cfg.FlowControl.Quota.SyncInterval.D(), lastOK: clk.Now(), expected: cfg.FlowControl.Quota.ExpectedGateways}
+	qs.gateways = max(qs.expected, 1)
 	for _, t := range cfg.Tenants {
 		lim := [nKinds]int64{t.TokensPerMinute, t.PromptTokensPerMinute, t.OutputTokensPerMinute}
 		if lim != [nKinds]int64{} {
@@ -231,6 +239,7 @@ func (qs *quotas) sync(ctx context.Context) {
 	qs.mu.Lock()
 	defer qs.mu.Unlock()
 	if err != nil {
+		qs.syncsErr.Add(1)
 		if !qs.down && now.Sub(qs.lastOK) > 3*qs.every {
 			qs.down = true
 			qs.log.Warn("tenant quotas: the shared state does not answer; enforcing the fallback", "fallback", qs.fallback, "err", err)
@@ -241,7 +250,8 @@ func (qs *quotas) sync(ctx context.Context) {
 		qs.down = false
 		qs.log.Info("tenant quotas: the shared state answers again")
 	}
-	qs.lastOK, qs.gateways = now, qs.shared.LiveGateways()
+	qs.syncsOK.Add(1)
+	qs.lastOK, qs.gateways = now, max(qs.expected, qs.shared.LiveGateways())
 	for key, d := range deltas {
 		tq := qs.byName[key.Tenant]
 		tq.roll(minute)
@@ -295,7 +305,15 @@ var quotaUsedDesc = prometheus.NewDesc("kvgate_quota_used_tokens",
 var quotaLimitDesc = prometheus.NewDesc("kvgate_quota_limit_tokens",
 	"A tenant's token quota per minute, by kind.", []string{"tenant", "kind"}, nil)
 
-func (q quotaUsed) Describe(ch chan<- *prometheus.Desc) { ch <- quotaUsedDesc; ch <- quotaLimitDesc }
+var quotaSyncsDesc = prometheus.NewDesc("kvgate_quota_syncs_total",
+	"Syncs of the tenants' token budgets with the shared state, by result (ok, error); while they fail "+
+		"flow_control.quota.fallback holds.", []string{"result"}, nil)
+
+func (q quotaUsed) Describe(ch chan<- *prometheus.Desc) {
+	ch <- quotaUsedDesc
+	ch <- quotaLimitDesc
+	ch <- quotaSyncsDesc
+}
 
 func (q quotaUsed) Collect(ch chan<- prometheus.Metric) {
 	qs := q.qs
@@ -304,6 +322,10 @@ func (q quotaUsed) Collect(ch chan<- prometheus.Metric) {
 	qs.mu.Lock()
 	defer qs.mu.Unlock()
 	scale, _ := qs.outage(now)
+	if qs.shared != nil {
+		ch <- prometheus.MustNewConstMetric(quotaSyncsDesc, prometheus.CounterValue, float64(qs.syncsErr.Load()), "error")
+		ch <- prometheus.MustNewConstMetric(quotaSyncsDesc, prometheus.CounterValue, float64(qs.syncsOK.Load()), "ok")
+	}
 	for _, tq := range qs.byName {
 		tq.roll(minute)
 		for k := range nKinds {

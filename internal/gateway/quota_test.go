@@ -13,10 +13,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/kvgate/kvgate/internal/clock"
-	"github.com/kvgate/kvgate/internal/policy"
-	"github.com/kvgate/kvgate/internal/router"
 	"github.com/kvgate/kvgate/internal/sharedstate"
-	"github.com/kvgate/kvgate/internal/testutil"
 )
 
 // memBudgets is the shared budgets of several gateways in memory, as
@@ -148,89 +145,48 @@ func TestQuotaSharedAndFallback(t *testing.T) {
 	}
 }
 
-// cut is a quota syncer that can be cut off: the fallback's test without
-// dialling a stopped Redis (whose client's redials outlive the test).
-type cut struct {
-	quotaSyncer
-	off bool
-}
-
-// LiveGateways is the two of the test: each Syncer learns of its peer
-// from its loads' stream on the wall clock, which a busy machine may not
-// have delivered by the first sync (sharedstate's tests cover that).
-func (c *cut) LiveGateways() int { return 2 }
-
-func (c *cut) SyncQuotas(ctx context.Context, d map[sharedstate.QuotaKey]int64) (map[sharedstate.QuotaKey]int64, error) {
-	if c.off {
-		return nil, errors.New("cut off")
-	}
-	return c.quotaSyncer.SyncQuotas(ctx, d)
-}
-
-// Two gateways sharing a real Redis, a tenant at 1,000 tokens a minute
-// sending three times that through both (alternately, every second):
-// the tokens admitted in each minute are within 10 % of the quota; with
-// the shared state cut off, local_share keeps the two at most at the quota.
-func TestQuotaAcrossGatewaysRedis(t *testing.T) {
-	rd := testutil.NewRedis(t)
-	clk := clock.NewFake(time.Unix(6000, 0))
-	var gws [2]*quotas
-	var links [2]*cut
-	for i := range gws {
-		s, err := sharedstate.New(sharedstate.Options{URL: rd.URL(), Namespace: "quota-test", Log: slog.New(slog.DiscardHandler)})
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { _ = s.Close() })
-		if err := s.Start(context.Background(), newTestRouter(t)); err != nil {
-			t.Fatal(err)
-		}
-		cfg := quotaConfig(QuotaLocalShare)
-		cfg.Tenants[0].OutputTokensPerMinute = 0
-		links[i] = &cut{quotaSyncer: s}
-		gws[i] = newQuotas(cfg, clk, slog.New(slog.DiscardHandler), links[i])
-		gws[i].gateways = 2
-	}
-	minute := func() int64 {
-		admitted := int64(0)
-		for s := range 60 { // 50 tokens a second offered (3,000 a minute)
-			g := gws[s%2]
-			if _, err := g.admit(g.byName["t"], 50, 0); err == nil {
-				admitted += 50
+// A gateway that starts while the shared state does not answer has seen
+// no peer: local_share alone would let it admit a whole quota (as each of
+// its peers). With quota.expected_gateways it keeps to its share from the
+// start; a larger count seen live later wins over the expected one.
+func TestQuotaOutageAtStart(t *testing.T) {
+	for _, tc := range []struct {
+		expected, live int
+		admitted       int64 // of 1,000, in 100s, Redis down from the start
+		afterLive      int64 // once it synced with live peers, then lost Redis
+	}{{0, 1, 1000, 1000}, {2, 1, 500, 500}, {2, 4, 500, 200}} {
+		t.Run(fmt.Sprintf("expected=%d,live=%d", tc.expected, tc.live), func(t *testing.T) {
+			clk := clock.NewFake(time.Unix(6000, 0))
+			mem := &memBudgets{totals: map[sharedstate.QuotaKey]int64{}, live: tc.live, down: true}
+			cfg := quotaConfig(QuotaLocalShare)
+			cfg.Tenants[0].OutputTokensPerMinute = 0
+			cfg.FlowControl.Quota.ExpectedGateways = tc.expected
+			qs := newQuotas(cfg, clk, slog.New(slog.DiscardHandler), mem)
+			fill := func() int64 {
+				n := int64(0)
+				for range 20 {
+					if _, err := qs.admit(qs.byName["t"], 100, 0); err == nil {
+						n += 100
+					}
+				}
+				return n
 			}
-			clk.Advance(time.Second)
-			for _, g := range gws {
-				g.sync(context.Background())
+			clk.Advance(4 * time.Second) // past three intervals: the fallback holds
+			qs.sync(context.Background())
+			if got := fill(); got != tc.admitted {
+				t.Fatalf("Redis down from the start: %d admitted, want %d", got, tc.admitted)
 			}
-		}
-		return admitted
+			mem.down = false
+			clk.Advance(2 * time.Minute) // an empty window
+			qs.sync(context.Background())
+			mem.down = true
+			clk.Advance(4 * time.Second)
+			qs.sync(context.Background())
+			if got := fill(); got != tc.afterLive {
+				t.Fatalf("Redis lost after a sync: %d admitted, want %d", got, tc.afterLive)
+			}
+		})
 	}
-	for m := range 3 {
-		got := minute()
-		t.Logf("minute %d: %d tokens admitted of a 1,000 quota, 3,000 offered", m, got)
-		if got < 900 || got > 1100 {
-			t.Fatalf("minute %d: %d tokens admitted of a 1,000 quota", m, got)
-		}
-	}
-	links[0].off, links[1].off = true, true
-	clk.Advance(5 * time.Second) // past three sync intervals: the fallback holds
-	if got := minute(); got > 1000 {
-		t.Fatalf("with the shared state cut off: %d tokens admitted of a 1,000 quota", got)
-	}
-}
-
-// newTestRouter is a router of one replica for a Syncer to start with.
-func newTestRouter(t *testing.T) *router.Router {
-	t.Helper()
-	pol, err := policy.New("least_load", policy.Options{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	rt, err := router.New(router.Config{Replicas: []string{"http://127.0.0.1:1"}, Policy: pol})
-	if err != nil {
-		t.Fatal(err)
-	}
-	return rt
 }
 
 // Through the gateway: a tenant's requests are charged at admission and
