@@ -73,6 +73,10 @@ func RunEmbedded(ctx context.Context, e EmbeddedConfig, policy string, reqs []wo
 	urls := fl.URLs()
 	clk := newModelClock(fl.Timeline())
 	defer clk.close() // after the gateways stop
+	queues := len(e.Gateway.Tenants) > 0 || e.Gateway.FlowControl.Enabled
+	// A wait in the gateway's queue is the engines' time: the receipt
+	// gives it in model time (splitRecord).
+	e.Gateway.RouteReceipts = e.Gateway.RouteReceipts || queues
 	targets, stop, err := startGateways(ctx, e, policy, urls, simCfg, clk)
 	if err != nil {
 		return EmbeddedResult{}, err
@@ -84,7 +88,7 @@ func RunEmbedded(ctx context.Context, e EmbeddedConfig, policy string, reqs []wo
 	// share would always be 0.
 	load.Target, load.Replicas, load.TimeScale = targets[0], targetNames(answering(urls, simCfg), simCfg.DataParallelSize), simCfg.TimeScale
 	load.Timeline = fl.Timeline()
-	load.GatewayQueues = len(e.Gateway.Tenants) > 0 || e.Gateway.FlowControl.Enabled
+	load.GatewayQueues = queues
 	if len(targets) > 1 {
 		load.Targets = targets
 	}

@@ -449,6 +449,11 @@ func (r *runner) do(ctx context.Context, q *workload.Request, key uint64) report
 	if r.tl.Elastic() {
 		req.Header.Set(sim.HeaderHold, strconv.FormatUint(key, 10))
 	}
+	queued := r.cfg.GatewayQueues && r.tl.Elastic()
+	var m0 time.Duration
+	if queued {
+		m0 = r.tl.Now()
+	}
 	t0 := time.Now()
 	resp, err := r.cfg.Client.Do(req)
 	if err != nil {
@@ -456,6 +461,10 @@ func (r *runner) do(ctx context.Context, q *workload.Request, key uint64) report
 	}
 	defer resp.Body.Close()
 	r.tl.Release(key)
+	var qw queueWait
+	if queued {
+		qw = queueWaitOf(resp.Header, time.Since(t0), r.tl.Now()-m0)
+	}
 	rec.Replica = r.replicaIndex(targetName(resp.Header))
 	if resp.StatusCode != http.StatusOK {
 		_, _ = io.Copy(io.Discard, io.LimitReader(resp.Body, 1<<20))
@@ -475,7 +484,7 @@ func (r *runner) do(ctx context.Context, q *workload.Request, key uint64) report
 		rec.CachedTokens = max(u.Cached(), 0)
 	}
 	if s.timed {
-		splitRecord(&rec, s, e2e, s.timing)
+		splitRecord(&rec, s, e2e, s.timing, qw)
 		return rec
 	}
 	rec.TTFT = time.Duration(float64(s.first) * r.cfg.TimeScale)
@@ -503,10 +512,16 @@ func (r *runner) do(ctx context.Context, q *workload.Request, key uint64) report
 // answer has no first-token write) has the engine's time / its scale
 // taken off instead.
 //
+// A wait in the gateway's router queue (q, flow control) is a wait for
+// the engines, not the router's cost: it is counted in model time, as the
+// engine's part, and its real time taken off the outside part. Counted in
+// real time it grew with the host's lag (at --time-scale 0.5, twice the
+// model's wait), which the replay, in model time throughout, never saw.
+//
 // Outside is never negative, and the part after the first token neither.
 // The longest gap: the engine's longest plus what the client's longest
 // exceeds its wall equivalent by (exact when both are the same gap).
-func splitRecord(rec *report.Record, s streamed, e2e time.Duration, t sim.Timing) {
+func splitRecord(rec *report.Record, s streamed, e2e time.Duration, t sim.Timing, q queueWait) {
 	d := func(ms float64) time.Duration { return time.Duration(ms * float64(time.Millisecond)) }
 	wall := func(model time.Duration) time.Duration { return time.Duration(float64(model) / t.TimeScale) }
 	engTTFT, engE2E, engGap := d(t.TTFTms), d(t.E2Ems), d(t.MaxITLms)
@@ -514,10 +529,10 @@ func splitRecord(rec *report.Record, s streamed, e2e time.Duration, t sim.Timing
 	if t.WallTTFTms == 0 {
 		spanTTFT, spanE2E = wall(engTTFT), wall(engE2E)
 	}
-	outTTFT := max(s.first-spanTTFT, 0)
-	outE2E := max(e2e-spanE2E, outTTFT)
+	outTTFT := max(s.first-spanTTFT-q.wall, 0)
+	outE2E := max(e2e-spanE2E-q.wall, outTTFT)
 	rec.EngineTTFT, rec.EngineE2E = engTTFT, engE2E
-	rec.TTFT, rec.E2E = engTTFT+outTTFT, engE2E+outE2E
+	rec.TTFT, rec.E2E = engTTFT+q.model+outTTFT, engE2E+q.model+outE2E
 	rec.MaxITL = engGap + max(s.maxGap-wall(engGap), 0)
 }
 
@@ -620,3 +635,32 @@ func readStream(body io.Reader, t0 time.Time, first func()) streamed {
 		}
 	}
 }
+
+// queueWait is a request's wait in the gateway's router queue, in model
+// time and in real time (zero: it did not wait, or it is not known).
+type queueWait struct{ model, wall time.Duration }
+
+// queueWaitOf reads the wait from the gateway's route receipt (its
+// queue_ms, in the gateway's clock: model time for the embedded gateway,
+// whose clock is the fleet's Timeline) and estimates its real time by the
+// rate model time ran at from the send to the answer's header (pre: real,
+// preModel: model). A receipt that does not parse, or a wait longer than
+// that span, counts as none.
+func queueWaitOf(h http.Header, pre, preModel time.Duration) queueWait {
+	var msText string
+	for f := range strings.SplitSeq(h.Get(headerRoute), ";") {
+		if v, ok := strings.CutPrefix(strings.TrimSpace(f), "queue_ms="); ok {
+			msText = v
+		}
+	}
+	v, err := strconv.ParseFloat(msText, 64)
+	model := time.Duration(v * float64(time.Millisecond))
+	if err != nil || !(v > 0) || preModel <= 0 || model > preModel {
+		return queueWait{}
+	}
+	return queueWait{model: model, wall: time.Duration(float64(pre) * (float64(model) / float64(preModel)))}
+}
+
+// headerRoute is the gateway's route receipt (internal/gateway's
+// receipt.go; on for the embedded gateway when it queues).
+const headerRoute = "X-Kvgate-Route"

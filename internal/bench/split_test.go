@@ -69,7 +69,9 @@ func TestSlowGatewayCountedOnce(t *testing.T) {
 
 // splitRecord: the engine's part as the replica says (model time), the
 // client's wall time beyond the replica's own span once (real time), never
-// a negative part; without a span, the engine's time / its scale stands in.
+// a negative part; without a span, the engine's time / its scale stands in;
+// a wait in the gateway's queue in model time, its real time off the
+// outside part.
 func TestSplitRecord(t *testing.T) {
 	ms := func(v float64) time.Duration { return time.Duration(v * float64(time.Millisecond)) }
 	tests := []struct {
@@ -77,23 +79,53 @@ func TestSplitRecord(t *testing.T) {
 		first, gap, e2e      time.Duration // the client's wall times
 		t                    sim.Timing
 		ttft, wantE2E, maxIT time.Duration
+		q                    queueWait
 	}{
 		{"span", ms(12), ms(2), ms(60), sim.Timing{TTFTms: 100, E2Ems: 900, MaxITLms: 30, TimeScale: 20, WallTTFTms: 7, WallE2Ems: 50},
-			ms(105), ms(910), ms(30 + 0.5)},
+			ms(105), ms(910), ms(30 + 0.5), queueWait{}},
 		{"client faster than the span: no negative part", ms(6), ms(1), ms(40), sim.Timing{TTFTms: 100, E2Ems: 900, MaxITLms: 30,
-			TimeScale: 20, WallTTFTms: 7, WallE2Ems: 50}, ms(100), ms(900), ms(30)},
+			TimeScale: 20, WallTTFTms: 7, WallE2Ems: 50}, ms(100), ms(900), ms(30), queueWait{}},
 		{"no span", ms(12), ms(2), ms(60), sim.Timing{TTFTms: 100, E2Ems: 900, MaxITLms: 30, TimeScale: 20},
-			ms(107), ms(915), ms(30.5)},
+			ms(107), ms(915), ms(30.5), queueWait{}},
+		// 40 ms of model time waited in the gateway, 80 ms of real time
+		// (a host at half the scale): 100 + 40 + (92 - 7 - 80) = 145.
+		{"queued", ms(92), ms(2), ms(140), sim.Timing{TTFTms: 100, E2Ems: 900, MaxITLms: 30, TimeScale: 1, WallTTFTms: 7, WallE2Ems: 50},
+			ms(145), ms(950), ms(30), queueWait{model: ms(40), wall: ms(80)}},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
 			var rec report.Record
-			splitRecord(&rec, streamed{first: tc.first, maxGap: tc.gap}, tc.e2e, tc.t)
+			splitRecord(&rec, streamed{first: tc.first, maxGap: tc.gap}, tc.e2e, tc.t, tc.q)
 			if rec.TTFT != tc.ttft || rec.E2E != tc.wantE2E || rec.MaxITL != tc.maxIT ||
 				rec.EngineTTFT != ms(tc.t.TTFTms) || rec.EngineE2E != ms(tc.t.E2Ems) {
 				t.Errorf("got TTFT %v E2E %v max ITL %v engine %v/%v; want %v %v %v", rec.TTFT, rec.E2E, rec.MaxITL,
 					rec.EngineTTFT, rec.EngineE2E, tc.ttft, tc.wantE2E, tc.maxIT)
 			}
 		})
+	}
+}
+
+// queueWaitOf: the receipt's queue_ms in model time, its real time by the
+// rate model time ran at before the answer's header; a receipt missing,
+// unparsable, negative or longer than the span counts as no wait.
+func TestQueueWaitOf(t *testing.T) {
+	ms := func(v float64) time.Duration { return time.Duration(v * float64(time.Millisecond)) }
+	hdr := func(v string) http.Header { return http.Header{headerRoute: {v}} }
+	for _, tc := range []struct {
+		h             http.Header
+		pre, preModel time.Duration
+		want          queueWait
+	}{
+		{hdr("policy=ttft; matched_tokens=0; est_ttft_ms=90; queue_ms=40"), ms(100), ms(50), queueWait{model: ms(40), wall: ms(80)}},
+		{hdr("policy=ttft; queue_ms=0"), ms(100), ms(50), queueWait{}},
+		{hdr("policy=ttft; queue_ms=60"), ms(100), ms(50), queueWait{}},
+		{hdr("policy=ttft; queue_ms=NaN"), ms(100), ms(50), queueWait{}},
+		{hdr("policy=ttft; queue_ms=-3"), ms(100), ms(50), queueWait{}},
+		{hdr("policy=ttft; queue_ms=10"), ms(100), 0, queueWait{}},
+		{http.Header{}, ms(100), ms(50), queueWait{}},
+	} {
+		if got := queueWaitOf(tc.h, tc.pre, tc.preModel); got != tc.want {
+			t.Errorf("%v (%v real, %v model): %+v, want %+v", tc.h, tc.pre, tc.preModel, got, tc.want)
+		}
 	}
 }
