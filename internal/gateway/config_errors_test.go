@@ -164,8 +164,8 @@ func TestNearestKeyProperty(t *testing.T) {
 
 // tenants: and flow_control: problems, each located at its key: a key
 // of two tenants, a max_priority less urgent than the priority, a
-// negative quota, a band twice, an unknown quota fallback, a negative
-// count of gateways.
+// negative quota, a band twice (with a reserve, not sheddable), an unknown
+// quota fallback, a negative count of gateways.
 func TestTenantsConfigProblems(t *testing.T) {
 	got := readAndValidate(t, `replicas: [{url: "http://10.0.0.1:8000"}]
 api_keys: [k0]
@@ -180,7 +180,7 @@ tenants:
 flow_control:
   bands:
     - {priority: 2, sheddable: true}
-    - {priority: 2}
+    - {priority: 2, reserve: 1}
   quota:
     fallback: open
     expected_gateways: -1
@@ -190,6 +190,7 @@ flow_control:
 		"9: tenants[1].api_keys[0]: also a key of api_keys: a key names one tenant",
 		"10: tenants[1].tokens_per_minute: -5: want 0 (none) to 1099511627776 per minute",
 		"14: flow_control.bands[1].priority: priority 2 is configured twice",
+		"14: flow_control.bands[1].reserve: 1: want 0 to 65536, on a sheddable band",
 		`16: flow_control.quota.fallback: "open": want local_share, local_full or reject`,
 		"17: flow_control.quota.expected_gateways: -1: want 0 to 1024",
 	}

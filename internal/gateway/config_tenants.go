@@ -79,6 +79,10 @@ type BandFlowConfig struct {
 	// Sheddable: refused at once (429) while the fleet is saturated,
 	// never queued.
 	Sheddable bool `json:"sheddable,omitempty"`
+	// Reserve: a sheddable band's requests are also refused while no more
+	// than this many replicas have room, kept for the bands that queue
+	// (router.Band.Reserve; absent: router.DefaultReserve, 0: none).
+	Reserve *int `json:"reserve,omitempty"`
 }
 
 // QuotaConfig is flow_control.quota:: how tenants' token quotas are kept
@@ -100,8 +104,12 @@ type QuotaConfig struct {
 	ExpectedGateways int `json:"expected_gateways,omitempty"`
 }
 
-// maxExpectedGateways bounds flow_control.quota.expected_gateways.
-const maxExpectedGateways = 1024
+// maxExpectedGateways bounds flow_control.quota.expected_gateways, and
+// maxBandReserve a band's reserve (replicas).
+const (
+	maxExpectedGateways = 1024
+	maxBandReserve      = 1 << 16
+)
 
 // Quota fallbacks.
 const (
@@ -226,6 +234,9 @@ func (f *FlowControlConfig) validate() []error {
 		if b.MaxQueued < 0 || b.TTL < 0 {
 			errs = append(errs, keyErr(where, "max_queued %d, ttl %v: want ≥ 0 (0: flow_control's)", b.MaxQueued, b.TTL.D()))
 		}
+		if r := b.Reserve; r != nil && (*r < 0 || *r > maxBandReserve || !b.Sheddable) {
+			errs = append(errs, keyErr(where+".reserve", "%d: want 0 to %d, on a sheddable band", *r, maxBandReserve))
+		}
 		if abs(b.Priority) > prompt.MaxPriority {
 			errs = append(errs, keyErr(where+".priority", "priorities must be within ±%d", prompt.MaxPriority))
 		}
@@ -257,7 +268,8 @@ func (c *Config) routerFlow(prof costmodel.Profile) router.FlowConfig {
 		Band:       router.Band{TTL: f.TTL.D(), MaxQueued: f.MaxQueued}, MaxQueued: f.MaxQueuedTotal,
 		Profile: prof, MaxBatchTokens: c.MaxBatchTokens}
 	for _, b := range f.Bands {
-		fc.Bands = append(fc.Bands, router.Band{Priority: b.Priority, TTL: b.TTL.D(), MaxQueued: b.MaxQueued, Sheddable: b.Sheddable})
+		fc.Bands = append(fc.Bands, router.Band{Priority: b.Priority, TTL: b.TTL.D(), MaxQueued: b.MaxQueued, Sheddable: b.Sheddable,
+			Reserve: reserveOf(b.Reserve)})
 	}
 	for _, t := range c.Tenants {
 		ft := router.FlowTenant{Weight: t.Weight, Priority: t.Priority, MaxPriority: t.Priority}
@@ -267,4 +279,16 @@ func (c *Config) routerFlow(prof costmodel.Profile) router.FlowConfig {
 		fc.Tenants[t.Name] = ft
 	}
 	return fc
+}
+
+// reserveOf is the router's Band.Reserve for a band's reserve: (absent)
+// the default, 0 none (the router's negative).
+func reserveOf(r *int) int {
+	switch {
+	case r == nil:
+		return 0
+	case *r == 0:
+		return -1
+	}
+	return *r
 }

@@ -337,6 +337,45 @@ func TestFlowCapsAndShedding(t *testing.T) {
 	}
 }
 
+// Trunk reservation: a sheddable band never takes the last replica with
+// room (its default reserve, one), which an urgent request then finds;
+// a reserve of two keeps two; off, it takes the last; a reserve is never
+// all of a pool: with every replica free, a sheddable request goes.
+func TestFlowSheddableReserve(t *testing.T) {
+	for _, tc := range []struct {
+		name                string
+		replicas, saturated int
+		reserve             int
+		want                string // the sheddable request's fate
+	}{
+		{"default, one left", 3, 2, 0, ShedSaturated}, {"default, two left", 3, 1, 0, "routed"},
+		{"two, two left", 3, 1, 2, ShedSaturated}, {"none, one left", 3, 2, -1, "routed"},
+		{"more than the pool, all free", 2, 0, 5, "routed"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			fc := tightFlow()
+			fc.Bands = []Band{{Priority: 5, Sheddable: true, Reserve: tc.reserve}}
+			fr := newFlowRig(t, tc.replicas, fc)
+			for i := range tc.saturated {
+				mustSubmit(t, fr, fmt.Sprintf("x%d", i), "A", 0, 10)
+			}
+			got := "routed"
+			if _, err := fr.submit("shed", "B", 5, 10); err != nil {
+				got = reason(err)
+			}
+			if got != tc.want {
+				t.Fatalf("sheddable with %d of %d replicas saturated: %s, want %s", tc.saturated, tc.replicas, got, tc.want)
+			}
+			if got == ShedSaturated {
+				mustSubmit(t, fr, "urgent", "A", 0, 10)
+				if fr.rt.Queued() != 0 || !strings.HasSuffix(fr.order(), "urgent") {
+					t.Fatalf("the urgent request did not take a reserved replica: %q, %d waiting", fr.order(), fr.rt.Queued())
+				}
+			}
+		})
+	}
+}
+
 func reason(err error) string {
 	var se *ShedError
 	if errors.As(err, &se) {

@@ -632,7 +632,7 @@ func (rt *Router) routeWith(pol policy.Policy, req *policy.Request, exclude []in
 	if q != nil {
 		fl = q.fl
 	}
-	if fl != nil && !req.NoDefer && fl.saturated(views) {
+	if fl != nil && !req.NoDefer && fl.saturated(views, req.Priority) {
 		return nil, policy.ErrDefer
 	}
 	if pol == nil {
