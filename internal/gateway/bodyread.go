@@ -231,14 +231,14 @@ func (g *Gateway) chargeBody(ctx context.Context, h *bodyHold, n int64) (time.Du
 // the bytes received (mod_reqtimeout's MinRate). It is wall time, as a
 // socket's deadline is.
 type bodyDeadline struct {
-	rc           *http.ResponseController
+	rc           http.ResponseController
 	start        time.Time
 	grace, limit time.Duration
 	rate, got    int64
 }
 
 func (g *Gateway) newBodyDeadline(w http.ResponseWriter) *bodyDeadline {
-	return &bodyDeadline{rc: http.NewResponseController(w), start: time.Now(), grace: g.cfg.BodyRateGrace.D(),
+	return &bodyDeadline{rc: *http.NewResponseController(w), start: time.Now(), grace: g.cfg.BodyRateGrace.D(),
 		limit: g.cfg.BodyReadTimeout.D(), rate: g.cfg.MinBodyRate}
 }
 

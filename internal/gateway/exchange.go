@@ -22,7 +22,7 @@ import (
 type exchange struct {
 	w  http.ResponseWriter
 	r  *http.Request
-	rc *http.ResponseController
+	rc http.ResponseController // by value: one allocation less per request
 	id string
 	// base is the gateway's logger; lg is base with the request's id, made
 	// by logger on first use: most requests log nothing, and With formats
@@ -40,7 +40,10 @@ type exchange struct {
 	req   *policy.Request
 	// ctx ends when the client leaves, request_timeout passes, or a drain
 	// cuts the request (context.Cause says which).
-	ctx     context.Context
+	ctx context.Context
+	// cut cuts the client's writes when request_timeout or the drain ends
+	// ctx while an answer is relayed (relay.go).
+	cut     writeCut
 	exclude []int
 	refusal *bufferedResponse // the last 503/429, passed on if no replica takes it
 	// prefillBody is the body of the request's prefill steps (pd.go),
@@ -295,7 +298,7 @@ func (g *Gateway) admit(w http.ResponseWriter, r *http.Request, kind prompt.Kind
 // begin makes the exchange of a request and checks its method (one of
 // methods), its key and that the gateway is not past its drain.
 func (g *Gateway) begin(w http.ResponseWriter, r *http.Request, kind prompt.Kind, methods ...string) (*exchange, error) {
-	x := &exchange{w: w, r: r, rc: http.NewResponseController(w), id: requestID(r), start: g.clock.Now(), kind: kind, base: g.log}
+	x := &exchange{w: w, r: r, rc: *http.NewResponseController(w), id: requestID(r), start: g.clock.Now(), kind: kind, base: g.log}
 	w.Header().Set("X-Request-Id", x.id)
 	if !slices.Contains(methods, r.Method) {
 		w.Header().Set("Allow", strings.Join(methods, ", "))
@@ -320,7 +323,7 @@ func (g *Gateway) begin(w http.ResponseWriter, r *http.Request, kind prompt.Kind
 // back): its context, its parse, a slot of the concurrency limit and its
 // routing key. The returned release frees all of it.
 func (g *Gateway) enter(x *exchange, releaseBody func(), parse func() (*prompt.Parsed, router.Resolved, error)) (func(), error) {
-	ctx, endCtx := g.requestContext(x.r.Context())
+	ctx, endCtx := g.requestContext(x.r.Context(), x.cut.fire)
 	releaseAll := func() { endCtx(); releaseBody() }
 	x.ctx = ctx
 	span := g.startSpan(ctx, "kvgate.parse")
@@ -357,14 +360,15 @@ func (g *Gateway) enter(x *exchange, releaseBody func(), parse func() (*prompt.P
 
 // requestContext derives a request's context: cancelled when the client
 // leaves, when request_timeout passes (on the gateway's clock), and when a
-// drain cuts in-flight requests; context.Cause tells which.
-func (g *Gateway) requestContext(parent context.Context) (context.Context, func()) {
+// drain cuts in-flight requests; context.Cause tells which. The gateway's
+// two limits call cut after cancelling.
+func (g *Gateway) requestContext(parent context.Context, cut func()) (context.Context, func()) {
 	ctx, cancel := context.WithCancelCause(parent)
 	var timer clock.Timer
 	if d := g.conf().RequestTimeout.D(); d > 0 {
-		timer = g.clock.AfterFunc(d, func() { cancel(errRequestTimeout) })
+		timer = g.clock.AfterFunc(d, func() { cancel(errRequestTimeout); cut() })
 	}
-	stop := context.AfterFunc(g.cut, func() { cancel(errDrained) })
+	stop := context.AfterFunc(g.cut, func() { cancel(errDrained); cut() })
 	return ctx, func() {
 		if timer != nil {
 			timer.Stop()

@@ -127,7 +127,7 @@ func New(cfg Config, o Options) (*Gateway, error) {
 		return nil, err
 	}
 	g = &Gateway{cfg: startConfig{Config: cfg}, live: newLiveSettings(cfg, rcfg.Seed), rt: rt,
-		upstream: upstream{client: &http.Client{Transport: tr}}, log: o.Logger, reg: o.Registry,
+		upstream: upstream{proxy: tr, client: &http.Client{Transport: tr}}, log: o.Logger, reg: o.Registry,
 		clock: o.Clock, prof: prof, jitter: newBackoff(cfg.Seed),
 		bodies: newBodyBudget(cfg), via: viaName(gatewayID(syncer))}
 	g.cut, g.cutNow = context.WithCancel(context.Background())
@@ -393,9 +393,18 @@ func bearer(h http.Header) (string, bool) {
 var hopHeaders = []string{"Connection", "Proxy-Connection", "Keep-Alive", "Proxy-Authenticate",
 	"Proxy-Authorization", "Te", "Trailer", "Transfer-Encoding", "Upgrade"}
 
+// copyHeaders copies src's fields into dst, less the hop-by-hop ones:
+// every value into one array (one allocation, not one per field), each
+// field's slice capped at its length (an Add to it copies it).
 func copyHeaders(dst, src http.Header) {
+	n := 0
+	for _, vs := range src {
+		n += len(vs)
+	}
+	all := make([]string, n)
 	for k, vs := range src {
-		dst[k] = append([]string(nil), vs...)
+		m := copy(all, vs)
+		dst[k], all = all[:m:m], all[m:]
 	}
 	dropHopHeaders(dst, src)
 }

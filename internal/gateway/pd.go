@@ -301,10 +301,10 @@ func (g *Gateway) sendPrefill(x *exchange, a *attempt) {
 		t := g.clock.AfterFunc(d, func() { cancel(errFirstByteTimeout) })
 		defer t.Stop()
 	}
-	up, wrote := g.upstreamRequest(ctx, x, a.tk.Replica, a.body, nil)
-	resp, err := g.client.Do(up)
+	up, call := g.upstreamRequest(ctx, x, a.tk.Replica, a.body)
+	resp, err := g.proxy.RoundTrip(up)
 	if err != nil {
-		a.v, a.err = transportVerdict(x, ctx, wrote.Load(), err)
+		a.v, a.err = transportVerdict(x, ctx, call.wrote.Load(), err)
 		return
 	}
 	defer resp.Body.Close()

@@ -23,15 +23,22 @@ import (
 // stream broke, went idle or overran its bounds), clientGone (the client
 // left or stopped reading) or gatewayLimit.
 func (g *Gateway) relay(x *exchange, a *attempt, ctx context.Context, cancel context.CancelCauseFunc, resp *http.Response) {
+	h := x.w.Header()
+	id := h["X-Request-Id"] // begin's, set again over the replica's below
 	dropKvgateHeaders(resp.Header)
-	moveHeaders(x.w.Header(), resp.Header)
-	setTarget(x.w.Header(), g.rt.Replica(a.tk.Replica), a.prefill)
-	g.addReceipt(x.w.Header(), x, a)
+	moveHeaders(h, resp.Header)
+	setTarget(h, g.rt.Replica(a.tk.Replica), a.prefill)
+	g.addReceipt(h, x, a)
 	setPullFrom(x, a)
-	x.w.Header().Set("X-Request-Id", x.id)
+	if len(id) == 1 && id[0] == x.id {
+		h["X-Request-Id"] = id // no new slice for the same value
+	} else {
+		h.Set("X-Request-Id", x.id)
+	}
 	a.started = true
 	x.w.WriteHeader(resp.StatusCode)
-	defer watchCut(x)()
+	x.cut.arm(x.w)
+	defer x.cut.disarm()
 	var rerr, werr error
 	if openai.IsEventStream(resp.Header) {
 		rerr, werr = g.relayStream(x, a, ctx, cancel, resp.Body)
@@ -173,15 +180,15 @@ type writeBounded struct {
 }
 
 func (b *writeBounded) ServeHTTP(w http.ResponseWriter, r *http.Request) {
-	b.next.ServeHTTP(&deadlineWriter{ResponseWriter: w, g: b.g, rc: http.NewResponseController(w)}, r)
+	b.next.ServeHTTP(&deadlineWriter{ResponseWriter: w, g: b.g, rc: *http.NewResponseController(w)}, r)
 }
 
 // deadlineWriter arms the socket's write deadline before each write.
 type deadlineWriter struct {
 	http.ResponseWriter
 	g     *Gateway
-	rc    *http.ResponseController // of the ResponseWriter below
-	cutAt atomic.Int64             // the cut's deadline, wall Unix ns (0: not cut)
+	rc    http.ResponseController // of the ResponseWriter below (by value: one allocation less)
+	cutAt atomic.Int64            // the cut's deadline, wall Unix ns (0: not cut)
 }
 
 func (w *deadlineWriter) arm() {
@@ -221,27 +228,44 @@ func (w *deadlineWriter) cut() {
 // gateway's own limits: request_timeout, the drain.
 func cutByLimit(c error) bool { return errors.Is(c, errRequestTimeout) || errors.Is(c, errDrained) }
 
-// watchCut cuts x's writes when request_timeout or the drain ends x:
-// cancelling the context stops the read from the replica, not a write
-// blocked on a client that stopped reading. The returned stop disarms it
-// and returns once a cut in progress is over (a ResponseController must
-// not be used after its handler returns).
-func watchCut(x *exchange) (stop func()) {
-	dw := deadlineWriterOf(x.w)
+// writeCut cuts an exchange's writes to its client when request_timeout
+// or the drain ends the exchange (fire, called by its context's limits)
+// while an answer is relayed (between arm and disarm): cancelling the
+// context stops the read from the replica, not a write blocked on a client
+// that stopped reading. Disarm waits for a cut in progress (a
+// ResponseController must not be used after its handler returns). Part of
+// the exchange: nothing to allocate per answer.
+type writeCut struct {
+	mu    sync.Mutex
+	dw    *deadlineWriter // armed: the client's writer (nil: not relaying)
+	fired bool
+}
+
+// arm watches the writes to w (nothing without withWriteDeadline); a cut
+// that came already applies at once.
+func (c *writeCut) arm(w http.ResponseWriter) {
+	dw := deadlineWriterOf(w)
 	if dw == nil {
-		return func() {}
+		return
 	}
-	done := make(chan struct{})
-	after := context.AfterFunc(x.ctx, func() {
-		defer close(done)
-		if cutByLimit(context.Cause(x.ctx)) {
-			dw.cut()
-		}
-	})
-	return func() {
-		if !after() {
-			<-done
-		}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.dw = dw; c.fired {
+		dw.cut()
+	}
+}
+
+func (c *writeCut) disarm() {
+	c.mu.Lock()
+	c.dw = nil
+	c.mu.Unlock()
+}
+
+func (c *writeCut) fire() {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.fired = true; c.dw != nil {
+		c.dw.cut()
 	}
 }
 

@@ -21,11 +21,15 @@ import (
 )
 
 // upstream is how the gateway calls its replicas besides the fleet's
-// probes: the HTTP client every request it sends them goes through
-// (proxied requests, prefill steps, remote tokenization; each built by
-// fleet.NewRequest), and the remote tokenizer (nil unless tokenizer:
-// remote).
+// probes: every request it sends them is built by fleet.NewRequest and goes
+// through one transport. Proxied requests and prefill steps call it
+// directly (proxy): a replica's redirect is passed on to the client, as a
+// reverse proxy does, never followed to a host no one configured, and
+// http.Client's per-request copy of the header is not made. Remote
+// tokenization goes through client. tok is the remote tokenizer (nil
+// unless tokenizer: remote).
 type upstream struct {
+	proxy  http.RoundTripper
 	client *http.Client
 	tok    *remoteTokenizer
 }
@@ -51,26 +55,21 @@ func (g *Gateway) try(x *exchange, a *attempt) {
 	ctx, cancel := context.WithCancelCause(x.ctx)
 	defer cancel(context.Canceled)
 	ctx = g.traceAttempt(ctx, x, a) // its span ends in settle (the tracing sink)
-	var firstByte clock.Timer
-	up, wrote := g.upstreamRequest(ctx, x, tk.Replica, a.payload(x), func() {
-		if firstByte != nil {
-			firstByte.Stop()
-		}
-	})
+	up, call := g.upstreamRequest(ctx, x, tk.Replica, a.payload(x))
 	if !x.parsed.Stream {
 		defer g.watchPrefill(tk).Stop()
 	} else if d := g.conf().FirstByteTimeout.D(); d > 0 {
 		// Streamed answers start at once (vLLM sends the header when it
 		// admits the request): a replica silent this long is stuck.
-		firstByte = g.clock.AfterFunc(d, func() { cancel(errFirstByteTimeout) })
-		defer firstByte.Stop()
+		call.firstByte = g.clock.AfterFunc(d, func() { cancel(errFirstByteTimeout) })
+		defer call.firstByte.Stop()
 	}
-	resp, err := g.client.Do(up)
+	resp, err := g.proxy.RoundTrip(up)
 	if x.upload != nil {
 		_ = x.rc.SetReadDeadline(time.Time{}) // the replica answered: the upload's time bound is over
 	}
 	if err != nil {
-		g.transportFailure(x, a, ctx, wrote.Load(), err)
+		g.transportFailure(x, a, ctx, call.wrote.Load(), err)
 		return
 	}
 	g.answered(x, a, ctx, cancel, resp)
@@ -107,19 +106,34 @@ func (g *Gateway) answered(x *exchange, a *attempt, ctx context.Context, cancel 
 	}
 }
 
-// upstreamRequest builds the request to replica i; wrote turns true once
-// the whole request has been written to the replica, and gotHeader runs
-// when the response's first byte arrives.
-func (g *Gateway) upstreamRequest(ctx context.Context, x *exchange, i int, body []byte, gotHeader func()) (*http.Request, *atomic.Bool) {
-	wrote := new(atomic.Bool)
-	ctx = httptrace.WithClientTrace(ctx, &httptrace.ClientTrace{
-		WroteRequest: func(info httptrace.WroteRequestInfo) {
-			if info.Err == nil {
-				wrote.Store(true)
-			}
-		},
-		GotFirstResponseByte: gotHeader,
-	})
+// upstreamCall is what the transport's hooks tell of one request to a
+// replica (httptrace), made in one allocation with the request: wrote
+// turns true once the whole request has been written, and firstByte (nil:
+// none) is stopped when the response's first byte arrives.
+type upstreamCall struct {
+	trace     httptrace.ClientTrace
+	wrote     atomic.Bool
+	firstByte clock.Timer
+}
+
+func (c *upstreamCall) wroteRequest(info httptrace.WroteRequestInfo) {
+	if info.Err == nil {
+		c.wrote.Store(true)
+	}
+}
+
+func (c *upstreamCall) gotFirstByte() {
+	if c.firstByte != nil {
+		c.firstByte.Stop()
+	}
+}
+
+// upstreamRequest builds the request to replica i, and the call that
+// hears how its sending goes (set the call's firstByte before sending).
+func (g *Gateway) upstreamRequest(ctx context.Context, x *exchange, i int, body []byte) (*http.Request, *upstreamCall) {
+	call := &upstreamCall{}
+	call.trace.WroteRequest, call.trace.GotFirstResponseByte = call.wroteRequest, call.gotFirstByte
+	ctx = httptrace.WithClientTrace(ctx, &call.trace)
 	rep := g.rt.Replica(i)
 	var rd io.Reader = http.NoBody
 	length := int64(len(body))
@@ -137,7 +151,7 @@ func (g *Gateway) upstreamRequest(ctx context.Context, x *exchange, i int, body 
 	up.URL.RawQuery = x.r.URL.RawQuery
 	g.injectTrace(ctx, up.Header)
 	up.ContentLength = length
-	return up, wrote
+	return up, call
 }
 
 // upstreamHeader writes into h the header of x's request to replica rep
@@ -149,7 +163,13 @@ func (g *Gateway) upstreamRequest(ctx context.Context, x *exchange, i int, body 
 func (g *Gateway) upstreamHeader(h http.Header, x *exchange, rep *router.Replica, key string) {
 	copyHeaders(h, x.r.Header)
 	dropGatewayHeaders(h)
-	h.Add("Via", viaEntry(x.r, g.via)) // after the client's: loop detection (loop.go)
+	vals := make(headerValues, 0, 4)
+	// After the client's: loop detection (loop.go).
+	if via := viaEntry(x.r, g.via); len(h["Via"]) == 0 {
+		vals.set(h, "Via", via)
+	} else {
+		h.Add("Via", via)
+	}
 	if key == "" && len(g.cfg.APIKeys) == 0 && len(g.cfg.Tenants) == 0 && x.r.Header.Get("Authorization") != "" {
 		// No gateway keys: the client's key is meant for the replicas (its
 		// scheme spelt as vLLM's --api-key check compares it).
@@ -162,8 +182,21 @@ func (g *Gateway) upstreamHeader(h http.Header, x *exchange, rep *router.Replica
 	if k, ranked := rep.Rank(); ranked {
 		h.Set(headerDataParallelRank, strconv.Itoa(k))
 	}
-	h.Set("X-Request-Id", x.id)
-	setForwarded(h, x.r)
+	vals.set(h, "X-Request-Id", x.id)
+	setForwarded(h, x.r, &vals)
+}
+
+// headerValues hands out one-value slices of a header's fields from one
+// allocation, where Set would allocate one per field: the header of each
+// request sent upstream, of each answer. Each slice's capacity is its
+// length, so an Add to its field copies it instead of writing over the next.
+type headerValues []string
+
+// set sets field k (canonical) of h to v.
+func (vs *headerValues) set(h http.Header, k, v string) {
+	*vs = append(*vs, v)
+	n := len(*vs)
+	h[k] = (*vs)[n-1 : n : n]
 }
 
 // headerDataParallelRank pins a request to one data-parallel engine of a
@@ -223,7 +256,7 @@ const headerPrefill = "X-Kvgate-Prefill"
 
 // setForwarded appends the client's address to X-Forwarded-For (as
 // net/http/httputil's ReverseProxy does) and sets X-Forwarded-Proto.
-func setForwarded(h http.Header, r *http.Request) {
+func setForwarded(h http.Header, r *http.Request, vals *headerValues) {
 	ip, _, err := net.SplitHostPort(r.RemoteAddr)
 	if err != nil {
 		return
@@ -231,13 +264,13 @@ func setForwarded(h http.Header, r *http.Request) {
 	if prior := h.Values("X-Forwarded-For"); len(prior) > 0 {
 		ip = strings.Join(prior, ", ") + ", " + ip
 	}
-	h.Set("X-Forwarded-For", ip)
+	vals.set(h, "X-Forwarded-For", ip)
 	if h.Get("X-Forwarded-Proto") == "" {
 		proto := "http"
 		if r.TLS != nil {
 			proto = "https"
 		}
-		h.Set("X-Forwarded-Proto", proto)
+		vals.set(h, "X-Forwarded-Proto", proto)
 	}
 }
 
