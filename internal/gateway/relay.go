@@ -371,9 +371,12 @@ func usageOf(tail []byte) *openai.Usage {
 	if !ok {
 		return nil
 	}
-	var u openai.Usage
-	if json.Unmarshal(rest[:jsonValueEnd(rest)], &u) != nil {
-		return nil
+	obj := rest[:jsonValueEnd(rest)]
+	u, ok := scanUsage(obj)
+	if !ok {
+		if u = (openai.Usage{}); json.Unmarshal(obj, &u) != nil {
+			return nil
+		}
 	}
 	return &u
 }
