@@ -51,10 +51,15 @@ type sinks struct {
 }
 
 // newSinks lists the sinks on: tracing and the recording only when on,
-// the access log's notes only when the access log is.
+// the access log's notes only when the access log is, the live view's
+// tallies only when it can be served (an admin token is configured: it is
+// not reloadable, and without it /ui answers 404).
 func (g *Gateway) newSinks(met *metrics, rec *recorder, tr *tracing) sinks {
 	k := sinks{met: met, ui: ui.NewTallies(), rec: rec, tr: tr}
-	k.all = []sink{met.settled, g.noteUI}
+	k.all = []sink{met.settled}
+	if g.cfg.AdminToken != "" {
+		k.all = append(k.all, g.noteUI)
+	}
 	if g.cfg.AccessLog {
 		k.all = append(k.all, noteAccess)
 	}
