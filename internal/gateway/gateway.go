@@ -427,7 +427,7 @@ func dropHopHeaders(dst, src http.Header) {
 		}
 	}
 	for _, h := range hopHeaders {
-		dst.Del(h)
+		delete(dst, h) // canonical already: Del would canonicalize each again
 	}
 }
 

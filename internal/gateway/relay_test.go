@@ -1,6 +1,9 @@
 package gateway
 
-import "testing"
+import (
+	"net/http"
+	"testing"
+)
 
 // usageOf finds the usage object of a JSON answer by its last "usage" key
 // and decodes it alone: braces and quotes inside strings do not end it,
@@ -24,6 +27,16 @@ func TestUsageOf(t *testing.T) {
 			t.Errorf("%s: usage %+v, want none", tc.name, *u)
 		case tc.want >= 0 && (u == nil || u.PromptTokens != tc.want):
 			t.Errorf("%s: usage %+v, want prompt_tokens %d", tc.name, u, tc.want)
+		}
+	}
+}
+
+// dropHopHeaders deletes hopHeaders by their names as written: each must
+// be canonical, as net/http keys a received header.
+func TestHopHeadersCanonical(t *testing.T) {
+	for _, h := range hopHeaders {
+		if c := http.CanonicalHeaderKey(h); c != h {
+			t.Errorf("hop header %q is not canonical (%q)", h, c)
 		}
 	}
 }
