@@ -143,6 +143,9 @@ type Config struct {
 	MaxBodyMemory int64 `json:"max_body_memory"`
 	// MaxStreamLineBytes bounds one line of a replica's SSE stream.
 	MaxStreamLineBytes int `json:"max_stream_line_bytes"`
+	// GCHeapFloor is the heap, in bytes, below which the Go collector does
+	// not run (gcfloor.go: GOGC's pacing with a floor; 0: GOGC alone).
+	GCHeapFloor int64 `json:"gc_heap_floor"`
 	// MaxConnections caps client connections (0: half the process's
 	// file-descriptor limit, so upstream connections always have room).
 	MaxConnections int `json:"max_connections"`
@@ -243,6 +246,7 @@ func Defaults() Config {
 		MaxBodyBytes:       8 << 20,
 		MaxBodyMemory:      256 << 20,
 		MaxStreamLineBytes: 1 << 20,
+		GCHeapFloor:        64 << 20,
 		ReadHeaderTimeout:  Duration(10 * time.Second),
 		BodyReadTimeout:    Duration(30 * time.Second),
 		MinBodyRate:        1024,
@@ -400,6 +404,7 @@ func (c *Config) validateBounds() []error {
 		{"max_body_bytes", c.MaxBodyBytes <= 0, "must be positive"},
 		{"retries", c.Retries < 0, "must be ≥ 0"},
 		{"max_stream_line_bytes", c.MaxStreamLineBytes < 4096, "must be at least 4096"},
+		{"gc_heap_floor", c.GCHeapFloor < 0 || c.GCHeapFloor > maxGCHeapFloor, "must be between 0 (off) and 1 TiB"},
 		{"max_connections", c.MaxConnections < 0, "must be ≥ 0 (0: half the open-file limit)"},
 		{"queue_timeout", c.QueueTimeout <= 0, "must be positive"},
 		{"tokenize_timeout", c.TokenizeTimeout <= 0, "must be positive"},

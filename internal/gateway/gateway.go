@@ -213,11 +213,12 @@ func (g *Gateway) Fleet() *fleet.Fleet { return g.fleet }
 func (g *Gateway) Handler() http.Handler { return g.mux }
 
 // Run runs the control plane (scrapes, health checks, sources, KV
-// events, the routing state shared with the other gateways) and writes
-// the recording until ctx ends; then it flushes and closes the recording
-// and writes the state file (end ctx after the drain, so that they hold
-// every request served).
+// events, the routing state shared with the other gateways), writes the
+// recording and paces the collector with gc_heap_floor (gcfloor.go) until
+// ctx ends; then it flushes and closes the recording and writes the state
+// file (end ctx after the drain, so that they hold every request served).
 func (g *Gateway) Run(ctx context.Context) {
+	defer startHeapFloor(g.cfg.GCHeapFloor, nil)()
 	var wg sync.WaitGroup
 	wg.Go(func() { g.ctl.Run(ctx) })
 	if g.rec != nil {
