@@ -2,6 +2,7 @@ package gateway
 
 import (
 	"net/http"
+	"strings"
 	"testing"
 )
 
@@ -37,6 +38,18 @@ func TestHopHeadersCanonical(t *testing.T) {
 	for _, h := range hopHeaders {
 		if c := http.CanonicalHeaderKey(h); c != h {
 			t.Errorf("hop header %q is not canonical (%q)", h, c)
+		}
+	}
+}
+
+// isKvgateHeader's shortcut (length and first letter) answers as the
+// canonical name's prefix does, whatever the case.
+func TestIsKvgateHeader(t *testing.T) {
+	for _, k := range []string{"X-Kvgate-Replica", "x-kvgate-route", "X-KVGATE-PREFILL", "X-Kvgate-", "X-Kvgate", "x-kvgat",
+		"Content-Type", "XKvgate-Foo", "X-Request-Id", "", "x", "Y-Kvgate-Replica"} {
+		want := strings.HasPrefix(http.CanonicalHeaderKey(k), "X-Kvgate-")
+		if got := isKvgateHeader(k); got != want {
+			t.Errorf("isKvgateHeader(%q) = %v, want %v", k, got, want)
 		}
 	}
 }

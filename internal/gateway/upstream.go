@@ -178,7 +178,7 @@ func (g *Gateway) upstreamHeader(h http.Header, x *exchange, rep *router.Replica
 			h.Set("Authorization", "Bearer "+tok)
 		}
 	}
-	h.Del("Accept-Encoding")
+	delete(h, "Accept-Encoding")
 	if k, ranked := rep.Rank(); ranked {
 		h.Set(headerDataParallelRank, strconv.Itoa(k))
 	}
@@ -211,8 +211,8 @@ const headerDataParallelRank = "X-Data-Parallel-Rank"
 // X-Request-Id is set over the client's; Via is appended to.
 func dropGatewayHeaders(h http.Header) {
 	dropKvgateHeaders(h)
-	h.Del("Authorization")
-	h.Del(headerDataParallelRank)
+	delete(h, "Authorization") // canonical names: Del would canonicalize them again
+	delete(h, headerDataParallelRank)
 }
 
 // dropKvgateHeaders removes the X-Kvgate-* headers from h: from a client's
@@ -228,8 +228,14 @@ func dropKvgateHeaders(h http.Header) {
 	}
 }
 
-// isKvgateHeader: k is one of the headers only the gateway writes.
+// isKvgateHeader: k is one of the headers only the gateway writes. (A
+// name shorter than the prefix, or not starting with an x, is none
+// whatever its case: canonicalizing keeps the length and the letter, and
+// costs a scan of every name of every request and answer.)
 func isKvgateHeader(k string) bool {
+	if len(k) < len("X-Kvgate-") || k[0] != 'X' && k[0] != 'x' {
+		return false
+	}
 	return strings.HasPrefix(textproto.CanonicalMIMEHeaderKey(k), "X-Kvgate-")
 }
 
