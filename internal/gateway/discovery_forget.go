@@ -38,4 +38,5 @@ func (m *metrics) forgetReplica(name string) {
 	for _, v := range m.replicaSeries() {
 		v.DeletePartialMatch(prometheus.Labels{"replica": name})
 	}
+	m.series.forget(name)
 }

@@ -2,6 +2,7 @@ package gateway
 
 import (
 	"fmt"
+	"net/http"
 	"strconv"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -42,6 +43,8 @@ type metrics struct {
 	usageReported *prometheus.CounterVec   // replica
 	// Route receipts' checks (receipt.go).
 	routeChecks, wrongRoutes *prometheus.CounterVec // policy, replica
+	// series keeps the children a served attempt updates (metrics_series.go).
+	series seriesCache
 }
 
 var latencyBuckets = []float64{.005, .01, .025, .05, .075, .1, .15, .2, .3, .5, .75, 1, 1.5, 2, 3, 5, 7.5, 10, 20, 40, 80}
@@ -220,37 +223,64 @@ func branchOf(tk *router.Ticket) string {
 // settled is the metrics' sink: every settled attempt's verdict, status
 // and latency under the policy that decided it, its decision's branch, its
 // first token against the estimate, and the usage the replica reported.
+// A served attempt's series come from the cache (metrics_series.go).
 func (m *metrics) settled(s *settledAttempt) {
 	a := s.a
-	if a.status != 0 {
+	ss := m.series.of(s.policy, s.name)
+	switch {
+	case a.status == http.StatusOK:
+		ss.ok.get(func() prometheus.Counter { return m.requests.WithLabelValues(s.policy, s.name, "200") }).Inc()
+	case a.status != 0:
 		m.requests.WithLabelValues(s.policy, s.name, codeLabel(a.status)).Inc()
 	}
 	if a.started {
-		m.e2e.WithLabelValues(s.policy).Observe(s.end.Sub(s.x.start).Seconds())
+		ss.e2e.get(func() prometheus.Observer { return m.e2e.WithLabelValues(s.policy) }).Observe(s.end.Sub(s.x.start).Seconds())
 	}
 	if !s.sent {
 		return
 	}
-	m.attempts.WithLabelValues(s.name, a.v.String()).Inc()
+	if a.v == served {
+		ss.served.get(func() prometheus.Counter { return m.attempts.WithLabelValues(s.name, "served") }).Inc()
+	} else {
+		m.attempts.WithLabelValues(s.name, a.v.String()).Inc()
+	}
 	if a.step != "" {
 		m.pdAttempts.WithLabelValues(a.step, s.name, a.v.String()).Inc()
 	}
-	if s.branch != "" {
-		m.decisions.WithLabelValues(s.name, s.branch).Inc()
+	if b := branchIndex(s.branch); b >= 0 {
+		ss.branch[b].get(func() prometheus.Counter { return m.decisions.WithLabelValues(s.name, s.branch) }).Inc()
 	}
 	if s.ttft >= 0 {
-		m.ttft.WithLabelValues(s.policy, s.name).Observe(s.ttft.Seconds())
+		ss.ttft.get(func() prometheus.Observer { return m.ttft.WithLabelValues(s.policy, s.name) }).Observe(s.ttft.Seconds())
 		if est := a.tk.Decision.EstTTFT; est > 0 {
 			// The estimate is made at routing: compare from there.
 			m.ttftRatio.WithLabelValues(s.name).Observe(a.firstAt.Sub(a.tk.Request().Now).Seconds() / est.Seconds())
 		}
 	}
 	if a.v == served && a.prompt > 0 {
-		m.promptTokens.WithLabelValues(s.name).Add(float64(a.prompt))
-		m.genTokens.WithLabelValues(s.name).Add(float64(a.output))
-		if a.cached >= 0 {
-			m.cachedTokens.WithLabelValues(s.name).Add(float64(a.cached))
-			m.usageReported.WithLabelValues(s.name).Add(float64(a.prompt))
-		}
+		m.usage(ss, s.name, a)
 	}
+}
+
+// usage counts a served attempt's reported usage.
+func (m *metrics) usage(ss *servedSeries, name string, a *attempt) {
+	ss.prompt.get(func() prometheus.Counter { return m.promptTokens.WithLabelValues(name) }).Add(float64(a.prompt))
+	ss.gen.get(func() prometheus.Counter { return m.genTokens.WithLabelValues(name) }).Add(float64(a.output))
+	if a.cached >= 0 {
+		ss.cached.get(func() prometheus.Counter { return m.cachedTokens.WithLabelValues(name) }).Add(float64(a.cached))
+		ss.reported.get(func() prometheus.Counter { return m.usageReported.WithLabelValues(name) }).Add(float64(a.prompt))
+	}
+}
+
+// branchIndex is a branch's place in servedSeries.branch (-1: none).
+func branchIndex(b string) int {
+	switch b {
+	case branchHeld:
+		return 0
+	case branchSpilled:
+		return 1
+	case branchMiss:
+		return 2
+	}
+	return -1
 }

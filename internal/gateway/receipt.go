@@ -51,7 +51,9 @@ func (g *Gateway) receiptOf(x *exchange, a *attempt) receipt {
 	if a.v == served {
 		if r.wrong, r.checked = tk.WrongRoute(a.cached); r.checked {
 			name := g.rt.Name(tk.Replica)
-			g.met.routeChecks.WithLabelValues(r.policy, name).Inc()
+			g.met.series.of(r.policy, name).checks.get(func() prometheus.Counter {
+				return g.met.routeChecks.WithLabelValues(r.policy, name)
+			}).Inc()
 			if r.wrong {
 				g.met.wrongRoutes.WithLabelValues(r.policy, name).Inc()
 			}
