@@ -291,9 +291,16 @@ func limited(args []string) []string {
 	if len(args) == 0 {
 		return args
 	}
+	tenants := args[0] == "bench" && flagIndex(args, "tenant") >= 0
+	if tenants {
+		args = limitTenants(args, 8)
+	}
 	for _, l := range readmeLimits[args[0]] {
 		if l.when != "" && flagIndex(args, l.when) < 0 {
 			continue
+		}
+		if tenants && l.flag == "requests" {
+			continue // bench refuses --requests beside --tenant: each spec was bounded
 		}
 		if name, value, ok := strings.Cut(l.unless, "="); ok && flagValue(args, name) == value {
 			continue
@@ -319,6 +326,36 @@ func limited(args []string) []string {
 		}
 	}
 	return args
+}
+
+// limitTenants bounds the requests=N of every --tenant spec of a bench
+// command to n (bench's workload is then the tenants').
+func limitTenants(args []string, n int) []string {
+	out := slices.Clone(args)
+	for i := 0; i < len(out); i++ {
+		name, value, inline := strings.Cut(strings.TrimLeft(out[i], "-"), "=")
+		if !strings.HasPrefix(out[i], "-") || name != "tenant" {
+			continue
+		}
+		if !inline {
+			if i++; i >= len(out) {
+				break
+			}
+			value = out[i]
+		}
+		fields := strings.Split(value, ",")
+		for j, f := range fields {
+			if k, v, ok := strings.Cut(f, "="); ok && k == "requests" && larger(v, strconv.Itoa(n)) {
+				fields[j] = "requests=" + strconv.Itoa(n)
+			}
+		}
+		if inline {
+			out[i] = "--tenant=" + strings.Join(fields, ",")
+		} else {
+			out[i] = strings.Join(fields, ",")
+		}
+	}
+	return out
 }
 
 // flagIndex is the index of --name (or -name, or --name=v) in args, or −1.
