@@ -367,9 +367,10 @@ func (r *runner) body(q *workload.Request) ([]byte, string) {
 		m["priority"] = q.Priority
 	}
 	if q.Chat {
-		msgs := make([]map[string]string, len(q.Roles))
-		for i := range q.Roles {
-			msgs[i] = map[string]string{"role": q.Roles[i], "content": q.Contents[i]}
+		msgs := make([]map[string]string, len(q.Messages))
+		for i := range q.Messages {
+			m := &q.Messages[i]
+			msgs[i] = map[string]string{"role": m.Role, "content": m.Content()}
 		}
 		m["messages"] = msgs
 		b, _ := json.Marshal(m)

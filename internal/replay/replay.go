@@ -524,7 +524,10 @@ func scale(d time.Duration, speedup float64) time.Duration {
 // parsed is what the gateway's parser would make of the request's body.
 func parsed(r *workload.Request, text, model string) prompt.Parsed {
 	if r.Chat {
-		return prompt.ChatParsed(model, r.Roles, r.Contents, text, r.MaxTokens)
+		// The contents as substrings of text: a generated message's
+		// content is made once, in text, not again.
+		roles, contents := r.ChatParts(text, nil, nil)
+		return prompt.ChatParsed(model, roles, contents, text, r.MaxTokens)
 	}
 	return prompt.Parsed{Kind: prompt.Completion, Model: model, MaxTokens: r.MaxTokens, Text: text, KeyText: text, Prompts: 1}
 }

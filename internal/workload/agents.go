@@ -133,16 +133,25 @@ func genAgents(r *rng, a agentParams, n int) []Request {
 // agentText is the text every program shares.
 type agentText struct{ system, subSystem string }
 
-// agentConv is a program's conversation as it grows: roles and contents
-// share one backing array, each request taking the prefix it sends.
+// agentConv is a program's conversation as it grows: its messages share
+// one backing array, each request taking the prefix it sends. Every
+// message is held: an agent re-sends long histories of tool output turn
+// after turn, and making them on demand (as multiturn does) would cost
+// each turn its whole history's generation again (the golden digest of
+// the default programs: 8 s to 15 s under the race detector).
 type agentConv struct {
-	roles, contents []string
-	size            int // renderLen of them
+	msgs []Message
+	size int // renderLen of them
 }
 
-func (c *agentConv) add(role, content string) {
-	c.roles, c.contents = append(c.roles, role), append(c.contents, content)
-	c.size += len(role) + len(content) + 6
+func (c *agentConv) add(m Message) {
+	c.msgs = append(c.msgs, m)
+	c.size += renderLen(c.msgs[len(c.msgs)-1:])
+}
+
+// addWords adds a message of Words(r.uint64(), tokens).
+func (c *agentConv) addWords(r *rng, role string, tokens int) {
+	c.add(heldMsg(role, Words(r.uint64(), tokens)))
 }
 
 // agentProgram appends program prog's requests (and its subagent's) to
@@ -155,8 +164,8 @@ func agentProgram(r *rng, a agentParams, shared *agentText, reqs []Request, prog
 	}
 	task := Words(r.uint64(), r.between(max(a.task/2, 1), a.task*3/2))
 	c := &agentConv{}
-	c.add("system", shared.system)
-	c.add("user", task)
+	c.add(heldMsg("system", shared.system))
+	c.add(heldMsg("user", task))
 	session := "agent-" + strconv.Itoa(prog)
 	prev := -1
 	for k := 0; k < turns; k++ {
@@ -173,15 +182,15 @@ func agentProgram(r *rng, a agentParams, shared *agentText, reqs []Request, prog
 		if k == turns-1 {
 			break
 		}
-		c.add("assistant", Words(r.uint64(), out))
+		c.addWords(r, "assistant", out)
 		if k == sub {
 			var last int
 			reqs, last = subagent(r, a, shared, reqs, prog, prev, task)
 			prev = last
-			c.add("tool", Words(r.uint64(), subagentResult))
+			c.addWords(r, "tool", subagentResult)
 			continue
 		}
-		c.add("tool", Words(r.uint64(), toolLen(r, a.tool)))
+		c.add(heldMsg("tool", Words(r.uint64(), toolLen(r, a.tool))))
 	}
 	return reqs
 }
@@ -191,9 +200,9 @@ func agentProgram(r *rng, a agentParams, shared *agentText, reqs []Request, prog
 func subagent(r *rng, a agentParams, shared *agentText, reqs []Request, prog, after int, parentTask string) ([]Request, int) {
 	turns := lognormTurns(r, subagentTurns)
 	c := &agentConv{}
-	c.add("system", shared.subSystem)
+	c.add(heldMsg("system", shared.subSystem))
 	task := parentTask[:min(len(parentTask), 4*subagentTask)]
-	c.add("user", task)
+	c.add(heldMsg("user", task))
 	session := "agent-" + strconv.Itoa(prog) + ".sub"
 	prev := after
 	for k := 0; k < turns; k++ {
@@ -208,8 +217,8 @@ func subagent(r *rng, a agentParams, shared *agentText, reqs []Request, prog, af
 		reqs = append(reqs, q)
 		prev = q.Index
 		if k < turns-1 {
-			c.add("assistant", Words(r.uint64(), out))
-			c.add("tool", Words(r.uint64(), toolLen(r, a.tool)))
+			c.addWords(r, "assistant", out)
+			c.add(heldMsg("tool", Words(r.uint64(), toolLen(r, a.tool))))
 		}
 	}
 	return reqs, prev
@@ -219,17 +228,17 @@ func subagent(r *rng, a agentParams, shared *agentText, reqs []Request, prog, af
 // task and a summary.
 func compacted(r *rng, system, task string, summary int) *agentConv {
 	c := &agentConv{}
-	c.add("system", system)
-	c.add("user", task)
-	c.add("user", Words(r.uint64(), summary))
+	c.add(heldMsg("system", system))
+	c.add(heldMsg("user", task))
+	c.addWords(r, "user", summary)
 	return c
 }
 
 // agentRequest is the request sending conversation c as it is now.
 func agentRequest(idx, prev int, session string, prog int, c *agentConv, out int) Request {
-	n := len(c.roles)
+	n := len(c.msgs)
 	return Request{Index: idx, Prev: prev, Session: session, Program: prog + 1, Chat: true, Timed: true,
-		Roles: c.roles[:n:n], Contents: c.contents[:n:n], MaxTokens: out,
+		Messages: c.msgs[:n:n], MaxTokens: out,
 		InputTokens: ceilDiv(c.size, prompt.TokenBytesPer)}
 }
 
@@ -295,19 +304,19 @@ func planRL(p params, requests int) (plan, error) {
 	made := float64(b) * float64(per)
 	gen := func(r *rng, n int) []Request {
 		system := Words(r.uint64(), sys)
-		roles := []string{"system", "user"}
 		reqs := make([]Request, 0, n)
 		for bi := 0; bi < b && len(reqs) < n; bi++ {
 			for pi := 0; pi < prompts && len(reqs) < n; pi++ {
-				task := Words(r.uint64(), r.between(max(pl/2, 1), pl*3/2))
+				task := heldMsg("user", Words(r.uint64(), r.between(max(pl/2, 1), pl*3/2)))
+				msgs := []Message{heldMsg("system", system), task} // shared by the samples
 				for s := 0; s < samples && len(reqs) < n; s++ {
 					q := Request{Index: len(reqs), Prev: -1, Batch: bi + 1, Timed: true,
 						MaxTokens: r.between(max(out/4, 1), max(out*7/4, 1))}
 					if chat {
-						q.Chat, q.Roles, q.Contents = true, roles, []string{system, task}
-						q.InputTokens = ceilDiv(renderLen(q.Roles, q.Contents), prompt.TokenBytesPer)
+						q.Chat, q.Messages = true, msgs
+						q.InputTokens = ceilDiv(renderLen(q.Messages), prompt.TokenBytesPer)
 					} else {
-						q.Prompt = system + task
+						q.Prompt = system + task.Text
 						q.InputTokens = ceilDiv(len(q.Prompt), prompt.TokenBytesPer)
 					}
 					reqs = append(reqs, q)

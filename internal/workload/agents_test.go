@@ -39,7 +39,7 @@ func TestAgentsPrograms(t *testing.T) {
 			pauses = append(pauses, r.Think)
 		case p.Session == r.Session:
 			compactions++ // started over from the system prompt and the task
-			if r.Contents[0] != p.Contents[0] || r.Contents[1] != p.Contents[1] || r.InputTokens > p.InputTokens {
+			if r.Messages[0] != p.Messages[0] || r.Messages[1] != p.Messages[1] || r.InputTokens > p.InputTokens {
 				t.Fatalf("request %d: neither the next turn nor a compaction of %d", i, r.Prev)
 			}
 		case strings.HasSuffix(r.Session, ".sub"):

@@ -135,11 +135,10 @@ func groupsFor(p params, groupParam string, size, requests int) (groups, n int, 
 
 // oneOrChat builds a single-prompt request: a completion of text or a chat
 // whose one user message is text.
-func oneOrChat(chat bool, user []string, text string) Request {
+func oneOrChat(chat bool, text string) Request {
 	if chat {
-		c := []string{text}
-		return Request{Prev: -1, Chat: true, Roles: user, Contents: c,
-			InputTokens: ceilDiv(renderLen(user, c), prompt.TokenBytesPer)}
+		m := []Message{heldMsg("user", text)}
+		return Request{Prev: -1, Chat: true, Messages: m, InputTokens: ceilDiv(renderLen(m), prompt.TokenBytesPer)}
 	}
 	return Request{Prev: -1, Prompt: text, InputTokens: ceilDiv(len(text), prompt.TokenBytesPer)}
 }
@@ -172,41 +171,61 @@ func planMultiturn(p params, requests int) (plan, error) {
 		// Prompt j's words are seeded from the first's seed, so that one
 		// system prompt (the default) draws what it always drew.
 		base := r.uint64()
-		system := Words(base, sys)
+		system := systemPrompts(base, systems, sys, heldSystemBytes)
 		reqs := make([]Request, n)
 		for conv := 0; conv < c && conv < n; conv++ {
 			turns := min(t, ceilDiv(n-conv, c)) // turns of this conversation within the first n
-			roles := make([]string, 2*turns)
-			contents := make([]string, 2*turns)
-			roles[0], contents[0] = "system", system
-			if j := conv % systems; j > 0 {
-				contents[0] = Words(base+uint64(j)*0x9e3779b97f4a7c15, sys)
-			}
-			size := renderLen(roles[:1], contents[:1])
+			// The turns share one array of messages, each its prefix; the
+			// user messages and replies are seeds, their text made when a
+			// turn is sent.
+			msgs := make([]Message, 2*turns)
+			msgs[0] = system(conv % systems)
+			size := renderLen(msgs[:1])
 			session := "conv-" + strconv.Itoa(conv)
 			for k := 0; k < turns; k++ {
-				u := Words(r.uint64(), r.between(umin, umax))
-				roles[2*k+1], contents[2*k+1] = "user", u
-				size += renderLen(roles[2*k+1:2*k+2], contents[2*k+1:2*k+2])
+				seed := r.uint64()
+				msgs[2*k+1] = wordsMsg("user", seed, r.between(umin, umax))
+				size += renderLen(msgs[2*k+1 : 2*k+2])
 				idx := k*c + conv
 				req := Request{Index: idx, Prev: -1, Session: session, Program: conv + 1, Chat: true,
-					Roles: roles[: 2*k+2 : 2*k+2], Contents: contents[: 2*k+2 : 2*k+2],
-					MaxTokens: out, InputTokens: ceilDiv(size, prompt.TokenBytesPer)}
+					Messages: msgs[: 2*k+2 : 2*k+2], MaxTokens: out, InputTokens: ceilDiv(size, prompt.TokenBytesPer)}
 				if k > 0 {
 					req.Prev = idx - c
 					req.Think = seconds(think * (0.5 + r.float64()) / 1000)
 				}
 				reqs[idx] = req
 				if k+1 < turns {
-					a := Words(r.uint64(), out)
-					roles[2*k+2], contents[2*k+2] = "assistant", a
-					size += renderLen(roles[2*k+2:2*k+3], contents[2*k+2:2*k+3])
+					msgs[2*k+2] = wordsMsg("assistant", r.uint64(), out)
+					size += renderLen(msgs[2*k+2 : 2*k+3])
 				}
 			}
 		}
 		return interleave(r, reqs, c)
 	}
 	return plan{n: n, made: float64(n), textBytes: textBytes, gen: gen}, nil
+}
+
+// heldSystemBytes bounds the system prompts' text a generator holds: up to
+// it each distinct prompt is made once and shared by every request that
+// sends it; past it (a prompt per conversation, say) each is made on
+// demand like the rest of the conversation.
+const heldSystemBytes = 64 << 20
+
+// systemPrompts returns system prompt j of n, each of tokens tokens: prompt
+// 0 is Words(base, tokens), prompt j Words(base + j·φ·2⁶⁴, tokens); held
+// when all n fit in limit bytes (heldSystemBytes), else made on demand.
+func systemPrompts(base uint64, n, tokens, limit int) func(j int) Message {
+	seed := func(j int) uint64 { return base + uint64(j)*0x9e3779b97f4a7c15 }
+	if n*tokens*prompt.TokenBytesPer > limit {
+		return func(j int) Message { return wordsMsg("system", seed(j), tokens) }
+	}
+	held := make([]string, n)
+	return func(j int) Message {
+		if held[j] == "" {
+			held[j] = Words(seed(j), tokens)
+		}
+		return heldMsg("system", held[j])
+	}
 }
 
 // interleave puts the conversations of each round of c requests (one turn
@@ -252,19 +271,18 @@ func planSharedPrefix(p params, requests int) (plan, error) {
 	}
 	made := float64(g) * float64(per)
 	gen := func(r *rng, n int) []Request {
-		roles := []string{"system", "user"}
 		all := make([]Request, 0, g*per)
 		for gi := 0; gi < g; gi++ {
 			system := Words(r.uint64(), sys)
 			session := "group-" + strconv.Itoa(gi)
 			for j := 0; j < per; j++ {
-				question := Words(r.uint64(), q)
+				question := r.uint64() // the seed of its words
 				req := Request{Prev: -1, Session: session, MaxTokens: out}
 				if chat {
-					req.Chat, req.Roles, req.Contents = true, roles, []string{system, question}
-					req.InputTokens = ceilDiv(renderLen(req.Roles, req.Contents), prompt.TokenBytesPer)
+					req.Chat, req.Messages = true, []Message{heldMsg("system", system), wordsMsg("user", question, q)}
+					req.InputTokens = ceilDiv(renderLen(req.Messages), prompt.TokenBytesPer)
 				} else {
-					req.Prompt = system + question
+					req.Prompt = system + Words(question, q)
 					req.InputTokens = ceilDiv(len(req.Prompt), prompt.TokenBytesPer)
 				}
 				all = append(all, req)
@@ -291,11 +309,10 @@ func planPrefixRepetition(p params, requests int) (plan, error) {
 		for i := range prefixes {
 			prefixes[i] = Words(r.uint64(), pl)
 		}
-		user := []string{"user"}
 		reqs := make([]Request, n)
 		for i := range reqs {
 			k := i % used
-			reqs[i] = oneOrChat(chat, user, prefixes[k]+Words(r.uint64(), sl))
+			reqs[i] = oneOrChat(chat, prefixes[k]+Words(r.uint64(), sl))
 			reqs[i].Session = "prefix-" + strconv.Itoa(k)
 			reqs[i].MaxTokens = out
 		}
@@ -323,7 +340,6 @@ func planZipf(p params, requests int) (plan, error) {
 			seeds[i] = r.uint64()
 		}
 		prefixes := make([]string, np)
-		user := []string{"user"}
 		reqs := make([]Request, n)
 		for i := range reqs {
 			k := sort.SearchFloat64s(cdf, r.float64()) // first k with cdf[k] ≥ u
@@ -331,7 +347,7 @@ func planZipf(p params, requests int) (plan, error) {
 			if prefixes[k] == "" {
 				prefixes[k] = Words(seeds[k], pl)
 			}
-			reqs[i] = oneOrChat(chat, user, prefixes[k]+Words(r.uint64(), sl))
+			reqs[i] = oneOrChat(chat, prefixes[k]+Words(r.uint64(), sl))
 			reqs[i].Index = i
 			reqs[i].Session = "prefix-" + strconv.Itoa(k)
 			reqs[i].MaxTokens = out
@@ -366,10 +382,9 @@ func planRandom(p params, requests int) (plan, error) {
 		n = defaultRandom
 	}
 	gen := func(r *rng, n int) []Request {
-		user := []string{"user"}
 		reqs := make([]Request, n)
 		for i := range reqs {
-			reqs[i] = oneOrChat(chat, user, Words(r.uint64(), r.between(lo, hi)))
+			reqs[i] = oneOrChat(chat, Words(r.uint64(), r.between(lo, hi)))
 			reqs[i].Index = i
 			reqs[i].MaxTokens = out
 		}

@@ -308,25 +308,3 @@ func bytesToString(b []byte) string {
 	}
 	return unsafe.String(unsafe.SliceData(b), len(b))
 }
-
-// renderLen is len(prompt.RenderChat(roles, contents)) without rendering:
-// "<|" role "|>\n" content "\n" per message.
-func renderLen(roles, contents []string) int {
-	n := 0
-	for i := range roles {
-		n += len(roles[i]) + len(contents[i]) + 6
-	}
-	return n
-}
-
-// appendChat is prompt.RenderChat into a byte buffer.
-func appendChat(dst []byte, roles, contents []string) []byte {
-	for i := range roles {
-		dst = append(dst, "<|"...)
-		dst = append(dst, roles[i]...)
-		dst = append(dst, "|>\n"...)
-		dst = append(dst, contents[i]...)
-		dst = append(dst, '\n')
-	}
-	return dst
-}

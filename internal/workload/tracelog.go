@@ -255,7 +255,10 @@ func loggedRequest(body []byte) (Request, string, error) {
 		// (no tools or tool calls), so that prefix-key policies see the
 		// system prompt and first user message as the gateway does.
 		if roles, contents, ok := chatMessages(keys["messages"]); ok && prompt.RenderChat(roles, contents) == p.Text {
-			req.Chat, req.Roles, req.Contents, req.Prompt = true, roles, contents, ""
+			req.Chat, req.Messages, req.Prompt = true, make([]Message, len(roles)), ""
+			for i := range roles {
+				req.Messages[i] = heldMsg(roles[i], contents[i])
+			}
 		}
 	}
 	req.InputTokens = prompt.Approx{}.Count(p.Text)

@@ -154,10 +154,11 @@ func TestReadRequestLog(t *testing.T) {
 		t.Fatalf("batch under request as a string: %+v", r)
 	}
 	r := reqs[3]
-	if !r.Chat || strings.Join(r.Roles, ",") != "system,user" || r.Contents[1] != "Hello there" || r.MaxTokens != 12 || r.Session != "u1" {
+	roles, contents := parts(&r)
+	if !r.Chat || strings.Join(roles, ",") != "system,user" || contents[1] != "Hello there" || r.MaxTokens != 12 || r.Session != "u1" {
 		t.Fatalf("chat: %+v", r)
 	}
-	if r.Text() != prompt.RenderChat(r.Roles, r.Contents) {
+	if r.Text() != prompt.RenderChat(roles, contents) {
 		t.Fatal("chat text")
 	}
 }

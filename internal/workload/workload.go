@@ -24,7 +24,7 @@ import (
 	"github.com/kvgate/kvgate/internal/prompt"
 )
 
-// Request is one request of a workload. Roles, Contents and HashIDs may share
+// Request is one request of a workload. Messages and HashIDs may share
 // backing arrays with other requests of the same workload: treat them as
 // read-only.
 type Request struct {
@@ -50,11 +50,11 @@ type Request struct {
 	// b − 1 has ended, Think after the last of them (At still bounds it
 	// below).
 	Batch int
-	// Chat selects /v1/chat/completions with Roles and Contents; otherwise
+	// Chat selects /v1/chat/completions with Messages; otherwise
 	// /v1/completions with the text (see Text).
-	Chat            bool
-	Roles, Contents []string
-	Prompt          string
+	Chat     bool
+	Messages []Message
+	Prompt   string
 	// MaxTokens is the number of output tokens; the runner sends it with
 	// ignore_eos so that replicas produce exactly this many.
 	MaxTokens int
@@ -84,14 +84,15 @@ type Request struct {
 }
 
 // Text returns the routing text: the Prompt, the chat rendered as the
-// gateway renders it (prompt.RenderChat), or for a trace request
+// gateway renders it (prompt.RenderChat, each message's content made on
+// demand when it is not held), or for a trace request
 // TraceText(HashIDs, InputTokens) (AppendTraceTextN of BlockIDs for a
 // recorded one), synthesised on each call (about 25 µs for
 // 12,000 tokens) rather than held, so that a whole trace costs no text memory.
 func (r *Request) Text() string {
 	switch {
 	case r.Chat:
-		return prompt.RenderChat(r.Roles, r.Contents)
+		return bytesToString(appendChat(nil, r.Messages))
 	case r.HashIDs != nil && r.Prompt == "":
 		return TraceText(r.HashIDs, r.InputTokens)
 	case r.BlockIDs != nil && r.Prompt == "":
@@ -104,7 +105,7 @@ func (r *Request) Text() string {
 func (r *Request) AppendText(dst []byte) []byte {
 	switch {
 	case r.Chat:
-		return appendChat(dst, r.Roles, r.Contents)
+		return appendChat(dst, r.Messages)
 	case r.HashIDs != nil && r.Prompt == "":
 		return AppendTraceText(dst, r.HashIDs, r.InputTokens)
 	case r.BlockIDs != nil && r.Prompt == "":

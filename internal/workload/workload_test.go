@@ -224,7 +224,7 @@ func TestRequestInvariants(t *testing.T) {
 					if r.Chat != (chat == 1) {
 						t.Fatalf("request %d: Chat %v with chat=%v", i, r.Chat, chat)
 					}
-					if r.Chat && text != prompt.RenderChat(r.Roles, r.Contents) || !r.Chat && text != r.Prompt {
+					if r.Chat && text != prompt.RenderChat(parts(r)) || !r.Chat && text != r.Prompt {
 						t.Fatalf("request %d: Text is not its prompt or rendered chat", i)
 					}
 					if r.Prev >= i || r.Prev < -1 {
@@ -296,10 +296,11 @@ func TestMultiturn(t *testing.T) {
 		}
 		k := turn[r.Session]
 		turn[r.Session]++
-		if len(r.Contents) != 2*k+2 || r.Roles[0] != "system" || r.Roles[len(r.Roles)-1] != "user" {
-			t.Fatalf("request %d (turn %d): roles %v", i, k, r.Roles)
+		roles, contents := parts(r)
+		if len(contents) != 2*k+2 || roles[0] != "system" || roles[len(roles)-1] != "user" {
+			t.Fatalf("request %d (turn %d): roles %v", i, k, roles)
 		}
-		if u := len(r.Contents[len(r.Contents)-1]) / 4; u < 30 || u > 60 {
+		if u := len(contents[len(contents)-1]) / 4; u < 30 || u > 60 {
 			t.Fatalf("request %d: user message of %d tokens", i, u)
 		}
 		if k == 0 {
@@ -316,9 +317,9 @@ func TestMultiturn(t *testing.T) {
 		if r.Think < 100*time.Millisecond || r.Think >= 300*time.Millisecond {
 			t.Fatalf("request %d: think %v outside [100ms, 300ms)", i, r.Think)
 		}
-		reply := r.Contents[len(r.Contents)-2]
-		if r.Roles[len(r.Roles)-2] != "assistant" || len(reply) != 4*25 {
-			t.Fatalf("request %d: reply %q of %d bytes", i, r.Roles[len(r.Roles)-2], len(reply))
+		reply := contents[len(contents)-2]
+		if roles[len(roles)-2] != "assistant" || len(reply) != 4*25 {
+			t.Fatalf("request %d: reply %q of %d bytes", i, roles[len(roles)-2], len(reply))
 		}
 		// Turn k+1 extends turn k's text with the reply and the next question.
 		prev, cur := p.Text(), r.Text()
@@ -331,7 +332,7 @@ func TestMultiturn(t *testing.T) {
 		}
 	}
 	// One system prompt for all conversations: the first turns share its blocks.
-	sys := len("<|system|>\n"+reqs[0].Contents[0]) / 64
+	sys := len("<|system|>\n"+reqs[0].Messages[0].Content()) / 64
 	if got := sharedBlocks(reqs[0].Text(), reqs[1].Text()); got < sys || got > sys+1 {
 		t.Fatalf("conversations share %d blocks, want the system prompt's %d", got, sys)
 	}
@@ -568,4 +569,16 @@ func BenchmarkGenerate(b *testing.B) {
 			}
 		})
 	}
+}
+
+// parts is a chat request's roles and contents, each content checked
+// against its message's own.
+func parts(r *Request) (roles, contents []string) {
+	roles, contents = r.ChatParts(r.Text(), nil, nil)
+	for i := range r.Messages {
+		if contents[i] != r.Messages[i].Content() {
+			panic(fmt.Sprintf("message %d: ChatParts gives %q, Content %q", i, contents[i], r.Messages[i].Content()))
+		}
+	}
+	return roles, contents
 }
