@@ -74,7 +74,7 @@ func (vr *virtualRun) dispatchPD(i int, text string, pd router.PD, err error) er
 		return vr.dispatch(i, text, pd.Decode, nil)
 	}
 	vr.pd.steps++
-	st := &vr.requests[i]
+	st := vr.requests[i]
 	st.ticket, st.prefill = pd.Decode, pd.Prefill
 	st.prefillAt, st.stage = int32(pd.Prefill.Replica), stagePrefill
 	vr.loadsChanged(st.gw)
@@ -87,7 +87,7 @@ func (vr *virtualRun) dispatchPD(i int, text string, pd router.PD, err error) er
 // finishes, the prefill answer reaches the gateway, which sends the decode
 // step at once.
 func (vr *virtualRun) prefillOutput(i int, o engine.Output, at time.Time) error {
-	st := &vr.requests[i]
+	st := vr.requests[i]
 	if o.First {
 		st.prefillHit = o.CachedTokens
 		st.prefill.FirstToken(at)
@@ -123,7 +123,7 @@ func (vr *virtualRun) prefillOutput(i int, o engine.Output, at time.Time) error 
 // that engine admit a waiting request.
 func (vr *virtualRun) pulled(pulls []engine.Pull) {
 	for _, p := range pulls {
-		st := &vr.requests[p.ReqID-1]
+		st := vr.requests[p.ReqID-1]
 		st.transferred = p.Tokens
 		vr.pd.pulls++
 		vr.pd.pulled += int64(p.Tokens)

@@ -101,8 +101,12 @@ type virtualRun struct {
 	nextRoot int // next root arrival to schedule (index into plan.roots)
 	arrived  int // requests arrived so far: the next one's turn among the gateways
 
-	wake            []int           // replicas to step at now, once this instant's events are done
-	requests        []liveRequest   // per request
+	wake []int // replicas to step at now, once this instant's events are done
+	// requests[i] is request i's state from its arrival to its end, nil
+	// before and after: a 1M-request replay holds a pointer per request
+	// and a liveRequest per request under way, recycled through spareLive.
+	requests        []*liveRequest
+	spareLive       []*liveRequest
 	records         []report.Record // per request, filled when it ends
 	metricsInFlight fifo[snapshot]  // scrapes on their way to the router (staleness)
 	kvInFlight      fifo[kvBatch]   // KV events on their way to the router (staleness)
@@ -138,7 +142,7 @@ func newVirtualRun(cfg Config, p *plan, spec PolicySpec) (*virtualRun, error) {
 		engineRoot:  prompt.RootOf("engine", prompt.Key{Model: cfg.Model}),
 		replicas:    make([]replica, cfg.engines()),
 		kvSeq:       make([]uint64, cfg.engines()),
-		requests:    make([]liveRequest, len(p.reqs)),
+		requests:    make([]*liveRequest, len(p.reqs)),
 		records:     make([]report.Record, len(p.reqs)),
 		failures:    map[string]int{},
 		gateways:    make([]gatewayState, cfg.Gateways),
@@ -285,7 +289,7 @@ func (vr *virtualRun) arrive(i int) error {
 	}
 	text := r.Text()
 	p := parsed(r, text, vr.cfg.Model)
-	st := &vr.requests[i]
+	st := vr.begin(i)
 	st.gw = vr.gatewayOf(vr.arrived)
 	vr.arrived++
 	rt := vr.gateways[st.gw].router
@@ -331,8 +335,8 @@ func (vr *virtualRun) flowTags(preq *policy.Request, r *workload.Request, st *li
 // expire ends request i's wait in its router's queue at its expiry, if it
 // still waits there: it is shed.
 func (vr *virtualRun) expire(i int) {
-	st := &vr.requests[i]
-	if st.waiting == nil {
+	st := vr.requests[i]
+	if st == nil || st.waiting == nil { // routed since, or ended
 		return
 	}
 	w := st.waiting
@@ -378,7 +382,7 @@ func (vr *virtualRun) dispatch(i int, text string, tk *router.Ticket, err error)
 	if err != nil {
 		return vr.unrouted(i, err)
 	}
-	st := &vr.requests[i]
+	st := vr.requests[i]
 	st.ticket = tk
 	vr.loadsChanged(st.gw)
 	er := vr.engineRequest(i, text)
@@ -410,7 +414,7 @@ func (vr *virtualRun) unrouted(i int, err error) error {
 // engineRequest is request i as its engine gets it: its prompt's block
 // hashes in the engine's namespace (kept in st.hashes).
 func (vr *virtualRun) engineRequest(i int, text string) engine.Request {
-	st := &vr.requests[i]
+	st := vr.requests[i]
 	er := engine.Request{
 		ID:           uint64(i) + 1,
 		PromptTokens: st.tokens,
@@ -429,7 +433,7 @@ func (vr *virtualRun) engineRequest(i int, text string) engine.Request {
 // submit adds request i's step er to engine e. A prompt that can never fit
 // the engine fails the request: its tickets end with the error.
 func (vr *virtualRun) submit(i, e int, er *engine.Request) error {
-	st := &vr.requests[i]
+	st := vr.requests[i]
 	if err := vr.replicas[e].engine.Add(er, vr.now); err != nil {
 		if !errors.Is(err, engine.ErrTooLong) {
 			return fmt.Errorf("replay: request %d: %w", i, err)
@@ -452,12 +456,12 @@ func (vr *virtualRun) submit(i, e int, er *engine.Request) error {
 
 // fail records request i as failed at now and releases its dependants.
 func (vr *virtualRun) fail(i, replica int, kind string) {
-	st := &vr.requests[i]
+	st := vr.requests[i]
 	r := &vr.plan.reqs[i]
 	vr.records[i] = report.Record{Start: st.arrive, PromptTokens: st.tokens, Replica: replica, Err: true, ErrKind: kind,
 		Tenant: r.Tenant, Priority: st.band, Program: int32(r.Program), Batch: int32(r.Batch)}
 	vr.failures[kind]++
-	vr.release(st)
+	vr.release(i)
 	vr.finished(i)
 }
 
@@ -470,13 +474,29 @@ func (vr *virtualRun) hashBuf() []uint64 {
 	return nil
 }
 
-// release drops a request's references; its hash buffer is recycled unless
-// KV events (which point into it) may still be in flight.
-func (vr *virtualRun) release(st *liveRequest) {
+// begin is request i's state as it arrives: a recycled one, or new.
+func (vr *virtualRun) begin(i int) *liveRequest {
+	var st *liveRequest
+	if n := len(vr.spareLive); n > 0 {
+		st = vr.spareLive[n-1]
+		vr.spareLive = vr.spareLive[:n-1]
+	} else {
+		st = new(liveRequest)
+	}
+	vr.requests[i] = st
+	return st
+}
+
+// release ends request i's state, for reuse; its hash buffer is recycled
+// unless KV events (which point into it) may still be in flight.
+func (vr *virtualRun) release(i int) {
+	st := vr.requests[i]
 	if !vr.precise && st.hashes != nil {
 		vr.spareHashes = append(vr.spareHashes, st.hashes)
 	}
-	st.hashes, st.ids, st.ticket, st.prefill = nil, nil, nil, nil
+	*st = liveRequest{}
+	vr.requests[i] = nil
+	vr.spareLive = append(vr.spareLive, st)
 }
 
 // finished schedules the requests that waited for request i: its
@@ -601,7 +621,7 @@ func (vr *virtualRun) stepEnd(e int) error {
 
 // output is one engine output of request i's (only or decode) step.
 func (vr *virtualRun) output(i, e int, o engine.Output, at time.Time) {
-	st := &vr.requests[i]
+	st := vr.requests[i]
 	if o.First {
 		st.first, st.cached = vr.now, o.CachedTokens
 		st.ticket.FirstToken(at)
@@ -622,7 +642,7 @@ func (vr *virtualRun) output(i, e int, o engine.Output, at time.Time) {
 		Tenant: vr.plan.reqs[i].Tenant, Priority: st.band,
 		Program: int32(vr.plan.reqs[i].Program), Batch: int32(vr.plan.reqs[i].Batch),
 	}
-	vr.release(st)
+	vr.release(i)
 	vr.finished(i)
 }
 
