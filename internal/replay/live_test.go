@@ -139,12 +139,13 @@ func TestReplayMatchesSequentialLive(t *testing.T) {
 	if err := vr.loop(context.Background()); err != nil {
 		t.Fatalf("replay: %v", err)
 	}
-	if len(live) != len(reqs) || len(vr.records) != len(reqs) {
-		t.Fatalf("%d live and %d replayed records for %d requests", len(live), len(vr.records), len(reqs))
+	recs := vr.reportRecords()
+	if len(live) != len(reqs) || len(recs) != len(reqs) {
+		t.Fatalf("%d live and %d replayed records for %d requests", len(live), len(recs), len(reqs))
 	}
 	cached := 0
 	for i, l := range live {
-		r := vr.records[i]
+		r := recs[i]
 		if l.Err || r.Err || l.Replica != r.Replica || l.PromptTokens != r.PromptTokens ||
 			l.CachedTokens != r.CachedTokens || l.OutputTokens != r.OutputTokens {
 			t.Errorf("request %d: live replica %d prompt %d cached %d output %d err %v (%s); "+

@@ -133,7 +133,7 @@ func TestPDUnderLoad(t *testing.T) {
 			if vr.pd.steps == 0 {
 				t.Fatal("no prefill step")
 			}
-			for i, rec := range vr.records {
+			for i, rec := range vr.reportRecords() {
 				if rec.Replica >= cfg.DecodeReplicas {
 					t.Fatalf("request %d answered by engine %d, a prefill replica", i, rec.Replica)
 				}
@@ -160,7 +160,7 @@ func TestPDFollowUpPullsOnlyTheNewPart(t *testing.T) {
 		t.Fatalf("%d steps, %d pulls of %d requests", vr.pd.steps, vr.pd.pulls, len(reqs))
 	}
 	var prompt int64
-	for _, r := range vr.records {
+	for _, r := range vr.reportRecords() {
 		prompt += int64(r.PromptTokens)
 	}
 	// Each turn's new part is a reply and a user message (≤ 2 + 200 tokens

@@ -32,11 +32,12 @@ func TestBatchesAndProgramMakespans(t *testing.T) {
 	if err != nil || vr.loop(context.Background()) != nil {
 		t.Fatal(err)
 	}
+	recs := vr.reportRecords()
 	ends := map[int32]time.Duration{}
-	for _, rec := range vr.records {
+	for _, rec := range recs {
 		ends[rec.Batch] = max(ends[rec.Batch], rec.Start+rec.E2E)
 	}
-	for i, rec := range vr.records {
+	for i, rec := range recs {
 		if b := rec.Batch; b > 1 && rec.Start < ends[b-1] {
 			t.Fatalf("request %d of batch %d arrived at %v, before batch %d ended at %v", i, b, rec.Start, b-1, ends[b-1])
 		}

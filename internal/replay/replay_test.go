@@ -458,14 +458,15 @@ func TestDependenciesHonoured(t *testing.T) {
 			t.Fatal(err)
 		}
 		deps := 0
+		recs := vr.reportRecords()
 		for i, r := range reqs {
-			rec := vr.records[i]
+			rec := recs[i]
 			if rec.Err || rec.OutputTokens != r.MaxTokens {
 				t.Fatalf("request %d: %+v", i, rec)
 			}
 			want := scale(r.At, speedup)
 			if r.Prev >= 0 {
-				p := vr.records[r.Prev]
+				p := recs[r.Prev]
 				want = max(want, p.Start+p.E2E+scale(r.Think, speedup))
 				deps++
 			}

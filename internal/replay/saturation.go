@@ -103,7 +103,7 @@ func replaySaturation(ctx context.Context, cfg Config, reqs []workload.Request, 
 	if err := vr.loop(ctx); err != nil {
 		return nil, nil, report.Run{}, err
 	}
-	return samples, vr.records, vr.summary(spec.RunName()), nil
+	return samples, vr.reportRecords(), vr.summary(spec.RunName()), nil
 }
 
 // rollingP90 is the p90 TTFT of the requests that arrived in (t−w, t], at

@@ -107,7 +107,7 @@ type virtualRun struct {
 	// and a liveRequest per request under way, recycled through spareLive.
 	requests        []*liveRequest
 	spareLive       []*liveRequest
-	records         []report.Record // per request, filled when it ends
+	records         records         // per request, filled when it ends
 	metricsInFlight fifo[snapshot]  // scrapes on their way to the router (staleness)
 	kvInFlight      fifo[kvBatch]   // KV events on their way to the router (staleness)
 	syncInFlight    fifo[inTransit] // batches on their way to the other gateways
@@ -143,7 +143,7 @@ func newVirtualRun(cfg Config, p *plan, spec PolicySpec) (*virtualRun, error) {
 		replicas:    make([]replica, cfg.engines()),
 		kvSeq:       make([]uint64, cfg.engines()),
 		requests:    make([]*liveRequest, len(p.reqs)),
-		records:     make([]report.Record, len(p.reqs)),
+		records:     newRecords(len(p.reqs)),
 		failures:    map[string]int{},
 		gateways:    make([]gatewayState, cfg.Gateways),
 		batchLeft:   slices.Clone(p.batchSize),
@@ -457,9 +457,8 @@ func (vr *virtualRun) submit(i, e int, er *engine.Request) error {
 // fail records request i as failed at now and releases its dependants.
 func (vr *virtualRun) fail(i, replica int, kind string) {
 	st := vr.requests[i]
-	r := &vr.plan.reqs[i]
-	vr.records[i] = report.Record{Start: st.arrive, PromptTokens: st.tokens, Replica: replica, Err: true, ErrKind: kind,
-		Tenant: r.Tenant, Priority: st.band, Program: int32(r.Program), Batch: int32(r.Batch)}
+	vr.records.set(i, &report.Record{Start: st.arrive, PromptTokens: st.tokens, Replica: replica, Err: true, ErrKind: kind,
+		Priority: st.band})
 	vr.failures[kind]++
 	vr.release(i)
 	vr.finished(i)
@@ -636,12 +635,11 @@ func (vr *virtualRun) output(i, e int, o engine.Output, at time.Time) {
 	out := max(vr.plan.reqs[i].MaxTokens, 1)
 	st.ticket.Done(at, router.Outcome{CachedTokens: st.cached, OutputTokens: out})
 	vr.loadsChanged(st.gw)
-	vr.records[i] = report.Record{
+	vr.records.set(i, &report.Record{
 		Start: st.arrive, TTFT: st.first - st.arrive, E2E: vr.now - st.arrive,
 		PromptTokens: st.tokens, CachedTokens: vr.computedHit(st), OutputTokens: out, Replica: e, MaxITL: st.stall,
-		Tenant: vr.plan.reqs[i].Tenant, Priority: st.band,
-		Program: int32(vr.plan.reqs[i].Program), Batch: int32(vr.plan.reqs[i].Batch),
-	}
+		Priority: st.band,
+	})
 	vr.release(i)
 	vr.finished(i)
 }
@@ -713,7 +711,7 @@ func (vr *virtualRun) deliverKV(b kvBatch) {
 
 // summary is the run's report entry.
 func (vr *virtualRun) summary(label string) report.Run {
-	run := report.Summarize(label, vr.records, vr.cfg.answering(), 0)
+	run := report.Summarize(label, vr.reportRecords(), vr.cfg.answering(), 0)
 	extra := map[string]float64{}
 	var pre, evicted int64
 	for _, rep := range vr.replicas {
