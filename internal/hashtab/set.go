@@ -4,43 +4,68 @@ package hashtab
 // linear probing with the keys alone, 8 bytes a slot where a Table with an
 // empty value takes 16 and Go's map about 34 (measured: 17M keys, 577 MB).
 // The replay's prefix-reuse bound keeps every distinct block of a trace in
-// one (17M for a 1M-request multiturn workload). Not safe for concurrent
-// use.
+// one (17M for a 1M-request multiturn workload).
+//
+// The keys are spread over setParts tables by the top bits of their
+// Fibonacci hash, each growing by doubling on its own, so that a growth
+// holds one part's old and new slots at once, not the whole set's twice
+// over (+128 MiB at the 17M keys above). Not safe for concurrent use.
 type Set struct {
+	parts [setParts]setPart
+	has0  bool // key 0 marks an empty slot; the one real key 0 is kept aside
+}
+
+const (
+	setPartBits = 8
+	setParts    = 1 << setPartBits
+	setMinSlots = 1 << 6
+)
+
+type setPart struct {
 	slots []uint64
 	n     int // keys stored in slots
 	shift uint
-	has0  bool // key 0 marks an empty slot; the one real key 0 is kept aside
 }
 
 // NewSet returns an empty set.
 func NewSet() *Set {
 	s := &Set{}
-	s.resize(minSlots)
+	for i := range s.parts {
+		s.parts[i].resize(setMinSlots)
+	}
 	return s
 }
 
-func (s *Set) resize(size int) {
-	old := s.slots
-	s.slots = make([]uint64, size)
-	s.shift = uint(64 - bitsLen(size-1))
-	s.n = 0
+// mix is the key's Fibonacci hash: its top setPartBits pick the part, the
+// bits below them the slot within it.
+func mix(key uint64) uint64 { return key * 0x9E3779B97F4A7C15 }
+
+func (s *Set) part(m uint64) *setPart { return &s.parts[m>>(64-setPartBits)] }
+
+func (p *setPart) resize(size int) {
+	old := p.slots
+	p.slots = make([]uint64, size)
+	p.shift = uint(64 - bitsLen(size-1))
+	p.n = 0
 	for _, k := range old {
 		if k != 0 {
-			s.insertNew(k)
+			p.insertNew(k)
 		}
 	}
 }
 
-// home is the key's first slot, as Table's.
-func (s *Set) home(key uint64) int { return int((key * 0x9E3779B97F4A7C15) >> s.shift) }
+func (p *setPart) home(key uint64) int { return int((mix(key) << setPartBits) >> p.shift) }
 
 // Len is the number of keys.
 func (s *Set) Len() int {
+	n := 0
 	if s.has0 {
-		return s.n + 1
+		n++
 	}
-	return s.n
+	for i := range s.parts {
+		n += s.parts[i].n
+	}
+	return n
 }
 
 // Has reports whether key is in the set.
@@ -48,9 +73,10 @@ func (s *Set) Has(key uint64) bool {
 	if key == 0 {
 		return s.has0
 	}
-	mask := len(s.slots) - 1
-	for i := s.home(key); ; i = (i + 1) & mask {
-		switch s.slots[i] {
+	p := s.part(mix(key))
+	mask := len(p.slots) - 1
+	for i := p.home(key); ; i = (i + 1) & mask {
+		switch p.slots[i] {
 		case key:
 			return true
 		case 0:
@@ -66,31 +92,32 @@ func (s *Set) Add(key uint64) bool {
 		s.has0 = true
 		return had
 	}
-	mask := len(s.slots) - 1
-	for i := s.home(key); ; i = (i + 1) & mask {
-		switch s.slots[i] {
+	p := s.part(mix(key))
+	mask := len(p.slots) - 1
+	for i := p.home(key); ; i = (i + 1) & mask {
+		switch p.slots[i] {
 		case key:
 			return true
 		case 0:
-			if (s.n+1)*4 > len(s.slots)*3 { // keep the load ≤ 3/4
-				s.resize(len(s.slots) * 2)
-				s.insertNew(key)
+			if (p.n+1)*4 > len(p.slots)*3 { // keep the load ≤ 3/4
+				p.resize(len(p.slots) * 2)
+				p.insertNew(key)
 				return false
 			}
-			s.slots[i] = key
-			s.n++
+			p.slots[i] = key
+			p.n++
 			return false
 		}
 	}
 }
 
 // insertNew inserts a key known to be absent, without growing.
-func (s *Set) insertNew(key uint64) {
-	mask := len(s.slots) - 1
-	i := s.home(key)
-	for s.slots[i] != 0 {
+func (p *setPart) insertNew(key uint64) {
+	mask := len(p.slots) - 1
+	i := p.home(key)
+	for p.slots[i] != 0 {
 		i = (i + 1) & mask
 	}
-	s.slots[i] = key
-	s.n++
+	p.slots[i] = key
+	p.n++
 }

@@ -10,8 +10,8 @@ import (
 func TestSetAgainstMap(t *testing.T) {
 	r := rand.New(rand.NewPCG(1, 2))
 	s, m := NewSet(), map[uint64]bool{}
-	for i := range 20000 {
-		k := r.Uint64N(8000) * 0x9E3779B97F4A7C15 // repeats, and 0
+	for i := range 200000 {
+		k := r.Uint64N(80000) * 0x9E3779B97F4A7C15 // repeats, and 0
 		if i%7 == 0 {
 			k = r.Uint64()
 		}
@@ -19,7 +19,7 @@ func TestSetAgainstMap(t *testing.T) {
 			t.Fatalf("Add(%#x) = %v, map has %v", k, had, m[k])
 		}
 		m[k] = true
-		if q := r.Uint64N(9000) * 0x9E3779B97F4A7C15; s.Has(q) != m[q] {
+		if q := r.Uint64N(90000) * 0x9E3779B97F4A7C15; s.Has(q) != m[q] {
 			t.Fatalf("Has(%#x) = %v, map has %v", q, s.Has(q), m[q])
 		}
 	}
@@ -31,7 +31,9 @@ func TestSetAgainstMap(t *testing.T) {
 			t.Fatalf("lost %#x", k)
 		}
 	}
-	if len(s.slots) <= minSlots {
-		t.Fatalf("%d slots: the test never grew the set", len(s.slots))
+	for i := range s.parts {
+		if p := &s.parts[i]; len(p.slots) <= setMinSlots {
+			t.Fatalf("part %d: %d slots: the test never grew it", i, len(p.slots))
+		}
 	}
 }
