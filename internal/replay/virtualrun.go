@@ -503,7 +503,7 @@ func (vr *virtualRun) release(i int) {
 // batch.
 func (vr *virtualRun) finished(i int) {
 	vr.ended++
-	next := vr.plan.kids[i]
+	next := vr.plan.kidsOf(i)
 	if b := vr.plan.reqs[i].Batch; b > 0 {
 		if vr.batchLeft[b]--; vr.batchLeft[b] == 0 && b < len(vr.plan.batchNext) {
 			next = append(slices.Clip(next), vr.plan.batchNext[b]...)
