@@ -71,6 +71,10 @@ type Request struct {
 	// deferral that nothing in flight would ever release; RoutePD never
 	// defers).
 	NoDefer bool
+	// Explain: the decision is explained (a dry run, /debug/route), so a
+	// policy computes every replica's score, even those it could skip
+	// because they cannot win (ttft's pruning): the choice is the same.
+	Explain bool
 	// SkipPrefillBelow (prefill/decode disaggregation, set by the router's
 	// RoutePD from its Config.NonCachedTokens): a decode replica whose
 	// uncached part of the prompt is below this many tokens computes it

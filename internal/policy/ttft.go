@@ -278,10 +278,7 @@ type ttftLoad struct {
 func (t *TTFT) load(l *ttftLoad, v *ReplicaView, meanPrompt float64) {
 	prof := t.o.Profile
 	pending, inFlight := count(v.PendingCount), count(v.InFlight)
-	queued := float64(count(v.PendingPrefill))
-	if v.HaveMetrics && count(v.Waiting) > pending {
-		queued += float64(count(v.Waiting)-pending) * meanPrompt
-	}
+	queued := queuedTokens(v, meanPrompt)
 	decodes := max(inFlight-pending, 0)
 	if v.HaveMetrics {
 		decodes = max(decodes, count(v.Running)-pending)
@@ -294,6 +291,17 @@ func (t *TTFT) load(l *ttftLoad, v *ReplicaView, meanPrompt float64) {
 	chunk := max(budget-float64(decodes), budget/ttftMinChunkDiv)
 	stepMs := prof.C0 + prof.C1*float64(decodes) + prof.C3*float64(decodes)*meanCtx
 	*l = ttftLoad{queued: queued, decodes: decodes, meanCtx: meanCtx, chunk: chunk, stepMs: stepMs}
+}
+
+// queuedTokens is the prompt tokens queued or running ahead on v (load's
+// queued).
+func queuedTokens(v *ReplicaView, meanPrompt float64) float64 {
+	pending := count(v.PendingCount)
+	queued := float64(count(v.PendingPrefill))
+	if v.HaveMetrics && count(v.Waiting) > pending {
+		queued += float64(count(v.Waiting)-pending) * meanPrompt
+	}
+	return queued
 }
 
 // queueMs is the time to run the work queued ahead on a replica of load l.
@@ -438,26 +446,106 @@ func (t *TTFT) pickScratch(n int) ([]float64, []int, []tierPlan) {
 // estimateAll fills, for every healthy replica, its corrected estimated
 // TTFT, its score (the TTFT plus the decode and eviction costs) and the
 // blocks credited; unhealthy replicas score +Inf. It returns the lowest
-// score and the shortest corrected queue ahead (ms). t.mu must be held.
+// score and the shortest corrected queue ahead (ms). Unless the decision
+// is explained (Request.Explain), a replica that cannot be chosen is not
+// estimated in full (prune): its score stays +Inf. t.mu must be held.
 func (t *TTFT) estimateAll(req *Request, rs []ReplicaView, scores, ttfts []float64, matched []int, plans []tierPlan) (float64, float64) {
-	meanPrompt, out := t.means(req)
-	pp := t.programPrice(req, rs)
-	best, queue := math.Inf(1), math.Inf(1)
-	src := t.peerSources(req, rs)
-	var est ttftEstimate
-	for i := range rs {
-		if !rs[i].Healthy {
-			scores[i] = math.Inf(1)
-			continue
-		}
-		e := &est
-		t.estimateTiers(e, &plans[i], req, rs, i, meanPrompt, out, src)
-		c := t.corr(rs[i].Index)
-		ttfts[i] = e.ms * c
-		scores[i], matched[i] = ttfts[i]+e.cost+t.moveMs(&pp, req, rs, i, &e.load), e.matched
-		best, queue = min(best, scores[i]), min(queue, e.queueMs*c)
+	a := estAll{req: req, rs: rs, scores: scores, ttfts: ttfts, matched: matched, plans: plans,
+		pp: t.programPrice(req, rs), src: t.peerSources(req, rs), best: math.Inf(1), queue: math.Inf(1)}
+	a.meanPrompt, a.out = t.means(req)
+	// The deepest match (and a program's home) first, so that the best
+	// score is low early and most others are pruned against it.
+	first := t.firstEstimated(req, rs)
+	if first >= 0 {
+		t.estimateOne(&a, first)
 	}
-	return best, queue
+	if h := a.pp.home; h >= 0 && h != first {
+		t.estimateOne(&a, h)
+	}
+	prune := !req.Explain && !t.o.Pulls
+	for i := range rs {
+		switch {
+		case i == first || i == a.pp.home:
+		case !rs[i].Healthy:
+			scores[i] = math.Inf(1)
+		case prune && t.prune(&a, i):
+			scores[i] = math.Inf(1)
+		default:
+			t.estimateOne(&a, i)
+		}
+	}
+	return a.best, a.queue
+}
+
+// estAll is estimateAll's state.
+type estAll struct {
+	req             *Request
+	rs              []ReplicaView
+	scores, ttfts   []float64
+	matched         []int
+	plans           []tierPlan
+	pp              programPrice
+	src             sources
+	meanPrompt, out float64
+	best, queue     float64
+	est             ttftEstimate
+}
+
+// estimateOne estimates replica i in full.
+func (t *TTFT) estimateOne(a *estAll, i int) {
+	if !a.rs[i].Healthy {
+		a.scores[i] = math.Inf(1)
+		return
+	}
+	e := &a.est
+	t.estimateTiers(e, &a.plans[i], a.req, a.rs, i, a.meanPrompt, a.out, a.src)
+	c := t.corr(a.rs[i].Index)
+	a.ttfts[i] = e.ms * c
+	a.scores[i], a.matched[i] = a.ttfts[i]+e.cost+t.moveMs(&a.pp, a.req, a.rs, i, &e.load), e.matched
+	a.best, a.queue = min(a.best, a.scores[i]), min(a.queue, e.queueMs*c)
+}
+
+// firstEstimated is the healthy replica with the deepest match (the first
+// of equals), -1 when none is healthy.
+func (t *TTFT) firstEstimated(req *Request, rs []ReplicaView) int {
+	first, deepest := -1, -1
+	for i := range rs {
+		if m := count(rs[i].Match); rs[i].Healthy && m > deepest {
+			first, deepest = i, m
+		}
+	}
+	return first
+}
+
+// prune reports whether replica i cannot be chosen: a lower bound of its
+// score is above the margin of the best score so far (which only falls),
+// so choose would pass it over whatever its full estimate. The bound is
+// the estimate's compute term alone, C1 × (queued + own), corrected: every
+// other term of a score is at least 0, and own is taken for the deepest
+// hit the replica may be credited (its GPU or host-tier match; not with
+// pulls, where another replica's blocks may be credited, which prune is
+// never asked for). Its queue counts towards the shortest one while that
+// one is above defer_ms, the only use of the shortest queue (Pick defers
+// past it): once a replica's is below, the others' cannot change that.
+func (t *TTFT) prune(a *estAll, i int) bool {
+	if math.IsInf(a.best, 1) {
+		return false
+	}
+	v := &a.rs[i]
+	c := t.corr(v.Index)
+	tokens := count(a.req.Tokens)
+	held := min(max(count(v.Match), count(v.MatchHost)), len(a.req.Blocks))
+	own := max(tokens-min(held*t.o.BlockSize, max(tokens-1, 0)), 1)
+	lower := t.o.Profile.C1 * (queuedTokens(v, a.meanPrompt) + float64(own)) * c
+	if !(lower > t.limit(a.best)) {
+		return false
+	}
+	if t.params.DeferMs > 0 && a.queue > t.params.DeferMs {
+		var l ttftLoad
+		t.load(&l, v, a.meanPrompt)
+		a.queue = min(a.queue, t.queueMs(&l)*c)
+	}
+	return true
 }
 
 // limit is the highest score within the margin of best. best ≥ 0 (every

@@ -465,8 +465,10 @@ func remoteKV(remoteTokens int64, localTokens, localKV int) int {
 	return int(float64(remoteTokens) * float64(localKV) / float64(localTokens))
 }
 
-// DryRun is the decision for req without sending anything or learning.
+// DryRun is the decision for req without sending anything or learning,
+// explained (req.Explain): the policy scores every replica.
 func (rt *Router) DryRun(req *policy.Request) (policy.Decision, []policy.ReplicaView, error) {
+	req.Explain = true
 	views := rt.Views(req)
 	pl, err := rt.candidates(req, views, nil)
 	if err != nil {
