@@ -102,13 +102,9 @@ func (s *stream) request(r *http.Request, body []byte) (decision, error) {
 // headersAnswer reads the answer to the request's header: the pick, or a
 // local reply.
 func (s *stream) headersAnswer(d decision) (decision, error) {
-	resp, err := s.next()
-	if err != nil {
+	resp, err := s.answer(&d)
+	if err != nil || d.local != nil {
 		return d, err
-	}
-	if ir := resp.GetImmediateResponse(); ir != nil {
-		d.local = ir
-		return d, nil
 	}
 	h := resp.GetRequestHeaders()
 	if h == nil {
@@ -117,16 +113,22 @@ func (s *stream) headersAnswer(d decision) (decision, error) {
 	return s.decide(d, h.GetResponse(), resp.GetDynamicMetadata())
 }
 
+// answer reads the picker's next answer; a local reply (an immediate
+// response) is set on d, which is then decided.
+func (s *stream) answer(d *decision) (*extprocv3.ProcessingResponse, error) {
+	resp, err := s.next()
+	if err == nil {
+		d.local = resp.GetImmediateResponse()
+	}
+	return resp, err
+}
+
 // buffered: the header's answer first (a continue), then the whole body
 // in one message, whose answer carries the pick.
 func (s *stream) buffered(d decision) (decision, error) {
-	resp, err := s.next()
-	if err != nil {
+	resp, err := s.answer(&d)
+	if err != nil || d.local != nil {
 		return d, err
-	}
-	if ir := resp.GetImmediateResponse(); ir != nil {
-		d.local = ir
-		return d, nil
 	}
 	if resp.GetRequestHeaders() == nil {
 		return d, fmt.Errorf("%w: a spurious answer to the request header", errPicker)
@@ -136,12 +138,8 @@ func (s *stream) buffered(d decision) (decision, error) {
 		RequestBody: &extprocv3.HttpBody{Body: d.body, EndOfStream: true}}}); err != nil {
 		return d, err
 	}
-	if resp, err = s.next(); err != nil {
+	if resp, err = s.answer(&d); err != nil || d.local != nil {
 		return d, err
-	}
-	if ir := resp.GetImmediateResponse(); ir != nil {
-		d.local = ir
-		return d, nil
 	}
 	if resp.GetRequestBody() == nil {
 		return d, fmt.Errorf("%w: a spurious answer to the request body", errPicker)
