@@ -457,22 +457,26 @@ func (t *TTFT) estimateAll(req *Request, rs []ReplicaView, scores, ttfts []float
 	// score is low early and most others are pruned against it.
 	first := t.firstEstimated(req, rs)
 	if first >= 0 {
-		t.estimateOne(&a, first)
+		t.estimateOne(&a, first, t.corr(rs[first].Index))
 	}
-	if h := a.pp.home; h >= 0 && h != first {
-		t.estimateOne(&a, h)
+	if h := a.pp.home; h >= 0 && h != first { // programPrice's home is healthy
+		t.estimateOne(&a, h, t.corr(rs[h].Index))
 	}
 	prune := !req.Explain && !t.o.Pulls
 	for i := range rs {
-		switch {
-		case i == first || i == a.pp.home:
-		case !rs[i].Healthy:
-			scores[i] = math.Inf(1)
-		case prune && t.prune(&a, i):
-			scores[i] = math.Inf(1)
-		default:
-			t.estimateOne(&a, i)
+		if i == first || i == a.pp.home {
+			continue
 		}
+		if !rs[i].Healthy {
+			scores[i] = math.Inf(1)
+			continue
+		}
+		c := t.corr(rs[i].Index)
+		if prune && t.prune(&a, i, c) {
+			scores[i] = math.Inf(1)
+			continue
+		}
+		t.estimateOne(&a, i, c)
 	}
 	return a.best, a.queue
 }
@@ -491,15 +495,10 @@ type estAll struct {
 	est             ttftEstimate
 }
 
-// estimateOne estimates replica i in full.
-func (t *TTFT) estimateOne(a *estAll, i int) {
-	if !a.rs[i].Healthy {
-		a.scores[i] = math.Inf(1)
-		return
-	}
+// estimateOne estimates healthy replica i, of correction c, in full.
+func (t *TTFT) estimateOne(a *estAll, i int, c float64) {
 	e := &a.est
 	t.estimateTiers(e, &a.plans[i], a.req, a.rs, i, a.meanPrompt, a.out, a.src)
-	c := t.corr(a.rs[i].Index)
 	a.ttfts[i] = e.ms * c
 	a.scores[i], a.matched[i] = a.ttfts[i]+e.cost+t.moveMs(&a.pp, a.req, a.rs, i, &e.load), e.matched
 	a.best, a.queue = min(a.best, a.scores[i]), min(a.queue, e.queueMs*c)
@@ -517,7 +516,7 @@ func (t *TTFT) firstEstimated(req *Request, rs []ReplicaView) int {
 	return first
 }
 
-// prune reports whether replica i cannot be chosen: a lower bound of its
+// prune reports whether replica i (of correction c) cannot be chosen: a lower bound of its
 // score is above the margin of the best score so far (which only falls),
 // so choose would pass it over whatever its full estimate. The bound is
 // the estimate's compute term alone, C1 × (queued + own), corrected: every
@@ -527,12 +526,11 @@ func (t *TTFT) firstEstimated(req *Request, rs []ReplicaView) int {
 // never asked for). Its queue counts towards the shortest one while that
 // one is above defer_ms, the only use of the shortest queue (Pick defers
 // past it): once a replica's is below, the others' cannot change that.
-func (t *TTFT) prune(a *estAll, i int) bool {
+func (t *TTFT) prune(a *estAll, i int, c float64) bool {
 	if math.IsInf(a.best, 1) {
 		return false
 	}
 	v := &a.rs[i]
-	c := t.corr(v.Index)
 	tokens := count(a.req.Tokens)
 	held := min(max(count(v.Match), count(v.MatchHost)), len(a.req.Blocks))
 	own := max(tokens-min(held*t.o.BlockSize, max(tokens-1, 0)), 1)
