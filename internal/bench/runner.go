@@ -21,6 +21,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/kvgate/kvgate/internal/gateway"
 	"github.com/kvgate/kvgate/internal/openai"
 	"github.com/kvgate/kvgate/internal/report"
 	"github.com/kvgate/kvgate/internal/sim"
@@ -648,20 +649,9 @@ type queueWait struct{ model, wall time.Duration }
 // preModel: model). A receipt that does not parse, or a wait longer than
 // that span, counts as none.
 func queueWaitOf(h http.Header, pre, preModel time.Duration) queueWait {
-	var msText string
-	for f := range strings.SplitSeq(h.Get(headerRoute), ";") {
-		if v, ok := strings.CutPrefix(strings.TrimSpace(f), "queue_ms="); ok {
-			msText = v
-		}
-	}
-	v, err := strconv.ParseFloat(msText, 64)
-	model := time.Duration(v * float64(time.Millisecond))
-	if err != nil || !(v > 0) || preModel <= 0 || model > preModel {
+	model, ok := gateway.ReceiptQueueWait(h)
+	if !ok || model <= 0 || preModel <= 0 || model > preModel {
 		return queueWait{}
 	}
 	return queueWait{model: model, wall: time.Duration(float64(pre) * (float64(model) / float64(preModel)))}
 }
-
-// headerRoute is the gateway's route receipt (internal/gateway's
-// receipt.go; on for the embedded gateway when it queues).
-const headerRoute = "X-Kvgate-Route"

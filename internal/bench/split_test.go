@@ -110,7 +110,7 @@ func TestSplitRecord(t *testing.T) {
 // unparsable, negative or longer than the span counts as no wait.
 func TestQueueWaitOf(t *testing.T) {
 	ms := func(v float64) time.Duration { return time.Duration(v * float64(time.Millisecond)) }
-	hdr := func(v string) http.Header { return http.Header{headerRoute: {v}} }
+	hdr := func(v string) http.Header { return http.Header{"X-Kvgate-Route": {v}} }
 	for _, tc := range []struct {
 		h             http.Header
 		pre, preModel time.Duration
@@ -121,6 +121,8 @@ func TestQueueWaitOf(t *testing.T) {
 		{hdr("policy=ttft; queue_ms=60"), ms(100), ms(50), queueWait{}},
 		{hdr("policy=ttft; queue_ms=NaN"), ms(100), ms(50), queueWait{}},
 		{hdr("policy=ttft; queue_ms=-3"), ms(100), ms(50), queueWait{}},
+		{hdr("policy=ttft; queue_ms=+Inf"), ms(100), ms(50), queueWait{}},
+		{hdr("policy=ttft; queue_ms=1e300"), ms(100), ms(50), queueWait{}},
 		{hdr("policy=ttft; queue_ms=10"), ms(100), 0, queueWait{}},
 		{http.Header{}, ms(100), ms(50), queueWait{}},
 	} {

@@ -28,6 +28,24 @@ import (
 // headerRoute is the route receipt's response header.
 const headerRoute = "X-Kvgate-Route"
 
+// ReceiptQueueWait reads a route receipt's wait in the router's queue
+// (queue_ms, in the gateway's clock: model time for an embedded gateway)
+// from h: false without a receipt, or when queue_ms is not a number of
+// milliseconds in [0, 1e9] (the queue's TTL is far below). The one reader
+// of the field String writes.
+func ReceiptQueueWait(h http.Header) (time.Duration, bool) {
+	for f := range strings.SplitSeq(h.Get(headerRoute), ";") {
+		if v, ok := strings.CutPrefix(strings.TrimSpace(f), "queue_ms="); ok {
+			ms, err := strconv.ParseFloat(v, 64)
+			if err != nil || !(ms >= 0 && ms <= 1e9) {
+				return 0, false
+			}
+			return time.Duration(ms * float64(time.Millisecond)), true
+		}
+	}
+	return 0, false
+}
+
 // receipt is one decision's record.
 type receipt struct {
 	policy, branch  string

@@ -1,9 +1,11 @@
 package gateway
 
 import (
+	"net/http"
 	"strconv"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/prometheus/client_golang/prometheus/testutil"
 
@@ -62,5 +64,20 @@ func TestReceiptHeaderOptIn(t *testing.T) {
 	r, _ := post(t, gw.srv.URL+"/v1/completions", `{"model":"`+sim.DefaultModel+`","prompt":"hi","max_tokens":1}`)
 	if r.StatusCode != 200 || r.Header.Get(headerRoute) != "" {
 		t.Fatalf("%d, receipt %q without route_receipts", r.StatusCode, r.Header.Get(headerRoute))
+	}
+}
+
+// The receipt's queue_ms reads back as String wrote it; a value no
+// receipt carries (negative, not a number, past the bound) reads as none.
+func TestReceiptQueueWaitReadsBack(t *testing.T) {
+	h := http.Header{}
+	h.Set(headerRoute, receipt{policy: "ttft", queue: 40500 * time.Microsecond}.String())
+	if d, ok := ReceiptQueueWait(h); !ok || d != 40500*time.Microsecond {
+		t.Fatalf("%q: %v %v", h.Get(headerRoute), d, ok)
+	}
+	for _, v := range []string{"", "policy=ttft", "queue_ms=-1", "queue_ms=NaN", "queue_ms=+Inf", "queue_ms=2e9", "queue_ms=x"} {
+		if d, ok := ReceiptQueueWait(http.Header{headerRoute: {v}}); ok {
+			t.Errorf("%q: %v", v, d)
+		}
 	}
 }
