@@ -43,22 +43,35 @@ type ProgramConfig struct {
 	MaxPrograms int
 	// KVAdmission turns on KV admission by program (programs_admit.go):
 	// a new program goes only where the live programs' contexts leave it
-	// room. Off by default: on the agents replay (8 replicas) it adds 3 %
-	// of capacity (1.83× against 1.78×), but where many small programs
-	// share a system prompt under cache pressure it keeps them off its
-	// holders (multiturn on 4 replicas of 1,500 blocks: p90 TTFT 66.7 ms
-	// against 35.8 ms without it).
+	// room. It is program-level concurrency control: on the agents replay
+	// (8 replicas, ttft) past 1.9× speed-up the live programs' contexts
+	// outgrow the fleet's KV, paused contexts are evicted before their next
+	// turns (hit rate 88 % → 17 % at the peak) and each re-prefill evicts
+	// the next; holding new programs keeps the live ones within the KV
+	// (p90 TTFT ≤ 2 s up to 1.9× off, up to 2.05× on; capacity search
+	// 1.92× off, 2.07× on; at 2.0× program makespan p50/p90 146/259 s
+	// against 222/374 s off and preble's 170/313 s), at the price of the
+	// held programs' first turns (p99 TTFT 10 s). Off by
+	// default: where programs are short and many (multiturn chats on 4
+	// replicas of 1,000–2,000 blocks) the live contexts never fit, the
+	// holds gain nothing and the first turns, a fifth of the requests,
+	// wait (p90 TTFT up to 10 s against 70 ms off: the pressure sweep's
+	// points above 1.05× of the best peer 44 of 112 against 30).
 	KVAdmission bool
 	// KVShare is the share of a replica's KV cache the live programs homed
 	// there may reserve before a new program is placed elsewhere (default
 	// 0.9: the rest is for requests without a program and growth).
 	KVShare float64
 	// AdmissionWait is how long a new program waits in the router for
-	// room before it is placed anyway (default 100 ms: brief, for a live
-	// program ending or idling past its TTL; on the agents replay at 8
-	// replicas a wait of 2 s cost 5 % of ttft's capacity, 1.76x against
-	// 1.85x at 100 ms and at 1 ms: where every replica is full, waiting
-	// frees nothing).
+	// room before it is placed anyway (default 10 s, short beside an
+	// agent's minutes). The hold works less by finding room (at 2.0×
+	// most held programs are placed at the end of their wait) than by
+	// keeping the live programs fewer while it lasts, so it must outlast
+	// the peak's re-prefills: agents replay capacity with admission at
+	// 100 ms 1.91× (below admission off), 5 s 1.96×, 10 s 2.07×. A longer
+	// hold raises the capacity measured by p90 TTFT past the oracle bound
+	// (30 s: 2.62× against 2.21×) only because the held first turns are
+	// under a tenth of the requests: not a gain.
 	AdmissionWait time.Duration
 	// BurstWindow: requests with an identical prompt arriving within this
 	// long of the first go to its replica (default 100 ms, llm-d's
@@ -75,7 +88,7 @@ const (
 	DefaultProgramIdleTTL       = 30 * time.Second
 	DefaultMaxPrograms          = 1 << 16
 	DefaultProgramKVShare       = 0.9
-	DefaultProgramAdmissionWait = 100 * time.Millisecond
+	DefaultProgramAdmissionWait = 10 * time.Second
 	DefaultBurstWindow          = 100 * time.Millisecond
 	DefaultBurstCap             = 64
 	// MaxProgramID bounds the program id a request carries in
