@@ -32,6 +32,7 @@ import (
 	"github.com/kvgate/kvgate/internal/discovery"
 	"github.com/kvgate/kvgate/internal/fleet"
 	"github.com/kvgate/kvgate/internal/gateway/ui"
+	"github.com/kvgate/kvgate/internal/h1"
 	"github.com/kvgate/kvgate/internal/policy"
 	"github.com/kvgate/kvgate/internal/prompt"
 	"github.com/kvgate/kvgate/internal/router"
@@ -187,21 +188,31 @@ func newRouter(cfg Config, specs []router.Spec, prof costmodel.Profile, clk cloc
 // newTransport is the upstream transport: no environment proxy, bounded
 // connect time, no compression (SSE must not be buffered by gzip). The
 // first-byte timeout is the gateway's own, for streamed requests only: a
-// non-streamed answer's header comes when its generation ends.
-func newTransport(cfg Config) *http.Transport {
-	return &http.Transport{
+// non-streamed answer's header comes when its generation ends. Plain
+// http:// replicas get the lean HTTP/1.1 client (internal/h1: the request
+// written and the answer read on the caller's goroutine, no readLoop and
+// writeLoop handoffs); net/http's Transport serves the rest.
+func newTransport(cfg Config) http.RoundTripper {
+	fallback := &http.Transport{
 		Proxy:               nil, // replicas come from configuration only, never through an environment proxy
 		DialContext:         (&net.Dialer{Timeout: cfg.ConnectTimeout.D(), KeepAlive: 30 * time.Second}).DialContext,
 		MaxIdleConns:        4096,
-		MaxIdleConnsPerHost: 1024,
-		// Below vLLM's keep-alive (uvicorn's 5 s, VLLM_HTTP_TIMEOUT_KEEP_ALIVE):
-		// a request written on a connection the replica is closing would
-		// fail after it was sent, and could not be retried.
-		IdleConnTimeout:    4 * time.Second,
-		ForceAttemptHTTP2:  false,
-		DisableCompression: true,
+		MaxIdleConnsPerHost: upstreamIdlePerHost,
+		IdleConnTimeout:     upstreamIdleTimeout,
+		ForceAttemptHTTP2:   false,
+		DisableCompression:  true,
 	}
+	return h1.New(h1.Options{Fallback: fallback, ConnectTimeout: cfg.ConnectTimeout.D(),
+		MaxIdlePerHost: upstreamIdlePerHost, IdleTimeout: upstreamIdleTimeout})
 }
+
+const (
+	upstreamIdlePerHost = 1024
+	// Below vLLM's keep-alive (uvicorn's 5 s, VLLM_HTTP_TIMEOUT_KEEP_ALIVE):
+	// a request written on a connection the replica is closing would
+	// fail after it was sent, and could not be retried.
+	upstreamIdleTimeout = 4 * time.Second
+)
 
 // Router is the gateway's router (tests, embedding).
 func (g *Gateway) Router() *router.Router { return g.rt }
