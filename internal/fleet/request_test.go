@@ -7,6 +7,7 @@ import (
 	"go/token"
 	"net/http"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"testing"
 )
@@ -83,5 +84,28 @@ func TestOneOutboundRequestBuilder(t *testing.T) {
 				return true
 			})
 		}
+	}
+}
+
+// The parsed base is cached: requests built from it must not share (and
+// so change) its URL, and the cache stays within its bound.
+func TestNewRequestCachedBase(t *testing.T) {
+	a, _ := NewRequest(context.Background(), http.MethodGet, "http://r:8000/base/", "", "/a", nil, nil)
+	a.URL.RawQuery, a.URL.Host = "x=1", "elsewhere"
+	b, _ := NewRequest(context.Background(), http.MethodGet, "http://r:8000/base/", "", "/b", nil, nil)
+	if got := b.URL.String(); got != "http://r:8000/base/b" || b.Host != "r:8000" {
+		t.Fatalf("second request %s (host %q): the first changed the cached base", got, b.Host)
+	}
+	if c, _ := NewRequest(context.Background(), http.MethodGet, "http://r:/", "", "/c", nil, nil); c.URL.Host != "r" || c.Host != "r" {
+		t.Fatalf("empty port kept: %q %q", c.URL.Host, c.Host)
+	}
+	if _, err := NewRequest(context.Background(), http.MethodGet, "http://r:8000/%zz", "", "/", nil, nil); err == nil {
+		t.Fatal("a bad base URL built a request")
+	}
+	for i := range maxBaseURLs + 10 {
+		_, _ = NewRequest(context.Background(), http.MethodGet, "http://r:"+strconv.Itoa(i), "", "/", nil, nil)
+	}
+	if n := baseURLs.n.Load(); n > maxBaseURLs {
+		t.Fatalf("%d cached base URLs, bound %d", n, maxBaseURLs)
 	}
 }
