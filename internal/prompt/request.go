@@ -73,16 +73,25 @@ type Message struct {
 }
 
 // UnmarshalJSON reads a message with exact key matching, as vLLM does.
+// data may be a decoder's buffer, reused after the call: what the
+// message keeps raw is copied.
 func (m *Message) UnmarshalJSON(data []byte) error {
-	var raw map[string]json.RawMessage
-	if err := json.Unmarshal(data, &raw); err != nil {
-		return err
+	raw, ok := members(data)
+	if !ok {
+		if err := json.Unmarshal(data, &raw); err != nil {
+			return err
+		}
 	}
-	*m = Message{Content: raw["content"], ToolCalls: raw["tool_calls"]}
-	for key, dst := range map[string]*string{"role": &m.Role, "name": &m.Name, "tool_call_id": &m.ToolCallID} {
-		if v, ok := raw[key]; ok && !isNull(v) {
-			if err := json.Unmarshal(v, dst); err != nil {
-				return fmt.Errorf("%s: %s", key, jsonTypeError(err))
+	*m = Message{Content: bytes.Clone(raw["content"]), ToolCalls: bytes.Clone(raw["tool_calls"])}
+	for _, f := range [...]struct {
+		key string
+		dst *string
+	}{{"role", &m.Role}, {"name", &m.Name}, {"tool_call_id", &m.ToolCallID}} {
+		if v, ok := raw[f.key]; ok && !isNull(v) {
+			if s, simple := simpleString(v); simple {
+				*f.dst = s
+			} else if err := json.Unmarshal(v, f.dst); err != nil {
+				return fmt.Errorf("%s: %s", f.key, jsonTypeError(err))
 			}
 		}
 	}
@@ -162,12 +171,13 @@ type body struct {
 // decodeBody decodes the fields routing needs with exact key matching
 // (encoding/json alone matches keys case-insensitively).
 func decodeBody(data []byte) (*body, error) {
-	var raw map[string]json.RawMessage
+	raw, ok := members(data)
+	// Not an object (or not JSON): encoding/json's path, for its errors.
 	// Unmarshal reads the body in place; a Decoder would copy it whole
 	// into a buffer of its own first (the proxy's largest allocation).
 	// Unmarshal refuses data after the object too; the Decoder, on that
 	// path only, says which of the two errors it is.
-	if json.Unmarshal(data, &raw) != nil {
+	if !ok && json.Unmarshal(data, &raw) != nil {
 		dec := json.NewDecoder(bytes.NewReader(data))
 		if err := dec.Decode(&raw); err != nil {
 			return nil, invalid("", "request body is not valid JSON: %v", err)
@@ -229,10 +239,32 @@ func decodeField(raw map[string]json.RawMessage, key string, dst any) error {
 	if !ok || isNull(v) {
 		return nil
 	}
+	switch d := dst.(type) { // the common shapes without encoding/json's reflection
+	case *string:
+		if str, ok := simpleString(v); ok {
+			*d = str
+			return nil
+		}
+	case *bool:
+		if b, ok := jsonBool(v); ok {
+			*d = b
+			return nil
+		}
+	}
 	if err := json.Unmarshal(v, dst); err != nil {
 		return invalid(key, "%s", jsonTypeError(err))
 	}
 	return nil
+}
+
+func jsonBool(v []byte) (b, ok bool) {
+	switch string(v) {
+	case "true":
+		return true, true
+	case "false":
+		return false, true
+	}
+	return false, false
 }
 
 // tokenLimit reads an optional token count: an integer in [0, MaxTokensLimit].
@@ -318,9 +350,11 @@ func (p *Parsed) fromPrompt(param string, raw json.RawMessage) error {
 	}
 	switch raw[0] {
 	case '"':
-		var s string
-		if err := json.Unmarshal(raw, &s); err != nil {
-			return invalid(param, "%v", err)
+		s, simple := simpleString(raw)
+		if !simple {
+			if err := json.Unmarshal(raw, &s); err != nil {
+				return invalid(param, "%v", err)
+			}
 		}
 		p.Text, p.KeyText, p.Prompts = s, s, 1
 		return nil
