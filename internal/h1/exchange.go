@@ -98,9 +98,11 @@ func (w *countWriter) Write(b []byte) (int, error) {
 func (c *conn) writeRequest(req *http.Request) error {
 	err := c.writeHead(req)
 	if err == nil && req.Body != nil && req.Body != http.NoBody {
+		c.body = io.LimitedReader{R: req.Body, N: req.ContentLength} // io.CopyN without its allocation
 		var n int64
-		n, err = io.CopyN(c.bw, req.Body, req.ContentLength)
-		if err == io.EOF || err == nil && n < req.ContentLength {
+		n, err = c.bw.ReadFrom(&c.body)
+		c.body.R = nil
+		if err == nil && n < req.ContentLength {
 			err = errShortBody
 		}
 	}

@@ -3,6 +3,7 @@ package h1
 import (
 	"bufio"
 	"context"
+	"io"
 	"net"
 	"sync"
 	"syscall"
@@ -111,6 +112,7 @@ type conn struct {
 	raw    syscall.RawConn // nil: not a socket (tests), alive trusts it
 	lim    limitReader
 	out    countWriter
+	body   io.LimitedReader // writeRequest's reader of the request body
 	br     *bufio.Reader
 	bw     *bufio.Writer
 	idleAt time.Time
