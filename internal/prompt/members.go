@@ -111,5 +111,38 @@ func simpleString(tok []byte) (string, bool) {
 	if bytes.IndexByte(s, '\\') >= 0 || bytes.IndexByte(s, '"') >= 0 || !utf8.Valid(s) {
 		return "", false
 	}
+	if k, ok := common(s); ok {
+		return k, true
+	}
 	return string(s), true
+}
+
+// common is s when it is one of the member names and roles every request
+// carries, without allocating a copy (a switch on string(s) does not).
+func common(s []byte) (string, bool) {
+	switch string(s) {
+	case "model":
+		return "model", true
+	case "prompt":
+		return "prompt", true
+	case "messages":
+		return "messages", true
+	case "max_tokens":
+		return "max_tokens", true
+	case "stream":
+		return "stream", true
+	case "role":
+		return "role", true
+	case "content":
+		return "content", true
+	case "user":
+		return "user", true
+	case "system":
+		return "system", true
+	case "assistant":
+		return "assistant", true
+	case "temperature":
+		return "temperature", true
+	}
+	return "", false
 }
