@@ -331,7 +331,12 @@ func (g *Gateway) relayBody(x *exchange, a *attempt, body io.Reader) (rerr, werr
 			if x.kind == prompt.Responses && len(head) < responsesHeadLen {
 				head = append(head, buf[:min(n, responsesHeadLen-len(head))]...)
 			}
-			tail = append(tail, buf[:n]...)
+			switch {
+			case tail == nil && errors.Is(err, io.EOF):
+				tail = buf[:n] // the whole body in one read: no copy (buf outlives its use below)
+			default:
+				tail = append(tail, buf[:n]...)
+			}
 			if len(tail) > 2*usageTail {
 				tail = append(tail[:0], tail[len(tail)-usageTail:]...)
 			}
