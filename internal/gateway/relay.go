@@ -376,7 +376,7 @@ func usageOf(tail []byte) *openai.Usage {
 	if !ok {
 		return nil
 	}
-	obj := rest[:jsonValueEnd(rest)]
+	obj := usageValue(rest)
 	u, ok := scanUsage(obj)
 	if !ok {
 		if u = (openai.Usage{}); json.Unmarshal(obj, &u) != nil {
@@ -386,28 +386,14 @@ func usageOf(tail []byte) *openai.Usage {
 	return &u
 }
 
-// jsonValueEnd is the length of the JSON object or array that b starts
-// with (strings and escapes skipped), or len(b) when it does not end in b:
-// the usage object is decoded without a Decoder copying the answer's tail.
-func jsonValueEnd(b []byte) int {
-	depth, inStr, esc := 0, false, false
-	for i, c := range b {
-		switch {
-		case esc:
-			esc = false
-		case inStr:
-			esc, inStr = c == '\\', c != '"'
-		case c == '"':
-			inStr = true
-		case c == '{' || c == '[':
-			depth++
-		case c == '}' || c == ']':
-			if depth--; depth == 0 {
-				return i + 1
-			}
-		}
+// usageValue cuts the object (or array) that rest starts with out of it,
+// to decode alone, without a Decoder copying the answer's tail; a null or
+// any other value is left whole (it decodes as no usage).
+func usageValue(rest []byte) []byte {
+	if len(rest) > 0 && (rest[0] == '{' || rest[0] == '[') {
+		return rest[:prompt.ValueEnd(rest, 0)]
 	}
-	return len(b)
+	return rest
 }
 
 // idleWatch ends a stream whose replica stays silent longer than

@@ -1,6 +1,7 @@
 package gateway
 
 import (
+	"bytes"
 	"encoding/json"
 	"reflect"
 	"testing"
@@ -50,9 +51,9 @@ func TestScanUsage(t *testing.T) {
 		if ok && (werr != nil || !reflect.DeepEqual(got, want)) {
 			t.Errorf("%q: scanned %+v, json.Unmarshal %+v (%v)", c.in, got, want, werr)
 		}
-		// usageOf decodes the object the "usage" key starts (jsonValueEnd):
+		// usageOf decodes the object the "usage" key starts (usageValue):
 		// as json.Unmarshal of that object.
-		obj := []byte(c.in)[:jsonValueEnd([]byte(c.in))]
+		obj := usageValue(bytes.TrimLeft([]byte(c.in), " \t\r\n"))
 		var old openai.Usage
 		oerr := json.Unmarshal(obj, &old)
 		u := usageOf([]byte(`{"id":"x","usage":` + c.in))

@@ -35,7 +35,7 @@ func members(data []byte) (m map[string]json.RawMessage, ok bool) {
 			return nil, false
 		}
 		i = skipSpace(data, i+1)
-		vend := valueEnd(data, i)
+		vend := ValueEnd(data, i)
 		if vend <= i {
 			return nil, false
 		}
@@ -69,8 +69,13 @@ func stringEnd(data []byte, i int) int {
 	return len(data)
 }
 
-// valueEnd is the index after the (valid) value that starts at data[i].
-func valueEnd(data []byte, i int) int {
+// ValueEnd is the index after the JSON value that starts at data[i]: a
+// string (escapes skipped), an object or array (strings inside skipped),
+// or a scalar; len(data) when it does not end in data. It does not check
+// the value: a caller that needs a valid one checks it (json.Valid) or
+// decodes what it cut (the gateway cuts a usage object out of an
+// answer's tail).
+func ValueEnd(data []byte, i int) int {
 	if i >= len(data) {
 		return i
 	}
