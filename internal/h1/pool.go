@@ -69,21 +69,25 @@ func (p *pool) put(c *conn) bool {
 }
 
 // sweepIdle closes the connections idle past IdleTimeout, and re-arms
-// while some remain.
+// while some remain. A pool left empty leaves the transport's map, which
+// so holds only the hosts used lately (a discovery churning through
+// addresses does not grow it); a request that still holds it may pool a
+// connection in it, which its own timer closes.
 func (p *pool) sweepIdle() {
 	now := p.t.o.Clock.Now()
-	left := p.closeIdle(func(c *conn) bool { return now.Sub(c.idleAt) >= p.t.o.IdleTimeout })
+	p.closeIdle(func(c *conn) bool { return now.Sub(c.idleAt) >= p.t.o.IdleTimeout })
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	p.sweep = nil
-	if left > 0 && len(p.idle) > 0 {
+	if len(p.idle) > 0 {
 		p.sweep = p.t.o.Clock.AfterFunc(p.t.o.IdleTimeout, p.sweepIdle)
+		return
 	}
+	p.t.pools.CompareAndDelete(p.addr, p)
 }
 
-// closeIdle closes the idle connections stale says to; it answers how
-// many are left.
-func (p *pool) closeIdle(stale func(*conn) bool) int {
+// closeIdle closes the idle connections stale says to.
+func (p *pool) closeIdle(stale func(*conn) bool) {
 	p.mu.Lock()
 	var closing []*conn
 	keep := p.idle[:0]
@@ -96,12 +100,10 @@ func (p *pool) closeIdle(stale func(*conn) bool) int {
 	}
 	clear(p.idle[len(keep):])
 	p.idle = keep
-	n := len(keep)
 	p.mu.Unlock()
 	for _, c := range closing {
 		_ = c.nc.Close()
 	}
-	return n
 }
 
 // conn is one connection to a replica, with its buffers. lim bounds what

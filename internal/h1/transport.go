@@ -62,8 +62,7 @@ const (
 // the fallback for the rest. Safe for concurrent use.
 type Transport struct {
 	o     Options
-	mu    sync.Mutex
-	pools map[string]*pool
+	pools sync.Map // host:port → *pool; read without a lock on every request
 }
 
 // New builds a Transport.
@@ -88,7 +87,7 @@ func New(o Options) *Transport {
 		o.Dial = d.DialContext
 	}
 	o.Clock = clock.OrReal(o.Clock)
-	return &Transport{o: o, pools: make(map[string]*pool)}
+	return &Transport{o: o}
 }
 
 // Lean reports whether req takes the lean path.
@@ -187,27 +186,19 @@ func trimBrackets(h string) string {
 
 // pool is the transport's pool of the host addr, made on first use.
 func (t *Transport) pool(addr string) *pool {
-	t.mu.Lock()
-	p := t.pools[addr]
-	if p == nil {
-		p = &pool{t: t, addr: addr}
-		t.pools[addr] = p
+	if p, ok := t.pools.Load(addr); ok {
+		return p.(*pool)
 	}
-	t.mu.Unlock()
-	return p
+	p, _ := t.pools.LoadOrStore(addr, &pool{t: t, addr: addr})
+	return p.(*pool)
 }
 
 // CloseIdleConnections closes every idle connection, the fallback's too.
 func (t *Transport) CloseIdleConnections() {
-	t.mu.Lock()
-	pools := make([]*pool, 0, len(t.pools))
-	for _, p := range t.pools {
-		pools = append(pools, p)
-	}
-	t.mu.Unlock()
-	for _, p := range pools {
-		p.closeIdle(func(*conn) bool { return true })
-	}
+	t.pools.Range(func(_, p any) bool {
+		p.(*pool).closeIdle(func(*conn) bool { return true })
+		return true
+	})
 	if ci, ok := t.o.Fallback.(interface{ CloseIdleConnections() }); ok {
 		ci.CloseIdleConnections()
 	}
@@ -216,7 +207,11 @@ func (t *Transport) CloseIdleConnections() {
 // Idle is the number of idle connections to addr (host:port), for tests
 // and metrics.
 func (t *Transport) Idle(addr string) int {
-	p := t.pool(addr)
+	v, ok := t.pools.Load(addr)
+	if !ok {
+		return 0
+	}
+	p := v.(*pool)
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	return len(p.idle)

@@ -373,6 +373,9 @@ func TestIdleBoundAndTimeout(t *testing.T) {
 	if n := tr.Idle(addr); n != 0 {
 		t.Fatalf("%d idle after the timeout", n)
 	}
+	if _, ok := tr.pools.Load(addr); ok {
+		t.Fatal("an empty pool stayed in the transport's map")
+	}
 }
 
 func TestTraceHooksAndHeadersSent(t *testing.T) {
@@ -403,5 +406,41 @@ func TestTraceHooksAndHeadersSent(t *testing.T) {
 	}
 	if n := tr.Idle(s.Listener.Addr().String()); n != 1 {
 		t.Fatalf("%d idle after a bodiless answer, want 1", n)
+	}
+}
+
+func TestShortBodyFails(t *testing.T) {
+	s, _ := server(t, func(w http.ResponseWriter, r *http.Request) { _, _ = io.Copy(io.Discard, r.Body) })
+	tr := newT(t, Options{})
+	req, _ := http.NewRequest(http.MethodPost, s.URL, io.NopCloser(strings.NewReader("ab")))
+	req.ContentLength = 10
+	if _, err := tr.RoundTrip(req); !errors.Is(err, errShortBody) {
+		t.Fatalf("err %v, want a short body", err)
+	}
+	if n := tr.Idle(s.Listener.Addr().String()); n != 0 {
+		t.Fatalf("%d idle after a short body", n)
+	}
+}
+
+// Sent again on a new connection: a request that reached none of a reused
+// one, or an idempotent one that got no answer byte; never a POST that
+// was written.
+func TestRetryable(t *testing.T) {
+	post, _ := http.NewRequest(http.MethodPost, "http://r/", nil)
+	get, _ := http.NewRequest(http.MethodGet, "http://r/", nil)
+	keyed, _ := http.NewRequest(http.MethodPost, "http://r/", nil)
+	keyed.Header.Set("Idempotency-Key", "k")
+	eof := io.ErrUnexpectedEOF
+	for _, c := range []struct {
+		req  *http.Request
+		err  error
+		want bool
+	}{
+		{post, nothingWritten{eof}, true}, {post, noResponse{eof}, false}, {post, eof, false},
+		{get, noResponse{eof}, true}, {keyed, noResponse{eof}, true}, {get, eof, false},
+	} {
+		if got := retryable(c.req, c.err); got != c.want {
+			t.Errorf("%s %v: retryable %v, want %v", c.req.Method, c.err, got, c.want)
+		}
 	}
 }
