@@ -35,7 +35,7 @@ func (p *Parsed) fromPromptOrMessages(kind Kind, b *body) error {
 	if kind == Tokenize {
 		param = "prompt"
 	}
-	raw := b.raw[param]
+	raw := b.raw.val(param)
 	if len(raw) == 0 || isNull(raw) {
 		return nil
 	}
@@ -75,7 +75,7 @@ func (p *Parsed) fromResponses(b *body) error {
 		p.noteMessage(0, "system", instructions)
 		RenderMessage(&sb, "system", instructions)
 	}
-	if err := p.responsesInput(&sb, b.raw["input"]); err != nil {
+	if err := p.responsesInput(&sb, b.raw.val("input")); err != nil {
 		return err
 	}
 	p.Text = sb.String()

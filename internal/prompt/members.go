@@ -6,30 +6,67 @@ import (
 	"unicode/utf8"
 )
 
-// members reads the members of a request body's top-level object as
+// member is one member of a JSON object: its name (decoded) and its raw
+// value, a sub-slice of the body.
+type member struct{ key, val []byte }
+
+// members are a JSON object's members in order. A lookup is a scan from
+// the last (a repeated name's last value counts, as encoding/json's map
+// decoding keeps it): for the few members of a request, cheaper than
+// building and hashing a map.
+type members []member
+
+// get is the value of the member named key.
+func (ms members) get(key string) (json.RawMessage, bool) {
+	for i := len(ms) - 1; i >= 0; i-- {
+		if string(ms[i].key) == key {
+			return ms[i].val, true
+		}
+	}
+	return nil, false
+}
+
+// val is the value of the member named key (nil: none).
+func (ms members) val(key string) json.RawMessage {
+	v, _ := ms.get(key)
+	return v
+}
+
+// fromMap lists the members encoding/json decoded into a map.
+func fromMap(m map[string]json.RawMessage) members {
+	ms := make(members, 0, len(m))
+	for k, v := range m {
+		ms = append(ms, member{[]byte(k), v})
+	}
+	return ms
+}
+
+// readMembers reads the members of a request body's top-level object as
 // sub-slices of data, as json.Unmarshal into a map[string]json.RawMessage
-// would, without its copy of every value (the prompt included) and its
-// second scan by the decoder's state machine: data is checked once by
-// json.Valid, then a plain scan finds each member's extent. ok is false
-// when data is not a valid JSON object (or a key needs what only
-// encoding/json does): the caller takes encoding/json's path, for its
-// errors. The values share data's memory: read-only, as Parse uses them.
-func members(data []byte) (m map[string]json.RawMessage, ok bool) {
+// would, without its copy of every value (the prompt included), its map
+// and its second scan by the decoder's state machine: data is checked
+// once by json.Valid, then a plain scan finds each member's extent. ok is
+// false when data is not a valid JSON object: the caller takes
+// encoding/json's path, for its errors. The values share data's memory:
+// read-only, as Parse uses them.
+func readMembers(data []byte) (ms members, ok bool) {
 	i := skipSpace(data, 0)
 	if i >= len(data) || data[i] != '{' || !json.Valid(data) {
 		return nil, false
 	}
-	m = make(map[string]json.RawMessage, 8)
+	ms = make(members, 0, 8)
 	if i = skipSpace(data, i+1); i < len(data) && data[i] == '}' {
-		return m, true
+		return ms, true
 	}
 	for i < len(data) && data[i] == '"' {
 		end := stringEnd(data, i)
-		key, simple := simpleString(data[i:end])
-		if !simple {
-			if json.Unmarshal(data[i:end], &key) != nil {
+		key := data[i+1 : end-1]
+		if !plainString(data[i:end]) {
+			var k string
+			if json.Unmarshal(data[i:end], &k) != nil {
 				return nil, false
 			}
+			key = []byte(k)
 		}
 		if i = skipSpace(data, end); i >= len(data) || data[i] != ':' {
 			return nil, false
@@ -39,12 +76,12 @@ func members(data []byte) (m map[string]json.RawMessage, ok bool) {
 		if vend <= i {
 			return nil, false
 		}
-		m[key] = data[i:vend:vend] // capacity cut: an append copies
+		ms = append(ms, member{key, data[i:vend:vend]}) // capacity cut: an append copies
 		if i = skipSpace(data, vend); i < len(data) && data[i] == ',' {
 			i = skipSpace(data, i+1)
 			continue
 		}
-		return m, i < len(data) && data[i] == '}'
+		return ms, i < len(data) && data[i] == '}'
 	}
 	return nil, false
 }
@@ -105,17 +142,23 @@ func ValueEnd(data []byte, i int) int {
 	return j
 }
 
-// simpleString decodes a JSON string token that needs no decoding: no
-// escape and valid UTF-8 (encoding/json would replace invalid bytes).
-// ok is false for anything else (the caller asks encoding/json).
-func simpleString(tok []byte) (string, bool) {
+// plainString: a JSON string token that needs no decoding: quoted, no
+// escape, valid UTF-8 (encoding/json would replace invalid bytes).
+func plainString(tok []byte) bool {
 	if len(tok) < 2 || tok[0] != '"' || tok[len(tok)-1] != '"' {
+		return false
+	}
+	s := tok[1 : len(tok)-1]
+	return bytes.IndexByte(s, '\\') < 0 && bytes.IndexByte(s, '"') < 0 && utf8.Valid(s)
+}
+
+// simpleString decodes a plain JSON string token (plainString); ok is
+// false for anything else (the caller asks encoding/json).
+func simpleString(tok []byte) (string, bool) {
+	if !plainString(tok) {
 		return "", false
 	}
 	s := tok[1 : len(tok)-1]
-	if bytes.IndexByte(s, '\\') >= 0 || bytes.IndexByte(s, '"') >= 0 || !utf8.Valid(s) {
-		return "", false
-	}
 	if k, ok := common(s); ok {
 		return k, true
 	}

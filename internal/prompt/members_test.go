@@ -6,7 +6,7 @@ import (
 	"testing"
 )
 
-// FuzzMembers holds members to encoding/json's reading of the same body:
+// FuzzMembers holds readMembers to encoding/json's reading of the same body:
 // it answers exactly when Unmarshal into a map of raw members finds an
 // object, with the same keys and the same values.
 func FuzzMembers(f *testing.F) {
@@ -20,7 +20,11 @@ func FuzzMembers(f *testing.F) {
 	f.Fuzz(func(t *testing.T, data []byte) {
 		var want map[string]json.RawMessage
 		werr := json.Unmarshal(data, &want)
-		got, ok := members(data)
+		ms, ok := readMembers(data)
+		got := make(map[string]json.RawMessage, len(ms))
+		for _, m := range ms {
+			got[string(m.key)] = m.val
+		}
 		if ok != (werr == nil && want != nil) {
 			t.Fatalf("members ok %v, encoding/json err %v (nil map %v)", ok, werr, want == nil)
 		}
@@ -33,6 +37,11 @@ func FuzzMembers(f *testing.F) {
 		for k, v := range want {
 			if !bytes.Equal(got[k], v) {
 				t.Fatalf("member %q: %q, encoding/json %q", k, got[k], v)
+			}
+		}
+		for k, v := range want {
+			if g, _ := ms.get(k); !bytes.Equal(g, v) {
+				t.Fatalf("get(%q) = %q, encoding/json %q", k, g, v)
 			}
 		}
 		for _, tok := range got {

@@ -76,18 +76,20 @@ type Message struct {
 // data may be a decoder's buffer, reused after the call: what the
 // message keeps raw is copied.
 func (m *Message) UnmarshalJSON(data []byte) error {
-	raw, ok := members(data)
+	raw, ok := readMembers(data)
 	if !ok {
-		if err := json.Unmarshal(data, &raw); err != nil {
+		var mm map[string]json.RawMessage
+		if err := json.Unmarshal(data, &mm); err != nil {
 			return err
 		}
+		raw = fromMap(mm)
 	}
-	*m = Message{Content: bytes.Clone(raw["content"]), ToolCalls: bytes.Clone(raw["tool_calls"])}
+	*m = Message{Content: bytes.Clone(raw.val("content")), ToolCalls: bytes.Clone(raw.val("tool_calls"))}
 	for _, f := range [...]struct {
 		key string
 		dst *string
 	}{{"role", &m.Role}, {"name", &m.Name}, {"tool_call_id", &m.ToolCallID}} {
-		if v, ok := raw[f.key]; ok && !isNull(v) {
+		if v, ok := raw.get(f.key); ok && !isNull(v) {
 			if s, simple := simpleString(v); simple {
 				*f.dst = s
 			} else if err := json.Unmarshal(v, f.dst); err != nil {
@@ -165,29 +167,20 @@ type body struct {
 	CacheSalt           string
 	Priority            *int
 	PromptCacheKey      string
-	raw                 map[string]json.RawMessage // every member, for the other kinds' fields
+	raw                 members // every member, for the other kinds' fields
 }
 
 // decodeBody decodes the fields routing needs with exact key matching
 // (encoding/json alone matches keys case-insensitively).
 func decodeBody(data []byte) (*body, error) {
-	raw, ok := members(data)
-	// Not an object (or not JSON): encoding/json's path, for its errors.
-	// Unmarshal reads the body in place; a Decoder would copy it whole
-	// into a buffer of its own first (the proxy's largest allocation).
-	// Unmarshal refuses data after the object too; the Decoder, on that
-	// path only, says which of the two errors it is.
-	if !ok && json.Unmarshal(data, &raw) != nil {
-		dec := json.NewDecoder(bytes.NewReader(data))
-		if err := dec.Decode(&raw); err != nil {
-			return nil, invalid("", "request body is not valid JSON: %v", err)
+	raw, ok := readMembers(data)
+	if !ok {
+		var err error
+		if raw, err = decodeMembers(data); err != nil {
+			return nil, err
 		}
-		return nil, invalid("", "request body has data after the JSON object")
 	}
-	if raw == nil {
-		return nil, invalid("", "request body must be a JSON object")
-	}
-	b := &body{Prompt: raw["prompt"], Tools: raw["tools"], raw: raw}
+	b := &body{Prompt: raw.val("prompt"), Tools: raw.val("tools"), raw: raw}
 	fields := []struct {
 		key string
 		dst any
@@ -211,10 +204,30 @@ func decodeBody(data []byte) (*body, error) {
 	return b, nil
 }
 
+// decodeMembers is encoding/json's reading of a body that is not a valid
+// JSON object, for its errors. Unmarshal reads the body in place; a
+// Decoder would copy it whole into a buffer of its own first (the proxy's
+// largest allocation). Unmarshal refuses data after the object too; the
+// Decoder, on that path only, says which of the two errors it is.
+func decodeMembers(data []byte) (members, error) {
+	var m map[string]json.RawMessage
+	if json.Unmarshal(data, &m) != nil {
+		dec := json.NewDecoder(bytes.NewReader(data))
+		if err := dec.Decode(&m); err != nil {
+			return nil, invalid("", "request body is not valid JSON: %v", err)
+		}
+		return nil, invalid("", "request body has data after the JSON object")
+	}
+	if m == nil {
+		return nil, invalid("", "request body must be a JSON object")
+	}
+	return fromMap(m), nil
+}
+
 // priority reads the optional priority: an integer, saturated to
 // ±MaxPriority (nil: absent).
-func priority(raw map[string]json.RawMessage) (*int, error) {
-	v, ok := raw["priority"]
+func priority(raw members) (*int, error) {
+	v, ok := raw.get("priority")
 	if !ok || isNull(v) {
 		return nil, nil
 	}
@@ -234,8 +247,8 @@ func priority(raw map[string]json.RawMessage) (*int, error) {
 	return &p, nil
 }
 
-func decodeField(raw map[string]json.RawMessage, key string, dst any) error {
-	v, ok := raw[key]
+func decodeField(raw members, key string, dst any) error {
+	v, ok := raw.get(key)
 	if !ok || isNull(v) {
 		return nil
 	}
@@ -268,8 +281,8 @@ func jsonBool(v []byte) (b, ok bool) {
 }
 
 // tokenLimit reads an optional token count: an integer in [0, MaxTokensLimit].
-func tokenLimit(raw map[string]json.RawMessage, key string) (*int, error) {
-	v, ok := raw[key]
+func tokenLimit(raw members, key string) (*int, error) {
+	v, ok := raw.get(key)
 	if !ok || isNull(v) {
 		return nil, nil
 	}
