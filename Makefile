@@ -75,6 +75,8 @@ demo: build
 FUZZTIME ?= 60s
 fuzz:
 	$(GO) test -run '^$$' -fuzz '^FuzzParse$$' -fuzztime $(FUZZTIME) ./internal/prompt
+	$(GO) test -run '^$$' -fuzz '^FuzzMembers$$' -fuzztime $(FUZZTIME) ./internal/prompt
+	$(GO) test -run '^$$' -fuzz '^FuzzResponse$$' -fuzztime $(FUZZTIME) ./internal/h1
 	$(GO) test -run '^$$' -fuzz '^FuzzDecode$$' -fuzztime $(FUZZTIME) ./internal/kvevents
 	$(GO) test -run '^$$' -fuzz '^FuzzParseMetrics$$' -fuzztime $(FUZZTIME) ./internal/fleet
 	$(GO) test -run '^$$' -fuzz '^FuzzReadTrace$$' -fuzztime $(FUZZTIME) ./internal/workload
