@@ -212,6 +212,14 @@ func (c *conn) readResponse(req *http.Request, trace *httptrace.ClientTrace, max
 	if trace != nil && trace.GotFirstResponseByte != nil {
 		trace.GotFirstResponseByte()
 	}
+	if resp := fastResponse(c.br, req); resp != nil {
+		c.lim.n = unlimited
+		if resp.ContentLength > 0 {
+			c.fixed = fixedBody{br: c.br, left: resp.ContentLength}
+			resp.Body = &c.fixed // the connection's: one exchange at a time
+		}
+		return resp, nil
+	}
 	for i := 0; ; i++ {
 		resp, err := http.ReadResponse(c.br, req)
 		if err != nil {

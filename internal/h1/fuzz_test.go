@@ -1,11 +1,13 @@
 package h1
 
 import (
+	"bufio"
 	"bytes"
 	"context"
 	"io"
 	"net"
 	"net/http"
+	"reflect"
 	"strings"
 	"testing"
 	"time"
@@ -78,6 +80,57 @@ func FuzzResponse(f *testing.F) {
 		}
 		if !pooled && !rc.closed {
 			t.Fatal("a connection neither pooled nor closed")
+		}
+	})
+}
+
+// FuzzFastResponse holds fastResponse to http.ReadResponse: whatever it
+// accepts, net/http reads as the same answer (status, protocol, header,
+// length, keep-alive, body); what it declines it leaves unread.
+func FuzzFastResponse(f *testing.F) {
+	for _, s := range []string{
+		"HTTP/1.1 200 OK\r\nServer: nginx\r\nContent-Type: application/json\r\nContent-Length: 2\r\nConnection: keep-alive\r\n\r\nok",
+		"HTTP/1.1 200 OK\r\ncontent-length: 0\r\nx-a: 1\r\nX-A: 2\r\n\r\n",
+		"HTTP/1.1 404\r\nContent-Length: 3\r\n\r\nabc",
+		"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nab",
+		"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nContent-Length: 2\r\n\r\nok",
+		"HTTP/1.1 200 OK\r\nX:  a b \t\r\nContent-Length: 1\r\n\r\nx",
+		"HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Length: 1\r\n\r\nx",
+	} {
+		f.Add([]byte(s))
+	}
+	f.Fuzz(func(t *testing.T, data []byte) {
+		req, _ := http.NewRequest(http.MethodPost, "http://replica/", nil)
+		br := bufio.NewReaderSize(bytes.NewReader(data), 4096)
+		_, _ = br.Peek(1)
+		before := br.Buffered()
+		got := fastResponse(br, req)
+		if got == nil {
+			if br.Buffered() != before {
+				t.Fatal("a declined answer was consumed")
+			}
+			return
+		}
+		if got.ContentLength > 0 {
+			got.Body = &fixedBody{br: br, left: got.ContentLength}
+		}
+		gotBody, gotErr := io.ReadAll(got.Body)
+		want, err := http.ReadResponse(bufio.NewReader(bytes.NewReader(data)), req)
+		if err != nil {
+			t.Fatalf("accepted what net/http refuses: %v", err)
+		}
+		wantBody, wantErr := io.ReadAll(want.Body)
+		if got.StatusCode != want.StatusCode || got.Status != want.Status || got.Proto != want.Proto ||
+			got.ContentLength != want.ContentLength || got.Close != want.Close || len(want.TransferEncoding) > 0 {
+			t.Fatalf("answer %d %q %s len %d close %v; net/http %d %q %s len %d close %v te %v", got.StatusCode, got.Status,
+				got.Proto, got.ContentLength, got.Close, want.StatusCode, want.Status, want.Proto, want.ContentLength, want.Close,
+				want.TransferEncoding)
+		}
+		if !reflect.DeepEqual(got.Header, want.Header) {
+			t.Fatalf("header %q; net/http %q", got.Header, want.Header)
+		}
+		if !bytes.Equal(gotBody, wantBody) || (gotErr == nil) != (wantErr == nil) {
+			t.Fatalf("body %q (%v); net/http %q (%v)", gotBody, gotErr, wantBody, wantErr)
 		}
 	})
 }

@@ -115,6 +115,7 @@ type conn struct {
 	lim    limitReader
 	out    countWriter
 	body   io.LimitedReader // writeRequest's reader of the request body
+	fixed  fixedBody        // the body of a response fastResponse read
 	br     *bufio.Reader
 	bw     *bufio.Writer
 	idleAt time.Time

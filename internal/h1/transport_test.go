@@ -444,3 +444,63 @@ func TestRetryable(t *testing.T) {
 		}
 	}
 }
+
+// The fast path takes the answers of nginx, vLLM's uvicorn (lowercase
+// names) and net/http with a length; the rest goes to http.ReadResponse.
+func TestFastResponseTakesTheCommonAnswer(t *testing.T) {
+	post, _ := http.NewRequest(http.MethodPost, "http://r/", nil)
+	head, _ := http.NewRequest(http.MethodHead, "http://r/", nil)
+	for _, c := range []struct {
+		req   *http.Request
+		reply string
+		fast  bool
+	}{
+		{post, "HTTP/1.1 200 OK\r\nServer: nginx\r\nContent-Type: application/json\r\nContent-Length: 2\r\nConnection: keep-alive\r\n\r\nok", true},
+		{post, "HTTP/1.1 200 OK\r\ndate: x\r\nserver: uvicorn\r\ncontent-length: 2\r\ncontent-type: application/json\r\n\r\nok", true},
+		{post, "HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\n\r\n", true},
+		{post, "HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n", false},
+		{post, "HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Length: 2\r\n\r\nok", false},
+		{post, "HTTP/1.1 204 No Content\r\n\r\n", false},
+		{post, "HTTP/1.0 200 OK\r\nContent-Length: 2\r\n\r\nok", false},
+		{post, "HTTP/1.1 200 OK\r\nContent-Length: 2\r\n", false}, // header not all there
+		{head, "HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n", false},
+	} {
+		br := bufio.NewReader(strings.NewReader(c.reply))
+		_, _ = br.Peek(1)
+		if got := fastResponse(br, c.req) != nil; got != c.fast {
+			t.Errorf("%s %q: fast %v, want %v", c.req.Method, c.reply, got, c.fast)
+		}
+	}
+}
+
+// BenchmarkReadResponse: an nginx answer's header and body read by the
+// fast path and by http.ReadResponse.
+func BenchmarkReadResponse(b *testing.B) {
+	const reply = "HTTP/1.1 200 OK\r\nServer: nginx/1.22.1\r\nDate: Fri, 27 Nov 2026 16:40:00 GMT\r\nContent-Type: application/json\r\n" +
+		"Content-Length: 2\r\nConnection: keep-alive\r\n\r\nok"
+	req, _ := http.NewRequest(http.MethodPost, "http://r/", nil)
+	rd := strings.NewReader(reply)
+	br := bufio.NewReader(rd)
+	for _, fast := range []bool{true, false} {
+		b.Run(map[bool]string{true: "fast", false: "net-http"}[fast], func(b *testing.B) {
+			b.ReportAllocs()
+			var fb fixedBody
+			for b.Loop() {
+				rd.Reset(reply)
+				br.Reset(rd)
+				_, _ = br.Peek(1)
+				var resp *http.Response
+				if fast {
+					resp = fastResponse(br, req)
+					fb = fixedBody{br: br, left: resp.ContentLength}
+					resp.Body = &fb
+				} else {
+					resp, _ = http.ReadResponse(br, req)
+				}
+				if _, err := io.Copy(io.Discard, resp.Body); err != nil {
+					b.Fatal(err)
+				}
+			}
+		})
+	}
+}
