@@ -9,8 +9,8 @@
 // Content-Length framing), bounded by a header size limit.
 //
 // Anything it does not handle goes to a fallback RoundTripper (net/http's
-// Transport): https, requests of unknown length or larger than MaxBody,
-// upgrades, trailers, user info in the URL.
+// Transport): https, bodies of unknown length, larger than MaxBody or
+// streamed (no GetBody), upgrades, trailers, user info in the URL.
 package h1
 
 import (
@@ -102,10 +102,13 @@ func (t *Transport) Lean(req *http.Request) bool {
 	switch {
 	case req.Body == nil || req.Body == http.NoBody:
 		return true
-	case req.ContentLength > 0 && req.ContentLength <= t.o.MaxBody:
+	case req.ContentLength > 0 && req.ContentLength <= t.o.MaxBody && req.GetBody != nil:
 		return true
 	}
-	return false // unknown length (chunked upload) or large
+	// Unknown length (a chunked upload), large, or streamed (no GetBody:
+	// a client's upload still arriving, whose replica may answer early and
+	// stop reading: net/http's Transport reads that answer while it writes).
+	return false
 }
 
 // RoundTrip sends req and reads the response's header; its body is read
@@ -138,8 +141,7 @@ func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 			err = context.Cause(ctx)
 		}
 		if retried || !c.reused || !retryable(req, err) || !rewind(req) {
-			closeBody(req)
-			return nil, err
+			return nil, err // the body was closed when written
 		}
 		// A reused connection the replica had closed, found before any of
 		// the request reached it (or before any answer, for an idempotent

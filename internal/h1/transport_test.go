@@ -315,8 +315,9 @@ func TestFallbackTakesWhatTheLeanPathDoesNot(t *testing.T) {
 	cases := []*http.Request{
 		mk("https://127.0.0.1:1/", nil, nil),
 		mk("http://u:p@127.0.0.1:1/", nil, nil),
-		mk("http://127.0.0.1:1/", strings.NewReader("123456789"), nil),         // over MaxBody
-		mk("http://127.0.0.1:1/", io.MultiReader(strings.NewReader("1")), nil), // unknown length
+		mk("http://127.0.0.1:1/", strings.NewReader("123456789"), nil),                               // over MaxBody
+		mk("http://127.0.0.1:1/", io.MultiReader(strings.NewReader("1")), nil),                       // unknown length
+		mk("http://127.0.0.1:1/", strings.NewReader("1"), func(r *http.Request) { r.GetBody = nil }), // streamed
 		mk("http://127.0.0.1:1/", nil, func(r *http.Request) { r.Header.Set("Upgrade", "websocket") }),
 	}
 	for i, req := range cases {
@@ -412,7 +413,7 @@ func TestTraceHooksAndHeadersSent(t *testing.T) {
 func TestShortBodyFails(t *testing.T) {
 	s, _ := server(t, func(w http.ResponseWriter, r *http.Request) { _, _ = io.Copy(io.Discard, r.Body) })
 	tr := newT(t, Options{})
-	req, _ := http.NewRequest(http.MethodPost, s.URL, io.NopCloser(strings.NewReader("ab")))
+	req, _ := http.NewRequest(http.MethodPost, s.URL, strings.NewReader("ab"))
 	req.ContentLength = 10
 	if _, err := tr.RoundTrip(req); !errors.Is(err, errShortBody) {
 		t.Fatalf("err %v, want a short body", err)
