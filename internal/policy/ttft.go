@@ -53,6 +53,7 @@ type TTFT struct {
 	meanPrompt float64            // EWMA of uncached tokens per request, for others' queued requests
 	meanOutput float64            // EWMA of output tokens per request, when max_tokens is absent
 	flows      map[int]*ttftFlow  // replica slot → what flowed into it recently (ttft_future.go)
+	prefixes   []ttftPrefixRate   // hot prefixes' rates by last block, ttftPrefixSlots (ttft_replicate.go)
 	// picks holds, by request ID modulo its size, the correction each Pick
 	// applied to its chosen replica's estimate, so that Observe learns from
 	// the model's own estimate whatever was learnt between Pick and Routed.
@@ -77,6 +78,7 @@ type ttftPick struct {
 	est     time.Duration // Decision.EstTTFT (0: no pick recorded)
 	corr    float64       // the correction est was made with
 	learnt  int           // the replica whose correction est was made with
+	prefix  uint64        // the last block of the request's deepest match, counted at Routed (ttft_replicate.go)
 }
 
 const (
@@ -162,6 +164,13 @@ type ttftParams struct {
 	Programs           bool    `json:"programs"`
 	ProgramWeight      float64 `json:"program_weight"`
 	ProgramFutureTurns float64 `json:"program_future_turns"`
+	// ReplicateS is the horizon (s) over which a second holder of a hot
+	// prefix shares its requests, and ReplicateRoom the share of a cache
+	// a copy may fill with what it holds (ttft_replicate.go); 0: a prefix
+	// gets another holder only when its holders' queues outweigh its
+	// prefill.
+	ReplicateS    float64 `json:"replicate_s"`
+	ReplicateRoom float64 `json:"replicate_room"`
 	// The KV tiers' parameters (ttft_tiers.go).
 	ttftTierParams
 }
@@ -198,12 +207,23 @@ func init() {
 	// ms; 0.3 75.7 %, 1,990 ms); capacity with 0.1 against 1: agents
 	// 1.95× (1.81×), synthetic 3.37× (3.32×); the pressure sweep's points
 	// above 1.05× 30 against 28, mean ratio 1.041 against 1.038.
+	// replicate_s 1 and replicate_room 0.3 (ttft_replicate.go), over the
+	// sweep on seeds 1 and 2: points above 1.05× 30 → 25 and 37 → 27,
+	// geometric mean of the ratios 1.039 → 1.030 and 1.035 → 1.029, the
+	// worst unchanged (1.44, 1.68: multiturn on 4 replicas of 1,000
+	// blocks, every policy saturated); replicate_s 0.5 or 2 gained less;
+	// replicate_room 0.5 let copies crowd small caches (1.44 → 1.77 on
+	// seed 1; without the room test a shared-prefix point on 4 replicas of
+	// 1,000 blocks went to 14× on seed 2). The Mooncake traces' capacity
+	// moved by under 0.2 % and the agents workload's by −0.2 to −0.6 %
+	// (seeds 1–3), RL batches not at all.
 	register("ttft", func(o Options) (Policy, error) {
 		params := ttftParams{
 			MarginRel: 0.2, MarginMs: 2, Alpha: 0.1, ReplicaAlpha: 0.02, MaxCorrection: 4,
 			DecodeWeight: 1, InterferenceWeight: 0, EvictionWeight: 2, DeferMs: 1000,
 			FutureWeight: 2, PrefixLifeS: 40, WaitWeight: 0.1, WindowS: 20,
 			Programs: true, ProgramWeight: 0.1, ProgramFutureTurns: 8,
+			ReplicateS: 1, ReplicateRoom: 0.3,
 			ttftTierParams: ttftTierParams{HostHits: hostHitsLoad},
 		}
 		if err := decodeParams(o.Params, &params); err != nil {
@@ -226,7 +246,7 @@ func init() {
 		return &TTFT{
 			o: o, params: params, g: newRNG(o.Seed),
 			relLog: map[int]float64{}, relFac: map[int]float64{}, fleetFac: 1, pending: map[uint64]pendEst{},
-			flows: map[int]*ttftFlow{},
+			flows: map[int]*ttftFlow{}, prefixes: make([]ttftPrefixRate, ttftPrefixSlots),
 		}, nil
 	})
 }
@@ -235,9 +255,11 @@ func init() {
 // in [0, 1e6], times in [1 ms, 1 day], so that every term stays finite.
 func (p *ttftParams) checkFuture() error {
 	if !(p.FutureWeight >= 0 && p.FutureWeight <= 1e6) || !(p.WaitWeight >= 0 && p.WaitWeight <= 1e6) ||
-		!(p.PrefixLifeS >= 0.001 && p.PrefixLifeS <= 86400) || !(p.WindowS >= 0.001 && p.WindowS <= 86400) {
+		!(p.PrefixLifeS >= 0.001 && p.PrefixLifeS <= 86400) || !(p.WindowS >= 0.001 && p.WindowS <= 86400) ||
+		!(p.ReplicateS >= 0 && p.ReplicateS <= 86400) || !(p.ReplicateRoom >= 0 && p.ReplicateRoom <= 1) {
 		return fmt.Errorf("%w: need 0 ≤ future_weight ≤ 1e6, 0 ≤ wait_weight ≤ 1e6, "+
-			"0.001 ≤ prefix_life_s ≤ 86400, 0.001 ≤ window_s ≤ 86400", ErrParam)
+			"0.001 ≤ prefix_life_s ≤ 86400, 0.001 ≤ window_s ≤ 86400, 0 ≤ replicate_s ≤ 86400, "+
+			"0 ≤ replicate_room ≤ 1", ErrParam)
 	}
 	return nil
 }
@@ -408,7 +430,7 @@ func (t *TTFT) Pick(req *Request, rs []ReplicaView) (Decision, error) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	ttfts, matched, plans := t.pickScratch(len(rs)) // estimated TTFT (ms), blocks credited, tier plans
-	best, queueMs := t.estimateAll(req, rs, scores, ttfts, matched, plans)
+	best, queueMs, prefix := t.estimateAll(req, rs, scores, ttfts, matched, plans)
 	if math.IsInf(best, 1) {
 		return Decision{}, ErrNoReplica
 	}
@@ -426,7 +448,7 @@ func (t *TTFT) Pick(req *Request, rs []ReplicaView) (Decision, error) {
 	d := decide(rs, choice, reason, matched[choice], float64(count(rs[choice].PendingPrefill)))
 	d.EstTTFT = msDuration(ttfts[choice])
 	d.Pull = plans[choice].decision(rs)
-	t.picks[req.ID%ttftPickSlots] = ttftPick{id: req.ID, replica: d.Replica, est: d.EstTTFT, corr: t.corr(d.Replica), learnt: d.Replica}
+	t.picks[req.ID%ttftPickSlots] = ttftPick{id: req.ID, replica: d.Replica, est: d.EstTTFT, corr: t.corr(d.Replica), learnt: d.Replica, prefix: prefix}
 	for i := range scores {
 		if math.IsInf(scores[i], 1) {
 			scores[i] = -1 // not considered (unhealthy); JSON has no infinity
@@ -455,15 +477,22 @@ func (t *TTFT) pickScratch(n int) ([]float64, []int, []tierPlan) {
 // blocks credited; unhealthy replicas score +Inf. It returns the lowest
 // score and the shortest corrected queue ahead (ms). Unless the decision
 // is explained (Request.Explain), a replica that cannot be chosen is not
-// estimated in full (prune): its score stays +Inf. t.mu must be held.
-func (t *TTFT) estimateAll(req *Request, rs []ReplicaView, scores, ttfts []float64, matched []int, plans []tierPlan) (float64, float64) {
+// estimated in full (prune): its score stays +Inf. It returns too the last
+// block of the deepest match (0: none), the prefix the request counts
+// for. t.mu must be held.
+func (t *TTFT) estimateAll(req *Request, rs []ReplicaView, scores, ttfts []float64, matched []int, plans []tierPlan) (float64, float64, uint64) {
 	a := estAll{req: req, rs: rs, scores: scores, ttfts: ttfts, matched: matched, plans: plans,
 		pp: t.programPrice(req, rs), src: t.peerSources(req, rs), best: math.Inf(1), queue: math.Inf(1)}
 	a.meanPrompt, a.out = t.means(req)
 	// The deepest match (and a program's home) first, so that the best
 	// score is low early and most others are pruned against it.
 	first := t.firstEstimated(req, rs)
+	var key uint64
 	if first >= 0 {
+		if a.depth = min(count(rs[first].Match), len(req.Blocks)); a.depth > 0 {
+			key = req.Blocks[a.depth-1]
+			a.replicate = t.replicateMs(req, rs, key, a.depth, a.meanPrompt)
+		}
 		t.estimateOne(&a, first, t.corr(rs[first].Index))
 	}
 	if h := a.pp.home; h >= 0 && h != first { // programPrice's home is healthy
@@ -485,7 +514,7 @@ func (t *TTFT) estimateAll(req *Request, rs []ReplicaView, scores, ttfts []float
 		}
 		t.estimateOne(&a, i, c)
 	}
-	return a.best, a.queue
+	return a.best, a.queue, key
 }
 
 // estAll is estimateAll's state.
@@ -499,6 +528,8 @@ type estAll struct {
 	src             sources
 	meanPrompt, out float64
 	best, queue     float64
+	depth           int     // blocks of the deepest match, whose holders carry replicate
+	replicate       float64 // ttft_replicate.go
 	est             ttftEstimate
 }
 
@@ -508,6 +539,9 @@ func (t *TTFT) estimateOne(a *estAll, i int, c float64) {
 	t.estimateTiers(e, &a.plans[i], a.req, a.rs, i, a.meanPrompt, a.out, a.src)
 	a.ttfts[i] = e.ms * c
 	a.scores[i], a.matched[i] = a.ttfts[i]+e.cost+t.moveMs(&a.pp, a.req, a.rs, i, &e.load), e.matched
+	if a.replicate > 0 && min(count(a.rs[i].Match), len(a.req.Blocks)) >= a.depth {
+		a.scores[i] += a.replicate
+	}
 	a.best, a.queue = min(a.best, a.scores[i]), min(a.queue, e.queueMs*c)
 }
 

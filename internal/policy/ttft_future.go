@@ -150,6 +150,9 @@ func (t *TTFT) observeFlow(ev Event) {
 	bs := float64(t.o.BlockSize)
 	switch ev.Kind {
 	case Routed:
+		if pk := &t.picks[ev.Req.ID%ttftPickSlots]; !ev.Remote && pk.id == ev.Req.ID && pk.replica == ev.Decision.Replica {
+			t.countPrefix(pk.prefix, ev.At)
+		}
 		_, out := t.means(ev.Req)
 		uncached := max(count(ev.Req.Tokens)-count(ev.Decision.Matched)*t.o.BlockSize, 0)
 		t.addFlow(ev.Replica, ev.At, (float64(uncached)+out)/bs, 1)

@@ -1,0 +1,124 @@
+package policy
+
+import (
+	"errors"
+	"math"
+	"testing"
+	"time"
+)
+
+// replicateViews: three replicas of 3,000 blocks; the first holds 90 of
+// the request's 100 blocks and has 700 prompt tokens queued (less than
+// the 1,440 its hit saves), the others hold nothing and are idle; their
+// caches hold others blocks each.
+func replicateViews(others int) []ReplicaView {
+	rs := peerViews(3)
+	for i := range rs {
+		rs[i].NumBlocks, rs[i].Cached = 3000, others
+	}
+	rs[0].Match, rs[0].Cached = 90, 200
+	rs[0].PendingPrefill, rs[0].PendingCount, rs[0].InFlight, rs[0].InFlightTokens = 700, 1, 1, 700
+	return rs
+}
+
+// heat routes n requests sharing the holder's prefix over the second
+// before at, through Pick and Routed as the router does: the prefix's rate
+// is n − 1 requests a second.
+func heat(t *testing.T, p Policy, n int, at time.Time) {
+	for i := range n {
+		req := ttftReq(uint64(100 + i))
+		req.Now = at.Add(-time.Second + time.Duration(i)*time.Second/time.Duration(n-1))
+		rs := replicateViews(200)
+		rs[0].PendingPrefill, rs[0].PendingCount, rs[0].InFlight, rs[0].InFlightTokens = 0, 0, 0, 0
+		_, d := peerPick(t, p, req, rs)
+		peerObserve(p, Event{Kind: Routed, At: req.Now, Req: req, Decision: d, Replica: d.Replica})
+	}
+}
+
+// A prefix requested twenty times a second gets a second holder while its
+// holder is busier than the idle replicas, though the request alone would
+// do better on the holder; a prefix nobody else asks for, one whose other
+// replicas' caches have no room for a copy, or with the term off
+// (replicate_s 0) stays with its holder. Picks that were never routed (dry
+// runs) count for nothing.
+func TestTTFTReplicatesAHotPrefix(t *testing.T) {
+	for _, c := range []struct {
+		name   string
+		params map[string]any
+		hot    bool
+		others int // blocks cached on the replicas without the prefix
+		dry    bool
+		want   bool // moved off the holder
+	}{
+		{"hot", nil, true, 200, false, true},
+		{"cold", nil, false, 200, false, false},
+		{"no room for a copy", nil, true, 2500, false, false},
+		{"off", map[string]any{"replicate_s": 0}, true, 200, false, false},
+		{"dry runs only", nil, true, 200, true, false},
+	} {
+		params := map[string]any{"margin_rel": 0, "margin_ms": 0}
+		for k, v := range c.params {
+			params[k] = v
+		}
+		p := peerNew(t, "ttft", params)
+		if c.hot && c.dry {
+			for i := range 21 {
+				req := ttftReq(uint64(100 + i))
+				req.Now = peerT0.Add(-time.Second + time.Duration(i)*time.Second/20)
+				peerPick(t, p, req, replicateViews(200))
+			}
+		} else if c.hot {
+			heat(t, p, 21, peerT0)
+		}
+		req := ttftReq(1)
+		pos, d := peerPick(t, p, req, replicateViews(c.others))
+		if moved := pos != 0; moved != c.want {
+			t.Errorf("%s: chose %d (%s), want moved=%v (scores %v)", c.name, pos, d.Reason, c.want, d.Scores)
+		}
+	}
+}
+
+// A prefix's rate: while young, its requests after the first over the
+// time since (at least replicate_s); once window_s old, the decayed count
+// over window_s; a slot another prefix takes forgets the first.
+func TestTTFTPrefixRate(t *testing.T) {
+	p := peerNew(t, "ttft", map[string]any{"window_s": 10, "replicate_s": 1}).(*TTFT)
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	const key = 12345
+	for i := range 5 { // 5 requests over 2 s
+		p.countPrefix(key, peerT0.Add(time.Duration(i)*500*time.Millisecond))
+	}
+	if r := p.prefixRate(key, peerT0.Add(2*time.Second)); math.Abs(r-2) > 1e-9 {
+		t.Fatalf("young: %v requests/s, want 4 over 2 s", r)
+	}
+	if r := p.prefixRate(key, peerT0.Add(100*time.Millisecond)); math.Abs(r-4) > 1e-9 {
+		t.Fatalf("within the horizon: %v, want 4 over 1 s", r)
+	}
+	at := peerT0.Add(12 * time.Second)
+	n := 0.0
+	for i := range 5 {
+		n += math.Exp(-(12 - 0.5*float64(i)) / 10)
+	}
+	if r := p.prefixRate(key, at); math.Abs(r-n/10) > 1e-9 {
+		t.Fatalf("old: %v requests/s, want %v", r, n/10)
+	}
+	p.countPrefix(key+ttftPrefixSlots, at) // the same slot
+	if r := p.prefixRate(key, at); r != 0 {
+		t.Fatalf("a prefix whose slot was taken: %v, want 0", r)
+	}
+	if r := p.prefixRate(99, at); r != 0 {
+		t.Fatalf("a prefix never seen: %v", r)
+	}
+}
+
+// The parameters are checked where they enter.
+func TestTTFTReplicateParams(t *testing.T) {
+	for _, bad := range []map[string]any{
+		{"replicate_s": -1}, {"replicate_s": 1e6}, {"replicate_room": -0.1}, {"replicate_room": 1.5},
+	} {
+		if _, err := New("ttft", Options{Params: bad}); !errors.Is(err, ErrParam) {
+			t.Errorf("%v: %v, want ErrParam", bad, err)
+		}
+	}
+}
