@@ -391,17 +391,10 @@ func (t *TTFT) estimate(e *ttftEstimate, req *Request, v *ReplicaView, meanPromp
 	steps := math.Ceil(work / l.chunk)
 	ms := steps*l.stepMs + prof.C1*work + prof.C2*float64(own)*float64(cached+own) + tp.ms
 	ms += t.kvWaitMs(v, l, own, out)
-	// The decode cost of the choice: the request's own tokens slowed by the
-	// batch it joins on r, and the request's prefill stalling r's running
-	// decodes. That batch is at least r's decodes now and at least the
-	// requests queued for prefill ahead of it, which decode beside it once
-	// their prefills are done: when a batch of requests arrives at once (an
-	// RL rollout's samples), none decodes yet, and counting decodes alone
-	// left their outputs out of the price (rl workload, 8 replicas, batch
-	// makespan p50, seeds 1–4: 12.07 s → 12.02 s, preble 12.05 s).
+	// The decode cost of the choice: the request's own tokens slowed by r's
+	// batch, and the request's prefill stalling r's running decodes.
 	perStep := prof.C1 + prof.C3*l.meanCtx
-	batch := max(l.decodes, count(v.PendingCount))
-	cost := t.params.DecodeWeight*out*perStep*float64(batch) +
+	cost := t.params.DecodeWeight*out*perStep*float64(l.decodes) +
 		t.params.InterferenceWeight*float64(l.decodes)*prof.C1*float64(own)
 	// The prefill the choice writes into r's cache evicts as much of other
 	// prefixes once the cache is full; so do the blocks it loads or pulls.

@@ -250,29 +250,6 @@ func TestTTFTDecodeCostSpreadsLoad(t *testing.T) {
 	}
 }
 
-// The decode cost counts the requests queued for prefill ahead: they
-// decode beside the request once their prefills are done. Two replicas
-// with the same prefill work queued and nothing decoding yet (a batch
-// arriving at once): the one whose work is eight requests, not one, costs
-// the request's output eight steps' worth of their decodes more.
-func TestTTFTDecodeCostCountsQueuedRequests(t *testing.T) {
-	p := peerNew(t, "ttft", map[string]any{"margin_rel": 0, "margin_ms": 0})
-	rs := peerViews(2)
-	rs[0].PendingPrefill, rs[0].PendingCount, rs[0].InFlight, rs[0].InFlightTokens = 8000, 1, 1, 8000
-	rs[1].PendingPrefill, rs[1].PendingCount, rs[1].InFlight, rs[1].InFlightTokens = 8000, 8, 8, 8000
-	req := ttftReq(1)
-	pos, d := peerPick(t, p, req, rs)
-	if pos != 0 {
-		t.Fatalf("chose the replica with eight requests queued (scores %v)", d.Scores)
-	}
-	prof := p.(*TTFT).o.Profile
-	perStep := func(meanCtx float64) float64 { return prof.C1 + prof.C3*meanCtx }
-	want := float64(req.MaxTokens) * (8*perStep(1000) - perStep(8000)) // decode_weight 1
-	if got := d.Scores[1] - d.Scores[0]; math.Abs(got-want) > 1e-9 {
-		t.Fatalf("score difference %v ms, want %v", got, want)
-	}
-}
-
 func TestTTFTUnhealthyAndErrors(t *testing.T) {
 	p := peerNew(t, "ttft", nil)
 	rs := peerViews(2)
