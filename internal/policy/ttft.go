@@ -208,15 +208,16 @@ func init() {
 	// 1.95× (1.81×), synthetic 3.37× (3.32×); the pressure sweep's points
 	// above 1.05× 30 against 28, mean ratio 1.041 against 1.038.
 	// replicate_s 1 and replicate_room 0.3 (ttft_replicate.go), over the
-	// sweep on seeds 1 and 2: points above 1.05× 30 → 25 and 37 → 27,
-	// geometric mean of the ratios 1.039 → 1.030 and 1.035 → 1.029, the
+	// sweep on seeds 1 and 2: points above 1.05× 30 → 25 and 43 → 29,
+	// geometric mean of the ratios 1.041 → 1.034 and 1.039 → 1.030, the
 	// worst unchanged (1.44, 1.68: multiturn on 4 replicas of 1,000
 	// blocks, every policy saturated); replicate_s 0.5 or 2 gained less;
 	// replicate_room 0.5 let copies crowd small caches (1.44 → 1.77 on
 	// seed 1; without the room test a shared-prefix point on 4 replicas of
-	// 1,000 blocks went to 14× on seed 2). The Mooncake traces' capacity
-	// moved by under 0.2 % and the agents workload's by −0.2 to −0.6 %
-	// (seeds 1–3), RL batches not at all.
+	// 1,000 blocks went to 14× on seed 2). Capacity: conversation trace
+	// 3.92× → 3.91×, synthetic 3.37× both, with host tier and pulls
+	// 4.52× both; agents 1.95×, 2.24×, 2.04× → 1.90×, 2.32×, 2.04×
+	// (seeds 1–3: on its cliff); RL batches unchanged.
 	register("ttft", func(o Options) (Policy, error) {
 		params := ttftParams{
 			MarginRel: 0.2, MarginMs: 2, Alpha: 0.1, ReplicaAlpha: 0.02, MaxCorrection: 4,
