@@ -132,13 +132,16 @@ type programFlags struct {
 	share             float64
 	admission         bool
 	burstCap          int
+	minContext        int
 }
 
 func (p *programFlags) register(fs *flag.FlagSet) {
 	fs.DurationVar(&p.ttl, "program-idle-ttl", router.DefaultProgramIdleTTL, "a program idle this long releases its KV reservation")
 	fs.DurationVar(&p.wait, "program-admission-wait", router.DefaultProgramAdmissionWait,
 		"how long a new program waits for KV room before it is placed anyway (ttft places programs)")
-	fs.BoolVar(&p.admission, "program-kv-admission", false, "KV admission by program: a new program goes only where the live programs leave it room")
+	fs.BoolVar(&p.admission, "program-kv-admission", true, "KV admission by program: a new program goes only where the live programs leave it room, once programs are long (--program-admission-min-context)")
+	fs.IntVar(&p.minContext, "program-admission-min-context", router.DefaultAdmissionMinContext,
+		"KV admission holds new programs only once the contexts of programs gone idle average this many tokens (0: whatever they are)")
 	fs.Float64Var(&p.share, "program-kv-share", router.DefaultProgramKVShare, "with --program-kv-admission: share of a replica's KV the live programs homed there may reserve")
 	fs.DurationVar(&p.window, "burst-window", router.DefaultBurstWindow, "identical prompts within this long of the first go to its replica (0: off)")
 	fs.IntVar(&p.burstCap, "burst-cap", router.DefaultBurstCap, "requests of one burst a replica takes (0: no cap)")
@@ -151,6 +154,8 @@ func (p *programFlags) check() error {
 		return fmt.Errorf("%w: --program-idle-ttl %v and --program-admission-wait %v must be > 0", errUsage, p.ttl, p.wait)
 	case !(p.share > 0 && p.share <= 1):
 		return fmt.Errorf("%w: --program-kv-share %v: want (0, 1]", errUsage, p.share)
+	case p.minContext < 0 || p.minContext > 1<<24:
+		return fmt.Errorf("%w: --program-admission-min-context %d: want 0 to %d tokens", errUsage, p.minContext, 1<<24)
 	case p.window < 0 || p.burstCap < 0:
 		return fmt.Errorf("%w: --burst-window %v and --burst-cap %d must be ≥ 0", errUsage, p.window, p.burstCap)
 	}
@@ -161,7 +166,7 @@ func (p *programFlags) check() error {
 func (p *programFlags) config() router.ProgramConfig {
 	c := gateway.DefaultPrograms()
 	c.IdleTTL, c.AdmissionWait, c.KVShare = gateway.Duration(p.ttl), gateway.Duration(p.wait), p.share
-	c.KVAdmission = p.admission
+	c.KVAdmission, c.AdmissionMinContext = p.admission, p.minContext
 	c.BurstWindow, c.BurstCap = gateway.Duration(p.window), p.burstCap
 	return c.RouterConfig()
 }

@@ -65,8 +65,11 @@ type ProgramsConfig struct {
 	// one is forgotten (another gateway's never evicts a live one).
 	MaxPrograms int `json:"max_programs"`
 	// KVAdmission: a new program goes only where the live programs leave
-	// it room (router.ProgramConfig.KVAdmission; off by default).
-	KVAdmission bool `json:"kv_admission"`
+	// it room (router.ProgramConfig.KVAdmission; on by default), once
+	// programs are long: AdmissionMinContext, the tokens the contexts of
+	// programs gone idle average (0: hold whatever the contexts).
+	KVAdmission         bool `json:"kv_admission"`
+	AdmissionMinContext int  `json:"admission_min_context"`
 	// KVShare: the share of a replica's KV cache the live programs homed
 	// there may reserve before a new program is placed elsewhere.
 	KVShare float64 `json:"kv_share"`
@@ -87,12 +90,13 @@ const (
 	maxAdmissionWait      = time.Minute
 	maxBurstWindow        = 10 * time.Second
 	maxBurstCapPerReplica = 1 << 20
+	maxAdmissionContext   = 1 << 24 // tokens, as a program record's context
 )
 
 // DefaultPrograms is the router's defaults.
 func DefaultPrograms() ProgramsConfig {
 	return ProgramsConfig{IdleTTL: Duration(router.DefaultProgramIdleTTL), MaxPrograms: router.DefaultMaxPrograms,
-		KVShare: router.DefaultProgramKVShare, AdmissionWait: Duration(router.DefaultProgramAdmissionWait),
+		KVAdmission: true, AdmissionMinContext: router.DefaultAdmissionMinContext, KVShare: router.DefaultProgramKVShare, AdmissionWait: Duration(router.DefaultProgramAdmissionWait),
 		BurstWindow: Duration(router.DefaultBurstWindow), BurstCap: router.DefaultBurstCap}
 }
 
@@ -108,6 +112,7 @@ func (c *ProgramsConfig) validate() []error {
 		{"programs.kv_share", !(c.KVShare > 0 && c.KVShare <= 1), "want a share in (0, 1]"},
 		{"programs.admission_wait", c.AdmissionWait <= 0 || c.AdmissionWait.D() > maxAdmissionWait, fmt.Sprintf("want > 0 and ≤ %v", maxAdmissionWait)},
 		{"programs.burst_window", c.BurstWindow < 0 || c.BurstWindow.D() > maxBurstWindow, fmt.Sprintf("want 0 (off) to %v", maxBurstWindow)},
+		{"programs.admission_min_context", c.AdmissionMinContext < 0 || c.AdmissionMinContext > maxAdmissionContext, fmt.Sprintf("want 0 (hold whatever the contexts) to %d tokens", maxAdmissionContext)},
 		{"programs.burst_cap", c.BurstCap < 0 || c.BurstCap > maxBurstCapPerReplica, fmt.Sprintf("want 0 (no cap) to %d", maxBurstCapPerReplica)},
 	} {
 		if b.bad {
@@ -121,6 +126,10 @@ func (c *ProgramsConfig) validate() []error {
 func (c *ProgramsConfig) RouterConfig() router.ProgramConfig {
 	pc := router.ProgramConfig{IdleTTL: c.IdleTTL.D(), MaxPrograms: c.MaxPrograms, KVAdmission: c.KVAdmission, KVShare: c.KVShare,
 		AdmissionWait: c.AdmissionWait.D(), BurstWindow: c.BurstWindow.D(), BurstCap: c.BurstCap}
+	pc.AdmissionMinContext = c.AdmissionMinContext
+	if pc.AdmissionMinContext == 0 {
+		pc.AdmissionMinContext = -1
+	}
 	if pc.BurstWindow == 0 {
 		pc.BurstWindow = -1
 	}

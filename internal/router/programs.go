@@ -1,7 +1,9 @@
 package router
 
 import (
+	"math"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/kvgate/kvgate/internal/policy"
@@ -35,8 +37,11 @@ import (
 type ProgramConfig struct {
 	// IdleTTL: a program with nothing in flight for this long releases
 	// its reservation on its replica (its home is still remembered for
-	// affinity until the cap forgets it). Default 30 s: vllm-router #285
-	// measured 95 % of an agent's next calls within 10 s of the answer.
+	// affinity until the cap forgets it). Default 10 s: vllm-router #285
+	// measured 95 % of an agent's next calls within 10 s of the answer; a
+	// longer pause frees the room for new programs (agents replay with
+	// admission: program makespan p90 at 1× 192.8 s with 10 s, 196.0 s with
+	// 30 s, preble's 193.7 s; capacity 2.08× and 2.07×).
 	IdleTTL time.Duration
 	// MaxPrograms caps the programs tracked (default 65,536); past it the
 	// longest idle one is forgotten.
@@ -51,16 +56,33 @@ type ProgramConfig struct {
 	// (p90 TTFT ≤ 2 s up to 1.9× off, up to 2.05× on; capacity search
 	// 1.92× off, 2.07× on; at 2.0× program makespan p50/p90 146/259 s
 	// against 222/374 s off and preble's 170/313 s), at the price of the
-	// held programs' first turns (p99 TTFT 10 s). Off by
-	// default: where programs are short and many (multiturn chats on 4
+	// held programs' first turns (p99 TTFT 10 s). The
+	// zero value is off; the gateway and replay turn it on by default
+	// (gateway.DefaultPrograms), gated: where programs are short and many (multiturn chats on 4
 	// replicas of 1,000–2,000 blocks) the live contexts never fit, the
 	// holds gain nothing and the first turns, a fifth of the requests,
 	// wait (p90 TTFT up to 10 s against 70 ms off: the pressure sweep's
-	// points above 1.05× of the best peer 44 of 112 against 30).
+	// points above 1.05× of the best peer 44 of 112 against 30): hence
+	// AdmissionMinContext.
 	KVAdmission bool
+	// AdmissionMinContext: admission holds new programs only once the
+	// programs that went idle (past IdleTTL) had contexts of at least this
+	// many tokens (an EWMA over them, weight 0.1). A hold pays where a
+	// paused program's context is long to prefill again (agents: tens of
+	// thousands of tokens), not for short chats, whose first turns it would
+	// only delay; a new program's own first turn does not tell (an agent's
+	// adds a few hundred tokens to a shared system prompt: gating on it
+	// took the agents capacity with admission from 2.08× to 1.93×). With
+	// 8,192: agents replay 2.07× (2.08× with IdleTTL 10 s and KVShare 1)
+	// and the pressure sweep's short chats untouched (25 of 112 points
+	// above 1.05× with admission and without). 0: the default; negative:
+	// hold whatever the contexts.
+	AdmissionMinContext int
 	// KVShare is the share of a replica's KV cache the live programs homed
 	// there may reserve before a new program is placed elsewhere (default
-	// 0.9: the rest is for requests without a program and growth).
+	// 1: the contexts reserved are the programs' own, beyond a shared
+	// prefix, which requests without a program share as well; 0.9 held
+	// agents back for room that went unused, as IdleTTL 30 s did).
 	KVShare float64
 	// AdmissionWait is how long a new program waits in the router for
 	// room before it is placed anyway (default 10 s, short beside an
@@ -85,10 +107,11 @@ type ProgramConfig struct {
 
 // Defaults of ProgramConfig, and the bound on a program id's length.
 const (
-	DefaultProgramIdleTTL       = 30 * time.Second
+	DefaultProgramIdleTTL       = 10 * time.Second
 	DefaultMaxPrograms          = 1 << 16
-	DefaultProgramKVShare       = 0.9
+	DefaultProgramKVShare       = 1
 	DefaultProgramAdmissionWait = 10 * time.Second
+	DefaultAdmissionMinContext  = 8192
 	DefaultBurstWindow          = 100 * time.Millisecond
 	DefaultBurstCap             = 64
 	// MaxProgramID bounds the program id a request carries in
@@ -109,6 +132,9 @@ func (c ProgramConfig) withDefaults() ProgramConfig {
 	}
 	if c.AdmissionWait <= 0 {
 		c.AdmissionWait = DefaultProgramAdmissionWait
+	}
+	if c.AdmissionMinContext == 0 {
+		c.AdmissionMinContext = DefaultAdmissionMinContext
 	}
 	if c.BurstWindow == 0 {
 		c.BurstWindow = DefaultBurstWindow
@@ -218,6 +244,11 @@ type programs struct {
 	moves    uint64 // turns routed off their program's home
 
 	park parked // new programs waiting for room (admission)
+
+	// idleCtx is the EWMA of the contexts of programs gone idle past
+	// IdleTTL (float64 bits; 0: none yet), read by admission without ps.mu
+	// (AdmissionMinContext).
+	idleCtx atomic.Uint64
 }
 
 func newPrograms(cfg ProgramConfig) *programs {
@@ -300,6 +331,7 @@ func (ps *programs) expire(now time.Time) {
 		if now.Sub(p.last) < ps.cfg.IdleTTL {
 			return
 		}
+		ps.noteIdle(p.tokens)
 		ps.detach(p)
 		ps.attach(p, false)
 	}
@@ -490,4 +522,14 @@ func ProgramOf(p *prompt.Parsed, session string) string {
 		id = session
 	}
 	return ProgramName(id)
+}
+
+// noteIdle adds a context gone idle to idleCtx's EWMA. ps.mu held.
+func (ps *programs) noteIdle(tokens int) {
+	x := float64(max(tokens, 0))
+	old := math.Float64frombits(ps.idleCtx.Load())
+	if old > 0 {
+		x = old + 0.1*(x-old)
+	}
+	ps.idleCtx.Store(math.Float64bits(x))
 }

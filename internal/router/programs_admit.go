@@ -2,6 +2,7 @@ package router
 
 import (
 	"errors"
+	"math"
 	"slices"
 	"sync"
 	"sync/atomic"
@@ -19,7 +20,7 @@ import (
 // programs' contexts and its own fit in ProgramConfig.KVShare of the
 // cache; where none has room it waits in the router, for a program to end
 // or idle past its TTL, ProgramConfig.AdmissionWait at most, and is then
-// placed anyway. Continuing programs never wait here: their context is
+// placed anyway; only once programs are long (AdmissionMinContext). Continuing programs never wait here: their context is
 // already placed. Only for policies that place programs
 // (policy.PlacesPrograms).
 
@@ -34,6 +35,9 @@ var errNoRoom = errors.New("router: no replica has room for a new program")
 func (rt *Router) admit(req *policy.Request, views []policy.ReplicaView) error {
 	if !rt.progs.cfg.KVAdmission || req.Program.ID == 0 || req.Program.Continues {
 		return nil
+	}
+	if m := rt.progs.cfg.AdmissionMinContext; m > 0 && math.Float64frombits(rt.progs.idleCtx.Load()) < float64(m) {
+		return nil // programs here are short: a hold would only delay them
 	}
 	share := rt.progs.cfg.KVShare
 	fit, ever := 0, false

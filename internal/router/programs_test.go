@@ -159,7 +159,7 @@ func TestProgramTableCapped(t *testing.T) {
 // it waits until one idles past its TTL, or until AdmissionWait.
 func TestProgramAdmission(t *testing.T) {
 	// 2 replicas of 100 blocks (1,600 tokens); share 0.9: 1,440 tokens of programs each.
-	f := newProgFleet(t, placer{leastLoadPolicy(t)}, 2, 100, ProgramConfig{KVAdmission: true, IdleTTL: 10 * time.Second, AdmissionWait: 2 * time.Second})
+	f := newProgFleet(t, placer{leastLoadPolicy(t)}, 2, 100, ProgramConfig{KVAdmission: true, IdleTTL: 10 * time.Second, AdmissionWait: 2 * time.Second, AdmissionMinContext: -1})
 	big := func(id, word string) *policy.Request { return f.req(id, word, 900) } // 916 tokens with output
 	a, err := f.rt.Route(big("a", "aa "))
 	if err != nil {
@@ -211,6 +211,38 @@ func TestProgramAdmission(t *testing.T) {
 	_, w3, _ := f.rt.Submit(big("e", "ee "))
 	if w3 == nil || !f.rt.Cancel(w3) || f.rt.Queued() != 0 {
 		t.Fatalf("cancel: %v, queued %d", w3, f.rt.Queued())
+	}
+}
+
+// Admission holds new programs only once the programs that went idle were
+// long (AdmissionMinContext): while none has, a new program with no room is
+// placed at once; once programs of 916 tokens have idled past their TTL,
+// one is held.
+func TestProgramAdmissionOnlyOnceProgramsAreLong(t *testing.T) {
+	f := newProgFleet(t, placer{leastLoadPolicy(t)}, 2, 100, ProgramConfig{KVAdmission: true, IdleTTL: 10 * time.Second, AdmissionMinContext: 500})
+	big := func(id, word string) *policy.Request { return f.req(id, word, 900) } // 916 tokens with output
+	fill := func(ids ...string) {
+		t.Helper()
+		for _, id := range ids {
+			tk, w, err := f.rt.Submit(big(id, id+" "))
+			if err != nil || tk == nil || w != nil {
+				t.Fatalf("%s: %v %v %v", id, tk, w, err)
+			}
+			tk.Done(f.now, Outcome{CachedTokens: -1})
+		}
+	}
+	fill("a", "b", "c") // c: no room, but no program has idled yet: placed at once
+	f.now = f.now.Add(11 * time.Second)
+	if st := f.rt.ProgramStats(); st.Live != 0 {
+		t.Fatalf("live programs past their TTL: %+v", st)
+	}
+	fill("d", "e")
+	tk, w, err := f.rt.Submit(big("g", "gg "))
+	if err != nil || tk != nil || w == nil {
+		t.Fatalf("programs were long and no replica has room: g should wait, got %v %v %v", tk, w, err)
+	}
+	if !f.rt.Cancel(w) {
+		t.Fatal("cancel")
 	}
 }
 
