@@ -5,6 +5,8 @@ import (
 	"sync"
 	"time"
 
+	"github.com/zeebo/xxh3"
+
 	"github.com/kvgate/kvgate/internal/policy"
 )
 
@@ -50,14 +52,22 @@ func newBursts(cfg ProgramConfig) *bursts {
 	return &bursts{window: cfg.BurstWindow, cap: cfg.BurstCap, byKey: map[uint64]*burst{}}
 }
 
+// burstTail is how much of a prompt's routing text's end the burst key
+// hashes: more than a block's text (16 tokens), so that two prompts that
+// differ only past their last full block differ there.
+const burstTail = 256
+
 // burstKey names req's prompt: its last full block's chained hash (which
-// names every full block before it) and its token count; 0 for a prompt
-// without a full block.
+// names every full block before it), its token count and the end of its
+// routing text (the partial block the chain does not cover: a chat's two
+// questions of the same length on one long context were one burst); 0 for
+// a prompt without a full block.
 func burstKey(req *policy.Request) uint64 {
 	if len(req.Blocks) == 0 {
 		return 0
 	}
-	k := req.Blocks[len(req.Blocks)-1] ^ (uint64(req.Tokens) * 0x9E3779B97F4A7C15)
+	tail := req.Text[max(len(req.Text)-burstTail, 0):]
+	k := req.Blocks[len(req.Blocks)-1] ^ (uint64(req.Tokens) * 0x9E3779B97F4A7C15) ^ (xxh3.HashString(tail) * 0xC2B2AE3D27D4EB4F)
 	if k == 0 {
 		k = 1
 	}

@@ -351,3 +351,20 @@ func TestRemoteProgramsNeverEvictLive(t *testing.T) {
 		t.Fatal(err)
 	}
 }
+
+// Two prompts that share every full block and their token count but differ
+// past the last full block are two bursts, not one; the same prompt again
+// is the same burst.
+func TestBurstKeyNamesTheWholePrompt(t *testing.T) {
+	req := func(text string) *policy.Request {
+		return &policy.Request{Text: text, Tokens: 2004, Blocks: []uint64{7, 8, 9}}
+	}
+	doc := strings.Repeat("a long shared document. ", 300)
+	a, b := burstKey(req(doc+"first question?")), burstKey(req(doc+"other question?"))
+	if a == 0 || a == b {
+		t.Fatalf("keys %x and %x: want two non-zero keys", a, b)
+	}
+	if c := burstKey(req(doc + "first question?")); c != a {
+		t.Fatalf("the same prompt: %x, want %x", c, a)
+	}
+}
