@@ -73,16 +73,8 @@ func (s *Set) Has(key uint64) bool {
 	if key == 0 {
 		return s.has0
 	}
-	p := s.part(mix(key))
-	mask := len(p.slots) - 1
-	for i := p.home(key); ; i = (i + 1) & mask {
-		switch p.slots[i] {
-		case key:
-			return true
-		case 0:
-			return false
-		}
-	}
+	_, ok := s.part(mix(key)).find(key)
+	return ok
 }
 
 // Add inserts key and reports whether it was already there.
@@ -93,20 +85,30 @@ func (s *Set) Add(key uint64) bool {
 		return had
 	}
 	p := s.part(mix(key))
+	i, ok := p.find(key)
+	switch {
+	case ok:
+		return true
+	case (p.n+1)*4 > len(p.slots)*3: // keep the load ≤ 3/4
+		p.resize(len(p.slots) * 2)
+		p.insertNew(key)
+	default:
+		p.slots[i] = key
+		p.n++
+	}
+	return false
+}
+
+// find is the slot of key (non-zero) in p and true, or the empty slot
+// where its probe ends and false.
+func (p *setPart) find(key uint64) (int, bool) {
 	mask := len(p.slots) - 1
 	for i := p.home(key); ; i = (i + 1) & mask {
 		switch p.slots[i] {
 		case key:
-			return true
+			return i, true
 		case 0:
-			if (p.n+1)*4 > len(p.slots)*3 { // keep the load ≤ 3/4
-				p.resize(len(p.slots) * 2)
-				p.insertNew(key)
-				return false
-			}
-			p.slots[i] = key
-			p.n++
-			return false
+			return i, false
 		}
 	}
 }
