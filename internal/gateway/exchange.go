@@ -157,21 +157,15 @@ func (g *Gateway) routeAttempt(x *exchange, _ bool) (*attempt, error) {
 	return a, nil
 }
 
-// route routes the exchange (less the replicas already tried): through the
-// router's queue when the policy defers, with x.pol when set. The ticket
-// is the chosen replica's; nothing is sent yet.
+// route routes the exchange (less the replicas already tried), with x.pol
+// when set: through the router's queue when the policy defers or the flow
+// controller holds it, a pinned or by-load request too (it waits its turn
+// like any other). The ticket is the chosen replica's; nothing is sent yet.
 func (g *Gateway) route(x *exchange) (*router.Ticket, error) {
 	t0 := g.clock.Now()
 	x.req.Now = t0
 	span := g.startSpan(x.ctx, "kvgate.route")
-	var tk *router.Ticket
-	var w *router.Waiting
-	var err error
-	if x.pol != nil {
-		tk, err = g.rt.RouteWith(x.pol, x.req, x.exclude...)
-	} else {
-		tk, w, err = g.rt.Submit(x.req, x.exclude...)
-	}
+	tk, w, err := g.rt.SubmitWith(x.pol, x.req, x.exclude...)
 	if len(x.exclude) == 0 {
 		g.met.decision.Observe(g.clock.Since(t0).Seconds())
 	}

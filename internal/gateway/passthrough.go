@@ -148,7 +148,6 @@ func (pt *passthrough) choose(x *exchange) error {
 		inner := x.pol
 		if inner == nil {
 			inner = pt.g.rt.Policy()
-			x.req.NoDefer = true // RouteWith has no queue to defer into
 		}
 		x.pol = decodes{inner}
 	}

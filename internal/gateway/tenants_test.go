@@ -236,6 +236,53 @@ func TestFlowShedsWith429(t *testing.T) {
 	waitIdle(t, gw)
 }
 
+// Requests the gateway does not route by the pool's policy (a stored
+// response named in the path or by previous_response_id, pinned to its
+// replica or looked up by load; a body without a prompt, by load) go
+// through the flow controller too: a sheddable band's is refused while
+// the fleet is saturated, and none reaches the replica ahead of its turn.
+func TestFlowHoldsPinnedAndByLoadRequests(t *testing.T) {
+	s, release := heldStub(t)
+	cfg := tenantsConfig(s.srv.URL)
+	cfg.FlowControl.QueueMs = 1
+	cfg.FlowControl.Bands = []BandFlowConfig{{Priority: 2, Sheddable: true}}
+	reg := prometheus.NewRegistry()
+	gw := startGatewayWith(t, cfg, Options{Clock: clock.NewFake(time.Unix(1000, 0)), Registry: reg})
+	eventually(t, "models listed", func() bool { return len(gw.g.Fleet().Models()) > 0 })
+	var wg sync.WaitGroup
+	wg.Go(func() {
+		resp, b := post(t, gw.srv.URL+"/v1/completions",
+			`{"model":"m","prompt":"a long enough prompt for a pending prefill","max_tokens":2,"stream":true}`, bearerHdr("k-gold")...)
+		if resp.StatusCode != 200 {
+			t.Errorf("the held request: %d %s", resp.StatusCode, b)
+		}
+	})
+	eventually(t, "the first request at the replica", func() bool { return s.calls.Load() == 1 })
+	for _, c := range []struct{ method, path, body string }{
+		{http.MethodGet, "/v1/responses/resp_unknown", ""},                                              // looked up by load
+		{http.MethodPost, "/v1/responses", `{"model":"m","input":"x","previous_response_id":"resp_y"}`}, // looked up by load
+		{http.MethodPost, "/v1/score", `{"model":"m","text_1":"a","text_2":"b"}`},                       // no prompt: by load
+	} {
+		req, _ := http.NewRequest(c.method, gw.srv.URL+c.path, strings.NewReader(c.body))
+		req.Header.Set("Authorization", "Bearer k-bulk")
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		b, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		if resp.StatusCode != 429 || !strings.Contains(string(b), "shed_saturated") {
+			t.Errorf("%s %s from a sheddable band on a saturated fleet: %d %s", c.method, c.path, resp.StatusCode, b)
+		}
+	}
+	if n := counterValue(t, reg, "kvgate_shed_total", map[string]string{"reason": "saturated", "tenant": "bulk"}); n != 3 {
+		t.Errorf("kvgate_shed_total{reason=saturated,tenant=bulk} = %v, want 3", n)
+	}
+	release <- struct{}{}
+	wg.Wait()
+	waitIdle(t, gw)
+}
+
 // Cache isolation on a simulated replica: two isolated tenants sending
 // the same long prompt get cached_tokens 0 from each other's first
 // requests and > 0 from their own repeats, and /debug/route shows the

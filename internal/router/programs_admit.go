@@ -107,8 +107,8 @@ func (p *parked) cancel(w *Waiting) bool {
 }
 
 // park makes a waiting request of req (new program with no room).
-func (rt *Router) park(pl *pool, req *policy.Request, exclude []int) *Waiting {
-	w := &Waiting{req: req, pl: pl, exclude: slices.Clone(exclude), done: make(chan struct{})}
+func (rt *Router) park(pl *pool, pol policy.Policy, req *policy.Request, exclude []int) *Waiting {
+	w := &Waiting{req: req, pl: pl, pol: pol, exclude: slices.Clone(exclude), done: make(chan struct{})}
 	rt.progs.park.add(w, req.Now)
 	return w
 }
@@ -127,7 +127,7 @@ func (rt *Router) releaseParked() {
 		}
 		q := w.pl.q
 		q.mu.Lock()
-		t, err := rt.routeQueued(w.pl, w.req, w.exclude)
+		t, err := rt.routeQueued(w.pl, w.pol, w.req, w.exclude)
 		switch {
 		case errors.Is(err, errNoRoom):
 			keep = append(keep, w)

@@ -26,6 +26,7 @@ type Waiting struct {
 	req     *policy.Request
 	pl      *pool // whose queue it waits in
 	exclude []int
+	pol     policy.Policy // decides it instead of its pool's policy (nil: the pool's)
 	done    chan struct{} // closed once routed (or failed)
 	t       *Ticket
 	err     error
@@ -137,6 +138,15 @@ func newQueue(cfg *FlowConfig) *queue {
 // ticket, nil error). With flow control, a request the queue cannot take
 // is refused with a *ShedError.
 func (rt *Router) Submit(req *policy.Request, exclude ...int) (*Ticket, *Waiting, error) {
+	return rt.SubmitWith(nil, req, exclude...)
+}
+
+// SubmitWith is Submit deciding with pol instead of the pool's policy (nil:
+// that policy), as RouteWith is Route: a request pinned to one replica or
+// routed by load still waits its turn in its pool's queue, by band,
+// tenant share and deadline, so that naming a stored response does not
+// jump the flow controller.
+func (rt *Router) SubmitWith(pol policy.Policy, req *policy.Request, exclude ...int) (*Ticket, *Waiting, error) {
 	pl := rt.poolOfRequest(req)
 	if pl == nil {
 		return nil, nil, ErrModelNotServed
@@ -145,17 +155,17 @@ func (rt *Router) Submit(req *policy.Request, exclude ...int) (*Ticket, *Waiting
 	q.mu.Lock()
 	saturated := q.n > 0
 	if !saturated {
-		t, err := rt.routeQueued(pl, req, exclude)
+		t, err := rt.routeQueued(pl, pol, req, exclude)
 		if errors.Is(err, errNoRoom) {
 			q.mu.Unlock() // lock order: parked before the queue
-			return nil, rt.park(pl, req, exclude), nil
+			return nil, rt.park(pl, pol, req, exclude), nil
 		}
 		if !errors.Is(err, policy.ErrDefer) {
 			q.mu.Unlock()
 			return t, nil, err
 		}
 	}
-	w := &Waiting{req: req, pl: pl, exclude: slices.Clone(exclude), done: make(chan struct{})}
+	w := &Waiting{req: req, pl: pl, pol: pol, exclude: slices.Clone(exclude), done: make(chan struct{})}
 	evicted, err := q.admit(w, rt.cfg.Now())
 	q.mu.Unlock()
 	leave(evicted)
@@ -247,7 +257,7 @@ func (rt *Router) release(pl *pool) {
 			continue
 		}
 		w.req.Now = now
-		t, err := rt.routeQueued(pl, w.req, w.exclude)
+		t, err := rt.routeQueued(pl, w.pol, w.req, w.exclude)
 		if errors.Is(err, policy.ErrDefer) {
 			break
 		}
@@ -279,18 +289,18 @@ func leave(out []*Waiting) {
 	}
 }
 
-// routeQueued is Route through pl's flow controller (gated by saturation,
+// routeQueued is RouteWith (pol nil: the pool's policy) through pl's flow controller (gated by saturation,
 // the decision checked against the deadline, the work charged), except
 // that a deferral while nothing is in flight in pl (no event would ever
 // release its queue) is overruled. pl's queue's mutex is held.
-func (rt *Router) routeQueued(pl *pool, req *policy.Request, exclude []int) (*Ticket, error) {
-	t, err := rt.routeWith(nil, req, exclude, pl.q)
+func (rt *Router) routeQueued(pl *pool, pol policy.Policy, req *policy.Request, exclude []int) (*Ticket, error) {
+	t, err := rt.routeWith(pol, req, exclude, pl.q)
 	if !errors.Is(err, policy.ErrDefer) || rt.inFlight(pl) > 0 {
 		return t, err
 	}
 	req.NoDefer = true
 	defer func() { req.NoDefer = false }()
-	return rt.routeWith(nil, req, exclude, pl.q)
+	return rt.routeWith(pol, req, exclude, pl.q)
 }
 
 // inFlight is the requests in flight to pl's replicas.
