@@ -223,3 +223,40 @@ func TestQuotaThroughGateway(t *testing.T) {
 	}
 	waitIdle(t, gw)
 }
+
+// The rest of vLLM's API is charged too: a Responses call (its input and
+// max_output_tokens at admission, corrected to the usage the replica
+// reports: 40 input, 2 output tokens) and is refused quota_exceeded once
+// the tenant's minute is spent.
+func TestQuotaChargesResponses(t *testing.T) {
+	f := newAPIReplica(t, "a", "m", "")
+	cfg := baseConfig(f.srv.URL)
+	cfg.Tenants = []TenantConfig{{Name: "t", APIKeys: []string{"k"}, TokensPerMinute: 150}}
+	reg := prometheus.NewRegistry()
+	gw := startGatewayWith(t, cfg, Options{Clock: clock.NewFake(time.Unix(6000, 0)), Registry: reg})
+	eventually(t, "models listed", func() bool { return len(gw.g.Fleet().Models()) > 0 })
+	body := `{"model":"m","input":"` + strings.Repeat("word ", 20) + `","max_output_tokens":20}`
+	served := 0
+	for range 6 {
+		resp, b := post(t, gw.srv.URL+"/v1/responses", body, bearerHdr("k")...)
+		switch resp.StatusCode {
+		case 200:
+			served++
+		case 429:
+			if !strings.Contains(b, "quota_exceeded") {
+				t.Fatalf("429 without quota_exceeded: %s", b)
+			}
+		default:
+			t.Fatalf("%d %s", resp.StatusCode, b)
+		}
+	}
+	if served == 0 || served == 6 {
+		t.Fatalf("%d of 6 served: the quota of 150 tokens a minute holds some of 42 each, not all", served)
+	}
+	for kind, per := range map[string]float64{"prompt": 40, "output": 2} {
+		if n := counterValue(t, reg, "kvgate_tenant_tokens_total", map[string]string{"tenant": "t", "kind": kind}); n != per*float64(served) {
+			t.Errorf("t's %s tokens %v, want %v (the replica's usage of %d calls)", kind, n, per*float64(served), served)
+		}
+	}
+	waitIdle(t, gw)
+}
