@@ -141,6 +141,11 @@ type ReplicaView struct {
 	// link's backlog. Their own compute, the last prompt token each, is
 	// in PendingPrefill.
 	PendingTransfer int
+	// BurstPending is the requests among PendingCount that follow a burst
+	// of identical prompts to the replica (router, bursts.go): their
+	// prompt is held or being computed there, so they decode from the
+	// step after it, in the batch a new request would join.
+	BurstPending int
 
 	// Scraped from the replica's /metrics (HaveMetrics false until the first scrape).
 	HaveMetrics bool

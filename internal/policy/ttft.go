@@ -303,6 +303,9 @@ func (t *TTFT) load(l *ttftLoad, v *ReplicaView, meanPrompt float64) {
 	pending, inFlight := count(v.PendingCount), count(v.InFlight)
 	queued := queuedTokens(v, meanPrompt)
 	decodes := max(inFlight-pending, 0)
+	// A burst's followers decode from the step after their prompt's
+	// prefill: the batch a new request joins (bursts, ttft_programs.go).
+	decodes += min(count(v.BurstPending), pending)
 	if v.HaveMetrics {
 		decodes = max(decodes, count(v.Running)-pending)
 	}

@@ -61,3 +61,41 @@ func TestTTFTPricesMovingAProgram(t *testing.T) {
 		t.Fatal("ttft places programs unless programs=false; the peers never")
 	}
 }
+
+// A burst's followers (ReplicaView.BurstPending) are decodes to come: of
+// two replicas with as much prefill queued and as many requests pending,
+// the one whose pending requests follow a burst decodes more once its
+// prefill is done, and a new request goes to the other. BurstPending is
+// read within PendingCount: an impossible count adds nothing more.
+func TestTTFTCountsBurstFollowersAsDecodes(t *testing.T) {
+	p := peerNew(t, "ttft", map[string]any{"margin_rel": 0, "margin_ms": 0})
+	for _, c := range []struct {
+		name   string
+		burst  [2]int
+		want   int
+		equals bool
+	}{
+		{"followers on 0", [2]int{7, 0}, 1, false},
+		{"followers on 1", [2]int{0, 7}, 0, false},
+		{"none: as many decodes", [2]int{0, 0}, -1, true},
+		{"beyond the pending: capped", [2]int{7, 1 << 40}, 0, false},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			rs := peerViews(2)
+			for i := range rs {
+				rs[i].PendingPrefill, rs[i].PendingCount, rs[i].InFlight, rs[i].InFlightTokens = 3000, 8, 8, 8*2000
+				rs[i].BurstPending = c.burst[i]
+			}
+			pos, d := peerPick(t, p, ttftReq(1), rs)
+			if c.equals {
+				if d.Scores[0] != d.Scores[1] {
+					t.Fatalf("scores %v, want equal", d.Scores)
+				}
+				return
+			}
+			if pos != c.want || d.Scores[pos] >= d.Scores[1-pos] {
+				t.Fatalf("chose %d, want %d (scores %v)", pos, c.want, d.Scores)
+			}
+		})
+	}
+}

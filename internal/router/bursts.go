@@ -109,6 +109,17 @@ func (rt *Router) burstPick(req *policy.Request, views []policy.ReplicaView) (po
 		Reason: fmt.Sprintf("burst: an identical prompt went here %v ago (%d of this group)", req.Now.Sub(e.start), e.count)}, true
 }
 
+// follows counts t, a burst's follower, in its replica's burstPending
+// until its first token (or its end without one).
+func (t *Ticket) follows() {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if !t.first && !t.done && !t.burst {
+		t.burst = true
+		t.r.burstPending.Add(1)
+	}
+}
+
 // burstRouted counts t's request in its burst's group, or starts a group on
 // its replica.
 func (rt *Router) burstRouted(req *policy.Request, t *Ticket) {
@@ -122,6 +133,7 @@ func (rt *Router) burstRouted(req *policy.Request, t *Ticket) {
 	b.expire(req.Now)
 	if e, ok := b.byKey[key]; ok && e.replica == t.Replica && e.serial == t.r.serial {
 		e.count++
+		t.follows()
 		return
 	}
 	e := &burst{key: key, replica: t.Replica, serial: t.r.serial, count: 1, start: req.Now}

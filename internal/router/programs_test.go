@@ -368,3 +368,48 @@ func TestBurstKeyNamesTheWholePrompt(t *testing.T) {
 		t.Fatalf("the same prompt: %x, want %x", c, a)
 	}
 }
+
+// A burst's followers count in their replica's BurstPending from routing
+// to their first token (or their end without one); its first request and
+// other prompts do not: the policy counts them among the decodes to come.
+func TestBurstPendingCountsFollowers(t *testing.T) {
+	f := newProgFleet(t, placer{leastLoadPolicy(t)}, 2, 1000, ProgramConfig{BurstWindow: 100 * time.Millisecond, BurstCap: -1})
+	burstPending := func() []int {
+		views := f.rt.Views(f.req("", "x", 10))
+		return []int{views[0].BurstPending, views[1].BurstPending}
+	}
+	var tks []*Ticket
+	for range 4 {
+		tk, err := f.rt.Route(f.req("", "sample ", 300))
+		if err != nil {
+			t.Fatal(err)
+		}
+		tks = append(tks, tk)
+	}
+	other, err := f.rt.Route(f.req("", "other ", 300))
+	if err != nil {
+		t.Fatal(err)
+	}
+	r := tks[0].Replica
+	want := []int{0, 0}
+	want[r] = 3
+	if got := burstPending(); got[0] != want[0] || got[1] != want[1] {
+		t.Fatalf("BurstPending %v after a burst of 4 on replica %d, want %v", got, r, want)
+	}
+	tks[0].FirstToken(f.now) // the first request's own first token: not a follower
+	tks[1].FirstToken(f.now)
+	tks[1].FirstToken(f.now) // idempotent
+	tks[1].Done(f.now, Outcome{})
+	tks[2].Done(f.now, Outcome{Err: errors.New("reset")}) // ended without a first token
+	other.Done(f.now, Outcome{})
+	want[r] = 1
+	if got := burstPending(); got[0] != want[0] || got[1] != want[1] {
+		t.Fatalf("BurstPending %v, want %v", got, want)
+	}
+	tks[3].FirstToken(f.now)
+	tks[3].Done(f.now, Outcome{})
+	tks[0].Done(f.now, Outcome{})
+	if got := burstPending(); got[0] != 0 || got[1] != 0 {
+		t.Fatalf("BurstPending %v once all ended, want none", got)
+	}
+}

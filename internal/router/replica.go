@@ -72,6 +72,9 @@ type Replica struct {
 	// pendingTransfer is the prompt tokens decode steps will pull
 	// (ReplicaView.PendingTransfer).
 	pendingTransfer atomic.Int64
+	// burstPending is the burst followers sent without a first token yet
+	// (ReplicaView.BurstPending, bursts.go).
+	burstPending atomic.Int64
 	// prefilled, prompted, decoded and routed count, for ever, the
 	// uncached prompt tokens, the prompt tokens and the output tokens the
 	// replica was sent, and the requests: the saturation's rates

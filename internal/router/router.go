@@ -445,6 +445,7 @@ func (r *Replica) loadView(v *policy.ReplicaView) {
 	v.PendingPrefill = int(r.pendingPrefill.Load())
 	v.PendingCount = int(r.pendingCount.Load())
 	v.PendingTransfer = int(r.pendingTransfer.Load())
+	v.BurstPending = int(r.burstPending.Load())
 	if l := r.remote.Load(); l != nil {
 		v.InFlight += int(l.InFlight)
 		v.InFlightKV += remoteKV(l.InFlightTokens, v.InFlightTokens, v.InFlightKV)
@@ -585,6 +586,7 @@ type Ticket struct {
 	done           bool
 	learned        bool // the approximate index holds this request's blocks for Replica
 	rejected       bool // the replica did not take it: never learnt
+	burst          bool // a burst follower, counted in burstPending until its first token
 	// policy is the name of the policy that decided (the pool's, or the
 	// one RouteWith was given).
 	policy string
@@ -875,11 +877,15 @@ func (t *Ticket) prefillDone() bool {
 		return false
 	}
 	t.first = true
+	burst := t.burst
 	t.mu.Unlock()
 	r := t.r
 	r.pendingPrefill.Add(-t.uncached)
 	r.pendingCount.Add(-1)
 	r.pendingTransfer.Add(-t.transfer)
+	if burst {
+		r.burstPending.Add(-1)
+	}
 	t.rt.releaseIfQueued()
 	return true
 }
@@ -920,7 +926,7 @@ func (t *Ticket) Done(at time.Time, o Outcome) {
 		return
 	}
 	t.done = true
-	first := t.first
+	first, burst := t.first, t.burst
 	t.mu.Unlock()
 	t.report(at, o.Health)
 	r := t.r
@@ -928,6 +934,9 @@ func (t *Ticket) Done(at time.Time, o Outcome) {
 		r.pendingPrefill.Add(-t.uncached)
 		r.pendingCount.Add(-1)
 		r.pendingTransfer.Add(-t.transfer)
+		if burst {
+			r.burstPending.Add(-1)
+		}
 	}
 	r.inFlightTokens.Add(-t.tokens)
 	r.inFlightKV.Add(-t.kv)
