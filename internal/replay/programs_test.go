@@ -71,3 +71,36 @@ func TestBatchPlanChecked(t *testing.T) {
 		t.Fatalf("plan %+v %v", pl, err)
 	}
 }
+
+// An RL batch arrives at once: ttft keeps each prompt's samples together
+// (a burst) and gives every replica as many prompts, counting a burst's
+// followers among the decodes to come (policy.ReplicaView.BurstPending);
+// counting only decodes already running, it spread the prompts by their
+// prefill tokens and gave some replicas more samples to decode than
+// others (without it: 20, 12, 20 and 12 in the second batch).
+func TestRLBatchSpreadsPromptsEvenly(t *testing.T) {
+	reqs, err := workload.Generate(workload.Spec{Name: "rl", Seed: 1, Params: map[string]float64{
+		"batches": 3, "prompts": 16, "samples": 4, "prompt_len": 1500}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg, pl, err := prepare(Config{Replicas: 4}, reqs)
+	if err != nil {
+		t.Fatal(err)
+	}
+	vr, err := newVirtualRun(cfg, pl, PolicySpec{Name: "ttft"})
+	if err != nil || vr.loop(context.Background()) != nil {
+		t.Fatal(err)
+	}
+	per := map[[2]int32]int{} // (batch, replica) → samples
+	for _, rec := range vr.reportRecords() {
+		per[[2]int32{rec.Batch, int32(rec.Replica)}]++
+	}
+	for b := int32(1); b <= 3; b++ {
+		for r := int32(0); r < 4; r++ {
+			if n := per[[2]int32{b, r}]; n != 16 {
+				t.Errorf("batch %d: replica %d decoded %d samples, want 16 (4 prompts × 4)", b, r, n)
+			}
+		}
+	}
+}
