@@ -473,27 +473,3 @@ func TestReplicaGatewayHeadersStripped(t *testing.T) {
 		})
 	}
 }
-
-// A fleet the picker cannot serve as configured is refused at start, with
-// the way out: kv_pulls (a pull rides in the body the proxy sends itself).
-func TestPickerRefusesPulls(t *testing.T) {
-	cfg := gateway.Defaults()
-	cfg.Replicas = []gateway.ReplicaConfig{{URL: "http://127.0.0.1:1"}, {URL: "http://127.0.0.1:2"}}
-	cfg.KVPulls.Enabled = true
-	g, err := gateway.New(cfg, gateway.Options{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	_, err = New(g, cfg.EPP, cfg.MaxBodyBytes, nil)
-	if err == nil || !strings.Contains(err.Error(), "kv_pulls") || !strings.Contains(err.Error(), "kvgate serve") {
-		t.Fatalf("New with kv_pulls: %v, want a refusal naming kv_pulls and kvgate serve", err)
-	}
-	cfg.KVPulls.Enabled = false
-	g, err = gateway.New(cfg, gateway.Options{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if _, err := New(g, cfg.EPP, cfg.MaxBodyBytes, nil); err != nil {
-		t.Fatalf("New without kv_pulls: %v", err)
-	}
-}

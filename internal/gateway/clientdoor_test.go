@@ -3,6 +3,7 @@ package gateway
 import (
 	"io"
 	"net/http"
+	"slices"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -11,14 +12,18 @@ import (
 )
 
 // Headers only the gateway sets upstream never come from the client:
-// X-Kvgate-* (any spelling) and X-Data-Parallel-Rank are dropped,
-// X-Request-Id and Authorization are the gateway's; the others pass.
+// X-Kvgate-* (any spelling), X-Data-Parallel-Rank and the headers llm-d's
+// routing sidecar acts on (a prefill host, a pull source: an SSRF through
+// the sidecar) are dropped, X-Request-Id and Authorization are the
+// gateway's; the others pass.
 func TestClientGatewayHeadersStripped(t *testing.T) {
 	a := newFakeReplica(t)
 	gw := startGateway(t, baseConfig(a.srv.URL))
 	resp, body := post(t, gw.srv.URL+"/v1/completions", `{"model":"m","prompt":"x"}`,
 		"X-Kvgate-Replica", "http://evil", "X-Kvgate-Prefill", "http://evil", "x-kvgate-rank", "3",
-		"X-KVGATE-ROUTE", "1", "X-Data-Parallel-Rank", "5", "X-Request-Id", "client-id", "X-Custom", "kept")
+		"X-KVGATE-ROUTE", "1", "X-Data-Parallel-Rank", "5", "X-Request-Id", "client-id", "X-Custom", "kept",
+		"x-prefiller-host-port", "10.0.0.1:80", "X-Kv-Cache-Source-Host-Port", "10.0.0.2:80",
+		"x-llm-d-kv-cache-source-host-port", "10.0.0.3:80", "x-data-parallel-host-port", "10.0.0.4:80")
 	if resp.StatusCode != 200 {
 		t.Fatalf("%d %s", resp.StatusCode, body)
 	}
@@ -26,7 +31,8 @@ func TestClientGatewayHeadersStripped(t *testing.T) {
 	h := a.headers[0]
 	a.mu.Unlock()
 	for k := range h {
-		if strings.HasPrefix(strings.ToLower(k), "x-kvgate-") || strings.EqualFold(k, headerDataParallelRank) {
+		if strings.HasPrefix(strings.ToLower(k), "x-kvgate-") || strings.EqualFold(k, headerDataParallelRank) ||
+			slices.Contains(sidecarHeaders, http.CanonicalHeaderKey(k)) {
 			t.Errorf("the replica got the client's %s: %q", k, h[k])
 		}
 	}

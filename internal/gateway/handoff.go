@@ -48,13 +48,6 @@ func (g *Gateway) NewPicker(fallbacks int) (*Picker, error) {
 		return nil, errors.New("a prefill/decode fleet cannot be served as an endpoint picker: " +
 			"the proxy calls one replica per request; serve it with kvgate serve")
 	}
-	if g.cfg.KVPulls.Enabled {
-		// A pull is a field of the request body the gateway sends; behind a
-		// picker the proxy sends the client's body, so the replica would
-		// recompute what the estimate priced as pulled.
-		return nil, errors.New("kv_pulls cannot be served by an endpoint picker: a pull rides in the request " +
-			"body, which the proxy sends itself; turn kv_pulls off, or serve the fleet with kvgate serve")
-	}
 	byLoad, err := policy.New("least_load", policy.Options{Seed: g.cfg.Seed})
 	if err != nil {
 		return nil, err
@@ -322,7 +315,11 @@ func (h *Handoff) pick() (Pick, error) {
 			p.Set[k] = vs
 		}
 	}
+	g.pickPull(x, h.a, p.Set)
 	for k := range x.r.Header {
+		if _, kept := p.Set[k]; kept {
+			continue
+		}
 		if _, kept := up[k]; !kept && !hopHeader(k) && k != "Host" && k != "Content-Length" {
 			p.Remove = append(p.Remove, k)
 		}
@@ -405,6 +402,9 @@ func (h *Handoff) Respond(status int, header http.Header, served string) (set ht
 	add := http.Header{}
 	setTarget(add, h.g.rt.Replica(h.a.tk.Replica), nil)
 	add.Set("X-Request-Id", h.x.id)
+	if h.a.pullFrom != nil {
+		add.Set(headerPullFrom, h.a.pullFrom.URL())
+	}
 	h.g.addReceipt(add, h.x, h.a)
 	for k := range header {
 		if isKvgateHeader(k) && add.Get(k) == "" {

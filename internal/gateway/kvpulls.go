@@ -3,6 +3,7 @@ package gateway
 import (
 	"encoding/json"
 	"fmt"
+	"net/http"
 	"net/url"
 	"regexp"
 	"strconv"
@@ -27,6 +28,33 @@ import (
 
 // headerPullFrom names the replica a request pulled its prefix from.
 const headerPullFrom = "X-Kvgate-Pull-From"
+
+// Behind an endpoint picker (kvgate epp) the proxy sends the client's body
+// itself: the pull goes as llm-d's p2p-source-producer sends it, in request
+// headers for the routing sidecar in front of the chosen replica, which
+// writes kv_transfer_params itself (llm-d-router pkg/sidecar/proxy): the
+// source's endpoint (host:port, as the picker names replicas) and the port
+// of its P2P tier (kv_pulls.port plus its rank, or its own port), which
+// sidecars before the port header read from their --p2p-connector-port.
+const (
+	headerKVSource     = "X-Kv-Cache-Source-Host-Port"
+	headerKVSourcePort = "X-Kv-Cache-Source-P2p-Port"
+)
+
+// pullHeaders sets, in h, the sidecar's headers of a pull from src.
+func pullHeaders(h http.Header, src *router.Replica, requestID string, p KVPullsConfig) error {
+	ep, err := Endpoint(src.URL())
+	if err != nil {
+		return err
+	}
+	s, err := pullSource(src, requestID, p)
+	if err != nil {
+		return err
+	}
+	h.Set(headerKVSource, ep)
+	h.Set(headerKVSourcePort, strconv.Itoa(s.Port))
+	return nil
+}
 
 // KVPullsConfig is the kv_pulls: block (fixed at start).
 type KVPullsConfig struct {
@@ -128,4 +156,20 @@ func setPullFrom(x *exchange, a *attempt) {
 	if a.pullFrom != nil {
 		x.w.Header().Set(headerPullFrom, a.pullFrom.URL())
 	}
+}
+
+// pickPull sets, in set, the headers of attempt a's pull for the sidecar
+// of the replica an endpoint picker chose (kv_pulls enabled and the
+// decision names one).
+func (g *Gateway) pickPull(x *exchange, a *attempt, set http.Header) {
+	p := a.tk.Decision.Pull
+	if p == nil || !g.cfg.KVPulls.Enabled {
+		return
+	}
+	src := g.rt.Replica(p.Replica)
+	if err := pullHeaders(set, src, x.id, g.cfg.KVPulls); err != nil {
+		x.logger().Warn("peer pull not sent", "source", src.URL(), "err", err)
+		return
+	}
+	a.pullFrom = src
 }

@@ -206,13 +206,30 @@ const headerDataParallelRank = "X-Data-Parallel-Rank"
 // dropGatewayHeaders removes from a client's headers, copied upstream,
 // the ones only the gateway may set there: X-Kvgate-* (its own, which a
 // replica or a gateway behind it may read), Authorization (the replica's
-// key, or the client's own below) and X-Data-Parallel-Rank (the gateway
-// picks the rank: a client's pin would bypass its accounting).
+// key, or the client's own below), X-Data-Parallel-Rank (the gateway
+// picks the rank: a client's pin would bypass its accounting) and the
+// headers llm-d's routing sidecar acts on (sidecarHeaders).
 // X-Request-Id is set over the client's; Via is appended to.
 func dropGatewayHeaders(h http.Header) {
 	dropKvgateHeaders(h)
 	delete(h, "Authorization") // canonical names: Del would canonicalize them again
 	delete(h, headerDataParallelRank)
+	for _, k := range sidecarHeaders {
+		delete(h, k)
+	}
+}
+
+// sidecarHeaders are the request headers llm-d's routing sidecar, in front
+// of a replica, acts on (llm-d-router pkg/common/routing; its x-llm-d-
+// aliases too): a host to send the prompt's prefill to, encoders, a
+// data-parallel rank's host, a peer to pull the prompt's KV from and its
+// P2P port. Behind kvgate only kvgate may set them: a client's would point
+// a replica at any host (an SSRF through the sidecar) or bypass the
+// gateway's accounting. Canonical names.
+var sidecarHeaders = []string{
+	"X-Prefiller-Host-Port", "X-Llm-D-Prefiller-Host-Port", "X-Prefiller-Url",
+	"X-Encoder-Hosts-Ports", "X-Llm-D-Encoder-Hosts-Ports", "X-Data-Parallel-Host-Port",
+	headerKVSource, "X-Llm-D-Kv-Cache-Source-Host-Port", headerKVSourcePort,
 }
 
 // dropKvgateHeaders removes the X-Kvgate-* headers from h: from a client's
