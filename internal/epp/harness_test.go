@@ -77,7 +77,8 @@ func startGateway(t *testing.T, cfg gateway.Config) (*gateway.Gateway, *promethe
 			return false
 		}
 		for i := range g.Router().Replicas() {
-			if _, _, ok := g.Router().ReplicaMetrics(i); !ok || !g.Router().Healthy(i) {
+			// Listed too: an unlisted replica is no candidate while another is.
+			if _, _, ok := g.Router().ReplicaMetrics(i); !ok || !g.Router().Healthy(i) || g.Router().Replica(i).Served() == nil {
 				return false
 			}
 		}

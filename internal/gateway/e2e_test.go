@@ -44,14 +44,24 @@ func followKVEvents(cfg *Config, fl *sim.Fleet) {
 	}
 }
 
+// waitHealthy waits until every replica is a candidate: its first health
+// check passed, its models listed (a replica is a candidate for the
+// models it serves only), its metrics scraped. Waiting for the fleet's
+// models and every scrape was not enough: on a busy host one replica's
+// model list could come after the others', and a test's first request
+// went to the one replica listed.
 func waitHealthy(t *testing.T, gw *testGW) {
 	t.Helper()
-	eventually(t, "replicas scraped and models listed", func() bool {
+	eventually(t, "replicas checked, scraped and their models listed", func() bool {
 		if len(gw.g.Fleet().Models()) == 0 {
 			return false
 		}
-		for i := range gw.g.Router().Replicas() {
-			if _, _, ok := gw.g.Router().ReplicaMetrics(i); !ok {
+		rt := gw.g.Router()
+		for i := range rt.Replicas() {
+			if r := rt.Replica(i); !r.Ready() || r.Served() == nil {
+				return false
+			}
+			if _, _, ok := rt.ReplicaMetrics(i); !ok {
 				return false
 			}
 		}

@@ -166,15 +166,21 @@ func startSim(t *testing.T, cfg sim.Config) *sim.Fleet {
 	return fl
 }
 
-// waitHealthy waits until every replica is scraped and the models listed.
+// waitHealthy waits until every replica is a candidate: checked, its
+// models listed (an unlisted replica is not one while another is) and
+// scraped.
 func waitHealthy(t *testing.T, gw *testGW) {
 	t.Helper()
-	eventually(t, "replicas scraped and models listed", func() bool {
+	eventually(t, "replicas checked, scraped and their models listed", func() bool {
 		if len(gw.g.Fleet().Models()) == 0 {
 			return false
 		}
-		for i := range gw.g.Router().Replicas() {
-			if _, _, ok := gw.g.Router().ReplicaMetrics(i); !ok {
+		rt := gw.g.Router()
+		for i := range rt.Replicas() {
+			if r := rt.Replica(i); !r.Ready() || r.Served() == nil {
+				return false
+			}
+			if _, _, ok := rt.ReplicaMetrics(i); !ok {
 				return false
 			}
 		}
