@@ -297,3 +297,22 @@ func PlacesPrograms(p Policy) bool {
 	pp, ok := p.(ProgramPlacer)
 	return ok && pp.PlacesPrograms()
 }
+
+// QueueOrderer is implemented by a policy whose deferred requests the
+// router's queue releases by when their first token could come at the
+// earliest: their arrival plus QueuePrefillMs of their uncached prompt
+// tokens (router, queue.go). kvgate's ttft does (its profile's prefill
+// cost); the peers' queues are first come first served, as their
+// upstreams' defaults (Dynamo's router_queue_policy fcfs).
+type QueueOrderer interface {
+	QueuePrefillMs(uncached int) float64
+}
+
+// QueuePrefillMs is p's QueuePrefillMs of uncached tokens, 0 when p orders
+// its queue by arrival alone.
+func QueuePrefillMs(p Policy, uncached int) float64 {
+	if q, ok := p.(QueueOrderer); ok {
+		return max(q.QueuePrefillMs(uncached), 0)
+	}
+	return 0
+}

@@ -20,6 +20,7 @@ import (
 func (q *queue) admit(w *Waiting, now time.Time) ([]*Waiting, error) {
 	q.seq++
 	w.seq, w.enqueued = q.seq, now
+	w.ready = now.Add(time.Duration(min(w.prefillMs, 1e9) * float64(time.Millisecond)))
 	f := q.fl
 	if f == nil {
 		q.push(w, 0, Band{}, q.solo)
@@ -33,6 +34,7 @@ func (q *queue) admit(w *Waiting, now time.Time) ([]*Waiting, error) {
 	if !req.Deadline.IsZero() && req.Deadline.Before(w.expires) {
 		w.expires = req.Deadline
 	}
+	w.deadline = !req.Deadline.IsZero()
 	w.due = w.expires
 	ahead := q.ahead(w, ten)
 	switch b := q.findBand(req.Priority); {

@@ -27,6 +27,12 @@ type flowRig struct {
 
 func newFlowRig(t *testing.T, replicas int, fc FlowConfig) *flowRig {
 	t.Helper()
+	return newFlowRigWith(t, replicas, fc, nil)
+}
+
+// newFlowRigWith is newFlowRig with the router's config changed by mod.
+func newFlowRigWith(t *testing.T, replicas int, fc FlowConfig, mod func(*Config)) *flowRig {
+	t.Helper()
 	fr := &flowRig{t: t, now: time.Unix(1000, 0), tickets: map[string]*Ticket{}}
 	names := make([]string, replicas)
 	for i := range names {
@@ -45,7 +51,11 @@ func newFlowRig(t *testing.T, replicas int, fc FlowConfig) *flowRig {
 		return policy.Decision{Replica: best, EstTTFT: fr.est}, nil
 	})
 	fc.Enabled = true
-	rt, err := New(Config{Replicas: names, Policy: least, Now: func() time.Time { return fr.now }, Flow: fc})
+	cfg := Config{Replicas: names, Policy: least, Now: func() time.Time { return fr.now }, Flow: fc}
+	if mod != nil {
+		mod(&cfg)
+	}
+	rt, err := New(cfg)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -225,6 +235,39 @@ func TestFlowEDFWithinTenant(t *testing.T) {
 	}
 	if got, want := fr.order(), "x ranked soon late none"; got != want {
 		t.Fatalf("order %q, want %q", got, want)
+	}
+}
+
+// Without deadlines the queue releases requests by when their first token
+// could come at the earliest: their arrival plus their own prefill as
+// their policy prices it (policy.QueueOrderer; here 0.04 ms a token). A short prompt that came 10 ms after a long one (4,000
+// tokens: 160 ms of prefill) goes before it; one that came 200 ms after it
+// does not (the long one's wait is bounded by its prefill); a request with
+// a deadline goes before both, however long. A policy that does not price
+// it (the peers') is first come first served.
+func TestFlowQueueByReadyTime(t *testing.T) {
+	for _, c := range []struct {
+		msPerToken float64
+		want       string
+	}{{0.04, "x dl short long later"}, {0, "x dl long short later"}} {
+		fr := newFlowRigWith(t, 1, tightFlow(), func(cfg *Config) {
+			if c.msPerToken > 0 {
+				cfg.Policy = queueOrdered{cfg.Policy, c.msPerToken}
+			}
+		})
+		mustSubmit(t, fr, "x", "A", 0, 10)
+		mustSubmit(t, fr, "long", "A", 0, 4000)
+		fr.now = fr.now.Add(10 * time.Millisecond)
+		mustSubmit(t, fr, "short", "A", 0, 10)
+		fr.now = fr.now.Add(190 * time.Millisecond)
+		mustSubmit(t, fr, "later", "A", 0, 10)
+		mustSubmit(t, fr, "dl", "A", 0, 4000, func(r *policy.Request) { r.Deadline = fr.now.Add(30 * time.Second) })
+		for _, n := range strings.Fields(c.want) {
+			fr.first(n)
+		}
+		if got := fr.order(); got != c.want {
+			t.Errorf("%v ms a token: order %q, want %q", c.msPerToken, got, c.want)
+		}
 	}
 }
 
@@ -507,3 +550,12 @@ func BenchmarkDecisionFlow(b *testing.B) {
 		})
 	}
 }
+
+// queueOrdered is a policy that has the router's queue order its deferred
+// requests by arrival plus msPerToken a token of their own prefill.
+type queueOrdered struct {
+	policy.Policy
+	msPerToken float64
+}
+
+func (q queueOrdered) QueuePrefillMs(uncached int) float64 { return q.msPerToken * float64(uncached) }

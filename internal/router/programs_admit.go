@@ -108,7 +108,7 @@ func (p *parked) cancel(w *Waiting) bool {
 
 // park makes a waiting request of req (new program with no room).
 func (rt *Router) park(pl *pool, pol policy.Policy, req *policy.Request, exclude []int) *Waiting {
-	w := &Waiting{req: req, pl: pl, pol: pol, exclude: slices.Clone(exclude), done: make(chan struct{})}
+	w := &Waiting{req: req, pl: pl, pol: pol, exclude: slices.Clone(exclude), done: make(chan struct{}), prefillMs: rt.prefillMs(pl, pol, req)}
 	rt.progs.park.add(w, req.Now)
 	return w
 }

@@ -47,7 +47,12 @@ type Waiting struct {
 	due      time.Time
 	expires  time.Time
 	enqueued time.Time
-	work     float64 // estimated GPU work: prompt + expected output
+	deadline bool      // the request has a deadline: due is it
+	ready    time.Time // enqueued plus prefillMs (Less)
+	// prefillMs is its policy's prefill of its uncached prompt, where the
+	// most of it is held, at enqueue (0: first come first served).
+	prefillMs float64
+	work      float64 // estimated GPU work: prompt + expected output
 	// since is when a new program was parked for room (programs_admit.go).
 	since time.Time
 }
@@ -97,13 +102,28 @@ type tenantQ struct {
 type waitHeap []*Waiting
 
 func (h waitHeap) Len() int { return len(h) }
+
+// Less orders a tenant's waiting requests: by rank; then those with a
+// deadline, earliest first; then the others by when their first token
+// could come at the earliest (their arrival plus their own prefill as
+// their policy prices it: Waiting.ready; policy.QueueOrderer), a short
+// prompt ahead of a long one that came a little before it, never of one
+// that came longer before than the difference of their prefills (a
+// bounded wait: no starvation); then by arrival. A policy that does not
+// price it (the peers') is first come first served.
 func (h waitHeap) Less(i, j int) bool {
 	a, b := h[i], h[j]
 	if a.req.Rank != b.req.Rank {
 		return a.req.Rank < b.req.Rank
 	}
-	if !a.due.Equal(b.due) {
+	if a.deadline != b.deadline {
+		return a.deadline
+	}
+	if a.deadline && !a.due.Equal(b.due) {
 		return a.due.Before(b.due)
+	}
+	if !a.ready.Equal(b.ready) {
+		return a.ready.Before(b.ready)
 	}
 	return a.seq < b.seq
 }
@@ -165,7 +185,7 @@ func (rt *Router) SubmitWith(pol policy.Policy, req *policy.Request, exclude ...
 			return t, nil, err
 		}
 	}
-	w := &Waiting{req: req, pl: pl, pol: pol, exclude: slices.Clone(exclude), done: make(chan struct{})}
+	w := &Waiting{req: req, pl: pl, pol: pol, exclude: slices.Clone(exclude), done: make(chan struct{}), prefillMs: rt.prefillMs(pl, pol, req)}
 	evicted, err := q.admit(w, rt.cfg.Now())
 	q.mu.Unlock()
 	leave(evicted)
@@ -312,4 +332,25 @@ func (rt *Router) inFlight(pl *pool) int {
 		}
 	}
 	return n
+}
+
+// prefillMs is what the queue adds to req's arrival to order it (Less):
+// pol's QueuePrefillMs (pol nil: pl's policy) of req's prompt less the
+// most of it any replica holds; 0 for a policy whose queue is first come
+// first served.
+func (rt *Router) prefillMs(pl *pool, pol policy.Policy, req *policy.Request) float64 {
+	if pol == nil {
+		pol = pl.pol.Load().pol
+	}
+	if _, ok := pol.(policy.QueueOrderer); !ok {
+		return 0
+	}
+	vb := rt.getBuf()
+	defer rt.putBuf(vb)
+	views, _ := rt.views(req, vb)
+	held := 0
+	for i := range views {
+		held = max(held, views[i].Match)
+	}
+	return policy.QueuePrefillMs(pol, rt.uncached(req, held))
 }
