@@ -271,6 +271,27 @@ func TestFlowQueueByReadyTime(t *testing.T) {
 	}
 }
 
+// Turn priority (#27): a program's next turn leaves the queue before a new
+// program's first turn that came before it, so that the programs under
+// way finish rather than all slowing down as more start.
+func TestFlowTurnPriority(t *testing.T) {
+	fr := newFlowRig(t, 1, tightFlow())
+	prog := func(id uint64) func(*policy.Request) { return func(r *policy.Request) { r.Program.ID = id } }
+	mustSubmit(t, fr, "x", "A", 0, 10, prog(7)) // program 7's first turn, routed
+	mustSubmit(t, fr, "new", "A", 0, 10, prog(8))
+	mustSubmit(t, fr, "plain", "A", 0, 10)
+	mustSubmit(t, fr, "next", "A", 0, 10, prog(7))
+	for _, n := range []string{"x", "plain", "next", "new"} {
+		if _, ok := fr.tickets[n]; !ok {
+			t.Fatalf("%s not routed; order %q", n, fr.order())
+		}
+		fr.first(n)
+	}
+	if got, want := fr.order(), "x plain next new"; got != want {
+		t.Fatalf("order %q, want %q", got, want)
+	}
+}
+
 // A request waiting past its band's TTL is shed (ttl), as is one at its
 // deadline (deadline): by the caller's timer (Expire) or when the queue
 // next moves.

@@ -40,15 +40,16 @@ type Waiting struct {
 	// queue it waits in (nil once it left), its index in that heap, its
 	// order (seq: arrival), when it is due (its deadline, else its TTL's
 	// end: EDF) and when it expires (zero: never, flow control off).
-	bnd      *band
-	tq       *tenantQ
-	idx      int
-	seq      uint64
-	due      time.Time
-	expires  time.Time
-	enqueued time.Time
-	deadline bool      // the request has a deadline: due is it
-	ready    time.Time // enqueued plus prefillMs (Less)
+	bnd        *band
+	tq         *tenantQ
+	idx        int
+	seq        uint64
+	due        time.Time
+	expires    time.Time
+	enqueued   time.Time
+	deadline   bool      // the request has a deadline: due is it
+	newProgram bool      // the first turn of a program (turn priority: Less)
+	ready      time.Time // enqueued plus prefillMs (Less)
 	// prefillMs is its policy's prefill of its uncached prompt, where the
 	// most of it is held, at enqueue (0: first come first served).
 	prefillMs float64
@@ -104,7 +105,10 @@ type waitHeap []*Waiting
 func (h waitHeap) Len() int { return len(h) }
 
 // Less orders a tenant's waiting requests: by rank; then those with a
-// deadline, earliest first; then the others by when their first token
+// deadline, earliest first; then turn priority: a program's next turn (or
+// a request of no program) before a new program's first turn, so that the
+// programs under way finish rather than all slowing down as more start
+// (#27); then by when their first token
 // could come at the earliest (their arrival plus their own prefill as
 // their policy prices it: Waiting.ready; policy.QueueOrderer), a short
 // prompt ahead of a long one that came a little before it, never of one
@@ -121,6 +125,9 @@ func (h waitHeap) Less(i, j int) bool {
 	}
 	if a.deadline && !a.due.Equal(b.due) {
 		return a.due.Before(b.due)
+	}
+	if a.newProgram != b.newProgram {
+		return b.newProgram
 	}
 	if !a.ready.Equal(b.ready) {
 		return a.ready.Before(b.ready)
@@ -185,6 +192,7 @@ func (rt *Router) SubmitWith(pol policy.Policy, req *policy.Request, exclude ...
 			return t, nil, err
 		}
 	}
+	rt.lookupProgram(req) // whether it continues a program (turn priority), when no decision looked yet
 	w := &Waiting{req: req, pl: pl, pol: pol, exclude: slices.Clone(exclude), done: make(chan struct{}), prefillMs: rt.prefillMs(pl, pol, req)}
 	evicted, err := q.admit(w, rt.cfg.Now())
 	q.mu.Unlock()
