@@ -15,6 +15,7 @@ import (
 	"github.com/go-zeromq/zmq4/security/null"
 
 	"github.com/kvgate/kvgate/internal/kvevents"
+	"github.com/kvgate/kvgate/internal/testutil"
 )
 
 // dialFrom connects to addr from the loopback address local (127.0.0.2 and
@@ -130,9 +131,13 @@ func TestListenerIdlePeersDoNotLockOutAPublisher(t *testing.T) {
 	publishN(t, p, 0, 3)
 	drain(t, p, s)
 	first := closedOne(t, idle[:16])
-	if st := l.Stats(); st.Evicted != 1 || st.Rejected != 4 || st.Active != 24 {
-		t.Errorf("stats %+v", st)
-	}
+	// A peer's dial returns once its side of the handshake is done; the
+	// listener counts it active when its own side ends, which a busy host
+	// may run after the publisher's (one CI run read Active 23).
+	testutil.Eventually(t, waitTimeout, "the listener's counts to settle", func() bool {
+		st := l.Stats()
+		return st.Evicted == 1 && st.Rejected == 4 && st.Active == 24
+	})
 	// A newcomer from an address already holding as many as any other
 	// (127.0.0.3 holds 8, 127.0.0.2 now 15) still gets one; from one at
 	// its own cap it does not.
