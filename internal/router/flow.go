@@ -65,8 +65,9 @@ import (
 // the sheddable band refused). Every refusal is a *ShedError before
 // anything was sent.
 //
-// Off (FlowConfig.Enabled false), the queue is late binding's FIFO as
-// before: no gate but the policy's deferral, no bounds, no accounting.
+// Off (FlowConfig.Enabled false), the queue is late binding's alone: no
+// gate but the policy's deferral, no bounds, no accounting; its order is
+// Less's without bands and tenants (queue.go).
 
 // FlowConfig configures the flow controller of every pool (Config.Flow);
 // the zero value is off.

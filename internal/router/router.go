@@ -94,7 +94,7 @@ type Config struct {
 	// every replica, routed by Policy.
 	Pools []Pool
 	// Flow configures every pool's flow controller (flow.go; the zero
-	// value: off, the queue is late binding's FIFO).
+	// value: off, the queue is late binding's alone).
 	Flow FlowConfig
 	// Programs configures the program table (programs.go).
 	Programs ProgramConfig
