@@ -308,11 +308,21 @@ type QueueOrderer interface {
 	QueuePrefillMs(uncached int) float64
 }
 
-// QueuePrefillMs is p's QueuePrefillMs of uncached tokens, 0 when p orders
-// its queue by arrival alone.
+// QueuePrefillMs is p's QueuePrefillMs of uncached tokens, bounded to
+// [0, maxQueuePrefillMs] (NaN: 0); 0 when p orders its queue by arrival
+// alone.
 func QueuePrefillMs(p Policy, uncached int) float64 {
-	if q, ok := p.(QueueOrderer); ok {
-		return max(q.QueuePrefillMs(uncached), 0)
+	q, ok := p.(QueueOrderer)
+	if !ok {
+		return 0
 	}
-	return 0
+	ms := q.QueuePrefillMs(uncached)
+	if !(ms > 0) {
+		return 0
+	}
+	return min(ms, maxQueuePrefillMs)
 }
+
+// maxQueuePrefillMs bounds QueuePrefillMs: a day, far past any queue's
+// TTL, so that an absurd estimate cannot overflow a time.
+const maxQueuePrefillMs = 86_400_000.0

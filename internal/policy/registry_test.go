@@ -2,6 +2,7 @@ package policy
 
 import (
 	"errors"
+	"math"
 	"strings"
 	"testing"
 )
@@ -49,5 +50,33 @@ func TestFactoriesRejectBadParams(t *testing.T) {
 				t.Fatalf("New(%s) = %v, %v", name, p, err)
 			}
 		})
+	}
+}
+
+// queueOrderer prices a request's prefill in the router's queue as told.
+type queueOrderer struct {
+	Policy
+	ms float64
+}
+
+func (q queueOrderer) QueuePrefillMs(int) float64 { return q.ms }
+
+// QueuePrefillMs is bounded where the router reads it: a negative or NaN
+// estimate counts as none, a huge one as a day; a policy that does not
+// price it gets 0; ttft's is its profile's c1 a token.
+func TestQueuePrefillMsBounded(t *testing.T) {
+	for _, c := range []struct {
+		ms, want float64
+	}{{-5, 0}, {math.NaN(), 0}, {math.Inf(1), maxQueuePrefillMs}, {1e300, maxQueuePrefillMs}, {12.5, 12.5}} {
+		if got := QueuePrefillMs(queueOrderer{ms: c.ms}, 100); got != c.want {
+			t.Errorf("%v: %v, want %v", c.ms, got, c.want)
+		}
+	}
+	if got := QueuePrefillMs(peerNew(t, "dynamo", nil), 1000); got != 0 {
+		t.Errorf("dynamo: %v, want 0 (first come first served)", got)
+	}
+	p := peerNew(t, "ttft", nil).(*TTFT)
+	if got, want := QueuePrefillMs(p, 1000), 1000*p.o.Profile.C1; got != want || !(got > 0) {
+		t.Errorf("ttft: %v, want %v", got, want)
 	}
 }

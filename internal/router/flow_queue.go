@@ -20,7 +20,7 @@ import (
 func (q *queue) admit(w *Waiting, now time.Time) ([]*Waiting, error) {
 	q.seq++
 	w.seq, w.enqueued = q.seq, now
-	w.ready = now.Add(time.Duration(min(w.prefillMs, 1e9) * float64(time.Millisecond)))
+	w.ready = now.Add(time.Duration(w.prefillMs * float64(time.Millisecond))) // bounded by policy.QueuePrefillMs
 	w.newProgram = w.req.Program.ID != 0 && !w.req.Program.Continues
 	f := q.fl
 	if f == nil {

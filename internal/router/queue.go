@@ -19,8 +19,8 @@ import (
 // within them deadlines first, then turn priority, then by when a
 // request's first token could come at the earliest under a policy that
 // prices it (ttft: policy.QueueOrderer), else first come first served. A
-// request is never deferred while
-// nothing is in flight, so the queue always has an event to wait for.
+// request is never deferred while nothing is in flight, so the queue
+// always has an event to wait for.
 // Each pool has its own queue (pools.go): a pool whose replicas are all
 // busy holds back its own requests only.
 
@@ -111,13 +111,13 @@ func (h waitHeap) Len() int { return len(h) }
 // deadline, earliest first; then turn priority: a program's next turn (or
 // a request of no program) before a new program's first turn, so that the
 // programs under way finish rather than all slowing down as more start
-// (#27); then by when their first token
-// could come at the earliest (their arrival plus their own prefill as
-// their policy prices it: Waiting.ready; policy.QueueOrderer), a short
-// prompt ahead of a long one that came a little before it, never of one
-// that came longer before than the difference of their prefills (a
-// bounded wait: no starvation); then by arrival. A policy that does not
-// price it (the peers') is first come first served.
+// (#27); then by when their first token could come at the earliest (their
+// arrival plus their own prefill as their policy prices it: Waiting.ready;
+// policy.QueueOrderer), a short prompt ahead of a long one that came a
+// little before it, never of one that came longer before than the
+// difference of their prefills (a bounded wait: no starvation); then by
+// arrival. A policy that does not price it (the peers') is first come
+// first served.
 func (h waitHeap) Less(i, j int) bool {
 	a, b := h[i], h[j]
 	if a.req.Rank != b.req.Rank {
@@ -347,7 +347,7 @@ func (rt *Router) inFlight(pl *pool) int {
 
 // prefillMs is what the queue adds to req's arrival to order it (Less):
 // pol's QueuePrefillMs (pol nil: pl's policy) of req's prompt less the
-// most of it any replica holds; 0 for a policy whose queue is first come
+// most of it any replica in rotation holds; 0 for a policy whose queue is first come
 // first served.
 func (rt *Router) prefillMs(pl *pool, pol policy.Policy, req *policy.Request) float64 {
 	if pol == nil {
@@ -361,7 +361,9 @@ func (rt *Router) prefillMs(pl *pool, pol policy.Policy, req *policy.Request) fl
 	views, _ := rt.views(req, vb)
 	held := 0
 	for i := range views {
-		held = max(held, views[i].Match)
+		if views[i].Healthy { // a replica out of rotation serves it no hit
+			held = max(held, views[i].Match)
+		}
 	}
 	return policy.QueuePrefillMs(pol, rt.uncached(req, held))
 }
