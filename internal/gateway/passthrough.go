@@ -222,9 +222,16 @@ func responsePathID(path string) (string, bool) {
 // that replica while it is a candidate.
 type pinned int
 
-var _ policy.Policy = pinned(0)
+var (
+	_ policy.Policy = pinned(0)
+	_ policy.Pinner = pinned(0)
+)
 
 func (pinned) Name() string { return "pinned" }
+
+// PinnedTo is the replica: the flow controller gates the request by its
+// pool's saturation, not that replica's alone (policy.Pinner).
+func (p pinned) PinnedTo() int { return int(p) }
 
 func (p pinned) Pick(_ *policy.Request, rs []policy.ReplicaView) (policy.Decision, error) {
 	i := int(p)

@@ -298,6 +298,26 @@ func PlacesPrograms(p Policy) bool {
 	return ok && pp.PlacesPrograms()
 }
 
+// Pinner is implemented by a policy that sends every request to one
+// replica, the one holding its state (the gateway's stored responses). The
+// router's flow controller holds such a request while its whole pool is
+// saturated, as any other, but leaves its replica among the candidates
+// when only some are: taking it out, as it does for the rest, would leave
+// the request nowhere to go (an error to a client whose request is valid)
+// or, held for that one replica, in front of the pool's queue.
+type Pinner interface {
+	PinnedTo() int
+}
+
+// PinnedTo is the replica p pins its requests to, -1 when p is not a
+// Pinner.
+func PinnedTo(p Policy) int {
+	if pn, ok := p.(Pinner); ok {
+		return pn.PinnedTo()
+	}
+	return -1
+}
+
 // QueueOrderer is implemented by a policy whose deferred requests the
 // router's queue releases by when their first token could come at the
 // earliest: their arrival plus QueuePrefillMs of their uncached prompt

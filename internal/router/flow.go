@@ -397,9 +397,10 @@ func (t *tenant) expectedOutput(maxTokens int) float64 {
 // saturated — for a request of a band that reserves replicas (Band.Reserve),
 // all but that many — and otherwise takes the saturated ones out of views
 // (Healthy false): a request the controller lets go joins an engine with
-// room, not the queue it was held back from. False when there is no
-// candidate (routing then answers why).
-func (f *flow) saturated(views []policy.ReplicaView, prio int) bool {
+// room, not the queue it was held back from. keep (≥ 0: a pinned
+// request's replica, policy.Pinner) stays in: the request can go nowhere
+// else. False when there is no candidate (routing then answers why).
+func (f *flow) saturated(views []policy.ReplicaView, prio, keep int) bool {
 	candidates, full := 0, 0
 	for i := range views {
 		if !views[i].Healthy {
@@ -419,7 +420,7 @@ func (f *flow) saturated(views []policy.ReplicaView, prio int) bool {
 	}
 	if full > 0 {
 		for i := range views {
-			if views[i].Healthy && f.replicaSaturated(&views[i]) {
+			if i != keep && views[i].Healthy && f.replicaSaturated(&views[i]) {
 				views[i].Healthy = false
 			}
 		}

@@ -73,13 +73,20 @@ func tightFlow() FlowConfig {
 // waits; a shed one fails the test unless wantShed.
 func (fr *flowRig) submit(name, tenant string, prio, tokens int, mod ...func(*policy.Request)) (*Waiting, error) {
 	fr.t.Helper()
+	return fr.submitWith(nil, name, tenant, prio, tokens, mod...)
+}
+
+// submitWith is submit decided by pol (nil: the rig's policy), as the
+// gateway routes a request pinned to a replica or by load.
+func (fr *flowRig) submitWith(pol policy.Policy, name, tenant string, prio, tokens int, mod ...func(*policy.Request)) (*Waiting, error) {
+	fr.t.Helper()
 	text := name + " " + strings.Repeat("abcd", tokens)
 	req := fr.rt.Prepare(&prompt.Parsed{Kind: prompt.Completion, Model: "m", Text: text, KeyText: text, Prompts: 1, MaxTokens: 10}, "", "")
 	req.Tenant, req.Priority = tenant, prio
 	for _, m := range mod {
 		m(req)
 	}
-	tk, w, err := fr.rt.Submit(req)
+	tk, w, err := fr.rt.SubmitWith(pol, req)
 	if err != nil {
 		return nil, err
 	}
@@ -289,6 +296,54 @@ func TestFlowTurnPriority(t *testing.T) {
 	}
 	if got, want := fr.order(), "x plain next new"; got != want {
 		t.Fatalf("order %q, want %q", got, want)
+	}
+}
+
+// pinTo is the policy of a request that must go to replica i (a stored
+// response's holder: the gateway's pinned).
+type pinTo int
+
+func (pinTo) Name() string { return "pin" }
+
+func (p pinTo) PinnedTo() int { return int(p) }
+
+func (p pinTo) Pick(_ *policy.Request, rs []policy.ReplicaView) (policy.Decision, error) {
+	if int(p) >= len(rs) || !rs[p].Healthy {
+		return policy.Decision{}, policy.ErrNoReplica
+	}
+	return policy.Decision{Replica: int(p)}, nil
+}
+
+// A request pinned to a saturated replica while another has room is
+// routed to its replica, not failed for want of one (the flow controller
+// took its replica out of the candidates, and the pinned policy had
+// nowhere to send it) nor held for that replica in front of the queue.
+// While every replica is saturated it waits its turn like the rest.
+func TestFlowPinnedToASaturatedReplica(t *testing.T) {
+	fr := newFlowRig(t, 2, tightFlow())
+	mustSubmit(t, fr, "a1", "A", 0, 100) // r0, saturated now
+	if _, err := fr.submitWith(pinTo(0), "pin0", "A", 0, 10); err != nil {
+		t.Fatalf("pinned to the saturated r0 while r1 has room: %v", err)
+	}
+	if tk := fr.tickets["pin0"]; tk == nil || tk.Replica != 0 {
+		t.Fatalf("pinned to r0: order %q, ticket %+v", fr.order(), tk)
+	}
+	mustSubmit(t, fr, "a2", "A", 0, 100) // r1: every replica saturated
+	if _, err := fr.submitWith(pinTo(1), "pin1", "A", 0, 10); err != nil {
+		t.Fatal(err)
+	}
+	mustSubmit(t, fr, "a3", "A", 0, 100)
+	if got := fr.order(); got != "a1 pin0 a2" || fr.rt.Queued() != 2 {
+		t.Fatalf("with the pool saturated: released %q, %d waiting; want pin1 and a3 waiting", got, fr.rt.Queued())
+	}
+	for _, n := range []string{"a1", "pin0"} {
+		fr.first(n) // r0 has room; r1, pin1's replica, has not
+	}
+	if got := fr.order(); got != "a1 pin0 a2 pin1 a3" {
+		t.Fatalf("once r0 has room: %q; want pin1 to its r1, then a3", got)
+	}
+	if fr.tickets["pin1"].Replica != 1 || fr.tickets["a3"].Replica != 0 {
+		t.Fatalf("pin1 on r%d (want r1), a3 on r%d (want r0)", fr.tickets["pin1"].Replica, fr.tickets["a3"].Replica)
 	}
 }
 

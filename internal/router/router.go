@@ -636,11 +636,11 @@ func (rt *Router) routeWith(pol policy.Policy, req *policy.Request, exclude []in
 	if q != nil {
 		fl = q.fl
 	}
-	if fl != nil && !req.NoDefer && fl.saturated(views, req.Priority) {
-		return nil, policy.ErrDefer
-	}
 	if pol == nil {
 		pol = pl.pol.Load().pol
+	}
+	if fl != nil && !req.NoDefer && fl.saturated(views, req.Priority, policy.PinnedTo(pol)) {
+		return nil, policy.ErrDefer
 	}
 	placer := policy.PlacesPrograms(pol)
 	var d policy.Decision
