@@ -123,11 +123,11 @@ func (rt *Router) releaseParked() {
 	for _, w := range p.ws {
 		w.req.Now = rt.cfg.Now()
 		if w.req.Now.Sub(w.since) >= rt.progs.cfg.AdmissionWait {
-			w.req.NoDefer = true // waited long enough: placed anyway
+			w.anyway = true // waited long enough: placed without room, in its turn
 		}
 		q := w.pl.q
 		q.mu.Lock()
-		t, err := rt.routeQueued(w.pl, w.pol, w.req, w.exclude)
+		t, err := rt.routeQueued(w.pl, w.pol, w.req, w.exclude, w.anyway)
 		switch {
 		case errors.Is(err, errNoRoom):
 			keep = append(keep, w)

@@ -57,8 +57,12 @@ type Waiting struct {
 	// most of it is held, at enqueue (0: first come first served).
 	prefillMs float64
 	work      float64 // estimated GPU work: prompt + expected output
-	// since is when a new program was parked for room (programs_admit.go).
-	since time.Time
+	// since is when a new program was parked for room (programs_admit.go),
+	// and anyway that it waited AdmissionWait: it is placed without room,
+	// still through the flow controller (routeWith: NoDefer, set for good,
+	// skipped the gate then and for the request's retries).
+	since  time.Time
+	anyway bool
 }
 
 // Done is closed when the request has left the queue.
@@ -185,7 +189,7 @@ func (rt *Router) SubmitWith(pol policy.Policy, req *policy.Request, exclude ...
 	q.mu.Lock()
 	saturated := q.n > 0
 	if !saturated {
-		t, err := rt.routeQueued(pl, pol, req, exclude)
+		t, err := rt.routeQueued(pl, pol, req, exclude, false)
 		if errors.Is(err, errNoRoom) {
 			q.mu.Unlock() // lock order: parked before the queue
 			return nil, rt.park(pl, pol, req, exclude), nil
@@ -288,7 +292,7 @@ func (rt *Router) release(pl *pool) {
 			continue
 		}
 		w.req.Now = now
-		t, err := rt.routeQueued(pl, w.pol, w.req, w.exclude)
+		t, err := rt.routeQueued(pl, w.pol, w.req, w.exclude, w.anyway)
 		if errors.Is(err, policy.ErrDefer) {
 			break
 		}
@@ -323,15 +327,16 @@ func leave(out []*Waiting) {
 // routeQueued is RouteWith (pol nil: the pool's policy) through pl's flow controller (gated by saturation,
 // the decision checked against the deadline, the work charged), except
 // that a deferral while nothing is in flight in pl (no event would ever
-// release its queue) is overruled. pl's queue's mutex is held.
-func (rt *Router) routeQueued(pl *pool, pol policy.Policy, req *policy.Request, exclude []int) (*Ticket, error) {
-	t, err := rt.routeWith(pol, req, exclude, pl.q)
+// release its queue) is overruled. anyway places a new program without
+// room (it waited AdmissionWait). pl's queue's mutex is held.
+func (rt *Router) routeQueued(pl *pool, pol policy.Policy, req *policy.Request, exclude []int, anyway bool) (*Ticket, error) {
+	t, err := rt.routeWith(pol, req, exclude, pl.q, anyway)
 	if !errors.Is(err, policy.ErrDefer) || rt.inFlight(pl) > 0 {
 		return t, err
 	}
 	req.NoDefer = true
 	defer func() { req.NoDefer = false }()
-	return rt.routeWith(pol, req, exclude, pl.q)
+	return rt.routeWith(pol, req, exclude, pl.q, anyway)
 }
 
 // inFlight is the requests in flight to pl's replicas.

@@ -476,19 +476,27 @@ func (rt *Router) DryRun(req *policy.Request) (policy.Decision, []policy.Replica
 		return policy.Decision{}, views, err
 	}
 	pol := pl.pol.Load().pol
-	if policy.PlacesPrograms(pol) {
-		if d, ok := rt.burstPick(req, views); ok {
-			return d, views, nil
-		}
-		if err := rt.admit(req, views); err != nil {
-			return policy.Decision{}, views, err
-		}
-	}
-	d, err := rt.pick(pol, req, views)
-	if err == nil {
+	d, burst, err := rt.decide(pol, req, views, policy.PlacesPrograms(pol))
+	if err == nil && !burst {
 		rt.pullFor(pol, req, views, &d)
 	}
 	return d, views, err
+}
+
+// decide is pol's decision for req among views; for a policy that places
+// programs (placer), a burst's follower goes with its burst (burst true)
+// and a new program only where it has room (admit: errNoRoom when none has).
+func (rt *Router) decide(pol policy.Policy, req *policy.Request, views []policy.ReplicaView, placer bool) (policy.Decision, bool, error) {
+	if placer {
+		if d, ok := rt.burstPick(req, views); ok {
+			return d, true, nil
+		}
+		if err := rt.admit(req, views); err != nil {
+			return policy.Decision{}, false, err
+		}
+	}
+	d, err := rt.pick(pol, req, views)
+	return d, false, err
 }
 
 // candidates takes out of views (Healthy false) the replicas excluded and
@@ -617,14 +625,16 @@ func (rt *Router) Route(req *policy.Request, exclude ...int) (*Ticket, error) {
 // state. The candidates are still the pool's, and its policy's observer
 // still hears the request, whose load counts like any other.
 func (rt *Router) RouteWith(pol policy.Policy, req *policy.Request, exclude ...int) (*Ticket, error) {
-	return rt.routeWith(pol, req, exclude, nil)
+	return rt.routeWith(pol, req, exclude, nil, false)
 }
 
 // routeWith is RouteWith, through the flow controller of q when q has one
 // (q's mutex held): a saturated pool defers the request, a decision whose
 // estimated first token comes after the request's deadline sheds it, and
-// the ticket's work is charged to its tenant.
-func (rt *Router) routeWith(pol policy.Policy, req *policy.Request, exclude []int, q *queue) (*Ticket, error) {
+// the ticket's work is charged to its tenant. anyway: a new program that
+// waited AdmissionWait for room, placed without it and not deferred by its
+// policy (NoDefer, for this decision only), once the gate lets it go.
+func (rt *Router) routeWith(pol policy.Policy, req *policy.Request, exclude []int, q *queue, anyway bool) (*Ticket, error) {
 	vb := rt.getBuf()
 	defer rt.putBuf(vb)
 	views, approx := rt.views(req, vb)
@@ -642,20 +652,14 @@ func (rt *Router) routeWith(pol policy.Policy, req *policy.Request, exclude []in
 	if fl != nil && !req.NoDefer && fl.saturated(views, req.Priority, policy.PinnedTo(pol)) {
 		return nil, policy.ErrDefer
 	}
-	placer := policy.PlacesPrograms(pol)
-	var d policy.Decision
-	burst := false
-	if placer {
-		if d, burst = rt.burstPick(req, views); !burst {
-			if err := rt.admit(req, views); err != nil {
-				return nil, err
-			}
-		}
+	if anyway && !req.NoDefer {
+		req.NoDefer = true
+		defer func() { req.NoDefer = false }()
 	}
-	if !burst {
-		if d, err = rt.pick(pol, req, views); err != nil {
-			return nil, err
-		}
+	placer := policy.PlacesPrograms(pol)
+	d, _, err := rt.decide(pol, req, views, placer)
+	if err != nil {
+		return nil, err
 	}
 	if d.Replica < 0 || d.Replica >= len(views) || !views[d.Replica].Healthy {
 		return nil, fmt.Errorf("router: policy %s chose replica %d of %d, not a candidate", pol.Name(), d.Replica, len(views))

@@ -1,0 +1,57 @@
+package router
+
+import (
+	"testing"
+	"time"
+
+	"github.com/kvgate/kvgate/internal/policy"
+)
+
+// newFlowProgRig is a flow rig of one replica of 100 blocks (1,600 tokens)
+// whose policy places programs, with KV admission holding new programs for
+// at most wait.
+func newFlowProgRig(t *testing.T, wait time.Duration) *flowRig {
+	t.Helper()
+	return newFlowRigWith(t, 1, tightFlow(), func(c *Config) {
+		c.Policy = placer{c.Policy}
+		c.BlocksPerReplica = 100
+		c.Programs = ProgramConfig{KVAdmission: true, AdmissionWait: wait, AdmissionMinContext: -1}
+	})
+}
+
+// ofProgram makes a request the first turn of program id.
+func ofProgram(id string) func(*policy.Request) {
+	return func(r *policy.Request) { SetProgram(r, id) }
+}
+
+// scrape is an empty scrape of replica 0 now (the queue and the parked
+// programs move).
+func (fr *flowRig) scrape() { fr.rt.SetMetrics(0, Metrics{NumBlocks: 100, BlockSize: 16}, fr.now) }
+
+// A new program held past AdmissionWait is placed without room, but not
+// past the flow controller: while the pool is saturated it waits its turn
+// in the queue like any request, rather than being sent at once, ahead of
+// the requests waiting there (and its retries after it).
+func TestFlowHeldProgramPlacedAnywayWaitsItsTurn(t *testing.T) {
+	fr := newFlowProgRig(t, 2*time.Second)
+	mustSubmit(t, fr, "a", "A", 0, 900, ofProgram("a"))
+	fr.first("a")
+	mustSubmit(t, fr, "b", "B", 0, 900, ofProgram("b")) // held: no room
+	mustSubmit(t, fr, "d", "D", 0, 100)                 // the pool is saturated
+	mustSubmit(t, fr, "e", "E", 0, 100)                 // waits in the queue
+	fr.now = fr.now.Add(2500 * time.Millisecond)
+	fr.scrape()
+	if got := fr.order(); got != "a d" || fr.rt.Queued() != 2 || fr.rt.ProgramStats().Waiting != 0 {
+		t.Fatalf("b past its admission wait with the pool saturated: released %q, %d waiting, %+v; want b queued beside e",
+			fr.order(), fr.rt.Queued(), fr.rt.ProgramStats())
+	}
+	fr.first("d")
+	next := fr.released[len(fr.released)-1]
+	fr.first(next)
+	if got := fr.order(); got != "a d b e" && got != "a d e b" || fr.rt.Queued() != 0 {
+		t.Fatalf("released %q, %d waiting; want b and e in turn, b placed without room", got, fr.rt.Queued())
+	}
+	if tk := fr.tickets["b"]; tk.req.NoDefer {
+		t.Fatal("b's request left with NoDefer set: its retries would skip the flow controller")
+	}
+}
