@@ -55,3 +55,22 @@ func TestFlowHeldProgramPlacedAnywayWaitsItsTurn(t *testing.T) {
 		t.Fatal("b's request left with NoDefer set: its retries would skip the flow controller")
 	}
 }
+
+// A new program held for room joins its pool's queue on whichever
+// goroutine moves the held programs (a first token, a scrape), which sets
+// its expiry while its caller may be reading it (Expires; go test -race).
+func TestFlowExpiresWhileHeldProgramQueues(t *testing.T) {
+	fr := newFlowProgRig(t, time.Hour)
+	mustSubmit(t, fr, "a", "A", 0, 900, ofProgram("a"))
+	fr.first("a")
+	b := mustSubmit(t, fr, "b", "B", 0, 900, ofProgram("b")) // held: no room
+	mustSubmit(t, fr, "c", "C", 0, 100)                      // the pool is saturated
+	fr.now = fr.now.Add(time.Second)
+	read := make(chan time.Time)
+	go func() { read <- b.Expires() }() // the gateway's waitInQueue
+	fr.scrape()                         // b joins the queue
+	<-read
+	if b.Expires().IsZero() || b.Enqueued().IsZero() || fr.rt.Queued() != 1 {
+		t.Fatalf("b should wait in the queue: expires %v, %d queued", b.Expires(), fr.rt.Queued())
+	}
+}

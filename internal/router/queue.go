@@ -73,11 +73,22 @@ func (w *Waiting) Done() <-chan struct{} { return w.done }
 func (w *Waiting) Result() (*Ticket, error) { return w.t, w.err }
 
 // Enqueued is when the request started waiting.
-func (w *Waiting) Enqueued() time.Time { return w.enqueued }
+func (w *Waiting) Enqueued() time.Time {
+	q := w.pl.q
+	q.mu.Lock() // a new program held for room joins the queue on another goroutine (releaseParked)
+	defer q.mu.Unlock()
+	return w.enqueued
+}
 
 // Expires is when the request's wait ends, shed (its deadline or its
-// band's TTL; zero with flow control off: the caller bounds the wait).
-func (w *Waiting) Expires() time.Time { return w.expires }
+// band's TTL; zero with flow control off: the caller bounds the wait; zero
+// while a new program is held for room, until it joins the queue).
+func (w *Waiting) Expires() time.Time {
+	q := w.pl.q
+	q.mu.Lock() // as Enqueued
+	defer q.mu.Unlock()
+	return w.expires
+}
 
 // queue is one pool's queue: its bands, most urgent first, each holding
 // the tenants with requests waiting in it.
