@@ -454,6 +454,25 @@ func (f *flow) replicaSaturated(v *policy.ReplicaView) bool {
 	return f.cfg.Profile.PrefillMs(int(min(tokens, limit)), 0, f.cfg.MaxBatchTokens) > s.QueueMs
 }
 
+// errHeldAlone: the flow controller holds a request whose own candidates
+// are all saturated while another replica of its pool in rotation has
+// room (a retry excluding the replica that failed it, a model or adapter
+// only some replicas list): it waits for its own, but the requests behind
+// it in the queue need not (release), nor newcomers (Submit).
+var errHeldAlone = fmt.Errorf("%w: its own replicas are saturated", policy.ErrDefer)
+
+// held is why the flow controller holds a request whose candidates
+// (Healthy in views, every one saturated) are pl's: errHeldAlone when
+// another replica of pl in rotation has room, else policy.ErrDefer.
+func (rt *Router) held(pl *pool, fl *flow, views []policy.ReplicaView) error {
+	for i, r := range rt.reps()[:len(views)] {
+		if !views[i].Healthy && pl.has(r) && r.healthy.Load() && !r.removed.Load() && !fl.replicaSaturated(&views[i]) {
+			return errHeldAlone
+		}
+	}
+	return policy.ErrDefer
+}
+
 // feasible checks a decision against req's deadline: a first token the
 // policy estimates after it is shed now.
 func (f *flow) feasible(req *policy.Request, d policy.Decision) error {

@@ -1,10 +1,12 @@
 package router
 
 import (
+	"strings"
 	"testing"
 	"time"
 
 	"github.com/kvgate/kvgate/internal/policy"
+	"github.com/kvgate/kvgate/internal/prompt"
 )
 
 // newFlowProgRig is a flow rig of one replica of 100 blocks (1,600 tokens)
@@ -72,5 +74,42 @@ func TestFlowExpiresWhileHeldProgramQueues(t *testing.T) {
 	<-read
 	if b.Expires().IsZero() || b.Enqueued().IsZero() || fr.rt.Queued() != 1 {
 		t.Fatalf("b should wait in the queue: expires %v, %d queued", b.Expires(), fr.rt.Queued())
+	}
+}
+
+// A request held for its own candidates (a retry excluding the replica
+// that failed it; an adapter only some replicas list) does not hold the
+// requests behind it that a replica with room can take, nor newcomers: it
+// waits for its own, they go. The queue released in order and stopped at
+// the first request held, and a newcomer queued behind it: every tenant
+// waited behind one retry while a replica had room.
+func TestFlowNarrowHeadDoesNotBlockTheQueue(t *testing.T) {
+	fr := newFlowRig(t, 2, tightFlow())
+	mustSubmit(t, fr, "a1", "A", 0, 100) // r0
+	mustSubmit(t, fr, "a2", "A", 0, 100) // r1: the pool is saturated
+	req := fr.rt.Prepare(&prompt.Parsed{Kind: prompt.Completion, Model: "m", Text: "retry " + strings.Repeat("abcd", 100), Prompts: 1, MaxTokens: 10}, "", "")
+	req.Tenant = "A"
+	tk, x, err := fr.rt.Submit(req, 1) // a retry that failed on r1: r0 alone
+	if err != nil || tk != nil || x == nil {
+		t.Fatalf("the retry should wait: %v %v %v", tk, x, err)
+	}
+	mustSubmit(t, fr, "b1", "B", 0, 100) // behind the retry (A before B: equal counters)
+	fr.first("a2")                       // r1 has room, r0 not: the retry is held alone, b1 goes
+	if tk := fr.tickets["b1"]; tk == nil || tk.Replica != 1 {
+		t.Fatalf("b1 waits behind the retry while r1 has room: released %q, %d waiting", fr.order(), fr.rt.Queued())
+	}
+	fr.first("b1")
+	if _, err := fr.submit("c1", "C", 0, 100); err != nil || fr.tickets["c1"] == nil {
+		t.Fatalf("c1, with only the retry waiting and r1 free: %v, released %q", err, fr.order())
+	}
+	select {
+	case <-x.Done():
+		t.Fatal("the retry went while r0 was saturated")
+	default:
+	}
+	fr.first("a1") // r0 has room: the retry goes there
+	<-x.Done()
+	if tk, err := x.Result(); err != nil || tk.Replica != 0 || fr.rt.Queued() != 0 {
+		t.Fatalf("the retry: %v %v, %d waiting", tk, err, fr.rt.Queued())
 	}
 }

@@ -138,9 +138,14 @@ func flowAction(rt *rapid.T, fr *flowRig, cases *[]*flowCase, step int) {
 	}
 }
 
-// flowSubmit submits a random request.
+// flowSubmit submits a random request, at times a retry excluding a
+// replica (held for its own candidates alone: errHeldAlone).
 func flowSubmit(rt *rapid.T, fr *flowRig, step int) *flowCase {
 	c := &flowCase{prio: rapid.IntRange(0, 3).Draw(rt, "prio")}
+	fr.exclude = nil
+	if n := fr.rt.Replicas(); n > 1 && rapid.IntRange(0, 3).Draw(rt, "retry") == 0 {
+		fr.exclude = []int{rapid.IntRange(0, n-1).Draw(rt, "excluded")}
+	}
 	tenant := rapid.SampledFrom([]string{"A", "B", "C"}).Draw(rt, "tenant")
 	deadline := rapid.IntRange(0, 5000).Draw(rt, "deadline_ms")
 	w, err := fr.submit(fmt.Sprint("req", step), tenant, c.prio, rapid.IntRange(1, 3000).Draw(rt, "tokens"), func(r *policy.Request) {
@@ -190,7 +195,9 @@ func checkFlow(rt *rapid.T, fr *flowRig, cases []*flowCase, routedFromQueue map[
 		switch c.state {
 		case "waiting":
 			waiting++
-			minWaiting = min(minWaiting, c.prio)
+			if !c.w.alone { // held for its own replicas: the others may pass it
+				minWaiting = min(minWaiting, c.prio)
+			}
 		case "routed":
 			if !c.done {
 				inFlight++
@@ -204,6 +211,9 @@ func checkFlow(rt *rapid.T, fr *flowRig, cases []*flowCase, routedFromQueue map[
 	}
 	if got := fr.rt.Queued(); got != waiting {
 		rt.Fatalf("queue holds %d, %d waiting", got, waiting)
+	}
+	if q := fr.rt.pools[0].q; q.alone < 0 || q.alone > q.n {
+		rt.Fatalf("%d of %d waiting counted as held alone", q.alone, q.n)
 	}
 	n := 0
 	for i := range fr.rt.Replicas() {

@@ -90,6 +90,9 @@ func (q *queue) push(w *Waiting, prio int, conf Band, ten *tenant) {
 	b.work += w.work
 	b.n++
 	q.n++
+	if w.alone {
+		q.alone++
+	}
 	ten.queued++
 	if q.fl != nil {
 		q.fl.activate(ten)
@@ -106,16 +109,46 @@ func (q *queue) findBand(p int) *band {
 }
 
 // head is the next request: of the most urgent band, the tenant with the
-// least counter (ties by name), its first by rank, due time and arrival.
+// least counter (ties by name), its first by rank, due time and arrival;
+// requests set aside (setAside) are passed over. nil: none.
 func (q *queue) head() *Waiting {
-	b := q.bands[0]
-	best := b.tenants[0]
-	for _, tq := range b.tenants[1:] {
-		if tq.t.vtime < best.t.vtime || tq.t.vtime == best.t.vtime && tq.t.name < best.t.name {
-			best = tq
+	for _, b := range q.bands {
+		var best *tenantQ
+		for _, tq := range b.tenants {
+			if len(tq.h) > 0 && (best == nil || tq.t.vtime < best.t.vtime || tq.t.vtime == best.t.vtime && tq.t.name < best.t.name) {
+				best = tq
+			}
+		}
+		if best != nil {
+			return best.h[0]
 		}
 	}
-	return best.h[0]
+	return nil
+}
+
+// setAlone marks w held for its own candidates alone, or not.
+func (q *queue) setAlone(w *Waiting, alone bool) {
+	switch {
+	case alone && !w.alone:
+		q.alone++
+	case !alone && w.alone:
+		q.alone--
+	}
+	w.alone = alone
+}
+
+// setAside takes w out of its tenant's heap for the rest of one release,
+// still counted as waiting (its tenant, band and queue), so that head
+// passes over it; restore puts the requests set aside back.
+func (q *queue) setAside(w *Waiting) { heap.Remove(&w.tq.h, w.idx) }
+
+func (q *queue) restore(aside []*Waiting) {
+	for _, w := range aside {
+		heap.Push(&w.tq.h, w)
+		if !slices.Contains(w.bnd.tenants, w.tq) { // its tenant's last other request left meanwhile
+			w.bnd.tenants = append(w.bnd.tenants, w.tq)
+		}
+	}
 }
 
 // remove takes w out of the queue (it leaves: routed, shed or cancelled).
@@ -127,6 +160,9 @@ func (q *queue) remove(w *Waiting) {
 	b.work -= w.work
 	b.n--
 	q.n--
+	if w.alone {
+		q.alone--
+	}
 	tq.t.queued--
 	if q.fl != nil {
 		q.fl.deactivate(tq.t)

@@ -23,6 +23,8 @@ type flowRig struct {
 	// their error's reason ("" when routed).
 	released []string
 	tickets  map[string]*Ticket
+	// exclude is the replicas the next submit excludes (a retry's).
+	exclude []int
 }
 
 func newFlowRig(t *testing.T, replicas int, fc FlowConfig) *flowRig {
@@ -86,7 +88,7 @@ func (fr *flowRig) submitWith(pol policy.Policy, name, tenant string, prio, toke
 	for _, m := range mod {
 		m(req)
 	}
-	tk, w, err := fr.rt.SubmitWith(pol, req)
+	tk, w, err := fr.rt.SubmitWith(pol, req, fr.exclude...)
 	if err != nil {
 		return nil, err
 	}

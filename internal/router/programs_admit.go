@@ -132,6 +132,7 @@ func (rt *Router) releaseParked() {
 		case errors.Is(err, errNoRoom):
 			keep = append(keep, w)
 		case errors.Is(err, policy.ErrDefer):
+			w.alone = errors.Is(err, errHeldAlone)
 			ev, qerr := q.admit(w, w.req.Now)
 			evicted = append(evicted, ev...)
 			if qerr != nil { // the queue cannot take it: refused as Submit would

@@ -14,7 +14,8 @@ import (
 // now: Dynamo's router queue), or the flow controller may find the pool
 // saturated; the request then waits in the router and is routed when a
 // replica's prefill work shrinks (a first token, an end) or the router's
-// view changes (a scrape). While requests wait, newcomers queue too, in
+// view changes (a scrape). While requests wait, newcomers queue too (but
+// for those held for their own replicas alone: errHeldAlone), in
 // the queue's order (Less): by band and tenant share with flow control on;
 // within them deadlines first, then turn priority, then by when a
 // request's first token could come at the earliest under a policy that
@@ -63,6 +64,10 @@ type Waiting struct {
 	// skipped the gate then and for the request's retries).
 	since  time.Time
 	anyway bool
+	// alone: the flow controller last held it for its own candidates
+	// alone, while another replica of its pool had room (errHeldAlone):
+	// the requests behind it need not wait for it (release).
+	alone bool
 }
 
 // Done is closed when the request has left the queue.
@@ -99,6 +104,7 @@ type queue struct {
 	seq   uint64
 	fl    *flow   // nil: flow control off
 	solo  *tenant // the one tenant of a queue without flow control
+	alone int     // of n, those held for their own candidates alone (Waiting.alone)
 }
 
 // band is one priority's requests.
@@ -198,9 +204,10 @@ func (rt *Router) SubmitWith(pol policy.Policy, req *policy.Request, exclude ...
 	}
 	q := pl.q
 	q.mu.Lock()
-	saturated := q.n > 0
-	if !saturated {
-		t, err := rt.routeQueued(pl, pol, req, exclude, false)
+	var err error
+	if q.n == q.alone { // nothing waits that this request could pass
+		var t *Ticket
+		t, err = rt.routeQueued(pl, pol, req, exclude, false)
 		if errors.Is(err, errNoRoom) {
 			q.mu.Unlock() // lock order: parked before the queue
 			return nil, rt.park(pl, pol, req, exclude), nil
@@ -211,7 +218,8 @@ func (rt *Router) SubmitWith(pol policy.Policy, req *policy.Request, exclude ...
 		}
 	}
 	rt.lookupProgram(req) // whether it continues a program (turn priority), when no decision looked yet
-	w := &Waiting{req: req, pl: pl, pol: pol, exclude: slices.Clone(exclude), done: make(chan struct{}), prefillMs: rt.prefillMs(pl, pol, req)}
+	w := &Waiting{req: req, pl: pl, pol: pol, exclude: slices.Clone(exclude), done: make(chan struct{}), prefillMs: rt.prefillMs(pl, pol, req),
+		alone: errors.Is(err, errHeldAlone)}
 	evicted, err := q.admit(w, rt.cfg.Now())
 	q.mu.Unlock()
 	leave(evicted)
@@ -287,14 +295,17 @@ func (rt *Router) Release() {
 }
 
 // release routes pl's queue's head while the pool takes it: a head past
-// its expiry is shed instead, and a new program with no room leaves the
-// queue to wait for room apart (programs_admit.go).
+// its expiry is shed instead, a new program with no room leaves the
+// queue to wait for room apart (programs_admit.go), and a head the flow
+// controller holds for its own candidates alone (errHeldAlone: a retry
+// excluding a replica, a model only some replicas list) is passed over
+// while another replica has room for the requests behind it.
 func (rt *Router) release(pl *pool) {
 	q := pl.q
 	q.mu.Lock()
-	var out, noRoom []*Waiting
+	var out, noRoom, aside []*Waiting
 	now := rt.cfg.Now()
-	for q.n > 0 {
+	for q.n > len(aside) {
 		w := q.head()
 		if !w.expires.IsZero() && !now.Before(w.expires) {
 			q.remove(w)
@@ -305,7 +316,13 @@ func (rt *Router) release(pl *pool) {
 		w.req.Now = now
 		t, err := rt.routeQueued(pl, w.pol, w.req, w.exclude, w.anyway)
 		if errors.Is(err, policy.ErrDefer) {
-			break
+			q.setAlone(w, errors.Is(err, errHeldAlone))
+			if !w.alone || len(aside) == maxPassedOver {
+				break
+			}
+			q.setAside(w) // held for its own replicas: the next may go
+			aside = append(aside, w)
+			continue
 		}
 		q.remove(w)
 		if errors.Is(err, errNoRoom) {
@@ -318,12 +335,18 @@ func (rt *Router) release(pl *pool) {
 		w.t, w.err = t, err
 		out = append(out, w)
 	}
+	q.restore(aside)
 	q.mu.Unlock()
 	for _, w := range noRoom {
 		rt.progs.park.add(w, now)
 	}
 	leave(out)
 }
+
+// maxPassedOver bounds the requests held for their own candidates alone
+// that one release passes over to reach those behind them (each costs a
+// decision).
+const maxPassedOver = 16
 
 // leave tells the requests that left the queue.
 func leave(out []*Waiting) {

@@ -650,7 +650,7 @@ func (rt *Router) routeWith(pol policy.Policy, req *policy.Request, exclude []in
 		pol = pl.pol.Load().pol
 	}
 	if fl != nil && !req.NoDefer && fl.saturated(views, req.Priority, policy.PinnedTo(pol)) {
-		return nil, policy.ErrDefer
+		return nil, rt.held(pl, fl, views)
 	}
 	if anyway && !req.NoDefer {
 		req.NoDefer = true
