@@ -3,6 +3,7 @@ package router
 import (
 	"errors"
 	"fmt"
+	"math"
 	"strings"
 	"sync/atomic"
 
@@ -52,6 +53,21 @@ type pool struct {
 	all   bool // the default pool: every model, every replica
 	pol   *atomic.Pointer[policies]
 	q     *queue
+	// idleCtx is the EWMA of the contexts of the pool's programs gone idle
+	// past IdleTTL (float64 bits; 0: none yet), read by admission without
+	// a lock (ProgramConfig.AdmissionMinContext).
+	idleCtx atomic.Uint64
+}
+
+// noteIdle adds a context gone idle to idleCtx's EWMA (weight 0.1). The
+// program table's mutex serialises the calls.
+func (p *pool) noteIdle(tokens int) {
+	x := float64(max(tokens, 0))
+	old := math.Float64frombits(p.idleCtx.Load())
+	if old > 0 {
+		x = old + 0.1*(x-old)
+	}
+	p.idleCtx.Store(math.Float64bits(x))
 }
 
 // newPools builds cfg's pools (the default pool when none are configured).

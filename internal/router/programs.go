@@ -1,9 +1,7 @@
 package router
 
 import (
-	"math"
 	"sync"
-	"sync/atomic"
 	"time"
 
 	"github.com/kvgate/kvgate/internal/policy"
@@ -245,10 +243,10 @@ type programs struct {
 
 	park parked // new programs waiting for room (admission)
 
-	// idleCtx is the EWMA of the contexts of programs gone idle past
-	// IdleTTL (float64 bits; 0: none yet), read by admission without ps.mu
-	// (AdmissionMinContext).
-	idleCtx atomic.Uint64
+	// onIdle, when set, hears the context of each program gone idle past
+	// IdleTTL, by its home slot: its pool keeps their EWMA, admission's
+	// gate (AdmissionMinContext; pool.noteIdle).
+	onIdle func(slot, tokens int)
 }
 
 func newPrograms(cfg ProgramConfig) *programs {
@@ -331,7 +329,9 @@ func (ps *programs) expire(now time.Time) {
 		if now.Sub(p.last) < ps.cfg.IdleTTL {
 			return
 		}
-		ps.noteIdle(p.tokens)
+		if ps.onIdle != nil {
+			ps.onIdle(p.home, p.tokens)
+		}
 		ps.detach(p)
 		ps.attach(p, false)
 	}
@@ -524,12 +524,13 @@ func ProgramOf(p *prompt.Parsed, session string) string {
 	return ProgramName(id)
 }
 
-// noteIdle adds a context gone idle to idleCtx's EWMA. ps.mu held.
-func (ps *programs) noteIdle(tokens int) {
-	x := float64(max(tokens, 0))
-	old := math.Float64frombits(ps.idleCtx.Load())
-	if old > 0 {
-		x = old + 0.1*(x-old)
+// programIdled adds the context of a program gone idle on slot to the
+// EWMA of its pool (one pool's long contexts gate no other pool's new
+// programs). The program table's mutex is held.
+func (rt *Router) programIdled(slot, tokens int) {
+	if reps := rt.reps(); slot >= 0 && slot < len(reps) {
+		if pl := rt.poolOf(reps[slot]); pl != nil {
+			pl.noteIdle(tokens)
+		}
 	}
-	ps.idleCtx.Store(math.Float64bits(x))
 }

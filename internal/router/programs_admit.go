@@ -32,12 +32,12 @@ var errNoRoom = errors.New("router: no replica has room for a new program")
 // req, a new program, or answers errNoRoom when none has. A request that
 // must be routed now (NoDefer), or whose program fits no replica even
 // empty, is placed by the policy alone.
-func (rt *Router) admit(req *policy.Request, views []policy.ReplicaView) error {
+func (rt *Router) admit(pl *pool, req *policy.Request, views []policy.ReplicaView) error {
 	if !rt.progs.cfg.KVAdmission || req.Program.ID == 0 || req.Program.Continues {
 		return nil
 	}
-	if m := rt.progs.cfg.AdmissionMinContext; m > 0 && math.Float64frombits(rt.progs.idleCtx.Load()) < float64(m) {
-		return nil // programs here are short: a hold would only delay them
+	if m := rt.progs.cfg.AdmissionMinContext; m > 0 && math.Float64frombits(pl.idleCtx.Load()) < float64(m) {
+		return nil // programs here (req's pool) are short: a hold would only delay them
 	}
 	share := rt.progs.cfg.KVShare
 	fit, ever := 0, false

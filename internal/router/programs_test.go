@@ -413,3 +413,42 @@ func TestBurstPendingCountsFollowers(t *testing.T) {
 		t.Fatalf("BurstPending %v once all ended, want none", got)
 	}
 }
+
+// Admission's gate (AdmissionMinContext) is each pool's: the long
+// contexts of one pool's programs going idle do not hold the new programs
+// of another pool whose programs never went idle long. The EWMA was the
+// router's: an agents pool made a chat pool's first turns wait.
+func TestProgramAdmissionGateIsThePools(t *testing.T) {
+	now := time.Unix(1000, 0)
+	rt, err := New(Config{
+		Specs: []Spec{{URL: "ra", Pool: "agents"}, {URL: "rb", Pool: "chat"}},
+		Pools: []Pool{{Name: "agents", Models: []string{"agent"}, Policy: placer{leastLoadPolicy(t)}},
+			{Name: "chat", Models: []string{"chat"}, Policy: placer{leastLoadPolicy(t)}}},
+		Policy: leastLoadPolicy(t), Now: func() time.Time { return now }, BlocksPerReplica: 100,
+		Programs: ProgramConfig{KVAdmission: true, IdleTTL: 10 * time.Second, AdmissionMinContext: 500},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	req := func(model, id, word string) *policy.Request {
+		p := &prompt.Parsed{Kind: prompt.Completion, Model: model, Text: strings.Repeat(word, 900*4/len(word)), MaxTokens: 16, Prompts: 1}
+		return rt.Prepare(p, id, "")
+	}
+	tk, _, err := rt.Submit(req("agent", "a", "aa ")) // 916 tokens on ra
+	if err != nil || tk == nil {
+		t.Fatalf("a: %v %v", tk, err)
+	}
+	tk.Done(now, Outcome{CachedTokens: -1})
+	now = now.Add(11 * time.Second)
+	if st := rt.ProgramStats(); st.Live != 0 { // a idles past its TTL: a long context gone idle in agents
+		t.Fatalf("a still live: %+v", st)
+	}
+	b, _, err := rt.Submit(req("chat", "b", "bb ")) // rb: room for one
+	if err != nil || b == nil {
+		t.Fatalf("b: %v %v", b, err)
+	}
+	c, w, err := rt.Submit(req("chat", "c", "cc ")) // no room on rb, but no chat program went idle
+	if err != nil || c == nil || w != nil {
+		t.Fatalf("c, in a pool whose programs never idled long: held %v, err %v", w != nil, err)
+	}
+}

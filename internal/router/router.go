@@ -215,6 +215,7 @@ func New(cfg Config) (*Router, error) {
 	if err := rt.newPools(cfg.Pools); err != nil {
 		return nil, err
 	}
+	rt.progs.onIdle = rt.programIdled
 	if cfg.Precise {
 		pix, err := prefixindex.New(prefixindex.Config{Replicas: len(cfg.Specs), MaxEntries: cfg.MaxEntries})
 		if err != nil {
@@ -476,22 +477,23 @@ func (rt *Router) DryRun(req *policy.Request) (policy.Decision, []policy.Replica
 		return policy.Decision{}, views, err
 	}
 	pol := pl.pol.Load().pol
-	d, burst, err := rt.decide(pol, req, views, policy.PlacesPrograms(pol))
+	d, burst, err := rt.decide(pl, pol, req, views, policy.PlacesPrograms(pol))
 	if err == nil && !burst {
 		rt.pullFor(pol, req, views, &d)
 	}
 	return d, views, err
 }
 
-// decide is pol's decision for req among views; for a policy that places
-// programs (placer), a burst's follower goes with its burst (burst true)
-// and a new program only where it has room (admit: errNoRoom when none has).
-func (rt *Router) decide(pol policy.Policy, req *policy.Request, views []policy.ReplicaView, placer bool) (policy.Decision, bool, error) {
+// decide is pol's decision for req, of pool pl, among views; for a policy
+// that places programs (placer), a burst's follower goes with its burst
+// (burst true) and a new program only where it has room (admit: errNoRoom
+// when none has).
+func (rt *Router) decide(pl *pool, pol policy.Policy, req *policy.Request, views []policy.ReplicaView, placer bool) (policy.Decision, bool, error) {
 	if placer {
 		if d, ok := rt.burstPick(req, views); ok {
 			return d, true, nil
 		}
-		if err := rt.admit(req, views); err != nil {
+		if err := rt.admit(pl, req, views); err != nil {
 			return policy.Decision{}, false, err
 		}
 	}
@@ -657,7 +659,7 @@ func (rt *Router) routeWith(pol policy.Policy, req *policy.Request, exclude []in
 		defer func() { req.NoDefer = false }()
 	}
 	placer := policy.PlacesPrograms(pol)
-	d, _, err := rt.decide(pol, req, views, placer)
+	d, _, err := rt.decide(pl, pol, req, views, placer)
 	if err != nil {
 		return nil, err
 	}
