@@ -113,3 +113,26 @@ func TestFlowNarrowHeadDoesNotBlockTheQueue(t *testing.T) {
 		t.Fatalf("the retry: %v %v, %d waiting", tk, err, fr.rt.Queued())
 	}
 }
+
+// The same for a model only some replicas list (a LoRA adapter loaded on
+// r0 alone): its requests wait for r0, the base model's go to r1.
+func TestFlowAdapterOnOneReplicaDoesNotBlockTheQueue(t *testing.T) {
+	fr := newFlowRig(t, 2, tightFlow())
+	fr.rt.Replica(0).SetServed(NewServed([]Model{{ID: "m", Root: "m"}, {ID: "lora", Parent: "m"}}, nil))
+	fr.rt.Replica(1).SetServed(NewServed([]Model{{ID: "m", Root: "m"}}, nil))
+	mustSubmit(t, fr, "a1", "A", 0, 100) // r0, saturated now
+	req := fr.rt.Prepare(&prompt.Parsed{Kind: prompt.Completion, Model: "lora", Text: "adapter " + strings.Repeat("abcd", 100), Prompts: 1, MaxTokens: 10}, "", "")
+	req.Tenant = "A"
+	tk, x, err := fr.rt.Submit(req)
+	if err != nil || tk != nil || x == nil {
+		t.Fatalf("the adapter's request should wait for r0: %v %v %v", tk, x, err)
+	}
+	if _, err := fr.submit("b1", "B", 0, 100); err != nil || fr.tickets["b1"] == nil || fr.tickets["b1"].Replica != 1 {
+		t.Fatalf("b1 waits behind the adapter's request while r1 has room: %v, released %q", err, fr.order())
+	}
+	fr.first("a1")
+	<-x.Done()
+	if tk, err := x.Result(); err != nil || tk.Replica != 0 {
+		t.Fatalf("the adapter's request: %v %v", tk, err)
+	}
+}
