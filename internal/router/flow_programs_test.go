@@ -1,6 +1,7 @@
 package router
 
 import (
+	"fmt"
 	"strings"
 	"testing"
 	"time"
@@ -134,5 +135,30 @@ func TestFlowAdapterOnOneReplicaDoesNotBlockTheQueue(t *testing.T) {
 	<-x.Done()
 	if tk, err := x.Result(); err != nil || tk.Replica != 0 {
 		t.Fatalf("the adapter's request: %v %v", tk, err)
+	}
+}
+
+// More requests held alone than one pass decides on (maxPassedOver): those
+// with the same candidates as one found held are passed over without a
+// decision, and the request behind them goes.
+func TestFlowManyHeldAloneArePassedOver(t *testing.T) {
+	fr := newFlowRig(t, 2, tightFlow())
+	fr.rt.Replica(0).SetServed(NewServed([]Model{{ID: "m", Root: "m"}, {ID: "lora", Parent: "m"}}, nil))
+	fr.rt.Replica(1).SetServed(NewServed([]Model{{ID: "m", Root: "m"}}, nil))
+	mustSubmit(t, fr, "a1", "A", 0, 100) // r0
+	mustSubmit(t, fr, "a2", "A", 0, 100) // r1: the pool is saturated
+	n := 2*maxPassedOver + 1
+	for i := range n {
+		text := fmt.Sprintf("adapter %d %s", i, strings.Repeat("abcd", 100))
+		req := fr.rt.Prepare(&prompt.Parsed{Kind: prompt.Completion, Model: "lora", Text: text, Prompts: 1, MaxTokens: 10}, "", "")
+		req.Tenant = "A"
+		if tk, w, err := fr.rt.Submit(req); err != nil || tk != nil || w == nil {
+			t.Fatalf("adapter request %d should wait: %v %v %v", i, tk, w, err)
+		}
+	}
+	mustSubmit(t, fr, "b1", "B", 0, 100) // behind them all (A before B: equal counters)
+	fr.first("a2")                       // r1 has room
+	if tk := fr.tickets["b1"]; tk == nil || tk.Replica != 1 || fr.rt.Queued() != n {
+		t.Fatalf("b1 waits behind %d adapter requests while r1 has room: released %q, %d waiting", n, fr.order(), fr.rt.Queued())
 	}
 }

@@ -303,9 +303,10 @@ func (rt *Router) Release() {
 func (rt *Router) release(pl *pool) {
 	q := pl.q
 	q.mu.Lock()
-	var out, noRoom, aside []*Waiting
+	var out, noRoom []*Waiting
+	var po passOver
 	now := rt.cfg.Now()
-	for q.n > len(aside) {
+	for q.n > len(po.aside) {
 		w := q.head()
 		if !w.expires.IsZero() && !now.Before(w.expires) {
 			q.remove(w)
@@ -313,16 +314,16 @@ func (rt *Router) release(pl *pool) {
 			out = append(out, w)
 			continue
 		}
+		if po.same(q, w) {
+			continue
+		}
 		w.req.Now = now
 		t, err := rt.routeQueued(pl, w.pol, w.req, w.exclude, w.anyway)
 		if errors.Is(err, policy.ErrDefer) {
-			q.setAlone(w, errors.Is(err, errHeldAlone))
-			if !w.alone || len(aside) == maxPassedOver {
-				break
+			if po.held(q, w, err) {
+				continue
 			}
-			q.setAside(w) // held for its own replicas: the next may go
-			aside = append(aside, w)
-			continue
+			break
 		}
 		q.remove(w)
 		if errors.Is(err, errNoRoom) {
@@ -335,7 +336,7 @@ func (rt *Router) release(pl *pool) {
 		w.t, w.err = t, err
 		out = append(out, w)
 	}
-	q.restore(aside)
+	q.restore(po.aside)
 	q.mu.Unlock()
 	for _, w := range noRoom {
 		rt.progs.park.add(w, now)
@@ -343,10 +344,49 @@ func (rt *Router) release(pl *pool) {
 	leave(out)
 }
 
-// maxPassedOver bounds the requests held for their own candidates alone
-// that one release passes over to reach those behind them (each costs a
-// decision).
-const maxPassedOver = 16
+// passOver is one release pass's requests held for their own candidates
+// alone (errHeldAlone), set aside so that those behind them may go: tried
+// are those a decision found held, aside those and the requests held for
+// the same reason (same, without a decision).
+type passOver struct{ tried, aside []*Waiting }
+
+// Bounds of one pass: the decisions that find a request held alone (a
+// decision is about 8 µs at 16 replicas, BenchmarkDecisionFlow), and the
+// requests set aside in all.
+const (
+	maxPassedOver = 16
+	maxSetAside   = 1024
+)
+
+// held sets w aside when err says it is held for its own candidates alone
+// (and records why); false: the pass stops at w.
+func (p *passOver) held(q *queue, w *Waiting, err error) bool {
+	q.setAlone(w, errors.Is(err, errHeldAlone))
+	if !w.alone || len(p.tried) == maxPassedOver || len(p.aside) == maxSetAside {
+		return false
+	}
+	q.setAside(w)
+	p.tried, p.aside = append(p.tried, w), append(p.aside, w)
+	return true
+}
+
+// same sets w aside, without a decision, when a request tried in this pass
+// was held alone with the same candidates: the same model and exclusions
+// under the pool's policy (the gate reads only the candidates' loads).
+func (p *passOver) same(q *queue, w *Waiting) bool {
+	if w.pol != nil || w.req.NoDefer || len(p.aside) == maxSetAside {
+		return false
+	}
+	for _, x := range p.tried {
+		if x.pol == nil && x.req.Model == w.req.Model && slices.Equal(x.exclude, w.exclude) {
+			q.setAlone(w, true)
+			q.setAside(w)
+			p.aside = append(p.aside, w)
+			return true
+		}
+	}
+	return false
+}
 
 // leave tells the requests that left the queue.
 func leave(out []*Waiting) {
