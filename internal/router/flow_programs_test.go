@@ -162,3 +162,45 @@ func TestFlowManyHeldAloneArePassedOver(t *testing.T) {
 		t.Fatalf("b1 waits behind %d adapter requests while r1 has room: released %q, %d waiting", n, fr.order(), fr.rt.Queued())
 	}
 }
+
+// holdAgain brings new program b to be held for room a second time, after
+// a trip through the queue (the pool was saturated when it tried again):
+// it carries the expiry the queue gave it. The replica holds program a.
+func holdAgain(t *testing.T, fr *flowRig) *Waiting {
+	t.Helper()
+	mustSubmit(t, fr, "a", "A", 0, 900, ofProgram("a"))
+	fr.first("a")
+	b := mustSubmit(t, fr, "b", "B", 0, 900, ofProgram("b")) // held: no room
+	mustSubmit(t, fr, "c", "C", 0, 100)                      // the pool is saturated
+	fr.now = fr.now.Add(time.Second)
+	fr.scrape() // b joins the queue
+	if b.Expires().IsZero() || fr.rt.Queued() != 1 || fr.rt.ProgramStats().Waiting != 0 {
+		t.Fatalf("b should wait in the queue with an expiry: %v, %d queued", b.Expires(), fr.rt.Queued())
+	}
+	fr.first("c") // b leaves the queue, still without room: held again
+	if fr.rt.ProgramStats().Waiting != 1 {
+		t.Fatalf("b should be held again: %+v", fr.rt.ProgramStats())
+	}
+	return b
+}
+
+// A new program held again after a trip through the queue is shed when
+// its expiry comes, like any request waiting: Expire answered nil ("it
+// left the queue") while it still waited, and its caller (the gateway)
+// then waited on Done past the request's TTL for a placement that might
+// never come.
+func TestFlowExpireHeldProgram(t *testing.T) {
+	fr := newFlowProgRig(t, time.Hour)
+	b := holdAgain(t, fr)
+	fr.now = b.Expires()
+	err := fr.rt.Expire(b)
+	if reason(err) != ShedTTL {
+		t.Fatalf("expire of b, held again: %v; want shed (ttl)", err)
+	}
+	if st := fr.rt.ProgramStats(); st.Waiting != 0 || fr.rt.Queued() != 0 {
+		t.Fatalf("b still waits after its expiry: %+v, %d queued", st, fr.rt.Queued())
+	}
+	if fr.rt.Expire(b) != nil || fr.rt.Cancel(b) {
+		t.Fatal("b expired twice")
+	}
+}

@@ -248,14 +248,19 @@ func (rt *Router) Cancel(w *Waiting) bool {
 
 // Expire sheds w if it is still waiting (its Expires came: the caller's
 // timer) and returns why; nil means it already left the queue (Result).
+// A new program held for room again after a trip through the queue
+// (programs_admit.go) still waits, under the expiry the queue gave it.
 func (rt *Router) Expire(w *Waiting) error {
+	parked := rt.progs.park.cancel(w) // lock order: parked before the queue
 	q := w.pl.q
 	q.mu.Lock()
 	defer q.mu.Unlock()
-	if w.tq == nil {
+	if !parked && w.tq == nil {
 		return nil
 	}
-	q.remove(w)
+	if !parked {
+		q.remove(w)
+	}
 	return q.expiredErr(w)
 }
 
