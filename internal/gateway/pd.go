@@ -364,7 +364,7 @@ func (g *Gateway) readPrefill(x *exchange, a *attempt, ctx context.Context, body
 	}
 	a.tk.Accept()
 	if ans.Usage != nil {
-		a.cached, a.output = ans.Usage.Cached(), ans.Usage.CompletionTokens
+		a.cached, _, a.output = boundedUsage(ans.Usage)
 	}
 	switch kv := bytes.TrimSpace(ans.KV); {
 	case len(kv) > 0 && kv[0] == '{':

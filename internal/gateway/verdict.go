@@ -117,9 +117,30 @@ type attempt struct {
 	firstAt time.Time
 }
 
-// noteUsage keeps what an answer's usage says.
+// noteUsage keeps what an answer's usage says, bounded (boundedUsage).
 func (a *attempt) noteUsage(u *openai.Usage) {
-	a.cached, a.prompt, a.output = u.Cached(), u.PromptTokens, u.CompletionTokens
+	a.cached, a.prompt, a.output = boundedUsage(u)
+}
+
+// maxUsageTokens bounds each count of a replica's usage: 2^24 tokens, as
+// max_tokens and a program's context are bounded.
+const maxUsageTokens = 1 << 24
+
+// boundedUsage is a replica's usage as the gateway may count it (a
+// replica's answer is an outside value): prompt and output tokens in [0,
+// maxUsageTokens], cached tokens at most the prompt's, or -1 (not
+// reported) when absent or negative. Unbounded, a negative count made the
+// token counters panic after the answer was relayed, and a huge one spent
+// a tenant's quota.
+func boundedUsage(u *openai.Usage) (cached, prompt, output int) {
+	prompt = min(max(u.PromptTokens, 0), maxUsageTokens)
+	output = min(max(u.CompletionTokens, 0), maxUsageTokens)
+	if cached = u.Cached(); cached < 0 {
+		cached = -1
+	} else {
+		cached = min(cached, prompt)
+	}
+	return cached, prompt, output
 }
 
 // payload is what the attempt sends: its body, or the client's.
