@@ -159,7 +159,7 @@ func (t *tenant) label() string {
 
 // applyTenant gives a parsed exchange its tenant's terms: its band and
 // deadline (kept for its routing key) and its cache salt, and edits its
-// body to carry them as the replica must see them.
+// body to carry them as the replica must see them (tenantEdits).
 func (g *Gateway) applyTenant(x *exchange) error {
 	tc := g.ten
 	if tc == nil {
@@ -174,20 +174,10 @@ func (g *Gateway) applyTenant(x *exchange) error {
 		}
 		x.deadline = x.start.Add(time.Duration(ms) * time.Millisecond)
 	}
-	if x.kind != prompt.Completion && x.kind != prompt.Chat {
-		return nil // only these bodies carry vLLM's priority and cache_salt
+	if x.upload != nil || len(x.body) == 0 {
+		return nil // no JSON body: nothing of it to edit
 	}
-	var edits []fieldEdit
-	if salt, ok := tc.salt(x.tenant, p.CacheSalt); ok {
-		p.CacheSalt = salt
-		edits = append(edits, fieldEdit{key: "cache_salt", value: jsonString(salt)})
-	}
-	switch {
-	case tc.enginePriority:
-		edits = append(edits, fieldEdit{key: "priority", value: strconv.AppendInt(nil, int64(x.band), 10)})
-	case p.PrioritySet:
-		edits = append(edits, fieldEdit{key: "priority"}) // only the gateway may set it
-	}
+	edits := tc.tenantEdits(x)
 	if len(edits) == 0 {
 		return nil
 	}
@@ -197,6 +187,31 @@ func (g *Gateway) applyTenant(x *exchange) error {
 	}
 	x.body = body
 	return nil
+}
+
+// tenantEdits are the edits of x's JSON body for its tenant, on every
+// path the gateway passes: the kinds vLLM generates for (completions,
+// chat and Responses: vLLM's ResponsesRequest takes cache_salt and
+// priority as completions do) get the tenant's cache_salt, and its band as
+// priority with engine_priority; any other body keeps a salt it names
+// only namespaced (a pooling request may carry one) and never a
+// priority of the client's (vLLM's pooling requests take it too). The
+// parsed request's salt (its routing key's) becomes the one sent.
+func (tc *tenancy) tenantEdits(x *exchange) []fieldEdit {
+	p := x.parsed
+	gen := x.kind == prompt.Completion || x.kind == prompt.Chat || x.kind == prompt.Responses
+	var edits []fieldEdit
+	if salt, ok := tc.salt(x.tenant, p.CacheSalt); ok && (gen || p.CacheSalt != "") {
+		p.CacheSalt = salt
+		edits = append(edits, fieldEdit{key: "cache_salt", value: jsonString(salt)})
+	}
+	switch {
+	case gen && tc.enginePriority:
+		edits = append(edits, fieldEdit{key: "priority", value: strconv.AppendInt(nil, int64(x.band), 10)})
+	case p.PrioritySet:
+		edits = append(edits, fieldEdit{key: "priority"}) // only the gateway may set it
+	}
+	return edits
 }
 
 // salt is the cache_salt of a request of t whose client named salt, and
