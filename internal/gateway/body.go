@@ -5,6 +5,8 @@ import (
 	"encoding/json"
 	"errors"
 	"io"
+
+	"github.com/kvgate/kvgate/internal/prompt"
 )
 
 // Request bodies are forwarded as the client wrote them. The two steps of
@@ -21,6 +23,31 @@ type fieldEdit struct {
 	// ifPresent: set only when the object has the member (vLLM's proxy sets
 	// max_completion_tokens only when the request has it).
 	ifPresent bool
+}
+
+// clientBody edits an admitted exchange's JSON body as the replicas must
+// see it: its tenant's terms (tenantEdits), and without the client's
+// kv_transfer_params, on every fleet and path. Those are the gateway's to
+// write (a disaggregated request's steps, a peer pull): a client's could
+// point a replica's KV connector at any host, to fetch a prefix from or
+// to store as this prompt's KV for every later client.
+func (g *Gateway) clientBody(x *exchange) error {
+	if x.upload != nil || len(x.body) == 0 {
+		return nil // no JSON body: nothing of it to edit
+	}
+	edits := g.ten.tenantEdits(x)
+	if x.parsed.KVTransferParams {
+		edits = append(edits, fieldEdit{key: "kv_transfer_params"})
+	}
+	if len(edits) == 0 {
+		return nil
+	}
+	body, err := editObject(x.body, edits...)
+	if err != nil {
+		return &prompt.RequestError{Msg: err.Error()}
+	}
+	x.body = body
+	return nil
 }
 
 // member is one top-level member of an object: its key, decoded, and its

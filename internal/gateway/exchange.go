@@ -323,7 +323,9 @@ func (g *Gateway) enter(x *exchange, releaseBody func(), parse func() (*prompt.P
 	span := g.startSpan(ctx, "kvgate.parse")
 	var err error
 	if x.parsed, x.model, err = parse(); err == nil {
-		err = g.applyTenant(x)
+		if err = g.applyTenant(x); err == nil {
+			err = g.clientBody(x)
+		}
 	}
 	if err != nil {
 		endSpan(span, err)

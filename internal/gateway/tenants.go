@@ -158,8 +158,8 @@ func (t *tenant) label() string {
 }
 
 // applyTenant gives a parsed exchange its tenant's terms: its band and
-// deadline (kept for its routing key) and its cache salt, and edits its
-// body to carry them as the replica must see them (tenantEdits).
+// deadline (kept for its routing key); its cache salt and priority go in
+// its body (tenantEdits, by clientBody).
 func (g *Gateway) applyTenant(x *exchange) error {
 	tc := g.ten
 	if tc == nil {
@@ -174,18 +174,6 @@ func (g *Gateway) applyTenant(x *exchange) error {
 		}
 		x.deadline = x.start.Add(time.Duration(ms) * time.Millisecond)
 	}
-	if x.upload != nil || len(x.body) == 0 {
-		return nil // no JSON body: nothing of it to edit
-	}
-	edits := tc.tenantEdits(x)
-	if len(edits) == 0 {
-		return nil
-	}
-	body, err := editObject(x.body, edits...)
-	if err != nil {
-		return &prompt.RequestError{Msg: err.Error()}
-	}
-	x.body = body
 	return nil
 }
 
@@ -196,8 +184,12 @@ func (g *Gateway) applyTenant(x *exchange) error {
 // priority with engine_priority; any other body keeps a salt it names
 // only namespaced (a pooling request may carry one) and never a
 // priority of the client's (vLLM's pooling requests take it too). The
-// parsed request's salt (its routing key's) becomes the one sent.
+// parsed request's salt (its routing key's) becomes the one sent. None
+// without tenants.
 func (tc *tenancy) tenantEdits(x *exchange) []fieldEdit {
+	if tc == nil {
+		return nil
+	}
 	p := x.parsed
 	gen := x.kind == prompt.Completion || x.kind == prompt.Chat || x.kind == prompt.Responses
 	var edits []fieldEdit

@@ -137,6 +137,9 @@ type Parsed struct {
 	// saturated to ±MaxPriority; PrioritySet: the body named one.
 	Priority    int
 	PrioritySet bool
+	// KVTransferParams: the body names vLLM's kv_transfer_params (however
+	// its key is spelt), which only a gateway may send a replica.
+	KVTransferParams bool
 }
 
 // MaxPriority bounds a request's priority: a larger one counts as this
@@ -333,6 +336,7 @@ func Parse(kind Kind, data []byte) (*Parsed, error) {
 	if b.Priority != nil {
 		p.Priority, p.PrioritySet = *b.Priority, true
 	}
+	_, p.KVTransferParams = b.raw.get("kv_transfer_params")
 	switch {
 	case b.MaxTokens != nil:
 		p.MaxTokens = *b.MaxTokens

@@ -1,0 +1,56 @@
+package gateway
+
+import (
+	"encoding/json"
+	"testing"
+)
+
+// A client's kv_transfer_params never reach a replica, on any fleet and
+// any path: they could point a replica's KV connector at any host (a
+// remote prefill or a P2P pull to fetch, or to serve as this prompt's KV
+// for every later client). Before, they were dropped only on a
+// prefill/decode fleet's completions and chat and when a decision named a
+// peer pull; a plain fleet's completions and every Responses call (on a
+// prefill/decode fleet too: it goes whole to a decode replica) passed them.
+func TestClientKVTransferParamsDropped(t *testing.T) {
+	const evil = `"kv_transfer_params":{"do_remote_prefill":true,"remote_host":"10.9.9.9","remote_port":1,` +
+		`"remote_kv_source":{"remote_host":"10.9.9.9","remote_port":1}}`
+	t.Run("completions", func(t *testing.T) {
+		f := newFakeReplica(t)
+		gw := startGateway(t, baseConfig(f.srv.URL))
+		for _, body := range []string{`{"model":"m","prompt":"hi",` + evil + `}`,
+			`{"model":"m","prompt":"hi","kv_transfer_p\u0061rams":{"remote_host":"10.9.9.9"}}`} {
+			if resp, b := post(t, gw.srv.URL+"/v1/completions", body); resp.StatusCode != 200 {
+				t.Fatalf("%d %s", resp.StatusCode, b)
+			}
+		}
+		f.mu.Lock()
+		defer f.mu.Unlock()
+		for _, sent := range f.bodies {
+			if kvParamsIn(t, sent) {
+				t.Errorf("the replica got the client's kv_transfer_params: %s", sent)
+			}
+		}
+	})
+	t.Run("responses", func(t *testing.T) {
+		f := newAPIReplica(t, "a", "m", "")
+		gw := apiGateway(t, f)
+		if resp, b := post(t, gw.srv.URL+"/v1/responses", `{"model":"m","input":"hi",`+evil+`}`); resp.StatusCode != 200 {
+			t.Fatalf("%d %s", resp.StatusCode, b)
+		}
+		if sent := f.body("/v1/responses"); kvParamsIn(t, []byte(sent)) {
+			t.Errorf("the replica got the client's kv_transfer_params: %s", sent)
+		}
+	})
+}
+
+// kvParamsIn: the JSON object body has a kv_transfer_params member.
+func kvParamsIn(t *testing.T, body []byte) bool {
+	t.Helper()
+	var m map[string]json.RawMessage
+	if err := json.Unmarshal(body, &m); err != nil {
+		t.Fatalf("%s: %v", body, err)
+	}
+	_, ok := m["kv_transfer_params"]
+	return ok
+}
