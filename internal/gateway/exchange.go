@@ -385,6 +385,9 @@ func (g *Gateway) prepare(ctx context.Context, kind prompt.Kind, body []byte, se
 		p.CacheSalt, _ = g.ten.salt(t, p.CacheSalt)
 	}
 	req, err := g.routingKey(ctx, kind, p, model, body, session)
+	if err == nil {
+		tenantProgram(req, t)
+	}
 	return model, req, err
 }
 

@@ -127,6 +127,7 @@ func (pt *passthrough) serve(w http.ResponseWriter, r *http.Request, kind prompt
 func (pt *passthrough) choose(x *exchange) error {
 	if prev := x.parsed.PreviousResponseID; prev != "" && x.req.Program.ID == 0 {
 		router.SetProgram(x.req, pt.homes.chain(prev)) // the client names none: its chain does
+		tenantProgram(x.req, x.tenant)
 	}
 	if id := statefulID(x); id != "" {
 		if r, ok := pt.homes.get(id); ok && !r.Removed() {

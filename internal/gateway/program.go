@@ -39,6 +39,27 @@ func programHeader(h http.Header) string {
 	return ""
 }
 
+// tenantProgram scopes req's program id (and its session, the body's user
+// without a program) to tenant t: tenants that do not isolate their
+// caches share a partition, where the router's program ids (hashed with
+// model, adapter and cache_salt) would meet, so that one tenant's session
+// header or prompt_cache_key could continue another's program (its home,
+// context, KV reservation and turn priority) and a recording would merge
+// their sessions. The tenant's name goes in front, its length first, so
+// that no name and id can spell another's. Nothing without a tenant.
+func tenantProgram(req *policy.Request, t *tenant) {
+	name := t.label()
+	if name == "" || req.Session == "" {
+		return
+	}
+	scoped := strconv.Itoa(len(name)) + ":" + name + ":" + req.Session
+	if req.Program.ID == 0 {
+		req.Session = scoped
+		return
+	}
+	router.SetProgram(req, scoped)
+}
+
 // programDebug is req's program as /debug/route shows it: its hash (not
 // the client's id), and, once the router knows it, its home and context.
 func (g *Gateway) programDebug(req *policy.Request) map[string]any {

@@ -225,6 +225,7 @@ func (g *Gateway) tagRequest(x *exchange) {
 		return
 	}
 	x.req.Tenant, x.req.Priority, x.req.Deadline = x.tenant.label(), x.band, x.deadline
+	tenantProgram(x.req, x.tenant)
 }
 
 // jsonString is s as a JSON string.
