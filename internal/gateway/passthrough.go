@@ -1,6 +1,7 @@
 package gateway
 
 import (
+	"fmt"
 	"maps"
 	"net/http"
 	"strings"
@@ -130,6 +131,9 @@ func (pt *passthrough) choose(x *exchange) error {
 		tenantProgram(x.req, x.tenant)
 	}
 	if id := statefulID(x); id != "" {
+		if !pt.homes.ownedBy(id, x.tenant.label()) {
+			return errNotFound.with(fmt.Sprintf("Response with id '%s' not found.", id))
+		}
 		if r, ok := pt.homes.get(id); ok && !r.Removed() {
 			if !r.Healthy() {
 				return errHolderDown
@@ -185,16 +189,16 @@ func (pt *passthrough) attempt(x *exchange, last bool) (*attempt, error) {
 		if prev != "" {
 			root = pt.homes.chain(prev)
 		}
-		pt.homes.add(a.respID, a.tk.Replica, root)
+		pt.homes.add(a.respID, a.tk.Replica, root, true, x.tenant.label())
 	}
 	if id, ok := responsePathID(x.r.URL.Path); ok {
 		if x.r.Method == http.MethodDelete {
 			pt.homes.remove(id)
 		} else if x.lookup {
-			pt.homes.add(id, a.tk.Replica, pt.homes.chain(id))
+			pt.homes.add(id, a.tk.Replica, pt.homes.chain(id), false, "")
 		}
 	} else if x.lookup && prev != "" {
-		pt.homes.add(prev, a.tk.Replica, pt.homes.chain(prev))
+		pt.homes.add(prev, a.tk.Replica, pt.homes.chain(prev), false, "")
 	}
 	return a, nil
 }

@@ -11,11 +11,12 @@ import (
 	"github.com/kvgate/kvgate/internal/router"
 )
 
-// responseHomesSize bounds the response ids remembered: at about 100
-// bytes an entry, and the chain's first id (the replica's id format: about
-// 40 bytes for vLLM's, at most responsesHeadLen), 64 Ki ids are about 10
-// MiB. An id evicted is looked up again (passthrough.go), never lost; its
-// chain then starts again as a program of its own.
+// responseHomesSize bounds the response ids remembered: at about 120
+// bytes an entry (its owner is the tenant's name, shared), and the
+// chain's first id (the replica's id format: about 40 bytes for vLLM's,
+// at most responsesHeadLen), 64 Ki ids are about 10 MiB. An id evicted is
+// looked up again (passthrough.go), never lost; its chain then starts
+// again as a program of its own.
 const responseHomesSize = 64 << 10
 
 // responseHomes remembers which replica holds each stored response (vLLM
@@ -28,14 +29,17 @@ type responseHomes struct {
 	c  *lru.Cache[string, home]
 }
 
-// home is a stored response's replica: its slot and serial; and the
-// first response of its chain (previous_response_id back to a call that
-// had none), which names the chain's program (program.go) when the client
-// names none.
+// home is a stored response's replica: its slot and serial; the first
+// response of its chain (previous_response_id back to a call that had
+// none), which names the chain's program (program.go) when the client
+// names none; and, when it was created through this gateway (owned), the
+// tenant whose call created it (ownedBy).
 type home struct {
 	slot   int
 	serial uint64
 	root   string
+	owner  string
+	owned  bool
 }
 
 func newResponseHomes(rt *router.Router, n int) *responseHomes {
@@ -60,12 +64,24 @@ func (h *responseHomes) get(id string) (*router.Replica, bool) {
 }
 
 // add remembers that replica slot holds response id, of the chain that
-// root began ("": id begins it).
-func (h *responseHomes) add(id string, slot int, root string) {
+// root began ("": id begins it); created: tenant's call created it here
+// (else it was found by a lookup, its creator unknown).
+func (h *responseHomes) add(id string, slot int, root string, created bool, tenant string) {
 	if root == "" {
 		root = id
 	}
-	h.c.Add(id, home{slot: slot, serial: h.rt.Replica(slot).Serial(), root: root})
+	h.c.Add(id, home{slot: slot, serial: h.rt.Replica(slot).Serial(), root: root, owner: tenant, owned: created})
+}
+
+// ownedBy reports whether tenant may name response id: the replicas keep
+// no owner (vLLM's store is the server's), so one tenant holding
+// another's id would read, continue, cancel or delete it. The gateway
+// knows the creator of the responses created through it, and refuses the
+// others' (an id it found by a lookup, its creator unknown, stays open to
+// any client: the rule cannot be kept across gateways or a restart).
+func (h *responseHomes) ownedBy(id, tenant string) bool {
+	hm, ok := h.c.Peek(id)
+	return !ok || !hm.owned || hm.owner == tenant
 }
 
 // chain is the first response of the chain response id belongs to: its

@@ -20,7 +20,7 @@ func TestResponseHomesFollowTheReplicaNotTheSlot(t *testing.T) {
 		t.Fatal(err)
 	}
 	h := newResponseHomes(rt, 8)
-	h.add("resp_b", 1, "")
+	h.add("resp_b", 1, "", true, "")
 	specs := func(urls ...string) {
 		t.Helper()
 		var sp []router.Spec
