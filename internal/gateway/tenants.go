@@ -92,8 +92,10 @@ func newTenancy(cfg Config, o Options, rt *router.Router, shared quotaSyncer) *t
 }
 
 // admitQuota charges an exchange to its tenant's token quota: its prompt
-// (as counted for its routing key) and its max_tokens; 429 when the
-// tenant's minute is spent.
+// (as counted for its routing key) and its max_tokens, for each sequence
+// it asks for (n samples of each prompt of a batch: a batch's other
+// prompts counted as long as its first, the one routing reads); 429 when
+// the tenant's minute is spent. The usage corrects the charge at the end.
 func (g *Gateway) admitQuota(x *exchange) error {
 	if g.ten == nil || g.ten.quotas == nil || x.tenant == nil {
 		return nil
@@ -102,7 +104,9 @@ func (g *Gateway) admitQuota(x *exchange) error {
 	if tq == nil {
 		return nil
 	}
-	c, err := g.ten.quotas.admit(tq, x.req.Tokens, x.parsed.MaxTokens)
+	p := x.parsed
+	prompts := max(p.Prompts, 1)
+	c, err := g.ten.quotas.admit(tq, x.req.Tokens*prompts, p.MaxTokens*prompts*max(p.Samples, 1))
 	if err != nil {
 		g.ten.noteShed(x, err)
 		return err

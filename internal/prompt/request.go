@@ -137,6 +137,9 @@ type Parsed struct {
 	// saturated to ±MaxPriority; PrioritySet: the body named one.
 	Priority    int
 	PrioritySet bool
+	// Samples is a completion's or chat's n: the sequences it generates
+	// for each prompt (1 when absent), in [1, MaxSamples].
+	Samples int
 	// KVTransferParams: the body names vLLM's kv_transfer_params (however
 	// its key is spelt), which only a gateway may send a replica.
 	KVTransferParams bool
@@ -145,6 +148,11 @@ type Parsed struct {
 // MaxPriority bounds a request's priority: a larger one counts as this
 // (vLLM takes any integer; only its order matters).
 const MaxPriority = 1 << 20
+
+// MaxSamples bounds n, the sequences a completion or chat generates per
+// prompt: far above what a client asks (OpenAI allows 128, RL rollouts
+// use tens), far below where a charge of n × max_tokens could overflow.
+const MaxSamples = 1 << 12
 
 // MaxNesting bounds JSON nesting depth of a request body: a body of a million
 // '[' must not cost a million stack frames of anyone's decoder.
@@ -308,6 +316,21 @@ func tokenLimit(raw members, key string) (*int, error) {
 	return &m, nil
 }
 
+// samples reads a completion's or chat's n: an integer in [1,
+// MaxSamples], 1 when absent (other kinds: 1, their n is not vLLM's).
+func samples(kind Kind, raw members) (int, error) {
+	v, ok := raw.get("n")
+	if !ok || isNull(v) || kind != Completion && kind != Chat {
+		return 1, nil
+	}
+	s := string(bytes.TrimSpace(v))
+	n, err := strconv.ParseInt(s, 10, 64)
+	if err != nil || n < 1 || n > MaxSamples {
+		return 0, invalid("n", "must be an integer from 1 to %d, got %s", MaxSamples, s)
+	}
+	return int(n), nil
+}
+
 func isNull(v json.RawMessage) bool { return string(bytes.TrimSpace(v)) == "null" }
 
 // jsonTypeError words a decoding error of one field without Go type names.
@@ -342,6 +365,9 @@ func Parse(kind Kind, data []byte) (*Parsed, error) {
 		p.MaxTokens = *b.MaxTokens
 	case b.MaxCompletionTokens != nil:
 		p.MaxTokens = *b.MaxCompletionTokens
+	}
+	if p.Samples, err = samples(kind, b.raw); err != nil {
+		return nil, err
 	}
 	switch kind {
 	case Chat:
