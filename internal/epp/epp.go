@@ -194,7 +194,14 @@ func (c *call) pick(buffered bool) error {
 	c.h = h
 	common := &extprocv3.CommonResponse{HeaderMutation: pickMutation(p), ClearRouteCache: true}
 	md := pickMetadata(c.s.cfg.DestinationNamespace, p)
+	body := c.body.Bytes()
+	if p.Body != nil { // the gateway edited it (its length is in the header mutation)
+		body = p.Body
+	}
 	if buffered {
+		if p.Body != nil {
+			common.BodyMutation = &extprocv3.BodyMutation{Mutation: &extprocv3.BodyMutation_Body{Body: body}}
+		}
 		return c.send(&extprocv3.ProcessingResponse{DynamicMetadata: md, Response: &extprocv3.ProcessingResponse_RequestBody{
 			RequestBody: &extprocv3.BodyResponse{Response: common}}})
 	}
@@ -205,7 +212,7 @@ func (c *call) pick(buffered bool) error {
 	if c.reqMode != procmodev3.ProcessingMode_FULL_DUPLEX_STREAMED || c.body.Len() == 0 && c.req.method == "GET" {
 		return nil
 	}
-	for _, ch := range chunks(c.body.Bytes(), true) {
+	for _, ch := range chunks(body, true) {
 		if err := c.send(&extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_RequestBody{
 			RequestBody: &extprocv3.BodyResponse{Response: ch}}}); err != nil {
 			return err

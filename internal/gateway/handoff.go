@@ -76,13 +76,18 @@ type PickRequest struct {
 }
 
 // Pick is a routing decision for the proxy: the endpoint (host:port) of
-// the chosen replica, the fallbacks in order, and the changes to the
-// request's header (what the gateway would send the replica).
+// the chosen replica, the fallbacks in order, the changes to the
+// request's header and, when the gateway changed the body, the body (what
+// the gateway would send the replica).
 type Pick struct {
 	Endpoint  string
 	Fallbacks []string
 	Set       http.Header
 	Remove    []string
+	// Body, when not nil, is what the replica must get instead of the
+	// client's body (its tenant's cache_salt and priority, without the
+	// client's kv_transfer_params: clientBody); Set carries its length.
+	Body []byte
 }
 
 // Reply is the gateway's own answer to the client (an error in OpenAI's
@@ -151,6 +156,10 @@ func (p *Picker) Pick(req PickRequest) (*Handoff, Pick, *Reply) {
 	if err != nil {
 		g.endUnrouted(h.x, err)
 		return nil, Pick{}, h.finish()
+	}
+	if b := h.x.body; b != nil && !bytes.Equal(b, req.Body) {
+		pick.Body = b
+		pick.Set["Content-Length"] = []string{strconv.Itoa(len(b))}
 	}
 	return h, pick, nil
 }

@@ -144,6 +144,9 @@ func (s *stream) buffered(d decision) (decision, error) {
 	if resp.GetRequestBody() == nil {
 		return d, fmt.Errorf("%w: a spurious answer to the request body", errPicker)
 	}
+	if b := resp.GetRequestBody().GetResponse().GetBodyMutation().GetBody(); b != nil {
+		d.body = b // Envoy sends the body the picker answered
+	}
 	return s.decide(d, resp.GetRequestBody().GetResponse(), resp.GetDynamicMetadata())
 }
 
