@@ -3,9 +3,7 @@ package gateway
 import (
 	"encoding/json"
 	"fmt"
-	"io"
 	"net/http"
-	"strings"
 	"testing"
 )
 
@@ -22,16 +20,7 @@ func TestStoredResponsesPerTenant(t *testing.T) {
 	allListed(t, gw)
 	call := func(key, method, path, body string) (int, string) {
 		t.Helper()
-		req, _ := http.NewRequest(method, gw.srv.URL+path, strings.NewReader(body))
-		req.Header.Set("Authorization", "Bearer "+key)
-		req.Header.Set("Content-Type", "application/json")
-		resp, err := http.DefaultClient.Do(req)
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer resp.Body.Close()
-		b, _ := io.ReadAll(resp.Body)
-		return resp.StatusCode, string(b)
+		return callWithKey(t, method, gw.srv.URL+path, key, body)
 	}
 	status, out := call("ka", http.MethodPost, "/v1/responses", `{"model":"m","input":"a's secret"}`)
 	var r struct {

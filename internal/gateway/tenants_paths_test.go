@@ -1,9 +1,6 @@
 package gateway
 
-import (
-	"encoding/json"
-	"testing"
-)
+import "testing"
 
 // Every body the gateway passes carries vLLM's cache_salt and priority
 // only as the gateway set them, whatever the path: a Responses call (vLLM's
@@ -40,16 +37,7 @@ func TestTenantBodyOtherPaths(t *testing.T) {
 			if resp, b := post(t, gw.srv.URL+tc.path, tc.body, bearerHdr(tc.key)...); resp.StatusCode != 200 {
 				t.Fatalf("%d %s", resp.StatusCode, b)
 			}
-			sent := f.body(tc.path)
-			var got map[string]json.RawMessage
-			if err := json.Unmarshal([]byte(sent), &got); err != nil {
-				t.Fatalf("%s: %v", sent, err)
-			}
-			var salt string
-			_ = json.Unmarshal(got["cache_salt"], &salt)
-			if salt != tc.salt || string(got["priority"]) != tc.priority || got["input"] == nil {
-				t.Fatalf("sent %s: want cache_salt %q, priority %q", sent, tc.salt, tc.priority)
-			}
+			checkSent(t, []byte(f.body(tc.path)), tc.salt, tc.priority)
 			waitIdle(t, gw)
 		})
 	}

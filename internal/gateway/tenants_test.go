@@ -70,8 +70,18 @@ func TestTenantKeys(t *testing.T) {
 
 func testGet(t *testing.T, url, key string) (int, string) {
 	t.Helper()
-	req, _ := http.NewRequest(http.MethodGet, url, nil)
+	return callWithKey(t, http.MethodGet, url, key, "")
+}
+
+// callWithKey sends a request with a bearer key (and a JSON body, when
+// not empty) and returns its status and body.
+func callWithKey(t *testing.T, method, url, key, body string) (int, string) {
+	t.Helper()
+	req, _ := http.NewRequest(method, url, strings.NewReader(body))
 	req.Header.Set("Authorization", "Bearer "+key)
+	if body != "" {
+		req.Header.Set("Content-Type", "application/json")
+	}
 	resp, err := http.DefaultClient.Do(req)
 	if err != nil {
 		t.Fatal(err)
@@ -118,17 +128,24 @@ func TestTenantBody(t *testing.T) {
 			f.mu.Lock()
 			sent := f.bodies[0]
 			f.mu.Unlock()
-			var got map[string]json.RawMessage
-			if err := json.Unmarshal(sent, &got); err != nil {
-				t.Fatalf("%s: %v", sent, err)
-			}
-			var salt string
-			_ = json.Unmarshal(got["cache_salt"], &salt)
-			if salt != tc.salt || string(got["priority"]) != tc.priority || got["model"] == nil {
-				t.Fatalf("sent %s: want cache_salt %q, priority %q", sent, tc.salt, tc.priority)
-			}
+			checkSent(t, sent, tc.salt, tc.priority)
 			waitIdle(t, gw)
 		})
+	}
+}
+
+// checkSent checks the cache_salt and priority (each "" for absent) of a
+// body a replica got, and that its model came along.
+func checkSent(t *testing.T, sent []byte, salt, priority string) {
+	t.Helper()
+	var got map[string]json.RawMessage
+	if err := json.Unmarshal(sent, &got); err != nil {
+		t.Fatalf("%s: %v", sent, err)
+	}
+	var s string
+	_ = json.Unmarshal(got["cache_salt"], &s)
+	if s != salt || string(got["priority"]) != priority || got["model"] == nil {
+		t.Fatalf("sent %s: want cache_salt %q, priority %q", sent, salt, priority)
 	}
 }
 
