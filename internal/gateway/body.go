@@ -6,6 +6,7 @@ import (
 	"errors"
 	"io"
 
+	"github.com/kvgate/kvgate/internal/openai"
 	"github.com/kvgate/kvgate/internal/prompt"
 )
 
@@ -48,6 +49,44 @@ func (g *Gateway) clientBody(x *exchange) error {
 	}
 	x.body = body
 	return nil
+}
+
+// askUsage makes a streamed completion or chat ask its replica for the
+// usage (stream_options.include_usage, the client's other options kept)
+// when flow control counts it: a tenant's quota and fair share are
+// corrected by the usage, and vLLM sends none in a stream that did not ask
+// for it, so such a stream generated for free (no output charged without
+// max_tokens; the fair share refunded the output it expected). The usage
+// chunk goes to the client only if it asked (exchange.hideUsage). Not
+// behind an endpoint picker: the proxy relays the stream itself.
+func (g *Gateway) askUsage(x *exchange) error {
+	p := x.parsed
+	if g.ten == nil || !p.Stream || p.StreamUsage || x.kind != prompt.Completion && x.kind != prompt.Chat {
+		return nil
+	}
+	so := []byte(`{"include_usage":true}`)
+	if p.StreamOptions != nil {
+		var err error
+		if so, err = editObject(p.StreamOptions, fieldEdit{key: "include_usage", value: []byte("true")}); err != nil {
+			return &prompt.RequestError{Param: "stream_options", Msg: err.Error()}
+		}
+	}
+	body, err := editObject(x.body, fieldEdit{key: "stream_options", value: so})
+	if err != nil {
+		return &prompt.RequestError{Msg: err.Error()}
+	}
+	x.body, x.hideUsage = body, true
+	return nil
+}
+
+// usageOnly reports whether a stream event's data is the usage chunk that
+// include_usage adds: usage and no choices.
+func usageOnly(data []byte) bool {
+	if !bytes.Contains(data, []byte(`"usage"`)) {
+		return false
+	}
+	c, err := openai.ParseChunk(data)
+	return err == nil && c.Usage != nil && len(c.Choices) == 0
 }
 
 // member is one top-level member of an object: its key, decoded, and its

@@ -72,6 +72,9 @@ type exchange struct {
 	// what the replicas reported, to correct it (quota.go).
 	charge *quotaCharge
 	usage  exchangeUsage
+	// hideUsage: the gateway asked the replica for a stream's usage chunk
+	// the client did not ask for (askUsage); the relay keeps it back.
+	hideUsage bool
 }
 
 // exchangeUsage is what an exchange's attempts told of its tokens: sent,
@@ -86,7 +89,13 @@ type exchangeUsage struct {
 // prefill/decode fleet routes each try to a pair (routePDAttempt).
 func (g *Gateway) serveInference(w http.ResponseWriter, r *http.Request, kind prompt.Kind) {
 	x, release, err := g.admit(w, r, kind)
+	if err == nil {
+		err = g.askUsage(x)
+	}
 	if err != nil {
+		if release != nil {
+			release()
+		}
 		g.fail(w, r, err)
 		return
 	}

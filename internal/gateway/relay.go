@@ -100,6 +100,10 @@ func (g *Gateway) relayStream(x *exchange, a *attempt, ctx context.Context, canc
 		ev, err := er.Next()
 		idle.stop()
 		if err == nil {
+			if x.hideUsage && ev.HasData && usageOnly(ev.Data) {
+				g.inspect(ev.Data, a, &sawDone) // the gateway's, not the client's
+				continue
+			}
 			if werr := x.write(ev.Raw); werr != nil {
 				return nil, werr
 			}

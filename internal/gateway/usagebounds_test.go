@@ -45,7 +45,10 @@ func TestReplicaUsageBounded(t *testing.T) {
 				cfg := tenantsConfig(s.srv.URL)
 				cfg.Tenants[1].TokensPerMinute = 1000
 				gw := startGatewayWith(t, cfg, Options{Registry: reg})
-				body := fmt.Sprintf(`{"model":"m","prompt":"hello","max_tokens":2,"stream":%v}`, stream)
+				body := `{"model":"m","prompt":"hello","max_tokens":2}`
+				if stream {
+					body = `{"model":"m","prompt":"hello","max_tokens":2,"stream":true,"stream_options":{"include_usage":true}}`
+				}
 				resp, b := post(t, gw.srv.URL+"/v1/completions", body, bearerHdr("k-bulk")...)
 				if resp.StatusCode != 200 || !strings.Contains(b, `"usage"`) {
 					t.Fatalf("%d %s", resp.StatusCode, b)

@@ -140,6 +140,11 @@ type Parsed struct {
 	// Samples is a completion's or chat's n: the sequences it generates
 	// for each prompt (1 when absent), in [1, MaxSamples].
 	Samples int
+	// StreamOptions is a completion's or chat's stream_options object as
+	// sent (nil when absent); StreamUsage: its include_usage is true (the
+	// replica ends a stream with the usage only then).
+	StreamOptions json.RawMessage
+	StreamUsage   bool
 	// KVTransferParams: the body names vLLM's kv_transfer_params (however
 	// its key is spelt), which only a gateway may send a replica.
 	KVTransferParams bool
@@ -331,6 +336,21 @@ func samples(kind Kind, raw members) (int, error) {
 	return int(n), nil
 }
 
+// streamOptions reads stream_options: an object (nil when absent or
+// null), and whether its include_usage is true (its key matched exactly,
+// as vLLM matches it).
+func streamOptions(raw members) (json.RawMessage, bool, error) {
+	v, ok := raw.get("stream_options")
+	if !ok || isNull(v) {
+		return nil, false, nil
+	}
+	var m map[string]json.RawMessage
+	if json.Unmarshal(v, &m) != nil || m == nil {
+		return nil, false, invalid("stream_options", "must be an object, got %s", bytes.TrimSpace(v))
+	}
+	return v, string(bytes.TrimSpace(m["include_usage"])) == "true", nil
+}
+
 func isNull(v json.RawMessage) bool { return string(bytes.TrimSpace(v)) == "null" }
 
 // jsonTypeError words a decoding error of one field without Go type names.
@@ -368,6 +388,11 @@ func Parse(kind Kind, data []byte) (*Parsed, error) {
 	}
 	if p.Samples, err = samples(kind, b.raw); err != nil {
 		return nil, err
+	}
+	if kind == Completion || kind == Chat {
+		if p.StreamOptions, p.StreamUsage, err = streamOptions(b.raw); err != nil {
+			return nil, err
+		}
 	}
 	switch kind {
 	case Chat:
