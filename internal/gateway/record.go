@@ -128,8 +128,11 @@ type recordEntry struct {
 	maxTokens int
 	blocks    []uint64
 	model     string
-	session   string
-	chat      bool
+	// session is the hash of the request's session (sessionKey; 0: none):
+	// a client's string (a body's user, up to the body's size) is not kept
+	// in the queue or the file's table.
+	session uint64
+	chat    bool
 	// tenant and priority are the request's tenant and band (tenants.go;
 	// "" and 0 without tenants), written when set.
 	tenant   string
@@ -172,7 +175,7 @@ type recorder struct {
 	size     int64
 	origin   time.Time
 	ids      map[uint64]int
-	sessions map[string]int
+	sessions map[uint64]int
 	nextID   int
 	models   map[string][]byte // JSON-quoted model names
 	line     []byte
@@ -213,7 +216,7 @@ func (r *recorder) record(x *exchange, a *attempt) {
 		return // the trace is of generation requests: embeddings, scores … are not replayed
 	}
 	e := recordEntry{at: x.start, tokens: x.req.Tokens, output: a.output, maxTokens: x.req.MaxTokens,
-		blocks: x.req.Blocks, model: x.req.Model, session: x.req.Session, chat: x.kind == prompt.Chat,
+		blocks: x.req.Blocks, model: x.req.Model, session: sessionKey(x.req.Session), chat: x.kind == prompt.Chat,
 		tenant: x.req.Tenant, priority: x.req.Priority}
 	r.mu.RLock()
 	defer r.mu.RUnlock()
@@ -226,6 +229,16 @@ func (r *recorder) record(x *exchange, a *attempt) {
 	default:
 		r.full.Inc()
 	}
+}
+
+// sessionKey numbers a session in the recording: its 64-bit hash (0 for
+// none; two sessions whose hashes meet, about one pair in 2^32 among 2^16
+// sessions, share a number).
+func sessionKey(session string) uint64 {
+	if session == "" {
+		return 0
+	}
+	return max(prompt.Chain(0, []byte(session)), 1)
 }
 
 // run writes records until ctx ends, then writes what is queued, flushes and
@@ -342,7 +355,7 @@ func (r *recorder) encode(e recordEntry) []byte {
 	b = strconv.AppendInt(b, int64(r.blockSize), 10)
 	b = append(b, `,"model":`...)
 	b = append(b, r.quotedModel(e.model)...)
-	if e.session != "" {
+	if e.session != 0 {
 		s, ok := r.sessions[e.session]
 		if !ok {
 			s = len(r.sessions)
@@ -408,7 +421,7 @@ func (r *recorder) open() error {
 	}
 	r.f, r.w, r.size = f, bufio.NewWriterSize(f, 64<<10), 0
 	r.origin = r.clock.Now()
-	r.ids, r.sessions, r.nextID = make(map[uint64]int, 1<<10), map[string]int{}, 0
+	r.ids, r.sessions, r.nextID = make(map[uint64]int, 1<<10), map[uint64]int{}, 0
 	r.failedAt = time.Time{}
 	return nil
 }

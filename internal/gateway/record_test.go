@@ -72,12 +72,12 @@ func readLines(t *testing.T, path string) []string {
 func TestRecordFormat(t *testing.T) {
 	r, _, path := testRecorder(t, RecordConfig{Buffer: 8})
 	e1 := entry(1500*time.Microsecond, 40, 11, 12) // 2 full blocks and 8 tokens
-	e1.session, e1.chat = "alice@example.com", true
+	e1.session, e1.chat = sessionKey("alice@example.com"), true
 	e2 := entry(time.Second, 48, 11, 12, 13) // shares 2 blocks with e1
-	e2.output, e2.maxTokens, e2.session = 0, 7, "bob"
+	e2.output, e2.maxTokens, e2.session = 0, 7, sessionKey("bob")
 	e2.tenant, e2.priority = "gold", -1
 	e3 := entry(500*time.Millisecond, 32, 11, 14) // arrived before e2, completed after
-	e3.output, e3.session, e3.model = 0, "alice@example.com", `m"x`
+	e3.output, e3.session, e3.model = 0, sessionKey("alice@example.com"), `m"x`
 	e4 := entry(2*time.Second, 0) // no tokens: no line can hold it
 	e5 := entry(-time.Second, 16, 11)
 	for _, e := range []recordEntry{e1, e2, e3, e4, e5} {
