@@ -2,6 +2,7 @@ package gateway
 
 import (
 	"crypto/sha256"
+	"encoding/hex"
 	"encoding/json"
 	"net/http"
 	"strconv"
@@ -210,16 +211,29 @@ func (tc *tenancy) tenantEdits(x *exchange) []fieldEdit {
 	return edits
 }
 
+// maxCacheSalt is vLLM's bound on cache_salt (its requests' max_length).
+const maxCacheSalt = 1024
+
 // salt is the cache_salt of a request of t whose client named salt, and
-// whether it differs (false: the body's stands).
+// whether it differs (false: the body's stands). A client's salt within
+// vLLM's bound whose prefixed form would pass it goes as its SHA-256
+// (hex), so that the gateway's prefix never makes vLLM refuse a valid
+// salt; a salt already past it is the client's, for vLLM to refuse.
 func (tc *tenancy) salt(t *tenant, salt string) (string, bool) {
+	var prefix string
 	switch {
 	case t != nil && t.isolate:
-		return saltTenant + t.name + ":" + salt, true
+		prefix = saltTenant + t.name + ":"
 	case tc.isolating && salt != "":
-		return saltClient + salt, true
+		prefix = saltClient
+	default:
+		return salt, false
 	}
-	return salt, false
+	if len(prefix)+len(salt) > maxCacheSalt && len(salt) <= maxCacheSalt {
+		sum := sha256.Sum256([]byte(salt))
+		salt = "sha256:" + hex.EncodeToString(sum[:])
+	}
+	return prefix + salt, true
 }
 
 // tagRequest puts the exchange's tenant, band and deadline on its

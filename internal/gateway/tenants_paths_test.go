@@ -1,6 +1,9 @@
 package gateway
 
-import "testing"
+import (
+	"strings"
+	"testing"
+)
 
 // Every body the gateway passes carries vLLM's cache_salt and priority
 // only as the gateway set them, whatever the path: a Responses call (vLLM's
@@ -40,5 +43,31 @@ func TestTenantBodyOtherPaths(t *testing.T) {
 			checkSent(t, []byte(f.body(tc.path)), tc.salt, tc.priority)
 			waitIdle(t, gw)
 		})
+	}
+}
+
+// The salt the gateway sends stays within vLLM's bound on cache_salt
+// (1,024 characters) whenever the client's did: a long salt's prefixed
+// form names the salt by its SHA-256, apart per client salt and per
+// tenant. Before, a client's valid 1,020-character salt went out as
+// 1,034 characters and vLLM refused the request.
+func TestTenantSaltWithinVLLMBound(t *testing.T) {
+	tc := &tenancy{isolating: true}
+	gold := &tenant{name: "gold", isolate: true}
+	long := strings.Repeat("s", 1020)
+	for _, c := range []struct {
+		t          *tenant
+		salt, head string
+	}{{nil, long, saltClient}, {gold, long, saltTenant + "gold:"}, {gold, long[:1000], saltTenant + "gold:"}, {nil, "short", saltClient + "short"}} {
+		got, ok := tc.salt(c.t, c.salt)
+		if !ok || len(got) > maxCacheSalt || !strings.HasPrefix(got, c.head) {
+			t.Errorf("salt %d chars of %q: sent %d chars %.40q", len(c.salt), c.t.label(), len(got), got)
+		}
+		if other, _ := tc.salt(c.t, "x"+c.salt[1:]); other == got {
+			t.Errorf("two salts of %q sent as one: %.40q", c.t.label(), got)
+		}
+	}
+	if got, _ := tc.salt(nil, long+long); got != saltClient+long+long {
+		t.Errorf("a salt over vLLM's bound is the client's to fix (vLLM refuses it): sent %.40q", got)
 	}
 }
