@@ -3,8 +3,6 @@ package gateway
 import (
 	"encoding/json"
 	"fmt"
-	"io"
-	"net/http"
 	"path/filepath"
 	"slices"
 	"strings"
@@ -272,17 +270,7 @@ func TestPoolsOwnReplicasFiles(t *testing.T) {
 // another pool's replica lists the model too.
 func TestPoolsRemoteTokenizerStaysInThePool(t *testing.T) {
 	var own, other atomic.Int64
-	mk := func(models string, calls *atomic.Int64) *stub {
-		s := newStub(t, models, okStream(1))
-		mux := http.NewServeMux()
-		mux.Handle("/", s.srv.Config.Handler)
-		mux.HandleFunc("/tokenize", func(w http.ResponseWriter, r *http.Request) {
-			calls.Add(1)
-			_, _ = io.WriteString(w, `{"tokens":[1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,16,17]}`)
-		})
-		s.srv.Config.Handler = mux
-		return s
-	}
+	mk := func(models string, calls *atomic.Int64) *stub { return tokenizeStub(t, models, calls) }
 	a := mk(`{"object":"list","data":[{"id":"m","object":"model"}]}`, &own)
 	b := mk(`{"object":"list","data":[{"id":"m","object":"model"},{"id":"other","object":"model"}]}`, &other)
 	cfg := baseConfig()

@@ -27,7 +27,7 @@ import (
 // (round robin), each bounded by tokenize_timeout, at most two replicas per
 // lookup; when none answers in time the approximate tokenizer routes the
 // request. Answers are cached (bounded LRU, keyed by a hash of the request's
-// kind, model and text), and concurrent lookups of one key are merged
+// kind, model, cache salt and text), and concurrent lookups of one key are merged
 // (singleflight): a burst of identical prompts asks a replica once.
 type remoteTokenizer struct {
 	g     *Gateway
@@ -63,7 +63,10 @@ type tokenized struct {
 // that hangs up fails no other request waiting on the same lookup; this
 // request alone stops waiting when its context ends.
 func (t *remoteTokenizer) tokenize(ctx context.Context, kind prompt.Kind, p *prompt.Parsed, model router.Resolved, body []byte) ([]uint32, bool) {
-	key := xxhash.Sum64String(kind.String() + "\x00" + p.Model + "\x00" + p.Text)
+	// The salt (a tenant's, when it isolates its cache) keys it too: an
+	// isolated tenant's prompt is no other's cache hit, whose speed would
+	// tell that someone just sent that text.
+	key := xxhash.Sum64String(kind.String() + "\x00" + p.Model + "\x00" + p.CacheSalt + "\x00" + p.Text)
 	if ids, ok := t.cache.Get(key); ok {
 		t.g.met.tokenize.WithLabelValues("cache").Inc()
 		return ids, true
