@@ -98,3 +98,22 @@ func FuzzEditObject(f *testing.F) {
 		}
 	})
 }
+
+// withMember appends a member to a valid object, whatever its spacing, and
+// a reader that keeps a repeated key's last value reads it.
+func TestWithMember(t *testing.T) {
+	for in, want := range map[string]string{
+		`{}`:                            `{"k":1}`,
+		` { } `:                         ` {"k":1} `,
+		`{"a":"}"}`:                     `{"a":"}","k":1}`,
+		"{\"a\":[1,{}] \n}\n":           "{\"a\":[1,{}],\"k\":1}\n",
+		`{"k":null,"s":"x"}`:            `{"k":null,"s":"x","k":1}`,
+		`{"stream":true,"prompt":"hi"}`: `{"stream":true,"prompt":"hi","k":1}`,
+	} {
+		got := string(withMember([]byte(in), "k", []byte("1")))
+		var m map[string]any
+		if got != want || json.Unmarshal([]byte(got), &m) != nil || m["k"] != 1.0 {
+			t.Errorf("withMember(%q) = %q, want %q", in, got, want)
+		}
+	}
+}
