@@ -28,16 +28,18 @@ type fieldEdit struct {
 
 // clientBody edits an admitted exchange's JSON body as the replicas must
 // see it: its tenant's terms (tenantEdits), and without the client's
-// kv_transfer_params, on every fleet and path. Those are the gateway's to
-// write (a disaggregated request's steps, a peer pull): a client's could
-// point a replica's KV connector at any host, to fetch a prefix from or
-// to store as this prompt's KV for every later client.
+// kv_transfer_params, on every fleet and path unless pass_kv_transfer_params
+// lets them through to an aggregated fleet (an outer P/D proxy's steps;
+// a peer pull still replaces them). Those are the gateway's to write (a
+// disaggregated request's steps, a peer pull): a client's could point a
+// replica's KV connector at any host, to fetch a prefix from or to store as
+// this prompt's KV for every later client.
 func (g *Gateway) clientBody(x *exchange) error {
 	if x.upload != nil || len(x.body) == 0 {
 		return nil // no JSON body: nothing of it to edit
 	}
 	edits := g.ten.tenantEdits(x)
-	if x.parsed.KVTransferParams {
+	if x.parsed.KVTransferParams && !(g.cfg.PassKVTransferParams && !g.ctl.Disaggregated()) {
 		edits = append(edits, fieldEdit{key: "kv_transfer_params"})
 	}
 	if len(edits) == 0 {

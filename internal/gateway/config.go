@@ -123,6 +123,13 @@ type Config struct {
 	// (llm-d's prefix-based-pd-decider threshold; default 16 as in llm-d's
 	// P/D guide; 0 never skips: every request is disaggregated).
 	NonCachedTokens int `json:"non_cached_tokens"`
+	// PassKVTransferParams passes a client's own kv_transfer_params to the
+	// replica on an aggregated fleet, for a trusted prefill/decode proxy in
+	// front of kvgate that routes each of its steps through it. Off by
+	// default: a client's could point a replica's KV connector at any host.
+	// Never on a prefill/decode fleet or with a peer pull, where kvgate
+	// writes them.
+	PassKVTransferParams bool `json:"pass_kv_transfer_params"`
 	// Profile is the replicas' latency profile, for the ttft estimate.
 	Profile        string `json:"profile"`
 	MaxBatchTokens int    `json:"max_batch_tokens"`

@@ -44,6 +44,25 @@ func TestClientKVTransferParamsDropped(t *testing.T) {
 	})
 }
 
+// pass_kv_transfer_params lets a client's through to an aggregated
+// fleet, for a trusted prefill/decode proxy in front of kvgate that routes
+// each of its steps through it.
+func TestClientKVTransferParamsPassedWhenConfigured(t *testing.T) {
+	f := newFakeReplica(t)
+	cfg := baseConfig(f.srv.URL)
+	cfg.PassKVTransferParams = true
+	gw := startGateway(t, cfg)
+	body := `{"model":"m","prompt":"hi","kv_transfer_params":{"do_remote_decode":true}}`
+	if resp, b := post(t, gw.srv.URL+"/v1/completions", body); resp.StatusCode != 200 {
+		t.Fatalf("%d %s", resp.StatusCode, b)
+	}
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if len(f.bodies) != 1 || !kvParamsIn(t, f.bodies[0]) {
+		t.Errorf("with pass_kv_transfer_params the replica got %q, want the client's kv_transfer_params", f.bodies)
+	}
+}
+
 // kvParamsIn: the JSON object body has a kv_transfer_params member.
 func kvParamsIn(t *testing.T, body []byte) bool {
 	t.Helper()
