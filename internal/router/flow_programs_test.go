@@ -204,3 +204,34 @@ func TestFlowExpireHeldProgram(t *testing.T) {
 		t.Fatal("b expired twice")
 	}
 }
+
+// A new program held for room waits under flow control's expiry from the
+// start, as in the queue, and keeps it through the queue and back: its
+// caller sheds it then (Expire). Without one, the gateway's wait ended at
+// its own queue timeout and routed it past the gate, uncharged; and each
+// trip through the queue gave it a new TTL.
+func TestFlowHeldProgramKeepsItsExpiry(t *testing.T) {
+	fr := newFlowProgRig(t, time.Hour)
+	mustSubmit(t, fr, "a", "A", 0, 900, ofProgram("a"))
+	fr.first("a")
+	held := fr.now
+	b := mustSubmit(t, fr, "b", "B", 0, 900, ofProgram("b")) // held: no room
+	want := held.Add(fr.rt.pools[0].q.fl.cfg.band(0).TTL)
+	if fr.rt.ProgramStats().Waiting != 1 || !b.Expires().Equal(want) {
+		t.Fatalf("b held for room: %+v, expires %v; want held, expiring %v", fr.rt.ProgramStats(), b.Expires(), want)
+	}
+	mustSubmit(t, fr, "c", "C", 0, 100) // the pool is saturated
+	fr.now = fr.now.Add(time.Second)
+	fr.scrape() // b joins the queue
+	if fr.rt.Queued() != 1 || !b.Expires().Equal(want) {
+		t.Fatalf("b in the queue: %d queued, expires %v; want its first expiry %v", fr.rt.Queued(), b.Expires(), want)
+	}
+	fr.first("c") // b leaves the queue, still without room: held again
+	if fr.rt.ProgramStats().Waiting != 1 || !b.Expires().Equal(want) {
+		t.Fatalf("b held again: %+v, expires %v; want %v", fr.rt.ProgramStats(), b.Expires(), want)
+	}
+	fr.now = want
+	if err := fr.rt.Expire(b); reason(err) != ShedTTL {
+		t.Fatalf("b at its expiry: %v; want shed (ttl)", err)
+	}
+}

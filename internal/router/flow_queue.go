@@ -11,6 +11,23 @@ import (
 // each the tenants with requests waiting, in each a heap. Every method
 // runs with the queue's mutex held.
 
+// setExpiry gives w, from now, its band's TTL or its deadline, whichever
+// comes first, unless it has one already: a new program held for room
+// waits under the expiry it got when first held, through the queue and
+// back (programs_admit.go), never a new TTL at each trip.
+func (f *flow) setExpiry(w *Waiting, now time.Time) {
+	if !w.expires.IsZero() {
+		return
+	}
+	req := w.req
+	w.expires = now.Add(f.cfg.band(req.Priority).TTL)
+	if !req.Deadline.IsZero() && req.Deadline.Before(w.expires) {
+		w.expires = req.Deadline
+	}
+	w.deadline = !req.Deadline.IsZero()
+	w.due = w.expires
+}
+
 // admit puts w in the queue at now, or refuses it. With flow control its
 // band bounds it: a sheddable band's request is refused (the pool is
 // saturated: it would wait), a full band refuses it, a request whose
@@ -31,12 +48,7 @@ func (q *queue) admit(w *Waiting, now time.Time) ([]*Waiting, error) {
 	conf := f.cfg.band(req.Priority)
 	ten := f.tenant(req.Tenant)
 	w.work = float64(max(req.Tokens, 0)) + ten.expectedOutput(req.MaxTokens)
-	w.expires = now.Add(conf.TTL)
-	if !req.Deadline.IsZero() && req.Deadline.Before(w.expires) {
-		w.expires = req.Deadline
-	}
-	w.deadline = !req.Deadline.IsZero()
-	w.due = w.expires
+	f.setExpiry(w, now)
 	ahead := q.ahead(w, ten)
 	switch b := q.findBand(req.Priority); {
 	case conf.Sheddable:

@@ -109,6 +109,12 @@ func (p *parked) cancel(w *Waiting) bool {
 // park makes a waiting request of req (new program with no room).
 func (rt *Router) park(pl *pool, pol policy.Policy, req *policy.Request, exclude []int) *Waiting {
 	w := &Waiting{req: req, pl: pl, pol: pol, exclude: slices.Clone(exclude), done: make(chan struct{}), prefillMs: rt.prefillMs(pl, pol, req)}
+	if fl := pl.q.fl; fl != nil {
+		// Held for room, it waits under flow control's expiry as in the
+		// queue: its caller sheds it then (Expire), rather than routing
+		// it past the gate at its own timeout.
+		fl.setExpiry(w, req.Now)
+	}
 	rt.progs.park.add(w, req.Now)
 	return w
 }
