@@ -235,3 +235,80 @@ func TestFlowHeldProgramKeepsItsExpiry(t *testing.T) {
 		t.Fatalf("b at its expiry: %v; want shed (ttl)", err)
 	}
 }
+
+// A new program held for room waits AdmissionWait at most from when it was
+// first held: a trip through the flow controller's queue (the pool was
+// saturated when room was tried again) does not start its wait over. It
+// did: each return to the held programs restarted the clock, so a program
+// bouncing between the two under load was never placed.
+func TestFlowHeldProgramWaitsAdmissionWaitOnce(t *testing.T) {
+	fr := newFlowProgRig(t, 2*time.Second)
+	mustSubmit(t, fr, "a", "A", 0, 900, ofProgram("a")) // a's program reserves ~910 of 1,600 tokens
+	fr.first("a")
+	if w := mustSubmit(t, fr, "b", "B", 0, 900, ofProgram("b")); w == nil || fr.rt.ProgramStats().Waiting != 1 {
+		t.Fatalf("b has no room: it should be held; order %q", fr.order())
+	}
+	mustSubmit(t, fr, "c", "C", 0, 100) // the pool is saturated now
+	fr.now = fr.now.Add(time.Second)
+	fr.scrape() // b tries again: the pool is saturated, b joins the queue
+	if fr.rt.ProgramStats().Waiting != 0 || fr.rt.Queued() != 1 {
+		t.Fatalf("b should wait in the queue: %+v, %d queued", fr.rt.ProgramStats(), fr.rt.Queued())
+	}
+	fr.first("c") // b leaves the queue: still no room, held again
+	fr.now = fr.now.Add(1500 * time.Millisecond)
+	fr.scrape() // 2.5 s since b was first held
+	if got := fr.order(); got != "a c b" {
+		t.Fatalf("b held 2.5 s with an admission wait of 2 s: released %q, %+v", got, fr.rt.ProgramStats())
+	}
+}
+
+// A held new program's AdmissionWait counts the time it was held for room
+// in all, not the time it then waited in the pool's queue (a wait every
+// request makes), and not from the start again when it comes back.
+func TestFlowHeldProgramQueueTimeIsNotRoomWait(t *testing.T) {
+	fr := newFlowProgRig(t, 2*time.Second)
+	mustSubmit(t, fr, "a", "A", 0, 900, ofProgram("a"))
+	fr.first("a")
+	mustSubmit(t, fr, "b", "B", 0, 900, ofProgram("b")) // held for room
+	mustSubmit(t, fr, "c", "C", 0, 100)                 // the pool is saturated
+	fr.now = fr.now.Add(time.Second)
+	fr.scrape() // b tries again: 1 s held; the pool is saturated, b joins the queue
+	if fr.rt.Queued() != 1 {
+		t.Fatalf("b should wait in the queue: %+v, %d queued", fr.rt.ProgramStats(), fr.rt.Queued())
+	}
+	fr.now = fr.now.Add(3 * time.Second)
+	fr.first("c") // b leaves the queue after 3 s there: still no room, held again
+	fr.now = fr.now.Add(500 * time.Millisecond)
+	fr.scrape() // held 1.5 s in all
+	if got := fr.order(); got != "a c" || fr.rt.ProgramStats().Waiting != 1 {
+		t.Fatalf("b held 1.5 s of a 2 s wait (4.5 s since it came): released %q, %+v", got, fr.rt.ProgramStats())
+	}
+	fr.now = fr.now.Add(600 * time.Millisecond)
+	fr.scrape() // held 2.1 s in all
+	if got := fr.order(); got != "a c b" {
+		t.Fatalf("b held 2.1 s of a 2 s wait: released %q, %+v", got, fr.rt.ProgramStats())
+	}
+}
+
+// Turn priority puts a new program's first turn after the programs' next
+// turns, once: a first turn that was already held for room keeps its
+// place by arrival, rather than wait behind the next turns again (at 2×
+// the agents rate, demoting them again cost p90 TTFT 959 → 1,185 ms).
+func TestFlowHeldProgramKeepsItsTurn(t *testing.T) {
+	fr := newFlowProgRig(t, time.Second)
+	mustSubmit(t, fr, "a", "A", 0, 900, ofProgram("a"))
+	fr.first("a")
+	mustSubmit(t, fr, "b", "A", 0, 900, ofProgram("b")) // held for room
+	mustSubmit(t, fr, "c", "C", 0, 100)                 // the pool is saturated
+	fr.now = fr.now.Add(1200 * time.Millisecond)
+	fr.scrape() // b's wait is over: placed without room, in its turn; the pool is saturated
+	if fr.rt.Queued() != 1 {
+		t.Fatalf("b should wait in the queue: %+v, %d queued", fr.rt.ProgramStats(), fr.rt.Queued())
+	}
+	fr.now = fr.now.Add(300 * time.Millisecond)
+	mustSubmit(t, fr, "x", "A", 0, 100, ofProgram("a")) // program a's next turn
+	fr.first("c")
+	if got := fr.order(); got != "a c b" {
+		t.Fatalf("released %q; want b, held for room first, before program a's next turn x", got)
+	}
+}

@@ -38,7 +38,10 @@ func (q *queue) admit(w *Waiting, now time.Time) ([]*Waiting, error) {
 	q.seq++
 	w.seq, w.enqueued = q.seq, now
 	w.ready = now.Add(time.Duration(w.prefillMs * float64(time.Millisecond))) // bounded by policy.QueuePrefillMs
-	w.newProgram = w.req.Program.ID != 0 && !w.req.Program.Continues
+	// Turn priority (Less): a new program's first turn goes after the
+	// programs' next turns, unless it was already held for room (parked):
+	// it has waited its turn once.
+	w.newProgram = w.req.Program.ID != 0 && !w.req.Program.Continues && w.since.IsZero()
 	f := q.fl
 	if f == nil {
 		q.push(w, 0, Band{}, q.solo)

@@ -84,7 +84,13 @@ type parked struct {
 
 func (p *parked) len() int { return int(p.n.Load()) }
 
-// add parks w, waiting since at.
+// add parks w, held for room from at. Its AdmissionWait counts the time
+// it has been held for room in all (heldFor, its earlier stints): a trip
+// through its pool's queue (the pool saturated, or its policy deferring it,
+// when room was tried again) neither starts the wait over, which let a
+// program bouncing between the two under load be held without end, nor
+// counts towards it: the queue is a wait for the pool, which every request
+// makes, not for room.
 func (p *parked) add(w *Waiting, at time.Time) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
@@ -128,7 +134,8 @@ func (rt *Router) releaseParked() {
 	var out, keep, evicted []*Waiting
 	for _, w := range p.ws {
 		w.req.Now = rt.cfg.Now()
-		if w.req.Now.Sub(w.since) >= rt.progs.cfg.AdmissionWait {
+		held := w.heldFor + w.req.Now.Sub(w.since)
+		if held >= rt.progs.cfg.AdmissionWait {
 			w.anyway = true // waited long enough: placed without room, in its turn
 		}
 		q := w.pl.q
@@ -138,6 +145,7 @@ func (rt *Router) releaseParked() {
 		case errors.Is(err, errNoRoom):
 			keep = append(keep, w)
 		case errors.Is(err, policy.ErrDefer):
+			w.heldFor = held // for room so far; the queue's wait is not counted
 			w.alone = errors.Is(err, errHeldAlone)
 			ev, qerr := q.admit(w, w.req.Now)
 			evicted = append(evicted, ev...)

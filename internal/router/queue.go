@@ -62,8 +62,9 @@ type Waiting struct {
 	// and anyway that it waited AdmissionWait: it is placed without room,
 	// still through the flow controller (routeWith: NoDefer, set for good,
 	// skipped the gate then and for the request's retries).
-	since  time.Time
-	anyway bool
+	since   time.Time
+	heldFor time.Duration // held for room in earlier stints (parked.add)
+	anyway  bool
 	// alone: the flow controller last held it for its own candidates
 	// alone, while another replica of its pool had room (errHeldAlone):
 	// the requests behind it need not wait for it (release).
