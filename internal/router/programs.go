@@ -83,8 +83,9 @@ type ProgramConfig struct {
 	// agents back for room that went unused, as IdleTTL 30 s did).
 	KVShare float64
 	// AdmissionWait is how long a new program waits in the router for
-	// room before it is placed anyway (default 10 s, short beside an
-	// agent's minutes). The hold works less by finding room (at 2.0×
+	// room, in all, before it is placed anyway (default 10 s, short beside
+	// an agent's minutes; a turn through the pool's queue is not counted,
+	// nor starts it over: parked.add). The hold works less by finding room (at 2.0×
 	// most held programs are placed at the end of their wait) than by
 	// keeping the live programs fewer while it lasts, so it must outlast
 	// the peak's re-prefills: agents replay capacity with admission at
