@@ -465,8 +465,16 @@ var errHeldAlone = fmt.Errorf("%w: its own replicas are saturated", policy.ErrDe
 // (Healthy in views, every one saturated) are pl's: errHeldAlone when
 // another replica of pl in rotation has room, else policy.ErrDefer.
 func (rt *Router) held(pl *pool, fl *flow, views []policy.ReplicaView) error {
+	return rt.heldOn(pl, fl, views, nil)
+}
+
+// heldOn is held counting only the other replicas whose role ok accepts
+// (nil: any): a pair held for its prefill side is held alone only while
+// another replica that computes prompts has room, not a decode replica.
+func (rt *Router) heldOn(pl *pool, fl *flow, views []policy.ReplicaView, ok func(policy.Role) bool) error {
 	for i, r := range rt.reps()[:len(views)] {
-		if !views[i].Healthy && pl.has(r) && r.healthy.Load() && !r.removed.Load() && !fl.replicaSaturated(&views[i]) {
+		if !views[i].Healthy && (ok == nil || ok(views[i].Role)) && pl.has(r) && r.healthy.Load() && !r.removed.Load() &&
+			!fl.replicaSaturated(&views[i]) {
 			return errHeldAlone
 		}
 	}
@@ -483,13 +491,15 @@ func (f *flow) feasible(req *policy.Request, d policy.Decision) error {
 }
 
 // charge counts a dispatched request's GPU work against its tenant: the
-// prompt the replica lacks and the output expected (corrected by settle).
-func (f *flow) charge(t *Ticket, ten *tenant) {
+// prompt the replica computing it lacks (uncached: the ticket's own, or a
+// pair's prefill step's) and the output expected (corrected by settle,
+// when t ends).
+func (f *flow) charge(t *Ticket, ten *tenant, uncached int64) {
 	f.activate(ten)
 	t.ten = ten
 	t.expOut = ten.expectedOutput(t.req.MaxTokens)
-	ten.vtime += (float64(t.uncached) + t.expOut) / ten.weight
-	f.meanPrompt += meanAlpha * (float64(t.uncached) - f.meanPrompt)
+	ten.vtime += (float64(uncached) + t.expOut) / ten.weight
+	f.meanPrompt += meanAlpha * (float64(uncached) - f.meanPrompt)
 }
 
 // settle corrects an ended request's charge with its output tokens and

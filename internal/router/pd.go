@@ -55,25 +55,53 @@ type PD struct {
 // no prefill step, reason "aggregated". With no prefill candidate the
 // request goes to the decode replica alone; with no decode candidate,
 // policy.ErrNoReplica. RoutePD never defers (the policies are asked with
-// Request.NoDefer) and sets req.SkipPrefillBelow.
+// Request.NoDefer) and sets req.SkipPrefillBelow; SubmitPD routes a pair
+// through its pool's queue and flow controller.
 //
 // A prefill step that fails before the decode step starts: Reject the
 // decode ticket (its replica never got the blocks), end both with Done and
 // the error, and route again with the prefill replica excluded.
 func (rt *Router) RoutePD(req *policy.Request, exclude ...int) (PD, error) {
+	var out PD
+	_, err := rt.routePair(req, exclude, nil, &out)
+	return out, err
+}
+
+// routePair is RoutePD into out, through the flow controller of q when q
+// has one (q's mutex held), as routeWith is RouteWith: the pool is held
+// while the replicas that would compute the prompt are saturated
+// (pickPairGated), a pair whose estimated first token (the decode step's
+// EstTTFT: the whole path's) comes after the request's deadline is shed,
+// and the request's GPU work is charged to its tenant on the decode
+// ticket, which lives until the stream ends. It returns out.Decode.
+func (rt *Router) routePair(req *policy.Request, exclude []int, q *queue, out *PD) (*Ticket, error) {
 	vb := rt.getBuf()
 	defer rt.putBuf(vb)
 	views, approx := rt.views(req, vb)
 	pl, err := rt.candidates(req, views, exclude)
 	if err != nil {
-		return PD{}, err
+		return nil, err
+	}
+	var fl *flow
+	if q != nil {
+		fl = q.fl
 	}
 	pol := pl.pol.Load().pol
-	pd, err := rt.pickPair(pol, req, views)
-	if err != nil {
-		return PD{}, err
+	var pd policy.PairDecision
+	if fl != nil && !req.NoDefer {
+		pd, err = rt.pickPairGated(pl, fl, pol, req, views)
+	} else {
+		pd, err = rt.pickPair(pol, req, views)
 	}
-	out := PD{Decision: pd}
+	if err != nil {
+		return nil, err
+	}
+	if fl != nil {
+		if err := fl.feasible(req, pd.Decode); err != nil {
+			return nil, err
+		}
+	}
+	*out = PD{Decision: pd}
 	phase := policy.PhaseNone
 	if !pd.SkipPrefill {
 		preq := *req
@@ -82,7 +110,15 @@ func (rt *Router) RoutePD(req *policy.Request, exclude ...int) (PD, error) {
 		phase = policy.PhaseDecode
 	}
 	out.Decode = rt.commitView(pol, req, pd.Decode, views, approx, phase)
-	return out, nil
+	if fl != nil {
+		computed := out.Decode // the replica that computes the prompt
+		if out.Prefill != nil {
+			computed = out.Prefill
+		}
+		out.Decode.fq = q
+		fl.charge(out.Decode, fl.tenant(req.Tenant), computed.uncached)
+	}
+	return out.Decode, nil
 }
 
 // RouteDecode routes only the decode step of req, whose prefill step has
@@ -174,6 +210,47 @@ func SkipReason(pd policy.PairDecision) string {
 func (rt *Router) pickPair(pol policy.Policy, req *policy.Request, views []policy.ReplicaView) (policy.PairDecision, error) {
 	pre, nPre := side(views, policy.Role.Prefills)
 	dec, nDec := side(views, policy.Role.Decodes)
+	return rt.pickSides(pol, req, pre, nPre, dec, nDec)
+}
+
+// pickPairGated is pickPair through flow control's saturation gate
+// (flow.saturated), applied to the replicas that would compute req's
+// prompt: the prefill side (role prefill or both), or the decode side when
+// it has no candidate (the decode replica computes the prompt). While they
+// are all saturated the request is held (rt.held: errHeldAlone when other
+// replicas of pl that compute prompts have room); else the saturated ones
+// leave the prefill side (a replica of role both may still decode). A pair
+// that skips the prefill step by the threshold (SkipThreshold) has its
+// decode replica compute what it lacks: held while that replica is
+// saturated. The decode side is not gated otherwise: a decode step
+// computes one token.
+func (rt *Router) pickPairGated(pl *pool, fl *flow, pol policy.Policy, req *policy.Request, views []policy.ReplicaView) (policy.PairDecision, error) {
+	pre, nPre := side(views, policy.Role.Prefills)
+	dec, nDec := side(views, policy.Role.Decodes)
+	computes, ok := pre, policy.Role.Prefills
+	switch {
+	case nDec == 0:
+		return rt.pickSides(pol, req, pre, nPre, dec, nDec) // policy.ErrNoReplica, never held
+	case nPre == 0:
+		computes, ok = dec, policy.Role.Decodes
+	}
+	if fl.saturated(computes, req.Priority, -1) {
+		return policy.PairDecision{}, rt.heldOn(pl, fl, computes, ok)
+	}
+	pd, err := rt.pickSides(pol, req, pre, nPre, dec, nDec)
+	if err != nil || SkipReason(pd) != SkipThreshold || !fl.replicaSaturated(&dec[pd.Decode.Replica]) {
+		return pd, err
+	}
+	only := slices.Clone(dec)
+	for i := range only {
+		only[i].Healthy = i == pd.Decode.Replica
+	}
+	return policy.PairDecision{}, rt.heldOn(pl, fl, only, policy.Role.Decodes)
+}
+
+// pickSides asks pol for a pair of a prefill replica among pre and a
+// decode replica among dec (nPre and nDec candidates) and checks it.
+func (rt *Router) pickSides(pol policy.Policy, req *policy.Request, pre []policy.ReplicaView, nPre int, dec []policy.ReplicaView, nDec int) (policy.PairDecision, error) {
 	if nDec == 0 {
 		return policy.PairDecision{}, policy.ErrNoReplica
 	}

@@ -140,7 +140,7 @@ func (rt *Router) releaseParked() {
 		}
 		q := w.pl.q
 		q.mu.Lock()
-		t, err := rt.routeQueued(w.pl, w.pol, w.req, w.exclude, w.anyway)
+		t, err := rt.routeQueued(w.pl, w.pol, w.req, w.exclude, w.anyway, w.pd)
 		switch {
 		case errors.Is(err, errNoRoom):
 			keep = append(keep, w)

@@ -31,9 +31,12 @@ type Waiting struct {
 	pl      *pool // whose queue it waits in
 	exclude []int
 	pol     policy.Policy // decides it instead of its pool's policy (nil: the pool's)
-	done    chan struct{} // closed once routed (or failed)
-	t       *Ticket
-	err     error
+	// pd: a prefill/decode request (SubmitPD), routed to a pair with the
+	// pair rule (routePair) into *pd; its ticket (t) is the decode step's.
+	pd   *PD
+	done chan struct{} // closed once routed (or failed)
+	t    *Ticket
+	err  error
 	// OnRouted, when set before the queue moves (the replay, which routes
 	// in its own event loop), is called with the ticket (or the error: a
 	// shed request's *ShedError) as the request leaves the queue, on the
@@ -75,8 +78,17 @@ type Waiting struct {
 func (w *Waiting) Done() <-chan struct{} { return w.done }
 
 // Result is the ticket (or error) the request left the queue with; valid
-// once Done is closed.
+// once Done is closed. A pair's (SubmitPD) is its decode step's: PD has both.
 func (w *Waiting) Result() (*Ticket, error) { return w.t, w.err }
+
+// PD is the pair (or error) a prefill/decode request (SubmitPD) left the
+// queue with; valid once Done is closed.
+func (w *Waiting) PD() (PD, error) {
+	if w.pd == nil || w.err != nil {
+		return PD{}, w.err
+	}
+	return *w.pd, nil
+}
 
 // Enqueued is when the request started waiting.
 func (w *Waiting) Enqueued() time.Time {
@@ -199,6 +211,30 @@ func (rt *Router) Submit(req *policy.Request, exclude ...int) (*Ticket, *Waiting
 // tenant share and deadline, so that naming a stored response does not
 // jump the flow controller.
 func (rt *Router) SubmitWith(pol policy.Policy, req *policy.Request, exclude ...int) (*Ticket, *Waiting, error) {
+	return rt.submit(pol, req, exclude, nil)
+}
+
+// SubmitPD is RoutePD through req's pool's queue, as Submit is Route: with
+// flow control on, a prefill/decode request is held while the replicas
+// that would compute its prompt are saturated (pickPairGated), released in
+// the queue's order, shed with the same reasons, its deadline checked
+// against the pair's estimate and its work charged to its tenant. A
+// Waiting's pair is Waiting.PD once it left. With flow control off the
+// pair is routed at once (RoutePD: no policy defers a pair). The decode
+// step of a request already prefilled (RouteDecode) is never held: its KV
+// is held on the prefill replica meanwhile.
+func (rt *Router) SubmitPD(req *policy.Request, exclude ...int) (PD, *Waiting, error) {
+	if pl := rt.poolOfRequest(req); pl == nil || pl.q.fl == nil {
+		pd, err := rt.RoutePD(req, exclude...)
+		return pd, nil, err
+	}
+	var pd PD
+	_, w, err := rt.submit(nil, req, exclude, &pd)
+	return pd, w, err
+}
+
+// submit is SubmitWith, or for a pair (pd not nil) SubmitPD routing into *pd.
+func (rt *Router) submit(pol policy.Policy, req *policy.Request, exclude []int, pd *PD) (*Ticket, *Waiting, error) {
 	pl := rt.poolOfRequest(req)
 	if pl == nil {
 		return nil, nil, ErrModelNotServed
@@ -208,7 +244,7 @@ func (rt *Router) SubmitWith(pol policy.Policy, req *policy.Request, exclude ...
 	var err error
 	if q.n == q.alone { // nothing waits that this request could pass
 		var t *Ticket
-		t, err = rt.routeQueued(pl, pol, req, exclude, false)
+		t, err = rt.routeQueued(pl, pol, req, exclude, false, pd)
 		if errors.Is(err, errNoRoom) {
 			q.mu.Unlock() // lock order: parked before the queue
 			return nil, rt.park(pl, pol, req, exclude), nil
@@ -221,6 +257,9 @@ func (rt *Router) SubmitWith(pol policy.Policy, req *policy.Request, exclude ...
 	rt.lookupProgram(req) // whether it continues a program (turn priority), when no decision looked yet
 	w := &Waiting{req: req, pl: pl, pol: pol, exclude: slices.Clone(exclude), done: make(chan struct{}), prefillMs: rt.prefillMs(pl, pol, req),
 		alone: errors.Is(err, errHeldAlone)}
+	if pd != nil {
+		w.pd = new(PD)
+	}
 	evicted, err := q.admit(w, rt.cfg.Now())
 	q.mu.Unlock()
 	leave(evicted)
@@ -324,7 +363,7 @@ func (rt *Router) release(pl *pool) {
 			continue
 		}
 		w.req.Now = now
-		t, err := rt.routeQueued(pl, w.pol, w.req, w.exclude, w.anyway)
+		t, err := rt.routeQueued(pl, w.pol, w.req, w.exclude, w.anyway, w.pd)
 		if errors.Is(err, policy.ErrDefer) {
 			if po.held(q, w, err) {
 				continue
@@ -384,7 +423,7 @@ func (p *passOver) same(q *queue, w *Waiting) bool {
 		return false
 	}
 	for _, x := range p.tried {
-		if x.pol == nil && x.req.Model == w.req.Model && slices.Equal(x.exclude, w.exclude) {
+		if x.pol == nil && (x.pd == nil) == (w.pd == nil) && x.req.Model == w.req.Model && slices.Equal(x.exclude, w.exclude) {
 			q.setAlone(w, true)
 			q.setAside(w)
 			p.aside = append(p.aside, w)
@@ -404,18 +443,28 @@ func leave(out []*Waiting) {
 	}
 }
 
-// routeQueued is RouteWith (pol nil: the pool's policy) through pl's flow controller (gated by saturation,
-// the decision checked against the deadline, the work charged), except
-// that a deferral while nothing is in flight in pl (no event would ever
-// release its queue) is overruled. anyway places a new program without
-// room (it waited AdmissionWait). pl's queue's mutex is held.
-func (rt *Router) routeQueued(pl *pool, pol policy.Policy, req *policy.Request, exclude []int, anyway bool) (*Ticket, error) {
-	t, err := rt.routeWith(pol, req, exclude, pl.q, anyway)
+// routeQueued is RouteWith (pol nil: the pool's policy), or for a pair (pd
+// not nil) RoutePD into *pd, through pl's flow controller (gated by
+// saturation, the decision checked against the deadline, the work
+// charged), except that a deferral while nothing is in flight in pl (no
+// event would ever release its queue) is overruled. anyway places a new
+// program without room (it waited AdmissionWait). pl's queue's mutex is
+// held.
+func (rt *Router) routeQueued(pl *pool, pol policy.Policy, req *policy.Request, exclude []int, anyway bool, pd *PD) (*Ticket, error) {
+	t, err := rt.routeOnce(pl, pol, req, exclude, anyway, pd)
 	if !errors.Is(err, policy.ErrDefer) || rt.inFlight(pl) > 0 {
 		return t, err
 	}
 	req.NoDefer = true
 	defer func() { req.NoDefer = false }()
+	return rt.routeOnce(pl, pol, req, exclude, anyway, pd)
+}
+
+// routeOnce is one decision of routeQueued.
+func (rt *Router) routeOnce(pl *pool, pol policy.Policy, req *policy.Request, exclude []int, anyway bool, pd *PD) (*Ticket, error) {
+	if pd != nil {
+		return rt.routePair(req, exclude, pl.q, pd)
+	}
 	return rt.routeWith(pol, req, exclude, pl.q, anyway)
 }
 

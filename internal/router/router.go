@@ -678,7 +678,7 @@ func (rt *Router) routeWith(pol policy.Policy, req *policy.Request, exclude []in
 	}
 	if fl != nil {
 		t.fq = q
-		fl.charge(t, fl.tenant(req.Tenant))
+		fl.charge(t, fl.tenant(req.Tenant), t.uncached)
 	}
 	return t, nil
 }
