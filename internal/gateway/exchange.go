@@ -220,9 +220,7 @@ func (g *Gateway) waitInQueue(x *exchange, w *router.Waiting) (*router.Ticket, e
 	case <-x.ctx.Done():
 		if !g.rt.Cancel(w) {
 			<-w.Done()
-			if tk, err := w.Result(); err == nil {
-				tk.Done(g.clock.Now(), router.Outcome{CachedTokens: -1, Err: context.Cause(x.ctx)})
-			}
+			g.dropRouted(w, context.Cause(x.ctx))
 		}
 		return nil, context.Cause(x.ctx)
 	case <-timer.C():
@@ -230,8 +228,22 @@ func (g *Gateway) waitInQueue(x *exchange, w *router.Waiting) (*router.Ticket, e
 	}
 }
 
+// dropRouted ends what w was routed to as its client left: nothing was
+// sent (a pair's prefill step neither: router.SubmitPD).
+func (g *Gateway) dropRouted(w *router.Waiting, cause error) {
+	tk, err := w.Result()
+	if err != nil {
+		return
+	}
+	if pd, _ := w.PD(); pd.Prefill != nil {
+		endUnsent(g, pd.Prefill, cause)
+	}
+	tk.Done(g.clock.Now(), router.Outcome{CachedTokens: -1, Err: cause})
+}
+
 // queueTimedOut ends a wait in the router's queue at its timer: with flow
-// control the request is shed (its expiry); without, routed at once.
+// control the request is shed (its expiry); without, routed at once (a
+// pair waits only under flow control: router.SubmitPD).
 func (g *Gateway) queueTimedOut(x *exchange, w *router.Waiting) (*router.Ticket, error) {
 	if !w.Expires().IsZero() {
 		if err := g.rt.Expire(w); err != nil {

@@ -178,18 +178,29 @@ func (g *Gateway) releaseHeld(x *exchange) {
 	x.held = nil
 }
 
-// routePD routes the exchange to a pair, with the routing metrics.
+// routePD routes the exchange to a pair, with the routing metrics: through
+// its pool's queue with flow control on (router.SubmitPD: held while the
+// replicas computing prompts are saturated, released in the queue's
+// order, or shed: 429), as route does an aggregated request.
 func (g *Gateway) routePD(x *exchange) (router.PD, error) {
 	t0 := g.clock.Now()
 	x.req.Now = t0
 	span := g.startSpan(x.ctx, "kvgate.route")
-	pd, err := g.rt.RoutePD(x.req, x.exclude...)
-	g.traceRoute(span, x, pd.Decode, pd.Prefill, err)
+	pd, w, err := g.rt.SubmitPD(x.req, x.exclude...)
 	first := len(x.exclude) == 0
 	if first {
 		g.met.decision.Observe(g.clock.Since(t0).Seconds())
 	}
+	if w != nil {
+		if _, err = g.waitInQueue(x, w); err == nil {
+			pd, err = w.PD()
+		}
+	}
+	g.traceRoute(span, x, pd.Decode, pd.Prefill, err)
 	if err != nil {
+		if g.ten != nil {
+			g.ten.noteShed(x, err)
+		}
 		return pd, err
 	}
 	// The match that counts is the one of the replica computing the prompt.
