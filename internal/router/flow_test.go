@@ -98,18 +98,28 @@ func (fr *flowRig) submitWith(pol policy.Policy, name, tenant string, prio, toke
 		return nil, nil
 	}
 	w.OnRouted = func(tk *Ticket, err error) {
-		if err != nil {
-			var se *ShedError
-			if !errors.As(err, &se) {
-				fr.t.Errorf("%s left the queue with %v", name, err)
-			}
-			fr.released = append(fr.released, name+":"+se.Reason)
+		if fr.shedOut(name, err) {
 			return
 		}
 		fr.tickets[name] = tk
 		fr.released = append(fr.released, name)
 	}
 	return w, nil
+}
+
+// shedOut records name's leaving the queue shed (err, a *ShedError: its
+// reason) and reports whether it was; any other error fails the test.
+func (fr *flowRig) shedOut(name string, err error) bool {
+	if err == nil {
+		return false
+	}
+	var se *ShedError
+	if !errors.As(err, &se) {
+		fr.t.Errorf("%s left the queue with %v", name, err)
+		return true
+	}
+	fr.released = append(fr.released, name+":"+se.Reason)
+	return true
 }
 
 // first reports the first token of name's ticket (its prefill ends).

@@ -49,13 +49,7 @@ func (fr *pdFlowRig) submitPD(name, tenant string, prio, tokens int, mod ...func
 		return nil, nil
 	}
 	w.OnRouted = func(_ *Ticket, err error) {
-		if err != nil {
-			var se *ShedError
-			if !errors.As(err, &se) {
-				fr.t.Errorf("%s left the queue with %v", name, err)
-				return
-			}
-			fr.released = append(fr.released, name+":"+se.Reason)
+		if fr.shedOut(name, err) {
 			return
 		}
 		pd, err := w.PD()
@@ -229,4 +223,29 @@ func TestPDFlowCancelExpireAndDecodeOnly(t *testing.T) {
 			t.Fatalf("tenant %s still counted: %+v", tf.Tenant, tf)
 		}
 	}
+}
+
+// A pair that skips its prefill step by the threshold has its decode
+// replica compute what it lacks: it waits while that replica is saturated,
+// though the prefill replica is idle.
+func TestPDFlowThresholdSkipWaitsForItsDecodeReplica(t *testing.T) {
+	fr := newFlowRigWith(t, 2, tightFlow(), func(c *Config) {
+		c.Replicas, c.NonCachedTokens = nil, 1000
+		c.Specs = []Spec{{URL: "http://p", Role: policy.RolePrefill}, {URL: "http://d", Role: policy.RoleDecode}}
+	})
+	pr := &pdFlowRig{flowRig: fr, pairs: map[string]PD{}}
+	pr.mustPD("x", "A", 0, 100)
+	if pd := pr.pairs["x"]; pd.Prefill != nil || SkipReason(pd.Decision) != SkipThreshold {
+		t.Fatalf("x: want a threshold skip, got %+v", pd.Decision)
+	}
+	if w := pr.mustPD("y", "A", 0, 100); w == nil {
+		t.Fatal("y routed while its decode replica computes x's prompt")
+	}
+	pr.pairs["x"].Decode.FirstToken(fr.now)
+	if got := fr.order(); got != "x y" {
+		t.Fatalf("order %q, want x y", got)
+	}
+	pr.finish("x", 1)
+	pr.finish("y", 1)
+	assertIdle(t, fr.rt)
 }
