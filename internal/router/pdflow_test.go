@@ -249,3 +249,28 @@ func TestPDFlowThresholdSkipWaitsForItsDecodeReplica(t *testing.T) {
 	pr.finish("y", 1)
 	assertIdle(t, fr.rt)
 }
+
+// BenchmarkSubmitPD times a pair's decision as the gateway asks for it
+// (SubmitPD, then both tickets' end) with flow control off (RoutePD) and
+// on (the queue, the gate on the prefill side, the tenant's charge), in
+// one run, over BenchmarkDecisionPD's 2P6D fleet and prompt.
+func BenchmarkSubmitPD(b *testing.B) {
+	for _, on := range []bool{false, true} {
+		b.Run(map[bool]string{false: "off", true: "on"}[on], func(b *testing.B) {
+			rt := newPDRouter(b, mustPolicy(b, "ttft"), "ppdddddd", Config{Flow: FlowConfig{Enabled: on}})
+			text := strings.Repeat("The quick brown fox jumps over the lazy dog. ", 32000/45+1)[:32000]
+			req := rt.Prepare(parse(b, text), "", "")
+			_ = rt.Index().Insert(0, req.Blocks[:300])
+			_ = rt.Index().Insert(2, req.Blocks[:100])
+			req.Tenant = "t"
+			at := time.Unix(0, 0)
+			for b.Loop() {
+				pd, w, err := rt.SubmitPD(req)
+				if err != nil || w != nil {
+					b.Fatal(err, w)
+				}
+				endPD(pd, at)
+			}
+		})
+	}
+}
