@@ -229,14 +229,19 @@ func (g *Gateway) waitInQueue(x *exchange, w *router.Waiting) (*router.Ticket, e
 }
 
 // dropRouted ends what w was routed to as its client left: nothing was
-// sent (a pair's prefill step neither: router.SubmitPD).
+// sent. A pair's steps (router.SubmitPD) end as pd.go ends steps never
+// sent (endUnsent: the index forgets what it learnt of them).
 func (g *Gateway) dropRouted(w *router.Waiting, cause error) {
 	tk, err := w.Result()
 	if err != nil {
 		return
 	}
-	if pd, _ := w.PD(); pd.Prefill != nil {
-		endUnsent(g, pd.Prefill, cause)
+	if pd, _ := w.PD(); pd.Decode != nil {
+		if pd.Prefill != nil {
+			endUnsent(g, pd.Prefill, cause)
+		}
+		endUnsent(g, pd.Decode, cause)
+		return
 	}
 	tk.Done(g.clock.Now(), router.Outcome{CachedTokens: -1, Err: cause})
 }
