@@ -20,6 +20,8 @@ func (p *Parsed) fromOther(kind Kind, b *body) error {
 		err = p.fromPromptOrMessages(kind, b)
 	case Responses:
 		err = p.fromResponses(b)
+	case Messages, CountTokens:
+		err = p.fromAnthropic(kind == CountTokens, b)
 	}
 	return err
 }

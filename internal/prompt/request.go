@@ -18,6 +18,10 @@ const (
 	Embedding              // POST /v1/embeddings: input, or chat messages (vLLM)
 	Responses              // POST /v1/responses: instructions and input
 	Tokenize               // POST /tokenize: prompt, or chat messages
+	// Messages is the Anthropic Messages API (POST /v1/messages), which
+	// vLLM runs as the chat it converts the request to (messages.go).
+	Messages
+	CountTokens // POST /v1/messages/count_tokens: a Messages request without generation
 	// Other is any other JSON body the replicas serve (/v1/score,
 	// /rerank, /pooling, /detokenize …): only model and stream are read;
 	// it has no prompt, so it is routed by load.
@@ -34,6 +38,10 @@ func (k Kind) String() string {
 		return "responses"
 	case Tokenize:
 		return "tokenize"
+	case Messages:
+		return "messages"
+	case CountTokens:
+		return "count_tokens"
 	case Other:
 		return "other"
 	}
@@ -371,7 +379,7 @@ func Parse(kind Kind, data []byte) (*Parsed, error) {
 	if err != nil {
 		return nil, err
 	}
-	if b.Model == "" && (kind == Completion || kind == Chat) {
+	if b.Model == "" && (kind == Completion || kind == Chat || kind == Messages || kind == CountTokens) {
 		// The other endpoints default to the replica's model, as vLLM's do.
 		return nil, invalid("model", "you must provide a model parameter")
 	}
