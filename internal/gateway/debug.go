@@ -74,6 +74,25 @@ func replicaDebugs(g *Gateway, views []policy.ReplicaView, d *policy.Decision) [
 	return out
 }
 
+// debugKind is the kind /debug/route reads a body as: ?kind=chat or
+// ?kind=messages (an Anthropic Messages body) names it, else a body with
+// messages is a chat's, any other a completion's.
+func debugKind(r *http.Request, body []byte) prompt.Kind {
+	switch r.URL.Query().Get("kind") {
+	case "chat":
+		return prompt.Chat
+	case "messages":
+		return prompt.Messages
+	}
+	var probe struct {
+		Messages json.RawMessage `json:"messages"`
+	}
+	if json.Unmarshal(body, &probe) == nil && len(probe.Messages) > 0 {
+		return prompt.Chat
+	}
+	return prompt.Completion
+}
+
 // debug serves POST /debug/route: the decision for a request body, nothing
 // sent; ?tenant=NAME keys it as that tenant's request would be (its
 // cache salt: an isolated tenant matches only its own prefixes).
@@ -92,16 +111,7 @@ func (g *Gateway) debug(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	defer release()
-	kind := prompt.Completion
-	var probe struct {
-		Messages json.RawMessage `json:"messages"`
-	}
-	if json.Unmarshal(body, &probe) == nil && len(probe.Messages) > 0 {
-		kind = prompt.Chat
-	}
-	if r.URL.Query().Get("kind") == "chat" {
-		kind = prompt.Chat
-	}
+	kind := debugKind(r, body)
 	t, err := g.debugTenant(r.URL.Query().Get("tenant"))
 	if err != nil {
 		writeError(w, err)

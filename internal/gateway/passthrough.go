@@ -21,8 +21,9 @@ import (
 //
 // Routing:
 //   - a request with a prompt (embeddings' input or messages, a Responses
-//     call's instructions and input, tokenize's prompt or messages) is
-//     routed by the configured policy, cache-aware;
+//     call's instructions and input, tokenize's prompt or messages, an
+//     Anthropic Messages call's system and messages, passthrough_messages.go)
+//     is routed by the configured policy, cache-aware;
 //   - a request without one (score, rerank, pooling, detokenize, audio, a
 //     GET) is routed by load (least_load) among the replicas serving the
 //     body's model, or among all replicas when it names none;
@@ -73,8 +74,8 @@ var passthroughPaths = map[string]prompt.Kind{
 	"/invocations":              prompt.Other,
 	"/v1/audio/transcriptions":  prompt.Other,
 	"/v1/audio/translations":    prompt.Other,
-	"/v1/messages":              prompt.Other,
-	"/v1/messages/count_tokens": prompt.Other,
+	"/v1/messages":              prompt.Messages,
+	"/v1/messages/count_tokens": prompt.CountTokens,
 }
 
 // passthrough serves passthroughPaths and the paths config opts in; homes
@@ -147,9 +148,9 @@ func (pt *passthrough) choose(x *exchange) error {
 	if x.parsed.Text == "" && x.parsed.TokenIDs == nil {
 		x.pol = pt.byLoad
 	}
-	if x.kind == prompt.Responses && pt.g.ctl.Disaggregated() {
-		// A Responses call generates: on a prefill/decode fleet it goes
-		// whole to a replica that decodes (it is not disaggregated).
+	if (x.kind == prompt.Responses || x.kind == prompt.Messages) && pt.g.ctl.Disaggregated() {
+		// A Responses or Messages call generates: on a prefill/decode fleet
+		// it goes whole to a replica that decodes (it is not disaggregated).
 		inner := x.pol
 		if inner == nil {
 			inner = pt.g.rt.Policy()

@@ -196,13 +196,9 @@ func responsesBodyUsage(tail []byte) *openai.Usage {
 	if json.Unmarshal(tail, &r) == nil && r.Usage != nil {
 		return r.Usage.usage()
 	}
-	i := bytes.LastIndex(tail, []byte(`"usage"`))
-	if i < 0 {
-		return nil
-	}
-	rest, ok := bytes.CutPrefix(bytes.TrimLeft(tail[i+len(`"usage"`):], " \t\r\n"), []byte(":"))
+	obj, ok := lastUsageValue(tail)
 	var u responsesUsage
-	if !ok || json.NewDecoder(bytes.NewReader(rest)).Decode(&u) != nil {
+	if !ok || json.Unmarshal(obj, &u) != nil {
 		return nil
 	}
 	return u.usage()

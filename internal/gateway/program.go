@@ -11,8 +11,9 @@ import (
 )
 
 // Program identity (router.ProgramOf): a request's program is named, in
-// order, by its body's prompt_cache_key (OpenAI's client-side cache key),
-// by a session header, or by its Responses chain (the first response of
+// order, by its body's prompt_cache_key (OpenAI's client-side cache key;
+// a Messages call's metadata.user_id session, prompt/messages.go), by a
+// session header, or by its Responses chain (the first response of
 // the chain its previous_response_id continues; passthrough_responses.go).
 //
 // The session headers, in order:
@@ -21,13 +22,16 @@ import (
 //   - X-Dynamo-Session-Id: NVIDIA Dynamo's canonical agent session header
 //     (Dynamo 1.5+, docs "Session IDs": one id per reasoning/tool chain; its
 //     X-Dynamo-Parent-Session-Id names a subagent's parent, which kvgate
-//     does not need: a subagent is a program of its own).
+//     does not need: a subagent is a program of its own);
+//   - X-Claude-Code-Session-Id: Claude Code's, on every request it sends
+//     (the session its metadata.user_id names too; its subagents' requests
+//     carry their parent's).
 //
 // llm-d's session affinity is not a program id: its x-session-token header
 // (inference scheduler ≤ v0.2) and its llm-d-session cookie (later) carry
 // the base64 name of the pod the previous request went to, the same for
 // every session on that pod; kvgate does not read them.
-var programHeaders = [...]string{"X-Session-Id", "X-Dynamo-Session-Id"}
+var programHeaders = [...]string{"X-Session-Id", "X-Dynamo-Session-Id", "X-Claude-Code-Session-Id"}
 
 // programHeader is the program id a request's headers name ("" for none).
 func programHeader(h http.Header) string {

@@ -52,7 +52,8 @@ import (
 //     its Responses chain: program.go), else the body's "user", as a
 //     number per distinct session in the file; absent when none. A replay
 //     of the file takes it as the program id (as X-Session-Id).
-//   - chat: true for /v1/chat/completions, false for /v1/completions.
+//   - chat: true for /v1/chat/completions and /v1/messages (which vLLM runs
+//     as the chat it converts the call to), false for /v1/completions.
 //   - tenant, priority: the request's tenant (from its key) and its
 //     priority band, with tenants configured; absent when none and 0.
 //
@@ -212,11 +213,11 @@ func (r *recorder) settled(s *settledAttempt) {
 // record hands a served attempt to the writer, never waiting: a full queue
 // drops it. Nil-safe (no recording) and a no-op for other verdicts.
 func (r *recorder) record(x *exchange, a *attempt) {
-	if r == nil || a.v != served || (x.kind != prompt.Completion && x.kind != prompt.Chat) {
+	if r == nil || a.v != served || (x.kind != prompt.Completion && x.kind != prompt.Chat && x.kind != prompt.Messages) {
 		return // the trace is of generation requests: embeddings, scores … are not replayed
 	}
 	e := recordEntry{at: x.start, tokens: x.req.Tokens, output: a.output, maxTokens: x.req.MaxTokens,
-		blocks: x.req.Blocks, model: x.req.Model, session: sessionKey(x.req.Session), chat: x.kind == prompt.Chat,
+		blocks: x.req.Blocks, model: x.req.Model, session: sessionKey(x.req.Session), chat: x.kind != prompt.Completion,
 		tenant: x.req.Tenant, priority: x.req.Priority}
 	r.mu.RLock()
 	defer r.mu.RUnlock()

@@ -93,6 +93,7 @@ func (g *Gateway) relayStream(x *exchange, a *attempt, ctx context.Context, canc
 	idle.stop() // armed by the first reset below
 	er := openai.NewEventReader(body, g.cfg.MaxStreamLineBytes)
 	sawDone := false
+	var ms messagesStream
 	for {
 		// Only the wait for the replica counts as its silence, never the
 		// time a slow client takes to read (write_timeout bounds that).
@@ -111,6 +112,8 @@ func (g *Gateway) relayStream(x *exchange, a *attempt, ctx context.Context, canc
 			case !ev.HasData:
 			case x.kind == prompt.Responses:
 				g.inspectResponses(ev.Data, a, &sawDone)
+			case x.kind == prompt.Messages:
+				g.inspectMessages(ev.Data, a, &ms, &sawDone)
 			default:
 				g.inspect(ev.Data, a, &sawDone)
 			}
@@ -127,10 +130,21 @@ func (g *Gateway) relayStream(x *exchange, a *attempt, ctx context.Context, canc
 			err = errStreamIncomplete
 		}
 		if x.r.Context().Err() == nil {
-			_ = x.write(streamErrorEvent(ctx, err))
+			x.writeStreamError(ctx, err)
 		}
 		return err, nil
 	}
+}
+
+// writeStreamError ends a stream cut short with its error event, named
+// "error" in a Messages stream: Anthropic's clients dispatch on an event's
+// name, and read the error's message from its data as it is.
+func (x *exchange) writeStreamError(ctx context.Context, err error) {
+	ev := streamErrorEvent(ctx, err)
+	if x.kind == prompt.Messages {
+		ev = append([]byte("event: error\n"), ev...)
+	}
+	_ = x.write(ev)
 }
 
 // streamErrorEvent is the SSE error event that ends a stream cut short.
@@ -346,14 +360,7 @@ func (g *Gateway) relayBody(x *exchange, a *attempt, body io.Reader) (rerr, werr
 			}
 		}
 		if errors.Is(err, io.EOF) {
-			if x.kind == prompt.Responses {
-				a.respID = responseIDOf(head)
-				if u := responsesBodyUsage(tail); u != nil {
-					a.noteUsage(u)
-				}
-			} else if u := usageOf(tail); u != nil {
-				a.noteUsage(u)
-			}
+			noteBodyUsage(x, a, head, tail)
 			return nil, nil
 		}
 		if err != nil {
@@ -366,21 +373,38 @@ func (g *Gateway) relayBody(x *exchange, a *attempt, body io.Reader) (rerr, werr
 // would be allocated and cleared for every answer.
 var relayBufs = sync.Pool{New: func() any { b := make([]byte, 32<<10); return &b }}
 
+// noteBodyUsage notes the usage of a whole answer, read from its first
+// (head) and last (tail) bytes in its API's terms: a Responses answer's
+// (and its id), a Messages answer's, or the OpenAI usage of the others. A
+// count_tokens answer generated nothing: it has none.
+func noteBodyUsage(x *exchange, a *attempt, head, tail []byte) {
+	var u *openai.Usage
+	switch x.kind {
+	case prompt.Responses:
+		a.respID = responseIDOf(head)
+		u = responsesBodyUsage(tail)
+	case prompt.Messages:
+		u = messagesBodyUsage(tail)
+	case prompt.CountTokens:
+	default:
+		u = usageOf(tail)
+	}
+	if u != nil {
+		a.noteUsage(u)
+	}
+}
+
 // usageOf reads the usage from the end of a JSON answer: the object after
-// the last "usage" key (a key in quotes cannot occur unescaped inside a
-// JSON string), decoded alone rather than the whole answer; an answer
-// without that key may still be a usage object itself.
+// the last "usage" key, decoded alone rather than the whole answer; an
+// answer without that key may still be a usage object itself.
 func usageOf(tail []byte) *openai.Usage {
-	i := bytes.LastIndex(tail, []byte(`"usage"`))
-	if i < 0 {
+	obj, ok := lastUsageValue(tail)
+	if !ok {
+		if bytes.Contains(tail, []byte(`"usage"`)) {
+			return nil
+		}
 		return openai.ParseUsage(tail)
 	}
-	rest := bytes.TrimLeft(tail[i+len(`"usage"`):], " \t\r\n")
-	rest, ok := bytes.CutPrefix(rest, []byte(":"))
-	if !ok {
-		return nil
-	}
-	obj := usageValue(rest)
 	u, ok := scanUsage(obj)
 	if !ok {
 		if u = (openai.Usage{}); json.Unmarshal(obj, &u) != nil {
@@ -388,6 +412,22 @@ func usageOf(tail []byte) *openai.Usage {
 		}
 	}
 	return &u
+}
+
+// lastUsageValue is the value of the last "usage" key in the end of a JSON
+// answer (a key in quotes cannot occur unescaped inside a JSON string);
+// false when there is none.
+func lastUsageValue(tail []byte) ([]byte, bool) {
+	i := bytes.LastIndex(tail, []byte(`"usage"`))
+	if i < 0 {
+		return nil, false
+	}
+	rest := bytes.TrimLeft(tail[i+len(`"usage"`):], " \t\r\n")
+	rest, ok := bytes.CutPrefix(rest, []byte(":"))
+	if !ok {
+		return nil, false
+	}
+	return usageValue(rest), true
 }
 
 // usageValue cuts the object (or array) that rest starts with out of it,

@@ -164,11 +164,15 @@ func (t *tenant) label() string {
 
 // applyTenant gives a parsed exchange its tenant's terms: its band and
 // deadline (kept for its routing key); its cache salt and priority go in
-// its body (tenantEdits, by clientBody).
+// its body (tenantEdits, by clientBody). An isolating tenant's Messages
+// call is refused: no salt can go in its body (errIsolatedMessages).
 func (g *Gateway) applyTenant(x *exchange) error {
 	tc := g.ten
 	if tc == nil {
 		return nil
+	}
+	if x.kind == prompt.Messages && x.tenant != nil && x.tenant.isolate {
+		return errIsolatedMessages
 	}
 	p := x.parsed
 	x.band = g.rt.BandOf(x.tenant.label(), p.Priority, p.PrioritySet)
@@ -188,7 +192,9 @@ func (g *Gateway) applyTenant(x *exchange) error {
 // priority as completions do) get the tenant's cache_salt, and its band as
 // priority with engine_priority; any other body keeps a salt it names
 // only namespaced (a pooling request may carry one) and never a
-// priority of the client's (vLLM's pooling requests take it too). The
+// priority of the client's (vLLM's pooling requests take it too). A
+// Messages call generates, but vLLM's Messages request has neither field:
+// its band orders the gateway's own queue only. The
 // parsed request's salt (its routing key's) becomes the one sent. None
 // without tenants.
 func (tc *tenancy) tenantEdits(x *exchange) []fieldEdit {

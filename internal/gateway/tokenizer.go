@@ -139,7 +139,15 @@ func (t *remoteTokenizer) lookup(ctx context.Context, key uint64, model router.R
 
 func tokenizeBody(kind prompt.Kind, p *prompt.Parsed, body []byte) ([]byte, error) {
 	req := map[string]any{"model": p.Model}
-	if p.Messages && kind != prompt.Responses {
+	switch {
+	case kind == prompt.Messages || kind == prompt.CountTokens:
+		// The chat vLLM converts the call to, as its template renders it.
+		msgs, err := prompt.AnthropicChatOf(body)
+		if err != nil {
+			return nil, err
+		}
+		req["messages"] = msgs
+	case p.Messages && kind != prompt.Responses:
 		var b struct {
 			Messages json.RawMessage `json:"messages"`
 		}
@@ -147,7 +155,7 @@ func tokenizeBody(kind prompt.Kind, p *prompt.Parsed, body []byte) ([]byte, erro
 			return nil, err
 		}
 		req["messages"] = b.Messages
-	} else {
+	default:
 		req["prompt"] = p.Text
 	}
 	return json.Marshal(req)

@@ -81,9 +81,10 @@ type chatPart struct {
 // fromAnthropic reads a Messages request (count: a count_tokens one,
 // which generates nothing and has no max_tokens).
 func (p *Parsed) fromAnthropic(count bool, b *body) error {
-	// vLLM's Messages request takes no cache_salt nor priority: neither
-	// reaches the engine, so neither partitions the routing key.
-	p.CacheSalt, p.Priority, p.PrioritySet = "", 0, false
+	// vLLM's Messages request takes no cache_salt: a client's never
+	// reaches the engine, so it does not partition the routing key. (Nor
+	// priority: a client's orders the gateway's own queue only.)
+	p.CacheSalt = ""
 	if !count {
 		if b.MaxTokens == nil {
 			return invalid("max_tokens", "you must provide max_tokens")

@@ -22,9 +22,9 @@ func TestMessagesRenderedAsChat(t *testing.T) {
 	if msg.Text != chat.Text || msg.KeyText != "hello" || msg.System != "Be brief." || !msg.Messages || msg.MaxTokens != 7 || !msg.Stream {
 		t.Fatalf("messages parsed as %+v, chat text %q", msg, chat.Text)
 	}
-	// vLLM's Messages request takes neither: they reach no engine.
-	if msg.CacheSalt != "" || msg.PrioritySet || msg.Kind != Messages {
-		t.Fatalf("salt %q priority %v kind %v", msg.CacheSalt, msg.PrioritySet, msg.Kind)
+	// vLLM's Messages request takes no cache_salt: it reaches no engine.
+	if msg.CacheSalt != "" || msg.Priority != 3 || msg.Kind != Messages {
+		t.Fatalf("salt %q priority %v kind %v", msg.CacheSalt, msg.Priority, msg.Kind)
 	}
 }
 
