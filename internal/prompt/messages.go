@@ -257,9 +257,15 @@ func anthropicContent(param string, raw json.RawMessage, optional bool) (string,
 	if err := json.Unmarshal(raw, &blocks); err != nil {
 		return "", nil, invalid(param, "must be a list of content blocks: %s", jsonTypeError(err))
 	}
+	if len(blocks) == 0 && !optional {
+		return "", nil, invalid(param, "must not be empty") // as vLLM refuses it
+	}
 	for j := range blocks {
 		if !anthropicBlockTypes[blocks[j].Type] {
 			return "", nil, invalid(fmt.Sprintf("%s[%d].type", param, j), "unknown content block type %q", blocks[j].Type)
+		}
+		if in := bytes.TrimSpace(blocks[j].Input); len(in) > 0 && in[0] != '{' && !isNull(in) {
+			return "", nil, invalid(fmt.Sprintf("%s[%d].input", param, j), "a tool_use block's input must be an object")
 		}
 	}
 	return "", blocks, nil

@@ -3,6 +3,7 @@ package prompt
 import (
 	"encoding/json"
 	"errors"
+	"fmt"
 	"strings"
 	"testing"
 )
@@ -129,10 +130,13 @@ func TestMessagesMalformed(t *testing.T) {
 		{Messages, `{"model":"m","max_tokens":1,"messages":[]}`, "messages"},
 		{Messages, `{"model":"m","max_tokens":1,"messages":[1]}`, "messages"},
 		{Messages, `{"model":"m","max_tokens":1,"messages":[{"role":"user","content":5}]}`, "messages[0].content"},
+		{Messages, `{"model":"m","max_tokens":1,"messages":[{"role":"user","content":[]}]}`, "messages[0].content"},
 		{Messages, `{"model":"m","max_tokens":1,"messages":[{"role":"user"}]}`, "messages[0].content"},
 		{Messages, `{"model":"m","max_tokens":1,"messages":[{"role":"user","content":[{"type":"video"}]}]}`, "messages[0].content[0].type"},
 		{Messages, `{"model":"m","max_tokens":1,"messages":[{"role":"user","content":["x"]}]}`, "messages[0].content"},
 		{Messages, `{"model":"m","max_tokens":1,"messages":[{"role":"tool","content":"x"}]}`, "messages[0].role"},
+		{Messages, `{"model":"m","max_tokens":1,"messages":[{"role":"assistant","content":[{"type":"tool_use","id":"t","name":"f","input":[1]}]}]}`,
+			"messages[0].content[0].input"},
 		{Messages, `{"model":"m","max_tokens":1,"system":5,` + msgs + `}`, "system"},
 		{Messages, `{"model":"m","max_tokens":1,"metadata":"x",` + msgs + `}`, "metadata"},
 		{Messages, `{"model":"m","max_tokens":1,"metadata":{"user_id":7},` + msgs + `}`, "metadata.user_id"},
@@ -160,5 +164,65 @@ func TestPyJSON(t *testing.T) {
 		if got := PyJSON([]byte(in)); got != want {
 			t.Errorf("PyJSON(%s) = %s, want %s", in, got, want)
 		}
+	}
+}
+
+// FuzzParseMessages: any body parses or is refused with a RequestError,
+// never a panic; a parsed one converts for /tokenize.
+func FuzzParseMessages(f *testing.F) {
+	f.Add([]byte(`{"model":"m","max_tokens":1,"system":[{"type":"text","text":"s"}],"messages":[{"role":"user","content":[{"type":"tool_result","tool_use_id":"t","content":[{"type":"image","source":{"type":"base64","data":"AA"}}]}]}]}`))
+	f.Add([]byte(`{"model":"m","max_tokens":1,"messages":[{"role":"assistant","content":[{"type":"tool_use","input":{"a":[1,{"b":"\u00e9"}]}}]}]}`))
+	f.Add([]byte(`{"model":"m","max_tokens":1,"metadata":{"user_id":"{\"session_id\":1}"},"messages":[{"role":"msg","content":""}]}`))
+	f.Fuzz(func(t *testing.T, data []byte) {
+		p, err := Parse(Messages, data)
+		if err != nil {
+			if !errors.Is(err, ErrInvalid) {
+				t.Fatalf("%s: %v is not a RequestError", data, err)
+			}
+			return
+		}
+		msgs, err := AnthropicChatOf(data)
+		if err != nil || (len(msgs) > 0) != (p.Text != "") {
+			t.Fatalf("%s parsed, but converts to %d messages with %v (text %q)", data, len(msgs), err, p.Text)
+		}
+	})
+}
+
+// BenchmarkParseAgentTurn: an agent's late turn of about 100k tokens
+// (a system prompt, 40 tool calls with 10 KB results), as a Messages call
+// and as the chat vLLM converts it to.
+func BenchmarkParseAgentTurn(b *testing.B) {
+	result := strings.Repeat("src/file.go:12: func f() {} ", 360) // ≈ 10 KB
+	var anth, chat []string
+	for i := range 40 {
+		anth = append(anth,
+			fmt.Sprintf(`{"role":"assistant","content":[{"type":"text","text":"step %d"},{"type":"tool_use","id":"t%d","name":"bash","input":{"cmd":"grep -rn f ."}}]}`, i, i),
+			fmt.Sprintf(`{"role":"user","content":[{"type":"tool_result","tool_use_id":"t%d","content":%q}]}`, i, result))
+		chat = append(chat,
+			fmt.Sprintf(`{"role":"assistant","content":"step %d","tool_calls":[{"id":"t%d","type":"function","function":{"name":"bash","arguments":"{\"cmd\": \"grep -rn f .\"}"}}]}`, i, i),
+			fmt.Sprintf(`{"role":"tool","tool_call_id":"t%d","content":%q}`, i, result))
+	}
+	sys := strings.Repeat("Follow the rules. ", 500)
+	bodies := map[string]struct {
+		kind Kind
+		body string
+	}{
+		"messages": {Messages, `{"model":"m","max_tokens":4096,"system":[{"type":"text","text":"x-anthropic-billing-header: cch=1;"},{"type":"text","text":"` + sys +
+			`"}],"messages":[{"role":"user","content":"go"},` + strings.Join(anth, ",") + `]}`},
+		"chat": {Chat, `{"model":"m","max_tokens":4096,"messages":[{"role":"system","content":"` + sys + `"},{"role":"user","content":"go"},` +
+			strings.Join(chat, ",") + `]}`},
+	}
+	for _, name := range []string{"chat", "messages"} {
+		c := bodies[name]
+		b.Run(name, func(b *testing.B) {
+			data := []byte(c.body)
+			b.SetBytes(int64(len(data)))
+			b.ReportAllocs()
+			for b.Loop() {
+				if _, err := Parse(c.kind, data); err != nil {
+					b.Fatal(err)
+				}
+			}
+		})
 	}
 }
