@@ -62,6 +62,8 @@ func (f *messagesReplica) serve(w http.ResponseWriter, r *http.Request) {
 	}
 	_ = json.Unmarshal(body, &req)
 	switch {
+	case r.URL.Path == "/tokenize": // 40 token ids: 2 full blocks of 16
+		_, _ = io.WriteString(w, `{"count":40,"max_model_len":4096,"tokens":[`+strings.TrimSuffix(strings.Repeat("7,", 40), ",")+`]}`)
 	case r.URL.Path == "/v1/messages/count_tokens":
 		_, _ = io.WriteString(w, `{"input_tokens":12,"context_management":{"original_input_tokens":12}}`)
 	case !req.Stream:
@@ -289,10 +291,10 @@ func TestMessagesStreamEnd(t *testing.T) {
 }
 
 // The remote tokenizer gets a Messages call as the chat vLLM converts it
-// to, so the token ids are those the engine computes.
+// to, tools included, so the token ids are those the engine computes.
 func TestMessagesTokenizeBody(t *testing.T) {
 	body := []byte(`{"model":"m","max_tokens":3,"system":[{"type":"text","text":"x-anthropic-billing-header: cch=1;"},{"type":"text","text":"S"}],` +
-		`"messages":[{"role":"user","content":[{"type":"text","text":"q"}]}]}`)
+		`"tools":[{"name":"bash","description":"runs","input_schema":{"type":"object"}}],"messages":[{"role":"user","content":[{"type":"text","text":"q"}]}]}`)
 	p, err := prompt.Parse(prompt.Messages, body)
 	if err != nil {
 		t.Fatal(err)
@@ -301,8 +303,34 @@ func TestMessagesTokenizeBody(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	want := `{"messages":[{"role":"system","content":"S"},{"role":"user","content":"q"}],"model":"m"}`
+	want := `{"messages":[{"role":"system","content":"S"},{"role":"user","content":"q"}],"model":"m",` +
+		`"tools":[{"type":"function","function":{"name":"bash","description":"runs","parameters":{"type":"object"}}}]}`
 	if string(got) != want {
 		t.Fatalf("tokenize body %s, want %s", got, want)
 	}
+}
+
+// With the remote tokenizer, a Messages call is keyed by the engine's own
+// token ids: the replica's /tokenize gets the converted chat, and the
+// call's key is those ids' blocks.
+func TestMessagesRemoteTokenizer(t *testing.T) {
+	f := newMessagesReplica(t, `{"input_tokens":40,"output_tokens":1}`)
+	cfg := baseConfig(f.srv.URL)
+	cfg.Tokenizer = "remote"
+	gw := startGateway(t, cfg)
+	allListed(t, gw)
+	body := `{"model":"m","max_tokens":5,"system":"S","messages":[{"role":"ctx","content":"q"}]}`
+	if resp, out := post(t, gw.srv.URL+"/v1/messages", body); resp.StatusCode != 200 {
+		t.Fatalf("%d %s", resp.StatusCode, out)
+	}
+	reqs := f.requests()
+	if len(reqs) != 2 || string(reqs[0]) != `{"messages":[{"role":"system","content":"S"},{"role":"user","content":"q"}],"model":"m"}` ||
+		string(reqs[1]) != body {
+		t.Fatalf("the replica got %q", reqs)
+	}
+	_, key, err := gw.g.prepare(context.Background(), prompt.Messages, []byte(body), "", nil)
+	if err != nil || key.Tokens != 40 || len(key.Blocks) != 2 {
+		t.Fatalf("key: %d tokens, %d blocks, %v", key.Tokens, len(key.Blocks), err)
+	}
+	waitIdle(t, gw)
 }

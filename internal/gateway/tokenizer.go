@@ -141,12 +141,16 @@ func tokenizeBody(kind prompt.Kind, p *prompt.Parsed, body []byte) ([]byte, erro
 	req := map[string]any{"model": p.Model}
 	switch {
 	case kind == prompt.Messages || kind == prompt.CountTokens:
-		// The chat vLLM converts the call to, as its template renders it.
-		msgs, err := prompt.AnthropicChatOf(body)
+		// The chat vLLM converts the call to, tools included: its template
+		// renders them ahead of the conversation.
+		msgs, tools, err := prompt.AnthropicChatOf(body)
 		if err != nil {
 			return nil, err
 		}
 		req["messages"] = msgs
+		if len(tools) > 0 {
+			req["tools"] = tools
+		}
 	case p.Messages && kind != prompt.Responses:
 		var b struct {
 			Messages json.RawMessage `json:"messages"`

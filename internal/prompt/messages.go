@@ -100,13 +100,14 @@ func (p *Parsed) fromAnthropic(count bool, b *body) error {
 	if err != nil {
 		return err
 	}
+	tools, err := anthropicTools(b.Tools)
+	if err != nil {
+		return err
+	}
 	var sb strings.Builder
-	if t := bytes.TrimSpace(b.Tools); len(t) > 0 && !isNull(t) {
-		if t[0] != '[' {
-			return invalid("tools", "must be a list of tools")
-		}
+	if tools != nil {
 		sb.WriteString("<|tools|>\n") // ahead of the conversation, as a chat's
-		sb.Write(t)
+		sb.Write(bytes.TrimSpace(b.Tools))
 		sb.WriteString("\n")
 	}
 	for i := range msgs {
@@ -181,13 +182,68 @@ func AnthropicChat(raw members, msgs []Message) ([]ChatMessage, error) {
 	return out, nil
 }
 
-// AnthropicChatOf is AnthropicChat of a whole request body.
-func AnthropicChatOf(data []byte) ([]ChatMessage, error) {
+// AnthropicChatOf is AnthropicChat of a whole request body, with its
+// tools in the chat API's shape (nil: none), as vLLM converts them.
+func AnthropicChatOf(data []byte) ([]ChatMessage, []ChatTool, error) {
 	b, err := decodeBody(data)
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
-	return AnthropicChat(b.raw, b.Messages)
+	msgs, err := AnthropicChat(b.raw, b.Messages)
+	if err != nil {
+		return nil, nil, err
+	}
+	tools, err := anthropicTools(b.Tools)
+	if err != nil {
+		return nil, nil, err
+	}
+	out := make([]ChatTool, len(tools))
+	for i, t := range tools {
+		out[i] = ChatTool{Type: "function", Function: ChatFunction{Name: t.Name, Description: t.Description}}
+		if len(t.InputSchema) > 0 && !isNull(t.InputSchema) {
+			out[i].Function.Parameters = t.InputSchema
+		}
+	}
+	return msgs, out, nil
+}
+
+// anthropicTools reads a Messages request's tools (nil: none): each an
+// object with a name and an input_schema object, as vLLM requires.
+func anthropicTools(raw json.RawMessage) ([]anthropicTool, error) {
+	var tools []anthropicTool
+	if t := bytes.TrimSpace(raw); len(t) == 0 || isNull(t) {
+		return nil, nil
+	}
+	if err := json.Unmarshal(raw, &tools); err != nil {
+		return nil, invalid("tools", "must be a list of tools: %s", jsonTypeError(err))
+	}
+	for i := range tools {
+		if s := bytes.TrimSpace(tools[i].InputSchema); tools[i].Name == "" || len(s) == 0 || s[0] != '{' {
+			return nil, invalid(fmt.Sprintf("tools[%d]", i), "a tool needs a name and an input_schema object")
+		}
+	}
+	return tools, nil
+}
+
+// anthropicTool is a Messages request's tool definition.
+type anthropicTool struct {
+	Name        string          `json:"name"`
+	Description *string         `json:"description"`
+	InputSchema json.RawMessage `json:"input_schema"`
+}
+
+// ChatTool is a tool definition in the chat API's shape: vLLM makes a
+// Messages tool's input_schema the function's parameters.
+type ChatTool struct {
+	Type     string       `json:"type"`
+	Function ChatFunction `json:"function"`
+}
+
+// ChatFunction is a chat tool's function.
+type ChatFunction struct {
+	Name        string          `json:"name"`
+	Description *string         `json:"description,omitempty"`
+	Parameters  json.RawMessage `json:"parameters,omitempty"`
 }
 
 // anthropicRole is a message's role as vLLM reads it ("" for one it refuses).

@@ -64,7 +64,7 @@ func TestMessagesTurnsExtend(t *testing.T) {
 	if !strings.HasPrefix(p2.Text, p1.Text) || len(p2.Text) <= len(p1.Text) {
 		t.Fatalf("turn 2 does not extend turn 1:\n%q\n%q", p1.Text, p2.Text)
 	}
-	msgs, err := AnthropicChatOf([]byte(turn2))
+	msgs, _, err := AnthropicChatOf([]byte(turn2))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -81,7 +81,7 @@ func TestMessagesTurnsExtend(t *testing.T) {
 // A system message inside messages joins the system prompt; a user
 // message holding only tool results is dropped after its tool message.
 func TestMessagesSystemAndToolOnly(t *testing.T) {
-	msgs, err := AnthropicChatOf([]byte(`{"model":"m","max_tokens":1,"system":"A","messages":[{"role":"system","content":"B"},
+	msgs, _, err := AnthropicChatOf([]byte(`{"model":"m","max_tokens":1,"system":"A","messages":[{"role":"system","content":"B"},
 		{"role":"user","content":[{"type":"tool_result","tool_use_id":"t","content":"ok"},
 			{"type":"tool_result","tool_use_id":"u","content":[{"type":"image","source":{"type":"url","url":"http://i/x.png"}}]}]}]}`))
 	if err != nil {
@@ -141,6 +141,7 @@ func TestMessagesMalformed(t *testing.T) {
 		{Messages, `{"model":"m","max_tokens":1,"metadata":"x",` + msgs + `}`, "metadata"},
 		{Messages, `{"model":"m","max_tokens":1,"metadata":{"user_id":7},` + msgs + `}`, "metadata.user_id"},
 		{Messages, `{"model":"m","max_tokens":1,"tools":{},` + msgs + `}`, "tools"},
+		{Messages, `{"model":"m","max_tokens":1,"tools":[{"name":"f"}],` + msgs + `}`, "tools[0]"},
 		{CountTokens, `{"model":"m","messages":[]}`, "messages"},
 	} {
 		_, err := Parse(c.kind, []byte(c.body))
@@ -181,7 +182,7 @@ func FuzzParseMessages(f *testing.F) {
 			}
 			return
 		}
-		msgs, err := AnthropicChatOf(data)
+		msgs, _, err := AnthropicChatOf(data)
 		if err != nil || (len(msgs) > 0) != (p.Text != "") {
 			t.Fatalf("%s parsed, but converts to %d messages with %v (text %q)", data, len(msgs), err, p.Text)
 		}
