@@ -272,7 +272,8 @@ func TestMessagesMalformedBodies(t *testing.T) {
 }
 
 // A Messages stream ends at message_stop (it has no [DONE]): whole, it is
-// relayed as sent; cut before, it ends with an event named error.
+// relayed as sent, its first content block its first token; cut before,
+// it ends with an event named error.
 func TestMessagesStreamEnd(t *testing.T) {
 	f := newMessagesReplica(t, `{"input_tokens":4,"output_tokens":1}`)
 	gw := startGateway(t, baseConfig(f.srv.URL))
@@ -282,6 +283,10 @@ func TestMessagesStreamEnd(t *testing.T) {
 		!strings.HasSuffix(out, "event: message_stop\ndata: {\"type\":\"message_stop\"}\n\n") {
 		t.Fatalf("a whole stream: %d %q", resp.StatusCode, out)
 	}
+	waitIdle(t, gw) // its first content block was its first token
+	eventually(t, "the stream's time to first token observed", func() bool {
+		return histogramCount(t, gw, "kvgate_time_to_first_token_seconds") == 1
+	})
 	f.cut.Store(true)
 	if resp, out := post(t, gw.srv.URL+"/v1/messages", body); resp.StatusCode != 200 ||
 		!strings.Contains(out, "event: error\ndata: {\"error\":") || strings.Contains(out, "message_stop") {
