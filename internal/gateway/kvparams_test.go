@@ -73,3 +73,29 @@ func kvParamsIn(t *testing.T, body []byte) bool {
 	_, ok := m["kv_transfer_params"]
 	return ok
 }
+
+// The Anthropic SDK's key header is a client's credential as Authorization
+// is: with gateway keys it is the gateway's and never reaches a replica
+// (the replica gets its own api_key); with none, the client's key is meant
+// for the replicas and passes, as its Authorization does.
+func TestClientAPIKeyHeaderNotForwarded(t *testing.T) {
+	for _, keys := range []bool{true, false} {
+		f := newFakeReplica(t)
+		cfg := baseConfig(f.srv.URL)
+		hdr := []string{"X-Api-Key", "client-secret"}
+		if keys {
+			cfg.APIKeys = []string{"k"}
+			hdr = append(hdr, "Authorization", "Bearer k")
+		}
+		gw := startGateway(t, cfg)
+		if resp, b := post(t, gw.srv.URL+"/v1/completions", `{"model":"m","prompt":"hi"}`, hdr...); resp.StatusCode != 200 {
+			t.Fatalf("keys %v: %d %s", keys, resp.StatusCode, b)
+		}
+		f.mu.Lock()
+		got := f.headers[0].Get("X-Api-Key")
+		f.mu.Unlock()
+		if want := map[bool]string{true: "", false: "client-secret"}[keys]; got != want {
+			t.Errorf("gateway keys %v: the replica got X-Api-Key %q, want %q", keys, got, want)
+		}
+	}
+}

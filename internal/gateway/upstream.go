@@ -178,6 +178,9 @@ func (g *Gateway) upstreamHeader(h http.Header, x *exchange, rep *router.Replica
 			h.Set("Authorization", "Bearer "+tok)
 		}
 	}
+	if key == "" && len(g.cfg.APIKeys) == 0 && len(g.cfg.Tenants) == 0 && x.r.Header.Get("X-Api-Key") != "" {
+		h.Set("X-Api-Key", x.r.Header.Get("X-Api-Key")) // likewise
+	}
 	delete(h, "Accept-Encoding")
 	if k, ranked := rep.Rank(); ranked {
 		h.Set(headerDataParallelRank, strconv.Itoa(k))
@@ -213,6 +216,7 @@ const headerDataParallelRank = "X-Data-Parallel-Rank"
 func dropGatewayHeaders(h http.Header) {
 	dropKvgateHeaders(h)
 	delete(h, "Authorization") // canonical names: Del would canonicalize them again
+	delete(h, "X-Api-Key")     // the Anthropic SDK's key header: a credential as Authorization is
 	delete(h, headerDataParallelRank)
 	for _, k := range sidecarHeaders {
 		delete(h, k)
