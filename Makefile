@@ -76,6 +76,7 @@ FUZZTIME ?= 60s
 fuzz:
 	$(GO) test -run '^$$' -fuzz '^FuzzParse$$' -fuzztime $(FUZZTIME) ./internal/prompt
 	$(GO) test -run '^$$' -fuzz '^FuzzMembers$$' -fuzztime $(FUZZTIME) ./internal/prompt
+	$(GO) test -run '^$$' -fuzz '^FuzzParseMessages$$' -fuzztime $(FUZZTIME) ./internal/prompt
 	$(GO) test -run '^$$' -fuzz '^FuzzResponse$$' -fuzztime $(FUZZTIME) ./internal/h1
 	$(GO) test -run '^$$' -fuzz '^FuzzFastResponse$$' -fuzztime $(FUZZTIME) ./internal/h1
 	$(GO) test -run '^$$' -fuzz '^FuzzDecode$$' -fuzztime $(FUZZTIME) ./internal/kvevents
