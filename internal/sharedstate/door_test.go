@@ -302,9 +302,10 @@ func TestFarFutureStreamIsHealed(t *testing.T) {
 	healed := func(reg *prometheus.Registry) float64 {
 		return counted(t, reg, "kvgate_shared_state_resyncs_total", "reason", "healed")
 	}
-	if healed(regA)+healed(regB) < 1 {
-		t.Error("the stream was not healed")
-	}
+	// The publisher heals the stream and its reader counts the resync
+	// when it next runs: a may hold b's re-published decision before b's
+	// reader has counted it (a busy host).
+	testutil.Eventually(t, within, "the stream healed", func() bool { return healed(regA)+healed(regB) >= 1 })
 	if a.rt.Index().Holds(0, 5) {
 		t.Fatal("the far-future entry was applied")
 	}
