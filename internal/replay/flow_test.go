@@ -14,6 +14,12 @@ import (
 // replicas routed by ttft, with flow control fc.
 func tenantRun(t *testing.T, fc router.FlowConfig, specs ...string) report.Run {
 	t.Helper()
+	return tenantRunOn(t, Config{Replicas: 4, Flow: fc}, specs...)
+}
+
+// tenantRunOn is tenantRun on the fleet cfg describes.
+func tenantRunOn(t *testing.T, cfg Config, specs ...string) report.Run {
+	t.Helper()
 	var ts []workload.TenantSpec
 	for _, s := range specs {
 		ts2, err := workload.ParseTenant(s)
@@ -26,7 +32,7 @@ func tenantRun(t *testing.T, fc router.FlowConfig, specs ...string) report.Run {
 	if err != nil {
 		t.Fatal(err)
 	}
-	run, err := Run(context.Background(), Config{Replicas: 4, Flow: fc}, reqs, PolicySpec{Name: "ttft"})
+	run, err := Run(context.Background(), cfg, reqs, PolicySpec{Name: "ttft"})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -75,6 +81,29 @@ func TestPriorityUnderOverload(t *testing.T) {
 	run := tenantRun(t, fc, hi, lo)
 	top, low := run.Priorities["0"], run.Priorities["2"]
 	t.Logf("band 0 p90: %.0f ms alone, %.0f ms under 2× load; band 2: %d of %d shed", alone.TTFTms.P90, top.TTFTms.P90, low.Errors, low.Requests)
+	if top.Errors != 0 || top.TTFTms.P90 > 1.2*alone.TTFTms.P90 {
+		t.Errorf("band 0 under overload: p90 %.0f ms (%d errors), %.0f ms without: want ≤ 1.2×", top.TTFTms.P90, top.Errors, alone.TTFTms.P90)
+	}
+	if low.ErrKinds["shed_saturated"] < low.Requests/4 || low.Errors != low.ErrKinds["shed_saturated"] {
+		t.Errorf("band 2: %v of %d: want its excess shed", low.ErrKinds, low.Requests)
+	}
+}
+
+// The same on a prefill/decode fleet (4 prefill and 4 decode replicas):
+// a pair goes through the flow controller's queue as the gateway's does
+// (router.SubmitPD). The replay called RoutePD directly, and band 0's p90
+// was the flood's (11.4 s), nothing shed.
+func TestPriorityUnderOverloadPD(t *testing.T) {
+	testutil.Deterministic(t)
+	const hi = "name=hi,rate=16,requests=320,input_len=2000,output_len=128,range_ratio=0.5,priority=0"
+	const lo = "name=lo,rate=64,requests=1280,input_len=2000,output_len=128,range_ratio=0.5,priority=2"
+	fc := router.FlowConfig{Enabled: true, Bands: []router.Band{{Priority: 2, Sheddable: true}},
+		Tenants: map[string]router.FlowTenant{"lo": {Priority: 2, MaxPriority: 2}}}
+	cfg := Config{PrefillReplicas: 4, DecodeReplicas: 4, Flow: fc}
+	alone := tenantRunOn(t, cfg, hi).Priorities["0"]
+	run := tenantRunOn(t, cfg, hi, lo)
+	top, low := run.Priorities["0"], run.Priorities["2"]
+	t.Logf("P/D band 0 p90: %.0f ms alone, %.0f ms under 2× load; band 2: %d of %d shed", alone.TTFTms.P90, top.TTFTms.P90, low.Errors, low.Requests)
 	if top.Errors != 0 || top.TTFTms.P90 > 1.2*alone.TTFTms.P90 {
 		t.Errorf("band 0 under overload: p90 %.0f ms (%d errors), %.0f ms without: want ≤ 1.2×", top.TTFTms.P90, top.Errors, alone.TTFTms.P90)
 	}

@@ -297,24 +297,40 @@ func (vr *virtualRun) arrive(i int) error {
 	st.arrive, st.tokens = vr.now, preq.Tokens
 	vr.flowTags(preq, r, st)
 	if vr.cfg.disaggregated() {
-		pd, err := rt.RoutePD(preq)
+		// A pair goes through the flow controller's queue as the
+		// gateway's does (router.SubmitPD: RoutePD without flow control).
+		pd, w, err := rt.SubmitPD(preq)
+		if w != nil {
+			vr.wait(i, st, w, text, true)
+			return nil
+		}
 		return vr.dispatchPD(i, text, pd, err)
 	}
 	tk, w, err := rt.Submit(preq)
 	if w != nil {
-		// Routed later, inside a ticket event of this loop: dispatched once
-		// that event is handled.
-		st.waiting = w
-		w.OnRouted = func(tk *router.Ticket, err error) {
-			st.waiting = nil
-			vr.released = append(vr.released, released{req: i, text: text, ticket: tk, err: err})
-		}
-		if exp := w.Expires(); !exp.IsZero() {
-			vr.events.push(exp.Sub(epoch), evExpire, int32(i))
-		}
+		vr.wait(i, st, w, text, false)
 		return nil
 	}
 	return vr.dispatch(i, text, tk, err)
+}
+
+// wait leaves request i waiting in its router's queue (w): routed later,
+// inside a ticket event of this loop, and dispatched once that event is
+// handled (a pair's two steps when pair); shed at its expiry.
+func (vr *virtualRun) wait(i int, st *liveRequest, w *router.Waiting, text string, pair bool) {
+	st.waiting = w
+	w.OnRouted = func(tk *router.Ticket, err error) {
+		st.waiting = nil
+		r := released{req: i, text: text, ticket: tk, err: err}
+		if pair {
+			pd, perr := w.PD()
+			r.pd, r.err = &pd, perr
+		}
+		vr.released = append(vr.released, r)
+	}
+	if exp := w.Expires(); !exp.IsZero() {
+		vr.events.push(exp.Sub(epoch), evExpire, int32(i))
+	}
 }
 
 // flowTags gives a request its tenant, band and deadline (flow control),
@@ -360,6 +376,7 @@ type released struct {
 	req    int
 	text   string
 	ticket *router.Ticket
+	pd     *router.PD // a prefill/decode pair's (nil: one ticket)
 	err    error
 }
 
@@ -369,7 +386,13 @@ func (vr *virtualRun) dispatchReleased() error {
 	for len(vr.released) > 0 {
 		r := vr.released[0]
 		vr.released = vr.released[1:]
-		if err := vr.dispatch(r.req, r.text, r.ticket, r.err); err != nil {
+		var err error
+		if r.pd != nil {
+			err = vr.dispatchPD(r.req, r.text, *r.pd, r.err)
+		} else {
+			err = vr.dispatch(r.req, r.text, r.ticket, r.err)
+		}
+		if err != nil {
 			return err
 		}
 	}
