@@ -73,20 +73,7 @@ func TestNoisyNeighbour(t *testing.T) {
 // without overload, and band 2's excess is refused (shed), not queued.
 func TestPriorityUnderOverload(t *testing.T) {
 	testutil.Deterministic(t)
-	const hi = "name=hi,rate=16,requests=320,input_len=2000,output_len=128,range_ratio=0.5,priority=0"
-	const lo = "name=lo,rate=64,requests=1280,input_len=2000,output_len=128,range_ratio=0.5,priority=2"
-	fc := router.FlowConfig{Enabled: true, Bands: []router.Band{{Priority: 2, Sheddable: true}},
-		Tenants: map[string]router.FlowTenant{"lo": {Priority: 2, MaxPriority: 2}}}
-	alone := tenantRun(t, fc, hi).Priorities["0"]
-	run := tenantRun(t, fc, hi, lo)
-	top, low := run.Priorities["0"], run.Priorities["2"]
-	t.Logf("band 0 p90: %.0f ms alone, %.0f ms under 2× load; band 2: %d of %d shed", alone.TTFTms.P90, top.TTFTms.P90, low.Errors, low.Requests)
-	if top.Errors != 0 || top.TTFTms.P90 > 1.2*alone.TTFTms.P90 {
-		t.Errorf("band 0 under overload: p90 %.0f ms (%d errors), %.0f ms without: want ≤ 1.2×", top.TTFTms.P90, top.Errors, alone.TTFTms.P90)
-	}
-	if low.ErrKinds["shed_saturated"] < low.Requests/4 || low.Errors != low.ErrKinds["shed_saturated"] {
-		t.Errorf("band 2: %v of %d: want its excess shed", low.ErrKinds, low.Requests)
-	}
+	priorityUnderOverload(t, Config{Replicas: 4})
 }
 
 // The same on a prefill/decode fleet (4 prefill and 4 decode replicas):
@@ -95,15 +82,21 @@ func TestPriorityUnderOverload(t *testing.T) {
 // was the flood's (11.4 s), nothing shed.
 func TestPriorityUnderOverloadPD(t *testing.T) {
 	testutil.Deterministic(t)
+	priorityUnderOverload(t, Config{PrefillReplicas: 4, DecodeReplicas: 4})
+}
+
+// priorityUnderOverload checks the priority bands on the fleet cfg
+// describes (its Flow set here).
+func priorityUnderOverload(t *testing.T, cfg Config) {
+	t.Helper()
 	const hi = "name=hi,rate=16,requests=320,input_len=2000,output_len=128,range_ratio=0.5,priority=0"
 	const lo = "name=lo,rate=64,requests=1280,input_len=2000,output_len=128,range_ratio=0.5,priority=2"
-	fc := router.FlowConfig{Enabled: true, Bands: []router.Band{{Priority: 2, Sheddable: true}},
+	cfg.Flow = router.FlowConfig{Enabled: true, Bands: []router.Band{{Priority: 2, Sheddable: true}},
 		Tenants: map[string]router.FlowTenant{"lo": {Priority: 2, MaxPriority: 2}}}
-	cfg := Config{PrefillReplicas: 4, DecodeReplicas: 4, Flow: fc}
 	alone := tenantRunOn(t, cfg, hi).Priorities["0"]
 	run := tenantRunOn(t, cfg, hi, lo)
 	top, low := run.Priorities["0"], run.Priorities["2"]
-	t.Logf("P/D band 0 p90: %.0f ms alone, %.0f ms under 2× load; band 2: %d of %d shed", alone.TTFTms.P90, top.TTFTms.P90, low.Errors, low.Requests)
+	t.Logf("band 0 p90: %.0f ms alone, %.0f ms under 2× load; band 2: %d of %d shed", alone.TTFTms.P90, top.TTFTms.P90, low.Errors, low.Requests)
 	if top.Errors != 0 || top.TTFTms.P90 > 1.2*alone.TTFTms.P90 {
 		t.Errorf("band 0 under overload: p90 %.0f ms (%d errors), %.0f ms without: want ≤ 1.2×", top.TTFTms.P90, top.Errors, alone.TTFTms.P90)
 	}

@@ -461,16 +461,12 @@ func (f *flow) replicaSaturated(v *policy.ReplicaView) bool {
 // it in the queue need not (release), nor newcomers (Submit).
 var errHeldAlone = fmt.Errorf("%w: its own replicas are saturated", policy.ErrDefer)
 
-// held is why the flow controller holds a request whose candidates
+// heldOn is why the flow controller holds a request whose candidates
 // (Healthy in views, every one saturated) are pl's: errHeldAlone when
-// another replica of pl in rotation has room, else policy.ErrDefer.
-func (rt *Router) held(pl *pool, fl *flow, views []policy.ReplicaView) error {
-	return rt.heldOn(pl, fl, views, nil)
-}
-
-// heldOn is held counting only the other replicas whose role ok accepts
-// (nil: any): a pair held for its prefill side is held alone only while
-// another replica that computes prompts has room, not a decode replica.
+// another replica of pl in rotation whose role ok accepts (nil: any) has
+// room, else policy.ErrDefer. A pair held for its prefill side is held
+// alone only while another replica that computes prompts has room, not a
+// decode replica.
 func (rt *Router) heldOn(pl *pool, fl *flow, views []policy.ReplicaView, ok func(policy.Role) bool) error {
 	for i, r := range rt.reps()[:len(views)] {
 		if !views[i].Healthy && (ok == nil || ok(views[i].Role)) && pl.has(r) && r.healthy.Load() && !r.removed.Load() &&

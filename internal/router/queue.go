@@ -61,12 +61,12 @@ type Waiting struct {
 	// most of it is held, at enqueue (0: first come first served).
 	prefillMs float64
 	work      float64 // estimated GPU work: prompt + expected output
-	// since is when a new program was parked for room (programs_admit.go),
-	// and anyway that it waited AdmissionWait: it is placed without room,
-	// still through the flow controller (routeWith: NoDefer, set for good,
-	// skipped the gate then and for the request's retries).
+	// since is when a new program's current stint of waiting for room
+	// began (programs_admit.go; zero: never held), heldFor its earlier
+	// stints, and anyway that it waited AdmissionWait in all: it is placed
+	// without room, still through the flow controller's gate (routeWith).
 	since   time.Time
-	heldFor time.Duration // held for room in earlier stints (parked.add)
+	heldFor time.Duration
 	anyway  bool
 	// alone: the flow controller last held it for its own candidates
 	// alone, while another replica of its pool had room (errHeldAlone):
@@ -99,8 +99,8 @@ func (w *Waiting) Enqueued() time.Time {
 }
 
 // Expires is when the request's wait ends, shed (its deadline or its
-// band's TTL; zero with flow control off: the caller bounds the wait; zero
-// while a new program is held for room, until it joins the queue).
+// band's TTL, from when it first waited, held for room or queued; zero
+// with flow control off: the caller bounds the wait).
 func (w *Waiting) Expires() time.Time {
 	q := w.pl.q
 	q.mu.Lock() // as Enqueued

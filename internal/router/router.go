@@ -652,7 +652,7 @@ func (rt *Router) routeWith(pol policy.Policy, req *policy.Request, exclude []in
 		pol = pl.pol.Load().pol
 	}
 	if fl != nil && !req.NoDefer && fl.saturated(views, req.Priority, policy.PinnedTo(pol)) {
-		return nil, rt.held(pl, fl, views)
+		return nil, rt.heldOn(pl, fl, views, nil)
 	}
 	if anyway && !req.NoDefer {
 		req.NoDefer = true
