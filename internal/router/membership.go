@@ -84,7 +84,7 @@ func (sp Spec) Name() string {
 }
 
 func (rt *Router) newReplica(slot int, sp Spec) *Replica {
-	r := &Replica{index: slot, name: sp.Name(), healthOK: true, serial: rt.serials.Add(1)}
+	r := &Replica{index: slot, name: sp.Name(), healthOK: true, serial: rt.serials.Add(1), back: rt.releaseIfQueued}
 	r.spec.Store(&sp)
 	r.healthy.Store(true)
 	r.Breaker.Configure(rt.cfg.Breaker)

@@ -14,7 +14,8 @@ import (
 // now: Dynamo's router queue), or the flow controller may find the pool
 // saturated; the request then waits in the router and is routed when a
 // replica's prefill work shrinks (a first token, an end) or the router's
-// view changes (a scrape). While requests wait, newcomers queue too (but
+// view changes (a scrape; a replica added, removed or back in rotation:
+// SetReplicas, SetHealthy). While requests wait, newcomers queue too (but
 // for those held for their own replicas alone: errHeldAlone), in
 // the queue's order (Less): by band and tenant share with flow control on;
 // within them deadlines first, then turn priority, then by when a
@@ -332,7 +333,8 @@ func (q *queue) eachLocked(f func(*Waiting)) {
 }
 
 // Release routes each pool's queue's head while its policy lets it; the
-// router calls it itself on a first token, an end or a scrape.
+// router calls it itself on a first token, an end, a scrape and a change
+// of membership or health.
 func (rt *Router) Release() {
 	for _, pl := range rt.pools {
 		rt.release(pl)

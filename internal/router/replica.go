@@ -93,6 +93,11 @@ type Replica struct {
 	// served is what the replica serves (nil until first listed).
 	served atomic.Pointer[Served]
 
+	// back is called when the replica comes back in rotation (the router's
+	// queue release: requests held while it was out may go to it now; nil
+	// for a vacant slot).
+	back func()
+
 	// Breaker is the replica's circuit breaker (passive health).
 	Breaker Breaker
 	// kv is the replica's KV-event sync state (precise mode).
@@ -294,8 +299,17 @@ func (r *Replica) UpdateHealthy(now time.Time) bool {
 	ok := r.healthOK
 	r.probeMu.Unlock()
 	ok = ok && !r.Breaker.Open(now)
-	r.healthy.Store(ok)
+	r.setHealthy(ok)
 	return ok
+}
+
+// setHealthy puts the replica in or out of rotation. Coming back, it moves
+// the router's queue (back): nothing else would while the fleet is idle
+// (no first token, no end; a scrape at best seconds later).
+func (r *Replica) setHealthy(ok bool) {
+	if was := r.healthy.Swap(ok); ok && !was && r.back != nil {
+		r.back()
+	}
 }
 
 // MetricsAge is the age of the last good scrape at now (-1: never scraped).

@@ -281,8 +281,9 @@ func (rt *Router) Index() *prefixindex.Index { return rt.approx }
 // Precise is the KV-event index (nil unless Config.Precise).
 func (rt *Router) Precise() *prefixindex.Precise { return rt.precise }
 
-// SetHealthy marks replica i in or out of rotation.
-func (rt *Router) SetHealthy(i int, ok bool) { rt.reps()[i].healthy.Store(ok) }
+// SetHealthy marks replica i in or out of rotation; back in, it takes
+// the requests waiting in the router's queue at once.
+func (rt *Router) SetHealthy(i int, ok bool) { rt.reps()[i].setHealthy(ok) }
 
 // Healthy reports replica i's health.
 func (rt *Router) Healthy(i int) bool { return rt.reps()[i].healthy.Load() }
