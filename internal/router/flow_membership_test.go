@@ -47,6 +47,28 @@ func TestFlowReleasedWhenReplicaBackOrAdded(t *testing.T) {
 	}
 }
 
+// In the gateway a replica added is a candidate once its models are
+// listed (its first health check passes: Replica.SetServed), while a
+// listed one may take the request: the listing moves the queue too.
+// Added and listed, r1 waited for the next scrape.
+func TestFlowReleasedWhenAddedReplicaListed(t *testing.T) {
+	fr := newFlowRig(t, 1, tightFlow())
+	served := NewServed([]Model{{ID: "m", Root: "m"}}, nil)
+	fr.rt.Replica(0).SetServed(served)
+	mustSubmit(t, fr, "a1", "A", 0, 100) // r0, saturated now
+	mustSubmit(t, fr, "a2", "A", 0, 100)
+	if _, err := fr.rt.SetReplicas(specs("r0", "r1")); err != nil {
+		t.Fatal(err)
+	}
+	if fr.rt.Queued() != 1 {
+		t.Fatalf("r1, not listed yet, took a2 while r0 serves the model: released %q", fr.order())
+	}
+	fr.rt.Replica(1).SetServed(served)
+	if tk := fr.tickets["a2"]; tk == nil || tk.Replica != 1 || fr.rt.Queued() != 0 {
+		t.Fatalf("r1 listed with room, a2 still waits: released %q, %d waiting", fr.order(), fr.rt.Queued())
+	}
+}
+
 // A request held for replicas that are then removed is never left waiting
 // on them: it goes to another replica that may take it, or, when none may
 // (a retry that excluded the rest), leaves the queue with

@@ -14,15 +14,15 @@ import (
 // now: Dynamo's router queue), or the flow controller may find the pool
 // saturated; the request then waits in the router and is routed when a
 // replica's prefill work shrinks (a first token, an end) or the router's
-// view changes (a scrape; a replica added, removed or back in rotation:
-// SetReplicas, SetHealthy). While requests wait, newcomers queue too (but
-// for those held for their own replicas alone: errHeldAlone), in
-// the queue's order (Less): by band and tenant share with flow control on;
-// within them deadlines first, then turn priority, then by when a
-// request's first token could come at the earliest under a policy that
-// prices it (ttft: policy.QueueOrderer), else first come first served. A
-// request is never deferred while nothing is in flight, so the queue
-// always has an event to wait for.
+// view changes (a scrape; a replica added, removed, back in rotation or
+// listed: SetReplicas, SetHealthy, Replica.SetServed). While requests
+// wait, newcomers queue too (but for those held for their own replicas
+// alone: errHeldAlone), in the queue's order (Less): by band and tenant
+// share with flow control on; within them deadlines first, then turn
+// priority, then by when a request's first token could come at the
+// earliest under a policy that prices it (ttft: policy.QueueOrderer),
+// else first come first served. A request is never deferred while nothing
+// is in flight, so the queue always has an event to wait for.
 // Each pool has its own queue (pools.go): a pool whose replicas are all
 // busy holds back its own requests only.
 

@@ -93,9 +93,9 @@ type Replica struct {
 	// served is what the replica serves (nil until first listed).
 	served atomic.Pointer[Served]
 
-	// back is called when the replica comes back in rotation (the router's
-	// queue release: requests held while it was out may go to it now; nil
-	// for a vacant slot).
+	// back is called when the replica comes back in rotation, or is
+	// listed serving other models (the router's queue release: requests
+	// held meanwhile may go to it now; nil for a vacant slot).
 	back func()
 
 	// Breaker is the replica's circuit breaker (passive health).
@@ -182,8 +182,15 @@ func (r *Replica) InFlight() int { return int(r.inFlight.Load()) }
 // Served is what the replica serves (nil: not listed yet).
 func (r *Replica) Served() *Served { return r.served.Load() }
 
-// SetServed records the models and adapters the replica serves.
-func (r *Replica) SetServed(s *Served) { r.served.Store(s) }
+// SetServed records the models and adapters the replica serves. A
+// replica listed anew may take requests waiting in the router's queue (a
+// replica not listed yet is a candidate only while no listed one is):
+// they move at once (back).
+func (r *Replica) SetServed(s *Served) {
+	if old := r.served.Swap(s); !old.Equal(s) && r.back != nil {
+		r.back()
+	}
+}
 
 // Serves reports whether the replica serves model (true while it has not
 // been listed yet: the replica judges).
