@@ -168,6 +168,18 @@ func TestFlowManyHeldAloneArePassedOver(t *testing.T) {
 // it carries the expiry the queue gave it. The replica holds program a.
 func holdAgain(t *testing.T, fr *flowRig) *Waiting {
 	t.Helper()
+	b := queueHeld(t, fr)
+	fr.first("c") // b leaves the queue, still without room: held again
+	if fr.rt.ProgramStats().Waiting != 1 {
+		t.Fatalf("b should be held again: %+v", fr.rt.ProgramStats())
+	}
+	return b
+}
+
+// queueHeld brings new program b, held for room (the replica holds
+// program a), to wait in the queue behind c, whose first token releases it.
+func queueHeld(t *testing.T, fr *flowRig) *Waiting {
+	t.Helper()
 	mustSubmit(t, fr, "a", "A", 0, 900, ofProgram("a"))
 	fr.first("a")
 	b := mustSubmit(t, fr, "b", "B", 0, 900, ofProgram("b")) // held: no room
@@ -176,10 +188,6 @@ func holdAgain(t *testing.T, fr *flowRig) *Waiting {
 	fr.scrape() // b joins the queue
 	if b.Expires().IsZero() || fr.rt.Queued() != 1 || fr.rt.ProgramStats().Waiting != 0 {
 		t.Fatalf("b should wait in the queue with an expiry: %v, %d queued", b.Expires(), fr.rt.Queued())
-	}
-	fr.first("c") // b leaves the queue, still without room: held again
-	if fr.rt.ProgramStats().Waiting != 1 {
-		t.Fatalf("b should be held again: %+v", fr.rt.ProgramStats())
 	}
 	return b
 }
@@ -310,5 +318,46 @@ func TestFlowHeldProgramKeepsItsTurn(t *testing.T) {
 	fr.first("c")
 	if got := fr.order(); got != "a c b" {
 		t.Fatalf("released %q; want b, held for room first, before program a's next turn x", got)
+	}
+}
+
+// A new program leaving the queue without room is held for room again in
+// a second step (the held programs' lock comes before the queue's). A
+// Cancel, or an Expire, between the two steps answered "it left the
+// queue, routed" while it was about to be held: the gateway then waited
+// on Done for a placement its client no longer wanted (or, expired, past
+// its TTL), and the program was placed for nobody. Each now takes it out
+// as still waiting, once; the hook (beforePark) runs in that instant.
+func TestFlowCancelWhileHeldAgain(t *testing.T) {
+	for _, expire := range []bool{false, true} {
+		fr := newFlowProgRig(t, time.Hour)
+		b := queueHeld(t, fr)
+		var still bool
+		var err error
+		fr.rt.beforePark = func() {
+			fr.rt.beforePark = nil
+			if expire {
+				fr.now = b.Expires()
+				err = fr.rt.Expire(b)
+				still = err != nil
+			} else {
+				still = fr.rt.Cancel(b)
+			}
+		}
+		fr.first("c") // b leaves the queue, still without room: to be held again
+		if !still || expire && reason(err) != ShedTTL {
+			t.Fatalf("expire %v: b, between the queue and being held again, was taken for routed (%v)", expire, err)
+		}
+		if st := fr.rt.ProgramStats(); st.Waiting != 0 || fr.rt.Queued() != 0 {
+			t.Fatalf("expire %v: b still waits after it was taken out: %+v, %d queued", expire, st, fr.rt.Queued())
+		}
+		select {
+		case <-b.Done():
+			t.Fatalf("expire %v: b left twice (Done closed after it was taken out)", expire)
+		default:
+		}
+		if fr.rt.Cancel(b) || fr.rt.Expire(b) != nil {
+			t.Fatalf("expire %v: b taken out twice", expire)
+		}
 	}
 }

@@ -94,15 +94,18 @@ func (p *parked) len() int { return int(p.n.Load()) }
 func (p *parked) add(w *Waiting, at time.Time) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
+	p.addLocked(w, at)
+}
+
+// addLocked is add with p.mu held.
+func (p *parked) addLocked(w *Waiting, at time.Time) {
 	w.since = at
 	p.ws = append(p.ws, w)
 	p.n.Store(int64(len(p.ws)))
 }
 
-// cancel takes w out, reporting whether it was parked.
-func (p *parked) cancel(w *Waiting) bool {
-	p.mu.Lock()
-	defer p.mu.Unlock()
+// cancelLocked takes w out, reporting whether it was parked (p.mu held).
+func (p *parked) cancelLocked(w *Waiting) bool {
 	i := slices.Index(p.ws, w)
 	if i < 0 {
 		return false

@@ -73,6 +73,9 @@ type Waiting struct {
 	// alone, while another replica of its pool had room (errHeldAlone):
 	// the requests behind it need not wait for it (release).
 	alone bool
+	// parking: a new program that left the queue without room, about to
+	// be held for room again (release, then parkAgain); still waiting.
+	parking bool
 }
 
 // Done is closed when the request has left the queue.
@@ -274,17 +277,12 @@ func (rt *Router) submit(pol policy.Policy, req *policy.Request, exclude []int, 
 // and reports whether it was still waiting; false means it was routed, and
 // the caller owns its ticket.
 func (rt *Router) Cancel(w *Waiting) bool {
-	if rt.progs.park.cancel(w) {
-		return true
-	}
-	q := w.pl.q
+	p, q := &rt.progs.park, w.pl.q
+	p.mu.Lock() // lock order: parked before the queue
+	defer p.mu.Unlock()
 	q.mu.Lock()
 	defer q.mu.Unlock()
-	if w.tq == nil {
-		return false
-	}
-	q.remove(w)
-	return true
+	return rt.takeOut(w)
 }
 
 // Expire sheds w if it is still waiting (its Expires came: the caller's
@@ -292,17 +290,35 @@ func (rt *Router) Cancel(w *Waiting) bool {
 // A new program held for room again after a trip through the queue
 // (programs_admit.go) still waits, under the expiry the queue gave it.
 func (rt *Router) Expire(w *Waiting) error {
-	parked := rt.progs.park.cancel(w) // lock order: parked before the queue
-	q := w.pl.q
+	p, q := &rt.progs.park, w.pl.q
+	p.mu.Lock()
+	defer p.mu.Unlock()
 	q.mu.Lock()
 	defer q.mu.Unlock()
-	if !parked && w.tq == nil {
+	if !rt.takeOut(w) {
 		return nil
 	}
-	if !parked {
-		q.remove(w)
-	}
 	return q.expiredErr(w)
+}
+
+// takeOut takes w out wherever it waits: held for room, in its pool's
+// queue, or between the two (parking: release moves it from the one to
+// the other in two steps, as the locks' order wants) and reports whether
+// it was still waiting. Both locks are held, parked's and w's queue's, so
+// that w leaves exactly once: by this, or routed or shed (Done).
+func (rt *Router) takeOut(w *Waiting) bool {
+	q := w.pl.q
+	switch {
+	case rt.progs.park.cancelLocked(w):
+		return true
+	case w.tq != nil:
+		q.remove(w)
+		return true
+	case w.parking:
+		w.parking = false // release's second step passes over it
+		return true
+	}
+	return false
 }
 
 // Queued is the number of requests waiting in the router (every pool's).
@@ -374,6 +390,7 @@ func (rt *Router) release(pl *pool) {
 		}
 		q.remove(w)
 		if errors.Is(err, errNoRoom) {
+			w.parking = true
 			noRoom = append(noRoom, w)
 			continue
 		}
@@ -385,10 +402,30 @@ func (rt *Router) release(pl *pool) {
 	}
 	q.restore(po.aside)
 	q.mu.Unlock()
-	for _, w := range noRoom {
-		rt.progs.park.add(w, now)
+	if len(noRoom) > 0 {
+		if rt.beforePark != nil {
+			rt.beforePark()
+		}
+		rt.parkAgain(q, noRoom, now)
 	}
 	leave(out)
+}
+
+// parkAgain holds for room the new programs that left q without it (the
+// second step of release, under both locks in their order), but those a
+// Cancel or Expire took out meanwhile (takeOut).
+func (rt *Router) parkAgain(q *queue, ws []*Waiting, now time.Time) {
+	p := &rt.progs.park
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	for _, w := range ws {
+		if w.parking {
+			w.parking = false
+			p.addLocked(w, now)
+		}
+	}
 }
 
 // passOver is one release pass's requests held for their own candidates

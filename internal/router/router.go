@@ -163,6 +163,9 @@ type Router struct {
 	// bursts of identical prompts (bursts.go).
 	progs  *programs
 	bursts *bursts
+	// beforePark, a test's hook, runs in release between a new program's
+	// leaving the queue without room and its being held again (parkAgain).
+	beforePark func()
 }
 
 // New builds a Router.
