@@ -2,8 +2,10 @@ package router
 
 import (
 	"errors"
+	"fmt"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/kvgate/kvgate/internal/policy"
 	"github.com/kvgate/kvgate/internal/prompt"
@@ -105,5 +107,64 @@ func TestFlowHeldForRemovedReplica(t *testing.T) {
 		if fr.rt.Queued() != 0 {
 			t.Fatalf("%d still waiting", fr.rt.Queued())
 		}
+	}
+}
+
+// The estimate of a request's wait counts the work ahead of it on the
+// replicas it may use, not that of requests held for their own replicas
+// alone (an adapter on r0 only, while r0 is saturated): those wait for r0
+// whatever the queue does, and the request behind them goes to r1 as soon
+// as it has room. Their work counted, a request of a band with a 5 s TTL
+// was shed at once for the ~20 s of a more urgent band's adapter prompts
+// held for r0.
+func TestFlowEstimateLeavesOutHeldAlone(t *testing.T) {
+	fc := FlowConfig{Saturation: SaturationRule{QueueMs: 1}, Bands: []Band{{Priority: 1, TTL: 5 * time.Second}}}
+	fr := newFlowRig(t, 2, fc)
+	fr.rt.Replica(0).SetServed(NewServed([]Model{{ID: "m", Root: "m"}, {ID: "lora", Parent: "m"}}, nil))
+	fr.rt.Replica(1).SetServed(NewServed([]Model{{ID: "m", Root: "m"}}, nil))
+	// The drain rate: a request of ~1,010 tokens' work leaves per second.
+	for i := 1; i <= 6; i++ {
+		mustSubmit(t, fr, fmt.Sprintf("a%d", i), "A", 0, 1000)
+	}
+	for i := 1; i <= 4; i++ {
+		fr.now = fr.now.Add(time.Second)
+		fr.first(fmt.Sprintf("a%d", i))
+	}
+	if fl := fr.rt.pools[0].q.fl; fr.rt.Queued() != 0 || fl.rate < 900 || fl.rate > 1100 {
+		t.Fatalf("setup: %d waiting, drain rate %g; want none waiting, ~1,010/s", fr.rt.Queued(), fl.rate)
+	}
+	// a5 on r0, a6 on r1: both saturated. Two adapter requests of 10,000
+	// tokens wait for r0, held alone once r1 has room (a6's first token).
+	lora := func(name string, prio int) error {
+		text := name + " " + strings.Repeat("abcd", 10000)
+		req := fr.rt.Prepare(&prompt.Parsed{Kind: prompt.Completion, Model: "lora", Text: text, Prompts: 1, MaxTokens: 10}, "", "")
+		req.Tenant, req.Priority = "L", prio
+		tk, w, err := fr.rt.Submit(req)
+		if err == nil && (tk != nil || w == nil) {
+			t.Fatalf("%s should wait for r0: %v %v", name, tk, w)
+		}
+		return err
+	}
+	for _, n := range []string{"lora1", "lora2"} {
+		if err := lora(n, 0); err != nil {
+			t.Fatal(err)
+		}
+	}
+	fr.first("a6")
+	// Held for r0 alone, another adapter request still counts the work
+	// held there ahead of it.
+	if err := lora("lora3", 1); reason(err) != ShedTTL {
+		t.Fatalf("lora3, ~20 s of work ahead of it on r0 and a 5 s TTL: %v; want shed (ttl)", err)
+	}
+	mustSubmit(t, fr, "b1", "B", 1, 100) // r1, saturated again
+	if tk := fr.tickets["b1"]; tk == nil || tk.Replica != 1 {
+		t.Fatalf("b1 should go to r1: released %q", fr.order())
+	}
+	if _, err := fr.submit("b2", "B", 1, 100); err != nil {
+		t.Fatalf("b2, ~0.1 s of work ahead of it on r1, was refused for the adapter's work held for r0: %v", err)
+	}
+	fr.first("b1")
+	if tk := fr.tickets["b2"]; tk == nil || tk.Replica != 1 {
+		t.Fatalf("b2 should go to r1 once it has room: released %q", fr.order())
 	}
 }

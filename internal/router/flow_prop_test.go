@@ -3,6 +3,7 @@ package router
 import (
 	"errors"
 	"fmt"
+	"math"
 	"testing"
 	"time"
 
@@ -215,11 +216,38 @@ func checkFlow(rt *rapid.T, fr *flowRig, cases []*flowCase, routedFromQueue map[
 	if q := fr.rt.pools[0].q; q.alone < 0 || q.alone > q.n {
 		rt.Fatalf("%d of %d waiting counted as held alone", q.alone, q.n)
 	}
+	checkAloneWork(rt, fr.rt.pools[0].q)
 	n := 0
 	for i := range fr.rt.Replicas() {
 		n += fr.rt.InFlight(i)
 	}
 	if n != inFlight {
 		rt.Fatalf("replicas count %d in flight, %d routed and not done", n, inFlight)
+	}
+}
+
+// checkAloneWork checks each band's and tenant's work held alone (what the
+// estimate leaves out: queue.ahead) against the requests waiting there.
+func checkAloneWork(rt *rapid.T, q *queue) {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	near := func(a, b float64) bool { return math.Abs(a-b) <= 1e-3+1e-9*math.Abs(b) }
+	for _, b := range q.bands {
+		inBand := 0.0
+		for _, tq := range b.tenants {
+			s := 0.0
+			for _, w := range tq.h {
+				if w.alone {
+					s += w.work
+				}
+			}
+			if !near(tq.alone, s) {
+				rt.Fatalf("band %d, tenant %s: %g of work counted held alone, %g waiting so", b.prio, tq.t.name, tq.alone, s)
+			}
+			inBand += s
+		}
+		if !near(b.alone, inBand) {
+			rt.Fatalf("band %d: %g of work counted held alone, %g waiting so", b.prio, b.alone, inBand)
+		}
 	}
 }

@@ -106,7 +106,7 @@ func (q *queue) push(w *Waiting, prio int, conf Band, ten *tenant) {
 	b.n++
 	q.n++
 	if w.alone {
-		q.alone++
+		q.countAlone(w, 1)
 	}
 	ten.queued++
 	if q.fl != nil {
@@ -145,11 +145,21 @@ func (q *queue) head() *Waiting {
 func (q *queue) setAlone(w *Waiting, alone bool) {
 	switch {
 	case alone && !w.alone:
-		q.alone++
+		q.countAlone(w, 1)
 	case !alone && w.alone:
-		q.alone--
+		q.countAlone(w, -1)
 	}
 	w.alone = alone
+}
+
+// countAlone counts w, held alone and waiting in q, in (sign 1) or out
+// (-1) of the requests and work held alone.
+func (q *queue) countAlone(w *Waiting, sign int) {
+	q.alone += sign
+	if w.tq != nil {
+		w.tq.alone += float64(sign) * w.work
+		w.bnd.alone += float64(sign) * w.work
+	}
 }
 
 // setAside takes w out of its tenant's heap for the rest of one release,
@@ -170,14 +180,14 @@ func (q *queue) restore(aside []*Waiting) {
 func (q *queue) remove(w *Waiting) {
 	b, tq := w.bnd, w.tq
 	heap.Remove(&tq.h, w.idx)
+	if w.alone {
+		q.countAlone(w, -1)
+	}
 	w.bnd, w.tq = nil, nil
 	tq.work -= w.work
 	b.work -= w.work
 	b.n--
 	q.n--
-	if w.alone {
-		q.alone--
-	}
 	tq.t.queued--
 	if q.fl != nil {
 		q.fl.deactivate(tq.t)
@@ -217,11 +227,24 @@ func (q *queue) expiredErr(w *Waiting) error {
 // band its tenant's and, of every other tenant, at most its weighted share
 // of the same (generalized processor sharing: the others are served in
 // proportion to their weights while w's tenant drains), plus w's own.
+// The work of the requests held for their own candidates alone
+// (errHeldAlone: a retry excluding a replica, an adapter on some replicas)
+// is not ahead of a request that is not: they wait for their replicas
+// while it goes to another with room (release passes over them). A
+// request held alone itself counts it all, as it may wait behind them on
+// its replicas (which replicas each waits for is not kept: an estimate
+// too long sheds it early, one too short only at its expiry).
 func (q *queue) ahead(w *Waiting, ten *tenant) float64 {
+	work := func(total, alone float64) float64 {
+		if w.alone {
+			return total
+		}
+		return max(total-alone, 0)
+	}
 	sum := w.work
 	for _, b := range q.bands {
 		if b.prio < w.req.Priority {
-			sum += b.work
+			sum += work(b.work, b.alone)
 			continue
 		}
 		if b.prio > w.req.Priority {
@@ -230,14 +253,14 @@ func (q *queue) ahead(w *Waiting, ten *tenant) float64 {
 		mine := w.work
 		for _, tq := range b.tenants {
 			if tq.t == ten {
-				mine += tq.work
+				mine += work(tq.work, tq.alone)
 			}
 		}
 		for _, tq := range b.tenants {
 			if tq.t == ten {
-				sum += tq.work
+				sum += work(tq.work, tq.alone)
 			} else {
-				sum += min(tq.work, mine*tq.t.weight/ten.weight)
+				sum += min(work(tq.work, tq.alone), mine*tq.t.weight/ten.weight)
 			}
 		}
 	}

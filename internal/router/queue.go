@@ -130,15 +130,17 @@ type band struct {
 	conf    Band
 	n       int
 	work    float64
+	alone   float64    // of work, the requests' held alone (Waiting.alone)
 	tenants []*tenantQ // with requests waiting, in the order they came
 }
 
 // tenantQ is one tenant's requests in one band: a heap by rank, due time
 // and arrival.
 type tenantQ struct {
-	t    *tenant
-	h    waitHeap
-	work float64
+	t     *tenant
+	h     waitHeap
+	work  float64
+	alone float64 // of work, the requests' held alone (Waiting.alone)
 }
 
 type waitHeap []*Waiting
