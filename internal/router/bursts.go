@@ -10,11 +10,12 @@ import (
 	"github.com/kvgate/kvgate/internal/policy"
 )
 
-// Bursts: requests with an identical prompt arriving together (the n
-// samples of one prompt in an RL rollout, best-of-N fan-out) go to the
-// replica the first one went to, so the prompt is prefilled once and the
-// others hit it, up to ProgramConfig.BurstCap per replica; the next one
-// past the cap is placed afresh and starts the burst's next group there. A
+// Bursts: requests of one tenant with an identical prompt arriving
+// together (the n samples of one prompt in an RL rollout, best-of-N
+// fan-out) go to the replica the first one went to, so the prompt is
+// prefilled once and the others hit it, up to ProgramConfig.BurstCap per
+// replica; the next one past the cap is placed afresh and starts the
+// burst's next group there. A
 // burst lasts ProgramConfig.BurstWindow from its first request. llm-d's
 // burst-prefix-cache-producer does the same by holding every request for
 // its window and placing the window's groups together; kvgate holds none:
@@ -57,17 +58,23 @@ func newBursts(cfg ProgramConfig) *bursts {
 // differ only past their last full block differ there.
 const burstTail = 256
 
-// burstKey names req's prompt: its last full block's chained hash (which
-// names every full block before it), its token count and the end of its
-// routing text (the partial block the chain does not cover: a chat's two
-// questions of the same length on one long context were one burst); 0 for
-// a prompt without a full block.
+// burstKey names req's prompt and tenant: its last full block's chained
+// hash (which names every full block before it), its token count and the
+// end of its routing text (the partial block the chain does not cover: a
+// chat's two questions of the same length on one long context were one
+// burst); 0 for a prompt without a full block. The tenant: a burst and its
+// cap per replica are one tenant's (another tenant sending the same prompt
+// together took places in the first one's group); isolated tenants' salts
+// tell their blocks apart already. No tenant ("") leaves the key as it was.
 func burstKey(req *policy.Request) uint64 {
 	if len(req.Blocks) == 0 {
 		return 0
 	}
 	tail := req.Text[max(len(req.Text)-burstTail, 0):]
 	k := req.Blocks[len(req.Blocks)-1] ^ (uint64(req.Tokens) * 0x9E3779B97F4A7C15) ^ (xxh3.HashString(tail) * 0xC2B2AE3D27D4EB4F)
+	if req.Tenant != "" {
+		k ^= xxh3.HashString(req.Tenant) * 0x165667B19E3779F9
+	}
 	if k == 0 {
 		k = 1
 	}

@@ -284,6 +284,35 @@ func TestBursts(t *testing.T) {
 	}
 }
 
+// A burst is one tenant's: tenant b sending tenant a's exact prompt
+// within the window starts its own burst, placed by the policy, and does
+// not take a place in a's group (its cap, per replica, is a's alone).
+// Without the tenant in the key, b's request joined a's group and a's
+// next sample, past the cap, was placed elsewhere and prefilled again.
+func TestBurstsPerTenant(t *testing.T) {
+	f := newProgFleet(t, placer{leastLoadPolicy(t)}, 3, 1000, ProgramConfig{BurstWindow: 100 * time.Millisecond, BurstCap: 2})
+	route := func(tenant string) *Ticket {
+		req := f.req("", "sample ", 300)
+		req.Tenant = tenant
+		tk, err := f.rt.Route(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return tk
+	}
+	a1, b1, a2 := route("a"), route("b"), route("a")
+	if strings.HasPrefix(b1.Decision.Reason, "burst:") || b1.Replica == a1.Replica {
+		t.Fatalf("b's request joined a's burst on %d: %s", b1.Replica, b1.Decision.Reason)
+	}
+	if a2.Replica != a1.Replica || !strings.HasPrefix(a2.Decision.Reason, "burst:") {
+		t.Fatalf("a's second sample went to %d (%s), not with its first on %d: b's request took its place",
+			a2.Replica, a2.Decision.Reason, a1.Replica)
+	}
+	if b2 := route("b"); b2.Replica != b1.Replica || !strings.HasPrefix(b2.Decision.Reason, "burst:") {
+		t.Fatalf("b's second sample went to %d (%s), not with its first on %d", b2.Replica, b2.Decision.Reason, b1.Replica)
+	}
+}
+
 // Another gateway's program records are checked where they enter: a
 // context beyond any prompt, or larger than the blocks sent with it, is
 // refused, and a flood of new ids never evicts a live program.
