@@ -102,7 +102,9 @@ func (f *serveFlags) register(fs *flag.FlagSet) {
 		"(kvgate_pool_saturation) measures load against")
 	rd := gateway.DefaultRecord()
 	fs.StringVar(&f.record, "record", "", fmt.Sprintf("write a trace of the requests served to this file, for kvgate replay --trace: "+
-		"block hashes and lengths, never text (rotates at %d MiB keeping %d files; config record: for more)", rd.MaxBytes>>20, rd.Keep))
+		"block hashes and lengths, never text (rotates at %d MiB keeping %d files; records waiting for the writer are bounded to %d "+
+		"and %d MiB, past which they are dropped and counted in kvgate_record_dropped_total{reason=\"full\"}; config record: for more)",
+		rd.MaxBytes>>20, rd.Keep, rd.Buffer, rd.BufferBytes>>20))
 	fs.StringVar(&f.sharedState, "shared-state", "", "several gateways in front of the same replicas: share routing decisions and loads "+
 		"through this Redis (redis://HOST:PORT/DB); a gateway routes on its own view when Redis is down")
 	fs.StringVar(&f.stateFile, "state-file", "", "write the prefix index to this file at shutdown and read it at start (a warm restart without Redis)")

@@ -11,6 +11,7 @@ import (
 	"os"
 	"strconv"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -65,12 +66,14 @@ import (
 // at start, never appended to. Files are created with mode 0600.
 //
 // Lines are written off the request path: settle hands each served request
-// to a bounded queue (buffer records) that one writer drains; when the
-// queue is full the record is dropped and counted
-// (kvgate_record_dropped_total{reason="full"}), and a request never waits.
-// The writer flushes every second and when the gateway stops (Run's
-// context ends, after the drain in `kvgate serve`). The queue holds each
-// request's block hashes (8 bytes per block) until they are written.
+// to a bounded queue that one writer drains; when the queue is full the
+// record is dropped and counted (kvgate_record_dropped_total{reason="full"}),
+// and a request never waits. The queue holds each request's block hashes
+// (8 bytes per block: about 1 MiB for an 8 MiB prompt) until they are
+// written, so it is bounded twice: buffer records, and buffer_bytes of them
+// (recordEntry.size); without the second a stalled writer held 4,096 long
+// prompts' blocks, about 4 GiB. The writer flushes every second and when
+// the gateway stops (Run's context ends, after the drain in `kvgate serve`).
 //
 // RecordConfig configures the recording (config key "record"; the flag
 // --record FILE sets its path).
@@ -83,15 +86,20 @@ type RecordConfig struct {
 	Keep int `json:"keep"`
 	// Buffer is how many records may wait for the writer; past it they are dropped.
 	Buffer int `json:"buffer"`
+	// BufferBytes is how many bytes the records waiting for the writer may
+	// hold (their block hashes, 8 bytes a block); past it they are dropped
+	// (0: DefaultRecord's).
+	BufferBytes int64 `json:"buffer_bytes"`
 	// MaxIDs bounds the file's tables of block hashes and sessions: at the
 	// bound the file rotates, so that ids stay per file.
 	MaxIDs int `json:"max_ids"`
 }
 
 // DefaultRecord is the recording's defaults: rotate at 256 MiB, keep 4
-// rotated files, 4096 records queued, 2M ids per file (about 50 MB of table).
+// rotated files, 4096 records queued and 64 MiB of them (4,096 prompts of
+// 32k tokens; 64 of 8 MiB of text), 2M ids per file (about 50 MB of table).
 func DefaultRecord() RecordConfig {
-	return RecordConfig{MaxBytes: 256 << 20, Keep: 4, Buffer: 4096, MaxIDs: 1 << 21}
+	return RecordConfig{MaxBytes: 256 << 20, Keep: 4, Buffer: 4096, BufferBytes: 64 << 20, MaxIDs: 1 << 21}
 }
 
 // maxRecordBuffer and maxRecordKeep bound the queue and the rotated files.
@@ -113,6 +121,9 @@ func (c *RecordConfig) validate() []error {
 	}
 	if c.Buffer < 1 || c.Buffer > maxRecordBuffer {
 		errs = append(errs, keyErr("record.buffer", "%d: want 1 to %d", c.Buffer, maxRecordBuffer))
+	}
+	if c.BufferBytes < 0 {
+		errs = append(errs, keyErr("record.buffer_bytes", "%d: want ≥ 0 (0: the default, %d)", c.BufferBytes, DefaultRecord().BufferBytes))
 	}
 	if c.MaxIDs < 1 {
 		errs = append(errs, keyErr("record.max_ids", "%d: want ≥ 1", c.MaxIDs))
@@ -138,6 +149,16 @@ type recordEntry struct {
 	// "" and 0 without tenants), written when set.
 	tenant   string
 	priority int
+}
+
+// recordEntryBytes is what a recordEntry holds beyond its strings and blocks.
+const recordEntryBytes = 96
+
+// size is the memory e keeps while it waits for the writer: its blocks'
+// array (shared with the request, kept alive whole), its strings and
+// itself.
+func (e *recordEntry) size() int64 {
+	return int64(cap(e.blocks))*8 + int64(len(e.model)+len(e.tenant)) + recordEntryBytes
 }
 
 // Reasons of kvgate_record_dropped_total.
@@ -166,6 +187,9 @@ type recorder struct {
 	ch     chan recordEntry
 	mu     sync.RWMutex // closed, against sends after the final drain
 	closed bool
+	// queued is the bytes the records in ch hold (recordEntry.size), at
+	// most cfg.BufferBytes.
+	queued atomic.Int64
 
 	written                             prometheus.Counter
 	full, late, writeErrors, emptyDrops prometheus.Counter
@@ -186,13 +210,17 @@ type recorder struct {
 // newRecorder opens the recording (rotating an existing file away) and
 // registers its metrics. The writer starts with run.
 func newRecorder(cfg RecordConfig, blockSize int, clk clock.Clock, log *slog.Logger, reg prometheus.Registerer) (*recorder, error) {
+	if cfg.BufferBytes <= 0 {
+		cfg.BufferBytes = DefaultRecord().BufferBytes
+	}
 	r := &recorder{cfg: cfg, blockSize: blockSize, clock: clk, log: log, ch: make(chan recordEntry, cfg.Buffer),
 		models: map[string][]byte{}}
 	if err := r.open(); err != nil {
 		return nil, fmt.Errorf("record: %w", err)
 	}
 	dropped := prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvgate_record_dropped_total",
-		Help: "Served requests left out of the recording (--record), by reason: full (the writer's queue was full), " +
+		Help: "Served requests left out of the recording (--record), by reason: full (the writer's queue held record.buffer " +
+			"records or record.buffer_bytes of them), " +
 			"closed (the recording had ended), write_error, empty (a prompt of no tokens)."}, []string{"reason"})
 	r.written = prometheus.NewCounter(prometheus.CounterOpts{Name: "kvgate_record_written_total",
 		Help: "Requests written to the recording (--record)."})
@@ -211,7 +239,8 @@ func (r *recorder) settled(s *settledAttempt) {
 }
 
 // record hands a served attempt to the writer, never waiting: a full queue
-// drops it. Nil-safe (no recording) and a no-op for other verdicts.
+// (its records, or their bytes) drops it. Nil-safe (no recording) and a
+// no-op for other verdicts.
 func (r *recorder) record(x *exchange, a *attempt) {
 	if r == nil || a.v != served || (x.kind != prompt.Completion && x.kind != prompt.Chat && x.kind != prompt.Messages) {
 		return // the trace is of generation requests: embeddings, scores … are not replayed
@@ -225,11 +254,24 @@ func (r *recorder) record(x *exchange, a *attempt) {
 		r.late.Inc()
 		return
 	}
+	n := e.size()
+	if r.queued.Add(n) > r.cfg.BufferBytes {
+		r.queued.Add(-n)
+		r.full.Inc()
+		return
+	}
 	select {
 	case r.ch <- e:
 	default:
+		r.queued.Add(-n)
 		r.full.Inc()
 	}
+}
+
+// dequeued writes e, taken from the queue, whose bytes it frees.
+func (r *recorder) dequeued(e recordEntry) {
+	r.queued.Add(-e.size())
+	r.write(e)
 }
 
 // sessionKey numbers a session in the recording: its 64-bit hash (0 for
@@ -256,7 +298,7 @@ func (r *recorder) run(ctx context.Context) {
 	for {
 		select {
 		case e := <-r.ch:
-			r.write(e)
+			r.dequeued(e)
 		case <-tick.C():
 			r.flush()
 		case <-ctx.Done():
@@ -275,7 +317,7 @@ func (r *recorder) close() {
 	for {
 		select {
 		case e := <-r.ch:
-			r.write(e)
+			r.dequeued(e)
 			continue
 		default:
 		}

@@ -238,6 +238,42 @@ func TestRecordDropsWhenFull(t *testing.T) {
 	r.run(context.Background())
 }
 
+// The queue is bounded by the bytes its records hold as well as by their
+// count: each keeps its prompt's block list (8 bytes a block; ~1 MiB for
+// an 8 MiB prompt) until the writer takes it, and 4,096 of those behind a
+// stalled writer held ~4 GiB. Past buffer_bytes a record is dropped as
+// full, and the writer taking one frees its bytes.
+func TestRecordQueueBoundedByBytes(t *testing.T) {
+	long := &exchange{start: recordEpoch, kind: prompt.Completion,
+		req: &policy.Request{Tokens: 16 << 10, Blocks: make([]uint64, 1<<10), Model: "m"}} // 8 KiB of blocks
+	e := recordEntry{blocks: long.req.Blocks, model: "m"}
+	r, _, path := testRecorder(t, RecordConfig{Buffer: 100, BufferBytes: 3 * e.size()})
+	ok := &attempt{v: served, output: 4}
+	for range 4 {
+		r.record(long, ok)
+	}
+	if n, q := counted(r.full), len(r.ch); n != 1 || q != 3 {
+		t.Fatalf("4 records of %d bytes into %d: %d queued, %v dropped; want 3 queued, 1 dropped (full)", e.size(), r.cfg.BufferBytes, q, n)
+	}
+	if got := r.queued.Load(); got != 3*e.size() {
+		t.Fatalf("queued bytes %d, want %d", got, 3*e.size())
+	}
+	r.dequeued(<-r.ch) // the writer takes one: room for one more
+	r.record(long, ok)
+	r.record(long, ok)
+	if n, q := counted(r.full), len(r.ch); n != 2 || q != 3 {
+		t.Fatalf("after the writer took one: %d queued, %v dropped; want 3 queued, 2 dropped", q, n)
+	}
+	r.close()
+	if got, q := readLines(t, path), r.queued.Load(); len(got) != 4 || q != 0 {
+		t.Fatalf("%d lines written, %d bytes still counted queued; want 4 and 0", len(got), q)
+	}
+	// 0 is the default bound.
+	if r, _, _ := testRecorder(t, RecordConfig{}); r.cfg.BufferBytes != DefaultRecord().BufferBytes {
+		t.Fatalf("buffer_bytes 0: %d, want the default", r.cfg.BufferBytes)
+	}
+}
+
 // A file that cannot be written costs its records (counted), and the writer
 // tries a new file after recordRetryAfter.
 func TestRecordWriteErrorReopens(t *testing.T) {
@@ -269,13 +305,14 @@ func TestRecordConfig(t *testing.T) {
 		t.Fatal(err)
 	}
 	d := DefaultRecord()
-	if cfg.Record.Path != "/tmp/x.jsonl" || cfg.Record.Keep != 2 || cfg.Record.MaxBytes != d.MaxBytes || cfg.Record.Buffer != d.Buffer {
+	if cfg.Record.Path != "/tmp/x.jsonl" || cfg.Record.Keep != 2 || cfg.Record.MaxBytes != d.MaxBytes || cfg.Record.Buffer != d.Buffer ||
+		cfg.Record.BufferBytes != d.BufferBytes {
 		t.Fatalf("record %+v: unset keys keep their defaults", cfg.Record)
 	}
 	if err := cfg.Validate(); err != nil {
 		t.Fatal(err)
 	}
-	for _, bad := range []string{"buffer: 0", "keep: -1", "max_bytes: -5", "max_ids: 0"} {
+	for _, bad := range []string{"buffer: 0", "keep: -1", "max_bytes: -5", "max_ids: 0", "buffer_bytes: -1"} {
 		c, err := ParseConfig([]byte("replicas: [{url: 'http://a:1'}]\nrecord: {path: x, " + bad + "}\n"))
 		if err != nil {
 			t.Fatal(err)
