@@ -76,6 +76,9 @@ type Gateway struct {
 	// ten is the gateway's tenants (tenants.go; nil without tenants and
 	// flow control).
 	ten *tenancy
+	// records are the stored responses' records in the shared state
+	// (passthrough_responses.go; nil: none).
+	records responseRecords
 }
 
 // Options are a Gateway's injected parts.
@@ -142,7 +145,7 @@ func New(cfg Config, o Options) (*Gateway, error) {
 	o.Registry.MustRegister(newSaturationCollector(rt, cfg, prof)) // saturation.go
 	var qsync quotaSyncer
 	if syncer != nil {
-		qsync = syncer
+		qsync, g.records = syncer, syncer
 	}
 	g.ten = newTenancy(cfg, o, rt, qsync)
 	g.registerLimiterMetrics(o.Registry)

@@ -1,7 +1,6 @@
 package gateway
 
 import (
-	"fmt"
 	"maps"
 	"net/http"
 	"strings"
@@ -35,7 +34,11 @@ import (
 //     asked in turn, least loaded first, each at most once; a 404 means
 //     "not here" (vLLM checks the id before any work) and the next one is
 //     asked; the one that answers otherwise is remembered, and when every
-//     replica answered 404 the client gets the last 404.
+//     replica answered 404 the client gets the last 404. With shared
+//     state, the replica and owner of each response created are recorded
+//     in Redis, and read back for an id the gateway does not remember;
+//     with tenants, an id is answered only for its owner's calls
+//     (responseHomes.locate).
 //
 // Bodies. A JSON body (or none) is read whole within max_body_bytes and
 // max_body_memory, as completions' are, so that a refused attempt can be
@@ -94,7 +97,8 @@ func (g *Gateway) passthroughRoutes(m *http.ServeMux) {
 	if err != nil {
 		panic(err) // a registered policy without parameters: cannot fail
 	}
-	pt := &passthrough{g: g, homes: newResponseHomes(g.rt, responseHomesSize), byLoad: byLoad}
+	homes := newResponseHomes(g.rt, responseHomesSize, g.records, len(g.cfg.Tenants) > 0)
+	pt := &passthrough{g: g, homes: homes, byLoad: byLoad}
 	paths := maps.Clone(passthroughPaths)
 	for _, p := range g.cfg.Passthrough {
 		if _, ok := paths[p]; !ok {
@@ -132,10 +136,11 @@ func (pt *passthrough) choose(x *exchange) error {
 		tenantProgram(x.req, x.tenant)
 	}
 	if id := statefulID(x); id != "" {
-		if !pt.homes.ownedBy(id, x.tenant.label()) {
-			return errNotFound.with(fmt.Sprintf("Response with id '%s' not found.", id))
+		r, err := pt.homes.locate(x.r.Context(), id, x.tenant.label())
+		if err != nil {
+			return err
 		}
-		if r, ok := pt.homes.get(id); ok && !r.Removed() {
+		if r != nil && !r.Removed() {
 			if !r.Healthy() {
 				return errHolderDown
 			}
@@ -190,16 +195,16 @@ func (pt *passthrough) attempt(x *exchange, last bool) (*attempt, error) {
 		if prev != "" {
 			root = pt.homes.chain(prev)
 		}
-		pt.homes.add(a.respID, a.tk.Replica, root, true, x.tenant.label())
+		pt.homes.created(a.respID, a.tk.Replica, root, x.tenant.label())
 	}
 	if id, ok := responsePathID(x.r.URL.Path); ok {
 		if x.r.Method == http.MethodDelete {
 			pt.homes.remove(id)
 		} else if x.lookup {
-			pt.homes.add(id, a.tk.Replica, pt.homes.chain(id), false, "")
+			pt.homes.found(id, a.tk.Replica, x.tenant.label())
 		}
 	} else if x.lookup && prev != "" {
-		pt.homes.add(prev, a.tk.Replica, pt.homes.chain(prev), false, "")
+		pt.homes.found(prev, a.tk.Replica, x.tenant.label())
 	}
 	return a, nil
 }

@@ -2,13 +2,18 @@ package gateway
 
 import (
 	"bytes"
+	"context"
 	"encoding/json"
+	"errors"
+	"fmt"
+	"net/http"
 	"strings"
 
 	lru "github.com/hashicorp/golang-lru/v2"
 
 	"github.com/kvgate/kvgate/internal/openai"
 	"github.com/kvgate/kvgate/internal/router"
+	"github.com/kvgate/kvgate/internal/sharedstate"
 )
 
 // responseHomesSize bounds the response ids remembered: at about 120
@@ -24,16 +29,32 @@ const responseHomesSize = 64 << 10
 // answered it): its slot, and the replica's serial, so that a slot given
 // to another replica once the router forgot this one (discovery) is not
 // taken for its home: the entry is dropped, and the id looked up again.
+// With shared state, each response created through the gateway is also
+// recorded in Redis with its replica and owner (sharedstate.ResponseHome),
+// so that another gateway, or this one after a restart or an eviction,
+// knows both for an id it does not remember.
 type responseHomes struct {
-	rt *router.Router
-	c  *lru.Cache[string, home]
+	rt     *router.Router
+	c      *lru.Cache[string, home]
+	shared responseRecords // nil: this gateway alone
+	// strict: tenants are configured, and an id whose owner the gateway
+	// cannot learn is refused (locate says why).
+	strict bool
+}
+
+// responseRecords is what responseHomes needs of the shared state
+// (sharedstate.Syncer): queue a record, read one back.
+type responseRecords interface {
+	NoteResponse(id string, h sharedstate.ResponseHome)
+	ResponseHome(ctx context.Context, id string) (sharedstate.ResponseHome, bool, error)
 }
 
 // home is a stored response's replica: its slot and serial; the first
 // response of its chain (previous_response_id back to a call that had
 // none), which names the chain's program (program.go) when the client
-// names none; and, when it was created through this gateway (owned), the
-// tenant whose call created it (ownedBy).
+// names none; and, when its creator is known (owned: it was created
+// through this gateway, or its owner checked), the tenant whose call
+// created it.
 type home struct {
 	slot   int
 	serial uint64
@@ -42,9 +63,9 @@ type home struct {
 	owned  bool
 }
 
-func newResponseHomes(rt *router.Router, n int) *responseHomes {
+func newResponseHomes(rt *router.Router, n int, shared responseRecords, strict bool) *responseHomes {
 	c, _ := lru.New[string, home](n) // n > 0: cannot fail
-	return &responseHomes{rt: rt, c: c}
+	return &responseHomes{rt: rt, c: c, shared: shared, strict: strict}
 }
 
 // get is the replica holding response id, false when the id is unknown or
@@ -64,24 +85,78 @@ func (h *responseHomes) get(id string) (*router.Replica, bool) {
 }
 
 // add remembers that replica slot holds response id, of the chain that
-// root began ("": id begins it); created: tenant's call created it here
-// (else it was found by a lookup, its creator unknown).
-func (h *responseHomes) add(id string, slot int, root string, created bool, tenant string) {
+// root began ("": id begins it); owned: tenant's call created it (else its
+// creator is unknown: found by a lookup without tenants).
+func (h *responseHomes) add(id string, slot int, root string, owned bool, tenant string) {
 	if root == "" {
 		root = id
 	}
-	h.c.Add(id, home{slot: slot, serial: h.rt.Replica(slot).Serial(), root: root, owner: tenant, owned: created})
+	h.c.Add(id, home{slot: slot, serial: h.rt.Replica(slot).Serial(), root: root, owner: tenant, owned: owned})
 }
 
-// ownedBy reports whether tenant may name response id: the replicas keep
-// no owner (vLLM's store is the server's), so one tenant holding
-// another's id would read, continue, cancel or delete it. The gateway
-// knows the creator of the responses created through it, and refuses the
-// others' (an id it found by a lookup, its creator unknown, stays open to
-// any client: the rule cannot be kept across gateways or a restart).
-func (h *responseHomes) ownedBy(id, tenant string) bool {
-	hm, ok := h.c.Peek(id)
-	return !ok || !hm.owned || hm.owner == tenant
+// created remembers response id, just created by tenant's call on replica
+// slot, and records it in the shared state.
+func (h *responseHomes) created(id string, slot int, root, tenant string) {
+	h.add(id, slot, root, true, tenant)
+	if h.shared != nil {
+		h.shared.NoteResponse(id, sharedstate.ResponseHome{Replica: h.rt.Name(slot), Tenant: tenant})
+	}
+}
+
+// found remembers that a lookup for tenant's call found response id on
+// replica slot: with tenants, locate let the lookup go only for the owner
+// the shared record names; without, the owner stays unknown.
+func (h *responseHomes) found(id string, slot int, tenant string) {
+	h.add(id, slot, h.chain(id), h.strict, tenant)
+}
+
+// errOwnerUnchecked: with tenants, the owner of a stored response the
+// gateway does not remember is read from the shared state, which did not
+// answer: the id may well be the client's, so not a 404.
+var errOwnerUnchecked = &apiError{Status: http.StatusServiceUnavailable, Type: "server_error", Code: "shared_state_unavailable",
+	Message: "the owner of the response named cannot be checked now (shared state unreachable); retry later"}
+
+// locate is the replica holding stored response id for a call of tenant;
+// nil and no error when the replicas must be asked (a lookup). The
+// replicas keep no owner (vLLM's store is the server's), so one tenant
+// holding another's id would read, continue, cancel or delete it: the
+// gateway answers another tenant's id with the 404 of an unknown one. The
+// owner is known when the gateway remembers the id, or from the shared
+// record. An id whose owner stays unknown (no shared state; a record
+// expired, never written — created before this version, or straight on a
+// replica — or forged) is open to any client without tenants, as a
+// replica's own ids are; with tenants it is refused, as another tenant's:
+// tenant isolation is what tenants are configured for, and an unknown
+// owner cannot be told from another tenant. The response stays on its
+// replica: the owner's client, refused, starts a new chain.
+func (h *responseHomes) locate(ctx context.Context, id, tenant string) (*router.Replica, error) {
+	notFound := errNotFound.with(fmt.Sprintf("Response with id '%s' not found.", id))
+	if hm, ok := h.c.Peek(id); ok {
+		if hm.owned && hm.owner != tenant || !hm.owned && h.strict {
+			return nil, notFound
+		}
+		r, _ := h.get(id)
+		return r, nil
+	}
+	var rec sharedstate.ResponseHome
+	found, err := false, error(nil)
+	if h.shared != nil {
+		rec, found, err = h.shared.ResponseHome(ctx, id)
+	}
+	switch {
+	case found && rec.Tenant != tenant:
+		return nil, notFound
+	case found:
+		if slot, ok := h.rt.Lookup(rec.Replica); ok {
+			return h.rt.Replica(slot), nil
+		}
+		return nil, nil
+	case !h.strict:
+		return nil, nil
+	case err != nil && !errors.Is(err, sharedstate.ErrCorrupt):
+		return nil, errOwnerUnchecked
+	}
+	return nil, notFound
 }
 
 // chain is the first response of the chain response id belongs to: its

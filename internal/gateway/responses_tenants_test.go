@@ -1,10 +1,17 @@
 package gateway
 
 import (
+	"context"
 	"encoding/json"
 	"fmt"
 	"net/http"
+	"strings"
 	"testing"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/redis/go-redis/v9"
+
+	"github.com/kvgate/kvgate/internal/testutil"
 )
 
 // A stored response created through the gateway by one tenant is not
@@ -47,4 +54,86 @@ func TestStoredResponsesPerTenant(t *testing.T) {
 		t.Errorf("a reading its own response: %d %s", status, out)
 	}
 	waitIdle(t, gw)
+}
+
+// A stored response's owner outlives the gateway that saw it created: two
+// gateways share a Redis, tenant a creates a response through the first,
+// and through the second tenant b gets the 404 of an unknown id (nothing
+// reaches a replica) while a reads it from its replica, pinned by the
+// shared record (the other replica is never asked). With tenants, an id
+// whose owner no record names is refused alike, and one the gateway
+// cannot check (Redis down) is a 503, not a 404. Before, the second
+// gateway looked the id up for any tenant.
+func TestStoredResponsesOwnerShared(t *testing.T) {
+	rd := testutil.NewRedis(t)
+	f1, f2 := newAPIReplica(t, "a", "m", ""), newAPIReplica(t, "b", "m", "")
+	cfg := baseConfig(f1.srv.URL, f2.srv.URL)
+	cfg.SharedState = rd.URL()
+	cfg.Tenants = []TenantConfig{{Name: "a", APIKeys: []string{"ka"}}, {Name: "b", APIKeys: []string{"kb"}}}
+	gws := [2]*testGW{startGatewayWith(t, cfg, Options{Registry: prometheus.NewRegistry()}),
+		startGatewayWith(t, cfg, Options{Registry: prometheus.NewRegistry()})}
+	for _, gw := range gws {
+		allListed(t, gw)
+		eventually(t, "shared state warm", func() bool { return gw.g.ctl.Ready() == nil })
+	}
+	status, out := callWithKey(t, http.MethodPost, gws[0].srv.URL+"/v1/responses", "ka", `{"model":"m","input":"a's secret"}`)
+	var r struct {
+		ID string `json:"id"`
+	}
+	if status != 200 || json.Unmarshal([]byte(out), &r) != nil || r.ID == "" {
+		t.Fatalf("a's call: %d %s", status, out)
+	}
+	holder, other := f1, f2
+	if !f1.holds(r.ID) {
+		holder, other = f2, f1
+	}
+	c := redis.NewClient(&redis.Options{Addr: rd.Addr()})
+	defer c.Close()
+	eventually(t, "the record written", func() bool { return c.Exists(context.Background(), "kvgate:resp:"+r.ID).Val() == 1 })
+	before := len(holder.requests()) + len(other.requests())
+	for _, body := range []string{"", fmt.Sprintf(`{"model":"m","input":"and then?","previous_response_id":%q}`, r.ID)} {
+		method, path := http.MethodGet, "/v1/responses/"+r.ID
+		if body != "" {
+			method, path = http.MethodPost, "/v1/responses"
+		}
+		if status, out := callWithKey(t, method, gws[1].srv.URL+path, "kb", body); status != http.StatusNotFound {
+			t.Errorf("b's %s %s of a's response through the other gateway: %d %s, want 404", method, path, status, out)
+		}
+	}
+	if n := len(holder.requests()) + len(other.requests()); n != before {
+		t.Errorf("b's calls reached a replica: %d requests", n-before)
+	}
+	if status, out := callWithKey(t, http.MethodGet, gws[1].srv.URL+"/v1/responses/"+r.ID, "ka", ""); status != 200 {
+		t.Errorf("a reading its own response through the other gateway: %d %s", status, out)
+	}
+	if n := len(other.requests()); n != 0 {
+		t.Errorf("the replica not holding it was asked %d times: %v", n, other.requests())
+	}
+	// No record names the owner of an id the replica holds: refused.
+	holder.put("resp_made_elsewhere")
+	if status, out := callWithKey(t, http.MethodGet, gws[1].srv.URL+"/v1/responses/resp_made_elsewhere", "ka", ""); status != http.StatusNotFound {
+		t.Errorf("an id of unknown owner, with tenants: %d %s, want 404", status, out)
+	}
+	rd.Stop()
+	if status, out := callWithKey(t, http.MethodGet, gws[1].srv.URL+"/v1/responses/resp_made_elsewhere", "ka", ""); status != http.StatusServiceUnavailable ||
+		!strings.Contains(out, "shared_state_unavailable") {
+		t.Errorf("an id whose owner cannot be checked: %d %s, want 503", status, out)
+	}
+	for _, gw := range gws {
+		waitIdle(t, gw)
+	}
+}
+
+// holds reports whether the replica stores response id.
+func (f *apiReplica) holds(id string) bool {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return f.store[id]
+}
+
+// put stores response id as if a call made it straight on the replica.
+func (f *apiReplica) put(id string) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.store[id] = true
 }

@@ -6,6 +6,9 @@ import (
 	"io"
 	"log/slog"
 	"net/http"
+	"net/http/httptest"
+	"net/http/httputil"
+	"net/url"
 	"strconv"
 	"strings"
 	"sync"
@@ -255,17 +258,25 @@ func TestFlowShedsWith429(t *testing.T) {
 
 // Requests the gateway does not route by the pool's policy (a stored
 // response named in the path or by previous_response_id, pinned to its
-// replica or looked up by load; a body without a prompt, by load) go
-// through the flow controller too: a sheddable band's is refused while
-// the fleet is saturated, and none reaches the replica ahead of its turn.
+// replica; a body without a prompt, by load) go through the flow
+// controller too: a sheddable band's is refused while the fleet is
+// saturated, and none reaches the replica ahead of its turn. (With
+// tenants, a response id whose owner the gateway does not know is not
+// looked up at all: 404, passthrough_responses.go.)
 func TestFlowHoldsPinnedAndByLoadRequests(t *testing.T) {
 	s, release := heldStub(t)
-	cfg := tenantsConfig(s.srv.URL)
+	cfg := tenantsConfig(responsesFront(t, s.srv.URL, "resp_bulk"))
 	cfg.FlowControl.QueueMs = 1
 	cfg.FlowControl.Bands = []BandFlowConfig{{Priority: 2, Sheddable: true}}
 	reg := prometheus.NewRegistry()
 	gw := startGatewayWith(t, cfg, Options{Clock: clock.NewFake(time.Unix(1000, 0)), Registry: reg})
 	eventually(t, "models listed", func() bool { return len(gw.g.Fleet().Models()) > 0 })
+	if code, b := callWithKey(t, http.MethodPost, gw.srv.URL+"/v1/responses", "k-bulk", `{"model":"m","input":"x"}`); code != 200 {
+		t.Fatalf("bulk's response: %d %s", code, b)
+	}
+	if code, b := callWithKey(t, http.MethodGet, gw.srv.URL+"/v1/responses/resp_unknown", "k-bulk", ""); code != 404 {
+		t.Fatalf("an id of unknown owner: %d %s", code, b)
+	}
 	var wg sync.WaitGroup
 	wg.Go(func() {
 		resp, b := post(t, gw.srv.URL+"/v1/completions",
@@ -276,9 +287,9 @@ func TestFlowHoldsPinnedAndByLoadRequests(t *testing.T) {
 	})
 	eventually(t, "the first request at the replica", func() bool { return s.calls.Load() == 1 })
 	for _, c := range []struct{ method, path, body string }{
-		{http.MethodGet, "/v1/responses/resp_unknown", ""},                                              // looked up by load
-		{http.MethodPost, "/v1/responses", `{"model":"m","input":"x","previous_response_id":"resp_y"}`}, // looked up by load
-		{http.MethodPost, "/v1/score", `{"model":"m","text_1":"a","text_2":"b"}`},                       // no prompt: by load
+		{http.MethodGet, "/v1/responses/resp_bulk", ""},                                                    // pinned
+		{http.MethodPost, "/v1/responses", `{"model":"m","input":"x","previous_response_id":"resp_bulk"}`}, // pinned
+		{http.MethodPost, "/v1/score", `{"model":"m","text_1":"a","text_2":"b"}`},                          // no prompt: by load
 	} {
 		req, _ := http.NewRequest(c.method, gw.srv.URL+c.path, strings.NewReader(c.body))
 		req.Header.Set("Authorization", "Bearer k-bulk")
@@ -375,4 +386,26 @@ func TestTenantCacheIsolation(t *testing.T) {
 			}
 		})
 	}
+}
+
+// responsesFront is a replica in front of stub: it creates stored
+// responses (each answered with id) and sends the rest to the stub.
+func responsesFront(t *testing.T, stub, id string) string {
+	t.Helper()
+	u, err := url.Parse(stub)
+	if err != nil {
+		t.Fatal(err)
+	}
+	rp := httputil.NewSingleHostReverseProxy(u)
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.URL.Path != "/v1/responses" {
+			rp.ServeHTTP(w, r)
+			return
+		}
+		_, _ = io.Copy(io.Discard, r.Body)
+		w.Header().Set("Content-Type", "application/json")
+		fmt.Fprintf(w, `{"id":%q,"object":"response","status":"completed","output":[]}`, id)
+	}))
+	t.Cleanup(srv.Close)
+	return srv.URL
 }

@@ -43,6 +43,7 @@ type store struct {
 	batches  string
 	snapshot string
 	lock     string
+	ns       string
 	timeout  time.Duration // per command
 	bulk     time.Duration // per snapshot read or write (megabytes)
 	maxLen   int64
@@ -111,7 +112,9 @@ func newStore(opt *redis.Options, ns string, timeout, bulk time.Duration, maxLen
 	o.ReadTimeout, o.WriteTimeout = -1, -1
 	o.ContextTimeoutEnabled = true
 	o.MaxRetries = -1
-	o.PoolSize = 5 // the reader's blocking XREAD, the publisher, the snapshot writer, the quota sync
+	// the reader's blocking XREAD, the publisher, the snapshot writer, the
+	// quota sync, and the requests reading a stored response's record
+	o.PoolSize = 8
 	o.PoolTimeout = timeout
 	o.DisableIdentity = true
 	o.MaintNotificationsConfig = &maintnotifications.Config{Mode: maintnotifications.ModeDisabled}
@@ -127,7 +130,7 @@ func newStore(opt *redis.Options, ns string, timeout, bulk time.Duration, maxLen
 		}
 		return &guardConn{Conn: c, maxString: maxString, maxReply: maxReply}, nil
 	}
-	return &store{c: redis.NewClient(&o), batches: ns + ":batches", snapshot: ns + ":snapshot", lock: ns + ":snapshot-lock",
+	return &store{c: redis.NewClient(&o), batches: ns + ":batches", snapshot: ns + ":snapshot", lock: ns + ":snapshot-lock", ns: ns,
 		timeout: timeout, bulk: bulk, maxLen: maxLen, maxSnapshot: lim.snapshot}
 }
 

@@ -99,6 +99,10 @@ type Syncer struct {
 	qmu   sync.Mutex
 	queue ring
 
+	rmu, rflush sync.Mutex
+	responses   []pendingResponse // stored responses' records queued (responses.go)
+	kick        chan struct{}     // wakes the publisher for them
+
 	mu        sync.Mutex // Start and Close
 	started   bool
 	closed    bool
@@ -203,7 +207,7 @@ func New(opts Options) (*Syncer, error) {
 	if o.Log == nil {
 		o.Log = slog.Default()
 	}
-	s := &Syncer{o: o, clk: clock.OrReal(o.Clock), ro: ro, queue: ring{max: o.MaxPending}}
+	s := &Syncer{o: o, clk: clock.OrReal(o.Clock), ro: ro, queue: ring{max: o.MaxPending}, kick: make(chan struct{}, 1)}
 	s.log = o.Log.With("component", "shared-state", "gateway", o.Gateway)
 	s.reach.Store(reachUnknown)
 	if s.m, err = newMetrics(o.Registerer, s.receiving); err != nil {
@@ -311,6 +315,7 @@ func (s *Syncer) Close() error {
 	<-s.pubDone
 	if s.reach.Load() == reachUp {
 		ctx, cancel := context.WithTimeout(context.Background(), closeBudget*s.o.Timeout)
+		_ = s.flushResponses(ctx)
 		_ = s.publish(ctx, s.clk.Now(), true)
 		cancel()
 	}
@@ -442,12 +447,17 @@ func (s *Syncer) publishLoop(ctx context.Context) {
 		case <-ctx.Done():
 			return
 		case <-t.C():
+		case <-s.kick: // a stored response's record queued: write it now
 		}
 		now := s.clk.Now()
 		if now.Before(retry) {
 			continue
 		}
-		if err := s.publish(ctx, now, false); err != nil {
+		err := s.flushResponses(ctx)
+		if err == nil {
+			err = s.publish(ctx, now, false)
+		}
+		if err != nil {
 			if ctx.Err() != nil {
 				return
 			}
@@ -698,7 +708,7 @@ func newMetrics(reg prometheus.Registerer, receiving func() bool) (*metrics, err
 	errs := prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvgate_shared_state_errors_total",
 		Help: "Failed shared-state Redis commands by operation."}, []string{"op"})
 	dropped := prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvgate_shared_state_dropped_total",
-		Help: "Stream entries and snapshots refused, by reason: entry_size, snapshot_size, decode, load, decision, program, name, time, snapshot, future_id, peers (program: one per program record of an applied entry the router refused)."}, []string{"reason"})
+		Help: "Stream entries and snapshots refused, by reason: entry_size, snapshot_size, decode, load, decision, program, name, time, snapshot, future_id, peers (program: one per program record of an applied entry the router refused); response: a stored response's record read back refused; response_queue: a record this gateway could not queue while Redis was unreachable."}, []string{"reason"})
 	resyncs := prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvgate_shared_state_resyncs_total",
 		Help: "Times the reader started over (healed: the stream's IDs ran ahead of Redis's clock and it was deleted; reset: the stream went back behind the reader; trimmed: entries were trimmed before the reader read them)."}, []string{"reason"})
 	if reg != nil {

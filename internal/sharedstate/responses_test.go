@@ -1,0 +1,64 @@
+package sharedstate
+
+import (
+	"context"
+	"errors"
+	"strings"
+	"testing"
+
+	"github.com/redis/go-redis/v9"
+
+	"github.com/kvgate/kvgate/internal/testutil"
+)
+
+// A stored response's record written by one gateway is read by another:
+// its replica and its owner. A record forged in the Redis (garbage, or
+// far over the bound) is refused whole, as corrupt, and read no further
+// than the bound; an id out of bounds is never looked up; with Redis
+// down the read fails (the caller must not take it for "no record").
+func TestResponseHomesShared(t *testing.T) {
+	rd := testutil.NewRedis(t)
+	a, b := newGateway(t, rd.URL(), "r", true, nil), newGateway(t, rd.URL(), "r", true, nil)
+	ctx := context.Background()
+	want := ResponseHome{Replica: "http://10.0.0.1:8000", Tenant: "gold"}
+	a.s.NoteResponse("resp_1", want)
+	a.s.NoteResponse(strings.Repeat("x", MaxResponseID+1), want) // out of bounds: not queued
+	if err := a.s.flushResponses(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if got, ok, err := b.s.ResponseHome(ctx, "resp_1"); err != nil || !ok || got != want {
+		t.Fatalf("b reads a's record: %+v %v %v", got, ok, err)
+	}
+	if _, ok, err := b.s.ResponseHome(ctx, "resp_unknown"); err != nil || ok {
+		t.Fatalf("an unknown id: %v %v", ok, err)
+	}
+	if _, _, err := b.s.ResponseHome(ctx, strings.Repeat("x", MaxResponseID+1)); err == nil {
+		t.Fatal("an id over the bound was looked up")
+	}
+	c := redis.NewClient(&redis.Options{Addr: rd.Addr()})
+	defer c.Close()
+	if ttl := c.PTTL(ctx, "r:resp:resp_1").Val(); ttl <= 0 || ttl > ResponseKeep {
+		t.Fatalf("a record keeps %v", ttl)
+	}
+	if n := c.Exists(ctx, "r:resp:"+strings.Repeat("x", MaxResponseID+1)).Val(); n != 0 {
+		t.Fatal("a record of an id over the bound was written")
+	}
+	// Anyone who can write to the Redis can write a record.
+	for name, v := range map[string]string{
+		"garbage": "not a record",
+		"huge":    string(appendResponseHome(nil, ResponseHome{Replica: "r", Tenant: strings.Repeat("t", 1<<20)})),
+		"long":    string(appendResponseHome(nil, ResponseHome{Replica: "r", Tenant: strings.Repeat("t", MaxNameBytes+1)})),
+		"trailer": string(appendResponseHome(nil, want)) + "!",
+	} {
+		if err := c.Set(ctx, "r:resp:forged", v, 0).Err(); err != nil {
+			t.Fatal(err)
+		}
+		if got, ok, err := b.s.ResponseHome(ctx, "forged"); !errors.Is(err, ErrCorrupt) || ok {
+			t.Errorf("%s: read as %+v %v %v, want ErrCorrupt", name, got, ok, err)
+		}
+	}
+	rd.Stop()
+	if _, ok, err := b.s.ResponseHome(ctx, "resp_1"); err == nil || ok {
+		t.Fatalf("with Redis down: %v %v", ok, err)
+	}
+}
