@@ -1,6 +1,8 @@
 package gateway
 
 import (
+	crand "crypto/rand"
+	"encoding/hex"
 	"encoding/json"
 	"fmt"
 	"net/http"
@@ -143,12 +145,31 @@ func (g *Gateway) preparePull(x *exchange, a *attempt) {
 		return
 	}
 	src := g.rt.Replica(p.Replica)
-	body, err := pullBody(x.body, src, x.id, g.cfg.KVPulls)
+	id := kvTransferID(x)
+	body, err := pullBody(x.body, src, id, g.cfg.KVPulls)
 	if err != nil {
 		x.logger().Warn("peer pull not sent", "source", src.URL(), "err", err)
 		return
 	}
-	a.body, a.pullFrom = body, src
+	a.body, a.pullFrom, a.kvID = body, src, id
+}
+
+// kvTransferID is the id of one attempt's KV transfer: the client's
+// X-Request-Id (or the gateway's, exchange.id) and 64 random bits. The
+// replica's engine keys the transfer by it: vLLM takes its request id
+// from X-Request-Id (OpenAIServing._base_request_id), and the
+// NixlConnector's decode side names the prefill's request
+// (remote_request_id) to read and free its blocks; the OffloadingConnector
+// keys a peer pull by kv_request_id ("a unique transfer id": llm-d's
+// sidecar makes a new UUID per request). Two clients may send the same
+// X-Request-Id at once, and one exchange tries several times: the client's
+// id alone would mix their transfers. The client's id stays the
+// prefix, for the replica's logs, and stays the exchange's in the
+// gateway's logs and the answer's X-Request-Id.
+func kvTransferID(x *exchange) string {
+	var b [8]byte
+	_, _ = crand.Read(b[:])
+	return x.id + "-kv" + hex.EncodeToString(b[:])
 }
 
 // setPullFrom names the replica an attempt pulled from.

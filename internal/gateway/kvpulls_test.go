@@ -256,8 +256,8 @@ func TestPullBodyShape(t *testing.T) {
 			})
 			body := `{"model":"m","prompt":"` + pullText("x", 200) + `","max_tokens":3,` +
 				`"kv_transfer_params":{"remote_kv_source":{"remote_host":"evil","remote_port":1}}}`
-			first, _ := post(t, gw.srv.URL+"/v1/completions", body)
-			second, _ := post(t, gw.srv.URL+"/v1/completions", body)
+			first, _ := post(t, gw.srv.URL+"/v1/completions", body, "X-Request-Id", "dup")
+			second, _ := post(t, gw.srv.URL+"/v1/completions", body, "X-Request-Id", "dup")
 			src, dst := first.Header.Get("X-Kvgate-Replica"), second.Header.Get("X-Kvgate-Replica")
 			if src == dst || second.Header.Get(headerPullFrom) != src || first.Header.Get(headerPullFrom) != "" {
 				t.Fatalf("first on %s, second on %s pulling from %q", src, dst, second.Header.Get(headerPullFrom))
@@ -267,8 +267,13 @@ func TestPullBodyShape(t *testing.T) {
 				rep = a
 			}
 			rep.mu.Lock()
-			sent := rep.bodies[len(rep.bodies)-1]
+			sent, id := rep.bodies[len(rep.bodies)-1], rep.headers[len(rep.headers)-1].Get("X-Request-Id")
 			rep.mu.Unlock()
+			// The pull's id is its own (kvTransferID), the replica's
+			// request id too; the client's stays the answer's.
+			if !strings.HasPrefix(id, "dup-kv") || second.Header.Get("X-Request-Id") != "dup" {
+				t.Fatalf("the replica's request id %q, the answer's %q", id, second.Header.Get("X-Request-Id"))
+			}
 			var got map[string]json.RawMessage
 			if err := json.Unmarshal(sent, &got); err != nil || string(got["max_tokens"]) != "3" {
 				t.Fatalf("sent %s", sent)
@@ -277,7 +282,7 @@ func TestPullBodyShape(t *testing.T) {
 			if err := json.Unmarshal(got["kv_transfer_params"], &kv); err != nil || len(kv) != 1 {
 				t.Fatalf("kv_transfer_params %s", got["kv_transfer_params"])
 			}
-			want := kvPullSource{RequestID: second.Header.Get("X-Request-Id"), Host: "127.0.0.1", Port: c.port}
+			want := kvPullSource{RequestID: id, Host: "127.0.0.1", Port: c.port}
 			if c.port == 0 {
 				want.Port = portOf(t, src)
 			}

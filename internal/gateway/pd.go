@@ -96,7 +96,7 @@ func (g *Gateway) routePDAttempt(x *exchange, last bool) (*attempt, error) {
 		}
 		if kv != nil {
 			dec.prefill = p.prefill
-			held = &heldKV{kv: kv, slot: pd.Prefill.Replica, replica: p.prefill}
+			held = &heldKV{kv: kv, id: p.kvID, slot: pd.Prefill.Replica, replica: p.prefill}
 		}
 	}
 	return g.decodeStep(x, dec, held)
@@ -106,6 +106,7 @@ func (g *Gateway) routePDAttempt(x *exchange, last bool) (*attempt, error) {
 // decode replica to pull: the kv_transfer_params of its answer.
 type heldKV struct {
 	kv      []byte
+	id      string          // the prefill step's request id (kvTransferID): the decode step's too
 	slot    int             // the prefill replica's slot
 	replica *router.Replica // the prefill replica (X-Kvgate-Prefill)
 }
@@ -145,7 +146,7 @@ func (g *Gateway) heldDecodeAttempt(x *exchange) (*attempt, error) {
 func (g *Gateway) decodeStep(x *exchange, dec *attempt, held *heldKV) (*attempt, error) {
 	var kv []byte
 	if held != nil {
-		kv = held.kv
+		kv, dec.kvID = held.kv, held.id
 	}
 	var err error
 	if dec.body, err = decodeBody(x.body, kv); err != nil {
@@ -265,7 +266,7 @@ func (g *Gateway) afterPrefill(x *exchange, p *attempt, last bool) (kv []byte, e
 // (a 4xx, relayed as the client's answer), clientGone, gatewayLimit (the
 // client has its error). An error: the body could not be rewritten.
 func (g *Gateway) prefillStep(x *exchange, tk *router.Ticket) (*attempt, error) {
-	a := &attempt{tk: tk, cached: -1, step: stepPrefill, prefill: g.rt.Replica(tk.Replica)}
+	a := &attempt{tk: tk, cached: -1, step: stepPrefill, prefill: g.rt.Replica(tk.Replica), kvID: kvTransferID(x)}
 	if x.prefillBody == nil {
 		body, err := prefillBody(x.body)
 		if err != nil {
@@ -312,7 +313,7 @@ func (g *Gateway) sendPrefill(x *exchange, a *attempt) {
 		t := g.clock.AfterFunc(d, func() { cancel(errFirstByteTimeout) })
 		defer t.Stop()
 	}
-	up, call := g.upstreamRequest(ctx, x, a.tk.Replica, a.body)
+	up, call := g.upstreamRequest(ctx, x, a)
 	resp, err := g.proxy.RoundTrip(up)
 	if err != nil {
 		a.v, a.err = transportVerdict(x, ctx, call.wrote.Load(), err)

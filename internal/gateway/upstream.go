@@ -55,7 +55,7 @@ func (g *Gateway) try(x *exchange, a *attempt) {
 	ctx, cancel := context.WithCancelCause(x.ctx)
 	defer cancel(context.Canceled)
 	ctx = g.traceAttempt(ctx, x, a) // its span ends in settle (the tracing sink)
-	up, call := g.upstreamRequest(ctx, x, tk.Replica, a.payload(x))
+	up, call := g.upstreamRequest(ctx, x, a)
 	if !x.parsed.Stream {
 		defer g.watchPrefill(tk).Stop()
 	} else if d := g.conf().FirstByteTimeout.D(); d > 0 {
@@ -128,13 +128,14 @@ func (c *upstreamCall) gotFirstByte() {
 	}
 }
 
-// upstreamRequest builds the request to replica i, and the call that
-// hears how its sending goes (set the call's firstByte before sending).
-func (g *Gateway) upstreamRequest(ctx context.Context, x *exchange, i int, body []byte) (*http.Request, *upstreamCall) {
+// upstreamRequest builds the request of attempt a (to its replica, its
+// payload), and the call that hears how its sending goes (set the call's
+// firstByte before sending).
+func (g *Gateway) upstreamRequest(ctx context.Context, x *exchange, a *attempt) (*http.Request, *upstreamCall) {
 	call := &upstreamCall{}
 	call.trace.WroteRequest, call.trace.GotFirstResponseByte = call.wroteRequest, call.gotFirstByte
 	ctx = httptrace.WithClientTrace(ctx, &call.trace)
-	rep := g.rt.Replica(i)
+	rep, body := g.rt.Replica(a.tk.Replica), a.payload(x)
 	var rd io.Reader = http.NoBody
 	length := int64(len(body))
 	switch {
@@ -147,7 +148,12 @@ func (g *Gateway) upstreamRequest(ctx context.Context, x *exchange, i int, body 
 	// The client's decoded path, set as a path (checkPath refused the
 	// characters that would change its meaning); the replica's URL was
 	// checked at config, so it parses.
-	up, _ := fleet.NewRequest(ctx, x.r.Method, rep.URL(), key, x.r.URL.Path, rd, func(h http.Header) { g.upstreamHeader(h, x, rep, key) })
+	up, _ := fleet.NewRequest(ctx, x.r.Method, rep.URL(), key, x.r.URL.Path, rd, func(h http.Header) {
+		g.upstreamHeader(h, x, rep, key)
+		if a.kvID != "" {
+			h.Set("X-Request-Id", a.kvID) // a KV transfer's own id (kvTransferID)
+		}
+	})
 	up.URL.RawQuery = x.r.URL.RawQuery
 	g.injectTrace(ctx, up.Header)
 	up.ContentLength = length

@@ -91,6 +91,10 @@ type attempt struct {
 	// pullFrom is the peer the replica pulls the prompt's prefix from
 	// (kvpulls.go), named in X-Kvgate-Pull-From; nil: none.
 	pullFrom *router.Replica
+	// kvID is the X-Request-Id the replica gets when the attempt moves KV
+	// (a prefill/decode pair's steps, a peer pull): kvTransferID; "": the
+	// client's (exchange.id).
+	kvID string
 	// noKV: a prefill step answered 2xx without kv_transfer_params.
 	noKV bool
 	// took is how long a prefill step took.
