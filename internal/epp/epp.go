@@ -187,7 +187,7 @@ func (c *call) requestTrailers() error {
 func (c *call) pick(buffered bool) error {
 	h, p, reply := c.s.picker.Pick(gateway.PickRequest{Context: c.stream.Context(), Method: c.req.method,
 		Target: c.req.path, Header: c.req.header, Body: c.body.Bytes(), Overflow: c.overflow,
-		RemoteAddr: c.remoteAddr(), Subset: c.subset})
+		RemoteAddr: c.remoteAddr(), Subset: c.subset, EditsAnswer: c.editsAnswer()})
 	if reply != nil {
 		return c.localReply(reply)
 	}
@@ -219,6 +219,16 @@ func (c *call) pick(buffered bool) error {
 		}
 	}
 	return nil
+}
+
+// editsAnswer reports whether the proxy sends the answer's body through
+// the picker and relays what it answers back (every body mode but NONE).
+func (c *call) editsAnswer() bool {
+	switch c.respMode {
+	case procmodev3.ProcessingMode_FULL_DUPLEX_STREAMED, procmodev3.ProcessingMode_STREAMED, procmodev3.ProcessingMode_BUFFERED:
+		return true
+	}
+	return false
 }
 
 // remoteAddr is the client's address: the last X-Forwarded-For entry
@@ -262,23 +272,30 @@ func (c *call) responseHeaders(h *extprocv3.HttpHeaders, md *corev3.Metadata) er
 }
 
 // responseBody hands a chunk of the replica's answer to the request —
-// and at its end of stream settles it — then sends the chunk back
-// (full-duplex: the chunk itself; else: unchanged). In that order: the
-// proxy ends the stream once it has the answer's last chunk, which would
-// cut an answer complete but not yet settled (client_gone).
+// and at its end of stream settles it — then sends back what the client
+// gets of it (Handoff.Body: the chunk, less a usage chunk the client did
+// not ask for; full-duplex: as chunks; else: unchanged, or replaced). In
+// that order: the proxy ends the stream once it has the answer's last
+// chunk, which would cut an answer complete but not yet settled
+// (client_gone).
 func (c *call) responseBody(b *extprocv3.HttpBody) error {
+	out := b.GetBody()
 	if c.h != nil {
-		c.h.Body(b.GetBody())
+		out = c.h.Body(out, b.GetEndOfStream())
 		if b.GetEndOfStream() {
 			c.endHandoff(true)
 		}
 	}
 	resps := []*extprocv3.BodyResponse{{}}
-	if c.respMode == procmodev3.ProcessingMode_FULL_DUPLEX_STREAMED {
+	switch {
+	case c.respMode == procmodev3.ProcessingMode_FULL_DUPLEX_STREAMED:
 		resps = resps[:0]
-		for _, ch := range chunks(b.GetBody(), b.GetEndOfStream()) {
+		for _, ch := range chunks(out, b.GetEndOfStream()) {
 			resps = append(resps, &extprocv3.BodyResponse{Response: ch})
 		}
+	case !bytes.Equal(out, b.GetBody()): // the usage chunk taken out (Handoff.Body)
+		resps[0].Response = &extprocv3.CommonResponse{BodyMutation: &extprocv3.BodyMutation{
+			Mutation: &extprocv3.BodyMutation_Body{Body: out}}}
 	}
 	for _, r := range resps {
 		if err := c.send(&extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_ResponseBody{ResponseBody: r}}); err != nil {

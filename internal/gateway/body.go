@@ -59,8 +59,10 @@ func (g *Gateway) clientBody(x *exchange) error {
 // corrected by the usage, and vLLM sends none in a stream that did not ask
 // for it, so such a stream generated for free (no output charged without
 // max_tokens; the fair share refunded the output it expected). The usage
-// chunk goes to the client only if it asked (exchange.hideUsage). Not
-// behind an endpoint picker: the proxy relays the stream itself.
+// chunk goes to the client only if it asked (exchange.hideUsage): the
+// relay keeps it back, and behind an endpoint picker, whose proxy relays
+// the stream itself, the picker answers the proxy the stream without it
+// (usageStrip), when the proxy lets it edit the answer (PickRequest).
 func (g *Gateway) askUsage(x *exchange) error {
 	p := x.parsed
 	if g.ten == nil || !p.Stream || p.StreamUsage || x.kind != prompt.Completion && x.kind != prompt.Chat {
@@ -109,6 +111,59 @@ func usageOnly(data []byte) bool {
 	}
 	c, err := openai.ParseChunk(data)
 	return err == nil && c.Usage != nil && len(c.Choices) == 0
+}
+
+// usageStrip takes out of a stream passing in chunks (an endpoint
+// picker's proxy relays it: Handoff.Body) the usage chunk the gateway
+// asked for and the client did not (askUsage), as relayStream keeps it
+// back: the stream is cut at its events' ends (a blank line), and the
+// part of an event a chunk ends in is held until the rest comes (vLLM
+// writes whole events: nothing is held in practice). An event held past
+// maxLine passes as it is.
+type usageStrip struct {
+	held    []byte
+	maxLine int
+}
+
+// pass is what the client gets of the next chunk (eos: the last).
+func (f *usageStrip) pass(chunk []byte, eos bool) []byte {
+	buf := append(f.held, chunk...)
+	end := len(buf)
+	if !eos {
+		end = eventsEnd(buf)
+		if len(buf)-end > 4*f.maxLine {
+			end = len(buf)
+		}
+	}
+	done := buf[:end]
+	f.held = append([]byte(nil), buf[end:]...)
+	if !bytes.Contains(done, []byte(`"usage"`)) {
+		return done
+	}
+	out := make([]byte, 0, len(done))
+	er := openai.NewEventReader(bytes.NewReader(done), max(f.maxLine, len(done)))
+	for {
+		ev, err := er.Next()
+		if err != nil {
+			return out
+		}
+		if !ev.HasData || !usageOnly(ev.Data) {
+			out = append(out, ev.Raw...)
+		}
+	}
+}
+
+// eventsEnd is where the last whole SSE event of b ends: after its last
+// blank line (0: none).
+func eventsEnd(b []byte) int {
+	end := 0
+	if i := bytes.LastIndex(b, []byte("\n\n")); i >= 0 {
+		end = i + 2
+	}
+	if i := bytes.LastIndex(b, []byte("\r\n\r\n")); i >= 0 && i+4 > end {
+		end = i + 4
+	}
+	return end
 }
 
 // member is one top-level member of an object: its key, decoded, and its

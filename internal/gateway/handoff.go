@@ -67,6 +67,12 @@ type PickRequest struct {
 	// Overflow: the body was longer than max_body_bytes, and Body holds
 	// only its start: the request is refused (413).
 	Overflow bool
+	// EditsAnswer: the proxy sends the answer's body through the picker and
+	// relays what the picker answers (ext_proc response body mode
+	// FULL_DUPLEX_STREAMED, STREAMED or BUFFERED): a stream may then be
+	// asked for the usage its tenant's quota needs (askUsage), the usage
+	// chunk taken out of what the client gets (Body).
+	EditsAnswer bool
 	// RemoteAddr is the client's address (host:port or host; "": unknown):
 	// the body memory share it is charged to.
 	RemoteAddr string
@@ -122,6 +128,7 @@ type Handoff struct {
 	start   time.Time
 	cands   []int // the pick's replicas: the chosen one, then the fallbacks
 	prefill clock.Timer
+	strip   *usageStrip // the usage chunk the client did not ask for (nil: none)
 
 	mu        sync.Mutex
 	responded bool
@@ -146,7 +153,7 @@ func (p *Picker) Pick(req PickRequest) (*Handoff, Pick, *Reply) {
 	}
 	ctx, gone := context.WithCancel(req.Context)
 	h.r, h.gone = r.WithContext(ctx), gone
-	if err := h.admit(w); err != nil {
+	if err := h.admit(w, req.EditsAnswer); err != nil {
 		return nil, Pick{}, h.refuse(w, h.r, err)
 	}
 	if err := h.exclude(req.Subset); err != nil {
@@ -198,7 +205,7 @@ func (h *Handoff) refuse(w http.ResponseWriter, r *http.Request, err error) *Rep
 // admit checks and parses the request as the HTTP front's guard and
 // handlers do: completions and chat by the policy, the passthrough
 // allow-list's paths by the policy when they carry a prompt, else by load.
-func (h *Handoff) admit(w http.ResponseWriter) error {
+func (h *Handoff) admit(w http.ResponseWriter, editsAnswer bool) error {
 	g, r := h.g, h.r
 	if looped(r.Header, g.via) {
 		return errLoop
@@ -212,6 +219,12 @@ func (h *Handoff) admit(w http.ResponseWriter) error {
 		return errUnknownPath
 	case kind == prompt.Completion || kind == prompt.Chat:
 		h.x, h.release, err = g.admit(w, r, kind)
+		if err == nil && editsAnswer {
+			err = g.askUsage(h.x)
+		}
+		if err == nil && h.x.hideUsage {
+			h.strip = &usageStrip{maxLine: g.cfg.MaxStreamLineBytes}
+		}
 	default:
 		if ct := r.Header.Get("Content-Type"); !isJSON(ct) {
 			return errContentType // a multipart upload is a replica's, unrouted by an endpoint picker
@@ -454,14 +467,20 @@ func (h *Handoff) switchTo(served string) {
 	h.attempt(a)
 }
 
-// Body hands the next chunk of the replica's answer to the gateway.
-func (h *Handoff) Body(chunk []byte) {
+// Body hands the next chunk of the replica's answer to the gateway (eos:
+// the last), and returns what the client gets of it: the chunk, less the
+// usage chunk the gateway asked for and the client did not (askUsage).
+func (h *Handoff) Body(chunk []byte, eos bool) []byte {
 	h.mu.Lock()
 	pw := h.body
 	h.mu.Unlock()
 	if pw != nil && len(chunk) > 0 {
 		_, _ = pw.Write(chunk) // an error: the relay ended early (a stream overran its bounds), nothing more to read
 	}
+	if h.strip == nil {
+		return chunk
+	}
+	return h.strip.pass(chunk, eos)
 }
 
 // End ends the request: complete when the answer's end of stream came

@@ -8,6 +8,7 @@ import (
 	"net/http"
 	"strconv"
 	"strings"
+	"sync"
 
 	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
@@ -65,6 +66,8 @@ func (s *stream) next() (*extprocv3.ProcessingResponse, error) {
 		return v.r, nil
 	case <-t.C():
 		return nil, errTimeout
+	case <-s.c.Context().Done(): // stopped: its reader sends no more
+		return nil, fmt.Errorf("%w: %v", errPicker, s.c.Context().Err())
 	}
 }
 
@@ -256,52 +259,118 @@ func (s *stream) failedMidway(w http.ResponseWriter, pending []byte, body io.Rea
 	_, _ = io.Copy(w, body)
 }
 
-// duplexBody sends each chunk as it comes and writes the chunks the picker
-// sends back, flushed. On an error, pending is the part of the chunk in
-// flight the picker did not send back.
+// duplexBody sends each chunk as it comes, and writes what the picker
+// sends back as it comes, flushed: as Envoy's full-duplex mode, nothing
+// pairs an answer with a chunk (the picker may send back less, or more
+// later; kvgate's takes out a usage chunk the client did not ask for), and
+// the body's end is the picker's end of stream. Each wait for the picker
+// is bounded by MessageTimeout while a chunk sent has no answer yet. On an
+// error, pending is what was sent and not yet answered, by length.
 func (s *stream) duplexBody(w http.ResponseWriter, body io.Reader) (pending []byte, err error) {
-	rc := http.NewResponseController(w)
+	e := &echo{s: s, w: w, rc: http.NewResponseController(w), sent: make(chan struct{}, 1), done: make(chan error, 1)}
+	go e.run()
 	buf := make([]byte, 32<<10)
 	for {
 		n, rerr := body.Read(buf)
 		eos := rerr != nil
 		if n > 0 || eos {
+			e.mu.Lock()
+			e.unanswered, e.eos = append(e.unanswered, buf[:n]...), eos
+			e.mu.Unlock()
 			if err := s.send(&extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_ResponseBody{
 				ResponseBody: &extprocv3.HttpBody{Body: buf[:n], EndOfStream: eos}}}); err != nil {
-				return buf[:n], err
+				s.stop() // ends the echo's wait
+				<-e.done
+				return e.pending(), err
 			}
-			if got, err := s.echoed(w, n, eos); err != nil {
-				return buf[min(got, n):n], err
+			select {
+			case e.sent <- struct{}{}:
+			default:
 			}
-			_ = rc.Flush()
 		}
 		if eos {
-			return nil, nil
+			break
+		}
+		select {
+		case err := <-e.done: // the picker failed: the rest passes without it, or not at all
+			e.done <- err
+			return e.pending(), err
+		default:
+		}
+	}
+	if err := <-e.done; err != nil {
+		return e.pending(), err
+	}
+	return nil, nil
+}
+
+// echo writes the picker's answers to a response body to the client.
+type echo struct {
+	s    *stream
+	w    io.Writer
+	rc   *http.ResponseController
+	sent chan struct{} // a chunk was sent
+	done chan error    // the picker's end of stream, or its failure
+
+	mu         sync.Mutex
+	unanswered []byte // sent and not yet answered, by length
+	eos        bool   // the end of stream was sent
+}
+
+// outstanding waits until a chunk sent awaits an answer (or the end of
+// stream was sent): the picker is timed only then.
+func (e *echo) outstanding() error {
+	for {
+		e.mu.Lock()
+		waiting := len(e.unanswered) > 0 || e.eos
+		e.mu.Unlock()
+		if waiting {
+			return nil
+		}
+		select {
+		case <-e.sent:
+		case <-e.s.c.Context().Done():
+			return fmt.Errorf("%w: %v", errPicker, e.s.c.Context().Err())
 		}
 	}
 }
 
-// echoed reads the picker's answers to one response chunk of n bytes:
-// chunks sent back until as many bytes (and the end of stream with eos);
-// got is how many it wrote.
-func (s *stream) echoed(w io.Writer, n int, eos bool) (got int, err error) {
+// run reads answers until the picker's end of stream.
+func (e *echo) run() {
 	for {
-		resp, err := s.next()
+		if err := e.outstanding(); err != nil {
+			e.done <- err
+			return
+		}
+		resp, err := e.s.next()
 		if err != nil {
-			return got, err
+			e.done <- err
+			return
 		}
 		sb := resp.GetResponseBody().GetResponse().GetBodyMutation().GetStreamedResponse()
 		if sb == nil {
-			return got, fmt.Errorf("%w: a spurious answer in the response body's stream", errPicker)
+			e.done <- fmt.Errorf("%w: a spurious answer in the response body's stream", errPicker)
+			return
 		}
-		if _, err := w.Write(sb.GetBody()); err != nil {
-			return got, err
+		e.mu.Lock()
+		e.unanswered = e.unanswered[min(len(sb.GetBody()), len(e.unanswered)):]
+		e.mu.Unlock()
+		if _, err := e.w.Write(sb.GetBody()); err != nil {
+			e.done <- err
+			return
 		}
-		got += len(sb.GetBody())
-		if got >= n && (!eos || sb.GetEndOfStream()) {
-			return got, nil
+		_ = e.rc.Flush()
+		if sb.GetEndOfStream() {
+			e.done <- nil
+			return
 		}
 	}
+}
+
+func (e *echo) pending() []byte {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	return e.unanswered
 }
 
 // bufferedBody sends the whole answer in one message and writes it once
@@ -322,6 +391,9 @@ func (s *stream) bufferedBody(w io.Writer, body io.Reader) (pending []byte, err 
 	}
 	if resp.GetResponseBody() == nil {
 		return all, fmt.Errorf("%w: a spurious answer to the response body", errPicker)
+	}
+	if b := resp.GetResponseBody().GetResponse().GetBodyMutation().GetBody(); b != nil {
+		all = b // Envoy sends the body the picker answered
 	}
 	_, err = w.Write(all)
 	return nil, err
