@@ -7,6 +7,7 @@ import (
 	"net"
 	"net/http"
 	"strconv"
+	"strings"
 	"time"
 
 	"github.com/kvgate/kvgate/internal/gateway/ui"
@@ -163,6 +164,11 @@ func shedError(se *router.ShedError) *apiError {
 }
 
 func writeError(w http.ResponseWriter, err error) *apiError {
+	return writeErrorAs(w, err, (*apiError).body)
+}
+
+// writeErrorAs writes err's answer with its body in the shape body makes.
+func writeErrorAs(w http.ResponseWriter, err error, body func(*apiError) []byte) *apiError {
 	ae := toAPIError(err)
 	h := w.Header()
 	h.Set("Content-Type", "application/json")
@@ -170,6 +176,71 @@ func writeError(w http.ResponseWriter, err error) *apiError {
 		h.Set("Retry-After", retryAfter(ae.RetryAfter))
 	}
 	w.WriteHeader(ae.Status)
-	_, _ = w.Write(append(ae.body(), '\n'))
+	_, _ = w.Write(append(body(ae), '\n'))
 	return ae
+}
+
+// Anthropic's Messages API (/v1/messages, /v1/messages/count_tokens) has
+// its own error shape, which Anthropic's SDKs and Claude Code read:
+//
+//	{"type": "error", "error": {"type": "not_found_error", "message": "..."}, "request_id": "..."}
+//
+// with the error type named by the status (docs.claude.com/en/api/errors).
+// The gateway's own errors on those paths take that shape, with the same
+// status codes; a replica's own answers pass as they are.
+
+// isMessagesPath reports whether path is the Messages API's.
+func isMessagesPath(path string) bool {
+	return path == "/v1/messages" || strings.HasPrefix(path, "/v1/messages/")
+}
+
+// anthropicType is Anthropic's error type for an HTTP status.
+func anthropicType(status int) string {
+	switch status {
+	case http.StatusBadRequest:
+		return "invalid_request_error"
+	case http.StatusUnauthorized:
+		return "authentication_error"
+	case http.StatusForbidden:
+		return "permission_error"
+	case http.StatusNotFound:
+		return "not_found_error"
+	case http.StatusRequestEntityTooLarge:
+		return "request_too_large"
+	case http.StatusTooManyRequests:
+		return "rate_limit_error"
+	case http.StatusServiceUnavailable, 529:
+		return "overloaded_error"
+	case http.StatusGatewayTimeout:
+		return "timeout_error"
+	}
+	if status >= 500 {
+		return "api_error"
+	}
+	return "invalid_request_error" // Anthropic's for the other 4xx
+}
+
+// anthropicBody is e in Anthropic's shape; requestID "" leaves it out.
+func (e *apiError) anthropicBody(requestID string) []byte {
+	var b struct {
+		Type  string `json:"type"`
+		Error struct {
+			Type    string `json:"type"`
+			Message string `json:"message"`
+		} `json:"error"`
+		RequestID string `json:"request_id,omitempty"`
+	}
+	b.Type, b.Error.Type, b.Error.Message, b.RequestID = "error", anthropicType(e.Status), e.Message, requestID
+	out, _ := json.Marshal(b)
+	return out
+}
+
+// writeErrorFor writes err's answer to request r: in Anthropic's shape on
+// the Messages API's paths, else OpenAI's.
+func writeErrorFor(w http.ResponseWriter, r *http.Request, err error) *apiError {
+	if !isMessagesPath(r.URL.Path) {
+		return writeError(w, err)
+	}
+	id := w.Header().Get("X-Request-Id")
+	return writeErrorAs(w, err, func(e *apiError) []byte { return e.anthropicBody(id) })
 }

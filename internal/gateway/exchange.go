@@ -293,7 +293,7 @@ func (g *Gateway) fail(w http.ResponseWriter, r *http.Request, err error) {
 		g.met.errors.WithLabelValues("client_gone").Inc()
 		return
 	}
-	ae := writeError(w, err)
+	ae := writeErrorFor(w, r, err)
 	g.met.errors.WithLabelValues(ae.Code).Inc()
 	g.log.Info("request failed", "request_id", w.Header().Get("X-Request-Id"), "path", r.URL.Path,
 		"status", ae.Status, "code", ae.Code, "err", ae.Message)

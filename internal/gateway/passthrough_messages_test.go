@@ -221,7 +221,7 @@ func TestMessagesIsolatedTenantRefused(t *testing.T) {
 	allListed(t, gw)
 	body := `{"model":"m","max_tokens":5,"priority":-3,"messages":[{"role":"user","content":"secret"}]}`
 	resp, out := post(t, gw.srv.URL+"/v1/messages", body, bearerHdr("k-gold")...)
-	if resp.StatusCode != http.StatusForbidden || errorCode(out) != "cache_isolation_unsupported" || !strings.Contains(out, "cache_salt") {
+	if resp.StatusCode != http.StatusForbidden || !strings.Contains(out, `"type":"permission_error"`) || !strings.Contains(out, "cache_salt") {
 		t.Fatalf("an isolated tenant's Messages call: %d %s", resp.StatusCode, out)
 	}
 	if n := len(f.requests()); n != 0 {
@@ -240,7 +240,8 @@ func TestMessagesIsolatedTenantRefused(t *testing.T) {
 	waitIdle(t, gw)
 }
 
-// A malformed Messages body is the client's fault: 400 naming the field,
+// A malformed Messages body is the client's fault: 400 naming the field
+// (Anthropic's error shape has no param: the message starts with it),
 // nothing sent.
 func TestMessagesMalformedBodies(t *testing.T) {
 	f := newMessagesReplica(t, `{"input_tokens":4,"output_tokens":1}`)
@@ -262,7 +263,7 @@ func TestMessagesMalformedBodies(t *testing.T) {
 		`{"model":"m","max_tokens":3,"messages":[{"role":"user","content":"x"}],"stream":"1"}`: "stream",
 	} {
 		resp, out := post(t, gw.srv.URL+"/v1/messages", body)
-		if resp.StatusCode != 400 || !strings.Contains(out, fmt.Sprintf(`"param":%q`, param)) {
+		if resp.StatusCode != 400 || !strings.HasPrefix(out, `{"type":"error","error":{"type":"invalid_request_error","message":"`+param+": ") {
 			t.Errorf("%s: %d %s, want 400 naming %s", body, resp.StatusCode, out, param)
 		}
 	}
@@ -289,7 +290,7 @@ func TestMessagesStreamEnd(t *testing.T) {
 	})
 	f.cut.Store(true)
 	if resp, out := post(t, gw.srv.URL+"/v1/messages", body); resp.StatusCode != 200 ||
-		!strings.Contains(out, "event: error\ndata: {\"error\":") || strings.Contains(out, "message_stop") {
+		!strings.Contains(out, "event: error\ndata: {\"type\":\"error\",\"error\":{\"type\":\"api_error\",") || strings.Contains(out, "message_stop") {
 		t.Fatalf("a stream cut short: %d %q", resp.StatusCode, out)
 	}
 	waitIdle(t, gw)

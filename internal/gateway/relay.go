@@ -5,6 +5,7 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"io"
 	"net/http"
 	"sync"
@@ -136,33 +137,35 @@ func (g *Gateway) relayStream(x *exchange, a *attempt, ctx context.Context, canc
 	}
 }
 
-// writeStreamError ends a stream cut short with its error event, named
-// "error" in a Messages stream: Anthropic's clients dispatch on an event's
-// name, and read the error's message from its data as it is.
+// writeStreamError ends a stream cut short with its error event; in a
+// Messages stream, Anthropic's: an event named "error" (Anthropic's
+// clients dispatch on an event's name) whose data is its error shape.
 func (x *exchange) writeStreamError(ctx context.Context, err error) {
-	ev := streamErrorEvent(ctx, err)
+	e := streamError(ctx, err)
 	if x.kind == prompt.Messages {
-		ev = append([]byte("event: error\n"), ev...)
+		_ = x.write(fmt.Appendf(nil, "event: error\ndata: %s\n\n", e.anthropicBody(x.id)))
+		return
 	}
-	_ = x.write(ev)
+	_ = x.write(openai.SSEErrorEvent(e.Message, e.Type, e.Code))
 }
 
-// streamErrorEvent is the SSE error event that ends a stream cut short.
-func streamErrorEvent(ctx context.Context, err error) []byte {
+// streamError is the error that ends a stream cut short, with the status
+// it would have had before the stream started.
+func streamError(ctx context.Context, err error) *apiError {
+	e := &apiError{Status: http.StatusBadGateway, Type: "server_error", Code: "upstream_stream_error",
+		Message: "the replica's stream broke after it started; the response is incomplete"}
 	switch c := context.Cause(ctx); {
 	case errors.Is(c, errRequestTimeout):
-		return openai.SSEErrorEvent("the request took longer than the gateway's request_timeout; the response is incomplete",
-			"server_error", "request_timeout")
+		e.Status, e.Code = http.StatusGatewayTimeout, "request_timeout"
+		e.Message = "the request took longer than the gateway's request_timeout; the response is incomplete"
 	case errors.Is(c, errDrained):
-		return openai.SSEErrorEvent("the gateway is shutting down; the response is incomplete", "server_error", "gateway_shutdown")
+		e.Status, e.Code, e.Message = http.StatusServiceUnavailable, "gateway_shutdown", "the gateway is shutting down; the response is incomplete"
 	case errors.Is(c, errIdleTimeout):
-		return openai.SSEErrorEvent("the replica's stream stalled; the response is incomplete", "server_error", "upstream_stream_idle")
+		e.Status, e.Code, e.Message = http.StatusGatewayTimeout, "upstream_stream_idle", "the replica's stream stalled; the response is incomplete"
 	case errors.Is(err, errStreamIncomplete):
-		return openai.SSEErrorEvent("the replica's stream ended before it was complete; the response is incomplete",
-			"server_error", "upstream_stream_error")
+		e.Message = "the replica's stream ended before it was complete; the response is incomplete"
 	}
-	return openai.SSEErrorEvent("the replica's stream broke after it started; the response is incomplete",
-		"server_error", "upstream_stream_error")
+	return e
 }
 
 // write sends bytes to the client and flushes them (withWriteDeadline
