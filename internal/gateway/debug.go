@@ -135,10 +135,27 @@ func (g *Gateway) debug(w http.ResponseWriter, r *http.Request) {
 	} else {
 		g.debugDecision(resp, req)
 	}
+	g.debugFlow(resp, req)
 	w.Header().Set("Content-Type", "application/json")
 	enc := json.NewEncoder(w)
 	enc.SetIndent("", "  ")
 	_ = enc.Encode(resp)
+}
+
+// debugFlow adds to /debug/route's answer, with flow control on, whether
+// the request would wait in its pool's queue now and why
+// (router.FlowHold); the decision shown is the one it would get once
+// released.
+func (g *Gateway) debugFlow(resp map[string]any, req *policy.Request) {
+	if !g.rt.FlowEnabled() {
+		return
+	}
+	why := g.rt.FlowHold(req)
+	flow := map[string]any{"held": why != ""}
+	if why != "" {
+		flow["reason"] = why
+	}
+	resp["flow"] = flow
 }
 
 // readDebugBody reads /debug/route's body: JSON's content type or none, as

@@ -2,6 +2,8 @@ package gateway
 
 import (
 	"context"
+	"encoding/json"
+	"fmt"
 	"io"
 	"net/http"
 	"strings"
@@ -38,6 +40,22 @@ func heldPrefillStub(t *testing.T) (*stub, chan struct{}) {
 	return s, release
 }
 
+// heldPDConfig is the tenants' configuration on prefill replica pre and
+// decode replica dec, flow control saturated by one pending prefill step,
+// every request with a prefill step.
+func heldPDConfig(t *testing.T, pre, dec *stub) Config {
+	t.Helper()
+	cfg := tenantsConfig()
+	rs, err := ParseReplicaList(dec.srv.URL, ReplicaLists{Prefill: pre.srv.URL})
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg.Replicas = rs
+	cfg.NonCachedTokens = 0 // every request has a prefill step
+	cfg.FlowControl.QueueMs = 1
+	return cfg
+}
+
 // Flow control on a prefill/decode fleet: while the prefill replica
 // computes a prompt (saturated), a sheddable tenant's request is refused
 // 429 shed_saturated before anything is sent, and a gold request waits in
@@ -47,14 +65,7 @@ func heldPrefillStub(t *testing.T) (*stub, chan struct{}) {
 func TestPDFlowShedsAndHolds(t *testing.T) {
 	pre, release := heldPrefillStub(t)
 	dec := newStub(t, "", okStream(2))
-	cfg := tenantsConfig()
-	rs, err := ParseReplicaList(dec.srv.URL, ReplicaLists{Prefill: pre.srv.URL})
-	if err != nil {
-		t.Fatal(err)
-	}
-	cfg.Replicas = rs
-	cfg.NonCachedTokens = 0 // every request has a prefill step
-	cfg.FlowControl.QueueMs = 1
+	cfg := heldPDConfig(t, pre, dec)
 	cfg.FlowControl.Bands = []BandFlowConfig{{Priority: 2, Sheddable: true}}
 	reg := prometheus.NewRegistry()
 	gw := startGatewayWith(t, cfg, Options{Clock: clock.NewFake(time.Unix(1000, 0)), Registry: reg})
@@ -128,4 +139,94 @@ func TestPDFlowShedsAndHolds(t *testing.T) {
 			t.Errorf("tenant %q still counted: %+v", tf.Tenant, tf)
 		}
 	}
+}
+
+// /debug/route on a prefill/decode fleet says whether flow control would
+// hold the pair now: not while the prefill replica is idle, held
+// (saturated) while it computes a prompt, and (queued_behind) while
+// another request waits in the pool's queue; nothing is sent. Before, it
+// showed the pair alone.
+func TestPDDebugRouteSaysHeld(t *testing.T) {
+	pre, release := heldPrefillStub(t)
+	dec := newStub(t, "", okStream(2))
+	cfg := heldPDConfig(t, pre, dec)
+	cfg.AdminToken = "s3cret"
+	gw := startGatewayWith(t, cfg, Options{Clock: clock.NewFake(time.Unix(1000, 0)), Registry: prometheus.NewRegistry()})
+	t.Cleanup(func() {
+		for range cap(release) - len(release) {
+			release <- struct{}{}
+		}
+	})
+	rt := gw.g.Router()
+	eventually(t, "both replicas listed", func() bool { return rt.Replica(0).Served() != nil && rt.Replica(1).Served() != nil })
+	stream := `{"model":"m","prompt":"a long enough prompt for a pending prefill","max_tokens":2,"stream":true}`
+	flow := func() map[string]any {
+		t.Helper()
+		resp, body := post(t, gw.srv.URL+"/debug/route", stream, "Authorization", "Bearer s3cret")
+		var got struct {
+			Flow       map[string]any `json:"flow"`
+			PrefillURL string         `json:"prefill_url"`
+		}
+		if resp.StatusCode != 200 || json.Unmarshal([]byte(body), &got) != nil || got.PrefillURL != pre.srv.URL {
+			t.Fatalf("/debug/route: %d %s", resp.StatusCode, body)
+		}
+		return got.Flow
+	}
+	if f := flow(); f["held"] != false {
+		t.Fatalf("idle fleet: flow %v, want not held", f)
+	}
+	var wg sync.WaitGroup
+	defer wg.Wait()
+	wg.Go(func() { post(t, gw.srv.URL+"/v1/completions", stream, bearerHdr("k-gold")...) })
+	eventually(t, "the first prefill step at the prefill replica", func() bool { return pre.calls.Load() == 1 })
+	if f := flow(); f["held"] != true || f["reason"] != "saturated" {
+		t.Fatalf("the prefill replica computing a prompt: flow %v, want held (saturated)", f)
+	}
+	wg.Go(func() { post(t, gw.srv.URL+"/v1/completions", stream, bearerHdr("k-gold")...) })
+	eventually(t, "a request waiting", func() bool { return rt.Queued() == 1 })
+	if f := flow(); f["held"] != true || f["reason"] != "queued_behind" {
+		t.Fatalf("a request waiting: flow %v, want held (queued_behind)", f)
+	}
+	if n := pre.calls.Load(); n != 1 {
+		t.Fatalf("%d prefill steps sent, want 1", n)
+	}
+	release <- struct{}{}
+	release <- struct{}{}
+	wg.Wait()
+	waitIdle(t, gw)
+}
+
+// On an aggregated fleet too: /debug/route says the request would be held
+// while its one replica computes a prompt (saturated), not before.
+func TestDebugRouteSaysHeld(t *testing.T) {
+	s, release := heldStub(t)
+	cfg := tenantsConfig(s.srv.URL)
+	cfg.FlowControl.QueueMs, cfg.AdminToken = 1, "s3cret"
+	gw := startGatewayWith(t, cfg, Options{Clock: clock.NewFake(time.Unix(1000, 0)), Registry: prometheus.NewRegistry()})
+	eventually(t, "models listed", func() bool { return len(gw.g.Fleet().Models()) > 0 })
+	stream := `{"model":"m","prompt":"a long enough prompt for a pending prefill","max_tokens":2,"stream":true}`
+	flow := func() any {
+		t.Helper()
+		resp, body := post(t, gw.srv.URL+"/debug/route", stream, "Authorization", "Bearer s3cret")
+		var got struct {
+			Flow map[string]any `json:"flow"`
+		}
+		if resp.StatusCode != 200 || json.Unmarshal([]byte(body), &got) != nil {
+			t.Fatalf("/debug/route: %d %s", resp.StatusCode, body)
+		}
+		return fmt.Sprint(got.Flow)
+	}
+	if f := flow(); f != "map[held:false]" {
+		t.Fatalf("idle: flow %v", f)
+	}
+	var wg sync.WaitGroup
+	defer wg.Wait()
+	wg.Go(func() { post(t, gw.srv.URL+"/v1/completions", stream, bearerHdr("k-gold")...) })
+	eventually(t, "the first request at the replica", func() bool { return s.calls.Load() == 1 })
+	if f := flow(); f != "map[held:true reason:saturated]" {
+		t.Fatalf("the replica computing a prompt: flow %v", f)
+	}
+	release <- struct{}{}
+	wg.Wait()
+	waitIdle(t, gw)
 }
