@@ -22,6 +22,7 @@ func (r *Replica) routes() http.Handler {
 	mux := http.NewServeMux()
 	mux.HandleFunc("POST /v1/completions", r.inference(prompt.Completion))
 	mux.HandleFunc("POST /v1/chat/completions", r.inference(prompt.Chat))
+	mux.HandleFunc("POST /v1/messages", r.inference(prompt.Messages)) // messages.go
 	mux.HandleFunc("GET /v1/models", r.models)
 	mux.HandleFunc("GET /health", r.health)
 	mux.HandleFunc("POST /tokenize", r.tokenize)
@@ -151,7 +152,7 @@ func (r *Replica) parseTokenize(data []byte) (*prompt.Parsed, error) {
 	return p, nil
 }
 
-// inference serves /v1/completions and /v1/chat/completions.
+// inference serves /v1/completions, /v1/chat/completions and /v1/messages.
 func (r *Replica) inference(kind prompt.Kind) http.HandlerFunc {
 	return func(w http.ResponseWriter, req *http.Request) {
 		die, ok := r.beforeRequest(w, req)

@@ -72,7 +72,11 @@ func (r *Replica) parseJob(kind prompt.Kind, data []byte) (*job, error) {
 	if m := b.get("model"); m != nil && m[0] != '"' {
 		return nil, badRequest("model", "model must be a string.")
 	}
-	p, err := b.parse(kind, parseKeys)
+	pk := parseKeys
+	if kind == prompt.Messages {
+		pk, x.n = messagesKeys, 1 // the Messages API has no n
+	}
+	p, err := b.parse(kind, pk)
 	if err != nil {
 		return nil, err
 	}

@@ -29,6 +29,10 @@ func (r *Replica) respondCall(w http.ResponseWriter, req *http.Request, j *job, 
 		// A prefill step's answer: model time waits for the decode step.
 		r.tl.Hold(j.hold+2, r.tl.Now())
 	}
+	if j.kind == prompt.Messages {
+		r.respondMessages(w, j, cl, id)
+		return
+	}
 	if j.kind == prompt.Chat {
 		writeJSON(w, newResponse(j, cl, id, created, "chat.completion", kv, timing, func(c *choice, text string) chatChoice {
 			return chatChoice{Index: c.index, Message: chatMessage{Role: "assistant", Content: text},
@@ -147,7 +151,7 @@ func appendHex16(dst []byte, v uint64) []byte {
 }
 
 func idPrefix(k prompt.Kind) string {
-	if k == prompt.Chat {
+	if k == prompt.Chat || k == prompt.Messages { // vLLM's Messages answer takes its chat completion's id
 		return "chatcmpl-"
 	}
 	return "cmpl-"

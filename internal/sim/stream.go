@@ -120,6 +120,39 @@ func (s *sseWriter) usage(u openai.Usage, t *Timing) {
 
 func (s *sseWriter) done() { s.buf = append(s.buf, "data: "+openai.DoneData+"\n\n"...) }
 
+// chunkWriter formats a streamed call's events: take moves the tokens
+// delivered since the last wake-up into events (all: every choice
+// finished), tookTokens reports whether that take had any, end appends
+// the stream's end (the usage, with the sim's timing), out is what to
+// write. sseWriter (completions, chat) and messagesWriter (Messages).
+type chunkWriter interface {
+	take(cl *call) (all bool)
+	tookTokens() bool
+	end(u openai.Usage, t *Timing, includeUsage bool)
+	out() []byte
+}
+
+func (s *sseWriter) tookTokens() bool { return s.tokens }
+
+// chunkWriter is the writer of a streamed call of j's kind.
+func (r *Replica) chunkWriter(j *job, cl *call) chunkWriter {
+	id := r.responseID(idPrefix(j.kind))
+	if j.kind == prompt.Messages {
+		return newMessagesWriter(j, id)
+	}
+	return newSSEWriter(j, len(cl.choices), id, r.clock.Now().Unix())
+}
+
+// end is the usage chunk if asked, then [DONE].
+func (s *sseWriter) end(u openai.Usage, t *Timing, includeUsage bool) {
+	if includeUsage {
+		s.usage(u, t)
+	}
+	s.done()
+}
+
+func (s *sseWriter) out() []byte { return s.buf }
+
 // take moves the tokens the driver delivered since the last wake-up into
 // chunks, and reports whether every choice has finished. Chat's role chunk
 // goes with a choice's first token; a choice's last token carries its
@@ -167,13 +200,13 @@ func (r *Replica) streamCall(w http.ResponseWriter, req *http.Request, j *job, c
 		cl.core.abort(cl)
 		return
 	}
-	s := newSSEWriter(j, len(cl.choices), r.responseID(idPrefix(j.kind)), r.clock.Now().Unix())
+	s := r.chunkWriter(j, cl)
 	for {
 		if !r.wait(req, cl) {
 			return
 		}
 		all := s.take(cl)
-		if j.firstOut.IsZero() && s.tokens {
+		if j.firstOut.IsZero() && s.tookTokens() {
 			j.firstOut = r.clock.Now()
 			if j.hasHold {
 				// Model time waits for the first token to reach the client.
@@ -181,20 +214,17 @@ func (r *Replica) streamCall(w http.ResponseWriter, req *http.Request, j *job, c
 			}
 		}
 		if all {
-			if j.includeUsage {
-				s.usage(j.usage(cl), r.timing(j, cl))
-			}
-			s.done()
+			s.end(j.usage(cl), r.timing(j, cl), j.includeUsage)
 			if j.hasHold {
 				// Model time waits for the end to reach the client: its
 				// next turn follows from there.
 				r.tl.Hold(j.hold+3, r.tl.Now())
 			}
 		}
-		if len(s.buf) == 0 {
+		if len(s.out()) == 0 {
 			continue
 		}
-		if _, err := w.Write(s.buf); err != nil || rc.Flush() != nil {
+		if _, err := w.Write(s.out()); err != nil || rc.Flush() != nil {
 			cl.core.abort(cl)
 			return
 		}
