@@ -62,6 +62,7 @@ type TTFT struct {
 	picks [ttftPickSlots]ttftPick
 	// ttfts, matched and plans are Pick's scratch (pickScratch).
 	ttfts   []float64
+	ties    []float64 // pendingMs per replica (choose)
 	matched []int
 	plans   []tierPlan
 }
@@ -171,6 +172,10 @@ type ttftParams struct {
 	// prefill.
 	ReplicateS    float64 `json:"replicate_s"`
 	ReplicateRoom float64 `json:"replicate_room"`
+	// PendingWeight weighs, among equally matched replicas within the
+	// margin, the requests sent to r still waiting for their first token
+	// (pendingMs); 0: ignored, as before.
+	PendingWeight float64 `json:"pending_weight"`
 	// The KV tiers' parameters (ttft_tiers.go).
 	ttftTierParams
 }
@@ -217,14 +222,15 @@ func init() {
 	// 1,000 blocks went to 14× on seed 2). Capacity: conversation trace
 	// 3.92× → 3.91×, synthetic 3.37× both, with host tier and pulls
 	// 4.52× both; agents 1.95×, 2.24×, 2.04× → 1.90×, 2.32×, 2.04×
-	// (seeds 1–3: on its cliff); RL batches unchanged.
+	// (seeds 1–3: on its cliff); RL batches unchanged. pending_weight 1:
+	// see pendingMs.
 	register("ttft", func(o Options) (Policy, error) {
 		params := ttftParams{
 			MarginRel: 0.2, MarginMs: 2, Alpha: 0.1, ReplicaAlpha: 0.02, MaxCorrection: 4,
 			DecodeWeight: 1, InterferenceWeight: 0, EvictionWeight: 2, DeferMs: 1000,
 			FutureWeight: 2, PrefixLifeS: 40, WaitWeight: 0.1, WindowS: 20,
 			Programs: true, ProgramWeight: 0.1, ProgramFutureTurns: 8,
-			ReplicateS: 1, ReplicateRoom: 0.3,
+			ReplicateS: 1, ReplicateRoom: 0.3, PendingWeight: 1,
 			ttftTierParams: ttftTierParams{HostHits: hostHitsLoad},
 		}
 		if err := decodeParams(o.Params, &params); err != nil {
@@ -257,10 +263,11 @@ func init() {
 func (p *ttftParams) checkFuture() error {
 	if !(p.FutureWeight >= 0 && p.FutureWeight <= 1e6) || !(p.WaitWeight >= 0 && p.WaitWeight <= 1e6) ||
 		!(p.PrefixLifeS >= 0.001 && p.PrefixLifeS <= 86400) || !(p.WindowS >= 0.001 && p.WindowS <= 86400) ||
-		!(p.ReplicateS >= 0 && p.ReplicateS <= 86400) || !(p.ReplicateRoom >= 0 && p.ReplicateRoom <= 1) {
+		!(p.ReplicateS >= 0 && p.ReplicateS <= 86400) || !(p.ReplicateRoom >= 0 && p.ReplicateRoom <= 1) ||
+		!(p.PendingWeight >= 0 && p.PendingWeight <= 1e6) {
 		return fmt.Errorf("%w: need 0 ≤ future_weight ≤ 1e6, 0 ≤ wait_weight ≤ 1e6, "+
 			"0.001 ≤ prefix_life_s ≤ 86400, 0.001 ≤ window_s ≤ 86400, 0 ≤ replicate_s ≤ 86400, "+
-			"0 ≤ replicate_room ≤ 1", ErrParam)
+			"0 ≤ replicate_room ≤ 1, 0 ≤ pending_weight ≤ 1e6", ErrParam)
 	}
 	return nil
 }
@@ -291,6 +298,7 @@ type ttftEstimate struct {
 	ms      float64 // estimated TTFT, uncorrected
 	matched int     // blocks credited
 	cost    float64 // decode and eviction cost of the choice, ms
+	tie     float64 // pendingMs: what the requests waiting for their prefill add, ms (choose)
 	queueMs float64 // the part of ms spent on the work queued ahead, uncorrected
 	load    ttftLoad
 }
@@ -408,6 +416,7 @@ func (t *TTFT) estimate(e *ttftEstimate, req *Request, v *ReplicaView, meanPromp
 	// The decode cost of the choice: the request's own tokens slowed by r's
 	// batch, and the request's prefill stalling r's running decodes.
 	perStep := prof.C1 + prof.C3*l.meanCtx
+	e.tie = t.pendingMs(v, l, out, perStep)
 	cost := t.params.DecodeWeight*out*perStep*float64(l.decodes) +
 		t.params.InterferenceWeight*float64(l.decodes)*prof.C1*float64(own)
 	// The prefill the choice writes into r's cache evicts as much of other
@@ -423,6 +432,36 @@ func (t *TTFT) estimate(e *ttftEstimate, req *Request, v *ReplicaView, meanPromp
 	queueMs := t.queueMs(l)
 	cost += t.futureCost(req, v, l, own, cached, tokens, out, queueMs)
 	e.ms, e.matched, e.cost, e.queueMs = ms, matched, cost, queueMs
+}
+
+// pendingMs is what the requests sent to v and still waiting for their
+// first token cost a request sent after them, beyond the estimate: they
+// decode in its batch for all of its output (the decode term counts only
+// the requests already decoding), and one of their prefill steps is under
+// way, which the request waits out before its own (the estimate lets it
+// share their step). Weighed by pending_weight in choose only, among
+// equally matched replicas within the margin: as a term of every score it
+// sent chats' next turns off their homes (the multiturn replay on 4
+// replicas of 1,500 blocks at 16/s, #25: hit 84.7 % against 86.6 %).
+//
+// pending_weight 1 (both parts at their physical weight), over the
+// pressure sweep on seeds 1 and 2 and at 3× its length: points above
+// 1.05× 25 → 21, 29 → 24, 17 → 14; geometric mean of the ratios 1.034 →
+// 1.024, 1.030 → 1.023, 1.033 → 1.023. At 2 it gained a point or three
+// more but cost the agents workload's capacity (2.09× → 2.00×); at 0.5:
+// 24, 28, 12. Capacity: conversation trace 3.986× → 3.964× (seed 2
+// 3.971× → 3.976×, seed 3 identical), synthetic 3.423× → 3.454×, agents
+// 2.10× → 2.09×, pulls 4.58× → 4.59×.
+func (t *TTFT) pendingMs(v *ReplicaView, l *ttftLoad, out, perStep float64) float64 {
+	pend := float64(max(count(v.InFlight)-l.decodes, 0))
+	if t.params.PendingWeight == 0 || pend == 0 {
+		return 0
+	}
+	ms := t.params.DecodeWeight * out * perStep * pend
+	if l.queued > 0 {
+		ms += l.stepMs + t.o.Profile.C1*min(l.queued, l.chunk)
+	}
+	return t.params.PendingWeight * ms
 }
 
 // prefillMs is the time r of load l takes to compute own tokens after
@@ -444,7 +483,7 @@ func (t *TTFT) Pick(req *Request, rs []ReplicaView) (Decision, error) {
 	if t.params.DeferMs > 0 && !req.NoDefer && queueMs > t.params.DeferMs {
 		return Decision{}, ErrDefer
 	}
-	choice := t.choose(scores, matched, best)
+	choice := t.choose(scores, t.ties[:len(rs)], matched, best)
 	reason := "lowest score (estimated TTFT + decode and eviction costs)"
 	if scores[choice] > best {
 		reason = "deepest match within the margin of the lowest score"
@@ -471,7 +510,9 @@ func (t *TTFT) Pick(req *Request, rs []ReplicaView) (Decision, error) {
 func (t *TTFT) pickScratch(n int) ([]float64, []int, []tierPlan) {
 	if cap(t.ttfts) < n {
 		t.ttfts, t.matched, t.plans = make([]float64, n), make([]int, n), make([]tierPlan, n)
+		t.ties = make([]float64, n)
 	}
+	clear(t.ties[:n])
 	ttfts, matched, plans := t.ttfts[:n], t.matched[:n], t.plans[:n]
 	clear(ttfts)
 	clear(matched)
@@ -488,7 +529,7 @@ func (t *TTFT) pickScratch(n int) ([]float64, []int, []tierPlan) {
 // block of the deepest match (0: none), the prefix the request counts
 // for. t.mu must be held.
 func (t *TTFT) estimateAll(req *Request, rs []ReplicaView, scores, ttfts []float64, matched []int, plans []tierPlan) (float64, float64, uint64) {
-	a := estAll{req: req, rs: rs, scores: scores, ttfts: ttfts, matched: matched, plans: plans,
+	a := estAll{req: req, rs: rs, scores: scores, ttfts: ttfts, matched: matched, plans: plans, ties: t.ties[:len(rs)],
 		pp: t.programPrice(req, rs), src: t.peerSources(req, rs), best: math.Inf(1), queue: math.Inf(1)}
 	a.meanPrompt, a.out = t.means(req)
 	// The deepest match (and a program's home) first, so that the best
@@ -529,6 +570,7 @@ type estAll struct {
 	req             *Request
 	rs              []ReplicaView
 	scores, ttfts   []float64
+	ties            []float64
 	matched         []int
 	plans           []tierPlan
 	pp              programPrice
@@ -546,6 +588,7 @@ func (t *TTFT) estimateOne(a *estAll, i int, c float64) {
 	t.estimateTiers(e, &a.plans[i], a.req, a.rs, i, a.meanPrompt, a.out, a.src)
 	a.ttfts[i] = e.ms * c
 	a.scores[i], a.matched[i] = a.ttfts[i]+e.cost+t.moveMs(&a.pp, a.req, a.rs, i, &e.load), e.matched
+	a.ties[i] = e.tie
 	if a.replicate > 0 && min(count(a.rs[i].Match), len(a.req.Blocks)) >= a.depth {
 		a.scores[i] += a.replicate
 	}
@@ -603,9 +646,9 @@ func (t *TTFT) limit(best float64) float64 {
 }
 
 // choose returns the position to send the request to: among the scores
-// within the margin of best, the deepest match, then the lowest score, then
-// one at random.
-func (t *TTFT) choose(scores []float64, matched []int, best float64) int {
+// within the margin of best, the deepest match, then the lowest score with
+// ties (pendingMs) added, then one at random.
+func (t *TTFT) choose(scores, ties []float64, matched []int, best float64) int {
 	limit := t.limit(best)
 	choice, seen := -1, 0
 	for i := range scores {
@@ -615,9 +658,9 @@ func (t *TTFT) choose(scores []float64, matched []int, best float64) int {
 		switch {
 		case choice < 0 || matched[i] > matched[choice]:
 			choice, seen = i, 1
-		case matched[i] == matched[choice] && scores[i] < scores[choice]:
+		case matched[i] == matched[choice] && scores[i]+ties[i] < scores[choice]+ties[choice]:
 			choice, seen = i, 1
-		case matched[i] == matched[choice] && scores[i] == scores[choice]:
+		case matched[i] == matched[choice] && scores[i]+ties[i] == scores[choice]+ties[choice]:
 			seen++
 			if t.g.IntN(seen) == 0 {
 				choice = i

@@ -407,3 +407,36 @@ func BenchmarkTTFTPick(b *testing.B) {
 		}
 	}
 }
+
+// Among holders of the same prefix, a replica whose last request is still
+// waiting for its first token costs more than its decode count says: that
+// request decodes beside this one, and its prefill step runs first. One
+// holder has a request still in its prefill, the other one already
+// decoding: with pending_weight 0 the first looks idle and wins; with the
+// default the second does. A deeper match within the margin still wins
+// over an equal one without requests pending (the tie-break is among equals).
+func TestTTFTPendingPrefillAmongEqualHolders(t *testing.T) {
+	req := ttftReq(1)
+	views := func() []ReplicaView {
+		rs := peerViews(3)
+		rs[0].Match, rs[1].Match = len(req.Blocks), len(req.Blocks)
+		rs[0].PendingPrefill, rs[0].PendingCount, rs[0].InFlight, rs[0].InFlightTokens = 64, 1, 1, 1664
+		rs[1].InFlight, rs[1].InFlightTokens = 1, 1664
+		return rs
+	}
+	for _, c := range []struct {
+		weight float64
+		want   int
+	}{{0, 0}, {1, 1}} {
+		p := peerNew(t, "ttft", map[string]any{"pending_weight": c.weight})
+		if pos, d := peerPick(t, p, req, views()); pos != c.want {
+			t.Errorf("pending_weight %v: chose %d, want %d (scores %v)", c.weight, pos, c.want, d.Scores)
+		}
+	}
+	rs := views()
+	// Replica 1 now holds one block less: replica 0 is the deepest match.
+	rs[1].Match = len(req.Blocks) - 1
+	if pos, d := peerPick(t, peerNew(t, "ttft", nil), req, rs); pos != 0 {
+		t.Errorf("deeper match with a request pending: chose %d, want 0 (scores %v)", pos, d.Scores)
+	}
+}
