@@ -136,8 +136,8 @@ func (s *Syncer) flushResponses(ctx context.Context) error {
 
 // ResponseHome reads the record of response id: found false when there is
 // none (never written, expired, or the id out of bounds); an error when
-// Redis did not answer, or the record is not one a gateway writes
-// (ErrCorrupt: refused whole, and counted).
+// Redis did not answer, ctx ended, or the record is not one a gateway
+// writes (ErrCorrupt: refused whole, and counted).
 func (s *Syncer) ResponseHome(ctx context.Context, id string) (ResponseHome, bool, error) {
 	st := s.stp.Load()
 	if st == nil {
@@ -148,7 +148,9 @@ func (s *Syncer) ResponseHome(ctx context.Context, id string) (ResponseHome, boo
 	}
 	p, err := st.getResponse(ctx, id)
 	if err != nil {
-		s.failed("responses", err)
+		if ctx.Err() == nil { // a caller gone (its client left) says nothing of Redis
+			s.failed("responses", err)
+		}
 		return ResponseHome{}, false, err
 	}
 	s.ok()

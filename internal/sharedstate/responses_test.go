@@ -62,3 +62,27 @@ func TestResponseHomesShared(t *testing.T) {
 		t.Fatalf("with Redis down: %v %v", ok, err)
 	}
 }
+
+// A read the caller gave up on (its client left: the request's context
+// ended) says nothing of Redis: it is neither counted as a failed command
+// nor takes Redis for unreachable (which logs, and skips Close's last
+// write).
+func TestResponseHomeCallerGone(t *testing.T) {
+	rd := testutil.NewRedis(t)
+	g := newGateway(t, rd.URL(), "r", true, nil)
+	if _, _, err := g.s.ResponseHome(context.Background(), "resp_1"); err != nil {
+		t.Fatal(err)
+	}
+	errs := g.s.Stats().Errors
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	if _, ok, err := g.s.ResponseHome(ctx, "resp_1"); err == nil || ok {
+		t.Fatalf("a read with its context ended: %v %v", ok, err)
+	}
+	if got := g.s.Stats().Errors; got != errs {
+		t.Errorf("a caller gone counted as %d failed Redis commands", got-errs)
+	}
+	if g.s.reach.Load() != reachUp {
+		t.Error("a caller gone took Redis for unreachable")
+	}
+}
