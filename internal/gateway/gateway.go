@@ -262,7 +262,8 @@ func (g *Gateway) routes() {
 	m.HandleFunc("/v1/models", g.models)
 	g.opsRoutes(m)
 	g.passthroughRoutes(m) // the rest of the replicas' API (passthrough.go)
-	m.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) { writeError(w, errUnknownPath) })
+	// (under /v1/messages/: in Anthropic's shape, writeErrorFor)
+	m.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) { writeErrorFor(w, r, errUnknownPath) })
 	g.mux = g.withWriteDeadline(g.withAccessLog(g.withTracing(&guard{g: g, mux: m}))) // withWriteDeadline: relay.go
 }
 

@@ -33,6 +33,7 @@ func TestMessagesErrorsAnthropicShape(t *testing.T) {
 		{"malformed", "/v1/messages/count_tokens", "k-none", `{"model":"m","messages":{}}`, "invalid_request_error", http.StatusBadRequest},
 		{"too large", "/v1/messages", "k-none", msg("m", 5)[:20] + strings.Repeat(" ", 5<<10) + msg("m", 5)[20:], "request_too_large", http.StatusRequestEntityTooLarge},
 		{"quota", "/v1/messages", "k-bulk", msg("m", 64), "rate_limit_error", http.StatusTooManyRequests},
+		{"unknown path", "/v1/messages/batches", "k-none", msg("m", 5), "not_found_error", http.StatusNotFound},
 	} {
 		resp, out := post(t, gw.srv.URL+c.path, c.body, bearerHdr(c.key)...)
 		var e struct {
