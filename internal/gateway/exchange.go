@@ -75,6 +75,10 @@ type exchange struct {
 	// hideUsage: the gateway asked the replica for a stream's usage chunk
 	// the client did not ask for (askUsage); the relay keeps it back.
 	hideUsage bool
+	// created, when set, is told the response a Responses stream creates
+	// once its id comes, before the client reads it (relayEvent): the
+	// passthrough remembers its home and owner (passthrough.go).
+	created func(a *attempt)
 }
 
 // exchangeUsage is what an exchange's attempts told of its tokens: sent,

@@ -119,6 +119,7 @@ func (pt *passthrough) serve(w http.ResponseWriter, r *http.Request, kind prompt
 		return
 	}
 	defer release()
+	x.created = func(a *attempt) { pt.created(x, a) }
 	if err := pt.choose(x); err != nil {
 		g.endUnrouted(x, err)
 		return
@@ -190,13 +191,7 @@ func (pt *passthrough) attempt(x *exchange, last bool) (*attempt, error) {
 		return a, err
 	}
 	prev := x.parsed.PreviousResponseID
-	if a.respID != "" {
-		root := ""
-		if prev != "" {
-			root = pt.homes.chain(prev)
-		}
-		pt.homes.created(a.respID, a.tk.Replica, root, x.tenant.label())
-	}
+	pt.created(x, a)
 	if id, ok := responsePathID(x.r.URL.Path); ok {
 		if x.r.Method == http.MethodDelete {
 			pt.homes.remove(id)
@@ -207,6 +202,20 @@ func (pt *passthrough) attempt(x *exchange, last bool) (*attempt, error) {
 		pt.homes.found(prev, a.tk.Replica, x.tenant.label())
 	}
 	return a, nil
+}
+
+// created remembers the response attempt a created (none: its id is
+// ""), of the chain x's previous_response_id names: at the attempt's end,
+// and a stream's as soon as its id comes (exchange.created).
+func (pt *passthrough) created(x *exchange, a *attempt) {
+	if a.respID == "" {
+		return
+	}
+	root := ""
+	if prev := x.parsed.PreviousResponseID; prev != "" {
+		root = pt.homes.chain(prev)
+	}
+	pt.homes.created(a.respID, a.tk.Replica, root, x.tenant.label())
 }
 
 // statefulID is the id of the stored response x names: in its path

@@ -95,8 +95,12 @@ func (h *responseHomes) add(id string, slot int, root string, owned bool, tenant
 }
 
 // created remembers response id, just created by tenant's call on replica
-// slot, and records it in the shared state.
+// slot, and records it in the shared state: once (a stream's is, as soon
+// as its id comes: relayEvent; the attempt's end tells it again).
 func (h *responseHomes) created(id string, slot int, root, tenant string) {
+	if hm, ok := h.c.Peek(id); ok && hm.owned && hm.owner == tenant && hm.slot == slot && hm.serial == h.rt.Replica(slot).Serial() {
+		return
+	}
 	h.add(id, slot, root, true, tenant)
 	if h.shared != nil {
 		h.shared.NoteResponse(id, sharedstate.ResponseHome{Replica: h.rt.Name(slot), Tenant: tenant})
@@ -232,9 +236,24 @@ func (u *responsesUsage) usage() *openai.Usage {
 	return out
 }
 
-// inspectResponses reads one Responses stream event for the response's
-// id, the first token, the usage and the end: the stream has no [DONE];
-// response.completed, response.incomplete or response.failed ends it.
+// responseCreated reads, from an event of a Responses stream
+// (response.created is the first), the id of the response it creates, and
+// tells the exchange (exchange.created).
+func (g *Gateway) responseCreated(x *exchange, a *attempt, data []byte) {
+	var ev responsesEvent
+	if json.Unmarshal(data, &ev) != nil || ev.Response == nil || ev.Response.ID == "" {
+		return
+	}
+	a.respID = ev.Response.ID
+	if x.created != nil {
+		x.created(a)
+	}
+}
+
+// inspectResponses reads one Responses stream event for the first token,
+// the usage and the end (its id: responseCreated): the stream has no
+// [DONE]; response.completed, response.incomplete or response.failed ends
+// it.
 func (g *Gateway) inspectResponses(data []byte, a *attempt, sawEnd *bool) {
 	if a.respID != "" && !a.firstAt.IsZero() && !bytes.Contains(data, []byte(`"usage"`)) && !isResponsesEnd(data) {
 		return // nothing left to learn from this event: skip the decoding
@@ -247,13 +266,8 @@ func (g *Gateway) inspectResponses(data []byte, a *attempt, sawEnd *bool) {
 	case "response.completed", "response.incomplete", "response.failed":
 		*sawEnd = true
 	}
-	if ev.Response != nil {
-		if a.respID == "" {
-			a.respID = ev.Response.ID
-		}
-		if ev.Response.Usage != nil {
-			a.noteUsage(ev.Response.Usage.usage())
-		}
+	if ev.Response != nil && ev.Response.Usage != nil {
+		a.noteUsage(ev.Response.Usage.usage())
 	}
 	if a.firstAt.IsZero() && strings.HasSuffix(ev.Type, ".delta") {
 		a.firstAt = g.clock.Now()

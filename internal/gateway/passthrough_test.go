@@ -35,6 +35,9 @@ type apiReplica struct {
 	unauthorized atomic.Int64
 	probes       sync.Map // path → true once probed with the key
 	status       atomic.Int64
+	// hold, when set, holds a streamed response after its response.created
+	// event until it is closed.
+	hold chan struct{}
 }
 
 func newAPIReplica(t *testing.T, name, model, key string) *apiReplica {
@@ -124,6 +127,10 @@ func (f *apiReplica) responses(w http.ResponseWriter, r *http.Request, body []by
 	w.Header().Set("Content-Type", "text/event-stream")
 	resp := fmt.Sprintf(`{"id":%q,"object":"response","created_at":1,"model":%q,"status":"in_progress","output":[]}`, id, f.model)
 	fmt.Fprintf(w, "event: response.created\ndata: {\"type\":\"response.created\",\"sequence_number\":0,\"response\":%s}\n\n", resp)
+	if f.hold != nil {
+		_ = http.NewResponseController(w).Flush()
+		<-f.hold
+	}
 	fmt.Fprint(w, "event: response.output_text.delta\ndata: {\"type\":\"response.output_text.delta\",\"sequence_number\":1,\"delta\":\"hi\"}\n\n")
 	done := strings.Replace(resp, `"in_progress","output":[]`, `"completed","output":[],"usage":`+usage, 1)
 	fmt.Fprintf(w, "event: response.completed\ndata: {\"type\":\"response.completed\",\"sequence_number\":2,\"response\":%s}\n\n", done)

@@ -106,17 +106,8 @@ func (g *Gateway) relayStream(x *exchange, a *attempt, ctx context.Context, canc
 				g.inspect(ev.Data, a, &sawDone) // the gateway's, not the client's
 				continue
 			}
-			if werr := x.write(ev.Raw); werr != nil {
+			if werr := g.relayEvent(x, a, ev, &sawDone, &ms); werr != nil {
 				return nil, werr
-			}
-			switch {
-			case !ev.HasData:
-			case x.kind == prompt.Responses:
-				g.inspectResponses(ev.Data, a, &sawDone)
-			case x.kind == prompt.Messages:
-				g.inspectMessages(ev.Data, a, &ms, &sawDone)
-			default:
-				g.inspect(ev.Data, a, &sawDone)
 			}
 			continue
 		}
@@ -135,6 +126,31 @@ func (g *Gateway) relayStream(x *exchange, a *attempt, ctx context.Context, canc
 		}
 		return err, nil
 	}
+}
+
+// relayEvent writes one event of a stream to the client, then reads it for
+// the first token, the usage and the end (a first token counts once it is
+// the client's). A Responses stream's id is read before the write: the
+// client may name the response as soon as it reads it (a GET; a
+// background response's cancel), and the gateway must know its home and
+// owner by then (exchange.created).
+func (g *Gateway) relayEvent(x *exchange, a *attempt, ev openai.Event, sawDone *bool, ms *messagesStream) error {
+	if x.kind == prompt.Responses && ev.HasData && a.respID == "" {
+		g.responseCreated(x, a, ev.Data)
+	}
+	if err := x.write(ev.Raw); err != nil {
+		return err
+	}
+	switch {
+	case !ev.HasData:
+	case x.kind == prompt.Responses:
+		g.inspectResponses(ev.Data, a, sawDone)
+	case x.kind == prompt.Messages:
+		g.inspectMessages(ev.Data, a, ms, sawDone)
+	default:
+		g.inspect(ev.Data, a, sawDone)
+	}
+	return nil
 }
 
 // writeStreamError ends a stream cut short with its error event; in a

@@ -4,13 +4,16 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"io"
 	"net/http"
 	"strings"
+	"sync"
 	"testing"
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/redis/go-redis/v9"
 
+	"github.com/kvgate/kvgate/internal/openai"
 	"github.com/kvgate/kvgate/internal/testutil"
 )
 
@@ -136,4 +139,48 @@ func (f *apiReplica) put(id string) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	f.store[id] = true
+}
+
+// A streamed response's id is its owner's to name as soon as the client
+// reads it (response.created), while the stream goes on: a GET (or, in
+// background mode, a cancel) of it reaches its replica. Before, the
+// gateway remembered the response, and recorded its owner, only once the
+// stream had ended: with tenants, the id was meanwhile refused as one of
+// unknown owner (404).
+func TestStreamedResponseOwnedAtOnce(t *testing.T) {
+	f := newAPIReplica(t, "a", "m", "")
+	f.hold = make(chan struct{})
+	release := sync.OnceFunc(func() { close(f.hold) })
+	defer release()
+	cfg := baseConfig(f.srv.URL)
+	cfg.Tenants = []TenantConfig{{Name: "a", APIKeys: []string{"ka"}}, {Name: "b", APIKeys: []string{"kb"}}}
+	gw := startGateway(t, cfg)
+	allListed(t, gw)
+	req, _ := http.NewRequest(http.MethodPost, gw.srv.URL+"/v1/responses", strings.NewReader(`{"model":"m","input":"x","stream":true}`))
+	req.Header.Set("Authorization", "Bearer ka")
+	req.Header.Set("Content-Type", "application/json")
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	ev, err := openai.NewEventReader(resp.Body, 1<<20).Next()
+	var created struct {
+		Response struct {
+			ID string `json:"id"`
+		} `json:"response"`
+	}
+	if err != nil || json.Unmarshal(ev.Data, &created) != nil || created.Response.ID == "" {
+		t.Fatalf("the stream's first event: %q %v", ev.Raw, err)
+	}
+	id := created.Response.ID
+	if status, out := callWithKey(t, http.MethodGet, gw.srv.URL+"/v1/responses/"+id, "ka", ""); status != http.StatusOK {
+		t.Errorf("the owner reading its response while it streams: %d %s, want 200", status, out)
+	}
+	if status, out := callWithKey(t, http.MethodGet, gw.srv.URL+"/v1/responses/"+id, "kb", ""); status != http.StatusNotFound {
+		t.Errorf("another tenant reading it while it streams: %d %s, want 404", status, out)
+	}
+	release()
+	_, _ = io.Copy(io.Discard, resp.Body)
+	waitIdle(t, gw)
 }
