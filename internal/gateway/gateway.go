@@ -79,6 +79,9 @@ type Gateway struct {
 	// records are the stored responses' records in the shared state
 	// (passthrough_responses.go; nil: none).
 	records responseRecords
+	// pt routes the passthrough paths (passthrough.go): the HTTP front's
+	// and the endpoint picker's (stored responses' homes and owners).
+	pt *passthrough
 }
 
 // Options are a Gateway's injected parts.

@@ -36,7 +36,6 @@ import (
 // Picker routes requests for a proxy that calls the replicas itself.
 type Picker struct {
 	g         *Gateway
-	byLoad    policy.Policy // requests without a prompt (as passthrough.go)
 	fallbacks int
 }
 
@@ -48,11 +47,7 @@ func (g *Gateway) NewPicker(fallbacks int) (*Picker, error) {
 		return nil, errors.New("a prefill/decode fleet cannot be served as an endpoint picker: " +
 			"the proxy calls one replica per request; serve it with kvgate serve")
 	}
-	byLoad, err := policy.New("least_load", policy.Options{Seed: g.cfg.Seed})
-	if err != nil {
-		return nil, err
-	}
-	return &Picker{g: g, byLoad: byLoad, fallbacks: max(fallbacks, 0)}, nil
+	return &Picker{g: g, fallbacks: max(fallbacks, 0)}, nil
 }
 
 // PickRequest is a request as the proxy saw it.
@@ -204,7 +199,9 @@ func (h *Handoff) refuse(w http.ResponseWriter, r *http.Request, err error) *Rep
 
 // admit checks and parses the request as the HTTP front's guard and
 // handlers do: completions and chat by the policy, the passthrough
-// allow-list's paths by the policy when they carry a prompt, else by load.
+// allow-list's paths as the HTTP front chooses (passthrough.choose: by the
+// policy when they carry a prompt, else by load; a stored response named,
+// to its holder and for its owner only).
 func (h *Handoff) admit(w http.ResponseWriter, editsAnswer bool) error {
 	g, r := h.g, h.r
 	if looped(r.Header, g.via) {
@@ -230,8 +227,8 @@ func (h *Handoff) admit(w http.ResponseWriter, editsAnswer bool) error {
 			return errContentType // a multipart upload is a replica's, unrouted by an endpoint picker
 		}
 		h.x, h.release, err = g.admitPassthrough(w, r, kind)
-		if err == nil && h.x.parsed.Text == "" && h.x.parsed.TokenIDs == nil {
-			h.x.pol = h.p.byLoad
+		if err == nil { // by load without a prompt; a stored response's by its holder and owner
+			err = g.pt.choose(h.x)
 		}
 	}
 	if err != nil && h.release == nil {
@@ -516,6 +513,9 @@ func (h *Handoff) End(complete bool) {
 func (h *Handoff) settle() {
 	h.stopPrefill()
 	h.g.settle(h.x, h.a)
+	if h.a.v == served {
+		h.g.pt.settled(h.x, h.a) // a stored response created or found
+	}
 	h.mu.Lock()
 	h.finished = true
 	h.mu.Unlock()

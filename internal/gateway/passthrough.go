@@ -99,6 +99,7 @@ func (g *Gateway) passthroughRoutes(m *http.ServeMux) {
 	}
 	homes := newResponseHomes(g.rt, responseHomesSize, g.records, len(g.cfg.Tenants) > 0)
 	pt := &passthrough{g: g, homes: homes, byLoad: byLoad}
+	g.pt = pt
 	paths := maps.Clone(passthroughPaths)
 	for _, p := range g.cfg.Passthrough {
 		if _, ok := paths[p]; !ok {
@@ -119,7 +120,6 @@ func (pt *passthrough) serve(w http.ResponseWriter, r *http.Request, kind prompt
 		return
 	}
 	defer release()
-	x.created = func(a *attempt) { pt.created(x, a) }
 	if err := pt.choose(x); err != nil {
 		g.endUnrouted(x, err)
 		return
@@ -130,8 +130,10 @@ func (pt *passthrough) serve(w http.ResponseWriter, r *http.Request, kind prompt
 // choose sets how x is routed: pinned to the holder of the response it
 // names, a lookup of an unknown one, by load without a prompt, or by the
 // configured policy (on a prefill/decode fleet, a Responses call among the
-// replicas that decode).
+// replicas that decode); and that the response a stream creates is
+// remembered as soon as its id comes (exchange.created).
 func (pt *passthrough) choose(x *exchange) error {
+	x.created = func(a *attempt) { pt.created(x, a) }
 	if prev := x.parsed.PreviousResponseID; prev != "" && x.req.Program.ID == 0 {
 		router.SetProgram(x.req, pt.homes.chain(prev)) // the client names none: its chain does
 		tenantProgram(x.req, x.tenant)
@@ -190,6 +192,13 @@ func (pt *passthrough) attempt(x *exchange, last bool) (*attempt, error) {
 	if err != nil || a.v != served {
 		return a, err
 	}
+	pt.settled(x, a)
+	return a, nil
+}
+
+// settled remembers, of attempt a served, the response it created or
+// found, and forgets the one it deleted.
+func (pt *passthrough) settled(x *exchange, a *attempt) {
 	prev := x.parsed.PreviousResponseID
 	pt.created(x, a)
 	if id, ok := responsePathID(x.r.URL.Path); ok {
@@ -201,7 +210,6 @@ func (pt *passthrough) attempt(x *exchange, last bool) (*attempt, error) {
 	} else if x.lookup && prev != "" {
 		pt.homes.found(prev, a.tk.Replica, x.tenant.label())
 	}
-	return a, nil
 }
 
 // created remembers the response attempt a created (none: its id is
