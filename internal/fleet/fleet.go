@@ -61,6 +61,9 @@ type Fleet struct {
 	servers map[string]*server
 	runCtx  context.Context // Run's, nil before Run and once it ends
 	loops   sync.WaitGroup
+	// rejoins re-check each ejected replica at its breaker's cooldown's
+	// end (NoteEjection); stopped when Run ends.
+	rejoins map[clock.Timer]struct{}
 	warned  sync.Map // server URL → engines count already warned about
 	// loggedOut is, per slot, whether the last rotation change logged took
 	// the replica out (absent: in rotation, as replicas start).
@@ -99,7 +102,7 @@ func New(rt *router.Router, client *http.Client, cfg Config) *Fleet {
 		cfg.Logger = slog.New(slog.DiscardHandler)
 	}
 	cfg.Clock = clock.OrReal(cfg.Clock)
-	f := &Fleet{rt: rt, cfg: cfg, client: client, servers: map[string]*server{}}
+	f := &Fleet{rt: rt, cfg: cfg, client: client, servers: map[string]*server{}, rejoins: map[clock.Timer]struct{}{}}
 	f.Sync()
 	return f
 }
@@ -207,13 +210,17 @@ func (f *Fleet) Run(ctx context.Context) {
 	f.smu.Unlock()
 	<-ctx.Done()
 	f.smu.Lock()
-	f.runCtx = nil // Sync starts no loop from now on
+	f.runCtx = nil // Sync starts no loop from now on, NoteEjection no re-check
 	for _, s := range f.servers {
 		if s.cancel != nil {
 			s.cancel()
 			s.cancel = nil
 		}
 	}
+	for t := range f.rejoins {
+		t.Stop()
+	}
+	clear(f.rejoins)
 	f.smu.Unlock()
 	f.loops.Wait()
 }
@@ -577,11 +584,45 @@ func (f *Fleet) Models() []router.Model {
 }
 
 // NoteEjection logs that replica i's breaker opened (router.Config.OnEject):
-// out of rotation for cooldown, back half-open after it if its /health
-// passes. Logged with the health loop's own rotation changes, once per
-// departure.
+// out of rotation for cooldown, back half-open after it if its last /health
+// passed. Logged with the health loop's own rotation changes, once per
+// departure. The replica is re-checked when the cooldown ends (rejoin):
+// the health loop would bring it back only at its next check, up to
+// health_interval later (more while its checks back off), and nothing
+// else would (the router's queue waits for it meanwhile).
 func (f *Fleet) NoteEjection(i int, cooldown time.Duration) {
 	f.logRotation(i, false, "replica ejected after consecutive failures: out of rotation for the cooldown", "cooldown", cooldown)
+	r := f.rt.Replica(i)
+	f.smu.Lock()
+	defer f.smu.Unlock()
+	if f.runCtx == nil {
+		return // not running: nor is the health loop
+	}
+	var t clock.Timer
+	t = f.cfg.Clock.AfterFunc(cooldown, func() {
+		f.smu.Lock()
+		_, live := f.rejoins[t]
+		delete(f.rejoins, t)
+		f.smu.Unlock()
+		if live {
+			f.rejoin(i, r)
+		}
+	})
+	f.rejoins[t] = struct{}{}
+}
+
+// rejoin puts replica r (of slot i, which discovery may have given to
+// another since) back in rotation, half-open, if its breaker's cooldown
+// has ended and its last /health passed (router.Replica.UpdateHealthy,
+// which moves the router's queue).
+func (f *Fleet) rejoin(i int, r *router.Replica) {
+	if i >= f.rt.Replicas() || f.rt.Replica(i) != r || r.Removed() || r.Healthy() {
+		return
+	}
+	now := f.cfg.Clock.Now()
+	if r.UpdateHealthy(now) {
+		f.logRotation(i, true, "replica back in rotation: its breaker's cooldown ended", "breaker", r.Breaker.State(now))
+	}
 }
 
 // logRotation logs, at info, a replica leaving rotation (in false) or

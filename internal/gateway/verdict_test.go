@@ -9,6 +9,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvgate/kvgate/internal/clock"
 	"github.com/kvgate/kvgate/internal/prompt"
 	"github.com/kvgate/kvgate/internal/testutil"
 )
@@ -83,17 +84,7 @@ func TestSettleOutcomeOfEveryVerdict(t *testing.T) {
 // passes but whose every answer is a 500 sees EjectAfter requests, then one
 // trial per cooldown (10 s, 20 s, ...), each answered 500 to its client.
 func TestBreakerCycleOnFakeClock(t *testing.T) {
-	broken := newStub(t, "", func(w http.ResponseWriter, r *http.Request) {
-		w.Header().Set("Content-Type", "application/json")
-		w.WriteHeader(500)
-		_, _ = io.WriteString(w, `{"error":{"message":"engine dead","type":"InternalServerError","code":500}}`)
-	})
-	good := newStub(t, "", okStream(1))
-	cfg := baseConfig(broken.srv.URL, good.srv.URL)
-	cfg.Policy = "round_robin"
-	cfg.EjectAfter = 3
-	cfg.EjectCooldown = Duration(10 * time.Second)
-	gw, clk := gwWithClock(t, cfg)
+	gw, clk, broken := brokenBeside(t, 0)
 	send := func(n int) (fails int) {
 		for range n {
 			if r := testutil.Post(t, nil, gw.srv.URL+"/v1/completions", `{"model":"m","prompt":"x"}`); r.Status == 500 {
@@ -132,4 +123,50 @@ func TestBreakerCycleOnFakeClock(t *testing.T) {
 			t.Fatalf("after a failed trial: %s", st)
 		}
 	}
+}
+
+// A replica whose breaker's cooldown ends is back in rotation, half-open,
+// at that instant: not at its next health check (here an hour away), while
+// nothing else would bring it back (and coming back moves the router's
+// queue: Replica.setHealthy). Before, it stayed out until that check.
+func TestBreakerCooldownEndRejoins(t *testing.T) {
+	gw, clk, broken := brokenBeside(t, time.Hour)
+	for i := 0; broken.calls.Load() < 3 && i < 20; i++ {
+		testutil.Post(t, nil, gw.srv.URL+"/v1/completions", `{"model":"m","prompt":"x"}`)
+		waitIdle(t, gw)
+	}
+	if st := gw.g.Fleet().State(0); st != "open" || gw.g.Router().Healthy(0) {
+		t.Fatalf("after %d failures: breaker %s, in rotation %v", broken.calls.Load(), st, gw.g.Router().Healthy(0))
+	}
+	clk.Advance(10*time.Second - time.Millisecond)
+	if gw.g.Router().Healthy(0) {
+		t.Fatal("back in rotation before its cooldown ended")
+	}
+	clk.Advance(time.Millisecond)
+	if !gw.g.Router().Healthy(0) || gw.g.Fleet().State(0) != "half-open" {
+		t.Fatalf("at its cooldown's end: in rotation %v, breaker %s; want back, half-open", gw.g.Router().Healthy(0), gw.g.Fleet().State(0))
+	}
+}
+
+// brokenBeside is a gateway on a fake clock, round robin over a replica
+// whose /health passes and every answer is a 500 (slot 0; its breaker
+// opens after 3, cooling down 10 s, then 20 s, ...) and a good one;
+// healthInterval 0: the default.
+func brokenBeside(t *testing.T, healthInterval time.Duration) (*testGW, *clock.Fake, *stub) {
+	t.Helper()
+	broken := newStub(t, "", func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Type", "application/json")
+		w.WriteHeader(500)
+		_, _ = io.WriteString(w, `{"error":{"message":"engine dead","type":"InternalServerError","code":500}}`)
+	})
+	good := newStub(t, "", okStream(1))
+	cfg := baseConfig(broken.srv.URL, good.srv.URL)
+	cfg.Policy = "round_robin"
+	cfg.EjectAfter = 3
+	cfg.EjectCooldown = Duration(10 * time.Second)
+	if healthInterval > 0 {
+		cfg.HealthInterval = Duration(healthInterval)
+	}
+	gw, clk := gwWithClock(t, cfg)
+	return gw, clk, broken
 }
