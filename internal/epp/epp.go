@@ -138,7 +138,7 @@ func (c *call) handle(req *extprocv3.ProcessingRequest) error {
 func (c *call) requestHeaders(h *extprocv3.HttpHeaders, md *corev3.Metadata) error {
 	r, err := readRequest(h.GetHeaders())
 	if err != nil {
-		return c.localReply(gateway.LocalReply(431, "header_too_large", err.Error()))
+		return c.localReply(gateway.LocalReply(r.path, 431, "header_too_large", err.Error())) // its :path, when it came first
 	}
 	c.req, c.subset = r, subset(md, c.s.cfg.SubsetNamespace)
 	switch {
@@ -148,7 +148,7 @@ func (c *call) requestHeaders(h *extprocv3.HttpHeaders, md *corev3.Metadata) err
 		return c.send(&extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_RequestHeaders{
 			RequestHeaders: &extprocv3.HeadersResponse{}}})
 	case c.reqMode != procmodev3.ProcessingMode_FULL_DUPLEX_STREAMED:
-		return c.localReply(gateway.LocalReply(500, "epp_misconfigured", "kvgate's endpoint picker needs the request "+
+		return c.localReply(gateway.LocalReply(r.path, 500, "epp_misconfigured", "kvgate's endpoint picker needs the request "+
 			"body in FULL_DUPLEX_STREAMED or BUFFERED mode (ext_proc processing_mode.request_body_mode)"))
 	}
 	return nil

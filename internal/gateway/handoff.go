@@ -99,14 +99,20 @@ type Reply struct {
 	Body   []byte
 }
 
-// LocalReply is an answer of the endpoint picker's own (a request the
-// proxy sent wrong): an error in OpenAI's shape with its status.
-func LocalReply(status int, code, msg string) *Reply {
+// LocalReply is an answer of the endpoint picker's own to a request for
+// target (its :path; "": unknown) the proxy sent wrong: an error with its
+// status, in the Messages API's shape on its paths (writeErrorFor), else
+// OpenAI's.
+func LocalReply(target string, status int, code, msg string) *Reply {
 	e := &apiError{Status: status, Type: "invalid_request_error", Code: code, Message: msg}
 	if status >= 500 {
 		e.Type = "server_error"
 	}
-	return &Reply{Status: status, Header: http.Header{"Content-Type": {"application/json"}}, Body: append(e.body(), '\n')}
+	body := e.body()
+	if path, _, _ := strings.Cut(target, "?"); isMessagesPath(path) {
+		body = e.anthropicBody("")
+	}
+	return &Reply{Status: status, Header: http.Header{"Content-Type": {"application/json"}}, Body: append(body, '\n')}
 }
 
 // Handoff is one request picked for a proxy, until its answer ends.

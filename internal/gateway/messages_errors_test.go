@@ -66,3 +66,23 @@ func TestMessagesErrorsAnthropicShape(t *testing.T) {
 }
 
 func itoa(n int) string { b, _ := json.Marshal(n); return string(b) }
+
+// The endpoint picker's own replies (a request the proxy sent wrong) take
+// the Messages API's shape on its paths too, its query aside (Claude Code
+// sends /v1/messages?beta=true), and OpenAI's elsewhere. Before, they
+// were always OpenAI's.
+func TestLocalReplyShape(t *testing.T) {
+	for _, c := range []struct {
+		path, want string
+	}{
+		{"/v1/messages?beta=true", `{"type":"error","error":{"type":"api_error","message":"m"}}`},
+		{"/v1/messages/count_tokens", `{"type":"error","error":{"type":"api_error","message":"m"}}`},
+		{"/v1/chat/completions", `{"error":{"message":"m","type":"server_error","param":null,"code":"epp_misconfigured"}}`},
+		{"", `{"error":{"message":"m","type":"server_error","param":null,"code":"epp_misconfigured"}}`},
+	} {
+		r := LocalReply(c.path, http.StatusInternalServerError, "epp_misconfigured", "m")
+		if r.Status != http.StatusInternalServerError || strings.TrimSpace(string(r.Body)) != c.want {
+			t.Errorf("%q: %d %s, want %s", c.path, r.Status, r.Body, c.want)
+		}
+	}
+}
