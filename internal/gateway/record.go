@@ -226,7 +226,10 @@ func newRecorder(cfg RecordConfig, blockSize int, clk clock.Clock, log *slog.Log
 		Help: "Requests written to the recording (--record)."})
 	r.full, r.late = dropped.WithLabelValues(dropFull), dropped.WithLabelValues(dropClosed)
 	r.writeErrors, r.emptyDrops = dropped.WithLabelValues(dropWriteError), dropped.WithLabelValues(dropEmpty)
-	reg.MustRegister(dropped, r.written)
+	queued := prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "kvgate_record_queued_bytes",
+		Help: "Bytes the records waiting for the recording's writer hold (their block hashes), at most record.buffer_bytes."},
+		func() float64 { return float64(r.queued.Load()) })
+	reg.MustRegister(dropped, r.written, queued)
 	return r, nil
 }
 

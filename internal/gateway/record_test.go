@@ -427,3 +427,27 @@ func TestRecordThroughGateway(t *testing.T) {
 		t.Fatalf("kvgate_record_dropped_total{reason=full} %v", n)
 	}
 }
+
+// kvgate_record_queued_bytes is what the records waiting for the writer
+// hold (the bound record.buffer_bytes applies to), back to 0 once written.
+func TestRecordQueuedBytesGauge(t *testing.T) {
+	reg := prometheus.NewRegistry()
+	cfg := DefaultRecord()
+	cfg.Path = filepath.Join(t.TempDir(), "trace.jsonl")
+	r, err := newRecorder(cfg, 16, clock.NewFake(recordEpoch), slog.New(slog.DiscardHandler), reg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	x := &exchange{start: recordEpoch, kind: prompt.Completion,
+		req: &policy.Request{Tokens: 16 << 10, Blocks: make([]uint64, 1<<10), Model: "m"}}
+	size := (&recordEntry{blocks: x.req.Blocks, model: "m"}).size()
+	r.record(x, &attempt{v: served, output: 4})
+	r.record(x, &attempt{v: served, output: 4})
+	if got := counterValue(t, reg, "kvgate_record_queued_bytes", nil); got != float64(2*size) {
+		t.Fatalf("kvgate_record_queued_bytes %v with 2 records of %d bytes queued", got, size)
+	}
+	r.close()
+	if got := counterValue(t, reg, "kvgate_record_queued_bytes", nil); got != 0 {
+		t.Fatalf("kvgate_record_queued_bytes %v once written", got)
+	}
+}
