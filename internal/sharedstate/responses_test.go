@@ -5,9 +5,11 @@ import (
 	"errors"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/redis/go-redis/v9"
 
+	"github.com/kvgate/kvgate/internal/clock"
 	"github.com/kvgate/kvgate/internal/testutil"
 )
 
@@ -84,5 +86,30 @@ func TestResponseHomeCallerGone(t *testing.T) {
 	}
 	if g.s.reach.Load() != reachUp {
 		t.Error("a caller gone took Redis for unreachable")
+	}
+}
+
+// A stored response's record wakes the publisher to write it at once, and
+// only it: the decisions and loads still go out at the publisher's
+// interval (here a fake clock's, never reached). Before, each record
+// queued also published a batch of the decisions and loads, one stream
+// entry per Responses call under load, which every other gateway reads.
+func TestResponseRecordKeepsBatching(t *testing.T) {
+	rd := testutil.NewRedis(t)
+	clk := clock.NewFake(time.Now())
+	g := newGateway(t, rd.URL(), "r", true, func(o *Options) { o.Clock = clk })
+	before := g.s.Stats().BatchesPublished
+	tk := g.route(t, conversation(1)) // a decision queued, a load changed
+	defer done(tk)
+	c := redis.NewClient(&redis.Options{Addr: rd.Addr()})
+	defer c.Close()
+	for _, id := range []string{"resp_1", "resp_2"} { // resp_2 written: resp_1's wake-up is over
+		g.s.NoteResponse(id, ResponseHome{Replica: "http://r1", Tenant: "a"})
+		testutil.Eventually(t, within, "the record written", func() bool {
+			return c.Exists(context.Background(), "r:resp:"+id).Val() == 1
+		})
+	}
+	if n := g.s.Stats().BatchesPublished - before; n != 0 {
+		t.Fatalf("2 records published %d batches before the interval", n)
 	}
 }

@@ -443,18 +443,20 @@ func (s *Syncer) publishLoop(ctx context.Context) {
 	var bo backoff
 	var retry time.Time
 	for {
+		kicked := false
 		select {
 		case <-ctx.Done():
 			return
 		case <-t.C():
 		case <-s.kick: // a stored response's record queued: write it now
+			kicked = true
 		}
 		now := s.clk.Now()
 		if now.Before(retry) {
 			continue
 		}
 		err := s.flushResponses(ctx)
-		if err == nil {
+		if err == nil && !kicked { // the decisions and loads keep their interval: batched
 			err = s.publish(ctx, now, false)
 		}
 		if err != nil {
