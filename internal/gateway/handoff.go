@@ -129,7 +129,7 @@ type Handoff struct {
 	start   time.Time
 	cands   []int // the pick's replicas: the chosen one, then the fallbacks
 	prefill clock.Timer
-	strip   *usageStrip // the usage chunk the client did not ask for (nil: none)
+	strip   *usageStrip // the usage chunk the client did not ask for (nil: none; Respond drops it under mu)
 
 	mu        sync.Mutex
 	responded bool
@@ -409,6 +409,9 @@ func (h *Handoff) Respond(status int, header http.Header, served string) (set ht
 		return nil, nil
 	}
 	h.responded, h.w.relayed = true, true
+	if enc := header.Get("Content-Encoding"); enc != "" && !strings.EqualFold(enc, "identity") {
+		h.strip = nil // an encoded body (gzip) has no events to read: it passes as it comes, its usage chunk too
+	}
 	if served != "" {
 		h.switchTo(served)
 	}
@@ -475,15 +478,15 @@ func (h *Handoff) switchTo(served string) {
 // usage chunk the gateway asked for and the client did not (askUsage).
 func (h *Handoff) Body(chunk []byte, eos bool) []byte {
 	h.mu.Lock()
-	pw := h.body
+	pw, strip := h.body, h.strip
 	h.mu.Unlock()
 	if pw != nil && len(chunk) > 0 {
 		_, _ = pw.Write(chunk) // an error: the relay ended early (a stream overran its bounds), nothing more to read
 	}
-	if h.strip == nil {
+	if strip == nil {
 		return chunk
 	}
-	return h.strip.pass(chunk, eos)
+	return strip.pass(chunk, eos)
 }
 
 // End ends the request: complete when the answer's end of stream came

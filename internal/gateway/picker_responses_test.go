@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"net/http"
+	"strings"
 	"testing"
 )
 
@@ -57,4 +58,37 @@ func TestPickerStoredResponsesPerTenant(t *testing.T) {
 		}
 	}
 	waitIdle(t, gw)
+}
+
+// Behind the picker, a tenant's stream the gateway asked the usage of is
+// read event by event to take the usage chunk out; an answer whose body is
+// encoded (gzip: a compressor between the replica and the picker) has no
+// events to find, and passes as it comes, each chunk at once. Before,
+// the picker held the encoded bytes, looking for an event's end, up to 4
+// × max_stream_line_bytes (4 MiB): the client's stream stalled.
+func TestPickerEncodedStreamPasses(t *testing.T) {
+	f := newAPIReplica(t, "a", "m", "")
+	cfg := baseConfig(f.srv.URL)
+	cfg.Tenants = []TenantConfig{{Name: "a", APIKeys: []string{"ka"}}}
+	gw := startGateway(t, cfg)
+	allListed(t, gw)
+	p, err := gw.g.NewPicker(0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	h, pk, reply := p.Pick(PickRequest{Context: context.Background(), Method: http.MethodPost, Target: "/v1/chat/completions",
+		Header: http.Header{"Authorization": {"Bearer ka"}, "Content-Type": {"application/json"}},
+		Body:   []byte(`{"model":"m","messages":[{"role":"user","content":"hi"}],"stream":true}`), RemoteAddr: "127.0.0.1:1", EditsAnswer: true})
+	if reply != nil {
+		t.Fatalf("refused: %d %s", reply.Status, reply.Body)
+	}
+	defer h.End(false)
+	if !strings.Contains(string(pk.Body), `"include_usage":true`) {
+		t.Fatalf("the usage not asked for: %s", pk.Body)
+	}
+	h.Respond(http.StatusOK, http.Header{"Content-Type": {"text/event-stream"}, "Content-Encoding": {"gzip"}}, "")
+	chunk := []byte("\x1f\x8b\x08\x00\x00\x00\x00\x00\x00\xff" + strings.Repeat("\x8a\x01", 100)) // no blank line in it
+	if got := h.Body(chunk, false); string(got) != string(chunk) {
+		t.Fatalf("an encoded chunk: %d bytes passed of %d", len(got), len(chunk))
+	}
 }
