@@ -152,6 +152,7 @@ func (h *responseHomes) locate(ctx context.Context, id, tenant string) (*router.
 		return nil, notFound
 	case found:
 		if slot, ok := h.rt.Lookup(rec.Replica); ok {
+			h.add(id, slot, "", true, rec.Tenant) // remembered: no read at its next call, nor a 503 while Redis is down
 			return h.rt.Replica(slot), nil
 		}
 		return nil, nil

@@ -122,6 +122,11 @@ func TestStoredResponsesOwnerShared(t *testing.T) {
 		!strings.Contains(out, "shared_state_unavailable") {
 		t.Errorf("an id whose owner cannot be checked: %d %s, want 503", status, out)
 	}
+	// An owner read once from the record is remembered: with Redis down,
+	// its owner's calls go on (and, Redis up, cost no read each).
+	if status, out := callWithKey(t, http.MethodGet, gws[1].srv.URL+"/v1/responses/"+r.ID, "ka", ""); status != 200 {
+		t.Errorf("a reading its own response, checked before, with Redis down: %d %s, want 200", status, out)
+	}
 	for _, gw := range gws {
 		waitIdle(t, gw)
 	}
