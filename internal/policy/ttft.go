@@ -172,6 +172,10 @@ type ttftParams struct {
 	// prefill.
 	ReplicateS    float64 `json:"replicate_s"`
 	ReplicateRoom float64 `json:"replicate_room"`
+	// BalanceS is the horizon (s) over which, for the requests of a hot
+	// prefix, a replica's recent work beyond the fleet's mean is priced
+	// (ttft_replicate.go); 0: off.
+	BalanceS float64 `json:"balance_s"`
 	// PendingWeight weighs, among equally matched replicas within the
 	// margin, the requests sent to r still waiting for their first token
 	// (pendingMs); 0: ignored, as before.
@@ -223,7 +227,7 @@ func init() {
 	// 3.92× → 3.91×, synthetic 3.37× both, with host tier and pulls
 	// 4.52× both; agents 1.95×, 2.24×, 2.04× → 1.90×, 2.32×, 2.04×
 	// (seeds 1–3: on its cliff); RL batches unchanged. pending_weight 1:
-	// see pendingMs.
+	// see pendingMs. balance_s 0 (off): see balanceMs.
 	register("ttft", func(o Options) (Policy, error) {
 		params := ttftParams{
 			MarginRel: 0.2, MarginMs: 2, Alpha: 0.1, ReplicaAlpha: 0.02, MaxCorrection: 4,
@@ -264,10 +268,10 @@ func (p *ttftParams) checkFuture() error {
 	if !(p.FutureWeight >= 0 && p.FutureWeight <= 1e6) || !(p.WaitWeight >= 0 && p.WaitWeight <= 1e6) ||
 		!(p.PrefixLifeS >= 0.001 && p.PrefixLifeS <= 86400) || !(p.WindowS >= 0.001 && p.WindowS <= 86400) ||
 		!(p.ReplicateS >= 0 && p.ReplicateS <= 86400) || !(p.ReplicateRoom >= 0 && p.ReplicateRoom <= 1) ||
-		!(p.PendingWeight >= 0 && p.PendingWeight <= 1e6) {
+		!(p.PendingWeight >= 0 && p.PendingWeight <= 1e6) || !(p.BalanceS >= 0 && p.BalanceS <= 86400) {
 		return fmt.Errorf("%w: need 0 ≤ future_weight ≤ 1e6, 0 ≤ wait_weight ≤ 1e6, "+
 			"0.001 ≤ prefix_life_s ≤ 86400, 0.001 ≤ window_s ≤ 86400, 0 ≤ replicate_s ≤ 86400, "+
-			"0 ≤ replicate_room ≤ 1, 0 ≤ pending_weight ≤ 1e6", ErrParam)
+			"0 ≤ replicate_room ≤ 1, 0 ≤ pending_weight ≤ 1e6, 0 ≤ balance_s ≤ 86400", ErrParam)
 	}
 	return nil
 }
@@ -530,7 +534,7 @@ func (t *TTFT) pickScratch(n int) ([]float64, []int, []tierPlan) {
 // for. t.mu must be held.
 func (t *TTFT) estimateAll(req *Request, rs []ReplicaView, scores, ttfts []float64, matched []int, plans []tierPlan) (float64, float64, uint64) {
 	a := estAll{req: req, rs: rs, scores: scores, ttfts: ttfts, matched: matched, plans: plans, ties: t.ties[:len(rs)],
-		pp: t.programPrice(req, rs), src: t.peerSources(req, rs), best: math.Inf(1), queue: math.Inf(1)}
+		pp: t.programPrice(req, rs), src: t.peerSources(req, rs), best: math.Inf(1), queue: math.Inf(1), workMean: -1}
 	a.meanPrompt, a.out = t.means(req)
 	// The deepest match (and a program's home) first, so that the best
 	// score is low early and most others are pruned against it.
@@ -539,7 +543,9 @@ func (t *TTFT) estimateAll(req *Request, rs []ReplicaView, scores, ttfts []float
 	if first >= 0 {
 		if a.depth = min(count(rs[first].Match), len(req.Blocks)); a.depth > 0 {
 			key = req.Blocks[a.depth-1]
-			a.replicate = t.replicateMs(req, rs, key, a.depth, a.meanPrompt)
+			lam := t.prefixRate(key, req.Now)
+			a.replicate = t.replicateMs(req, rs, lam, a.depth, a.meanPrompt)
+			a.workMean = t.workMean(req, rs, lam)
 		}
 		t.estimateOne(&a, first, t.corr(rs[first].Index))
 	}
@@ -579,6 +585,7 @@ type estAll struct {
 	best, queue     float64
 	depth           int     // blocks of the deepest match, whose holders carry replicate
 	replicate       float64 // ttft_replicate.go
+	workMean        float64 // the healthy replicas' mean work rate, ms/s (balanceMs); -1: no balance term
 	est             ttftEstimate
 }
 
@@ -589,6 +596,9 @@ func (t *TTFT) estimateOne(a *estAll, i int, c float64) {
 	a.ttfts[i] = e.ms * c
 	a.scores[i], a.matched[i] = a.ttfts[i]+e.cost+t.moveMs(&a.pp, a.req, a.rs, i, &e.load), e.matched
 	a.ties[i] = e.tie
+	if a.workMean >= 0 {
+		a.scores[i] += t.balanceMs(a.rs[i].Index, a.req.Now, a.workMean)
+	}
 	if a.replicate > 0 && min(count(a.rs[i].Match), len(a.req.Blocks)) >= a.depth {
 		a.scores[i] += a.replicate
 	}

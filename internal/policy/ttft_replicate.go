@@ -92,14 +92,13 @@ func (t *TTFT) countPrefix(key uint64, at time.Time) {
 }
 
 // replicateMs is the term each holder of req's deepest match (depth
-// blocks, ending at block key) carries in this pick; 0 when the prefix is
-// not shared at a rate, or no replica with room is less busy than its
-// holders. t.mu held.
-func (t *TTFT) replicateMs(req *Request, rs []ReplicaView, key uint64, depth int, meanPrompt float64) float64 {
+// blocks, requested lam times a second) carries in this pick; 0 when the
+// prefix is not shared at a rate, or no replica with room is less busy
+// than its holders. t.mu held.
+func (t *TTFT) replicateMs(req *Request, rs []ReplicaView, lam float64, depth int, meanPrompt float64) float64 {
 	if t.params.ReplicateS == 0 || depth == 0 {
 		return 0
 	}
-	lam := t.prefixRate(key, req.Now)
 	if lam*t.params.ReplicateS < 1 { // less than one request to share over the horizon
 		return 0
 	}
@@ -144,4 +143,68 @@ func (t *TTFT) roomFor(v *ReplicaView, depth int) bool {
 	}
 	used := float64(count(v.Cached)) + float64(depth) + float64(count(v.InFlightKV))/float64(t.o.BlockSize)
 	return used <= t.params.ReplicateRoom*float64(count(v.NumBlocks))
+}
+
+// The recent work of the replicas a hot prefix may go to (balance_s). The
+// replicate term weighs the queues a prefix's holders have now; a hot
+// prefix's requests keep coming, and they find the queues the work routed
+// recently builds. So every replica carries, for a request whose deepest
+// match is a hot prefix (λ_p × replicate_s ≥ 1, as above),
+//
+//	balance(r) = balance_s × max(W_r − W̄, 0)
+//
+// W_r being the compute (ms per second) of the work routed to r in the
+// last window_s (its blocks written, the flows of ttft_future.go, at the
+// profile's cost per token) and W̄ the mean over the healthy replicas: the
+// backlog r gathers over balance_s beyond an average replica if its share
+// of the work stays as it is. Over a holder, it is a holder busy for a
+// while, not only at this instant, that gets a copy of the prefix made
+// elsewhere; among holders, the one that has had the least. A chat's turn
+// is the only one of its deepest match (λ_p 0) and never carries it: it
+// stays with its context. See balanceMs for the figures.
+
+// workRate is replica's W_r at now, ms per second. t.mu held.
+func (t *TTFT) workRate(replica int, now time.Time) float64 {
+	w, _ := t.rates(replica, now)
+	return w * float64(t.o.BlockSize) * t.o.Profile.C1
+}
+
+// workMean is W̄ for req, whose deepest match is requested lam times a
+// second; -1 when the term is off or the prefix not hot. t.mu held.
+func (t *TTFT) workMean(req *Request, rs []ReplicaView, lam float64) float64 {
+	if t.params.BalanceS == 0 || lam*t.params.ReplicateS < 1 {
+		return -1
+	}
+	sum, n := 0.0, 0
+	for i := range rs {
+		if rs[i].Healthy {
+			sum += t.workRate(rs[i].Index, req.Now)
+			n++
+		}
+	}
+	if n == 0 {
+		return -1
+	}
+	return sum / float64(n)
+}
+
+// balanceMs is balance(r) for replica at now, the mean W̄ being mean.
+//
+// Off by default (balance_s 0). At 3, over the pressure sweep on seeds 1
+// and 2 and at 3× its length (ttft's p90 TTFT over the best peer's):
+// points above 1.05× 21 → 19, 24 → 18, 14 → 11; geometric mean of the
+// ratios 1.0238 → 1.0188, 1.0227 → 1.0162, 1.0234 → 1.0132; worst 1.49 →
+// 1.39, 1.42 → 1.39, 1.69 → 1.36 (balance_s 2: 19, 18, 10; 4: 22, 20, 9;
+// 5: 20, 18, 9; 8: 18, 20, 7 but shared prefix at the point fell
+// from 93.4 to 93.0 % hit); the two points unchanged. But capacity
+// at p90 ≤ 2 s on 8 replicas fell a little: conversation trace 3.964× →
+// 3.961× (seed 2 3.976× → 3.962×), agents 2.090× → 2.071× (seeds 2 and 3:
+// 2.466× → 2.546×, 2.254× → 2.221×; balance_s 2: 2.026×), synthetic
+// 3.454× both. Priced for every request, not only a hot prefix's, it
+// gained more on the sweep (at 10 s, beyond 1.2× the least loaded
+// replica: 11, 10, 8) but spread the multiturn chats' first turns
+// off the replicas that held their system prompts (hit 86.6 → 84.7 %, p90
+// 35.8 → 39.4 ms; llm-d's rule 86.6 %, 35.8 ms).
+func (t *TTFT) balanceMs(replica int, now time.Time, mean float64) float64 {
+	return min(t.params.BalanceS*max(t.workRate(replica, now)-mean, 0), float64(viewCeiling))
 }

@@ -116,9 +116,60 @@ func TestTTFTPrefixRate(t *testing.T) {
 func TestTTFTReplicateParams(t *testing.T) {
 	for _, bad := range []map[string]any{
 		{"replicate_s": -1}, {"replicate_s": 1e6}, {"replicate_room": -0.1}, {"replicate_room": 1.5},
+		{"balance_s": -1}, {"balance_s": 1e6},
 	} {
 		if _, err := New("ttft", Options{Params: bad}); !errors.Is(err, ErrParam) {
 			t.Errorf("%v: %v, want ErrParam", bad, err)
+		}
+	}
+}
+
+// A hot prefix's request goes, among holders placed alike, to the one that
+// has had less work lately: a replica carries balance_s × its work rate's
+// excess over the healthy replicas' mean. A prefix nobody else asks for (a
+// chat's turn), or balance_s 0, leaves the holders' scores equal.
+func TestTTFTBalancesAHotPrefixByRecentWork(t *testing.T) {
+	for _, c := range []struct {
+		name     string
+		balanceS float64
+		hot      bool
+		want     bool // the holder with the recent work scores higher
+	}{
+		{"hot", 3, true, true},
+		{"cold", 3, false, false},
+		{"off", 0, true, false},
+	} {
+		// The price of the future reads the same flows: off, to see this term alone.
+		p := peerNew(t, "ttft", map[string]any{"margin_rel": 0, "margin_ms": 0, "future_weight": 0,
+			"wait_weight": 0, "balance_s": c.balanceS}).(*TTFT)
+		if c.hot {
+			heat(t, p, 21, peerT0)
+		}
+		p.mu.Lock()
+		p.addFlow(peerBase, peerT0, 1000, 0) // 1,000 blocks written on the first holder lately
+		var w [3]float64
+		for i := range w {
+			blocks, _ := p.rates(peerBase+i, peerT0)
+			w[i] = blocks * float64(p.o.BlockSize) * p.o.Profile.C1
+		}
+		p.mu.Unlock()
+		rs := peerViews(3)
+		for i := range rs {
+			rs[i].NumBlocks, rs[i].Cached = 3000, 200
+		}
+		rs[0].Match, rs[1].Match = 90, 90 // the prefix heat made hot
+		pos, d := peerPick(t, p, ttftReq(1), rs)
+		diff := d.Scores[0] - d.Scores[1]
+		if !c.want {
+			if diff != 0 {
+				t.Errorf("%s: holders' scores %v, want equal", c.name, d.Scores)
+			}
+			continue
+		}
+		mean := (w[0] + w[1] + w[2]) / 3
+		want := c.balanceS * (w[0] - mean) // the second holder is below the mean: nothing
+		if pos != 1 || w[1] >= mean || math.Abs(diff-want) > 1e-9*want {
+			t.Errorf("%s: chose %d, scores %v (difference %v, want %v; work rates %v ms/s)", c.name, pos, d.Scores, diff, want, w)
 		}
 	}
 }
