@@ -164,6 +164,7 @@ func New(cfg Config, o Options) (*Gateway, error) {
 	g.tr = newTracing(o.TracerProvider)
 	g.sinks = g.newSinks(g.met, g.rec, g.tr)
 	g.routes()
+	g.loadResponseHomes()
 	return g, nil
 }
 

@@ -6,6 +6,8 @@ import (
 	"fmt"
 	"io"
 	"net/http"
+	"os"
+	"path/filepath"
 	"strings"
 	"sync"
 	"testing"
@@ -188,4 +190,50 @@ func TestStreamedResponseOwnedAtOnce(t *testing.T) {
 	release()
 	_, _ = io.Copy(io.Discard, resp.Body)
 	waitIdle(t, gw)
+}
+
+// Without shared state, a stored response's owner outlives a restart:
+// the homes are written beside state_file at shutdown and read at start.
+// With tenants an id whose owner the gateway does not know is refused
+// (404), so before, a restart ended every tenant's open Responses chain:
+// tenant a's own GET of its response got 404 from the restarted gateway.
+// Tenant b still gets 404, and a file out of bounds is refused whole.
+func TestStoredResponsesOwnerAcrossRestart(t *testing.T) {
+	f := newAPIReplica(t, "a", "m", "")
+	cfg := baseConfig(f.srv.URL)
+	cfg.Tenants = []TenantConfig{{Name: "a", APIKeys: []string{"ka"}}, {Name: "b", APIKeys: []string{"kb"}}}
+	cfg.StateFile = filepath.Join(t.TempDir(), "kvgate.state")
+	first := startGateway(t, cfg)
+	allListed(t, first)
+	status, out := callWithKey(t, http.MethodPost, first.srv.URL+"/v1/responses", "ka", `{"model":"m","input":"a's secret"}`)
+	var r struct {
+		ID string `json:"id"`
+	}
+	if status != 200 || json.Unmarshal([]byte(out), &r) != nil || r.ID == "" {
+		t.Fatalf("a's call: %d %s", status, out)
+	}
+	waitIdle(t, first)
+	first.stop()
+
+	again := startGateway(t, cfg)
+	allListed(t, again)
+	if status, out := callWithKey(t, http.MethodGet, again.srv.URL+"/v1/responses/"+r.ID, "ka", ""); status != 200 {
+		t.Errorf("a reading its own response after the restart: %d %s", status, out)
+	}
+	if status, out := callWithKey(t, http.MethodGet, again.srv.URL+"/v1/responses/"+r.ID, "kb", ""); status != http.StatusNotFound {
+		t.Errorf("b reading a's response after the restart: %d %s, want 404", status, out)
+	}
+	waitIdle(t, again)
+	again.stop()
+
+	// A tampered file (an entry's tenant without an owner) is refused whole.
+	path := responsesPath(cfg.StateFile)
+	bad := fmt.Sprintf(`{"version":1,"homes":[{"id":%q,"replica":%q,"tenant":"b"}]}`, r.ID, f.srv.URL)
+	if err := os.WriteFile(path, []byte(bad), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	h := newResponseHomes(again.g.rt, 16, nil, true)
+	if n, err := h.load(path); err == nil || n != 0 || h.c.Len() != 0 {
+		t.Fatalf("a tampered file: %d homes, %v; want refused", n, err)
+	}
 }

@@ -58,10 +58,36 @@ func (g *Gateway) loadStateFile() {
 	}
 }
 
-// saveStateFile writes the index to state_file (at the end of Run).
+// loadResponseHomes restores the stored responses' homes and owners
+// saved beside state_file (responses_file.go), once the passthrough
+// routes that keep them exist.
+func (g *Gateway) loadResponseHomes() {
+	if g.cfg.StateFile == "" || g.pt == nil {
+		return
+	}
+	path := responsesPath(g.cfg.StateFile)
+	n, err := g.pt.homes.load(path)
+	switch {
+	case err != nil:
+		g.log.Warn("stored responses' homes cannot be read: starting without them", "path", path, "err", err)
+	case n > 0:
+		g.log.Info("stored responses' homes restored", "path", path, "responses", n)
+	}
+}
+
+// saveStateFile writes the index to state_file, and the stored responses'
+// homes beside it (at the end of Run).
 func (g *Gateway) saveStateFile() {
 	if g.cfg.StateFile == "" {
 		return
+	}
+	if g.pt != nil {
+		path := responsesPath(g.cfg.StateFile)
+		if n, err := g.pt.homes.save(path); err != nil {
+			g.log.Warn("stored responses' homes cannot be written", "path", path, "err", err)
+		} else if n > 0 {
+			g.log.Info("stored responses' homes saved", "path", path, "responses", n)
+		}
 	}
 	if err := sharedstate.SaveFile(g.cfg.StateFile, g.rt, g.clock.Now()); err != nil {
 		g.log.Warn("state_file cannot be written", "path", g.cfg.StateFile, "err", err)
