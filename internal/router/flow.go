@@ -461,6 +461,17 @@ func (f *flow) replicaSaturated(v *policy.ReplicaView) bool {
 // it in the queue need not (release), nor newcomers (Submit).
 var errHeldAlone = fmt.Errorf("%w: its own replicas are saturated", policy.ErrDefer)
 
+// gate is flow control's gate for req, which pol would place among views
+// (pl's candidates): nil while some candidate has room (the saturated ones
+// then leave views), else why it is held (heldOn). routeWith applies it,
+// and Router.FlowHold reports it.
+func (rt *Router) gate(pl *pool, fl *flow, pol policy.Policy, req *policy.Request, views []policy.ReplicaView) error {
+	if fl.saturated(views, req.Priority, policy.PinnedTo(pol)) {
+		return rt.heldOn(pl, fl, views, nil)
+	}
+	return nil
+}
+
 // heldOn is why the flow controller holds a request whose candidates
 // (Healthy in views, every one saturated) are pl's: errHeldAlone when
 // another replica of pl in rotation whose role ok accepts (nil: any) has

@@ -39,11 +39,10 @@ func (rt *Router) FlowHold(req *policy.Request) string {
 	}
 	var err error
 	pol := pl.pol.Load().pol
-	switch {
-	case rt.Disaggregated():
+	if rt.Disaggregated() {
 		_, err = rt.pickPairGated(pl, q.fl, pol, req, views)
-	case q.fl.saturated(views, req.Priority, policy.PinnedTo(pol)):
-		err = rt.heldOn(pl, q.fl, views, nil)
+	} else {
+		err = rt.gate(pl, q.fl, pol, req, views)
 	}
 	switch {
 	case errors.Is(err, errHeldAlone):

@@ -655,8 +655,10 @@ func (rt *Router) routeWith(pol policy.Policy, req *policy.Request, exclude []in
 	if pol == nil {
 		pol = pl.pol.Load().pol
 	}
-	if fl != nil && !req.NoDefer && fl.saturated(views, req.Priority, policy.PinnedTo(pol)) {
-		return nil, rt.heldOn(pl, fl, views, nil)
+	if fl != nil && !req.NoDefer {
+		if err := rt.gate(pl, fl, pol, req, views); err != nil {
+			return nil, err
+		}
 	}
 	if anyway && !req.NoDefer {
 		req.NoDefer = true
