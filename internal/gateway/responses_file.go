@@ -109,13 +109,17 @@ func (h *responseHomes) load(path string) (int, error) {
 	return n, nil
 }
 
-// check bounds an entry as the shared state bounds the same record.
+// check bounds an entry as the shared state bounds the same record
+// (sharedstate.CheckResponseHome), and its chain's first id alike.
 func (e *responseFileEntry) check() error {
+	if err := sharedstate.CheckResponseHome(e.ID, sharedstate.ResponseHome{Replica: e.Replica, Tenant: e.Tenant}); err != nil {
+		return err
+	}
 	switch {
-	case e.ID == "" || len(e.ID) > sharedstate.MaxResponseID || len(e.Root) > sharedstate.MaxResponseID:
-		return fmt.Errorf("an id empty or over %d bytes", sharedstate.MaxResponseID)
-	case e.Replica == "" || len(e.Replica) > sharedstate.MaxNameBytes || len(e.Tenant) > sharedstate.MaxNameBytes:
-		return fmt.Errorf("a replica or tenant name empty or over %d bytes", sharedstate.MaxNameBytes)
+	case len(e.Root) > sharedstate.MaxResponseID:
+		return fmt.Errorf("a chain's first id over %d bytes", sharedstate.MaxResponseID)
+	case e.Replica == "":
+		return fmt.Errorf("no replica")
 	case !e.Owned && e.Tenant != "":
 		return fmt.Errorf("a tenant for a response of unknown owner")
 	}

@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/binary"
 	"errors"
+	"fmt"
 	"time"
 
 	"github.com/redis/go-redis/v9"
@@ -55,6 +56,19 @@ const (
 // errResponseID: an id over MaxResponseID, or empty.
 var errResponseID = errors.New("sharedstate: response id empty or over MaxResponseID bytes")
 
+// CheckResponseHome bounds response id's record h as every gateway
+// writes and reads it: the id non-empty within MaxResponseID, the names
+// within MaxNameBytes (a state file's copy is checked alike).
+func CheckResponseHome(id string, h ResponseHome) error {
+	switch {
+	case id == "" || len(id) > MaxResponseID:
+		return errResponseID
+	case len(h.Replica) > MaxNameBytes || len(h.Tenant) > MaxNameBytes:
+		return fmt.Errorf("sharedstate: a response's replica or tenant name over %d bytes", MaxNameBytes)
+	}
+	return nil
+}
+
 // appendResponseHome appends h's record to dst.
 func appendResponseHome(dst []byte, h ResponseHome) []byte {
 	dst = append(dst, codecVersion, kindResponse)
@@ -88,7 +102,7 @@ type pendingResponse struct {
 // beyond the queue's bound (Redis unreachable for a while), is dropped
 // and counted (kvgate_shared_state_dropped_total{reason="response_queue"}).
 func (s *Syncer) NoteResponse(id string, h ResponseHome) {
-	if id == "" || len(id) > MaxResponseID || len(h.Replica) > MaxNameBytes || len(h.Tenant) > MaxNameBytes {
+	if CheckResponseHome(id, h) != nil {
 		return
 	}
 	s.rmu.Lock()
