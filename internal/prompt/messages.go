@@ -183,8 +183,13 @@ func AnthropicChat(raw members, msgs []Message) ([]ChatMessage, error) {
 }
 
 // AnthropicChatOf is AnthropicChat of a whole request body, with its
-// tools in the chat API's shape (nil: none), as vLLM converts them.
+// tools in the chat API's shape (nil: none), as vLLM converts them. The
+// body is a client's: its nesting is bounded before any decoder recurses
+// into it, as Parse bounds it (PyJSON recurses too).
 func AnthropicChatOf(data []byte) ([]ChatMessage, []ChatTool, error) {
+	if err := checkNesting(data, MaxNesting); err != nil {
+		return nil, nil, err
+	}
 	b, err := decodeBody(data)
 	if err != nil {
 		return nil, nil, err

@@ -227,3 +227,15 @@ func BenchmarkParseAgentTurn(b *testing.B) {
 		})
 	}
 }
+
+// AnthropicChatOf reads a client's body on its own (the remote
+// tokenizer's path): nesting past MaxNesting is refused before a decoder
+// (PyJSON's included) recurses into it, as Parse refuses it.
+func TestAnthropicChatOfBoundsNesting(t *testing.T) {
+	deep := strings.Repeat(`{"a":`, MaxNesting+1) + "1" + strings.Repeat("}", MaxNesting+1)
+	data := []byte(`{"model":"m","max_tokens":1,"messages":[{"role":"user","content":[{"type":"tool_result","tool_use_id":"t","content":"x"},
+		{"type":"tool_use","id":"t","name":"f","input":` + deep + `}]}]}`)
+	if _, _, err := AnthropicChatOf(data); err == nil {
+		t.Fatal("a body nested past MaxNesting was read")
+	}
+}
