@@ -26,6 +26,12 @@ type fieldEdit struct {
 	ifPresent bool
 }
 
+// mayName reports whether JSON object body may have a member key: it
+// spells key, or escapes a character (\u), which could spell it.
+func mayName(body []byte, key string) bool {
+	return bytes.Contains(body, []byte(`"`+key+`"`)) || bytes.Contains(body, []byte(`\u`))
+}
+
 // clientBody edits an admitted exchange's JSON body as the replicas must
 // see it: its tenant's terms (tenantEdits), and without the client's
 // kv_transfer_params, on every fleet and path unless pass_kv_transfer_params
@@ -277,8 +283,7 @@ func prefillBody(body []byte) ([]byte, error) {
 // never reach a replica of a prefill/decode fleet: they could point a
 // decode replica at any host.
 func decodeBody(body, kv []byte) ([]byte, error) {
-	// A key can only be spelled otherwise with \u escapes.
-	if kv == nil && !bytes.Contains(body, []byte("kv_transfer_params")) && !bytes.Contains(body, []byte(`\u`)) {
+	if kv == nil && !mayName(body, "kv_transfer_params") {
 		return body, nil
 	}
 	return editObject(body, fieldEdit{key: "kv_transfer_params", value: kv})

@@ -237,3 +237,31 @@ func TestStoredResponsesOwnerAcrossRestart(t *testing.T) {
 		t.Fatalf("a tampered file: %d homes, %v; want refused", n, err)
 	}
 }
+
+// vLLM takes a Responses call's id from its request_id: with tenants, a
+// client naming another tenant's response id there would take it over.
+// The gateway drops the member (spelled plainly or with escapes), so the
+// replica makes an id of its own; without tenants it stays the client's.
+func TestResponsesRequestIDNotTheClients(t *testing.T) {
+	for _, tenants := range []bool{true, false} {
+		f := newAPIReplica(t, "a", "m", "")
+		cfg := baseConfig(f.srv.URL)
+		key := ""
+		if tenants {
+			cfg.Tenants = []TenantConfig{{Name: "a", APIKeys: []string{"ka"}}}
+			key = "ka"
+		}
+		gw := startGateway(t, cfg)
+		allListed(t, gw)
+		for _, body := range []string{`{"model":"m","input":"hi","request_id":"resp_theirs"}`,
+			`{"model":"m","input":"hi","request\u005fid":"resp_theirs"}`} {
+			if status, out := callWithKey(t, http.MethodPost, gw.srv.URL+"/v1/responses", key, body); status != 200 {
+				t.Fatalf("tenants %v: %d %s", tenants, status, out)
+			}
+			if got := f.body("/v1/responses"); strings.Contains(got, "resp_theirs") == tenants {
+				t.Errorf("tenants %v: the replica got %s", tenants, got)
+			}
+		}
+		waitIdle(t, gw)
+	}
+}

@@ -214,6 +214,12 @@ func (tc *tenancy) tenantEdits(x *exchange) []fieldEdit {
 	case p.PrioritySet:
 		edits = append(edits, fieldEdit{key: "priority"}) // only the gateway may set it
 	}
+	if x.kind == prompt.Responses && mayName(x.body, "request_id") {
+		// vLLM takes a Responses call's id from its request_id ("return in
+		// response"): a client naming another tenant's id would take that
+		// response over. The replica makes one of its own instead.
+		edits = append(edits, fieldEdit{key: "request_id"})
+	}
 	return edits
 }
 
