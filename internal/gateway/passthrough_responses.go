@@ -182,6 +182,15 @@ const responsesHeadLen = 4 << 10
 // responseIDOf reads the top-level "id" of a JSON object from its first
 // bytes; "" when they do not reach it.
 func responseIDOf(head []byte) string {
+	id := firstID(head)
+	if len(id) > sharedstate.MaxResponseID {
+		return "" // a replica's id past any vLLM makes: not remembered
+	}
+	return id
+}
+
+// firstID is the top-level "id" member of the JSON object head.
+func firstID(head []byte) string {
 	dec := json.NewDecoder(bytes.NewReader(head))
 	if tok, err := dec.Token(); err != nil || tok != json.Delim('{') {
 		return ""
@@ -242,7 +251,8 @@ func (u *responsesUsage) usage() *openai.Usage {
 // tells the exchange (exchange.created).
 func (g *Gateway) responseCreated(x *exchange, a *attempt, data []byte) {
 	var ev responsesEvent
-	if json.Unmarshal(data, &ev) != nil || ev.Response == nil || ev.Response.ID == "" {
+	if json.Unmarshal(data, &ev) != nil || ev.Response == nil || ev.Response.ID == "" ||
+		len(ev.Response.ID) > sharedstate.MaxResponseID { // past any id vLLM makes: not remembered
 		return
 	}
 	a.respID = ev.Response.ID

@@ -1,12 +1,14 @@
 package gateway
 
 import (
+	"strings"
 	"testing"
 	"time"
 
 	"github.com/kvgate/kvgate/internal/clock"
 	"github.com/kvgate/kvgate/internal/policy"
 	"github.com/kvgate/kvgate/internal/router"
+	"github.com/kvgate/kvgate/internal/sharedstate"
 )
 
 // A stored response's home is its replica, not its slot: a replica
@@ -47,5 +49,26 @@ func TestResponseHomesFollowTheReplicaNotTheSlot(t *testing.T) {
 	}
 	if _, ok := h.c.Peek("resp_b"); ok {
 		t.Fatal("the stale home is kept")
+	}
+}
+
+// A replica's response id is remembered only within the bound the shared
+// record and the state file keep (a lying replica's megabyte id would be
+// an LRU key, dropped from Redis and refusing the whole state file).
+func TestResponseIDBounded(t *testing.T) {
+	if got := responseIDOf([]byte(`{"object":"response","id":"resp_1"}`)); got != "resp_1" {
+		t.Fatalf("a vLLM id: %q", got)
+	}
+	long := strings.Repeat("x", sharedstate.MaxResponseID+1)
+	if got := responseIDOf([]byte(`{"id":"` + long + `"}`)); got != "" {
+		t.Fatalf("an id over %d bytes was remembered", sharedstate.MaxResponseID)
+	}
+	g := &Gateway{}
+	for id, want := range map[string]string{"resp_2": "resp_2", long: ""} {
+		a := &attempt{}
+		g.responseCreated(&exchange{}, a, []byte(`{"type":"response.created","response":{"id":"`+id+`"}}`))
+		if a.respID != want {
+			t.Errorf("streamed id of %d bytes: remembered %q, want %q", len(id), a.respID, want)
+		}
 	}
 }

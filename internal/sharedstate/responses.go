@@ -158,7 +158,7 @@ func (s *Syncer) ResponseHome(ctx context.Context, id string) (ResponseHome, boo
 		return ResponseHome{}, false, ErrNotStarted
 	}
 	if id == "" || len(id) > MaxResponseID {
-		return ResponseHome{}, false, errResponseID
+		return ResponseHome{}, false, nil // no gateway writes such a record
 	}
 	p, err := st.getResponse(ctx, id)
 	if err != nil {
