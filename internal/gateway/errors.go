@@ -235,12 +235,21 @@ func (e *apiError) anthropicBody(requestID string) []byte {
 	return out
 }
 
-// writeErrorFor writes err's answer to request r: in Anthropic's shape on
-// the Messages API's paths, else OpenAI's.
+// writeErrorFor writes err's answer to request r (bodyFor).
 func writeErrorFor(w http.ResponseWriter, r *http.Request, err error) *apiError {
 	if !isMessagesPath(r.URL.Path) {
 		return writeError(w, err)
 	}
 	id := w.Header().Get("X-Request-Id")
-	return writeErrorAs(w, err, func(e *apiError) []byte { return e.anthropicBody(id) })
+	return writeErrorAs(w, err, func(e *apiError) []byte { return e.bodyFor(r.URL.Path, id) })
+}
+
+// bodyFor is e's answer to a request for path: in Anthropic's shape on
+// the Messages API's paths (requestID: its request_id, "" none), else
+// OpenAI's.
+func (e *apiError) bodyFor(path, requestID string) []byte {
+	if isMessagesPath(path) {
+		return e.anthropicBody(requestID)
+	}
+	return e.body()
 }

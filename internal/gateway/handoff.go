@@ -101,18 +101,15 @@ type Reply struct {
 
 // LocalReply is an answer of the endpoint picker's own to a request for
 // target (its :path; "": unknown) the proxy sent wrong: an error with its
-// status, in the Messages API's shape on its paths (writeErrorFor), else
-// OpenAI's.
+// status, in the Messages API's shape on its paths (apiError.bodyFor),
+// else OpenAI's.
 func LocalReply(target string, status int, code, msg string) *Reply {
 	e := &apiError{Status: status, Type: "invalid_request_error", Code: code, Message: msg}
 	if status >= 500 {
 		e.Type = "server_error"
 	}
-	body := e.body()
-	if path, _, _ := strings.Cut(target, "?"); isMessagesPath(path) {
-		body = e.anthropicBody("")
-	}
-	return &Reply{Status: status, Header: http.Header{"Content-Type": {"application/json"}}, Body: append(body, '\n')}
+	path, _, _ := strings.Cut(target, "?")
+	return &Reply{Status: status, Header: http.Header{"Content-Type": {"application/json"}}, Body: append(e.bodyFor(path, ""), '\n')}
 }
 
 // Handoff is one request picked for a proxy, until its answer ends.
