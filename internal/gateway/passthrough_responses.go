@@ -134,10 +134,10 @@ var errOwnerUnchecked = &apiError{Status: http.StatusServiceUnavailable, Type: "
 // owner cannot be told from another tenant. The response stays on its
 // replica: the owner's client, refused, starts a new chain.
 func (h *responseHomes) locate(ctx context.Context, id, tenant string) (*router.Replica, error) {
-	notFound := errNotFound.with(fmt.Sprintf("Response with id '%s' not found.", id))
+	notFound := func() error { return errNotFound.with(fmt.Sprintf("Response with id '%s' not found.", id)) }
 	if hm, ok := h.c.Peek(id); ok {
 		if hm.owned && hm.owner != tenant || !hm.owned && h.strict {
-			return nil, notFound
+			return nil, notFound()
 		}
 		r, _ := h.get(id)
 		return r, nil
@@ -148,11 +148,17 @@ func (h *responseHomes) locate(ctx context.Context, id, tenant string) (*router.
 		rec, found, err = h.shared.ResponseHome(ctx, id)
 	}
 	switch {
-	case found && rec.Tenant != tenant:
-		return nil, notFound
 	case found:
-		if slot, ok := h.rt.Lookup(rec.Replica); ok {
-			h.add(id, slot, "", true, rec.Tenant) // remembered: no read at its next call, nor a 503 while Redis is down
+		// Remembered, whoever asked: no Redis read at the id's next call
+		// (another tenant's included), nor a 503 while Redis is down.
+		slot, listed := h.rt.Lookup(rec.Replica)
+		if listed {
+			h.add(id, slot, "", true, rec.Tenant)
+		}
+		switch {
+		case rec.Tenant != tenant:
+			return nil, notFound()
+		case listed:
 			return h.rt.Replica(slot), nil
 		}
 		return nil, nil
@@ -161,7 +167,7 @@ func (h *responseHomes) locate(ctx context.Context, id, tenant string) (*router.
 	case err != nil && !errors.Is(err, sharedstate.ErrCorrupt):
 		return nil, errOwnerUnchecked
 	}
-	return nil, notFound
+	return nil, notFound()
 }
 
 // chain is the first response of the chain response id belongs to: its
