@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"maps"
 	"net"
 	"net/http"
@@ -240,8 +241,19 @@ func exposeMetrics(t *testing.T) (gw, replicas map[string]*dto.MetricFamily, reg
 		})
 	}
 	testutil.Post(t, hc, srv.URL+"/v1/completions", `{"model": `) // a gateway error
+	// A subscriber that joined after the replicas published their events
+	// (ZMQ's slow joiner, on a busy machine) hears of them, and of the gap
+	// that sends it to the replay, only with a later event: each poll
+	// sends a new prompt, whose blocks are new events.
+	fresh := 0
 	testutil.Eventually(t, 10*time.Second, "the replicas' KV events at the gateway", func() bool {
-		return simMetrics(t, hc, srv.URL)["kvgate_kv_events_batches_total"] != nil
+		if simMetrics(t, hc, srv.URL)["kvgate_kv_events_batches_total"] != nil {
+			return true
+		}
+		fresh++
+		testutil.Post(t, hc, srv.URL+"/v1/completions", `{"model":"`+sim.DefaultModel+`","max_tokens":1,"prompt":"`+
+			strings.Repeat(fmt.Sprintf("a new prompt %d for new KV events. ", fresh), 12)+`"}`)
+		return false
 	})
 	replicas = map[string]*dto.MetricFamily{}
 	for _, u := range fl.URLs() {
