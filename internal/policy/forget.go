@@ -145,12 +145,14 @@ func dropTenantBelow(n *sgNode, t int) {
 	n.children = kept
 }
 
-// Forget drops the slot's TTFT correction and its pending estimates.
+// Forget drops the slot's TTFT correction, its recent flow and its
+// pending estimates.
 func (t *TTFT) Forget(slot int) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
-	delete(t.relLog, slot)
-	delete(t.relFac, slot)
+	if sl := t.slot(slot); sl != nil {
+		*sl = ttftSlot{}
+	}
 	for id, pe := range t.pending {
 		if pe.replica == slot {
 			delete(t.pending, id)

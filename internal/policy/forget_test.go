@@ -77,8 +77,10 @@ var slotState = map[string]func(p Policy, s int) int{
 		t := p.(*TTFT)
 		t.mu.Lock()
 		defer t.mu.Unlock()
-		_, rel := t.relLog[s]
-		n := b2i(rel)
+		n := 0
+		if sl := t.slot(s); sl != nil {
+			n = b2i(sl.learnt) + b2i(sl.flowing)
+		}
 		for _, pe := range t.pending {
 			n += b2i(pe.replica == s)
 		}

@@ -46,13 +46,11 @@ type TTFT struct {
 
 	mu         sync.Mutex
 	fleetLog   float64            // EWMA of log(observed/predicted TTFT), all replicas
-	relLog     map[int]float64    // replica slot → EWMA of its log ratio beyond the fleet's
-	relFac     map[int]float64    // replica slot → exp(relLog beyond the dead band) (1 when absent)
+	slots      []ttftSlot         // by replica slot: its correction and recent flow (read per replica per decision)
 	fleetFac   float64            // exp(fleetLog)
 	pending    map[uint64]pendEst // request id → raw estimate at routing
 	meanPrompt float64            // EWMA of uncached tokens per request, for others' queued requests
 	meanOutput float64            // EWMA of output tokens per request, when max_tokens is absent
-	flows      map[int]*ttftFlow  // replica slot → what flowed into it recently (ttft_future.go)
 	prefixes   []ttftPrefixRate   // hot prefixes' rates by last block, ttftPrefixSlots (ttft_replicate.go)
 	// picks holds, by request ID modulo its size, the correction each Pick
 	// applied to its chosen replica's estimate, so that Observe learns from
@@ -256,8 +254,7 @@ func init() {
 		}
 		return &TTFT{
 			o: o, params: params, g: newRNG(o.Seed),
-			relLog: map[int]float64{}, relFac: map[int]float64{}, fleetFac: 1, pending: map[uint64]pendEst{},
-			flows: map[int]*ttftFlow{}, prefixes: make([]ttftPrefixRate, ttftPrefixSlots),
+			fleetFac: 1, pending: map[uint64]pendEst{}, prefixes: make([]ttftPrefixRate, ttftPrefixSlots),
 		}, nil
 	})
 }
@@ -702,8 +699,8 @@ var replicaDeadBand = math.Log(1.2)
 // beyond the dead band, within [1/max, max].
 func (t *TTFT) corr(replica int) float64 {
 	c := t.fleetFac
-	if f, ok := t.relFac[replica]; ok {
-		c *= f
+	if sl := t.slot(replica); sl != nil && sl.learnt {
+		c *= sl.relFac
 	}
 	return min(max(c, 1/t.params.MaxCorrection), t.params.MaxCorrection)
 }
@@ -718,9 +715,46 @@ func (t *TTFT) learn(replica int, l float64) {
 	dev := l - t.fleetLog // against the fleet's correction before this observation
 	t.fleetLog += t.params.Alpha * (l - t.fleetLog)
 	t.fleetFac = math.Exp(t.fleetLog)
-	rel := t.relLog[replica] + t.params.ReplicaAlpha*(dev-t.relLog[replica])
-	t.relLog[replica] = rel
-	t.relFac[replica] = math.Exp(math.Copysign(max(math.Abs(rel)-replicaDeadBand, 0), rel))
+	sl := t.grow(replica)
+	if sl == nil {
+		return
+	}
+	rel := sl.relLog + t.params.ReplicaAlpha*(dev-sl.relLog)
+	sl.relLog, sl.learnt = rel, true
+	sl.relFac = math.Exp(math.Copysign(max(math.Abs(rel)-replicaDeadBand, 0), rel))
+}
+
+// ttftSlot is what the policy learnt of one replica slot: its correction
+// (relLog, the EWMA of its log ratio beyond the fleet's, and relFac, exp of
+// that beyond the dead band; a factor of 1 until learnt) and what flowed
+// into it recently (ttft_future.go). A slice by slot, not maps: every
+// decision reads them for every replica.
+type ttftSlot struct {
+	relLog, relFac float64
+	learnt         bool
+	flowing        bool
+	flow           ttftFlow
+}
+
+// slot is replica's state, or nil when it has none yet. t.mu must be held.
+func (t *TTFT) slot(replica int) *ttftSlot {
+	if replica < 0 || replica >= len(t.slots) {
+		return nil
+	}
+	return &t.slots[replica]
+}
+
+// grow is replica's state, made when absent; nil for a slot past
+// ttftMaxSlots (slots come from the router and stay far below it: past
+// it, a replica is neither corrected nor seen flowing). t.mu must be held.
+func (t *TTFT) grow(replica int) *ttftSlot {
+	if replica < 0 || replica >= ttftMaxSlots {
+		return nil
+	}
+	if replica >= len(t.slots) {
+		t.slots = append(t.slots, make([]ttftSlot, replica+1-len(t.slots))...)
+	}
+	return &t.slots[replica]
 }
 
 // Observe learns the correction from first tokens and the mean uncached

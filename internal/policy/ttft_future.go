@@ -62,9 +62,10 @@ type ttftFlow struct {
 	reqs   float64   // requests routed
 }
 
-// ttftMaxFlows bounds the replicas whose flow is kept (slots come from the
-// router and stay far below it; past it, new slots count as idle).
-const ttftMaxFlows = 1 << 14
+// ttftMaxSlots bounds the replica slots whose correction and flow are kept
+// (slots come from the router and stay far below it; past it, a slot
+// counts as idle and uncorrected).
+const ttftMaxSlots = 1 << 14
 
 // decay is exp(−(now−f.at)/window): how much of the sums is left at now.
 // Under traffic a replica's sums were decayed a moment ago: below a
@@ -87,13 +88,13 @@ func (t *TTFT) addFlow(replica int, at time.Time, blocks, reqs float64) {
 	if !(blocks >= 0) || !(reqs >= 0) || math.IsInf(blocks+reqs, 0) {
 		return
 	}
-	f := t.flows[replica]
-	if f == nil {
-		if len(t.flows) >= ttftMaxFlows {
-			return
-		}
-		f = &ttftFlow{at: at}
-		t.flows[replica] = f
+	sl := t.grow(replica)
+	if sl == nil {
+		return
+	}
+	f := &sl.flow
+	if !sl.flowing {
+		*f, sl.flowing = ttftFlow{at: at}, true
 	}
 	if at.After(f.at) {
 		d := t.decay(f, at)
@@ -106,10 +107,11 @@ func (t *TTFT) addFlow(replica int, at time.Time, blocks, reqs float64) {
 // rates are replica's blocks written and requests routed per second at now.
 // t.mu must be held.
 func (t *TTFT) rates(replica int, now time.Time) (blocksPerS, reqsPerS float64) {
-	f := t.flows[replica]
-	if f == nil {
+	sl := t.slot(replica)
+	if sl == nil || !sl.flowing {
 		return 0, 0
 	}
+	f := &sl.flow
 	d := t.decay(f, now) / t.params.WindowS
 	return f.blocks * d, f.reqs * d
 }

@@ -173,8 +173,14 @@ func TestTTFTPairLearnsTheWholePath(t *testing.T) {
 	if want := math.Exp(0.1 * math.Log(2)); math.Abs(p.fleetFac-want) > 1e-9 {
 		t.Fatalf("fleet correction %v, want %v", p.fleetFac, want)
 	}
-	if _, ok := p.relLog[pd.Prefill.Replica]; !ok || len(p.relLog) != 1 {
-		t.Fatalf("learnt for %v, want the prefill replica %d", p.relLog, pd.Prefill.Replica)
+	var learnt []int
+	for i, sl := range p.slots {
+		if sl.learnt {
+			learnt = append(learnt, i)
+		}
+	}
+	if len(learnt) != 1 || learnt[0] != pd.Prefill.Replica {
+		t.Fatalf("learnt for %v, want the prefill replica %d", learnt, pd.Prefill.Replica)
 	}
 	// The next estimate of the same path carries the correction.
 	if next := pickPair(t, p, pdReq(2), prefill, decode); math.Abs(float64(next.Decode.EstTTFT)/float64(pd.Decode.EstTTFT)-p.fleetFac) > 1e-6 {
