@@ -340,3 +340,39 @@ func TestForgetEmptiesTheSlot(t *testing.T) {
 		t.Fatal(err)
 	}
 }
+
+// BenchmarkMatchScale is the match at fleet scale: 256 replicas (8 shards)
+// in an index of 4M blocks, an 8,000-block prompt held by every fourth
+// replica to a depth of its own, so that every shard resolves many lengths.
+func BenchmarkMatchScale(b *testing.B) {
+	const replicas, blocks = 256, 4 << 20
+	ix, _ := New(Config{Replicas: replicas, MaxEntries: blocks, BlocksPerReplica: 1 << 20})
+	rng := rand.New(rand.NewPCG(5, 6))
+	hs := make([]uint64, 500)
+	for i := 0; ix.Len() < blocks-blocks/8; i++ {
+		for j := range hs {
+			hs[j] = rng.Uint64()
+		}
+		_ = ix.Insert(i%replicas, hs)
+	}
+	full := make([]uint64, 8000)
+	for j := range full {
+		full[j] = rng.Uint64()
+	}
+	for r := 0; r < replicas; r += 4 {
+		_ = ix.Insert(r, full[:(r+1)*len(full)/(2*replicas)])
+	}
+	out, lens := make([]int, replicas), make([]int, replicas)
+	for b.Loop() {
+		out, lens = ix.MatchLens(full, out, lens)
+	}
+	for r := range replicas {
+		want := 0
+		if r%4 == 0 {
+			want = (r + 1) * len(full) / (2 * replicas)
+		}
+		if out[r] != want {
+			b.Fatalf("replica %d matched %d, holds %d", r, out[r], want)
+		}
+	}
+}
