@@ -43,9 +43,10 @@ type responseHomes struct {
 }
 
 // responseRecords is what responseHomes needs of the shared state
-// (sharedstate.Syncer): queue a record, read one back.
+// (sharedstate.Syncer): queue a record or its deletion, read one back.
 type responseRecords interface {
 	NoteResponse(id string, h sharedstate.ResponseHome)
+	ForgetResponse(id string)
 	ResponseHome(ctx context.Context, id string) (sharedstate.ResponseHome, bool, error)
 }
 
@@ -179,7 +180,14 @@ func (h *responseHomes) chain(id string) string {
 	return id
 }
 
-func (h *responseHomes) remove(id string) { h.c.Remove(id) }
+// remove forgets response id, deleted by its owner's call: here and in
+// the shared state, so that no gateway routes its id by the record.
+func (h *responseHomes) remove(id string) {
+	h.c.Remove(id)
+	if h.shared != nil {
+		h.shared.ForgetResponse(id)
+	}
+}
 
 // responsesHeadLen is what relayBody keeps of a Responses answer's start,
 // where its id is (vLLM writes "id" first).

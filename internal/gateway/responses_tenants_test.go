@@ -114,6 +114,28 @@ func TestStoredResponsesOwnerShared(t *testing.T) {
 	if n := len(other.requests()); n != 0 {
 		t.Errorf("the replica not holding it was asked %d times: %v", n, other.requests())
 	}
+	// A response its owner deleted loses its record: the other gateway
+	// knows nothing of it (a 404 of its own, no replica asked). Before, the
+	// record stayed a day and the other gateway sent the call on.
+	status, out = callWithKey(t, http.MethodPost, gws[0].srv.URL+"/v1/responses", "ka", `{"model":"m","input":"to delete"}`)
+	var gone struct {
+		ID string `json:"id"`
+	}
+	if status != 200 || json.Unmarshal([]byte(out), &gone) != nil || gone.ID == "" {
+		t.Fatalf("a's second call: %d %s", status, out)
+	}
+	eventually(t, "the second record written", func() bool { return c.Exists(context.Background(), "kvgate:resp:"+gone.ID).Val() == 1 })
+	if status, out := callWithKey(t, http.MethodDelete, gws[0].srv.URL+"/v1/responses/"+gone.ID, "ka", ""); status != 200 {
+		t.Fatalf("a deleting its response: %d %s", status, out)
+	}
+	eventually(t, "the record deleted", func() bool { return c.Exists(context.Background(), "kvgate:resp:"+gone.ID).Val() == 0 })
+	before = len(holder.requests()) + len(other.requests())
+	if status, out := callWithKey(t, http.MethodGet, gws[1].srv.URL+"/v1/responses/"+gone.ID, "ka", ""); status != http.StatusNotFound {
+		t.Errorf("a deleted response through the other gateway: %d %s, want 404", status, out)
+	}
+	if n := len(holder.requests()) + len(other.requests()); n != before {
+		t.Errorf("a call naming a deleted response reached a replica: %d requests", n-before)
+	}
 	// No record names the owner of an id the replica holds: refused.
 	holder.put("resp_made_elsewhere")
 	if status, out := callWithKey(t, http.MethodGet, gws[1].srv.URL+"/v1/responses/resp_made_elsewhere", "ka", ""); status != http.StatusNotFound {

@@ -21,7 +21,8 @@ import (
 //
 //	<ns>:resp:<id>   'R' record: version 'R' replica tenant; expiring ResponseKeep after its last write
 //
-// and reads it back for an id it does not know. Writes are queued and sent
+// and reads it back for an id it does not know. A response deleted through
+// a gateway (DELETE /v1/responses/{id}) has its record deleted too. Writes are queued and sent
 // by the publisher's loop at once (never on a request's path: a client that
 // names the id through another gateway within that Redis round trip finds
 // no record yet); a read happens only
@@ -95,6 +96,7 @@ func decodeResponseHome(p []byte) (ResponseHome, error) {
 type pendingResponse struct {
 	id   string
 	home ResponseHome
+	gone bool // the record is to be deleted (ForgetResponse)
 }
 
 // NoteResponse queues the record of response id for the next write and
@@ -105,10 +107,24 @@ func (s *Syncer) NoteResponse(id string, h ResponseHome) {
 	if CheckResponseHome(id, h) != nil {
 		return
 	}
+	s.queueResponse(pendingResponse{id: id, home: h})
+}
+
+// ForgetResponse queues the deletion of response id's record (the
+// response was deleted), in order with the writes queued before it, and
+// returns at once as NoteResponse does.
+func (s *Syncer) ForgetResponse(id string) {
+	if id == "" || len(id) > MaxResponseID {
+		return // no gateway writes such a record
+	}
+	s.queueResponse(pendingResponse{id: id, gone: true})
+}
+
+func (s *Syncer) queueResponse(r pendingResponse) {
 	s.rmu.Lock()
 	full := len(s.responses) >= maxResponsesPending
 	if !full {
-		s.responses = append(s.responses, pendingResponse{id: id, home: h})
+		s.responses = append(s.responses, r)
 	}
 	s.rmu.Unlock()
 	// The publisher writes it at once, not at its next tick: the client may
@@ -182,13 +198,18 @@ func (s *Syncer) ResponseHome(ctx context.Context, id string) (ResponseHome, boo
 // responseKey is the record's key.
 func (st *store) responseKey(id string) string { return st.ns + ":resp:" + id }
 
-// putResponses writes records in one pipeline of SET PX.
+// putResponses writes records, and deletes those gone, in one pipeline of
+// SET PX and DEL, in their order.
 func (st *store) putResponses(ctx context.Context, rs []pendingResponse) error {
 	ctx, cancel := context.WithTimeout(ctx, st.timeout)
 	defer cancel()
 	pipe := st.c.Pipeline()
 	var buf []byte
 	for _, r := range rs {
+		if r.gone {
+			pipe.Del(ctx, st.responseKey(r.id))
+			continue
+		}
 		buf = appendResponseHome(buf[:0], r.home)
 		pipe.Set(ctx, st.responseKey(r.id), string(buf), ResponseKeep)
 	}

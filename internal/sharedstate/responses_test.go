@@ -67,6 +67,34 @@ func TestResponseHomesShared(t *testing.T) {
 	}
 }
 
+// A response deleted through one gateway has its record deleted: another
+// gateway finds none (not the deleted response's replica and owner). The
+// deletion keeps its order with a write queued before it in the same
+// flush, and does not touch another response's record.
+func TestResponseRecordDeleted(t *testing.T) {
+	rd := testutil.NewRedis(t)
+	a, b := newGateway(t, rd.URL(), "r", true, nil), newGateway(t, rd.URL(), "r", true, nil)
+	ctx := context.Background()
+	h := ResponseHome{Replica: "http://10.0.0.1:8000", Tenant: "gold"}
+	a.s.NoteResponse("resp_1", h)
+	a.s.NoteResponse("resp_2", h)
+	if err := a.s.flushResponses(ctx); err != nil {
+		t.Fatal(err)
+	}
+	a.s.ForgetResponse("resp_1")
+	a.s.NoteResponse("resp_3", h)
+	a.s.ForgetResponse("resp_3") // created and deleted before a flush
+	a.s.ForgetResponse(strings.Repeat("x", MaxResponseID+1))
+	if err := a.s.flushResponses(ctx); err != nil {
+		t.Fatal(err)
+	}
+	for id, want := range map[string]bool{"resp_1": false, "resp_2": true, "resp_3": false} {
+		if _, ok, err := b.s.ResponseHome(ctx, id); err != nil || ok != want {
+			t.Errorf("%s: found %v (%v), want %v", id, ok, err, want)
+		}
+	}
+}
+
 // A read the caller gave up on (its client left: the request's context
 // ended) says nothing of Redis: it is neither counted as a failed command
 // nor takes Redis for unreachable (which logs, and skips Close's last
