@@ -227,7 +227,10 @@ func (q *queue) expiredErr(w *Waiting) error {
 // band its tenant's and, of every other tenant, at most its weighted share
 // of the same (generalized processor sharing: the others are served in
 // proportion to their weights while w's tenant drains), plus w's own.
-// The work of the requests held for their own candidates alone
+// Of its own tenant's, only the requests ordered before it (waitHeap.Less:
+// a request with a deadline, a program's next turn or a short prompt goes
+// before others that came earlier): counted whole, the tenant's queue shed
+// a deadline request that would have gone first. The work of the requests held for their own candidates alone
 // (errHeldAlone: a retry excluding a replica, an adapter on some replicas)
 // is not ahead of a request that is not: they wait for their replicas
 // while it goes to another with room (release passes over them). A
@@ -250,21 +253,34 @@ func (q *queue) ahead(w *Waiting, ten *tenant) float64 {
 		if b.prio > w.req.Priority {
 			break
 		}
-		mine := w.work
+		own := 0.0
 		for _, tq := range b.tenants {
 			if tq.t == ten {
-				mine += work(tq.work, tq.alone)
+				own = ownAhead(tq, w)
 			}
 		}
+		sum += own
+		mine := w.work + own
 		for _, tq := range b.tenants {
-			if tq.t == ten {
-				sum += work(tq.work, tq.alone)
-			} else {
+			if tq.t != ten {
 				sum += min(work(tq.work, tq.alone), mine*tq.t.weight/ten.weight)
 			}
 		}
 	}
 	return sum
+}
+
+// ownAhead is the work of the requests of tq, w's own tenant's queue in
+// its band, ordered before w; those held alone only when w is (ahead).
+// One pass over the tenant's queue, bounded by the band's MaxQueued.
+func ownAhead(tq *tenantQ, w *Waiting) float64 {
+	s := 0.0
+	for _, x := range tq.h {
+		if (w.alone || !x.alone) && waitBefore(x, w) {
+			s += x.work
+		}
+	}
+	return s
 }
 
 // totalWork is the work waiting in every band.

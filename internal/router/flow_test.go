@@ -413,6 +413,40 @@ func TestFlowShedsEarlyByEstimate(t *testing.T) {
 	}
 }
 
+// A request with a deadline goes before its own tenant's requests that
+// came earlier (waitHeap.Less), so their work is not ahead of it: one due
+// in 2 s behind ~6 s of its tenant's queue is admitted, and goes first.
+// Before, the estimate counted the tenant's whole queue and shed it.
+func TestFlowDeadlineAheadOfItsTenantsQueue(t *testing.T) {
+	fr := newFlowRig(t, 1, FlowConfig{Saturation: SaturationRule{QueueMs: 1}, Band: Band{TTL: time.Minute, MaxQueued: 9}})
+	for i := 0; i <= 6; i++ {
+		mustSubmit(t, fr, fmt.Sprintf("r%d", i), "A", 0, 1000)
+	}
+	// One request (≈ 1,000 tokens + 10 out) leaves per second.
+	for i := range 4 {
+		fr.now = fr.now.Add(time.Second)
+		fr.first(fmt.Sprintf("r%d", i))
+	}
+	for i := 1; i <= 6; i++ {
+		mustSubmit(t, fr, fmt.Sprintf("a%d", i), "A", 0, 1000)
+	}
+	// r5, r6 and a1–a6 wait: about 8 s of the tenant's work.
+	if _, err := fr.submit("due", "A", 0, 100, func(r *policy.Request) { r.Deadline = fr.now.Add(2 * time.Second) }); err != nil {
+		t.Fatalf("a deadline request that goes first in its tenant's queue was shed: %v", err)
+	}
+	// A request of no deadline goes after all of them: refused by the
+	// full band, it is told to come back after the whole queue's wait.
+	_, err := fr.submit("late", "A", 0, 100)
+	var se *ShedError
+	if !errors.As(err, &se) || se.Reason != ShedQueueFull || se.RetryAfter < 7*time.Second {
+		t.Fatalf("a request behind ~8 s of its tenant's work, the band full: %v; want shed (queue full) after ≥ 7 s", err)
+	}
+	fr.first("r4")
+	if got := fr.order(); !strings.HasSuffix(got, "r4 due") {
+		t.Fatalf("order %q: the deadline request should go next", got)
+	}
+}
+
 // A decision whose estimated first token comes after the request's
 // deadline sheds it before anything is sent, queue or not.
 func TestFlowDeadlineByEstimate(t *testing.T) {

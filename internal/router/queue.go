@@ -158,8 +158,10 @@ func (h waitHeap) Len() int { return len(h) }
 // difference of their prefills (a bounded wait: no starvation); then by
 // arrival. A policy that does not price it (the peers') is first come
 // first served.
-func (h waitHeap) Less(i, j int) bool {
-	a, b := h[i], h[j]
+func (h waitHeap) Less(i, j int) bool { return waitBefore(h[i], h[j]) }
+
+// waitBefore is waitHeap.Less of a and b.
+func waitBefore(a, b *Waiting) bool {
 	if a.req.Rank != b.req.Rank {
 		return a.req.Rank < b.req.Rank
 	}
