@@ -63,10 +63,7 @@ type tokenized struct {
 // that hangs up fails no other request waiting on the same lookup; this
 // request alone stops waiting when its context ends.
 func (t *remoteTokenizer) tokenize(ctx context.Context, kind prompt.Kind, p *prompt.Parsed, model router.Resolved, body []byte) ([]uint32, bool) {
-	// The salt (a tenant's, when it isolates its cache) keys it too: an
-	// isolated tenant's prompt is no other's cache hit, whose speed would
-	// tell that someone just sent that text.
-	key := xxhash.Sum64String(kind.String() + "\x00" + p.Model + "\x00" + p.CacheSalt + "\x00" + p.Text)
+	key := tokenizeKey(kind, p)
 	if ids, ok := t.cache.Get(key); ok {
 		t.g.met.tokenize.WithLabelValues("cache").Inc()
 		return ids, true
@@ -159,10 +156,37 @@ func tokenizeBody(kind prompt.Kind, p *prompt.Parsed, body []byte) ([]byte, erro
 			return nil, err
 		}
 		req["messages"] = b.Messages
+		// What else the chat template renders: the tools, a thinking
+		// switch in chat_template_kwargs, a continued final message...
+		// Without them the engine's tokens, and its KV events' blocks,
+		// differ from the ones looked up.
+		for _, f := range p.Render {
+			req[f.Key] = f.Value
+		}
 	default:
 		req["prompt"] = p.Text
 	}
 	return json.Marshal(req)
+}
+
+// tokenizeKey is a lookup's cache key: what decides the engine's tokens
+// (the kind, the model, the rendered text and what else the chat template
+// renders), and the salt (a tenant's, when it isolates its cache: an
+// isolated tenant's prompt is no other's cache hit, whose speed would tell
+// that someone just sent that text).
+func tokenizeKey(kind prompt.Kind, p *prompt.Parsed) uint64 {
+	d := xxhash.New()
+	for _, s := range []string{kind.String(), p.Model, p.CacheSalt, p.Text} {
+		_, _ = d.WriteString(s)
+		_, _ = d.WriteString("\x00")
+	}
+	for _, f := range p.Render {
+		_, _ = d.WriteString(f.Key)
+		_, _ = d.WriteString("\x00")
+		_, _ = d.Write(f.Value)
+		_, _ = d.WriteString("\x00")
+	}
+	return d.Sum64()
 }
 
 // jsonBody marks a request's body as JSON.

@@ -9,6 +9,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvgate/kvgate/internal/prompt"
 	"github.com/kvgate/kvgate/internal/testutil"
 )
 
@@ -208,5 +209,45 @@ func TestRemoteTokenizerSpreadAndFallback(t *testing.T) {
 	}
 	if n := counterValue(t, gw2.g.reg, "kvgate_remote_tokenize_total", map[string]string{"result": "fallback"}); n != 1 {
 		t.Fatalf("%v fallbacks, want 1", n)
+	}
+}
+
+// The remote tokenizer gets a chat with what else its template renders:
+// the tools, chat_template_kwargs (a thinking switch), a continued final
+// message. Without them the engine's tokens, and the blocks its KV events
+// report, are not the ones looked up, and precise mode never matches a
+// tool-using agent's calls. Two chats that differ only there are two
+// lookups, never one cached answer; a null field is as absent.
+func TestChatTokenizeBodyRendersTools(t *testing.T) {
+	body := []byte(`{"model":"m","messages":[{"role":"user","content":"q"}],"tools":[{"type":"function","function":{"name":"bash"}}],` +
+		`"chat_template_kwargs":{"enable_thinking":false},"add_generation_prompt":false,"continue_final_message":true,"chat_template":null,"max_tokens":3}`)
+	p, err := prompt.Parse(prompt.Chat, body)
+	if err != nil {
+		t.Fatal(err)
+	}
+	got, err := tokenizeBody(prompt.Chat, p, body)
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := `{"add_generation_prompt":false,"chat_template_kwargs":{"enable_thinking":false},"continue_final_message":true,` +
+		`"messages":[{"role":"user","content":"q"}],"model":"m","tools":[{"type":"function","function":{"name":"bash"}}]}`
+	if string(got) != want {
+		t.Fatalf("tokenize body %s\nwant %s", got, want)
+	}
+	plain := []byte(`{"model":"m","messages":[{"role":"user","content":"q"}],"tools":[{"type":"function","function":{"name":"bash"}}],"max_tokens":3}`)
+	q, err := prompt.Parse(prompt.Chat, plain)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if tokenizeKey(prompt.Chat, p) == tokenizeKey(prompt.Chat, q) {
+		t.Fatal("chats rendered differently share a tokenizer cache key")
+	}
+	null := []byte(`{"model":"m","messages":[{"role":"user","content":"q"}],"tools":[{"type":"function","function":{"name":"bash"}}],"chat_template_kwargs":null}`)
+	r, err := prompt.Parse(prompt.Chat, null)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if tokenizeKey(prompt.Chat, q) != tokenizeKey(prompt.Chat, r) {
+		t.Fatal("a null field keyed apart from an absent one")
 	}
 }

@@ -31,6 +31,7 @@ func (p *Parsed) fromOther(kind Kind, b *body) error {
 // the request has no prompt: it is routed by load and the replica judges.
 func (p *Parsed) fromPromptOrMessages(kind Kind, b *body) error {
 	if len(b.Messages) > 0 {
+		p.Render = renderOf(b.raw)
 		return p.fromChat(b.Messages, b.Tools)
 	}
 	param := "input"

@@ -156,6 +156,35 @@ type Parsed struct {
 	// KVTransferParams: the body names vLLM's kv_transfer_params (however
 	// its key is spelt), which only a gateway may send a replica.
 	KVTransferParams bool
+	// Render is, of a prompt given as chat messages, the other fields that
+	// change the tokens a replica's chat template renders it to (tools,
+	// chat_template_kwargs, add_generation_prompt...: RenderKeys), as sent
+	// and in that order; none when absent or null. A replica's /tokenize
+	// takes them with the messages (precise mode's remote tokenizer).
+	Render []Field
+}
+
+// Field is a member of a request body: its key and its raw value.
+type Field struct {
+	Key   string
+	Value json.RawMessage
+}
+
+// RenderKeys are the fields of a chat besides its messages that vLLM's
+// chat template rendering takes, in its chat completions and its
+// /tokenize alike (ChatCompletionRequest, TokenizeChatRequest).
+var RenderKeys = []string{"tools", "add_generation_prompt", "continue_final_message", "add_special_tokens",
+	"chat_template", "chat_template_kwargs", "mm_processor_kwargs", "media_io_kwargs"}
+
+// renderOf is Parsed.Render of a body's members.
+func renderOf(raw members) []Field {
+	var fs []Field
+	for _, k := range RenderKeys {
+		if v := raw.val(k); len(v) > 0 && !isNull(v) {
+			fs = append(fs, Field{k, v})
+		}
+	}
+	return fs
 }
 
 // MaxPriority bounds a request's priority: a larger one counts as this
@@ -405,6 +434,7 @@ func Parse(kind Kind, data []byte) (*Parsed, error) {
 	switch kind {
 	case Chat:
 		err = p.fromChat(b.Messages, b.Tools)
+		p.Render = renderOf(b.raw)
 	case Completion:
 		err = p.fromPrompt("prompt", b.Prompt)
 	default:
