@@ -2,6 +2,7 @@ package gateway
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
 	"log/slog"
 	"net"
@@ -338,4 +339,38 @@ func TestPreciseWarmedDirectlyOnReplicas(t *testing.T) {
 	if r := routedTo(t, gw, sim.DefaultModel, after); r != fl.URLs()[1] {
 		t.Fatalf("warmed after the start: routed to %s, want %s", r, fl.URLs()[1])
 	}
+}
+
+// A tool-using chat warmed on a replica is matched there in precise mode:
+// the gateway's /tokenize call carries the chat's tools, which the
+// replica's chat template renders ahead of the conversation, so the ids it
+// hashes are those of the replica's KV events. Before, it sent the
+// messages alone and matched nothing.
+func TestPreciseChatWithTools(t *testing.T) {
+	fl := startSim(t, sim.Config{Replicas: 3, KVEvents: true, KVEventsReplay: true})
+	chat := fmt.Sprintf(`{"model":%q,"max_tokens":1,"messages":[{"role":"system","content":%q},{"role":"user","content":"fix it"}],`+
+		`"tools":[{"type":"function","function":{"name":"bash","description":%q,"parameters":{"type":"object"}}}]}`,
+		sim.DefaultModel, preciseText("an agent's system prompt"), strings.Repeat("runs a shell command and returns its output; ", 20))
+	resp, body := post(t, fl.URLs()[1]+"/v1/chat/completions", chat)
+	if resp.StatusCode != 200 {
+		t.Fatalf("%d %s", resp.StatusCode, body)
+	}
+	cfg := simConfig("precise", fl.URLs()...)
+	cfg.Tokenizer, cfg.AdminToken = "remote", "tok"
+	followKVEvents(&cfg, fl)
+	gw := startGateway(t, cfg)
+	waitHealthy(t, gw)
+	var d struct {
+		Decision struct {
+			Replica int `json:"replica"`
+			Matched int `json:"matched_blocks"`
+		} `json:"decision"`
+	}
+	eventually(t, "the warmed chat matched on its replica", func() bool {
+		resp, body := post(t, gw.srv.URL+"/debug/route", chat, "Authorization", "Bearer tok")
+		if resp.StatusCode != 200 || json.Unmarshal([]byte(body), &d) != nil {
+			t.Fatalf("/debug/route: %d %s", resp.StatusCode, body)
+		}
+		return d.Decision.Replica == 1 && d.Decision.Matched > 16
+	})
 }

@@ -100,8 +100,9 @@ func (r *Replica) adapterOf(model string) (string, error) {
 	return "", modelNotFound(model)
 }
 
-// tokenizeKeys are the fields /tokenize reads.
-var tokenizeKeys = keys{"model": nil, "prompt": nil, "messages": messageKeys}
+// tokenizeKeys are the fields /tokenize reads: with messages, the tools
+// their chat renders too, as the chat endpoint does (parseKeys).
+var tokenizeKeys = keys{"model": nil, "prompt": nil, "messages": messageKeys, "tools": nil}
 
 // tokenize is vLLM's POST /tokenize: a completions prompt or chat messages
 // in, {"count", "max_model_len", "tokens"} out, under the Approx tokenizer.
