@@ -107,6 +107,12 @@ func (g *Gateway) relayStream(x *exchange, a *attempt, ctx context.Context, canc
 				continue
 			}
 			if werr := g.relayEvent(x, a, ev, &sawDone, &ms); werr != nil {
+				if sawDone {
+					// The client had the answer's end and hung up: what
+					// the replica sends after it (vLLM's [DONE] after a
+					// Messages stream's message_stop) is not missed.
+					return nil, nil
+				}
 				return nil, werr
 			}
 			continue
