@@ -157,6 +157,11 @@ func (p *Picker) Pick(req PickRequest) (*Handoff, Pick, *Reply) {
 	if err := h.exclude(req.Subset); err != nil {
 		return nil, Pick{}, h.refuse(w, h.r, err)
 	}
+	if h.x.lookup { // a stored response the gateway does not know: ask the replicas first
+		if err := h.find(statefulID(h.x)); err != nil {
+			return nil, Pick{}, h.refuse(w, h.r, err)
+		}
+	}
 	pick, err := h.route()
 	if err != nil {
 		g.endUnrouted(h.x, err)
@@ -251,8 +256,16 @@ func (h *Handoff) kind() (prompt.Kind, bool) {
 	case slices.Contains(h.g.cfg.Passthrough, p):
 		return prompt.Other, true
 	default:
-		k, ok := passthroughPaths[p]
-		return k, ok && !strings.Contains(p, "{")
+		if k, ok := passthroughPaths[p]; ok && !strings.Contains(p, "{") {
+			return k, true
+		}
+		// A stored response's own paths (passthroughPaths' templates):
+		// GET or DELETE /v1/responses/{id}, POST …/{id}/cancel.
+		if id, ok := responsePathID(p); ok {
+			rest := strings.TrimPrefix(p, "/v1/responses/"+id)
+			return prompt.Other, rest == "" || rest == "/cancel"
+		}
+		return 0, false
 	}
 }
 

@@ -57,6 +57,24 @@ func TestPickerStoredResponsesPerTenant(t *testing.T) {
 			t.Fatalf("a's next call went to %s, its response is on %s", got.Endpoint, first.Endpoint)
 		}
 	}
+	// The stored response's own path: its owner's GET goes to its replica,
+	// another tenant's is the 404 of an unknown id. Before, the picker
+	// answered every /v1/responses/{id} "no such endpoint".
+	get := func(key string) (*Handoff, Pick, *Reply) {
+		return p.Pick(PickRequest{Context: context.Background(), Method: http.MethodGet, Target: "/v1/responses/resp_a1",
+			Header: http.Header{"Authorization": {"Bearer " + key}}, RemoteAddr: "127.0.0.1:1"})
+	}
+	if h, got, reply := get("ka"); reply != nil || got.Endpoint != first.Endpoint {
+		t.Errorf("a's GET of its response: %+v %v, want %s", got, reply, first.Endpoint)
+	} else {
+		h.End(false)
+	}
+	if h, _, reply := get("kb"); reply == nil || reply.Status != http.StatusNotFound {
+		if h != nil {
+			h.End(false)
+		}
+		t.Errorf("b's GET of a's response: %v, want a 404", reply)
+	}
 	waitIdle(t, gw)
 }
 
@@ -90,5 +108,67 @@ func TestPickerEncodedStreamPasses(t *testing.T) {
 	chunk := []byte("\x1f\x8b\x08\x00\x00\x00\x00\x00\x00\xff" + strings.Repeat("\x8a\x01", 100)) // no blank line in it
 	if got := h.Body(chunk, false); string(got) != string(chunk) {
 		t.Fatalf("an encoded chunk: %d bytes passed of %d", len(got), len(chunk))
+	}
+}
+
+// Behind the picker, without tenants, a call naming a stored response the
+// gateway does not know (made on a replica directly, or before a restart)
+// is pinned to the replica holding it: the picker asks the replicas, as
+// the HTTP front's lookup does by trying each, since the proxy sends a
+// call once. An id no replica holds is the 404 of an unknown one, and an
+// id no replica makes is refused without asking any; when a replica did
+// not answer and none has it, 503. Before, such a call went by load to
+// one replica, which answered 404 unless it held the response.
+func TestPickerFindsAStoredResponse(t *testing.T) {
+	f1, f2 := newAPIReplica(t, "a", "m", ""), newAPIReplica(t, "b", "m", "")
+	gw := startGateway(t, baseConfig(f1.srv.URL, f2.srv.URL))
+	allListed(t, gw)
+	p, err := gw.g.NewPicker(0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	pick := func(method, target, body string) (Pick, *Reply) {
+		h, got, reply := p.Pick(PickRequest{Context: context.Background(), Method: method, Target: target,
+			Header: http.Header{"Content-Type": {"application/json"}}, Body: []byte(body), RemoteAddr: "127.0.0.1:1"})
+		if h != nil {
+			h.End(false)
+		}
+		return got, reply
+	}
+	f2.put("resp_made_on_b")
+	ep2, err := Endpoint(f2.srv.URL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for range 4 { // by load alone, one of them would go to a
+		for _, c := range []struct{ method, target, body string }{
+			{http.MethodPost, "/v1/responses", `{"model":"m","input":"and then?","previous_response_id":"resp_made_on_b"}`},
+			{http.MethodGet, "/v1/responses/resp_made_on_b", ""},
+		} {
+			got, reply := pick(c.method, c.target, c.body)
+			if reply != nil || got.Endpoint != ep2 {
+				t.Fatalf("%s %s: %+v %v; want the replica holding it, %s", c.method, c.target, got, reply, ep2)
+			}
+		}
+	}
+	before := len(f1.requests()) + len(f2.requests())
+	if _, reply := pick(http.MethodPost, "/v1/responses", `{"model":"m","input":"x","previous_response_id":"resp_nowhere"}`); reply == nil ||
+		reply.Status != http.StatusNotFound {
+		t.Errorf("an id no replica holds: %v, want 404", reply)
+	}
+	if n := len(f1.requests()) + len(f2.requests()) - before; n != 2 {
+		t.Errorf("an unknown id asked %d replicas, want both", n)
+	}
+	before = len(f1.requests()) + len(f2.requests())
+	if _, reply := pick(http.MethodPost, "/v1/responses", `{"model":"m","input":"x","previous_response_id":"../../metrics"}`); reply == nil ||
+		reply.Status != http.StatusNotFound {
+		t.Errorf("an id no replica makes: %v, want 404", reply)
+	}
+	if n := len(f1.requests()) + len(f2.requests()) - before; n != 0 {
+		t.Errorf("an id no replica makes asked %d replicas", n)
+	}
+	f1.srv.Close() // still in rotation until a health check says otherwise
+	if _, reply := pick(http.MethodGet, "/v1/responses/resp_made_on_a", ""); reply == nil || reply.Status != http.StatusServiceUnavailable {
+		t.Errorf("an id not on b, a not answering: %v, want 503", reply)
 	}
 }

@@ -1,0 +1,129 @@
+package gateway
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"slices"
+	"sync"
+	"time"
+
+	"github.com/kvgate/kvgate/internal/fleet"
+	"github.com/kvgate/kvgate/internal/sharedstate"
+)
+
+// Behind an endpoint picker, a call naming a stored response the gateway
+// does not know (no tenants: any client may name it; no shared record;
+// the gateway restarted without state_file, or its bounded memory dropped
+// the id) cannot be looked up as the HTTP front does, by sending it to
+// each replica in turn until one does not answer 404: the proxy sends a
+// request once. So the picker asks the replicas itself, before it picks:
+// GET /v1/responses/{id} to each replica it may choose, eight at a time, and pins
+// the call to the one that has it. Before, such a call went by load to one
+// replica, which answered 404 unless it happened to hold the response.
+
+// lookupProbeTimeout bounds each replica's answer, as a health probe's;
+// lookupProbes bounds the replicas asked at once by one lookup (after a
+// restart, every chain under way looks its response up once).
+const (
+	lookupProbeTimeout = 2 * time.Second
+	lookupProbes       = 8
+)
+
+// errLookupUnchecked: a replica the response may be on did not answer.
+var errLookupUnchecked = &apiError{Status: http.StatusServiceUnavailable, Type: "server_error", Code: "replica_unavailable",
+	Message: "the replica holding the response named could not be found now (a replica did not answer); retry later"}
+
+// find pins x, a lookup of stored response id, to the replica holding it:
+// the 404 of an unknown id when every replica it may go to answers 404, a
+// 503 when none has it but one did not answer.
+func (h *Handoff) find(id string) error {
+	g, x := h.g, h.x
+	notFound := errNotFound.with(fmt.Sprintf("Response with id '%s' not found.", id))
+	if !plainID(id) {
+		return notFound // no replica makes such an id; none is asked (it would be a path of the client's)
+	}
+	var cands []int
+	for i := range g.rt.Replicas() {
+		if r := g.rt.Replica(i); r.Healthy() && !r.Removed() && !slices.Contains(x.exclude, i) {
+			cands = append(cands, i)
+		}
+	}
+	ctx, cancel := context.WithCancel(x.r.Context())
+	defer cancel()
+	var (
+		wg        sync.WaitGroup
+		mu        sync.Mutex
+		holder    = -1
+		unchecked bool
+	)
+	slots := make(chan struct{}, lookupProbes)
+	for _, i := range cands {
+		slots <- struct{}{}
+		wg.Go(func() {
+			defer func() { <-slots }()
+			has, err := g.holdsResponse(ctx, i, id)
+			mu.Lock()
+			defer mu.Unlock()
+			switch {
+			case has && holder < 0:
+				holder = i
+				cancel() // the others' answers are not needed
+			case err != nil && !errors.Is(err, context.Canceled):
+				unchecked = true
+			}
+		})
+	}
+	wg.Wait()
+	switch {
+	case holder >= 0:
+		x.pol, x.lookup = pinned(holder), false
+		g.pt.homes.found(id, holder, x.tenant.label())
+		return nil
+	case unchecked:
+		return errLookupUnchecked
+	}
+	return notFound
+}
+
+// plainID: id is one a replica makes (vLLM's "resp_" and hex), within the
+// shared record's bound: letters, digits, '_' and '-' only, so that the
+// path asked is /v1/responses/{id} and nothing else.
+func plainID(id string) bool {
+	if id == "" || len(id) > sharedstate.MaxResponseID {
+		return false
+	}
+	for _, c := range []byte(id) {
+		if !(c >= 'a' && c <= 'z' || c >= 'A' && c <= 'Z' || c >= '0' && c <= '9' || c == '_' || c == '-') {
+			return false
+		}
+	}
+	return true
+}
+
+// holdsResponse asks replica i whether it stores response id: true on 200,
+// false on 404, an error otherwise (no answer in time, another status).
+func (g *Gateway) holdsResponse(ctx context.Context, i int, id string) (bool, error) {
+	ctx, cancel := context.WithTimeout(ctx, lookupProbeTimeout)
+	defer cancel()
+	rep := g.rt.Replica(i)
+	req, err := fleet.NewRequest(ctx, http.MethodGet, rep.URL(), rep.APIKey(), "/v1/responses/"+id, nil, nil)
+	if err != nil {
+		return false, err
+	}
+	resp, err := g.client.Do(req)
+	if err != nil {
+		return false, err
+	}
+	defer resp.Body.Close()
+	_, _ = io.Copy(io.Discard, io.LimitReader(resp.Body, 64<<10)) // a short answer keeps its connection
+	switch resp.StatusCode {
+	case http.StatusOK:
+		return true, nil
+	case http.StatusNotFound:
+		return false, nil
+	}
+	return false, fmt.Errorf("GET /v1/responses/{id}: %s", resp.Status)
+}
