@@ -117,7 +117,7 @@ func (g *Gateway) debug(w http.ResponseWriter, r *http.Request) {
 		writeError(w, err)
 		return
 	}
-	model, req, err := g.prepare(r.Context(), kind, body, programHeader(r.Header), t)
+	model, req, err := g.prepare(r.Context(), kind, body, r.Header, t)
 	if err != nil {
 		writeError(w, err)
 		return

@@ -369,7 +369,7 @@ func (g *Gateway) enter(x *exchange, releaseBody func(), parse func() (*prompt.P
 		return nil, err
 	}
 	// Remote tokenization costs the replicas work: only admitted requests.
-	x.req, err = g.routingKey(ctx, x.kind, x.parsed, x.model, x.body, programHeader(x.r.Header))
+	x.req, err = g.routingKey(ctx, x.kind, x.parsed, x.model, x.body, x.r.Header)
 	if err == nil {
 		g.tagRequest(x)
 		err = g.admitQuota(x)
@@ -406,7 +406,7 @@ func (g *Gateway) requestContext(parent context.Context, cut func()) (context.Co
 
 // prepare parses a request body into a routing key (/debug/route), its
 // model resolved, as a request of tenant t would be keyed (its cache salt).
-func (g *Gateway) prepare(ctx context.Context, kind prompt.Kind, body []byte, session string, t *tenant) (router.Resolved, *policy.Request, error) {
+func (g *Gateway) prepare(ctx context.Context, kind prompt.Kind, body []byte, h http.Header, t *tenant) (router.Resolved, *policy.Request, error) {
 	p, model, err := g.parse(kind, body)
 	if err != nil {
 		return model, nil, err
@@ -414,7 +414,7 @@ func (g *Gateway) prepare(ctx context.Context, kind prompt.Kind, body []byte, se
 	if g.ten != nil {
 		p.CacheSalt, _ = g.ten.salt(t, p.CacheSalt)
 	}
-	req, err := g.routingKey(ctx, kind, p, model, body, session)
+	req, err := g.routingKey(ctx, kind, p, model, body, h)
 	if err == nil {
 		tenantProgram(req, t)
 	}
@@ -438,7 +438,7 @@ func (g *Gateway) parse(kind prompt.Kind, body []byte) (*prompt.Parsed, router.R
 // routingKey tokenizes (remotely when configured) and hashes the prompt
 // of p, whose model resolved as model.
 func (g *Gateway) routingKey(ctx context.Context, kind prompt.Kind, p *prompt.Parsed, model router.Resolved, body []byte,
-	session string) (*policy.Request, error) {
+	h http.Header) (*policy.Request, error) {
 	// A client's own /tokenize, and a request without a prompt, need no
 	// remote tokenization to be routed.
 	if g.tok != nil && p.TokenIDs == nil && p.Text != "" && kind != prompt.Tokenize {
@@ -446,7 +446,7 @@ func (g *Gateway) routingKey(ctx context.Context, kind prompt.Kind, p *prompt.Pa
 			p.TokenIDs = ids
 		}
 	}
-	req := g.rt.PrepareIn(model, p, session)
+	req := g.rt.PrepareIn(model, p, programSession(h, p))
 	if p.TokenIDs != nil {
 		// Token counts are exact: check the whole request against the context.
 		if err := checkLength(p, model, req.Tokens); err != nil {

@@ -131,9 +131,9 @@ func TestMessagesTurnsFollowTheirBlocks(t *testing.T) {
 	ctx := context.Background()
 	for c := range 4 {
 		conv := fmt.Sprintf("conv-%d", c)
-		_, k1, err1 := gw.g.prepare(ctx, prompt.Messages, []byte(claudeTurn(conv, 1, "aaaa")), "", nil)
-		_, k1b, err1b := gw.g.prepare(ctx, prompt.Messages, []byte(claudeTurn(conv, 1, "bbbb")), "", nil)
-		_, k2, err2 := gw.g.prepare(ctx, prompt.Messages, []byte(claudeTurn(conv, 2, "cccc")), "", nil)
+		_, k1, err1 := gw.g.prepare(ctx, prompt.Messages, []byte(claudeTurn(conv, 1, "aaaa")), nil, nil)
+		_, k1b, err1b := gw.g.prepare(ctx, prompt.Messages, []byte(claudeTurn(conv, 1, "bbbb")), nil, nil)
+		_, k2, err2 := gw.g.prepare(ctx, prompt.Messages, []byte(claudeTurn(conv, 2, "cccc")), nil, nil)
 		if err1 != nil || err1b != nil || err2 != nil {
 			t.Fatal(err1, err1b, err2)
 		}
@@ -156,6 +156,48 @@ func TestMessagesTurnsFollowTheirBlocks(t *testing.T) {
 		}
 	}
 	waitIdle(t, gw)
+}
+
+// Claude Code sends one session id (metadata.user_id, and its session
+// header) on every request of a session, its subagents' and side calls'
+// included. A session's turns are one program; a subagent (its own system
+// prompt and task) is a program of its own, as Dynamo's session headers
+// make it. A session header of kvgate's or Dynamo's names the program
+// as it is, whatever the prompt. Before, a subagent was a turn of its
+// parent's program: its context taken for the parent's, its home the
+// parent's.
+func TestClaudeCodeSubagentsArePrograms(t *testing.T) {
+	gw := startGateway(t, baseConfig(newMessagesReplica(t, `{"input_tokens":10,"output_tokens":2}`).srv.URL))
+	allListed(t, gw)
+	ctx := context.Background()
+	program := func(kind prompt.Kind, body string, h http.Header) uint64 {
+		t.Helper()
+		_, req, err := gw.g.prepare(ctx, kind, []byte(body), h, nil)
+		if err != nil || req.Program.ID == 0 {
+			t.Fatalf("%.80s: no program (%v)", body, err)
+		}
+		return req.Program.ID
+	}
+	main1 := program(prompt.Messages, claudeTurn("s1", 1, "aaaa"), nil)
+	if main3 := program(prompt.Messages, claudeTurn("s1", 3, "bbbb"), nil); main3 != main1 {
+		t.Fatal("a session's turns are not one program")
+	}
+	sub := `{"model":"m","max_tokens":64,"system":"You are a search subagent.","metadata":{"user_id":"user_ab12_account__session_s1"},` +
+		`"messages":[{"role":"user","content":"find where the bug is"}]}`
+	if program(prompt.Messages, sub, nil) == main1 {
+		t.Fatal("a subagent of the session is a turn of its main program")
+	}
+	chat := func(system string) string {
+		return fmt.Sprintf(`{"model":"m","max_tokens":4,"messages":[{"role":"system","content":%q},{"role":"user","content":"go"}]}`, system)
+	}
+	cc := http.Header{"X-Claude-Code-Session-Id": {"s2"}}
+	if program(prompt.Chat, chat("main agent"), cc) == program(prompt.Chat, chat("subagent"), cc) {
+		t.Fatal("Claude Code's session header: a subagent is a turn of its main program")
+	}
+	own := http.Header{"X-Session-Id": {"s3"}}
+	if program(prompt.Chat, chat("main agent"), own) != program(prompt.Chat, chat("subagent"), own) {
+		t.Fatal("X-Session-Id names one program whatever the prompt")
+	}
 }
 
 // The Messages usage corrects the tenant's quota and counts the tokens,
@@ -334,7 +376,7 @@ func TestMessagesRemoteTokenizer(t *testing.T) {
 		string(reqs[1]) != body {
 		t.Fatalf("the replica got %q", reqs)
 	}
-	_, key, err := gw.g.prepare(context.Background(), prompt.Messages, []byte(body), "", nil)
+	_, key, err := gw.g.prepare(context.Background(), prompt.Messages, []byte(body), nil, nil)
 	if err != nil || key.Tokens != 40 || len(key.Blocks) != 2 {
 		t.Fatalf("key: %d tokens, %d blocks, %v", key.Tokens, len(key.Blocks), err)
 	}

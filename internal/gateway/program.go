@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/kvgate/kvgate/internal/policy"
+	"github.com/kvgate/kvgate/internal/prompt"
 	"github.com/kvgate/kvgate/internal/router"
 )
 
@@ -25,18 +26,26 @@ import (
 //     does not need: a subagent is a program of its own);
 //   - X-Claude-Code-Session-Id: Claude Code's, on every request it sends
 //     (the session its metadata.user_id names too; its subagents' requests
-//     carry their parent's).
+//     carry their parent's, so that the router scopes it by each
+//     conversation's start: router.ProgramOf, prompt.Parsed.SessionShared).
 //
 // llm-d's session affinity is not a program id: its x-session-token header
 // (inference scheduler ≤ v0.2) and its llm-d-session cookie (later) carry
 // the base64 name of the pod the previous request went to, the same for
 // every session on that pod; kvgate does not read them.
-var programHeaders = [...]string{"X-Session-Id", "X-Dynamo-Session-Id", "X-Claude-Code-Session-Id"}
+var programHeaders = [...]string{"X-Session-Id", "X-Dynamo-Session-Id", claudeCodeSession}
 
-// programHeader is the program id a request's headers name ("" for none).
-func programHeader(h http.Header) string {
+const claudeCodeSession = "X-Claude-Code-Session-Id"
+
+// programSession is the program id a request's headers name ("" for
+// none). Claude Code's is a session its subagents share: p.SessionShared
+// (router.ProgramOf scopes it), unless the body named the program.
+func programSession(h http.Header, p *prompt.Parsed) string {
 	for _, name := range programHeaders {
 		if v := h.Get(name); v != "" {
+			if name == claudeCodeSession && p.PromptCacheKey == "" {
+				p.SessionShared = true
+			}
 			return v
 		}
 	}

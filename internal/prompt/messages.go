@@ -129,7 +129,8 @@ func (p *Parsed) fromAnthropic(count bool, b *body) error {
 // anthropicMetadata reads metadata.user_id: the request's user, and the
 // session Claude Code names in it (its program, as prompt_cache_key names
 // one): "user_<hash>_account_<uuid>_session_<uuid>", or, in later
-// versions, a JSON object with session_id.
+// versions, a JSON object with session_id. Its subagents (and its side
+// calls: a title, a summary) send the same session: SessionShared.
 func (p *Parsed) anthropicMetadata(raw members) error {
 	v, ok := raw.get("metadata")
 	if !ok || isNull(v) {
@@ -147,14 +148,14 @@ func (p *Parsed) anthropicMetadata(raw members) error {
 		return invalid("metadata.user_id", "must be a string")
 	}
 	if i := strings.LastIndex(p.User, "_session_"); i >= 0 {
-		p.PromptCacheKey = p.User[i+len("_session_"):]
+		p.PromptCacheKey, p.SessionShared = p.User[i+len("_session_"):], true
 		return nil
 	}
 	var o struct {
 		SessionID string `json:"session_id"`
 	}
 	if strings.HasPrefix(p.User, "{") && json.Unmarshal([]byte(p.User), &o) == nil {
-		p.PromptCacheKey = o.SessionID
+		p.PromptCacheKey, p.SessionShared = o.SessionID, o.SessionID != ""
 	}
 	return nil
 }

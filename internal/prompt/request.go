@@ -121,6 +121,12 @@ type Parsed struct {
 	// conversation), the first source of a request's program id (see
 	// router.ProgramOf). "" when absent.
 	PromptCacheKey string
+	// SessionShared: the program id the request names is a session its
+	// client's subagents and side calls share (Claude Code's metadata.user_id
+	// session, and its session header): the router scopes it by the
+	// conversation's start, its leading system prompt and first user
+	// message (router.ProgramOf), so that each subagent is a program.
+	SessionShared bool
 	// Text is the routing text: the completions prompt (the first one of a
 	// batch), or the chat messages rendered in order with their roles, so
 	// that a shared system prompt is a shared prefix.

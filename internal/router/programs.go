@@ -1,6 +1,7 @@
 package router
 
 import (
+	"strconv"
 	"sync"
 	"time"
 
@@ -515,12 +516,22 @@ func (rt *Router) programEnded(t *Ticket, at time.Time) {
 // ProgramOf is a request's program id, from the first source that names
 // one: the body's prompt_cache_key (OpenAI's client-side cache key), then
 // session, what the transport found (a session header, the program of a
-// Responses call's previous_response_id); "" for none. At most
-// MaxProgramID bytes (ProgramName).
+// Responses call's previous_response_id); "" for none. A session the
+// client's subagents share (p.SessionShared: Claude Code's) is scoped by
+// the conversation's start, its leading system prompt and first user
+// message: a subagent has a system prompt and a task of its own, while a
+// session's turns re-send both unchanged (until a compaction rewrites the
+// conversation, which starts a program as it starts a context). Before,
+// a session's subagents and side calls were turns of its main program,
+// their contexts taken for its. At most MaxProgramID bytes (ProgramName).
 func ProgramOf(p *prompt.Parsed, session string) string {
 	id := p.PromptCacheKey
 	if id == "" {
 		id = session
+	}
+	if id != "" && p.SessionShared {
+		start := prompt.Chain(prompt.Chain(0, []byte(p.System)), []byte(p.KeyText))
+		id += "/" + strconv.FormatUint(start, 16)
 	}
 	return ProgramName(id)
 }
