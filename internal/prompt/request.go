@@ -164,7 +164,7 @@ type Parsed struct {
 	KVTransferParams bool
 	// Render is, of a prompt given as chat messages, the other fields that
 	// change the tokens a replica's chat template renders it to (tools,
-	// chat_template_kwargs, add_generation_prompt...: RenderKeys), as sent
+	// chat_template_kwargs, add_generation_prompt...: renderKeys), as sent
 	// and in that order; none when absent or null. A replica's /tokenize
 	// takes them with the messages (precise mode's remote tokenizer).
 	Render []Field
@@ -176,16 +176,16 @@ type Field struct {
 	Value json.RawMessage
 }
 
-// RenderKeys are the fields of a chat besides its messages that vLLM's
+// renderKeys are the fields of a chat besides its messages that vLLM's
 // chat template rendering takes, in its chat completions and its
 // /tokenize alike (ChatCompletionRequest, TokenizeChatRequest).
-var RenderKeys = []string{"tools", "add_generation_prompt", "continue_final_message", "add_special_tokens",
+var renderKeys = []string{"tools", "add_generation_prompt", "continue_final_message", "add_special_tokens",
 	"chat_template", "chat_template_kwargs", "mm_processor_kwargs", "media_io_kwargs"}
 
 // renderOf is Parsed.Render of a body's members.
 func renderOf(raw members) []Field {
 	var fs []Field
-	for _, k := range RenderKeys {
+	for _, k := range renderKeys {
 		if v := raw.val(k); len(v) > 0 && !isNull(v) {
 			fs = append(fs, Field{k, v})
 		}
