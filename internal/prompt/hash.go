@@ -3,6 +3,7 @@ package prompt
 import (
 	"encoding/binary"
 	"math/bits"
+	"slices"
 
 	"github.com/cespare/xxhash/v2"
 	"github.com/zeebo/xxh3"
@@ -66,9 +67,13 @@ func BlockHashes(dst []uint64, root uint64, tokenBytes []byte, blockSize int) []
 	step := blockSize * TokenBytesPer
 	h := root
 	if step == 64 { // the default block: the same hashes, without the library's length switch
-		for off := 0; off+64 <= len(tokenBytes); off += 64 {
-			h = link(h, xxh3Of64(tokenBytes[off:off+64]))
-			dst = append(dst, h)
+		// Written in place rather than appended: no capacity check per block.
+		n0, n := len(dst), len(tokenBytes)/64
+		dst = slices.Grow(dst, n)[:n0+n]
+		out := dst[n0:]
+		for i := range out {
+			h = link(h, xxh3Of64(tokenBytes[i*64:i*64+64]))
+			out[i] = h
 		}
 		return dst
 	}
