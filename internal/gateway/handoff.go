@@ -369,9 +369,11 @@ func hopHeader(k string) bool { return slices.Contains(hopHeaders, k) || k == "C
 // fallbacks are the candidates the proxy may try after the chosen one,
 // best first: the replicas that hold most of the prompt, then the least
 // loaded (pending prefill, then requests in flight); at most the
-// picker's fallbacks.
+// picker's fallbacks. A call pinned to the replica holding its stored
+// response has none: another replica would answer that the response does
+// not exist.
 func (h *Handoff) fallbacks() []int {
-	if h.p.fallbacks == 0 {
+	if _, held := h.x.pol.(pinned); held || h.p.fallbacks == 0 {
 		return nil
 	}
 	views, err := h.g.rt.Candidates(h.x.req, append(slices.Clone(h.x.exclude), h.a.tk.Replica)...)

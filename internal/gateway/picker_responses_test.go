@@ -172,3 +172,50 @@ func TestPickerFindsAStoredResponse(t *testing.T) {
 		t.Errorf("an id not on b, a not answering: %v, want 503", reply)
 	}
 }
+
+// A call pinned to the replica holding its stored response names no
+// fallback endpoint: no other replica holds the response, so the proxy,
+// moving on when the holder refuses, would have the client told by a
+// fallback that its response does not exist (a 404 it may take for the
+// conversation's end; serve answers 503 then: errHolderDown). Before, the
+// pick listed epp.fallbacks (default 1) of the others, by load.
+func TestPickerPinnedCallNamesNoFallback(t *testing.T) {
+	f1, f2, f3 := newAPIReplica(t, "a", "m", ""), newAPIReplica(t, "b", "m", ""), newAPIReplica(t, "c", "m", "")
+	gw := startGateway(t, baseConfig(f1.srv.URL, f2.srv.URL, f3.srv.URL))
+	allListed(t, gw)
+	p, err := gw.g.NewPicker(2)
+	if err != nil {
+		t.Fatal(err)
+	}
+	f2.put("resp_made_on_b")
+	ep2, err := Endpoint(f2.srv.URL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Looked up first, then known.
+	for _, c := range []struct{ method, target, body string }{
+		{http.MethodGet, "/v1/responses/resp_made_on_b", ""},
+		{http.MethodPost, "/v1/responses", `{"model":"m","input":"and then?","previous_response_id":"resp_made_on_b"}`},
+		{http.MethodDelete, "/v1/responses/resp_made_on_b", ""},
+	} {
+		h, got, reply := p.Pick(PickRequest{Context: context.Background(), Method: c.method, Target: c.target,
+			Header: http.Header{"Content-Type": {"application/json"}}, Body: []byte(c.body), RemoteAddr: "127.0.0.1:1"})
+		if reply != nil {
+			t.Fatalf("%s %s: %d %s", c.method, c.target, reply.Status, reply.Body)
+		}
+		h.End(false)
+		if got.Endpoint != ep2 || len(got.Fallbacks) != 0 {
+			t.Errorf("%s %s: %s then %v; want %s alone", c.method, c.target, got.Endpoint, got.Fallbacks, ep2)
+		}
+	}
+	// A call of no stored response keeps its fallbacks.
+	h, got, reply := p.Pick(PickRequest{Context: context.Background(), Method: http.MethodPost, Target: "/v1/responses",
+		Header: http.Header{"Content-Type": {"application/json"}}, Body: []byte(`{"model":"m","input":"hi"}`), RemoteAddr: "127.0.0.1:1"})
+	if reply != nil {
+		t.Fatalf("a new call: %d %s", reply.Status, reply.Body)
+	}
+	h.End(false)
+	if len(got.Fallbacks) != 2 {
+		t.Errorf("a new call: fallbacks %v, want 2", got.Fallbacks)
+	}
+}
