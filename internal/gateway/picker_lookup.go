@@ -38,7 +38,8 @@ var errLookupUnchecked = &apiError{Status: http.StatusServiceUnavailable, Type: 
 
 // find pins x, a lookup of stored response id, to the replica holding it:
 // the 404 of an unknown id when every replica it may go to answers 404, a
-// 503 when none has it but one did not answer.
+// 503 when none has it but one did not answer, or when there is none to
+// ask (as serve's: nothing says the response does not exist).
 func (h *Handoff) find(id string) error {
 	g, x := h.g, h.x
 	notFound := errNotFound.with(fmt.Sprintf("Response with id '%s' not found.", id))
@@ -51,14 +52,31 @@ func (h *Handoff) find(id string) error {
 			cands = append(cands, i)
 		}
 	}
-	ctx, cancel := context.WithCancel(x.r.Context())
+	if len(cands) == 0 {
+		return errNoReplica
+	}
+	switch holder, unchecked := g.askHolders(x.r.Context(), cands, id); {
+	case holder >= 0:
+		x.pol, x.lookup = pinned(holder), false
+		g.pt.homes.found(id, holder, x.tenant.label())
+		return nil
+	case unchecked:
+		return errLookupUnchecked
+	}
+	return notFound
+}
+
+// askHolders asks replicas cands, lookupProbes at a time, whether they
+// hold response id: the first that does (-1: none), and whether one did
+// not answer (once one does, the others' answers are not awaited).
+func (g *Gateway) askHolders(ctx context.Context, cands []int, id string) (holder int, unchecked bool) {
+	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	var (
-		wg        sync.WaitGroup
-		mu        sync.Mutex
-		holder    = -1
-		unchecked bool
+		wg sync.WaitGroup
+		mu sync.Mutex
 	)
+	holder = -1
 	slots := make(chan struct{}, lookupProbes)
 	for _, i := range cands {
 		slots <- struct{}{}
@@ -77,15 +95,7 @@ func (h *Handoff) find(id string) error {
 		})
 	}
 	wg.Wait()
-	switch {
-	case holder >= 0:
-		x.pol, x.lookup = pinned(holder), false
-		g.pt.homes.found(id, holder, x.tenant.label())
-		return nil
-	case unchecked:
-		return errLookupUnchecked
-	}
-	return notFound
+	return holder, unchecked
 }
 
 // plainID: id is one a replica makes (vLLM's "resp_" and hex), within the

@@ -219,3 +219,37 @@ func TestPickerPinnedCallNamesNoFallback(t *testing.T) {
 		t.Errorf("a new call: fallbacks %v, want 2", got.Fallbacks)
 	}
 }
+
+// With no replica in rotation, a call naming a stored response the
+// gateway does not know is a 503, as serve's: no replica was asked, so
+// nothing says the response does not exist. Before, the picker's lookup,
+// with none to ask, answered the 404 of an unknown id, which a client
+// takes for its conversation's end.
+func TestPickerLookupWithoutReplicas(t *testing.T) {
+	f := newAPIReplica(t, "a", "m", "")
+	gw, clk := gwWithClock(t, baseConfig(f.srv.URL))
+	rep := gw.g.Router().Replica(0)
+	eventually(t, "the replica checked", rep.Ready)
+	rep.SetHealthOK(false, clk.Now()) // the next check is an hour away on the fake clock
+	p, err := gw.g.NewPicker(0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	f.put("resp_1")
+	for _, c := range []struct{ method, target, body string }{
+		{http.MethodGet, "/v1/responses/resp_1", ""},
+		{http.MethodPost, "/v1/responses", `{"model":"m","input":"and then?","previous_response_id":"resp_1"}`},
+	} {
+		h, _, reply := p.Pick(PickRequest{Context: context.Background(), Method: c.method, Target: c.target,
+			Header: http.Header{"Content-Type": {"application/json"}}, Body: []byte(c.body), RemoteAddr: "127.0.0.1:1"})
+		if h != nil {
+			h.End(false)
+		}
+		if reply == nil || reply.Status != http.StatusServiceUnavailable {
+			t.Errorf("%s %s, no replica in rotation: %v, want 503", c.method, c.target, reply)
+		}
+	}
+	if n := len(f.requests()); n != 0 {
+		t.Errorf("a replica out of rotation was asked: %v", f.requests())
+	}
+}
