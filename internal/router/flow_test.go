@@ -681,3 +681,48 @@ type queueOrdered struct {
 }
 
 func (q queueOrdered) QueuePrefillMs(uncached int) float64 { return q.msPerToken * float64(uncached) }
+
+// BenchmarkFlowAdmitFullBand times the admission of a request refused
+// with 5,000 requests waiting in its band: the estimate of its wait
+// (queue.ahead), under the queue's mutex, is all it costs. "own": they
+// are its tenant's, whose requests ordered before it only are counted
+// (ownAhead, one pass) when the exact figure decides; "other": another
+// tenant's, counted by their sum. "full": the band is at its MaxQueued
+// (the default 5,000), refused whatever the estimate; "past_ttl": the
+// band has room, and the wait estimated passes the request's TTL (the
+// exact figure decides; another tenant's request is admitted then, its
+// weighted share ahead).
+func BenchmarkFlowAdmitFullBand(b *testing.B) {
+	for _, c := range []struct {
+		name      string
+		own, full bool
+	}{{"own/full", true, true}, {"other/full", false, true}, {"own/past_ttl", true, false}} {
+		b.Run(c.name, func(b *testing.B) {
+			band := Band{TTL: time.Minute}
+			if !c.full {
+				band.MaxQueued = 2 * DefaultBandMaxQueued
+			}
+			cfg, err := FlowConfig{Enabled: true, Band: band}.withDefaults()
+			if err != nil {
+				b.Fatal(err)
+			}
+			q := newQueue(&cfg)
+			now := time.Unix(1000, 0)
+			for i := range DefaultBandMaxQueued {
+				w := &Waiting{req: &policy.Request{Tenant: "A", Tokens: 1000 + i%7, MaxTokens: 10}, prefillMs: float64(i % 13)}
+				if _, err := q.admit(w, now); err != nil {
+					b.Fatal(err)
+				}
+			}
+			q.fl.rate = 1000 // work a second: the queue's 5 M is past any TTL
+			tenant := map[bool]string{true: "A", false: "B"}[c.own]
+			w := &Waiting{req: &policy.Request{Tenant: tenant, Tokens: 1000, MaxTokens: 10}, prefillMs: 5}
+			b.ResetTimer()
+			for b.Loop() {
+				if _, err := q.admit(w, now); err == nil {
+					b.Fatal("admitted")
+				}
+			}
+		})
+	}
+}
