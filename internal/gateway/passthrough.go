@@ -216,9 +216,12 @@ func (pt *passthrough) settled(x *exchange, a *attempt) {
 // ""), of the chain x's previous_response_id names: at the attempt's end,
 // and a stream's as soon as its id comes (exchange.created).
 func (pt *passthrough) created(x *exchange, a *attempt) {
-	if a.respID == "" {
+	if a.respID == "" || a.respNoted {
 		return
 	}
+	// Once per attempt: a stream's end must not remember again a response
+	// its owner deleted while it streamed.
+	a.respNoted = true
 	root := ""
 	if prev := x.parsed.PreviousResponseID; prev != "" {
 		root = pt.homes.chain(prev)

@@ -209,9 +209,18 @@ func TestStreamedResponseOwnedAtOnce(t *testing.T) {
 	if status, out := callWithKey(t, http.MethodGet, gw.srv.URL+"/v1/responses/"+id, "kb", ""); status != http.StatusNotFound {
 		t.Errorf("another tenant reading it while it streams: %d %s, want 404", status, out)
 	}
+	// Its owner deletes it before the stream ends: the stream's end does
+	// not remember it again (before, the attempt's end recorded it anew,
+	// here and in the shared state, for a day).
+	if status, out := callWithKey(t, http.MethodDelete, gw.srv.URL+"/v1/responses/"+id, "ka", ""); status != http.StatusOK {
+		t.Fatalf("the owner deleting its response while it streams: %d %s", status, out)
+	}
 	release()
 	_, _ = io.Copy(io.Discard, resp.Body)
 	waitIdle(t, gw)
+	if _, ok := gw.g.pt.homes.c.Peek(id); ok {
+		t.Error("a response deleted while it streamed is remembered again at the stream's end")
+	}
 }
 
 // Without shared state, a stored response's owner outlives a restart:

@@ -109,8 +109,10 @@ type attempt struct {
 	// notHere: a lookup's 404, kept in refusal: the replica does not hold
 	// the response named; the next replica is asked.
 	notHere bool
-	// respID is the id of the response a Responses call created (relay).
-	respID string
+	// respID is the id of the response a Responses call created (relay);
+	// respNoted: its home was remembered (passthrough.created).
+	respID    string
+	respNoted bool
 	// span is the attempt's upstream span (nil: tracing off).
 	span trace.Span
 	// settled is the attempt as settle hands it to the sinks.
