@@ -114,7 +114,8 @@ func plainID(id string) bool {
 }
 
 // holdsResponse asks replica i whether it stores response id: true on 200,
-// false on 404, an error otherwise (no answer in time, another status).
+// an error when it could not tell (no answer in time, 408, 429, 5xx),
+// else false.
 func (g *Gateway) holdsResponse(ctx context.Context, i int, id string) (bool, error) {
 	ctx, cancel := context.WithTimeout(ctx, lookupProbeTimeout)
 	defer cancel()
@@ -129,11 +130,13 @@ func (g *Gateway) holdsResponse(ctx context.Context, i int, id string) (bool, er
 	}
 	defer resp.Body.Close()
 	_, _ = io.Copy(io.Discard, io.LimitReader(resp.Body, 64<<10)) // a short answer keeps its connection
-	switch resp.StatusCode {
-	case http.StatusOK:
+	switch c := resp.StatusCode; {
+	case c == http.StatusOK:
 		return true, nil
-	case http.StatusNotFound:
-		return false, nil
+	case c == http.StatusRequestTimeout || c == http.StatusTooManyRequests || c >= 500:
+		return false, fmt.Errorf("GET /v1/responses/{id}: %s", resp.Status) // busy or failing: may hold it
 	}
-	return false, fmt.Errorf("GET /v1/responses/{id}: %s", resp.Status)
+	// 404, and any other refusal (a replica that does not serve stored
+	// responses, or not to this gateway's key) would refuse the call too.
+	return false, nil
 }

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"net/http"
 	"strings"
+	"sync/atomic"
 	"testing"
 )
 
@@ -251,5 +252,36 @@ func TestPickerLookupWithoutReplicas(t *testing.T) {
 	}
 	if n := len(f.requests()); n != 0 {
 		t.Errorf("a replica out of rotation was asked: %v", f.requests())
+	}
+}
+
+// The picker's lookup reads a replica's answer as whether it holds the
+// response: 200 it does; 408, 429 and 5xx it could not tell (the lookup
+// answers 503 "retry later" if no other has it); anything else, 404 or a
+// refusal (401, 405: a replica that would refuse the call too), it does
+// not. Before, a 401 or 405 made every lookup of an unknown id a 503 for
+// as long as that replica stayed in the fleet.
+func TestPickerLookupReadsAnswers(t *testing.T) {
+	var status atomic.Int64
+	s := newStub(t, "", okStream(1))
+	inner := s.srv.Config.Handler
+	s.srv.Config.Handler = http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if strings.HasPrefix(r.URL.Path, "/v1/responses/") {
+			w.WriteHeader(int(status.Load()))
+			return
+		}
+		inner.ServeHTTP(w, r)
+	})
+	gw := startGateway(t, baseConfig(s.srv.URL))
+	for code, want := range map[int]string{200: "holds", 404: "not", 401: "not", 405: "not", 408: "unsure", 429: "unsure", 500: "unsure", 503: "unsure"} {
+		status.Store(int64(code))
+		has, err := gw.g.holdsResponse(context.Background(), 0, "resp_1")
+		got := map[bool]string{true: "holds", false: "not"}[has]
+		if err != nil {
+			got = "unsure"
+		}
+		if got != want {
+			t.Errorf("a replica answering %d: %s, want %s", code, got, want)
+		}
 	}
 }
