@@ -3,6 +3,7 @@ package gateway
 import (
 	"bytes"
 	"context"
+	"encoding/binary"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -176,15 +177,20 @@ func tokenizeBody(kind prompt.Kind, p *prompt.Parsed, body []byte) ([]byte, erro
 // that someone just sent that text).
 func tokenizeKey(kind prompt.Kind, p *prompt.Parsed) uint64 {
 	d := xxhash.New()
-	for _, s := range []string{kind.String(), p.Model, p.CacheSalt, p.Text} {
+	// Each field after its length: a salt or a text may hold any byte, so
+	// no separator could keep two pairs of them from spelling one key.
+	var n [binary.MaxVarintLen64]byte
+	field := func(s string) {
+		_, _ = d.Write(n[:binary.PutUvarint(n[:], uint64(len(s)))])
 		_, _ = d.WriteString(s)
-		_, _ = d.WriteString("\x00")
+	}
+	for _, s := range []string{kind.String(), p.Model, p.CacheSalt, p.Text} {
+		field(s)
 	}
 	for _, f := range p.Render {
-		_, _ = d.WriteString(f.Key)
-		_, _ = d.WriteString("\x00")
+		field(f.Key)
+		_, _ = d.Write(n[:binary.PutUvarint(n[:], uint64(len(f.Value)))])
 		_, _ = d.Write(f.Value)
-		_, _ = d.WriteString("\x00")
 	}
 	return d.Sum64()
 }

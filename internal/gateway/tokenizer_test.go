@@ -251,3 +251,15 @@ func TestChatTokenizeBodyRendersTools(t *testing.T) {
 		t.Fatal("a null field keyed apart from an absent one")
 	}
 }
+
+// The tokenizer's cache key keeps each field apart whatever bytes it
+// holds: a salt ending in NUL and a text starting after it are not another
+// salt and text that spell the same bytes. Before, fields were separated
+// by NUL, which a salt or a text may hold.
+func TestTokenizeKeyFieldsApart(t *testing.T) {
+	a := &prompt.Parsed{Model: "m", CacheSalt: "s\x00x", Text: "t"}
+	b := &prompt.Parsed{Model: "m", CacheSalt: "s", Text: "x\x00t"}
+	if tokenizeKey(prompt.Chat, a) == tokenizeKey(prompt.Chat, b) {
+		t.Fatal("two salts and texts share a tokenizer cache key")
+	}
+}
