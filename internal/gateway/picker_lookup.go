@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"io"
 	"net/http"
-	"slices"
 	"sync"
 	"time"
 
@@ -46,9 +45,12 @@ func (h *Handoff) find(id string) error {
 	if !plainID(id) {
 		return notFound // no replica makes such an id; none is asked (it would be a path of the client's)
 	}
+	// The replicas the call may be pinned to: healthy, not excluded, of the
+	// pool routing its model (the first pool's without one), as a route.
+	views, err := g.rt.Candidates(x.req, x.exclude...)
 	var cands []int
-	for i := range g.rt.Replicas() {
-		if r := g.rt.Replica(i); r.Healthy() && !r.Removed() && !slices.Contains(x.exclude, i) {
+	for i := range views {
+		if err == nil && views[i].Healthy {
 			cands = append(cands, i)
 		}
 	}

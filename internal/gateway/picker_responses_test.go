@@ -285,3 +285,37 @@ func TestPickerLookupReadsAnswers(t *testing.T) {
 		}
 	}
 }
+
+// With pools, the picker's lookup asks only the replicas the call may go
+// to: those of the pool routing its model. A response held in another
+// pool is not the call's (serve's lookup tries the same replicas): 404,
+// and the other pool's replica is not asked. Before, it was asked, found
+// holding it, and the call pinned where no route could take it (503).
+func TestPickerLookupStaysInThePool(t *testing.T) {
+	a, b := newAPIReplica(t, "a", "m", ""), newAPIReplica(t, "b", "other", "")
+	cfg := baseConfig()
+	cfg.Pools = []PoolConfig{
+		{Name: "a", Models: []string{"m"}, Replicas: []ReplicaConfig{{URL: a.srv.URL}}},
+		{Name: "b", Models: []string{"other"}, Replicas: []ReplicaConfig{{URL: b.srv.URL}}},
+	}
+	gw := startGateway(t, cfg)
+	allListed(t, gw)
+	p, err := gw.g.NewPicker(0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	b.put("resp_in_b")
+	before := len(b.requests())
+	h, _, reply := p.Pick(PickRequest{Context: context.Background(), Method: http.MethodPost, Target: "/v1/responses",
+		Header: http.Header{"Content-Type": {"application/json"}}, RemoteAddr: "127.0.0.1:1",
+		Body: []byte(`{"model":"m","input":"x","previous_response_id":"resp_in_b"}`)})
+	if h != nil {
+		h.End(false)
+	}
+	if reply == nil || reply.Status != http.StatusNotFound {
+		t.Errorf("model m naming a response held in pool b: %v, want 404", reply)
+	}
+	if n := len(b.requests()) - before; n != 0 {
+		t.Errorf("the other pool's replica was asked %d times", n)
+	}
+}
