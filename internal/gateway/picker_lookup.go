@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io"
 	"net/http"
+	"slices"
 	"sync"
 	"time"
 
@@ -57,7 +58,10 @@ func (h *Handoff) find(id string) error {
 	if len(cands) == 0 {
 		return errNoReplica
 	}
-	switch holder, unchecked := g.askHolders(x.r.Context(), cands, id); {
+	// The probes carry the call's Via and this gateway's hop, as the call
+	// would: a replica that is this gateway again (a loop) refuses them.
+	via := append(slices.Clone(x.r.Header.Values("Via")), viaEntry(x.r, g.via))
+	switch holder, unchecked := g.askHolders(x.r.Context(), cands, id, via); {
 	case holder >= 0:
 		x.pol, x.lookup = pinned(holder), false
 		g.pt.homes.found(id, holder, x.tenant.label())
@@ -71,7 +75,7 @@ func (h *Handoff) find(id string) error {
 // askHolders asks replicas cands, lookupProbes at a time, whether they
 // hold response id: the first that does (-1: none), and whether one did
 // not answer (once one does, the others' answers are not awaited).
-func (g *Gateway) askHolders(ctx context.Context, cands []int, id string) (holder int, unchecked bool) {
+func (g *Gateway) askHolders(ctx context.Context, cands []int, id string, via []string) (holder int, unchecked bool) {
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	var (
@@ -84,7 +88,7 @@ func (g *Gateway) askHolders(ctx context.Context, cands []int, id string) (holde
 		slots <- struct{}{}
 		wg.Go(func() {
 			defer func() { <-slots }()
-			has, err := g.holdsResponse(ctx, i, id)
+			has, err := g.holdsResponse(ctx, i, id, via)
 			mu.Lock()
 			defer mu.Unlock()
 			switch {
@@ -118,11 +122,12 @@ func plainID(id string) bool {
 // holdsResponse asks replica i whether it stores response id: true on 200,
 // an error when it could not tell (no answer in time, 408, 429, 5xx),
 // else false.
-func (g *Gateway) holdsResponse(ctx context.Context, i int, id string) (bool, error) {
+func (g *Gateway) holdsResponse(ctx context.Context, i int, id string, via []string) (bool, error) {
 	ctx, cancel := context.WithTimeout(ctx, lookupProbeTimeout)
 	defer cancel()
 	rep := g.rt.Replica(i)
-	req, err := fleet.NewRequest(ctx, http.MethodGet, rep.URL(), rep.APIKey(), "/v1/responses/"+id, nil, nil)
+	req, err := fleet.NewRequest(ctx, http.MethodGet, rep.URL(), rep.APIKey(), "/v1/responses/"+id, nil,
+		func(h http.Header) { h["Via"] = via })
 	if err != nil {
 		return false, err
 	}

@@ -263,10 +263,12 @@ func TestPickerLookupWithoutReplicas(t *testing.T) {
 // as long as that replica stayed in the fleet.
 func TestPickerLookupReadsAnswers(t *testing.T) {
 	var status atomic.Int64
+	var via atomic.Value
 	s := newStub(t, "", okStream(1))
 	inner := s.srv.Config.Handler
 	s.srv.Config.Handler = http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		if strings.HasPrefix(r.URL.Path, "/v1/responses/") {
+			via.Store(strings.Join(r.Header.Values("Via"), ", "))
 			w.WriteHeader(int(status.Load()))
 			return
 		}
@@ -275,7 +277,7 @@ func TestPickerLookupReadsAnswers(t *testing.T) {
 	gw := startGateway(t, baseConfig(s.srv.URL))
 	for code, want := range map[int]string{200: "holds", 404: "not", 401: "not", 405: "not", 408: "unsure", 429: "unsure", 500: "unsure", 503: "unsure"} {
 		status.Store(int64(code))
-		has, err := gw.g.holdsResponse(context.Background(), 0, "resp_1")
+		has, err := gw.g.holdsResponse(context.Background(), 0, "resp_1", []string{"1.1 proxy", "1.1 " + gw.g.via})
 		got := map[bool]string{true: "holds", false: "not"}[has]
 		if err != nil {
 			got = "unsure"
@@ -283,6 +285,10 @@ func TestPickerLookupReadsAnswers(t *testing.T) {
 		if got != want {
 			t.Errorf("a replica answering %d: %s, want %s", code, got, want)
 		}
+	}
+	// The probe carries the call's hops and this gateway's (loop detection).
+	if got := via.Load(); got != "1.1 proxy, 1.1 "+gw.g.via {
+		t.Errorf("the probe's Via: %q", got)
 	}
 }
 
