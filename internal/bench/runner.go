@@ -485,6 +485,12 @@ func (r *runner) do(ctx context.Context, q *workload.Request, key uint64) report
 		rec.PromptTokens, rec.OutputTokens = u.PromptTokens, u.CompletionTokens
 		rec.CachedTokens = max(u.Cached(), 0)
 	}
+	if pc, ok := gateway.ReceiptPrefillCached(resp.Header); ok {
+		// Disaggregated: the decode replica's usage counts the prompt it
+		// pulled as cached; the hit is the prefill step's (a gateway with
+		// route_receipts on says it).
+		rec.CachedTokens = min(pc, max(rec.PromptTokens, 0))
+	}
 	if s.timed {
 		splitRecord(&rec, s, e2e, s.timing, qw)
 		return rec

@@ -96,7 +96,7 @@ func (g *Gateway) routePDAttempt(x *exchange, last bool) (*attempt, error) {
 		}
 		if kv != nil {
 			dec.prefill = p.prefill
-			held = &heldKV{kv: kv, id: p.kvID, slot: pd.Prefill.Replica, replica: p.prefill}
+			held = &heldKV{kv: kv, id: p.kvID, slot: pd.Prefill.Replica, replica: p.prefill, cached: p.cached}
 		}
 	}
 	return g.decodeStep(x, dec, held)
@@ -109,6 +109,7 @@ type heldKV struct {
 	id      string          // the prefill step's request id (kvTransferID): the decode step's too
 	slot    int             // the prefill replica's slot
 	replica *router.Replica // the prefill replica (X-Kvgate-Prefill)
+	cached  int             // the prompt tokens the prefill replica reported cached (-1: none)
 }
 
 // heldDecodeAttempt routes and sends the decode step of a request whose
@@ -145,8 +146,9 @@ func (g *Gateway) heldDecodeAttempt(x *exchange) (*attempt, error) {
 // dropped (taken, or the exchange ends).
 func (g *Gateway) decodeStep(x *exchange, dec *attempt, held *heldKV) (*attempt, error) {
 	var kv []byte
+	dec.prefillCached = -1
 	if held != nil {
-		kv, dec.kvID = held.kv, held.id
+		kv, dec.kvID, dec.prefillCached = held.kv, held.id, held.cached
 	}
 	var err error
 	if dec.body, err = decodeBody(x.body, kv); err != nil {

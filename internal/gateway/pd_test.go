@@ -194,7 +194,9 @@ func usageOfBody(t *testing.T, body string) openai.CompletionUsage {
 // hits). Both show in the headers and the usage.
 func TestPDConversation(t *testing.T) {
 	pre, dec, fl := pdSims(t)
-	gw := startGateway(t, pdConfig(t, "ttft", pre, dec))
+	cfg := pdConfig(t, "ttft", pre, dec)
+	cfg.RouteReceipts = true
+	gw := startGateway(t, cfg)
 	waitPD(t, gw)
 	replica := map[string]*sim.Replica{}
 	for _, r := range fl.Replicas() {
@@ -222,10 +224,18 @@ func TestPDConversation(t *testing.T) {
 		}
 		u := usageOfBody(t, body)
 		p, d := resp.Header.Get(headerPrefill), resp.Header.Get("X-Kvgate-Replica")
+		// The receipt tells the request's cache hit, its prefill step's: the
+		// decode replica's usage counts the pulled prompt as cached.
+		if pc, ok := ReceiptPrefillCached(resp.Header); ok != (p != "") || ok && int64(pc) > u.PromptTokens {
+			t.Fatalf("turn %d (prefill %q): prefill_cached_tokens %d %v in %q", turn, p, pc, ok, resp.Header.Get(headerRoute))
+		}
 		switch {
 		case turn == 0:
 			pdHeaders(t, "first turn", resp.Header, pre, dec)
 			holderP, holderD = p, d
+			if pc, _ := ReceiptPrefillCached(resp.Header); pc != 0 {
+				t.Fatalf("first turn: its prefill step reported %d cached tokens", pc)
+			}
 		case p != "":
 			// Prefilled again: on the replica holding the conversation, whose
 			// cache held the previous turn's prompt (its full blocks).
@@ -234,6 +244,9 @@ func TestPDConversation(t *testing.T) {
 			if p != holderP || got < int64(lastPrompt/16*16-16) {
 				t.Fatalf("turn %d prefilled on %s (first turn: %s), its cache hit %d tokens; the previous prompt had %d",
 					turn, p, holderP, got, lastPrompt)
+			}
+			if pc, _ := ReceiptPrefillCached(resp.Header); int64(pc) != got {
+				t.Fatalf("turn %d: the receipt says the prefill step hit %d tokens, its replica %d", turn, pc, got)
 			}
 			hits++
 		default:

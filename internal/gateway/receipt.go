@@ -46,10 +46,30 @@ func ReceiptQueueWait(h http.Header) (time.Duration, bool) {
 	return 0, false
 }
 
+// ReceiptPrefillCached reads, from a disaggregated request's route
+// receipt in h, the prompt tokens its prefill step's replica reported
+// cached (prefill_cached_tokens): its cache hit, which the decode
+// replica's usage does not tell (it counts the pulled prompt as cached).
+// false without one, or when it is not a count of tokens within
+// maxUsageTokens.
+func ReceiptPrefillCached(h http.Header) (int, bool) {
+	for f := range strings.SplitSeq(h.Get(headerRoute), ";") {
+		if v, ok := strings.CutPrefix(strings.TrimSpace(f), "prefill_cached_tokens="); ok {
+			n, err := strconv.Atoi(v)
+			if err != nil || n < 0 || n > maxUsageTokens {
+				return 0, false
+			}
+			return n, true
+		}
+	}
+	return 0, false
+}
+
 // receipt is one decision's record.
 type receipt struct {
 	policy, branch  string
 	matched, prompt int // tokens
+	prefillCached   int // a decode step's: its prefill step's cached tokens, as reported (-1: none)
 	estTTFT, queue  time.Duration
 	checked, wrong  bool // the replica reported its cached tokens; fewer than counted on
 }
@@ -57,8 +77,12 @@ type receipt struct {
 // decided is the receipt of attempt a's decision, before its outcome.
 func decided(x *exchange, a *attempt) receipt {
 	tk := a.tk
-	return receipt{policy: tk.Policy(), branch: branchOf(tk), matched: tk.Predicted(), prompt: tk.Request().Tokens,
-		estTTFT: tk.Decision.EstTTFT, queue: x.waited}
+	r := receipt{policy: tk.Policy(), branch: branchOf(tk), matched: tk.Predicted(), prompt: tk.Request().Tokens,
+		estTTFT: tk.Decision.EstTTFT, queue: x.waited, prefillCached: -1}
+	if a.step == stepDecode && a.prefill != nil {
+		r.prefillCached = a.prefillCached
+	}
+	return r
 }
 
 // receiptOf is the receipt of settled attempt a (settle calls it once),
@@ -93,6 +117,9 @@ func (r receipt) String() string {
 		b.WriteString("; branch=" + r.branch)
 	}
 	b.WriteString("; queue_ms=" + strconv.FormatFloat(ms(r.queue), 'f', -1, 64))
+	if r.prefillCached >= 0 {
+		b.WriteString("; prefill_cached_tokens=" + strconv.Itoa(r.prefillCached))
+	}
 	return b.String()
 }
 
@@ -116,6 +143,9 @@ func (r receipt) attrs() []slog.Attr {
 	}
 	if r.checked {
 		out = append(out, slog.Bool("misrouted", r.wrong))
+	}
+	if r.prefillCached >= 0 {
+		out = append(out, slog.Int("prefill_cached_tokens", r.prefillCached))
 	}
 	return out
 }

@@ -80,4 +80,18 @@ func TestReceiptQueueWaitReadsBack(t *testing.T) {
 			t.Errorf("%q: %v", v, d)
 		}
 	}
+	// A decode step's prefill_cached_tokens likewise; none without one.
+	h.Set(headerRoute, receipt{policy: "ttft", prefillCached: 4096}.String())
+	if n, ok := ReceiptPrefillCached(h); !ok || n != 4096 {
+		t.Fatalf("%q: %v %v", h.Get(headerRoute), n, ok)
+	}
+	h.Set(headerRoute, receipt{policy: "ttft", prefillCached: -1}.String())
+	if n, ok := ReceiptPrefillCached(h); ok {
+		t.Fatalf("%q: %v", h.Get(headerRoute), n)
+	}
+	for _, v := range []string{"prefill_cached_tokens=-1", "prefill_cached_tokens=x", "prefill_cached_tokens=99999999999"} {
+		if n, ok := ReceiptPrefillCached(http.Header{headerRoute: {v}}); ok {
+			t.Errorf("%q: %v", v, n)
+		}
+	}
 }

@@ -109,6 +109,11 @@ type attempt struct {
 	// notHere: a lookup's 404, kept in refusal: the replica does not hold
 	// the response named; the next replica is asked.
 	notHere bool
+	// prefillCached is, of a decode step pulling a prefill step's KV, the
+	// cached prompt tokens the prefill replica reported (-1: none): the
+	// request's cache hit, where the decode replica's own usage counts the
+	// pulled prompt as cached (the route receipt's prefill_cached_tokens).
+	prefillCached int
 	// respID is the id of the response a Responses call created (relay);
 	// respNoted: its home was remembered (passthrough.created).
 	respID    string
