@@ -39,15 +39,23 @@ const claudeCodeSession = "X-Claude-Code-Session-Id"
 
 // programSession is the program id a request's headers name ("" for
 // none). Claude Code's is a session its subagents share: p.SessionShared
-// (router.ProgramOf scopes it), unless the body named the program.
+// (router.ProgramOf scopes it), unless the body named the program. A
+// Responses call continuing a chain re-sends only its new input, not the
+// conversation's start the scope needs: its chain names its program
+// (passthrough.choose), as it does without a header.
 func programSession(h http.Header, p *prompt.Parsed) string {
 	for _, name := range programHeaders {
-		if v := h.Get(name); v != "" {
-			if name == claudeCodeSession && p.PromptCacheKey == "" {
-				p.SessionShared = true
-			}
-			return v
+		v := h.Get(name)
+		if v == "" {
+			continue
 		}
+		if name == claudeCodeSession && p.PromptCacheKey == "" {
+			if p.PreviousResponseID != "" {
+				return "" // its chain names it
+			}
+			p.SessionShared = true
+		}
+		return v
 	}
 	return ""
 }

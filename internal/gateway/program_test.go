@@ -71,30 +71,45 @@ func TestProgramIdentityHonoured(t *testing.T) {
 
 // A Responses chain without a program id of its own is one program, named
 // after its first response: each call's previous_response_id leads back
-// to it.
+// to it. So too under Claude Code's session header, which its subagents
+// share: a call continuing a chain re-sends only its new input, not the
+// conversation's start the header is scoped by (router.ProgramOf), so the
+// chain names its program. Before, each such call, its input its own, was
+// a program of its own.
 func TestProgramOfAResponsesChain(t *testing.T) {
-	a, b := newAPIReplica(t, "a", "m", ""), newAPIReplica(t, "b", "m", "")
-	gw := apiGateway(t, a, b)
-	prev := ""
-	for k := range 4 {
-		body := fmt.Sprintf(`{"model":"m","input":"turn %d"}`, k)
-		if prev != "" {
-			body = fmt.Sprintf(`{"model":"m","input":"turn %d","previous_response_id":%q}`, k, prev)
-		}
-		status, _, out := do(t, "POST", gw.srv.URL+"/v1/responses", "application/json", body)
-		var r struct {
-			ID string `json:"id"`
-		}
-		if status != 200 || json.Unmarshal([]byte(out), &r) != nil || r.ID == "" {
-			t.Fatalf("turn %d: %d %s", k, status, out)
-		}
-		prev = r.ID
+	for _, c := range []struct {
+		name string
+		hdr  []string
+		want int // programs: the chain's, and the first call's own
+	}{
+		{"no program id", nil, 1},
+		{"X-Claude-Code-Session-Id", []string{"X-Claude-Code-Session-Id", "cc-1"}, 2},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			a, b := newAPIReplica(t, "a", "m", ""), newAPIReplica(t, "b", "m", "")
+			gw := apiGateway(t, a, b)
+			prev := ""
+			for k := range 4 {
+				body := fmt.Sprintf(`{"model":"m","input":"turn %d"}`, k)
+				if prev != "" {
+					body = fmt.Sprintf(`{"model":"m","input":"turn %d","previous_response_id":%q}`, k, prev)
+				}
+				resp, out := post(t, gw.srv.URL+"/v1/responses", body, c.hdr...)
+				var r struct {
+					ID string `json:"id"`
+				}
+				if resp.StatusCode != 200 || json.Unmarshal([]byte(out), &r) != nil || r.ID == "" {
+					t.Fatalf("turn %d: %d %s", k, resp.StatusCode, out)
+				}
+				prev = r.ID
+			}
+			// The three calls after the first are one program.
+			if st := gw.g.rt.ProgramStats(); st.Tracked != c.want {
+				t.Fatalf("a chain of 4 calls made %d programs, want %d", st.Tracked, c.want)
+			}
+			waitIdle(t, gw)
+		})
 	}
-	// The first call named no program; the three after it are one.
-	if st := gw.g.rt.ProgramStats(); st.Tracked != 1 {
-		t.Fatalf("a chain of 4 calls made %d programs, want 1", st.Tracked)
-	}
-	waitIdle(t, gw)
 }
 
 // A program stays on its home until the home is saturated (its engine
