@@ -198,6 +198,16 @@ func TestClaudeCodeSubagentsArePrograms(t *testing.T) {
 	if program(prompt.Chat, chat("main agent"), own) != program(prompt.Chat, chat("subagent"), own) {
 		t.Fatal("X-Session-Id names one program whatever the prompt")
 	}
+	// A metadata.user_id whose session is empty names no session: the
+	// header names the program, as it is (before, the empty session still
+	// scoped it by the prompt's start).
+	empty := func(system string) string {
+		return fmt.Sprintf(`{"model":"m","max_tokens":4,"system":%q,"metadata":{"user_id":"user_ab12_account__session_"},`+
+			`"messages":[{"role":"user","content":"go"}]}`, system)
+	}
+	if program(prompt.Messages, empty("main agent"), own) != program(prompt.Messages, empty("subagent"), own) {
+		t.Fatal("an empty metadata session: X-Session-Id does not name one program")
+	}
 }
 
 // The Messages usage corrects the tenant's quota and counts the tokens,

@@ -148,7 +148,8 @@ func (p *Parsed) anthropicMetadata(raw members) error {
 		return invalid("metadata.user_id", "must be a string")
 	}
 	if i := strings.LastIndex(p.User, "_session_"); i >= 0 {
-		p.PromptCacheKey, p.SessionShared = p.User[i+len("_session_"):], true
+		p.PromptCacheKey = p.User[i+len("_session_"):]
+		p.SessionShared = p.PromptCacheKey != "" // an empty one names none
 		return nil
 	}
 	var o struct {
