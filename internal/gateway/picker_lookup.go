@@ -120,8 +120,8 @@ func plainID(id string) bool {
 }
 
 // holdsResponse asks replica i whether it stores response id: true on 200,
-// an error when it could not tell (no answer in time, 408, 429, 5xx),
-// else false.
+// an error when it could not tell (no answer in time, 408, 429, 5xx but
+// 508), else false.
 func (g *Gateway) holdsResponse(ctx context.Context, i int, id string, via []string) (bool, error) {
 	ctx, cancel := context.WithTimeout(ctx, lookupProbeTimeout)
 	defer cancel()
@@ -140,10 +140,11 @@ func (g *Gateway) holdsResponse(ctx context.Context, i int, id string, via []str
 	switch c := resp.StatusCode; {
 	case c == http.StatusOK:
 		return true, nil
-	case c == http.StatusRequestTimeout || c == http.StatusTooManyRequests || c >= 500:
+	case c == http.StatusRequestTimeout || c == http.StatusTooManyRequests || c >= 500 && c != http.StatusLoopDetected:
 		return false, fmt.Errorf("GET /v1/responses/{id}: %s", resp.Status) // busy or failing: may hold it
 	}
 	// 404, and any other refusal (a replica that does not serve stored
-	// responses, or not to this gateway's key) would refuse the call too.
+	// responses, or not to this gateway's key; 508: it leads back to this
+	// gateway, the probe's Via names it) would refuse the call too.
 	return false, nil
 }

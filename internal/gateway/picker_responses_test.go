@@ -258,9 +258,11 @@ func TestPickerLookupWithoutReplicas(t *testing.T) {
 // The picker's lookup reads a replica's answer as whether it holds the
 // response: 200 it does; 408, 429 and 5xx it could not tell (the lookup
 // answers 503 "retry later" if no other has it); anything else, 404 or a
-// refusal (401, 405: a replica that would refuse the call too), it does
-// not. Before, a 401 or 405 made every lookup of an unknown id a 503 for
-// as long as that replica stayed in the fleet.
+// refusal (401, 405: a replica that would refuse the call too; 508: a
+// replica leading back to this gateway, which refuses the probe as it
+// would the call), it does not. Before, a 401, 405 or 508 made every
+// lookup of an unknown id a 503 for as long as that replica stayed in
+// the fleet.
 func TestPickerLookupReadsAnswers(t *testing.T) {
 	var status atomic.Int64
 	var via atomic.Value
@@ -275,7 +277,7 @@ func TestPickerLookupReadsAnswers(t *testing.T) {
 		inner.ServeHTTP(w, r)
 	})
 	gw := startGateway(t, baseConfig(s.srv.URL))
-	for code, want := range map[int]string{200: "holds", 404: "not", 401: "not", 405: "not", 408: "unsure", 429: "unsure", 500: "unsure", 503: "unsure"} {
+	for code, want := range map[int]string{200: "holds", 404: "not", 401: "not", 405: "not", 508: "not", 408: "unsure", 429: "unsure", 500: "unsure", 503: "unsure"} {
 		status.Store(int64(code))
 		has, err := gw.g.holdsResponse(context.Background(), 0, "resp_1", []string{"1.1 proxy", "1.1 " + gw.g.via})
 		got := map[bool]string{true: "holds", false: "not"}[has]
@@ -289,6 +291,18 @@ func TestPickerLookupReadsAnswers(t *testing.T) {
 	// The probe carries the call's hops and this gateway's (loop detection).
 	if got := via.Load(); got != "1.1 proxy, 1.1 "+gw.g.via {
 		t.Errorf("the probe's Via: %q", got)
+	}
+	// A probe come back to this gateway (a replica leading to it) is
+	// answered 508, which the lookup reads as "not here".
+	req, _ := http.NewRequest(http.MethodGet, gw.srv.URL+"/v1/responses/resp_1", nil)
+	req.Header.Set("Via", "1.1 "+gw.g.via)
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusLoopDetected {
+		t.Errorf("a looped probe: %d", resp.StatusCode)
 	}
 }
 
