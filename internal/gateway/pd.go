@@ -73,7 +73,7 @@ func (g *Gateway) routePDAttempt(x *exchange, last bool) (*attempt, error) {
 	if err != nil {
 		return nil, err
 	}
-	dec := &attempt{tk: pd.Decode, cached: -1, step: stepDecode}
+	dec := &attempt{tk: pd.Decode, cached: -1, step: stepDecode, prefillCached: -1}
 	if !g.allow(dec) {
 		// Asked first: a prefill step for a decode replica that cannot take it would be wasted.
 		if pd.Prefill != nil {
@@ -132,7 +132,7 @@ func (g *Gateway) heldDecodeAttempt(x *exchange) (*attempt, error) {
 	g.met.prefillHeldKV.WithLabelValues("reused").Inc()
 	x.logger().Debug("decode step routed again with the completed prefill's KV", "decode", g.rt.Name(tk.Replica),
 		"prefill", x.held.replica.Name())
-	dec := &attempt{tk: tk, cached: -1, step: stepDecode, prefill: x.held.replica}
+	dec := &attempt{tk: tk, cached: -1, step: stepDecode, prefill: x.held.replica, prefillCached: x.held.cached}
 	if !g.allow(dec) {
 		g.settle(x, dec)
 		return dec, nil
