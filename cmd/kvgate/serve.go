@@ -97,7 +97,7 @@ func (f *serveFlags) register(fs *flag.FlagSet) {
 	fs.BoolVar(&f.accessLog, "access-log", false, "log one line per request at info: method, path, model, replica, status, "+
 		"TTFT, e2e, prompt/cached/generated tokens, request id (never the prompt or a key)")
 	fs.BoolVar(&f.receipts, "route-receipts", false, "add the X-Kvgate-Route receipt to every answer: policy, matched tokens, "+
-		"estimated TTFT, branch, queue wait (the access log and spans carry it always)")
+		"estimated TTFT, branch, queue wait, a P/D request's prefill cache hit (the access log and spans carry it always)")
 	fs.DurationVar(&f.objective, "ttft-objective", d.TTFTObjective.D(), "the TTFT objective the pools' saturation gauge "+
 		"(kvgate_pool_saturation) measures load against")
 	rd := gateway.DefaultRecord()
