@@ -21,13 +21,13 @@ import (
 //
 //	<ns>:resp:<id>   'R' record: version 'R' replica tenant; expiring ResponseKeep after its last write
 //
-// and reads it back for an id it does not know. A response deleted through
-// a gateway (DELETE /v1/responses/{id}) has its record deleted too. Writes are queued and sent
-// by the publisher's loop at once (never on a request's path: a client that
-// names the id through another gateway within that Redis round trip finds
-// no record yet); a read happens only
-// for an id the gateway does not know, which it would otherwise look up
-// by asking the replicas in turn. Anyone who can write to the Redis can
+// and reads it back for an id it does not know; a response deleted through
+// a gateway (DELETE /v1/responses/{id}) has its record deleted. Writes are
+// queued and sent by the publisher's loop at once (never on a request's
+// path: a client that names the id through another gateway within that
+// Redis round trip finds no record yet); a read happens only for an id the
+// gateway does not know, which it would otherwise look up by asking the
+// replicas in turn. Anyone who can write to the Redis can
 // write a record: a read is bounded (GETRANGE, maxResponseRecord) and
 // checked (ErrCorrupt), and the gateway checks the names against its own.
 
@@ -57,12 +57,16 @@ const (
 // errResponseID: an id over MaxResponseID, or empty.
 var errResponseID = errors.New("sharedstate: response id empty or over MaxResponseID bytes")
 
+// sharedID: a response id a record may be kept under, non-empty within
+// MaxResponseID.
+func sharedID(id string) bool { return id != "" && len(id) <= MaxResponseID }
+
 // CheckResponseHome bounds response id's record h as every gateway
 // writes and reads it: the id non-empty within MaxResponseID, the names
 // within MaxNameBytes (a state file's copy is checked alike).
 func CheckResponseHome(id string, h ResponseHome) error {
 	switch {
-	case id == "" || len(id) > MaxResponseID:
+	case !sharedID(id):
 		return errResponseID
 	case len(h.Replica) > MaxNameBytes || len(h.Tenant) > MaxNameBytes:
 		return fmt.Errorf("sharedstate: a response's replica or tenant name over %d bytes", MaxNameBytes)
@@ -114,7 +118,7 @@ func (s *Syncer) NoteResponse(id string, h ResponseHome) {
 // response was deleted), in order with the writes queued before it, and
 // returns at once as NoteResponse does.
 func (s *Syncer) ForgetResponse(id string) {
-	if id == "" || len(id) > MaxResponseID {
+	if !sharedID(id) {
 		return // no gateway writes such a record
 	}
 	s.queueResponse(pendingResponse{id: id, gone: true})
@@ -173,7 +177,7 @@ func (s *Syncer) ResponseHome(ctx context.Context, id string) (ResponseHome, boo
 	if st == nil {
 		return ResponseHome{}, false, ErrNotStarted
 	}
-	if id == "" || len(id) > MaxResponseID {
+	if !sharedID(id) {
 		return ResponseHome{}, false, nil // no gateway writes such a record
 	}
 	p, err := st.getResponse(ctx, id)
