@@ -95,7 +95,7 @@ func (g *Gateway) routePDAttempt(x *exchange, last bool) (*attempt, error) {
 			return p, nil
 		}
 		if kv != nil {
-			dec.prefill = p.prefill
+			dec.prefill, dec.prefillCached = p.prefill, p.cached
 			held = &heldKV{kv: kv, id: p.kvID, slot: pd.Prefill.Replica, replica: p.prefill, cached: p.cached}
 		}
 	}
@@ -146,9 +146,8 @@ func (g *Gateway) heldDecodeAttempt(x *exchange) (*attempt, error) {
 // dropped (taken, or the exchange ends).
 func (g *Gateway) decodeStep(x *exchange, dec *attempt, held *heldKV) (*attempt, error) {
 	var kv []byte
-	dec.prefillCached = -1
 	if held != nil {
-		kv, dec.kvID, dec.prefillCached = held.kv, held.id, held.cached
+		kv, dec.kvID = held.kv, held.id
 	}
 	var err error
 	if dec.body, err = decodeBody(x.body, kv); err != nil {
