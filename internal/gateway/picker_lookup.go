@@ -20,8 +20,8 @@ import (
 // the id) cannot be looked up as the HTTP front does, by sending it to
 // each replica in turn until one does not answer 404: the proxy sends a
 // request once. So the picker asks the replicas itself, before it picks:
-// GET /v1/responses/{id} to each replica it may choose, eight at a time, and pins
-// the call to the one that has it. Before, such a call went by load to one
+// GET /v1/responses/{id} to each replica it may choose, eight at a time,
+// and pins the call to the one that has it. Before, such a call went by load to one
 // replica, which answered 404 unless it happened to hold the response.
 
 // lookupProbeTimeout bounds each replica's answer, as a health probe's;
@@ -48,11 +48,12 @@ func (h *Handoff) find(id string) error {
 	}
 	// The replicas the call may be pinned to: healthy, not excluded, of the
 	// pool routing its model (the first pool's without one), as a route.
-	views, err := g.rt.Candidates(x.req, x.exclude...)
 	var cands []int
-	for i := range views {
-		if err == nil && views[i].Healthy {
-			cands = append(cands, i)
+	if views, err := g.rt.Candidates(x.req, x.exclude...); err == nil {
+		for i := range views {
+			if views[i].Healthy {
+				cands = append(cands, i)
+			}
 		}
 	}
 	if len(cands) == 0 {

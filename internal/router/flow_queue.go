@@ -246,9 +246,10 @@ func (q *queue) expiredErr(w *Waiting) error {
 // Of its own tenant's, only the requests ordered before it (waitHeap.Less:
 // a request with a deadline, a program's next turn or a short prompt goes
 // before others that came earlier): counted whole, the tenant's queue shed
-// a deadline request that would have gone first. The work of the requests held for their own candidates alone
-// (errHeldAlone: a retry excluding a replica, an adapter on some replicas)
-// is not ahead of a request that is not: they wait for their replicas
+// a deadline request that would have gone first. The work of the requests
+// held for their own candidates alone (errHeldAlone: a retry excluding a
+// replica, an adapter on some replicas) is not ahead of a request that is
+// not: they wait for their replicas
 // while it goes to another with room (release passes over them). A
 // request held alone itself counts it all, as it may wait behind them on
 // its replicas (which replicas each waits for is not kept: an estimate
