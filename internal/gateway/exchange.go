@@ -58,8 +58,12 @@ type exchange struct {
 	// upload is a streamed non-JSON body (nil: body is the whole body).
 	upload *upload
 	// lookup: the request names a response the gateway has not seen; a 404
-	// means "not on this replica" and the next replica is asked.
-	lookup bool
+	// means "not on this replica" and the next replica is asked. notHere
+	// counts the replicas that answered so, and missed says the last 404
+	// was the answer: no replica took the request.
+	lookup  bool
+	notHere int
+	missed  bool
 	// waited is how long the request last waited in the router's queue
 	// (the route receipt's queue wait).
 	waited time.Duration
@@ -129,6 +133,9 @@ func (g *Gateway) run(x *exchange, route func(*exchange, bool) (*attempt, error)
 			return
 		}
 		x.exclude = append(x.exclude, a.tk.Replica)
+		if a.notHere {
+			x.notHere++
+		}
 		if a.v == skipped || a.notHere {
 			continue // no attempt spent
 		}
@@ -279,6 +286,8 @@ func (g *Gateway) endUnrouted(x *exchange, err error) {
 		x.refusal.write(x.w)
 		if x.refusal.status != http.StatusNotFound { // a lookup's last "not here" is an answer
 			g.met.errors.WithLabelValues("exhausted").Inc()
+		} else {
+			x.missed = true
 		}
 		return
 	}

@@ -97,7 +97,7 @@ func (g *Gateway) passthroughRoutes(m *http.ServeMux) {
 	if err != nil {
 		panic(err) // a registered policy without parameters: cannot fail
 	}
-	homes := newResponseHomes(g.rt, responseHomesSize, g.records, len(g.cfg.Tenants) > 0)
+	homes := newResponseHomes(g.rt, responseHomesSize, g.records, len(g.cfg.Tenants) > 0, g.clock.Now)
 	pt := &passthrough{g: g, homes: homes, byLoad: byLoad}
 	g.pt = pt
 	paths := maps.Clone(passthroughPaths)
@@ -125,6 +125,10 @@ func (pt *passthrough) serve(w http.ResponseWriter, r *http.Request, kind prompt
 		return
 	}
 	g.run(x, pt.attempt)
+	if x.lookup && x.missed && x.notHere == len(x.exclude) && g.inRotation() {
+		// Every replica the call could go to said it does not hold the id.
+		pt.homes.noteAbsent(x.req.Model, statefulID(x))
+	}
 }
 
 // choose sets how x is routed: pinned to the holder of the response it
@@ -149,6 +153,9 @@ func (pt *passthrough) choose(x *exchange) error {
 			}
 			x.pol = pinned(r.Index())
 			return nil
+		}
+		if pt.homes.notedAbsent(x.req.Model, id) {
+			return responseNotFound(id)
 		}
 		x.pol, x.lookup = pt.byLoad, true
 		return nil

@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"net/http"
 	"strings"
+	"time"
 
 	lru "github.com/hashicorp/golang-lru/v2"
 
@@ -40,7 +41,26 @@ type responseHomes struct {
 	// strict: tenants are configured, and an id whose owner the gateway
 	// cannot learn is refused (locate says why).
 	strict bool
+	// absent holds, by model and id, until when an id every replica
+	// answered 404 for is answered 404 without asking them again
+	// (notedAbsent).
+	absent *lru.Cache[string, time.Time]
+	now    func() time.Time
 }
+
+// absentTTL is how long an id no replica holds is answered 404 at once,
+// and absentSize bounds the ids so remembered (about 100 bytes each). A
+// lookup asks every replica of the call's pool (serve tries each in turn,
+// the endpoint picker probes them): a client polling an id that does not
+// exist, or no longer does, would cost every replica a request per poll.
+// Response ids are made by the replica that stores the response, and a
+// client learns one only once it is stored; so an id every replica has
+// just said it does not hold is not about to appear, unless it was made
+// on a replica past the gateway, which then waits out the TTL.
+const (
+	absentTTL  = 5 * time.Second
+	absentSize = 4 << 10
+)
 
 // responseRecords is what responseHomes needs of the shared state
 // (sharedstate.Syncer): queue a record or its deletion, read one back.
@@ -64,9 +84,37 @@ type home struct {
 	owned  bool
 }
 
-func newResponseHomes(rt *router.Router, n int, shared responseRecords, strict bool) *responseHomes {
+func newResponseHomes(rt *router.Router, n int, shared responseRecords, strict bool, now func() time.Time) *responseHomes {
 	c, _ := lru.New[string, home](n) // n > 0: cannot fail
-	return &responseHomes{rt: rt, c: c, shared: shared, strict: strict}
+	absent, _ := lru.New[string, time.Time](absentSize)
+	return &responseHomes{rt: rt, c: c, shared: shared, strict: strict, absent: absent, now: now}
+}
+
+// responseNotFound is the 404 of stored response id, worded as vLLM's.
+func responseNotFound(id string) error {
+	return errNotFound.with(fmt.Sprintf("Response with id '%s' not found.", id))
+}
+
+// absentKey keys the ids no replica holds by the call's model too: a
+// lookup asks the replicas of its model's pool only.
+func absentKey(model, id string) string { return model + "\x00" + id }
+
+// notedAbsent reports whether every replica answered 404 for id, for a
+// call of model, less than absentTTL ago.
+func (h *responseHomes) notedAbsent(model, id string) bool {
+	k := absentKey(model, id)
+	until, ok := h.absent.Peek(k)
+	if ok && !h.now().Before(until) {
+		h.absent.Remove(k)
+		return false
+	}
+	return ok
+}
+
+// noteAbsent remembers that every replica a call of model could go to
+// answered 404 for id.
+func (h *responseHomes) noteAbsent(model, id string) {
+	h.absent.Add(absentKey(model, id), h.now().Add(absentTTL))
 }
 
 // get is the replica holding response id, false when the id is unknown or
@@ -135,7 +183,7 @@ var errOwnerUnchecked = &apiError{Status: http.StatusServiceUnavailable, Type: "
 // owner cannot be told from another tenant. The response stays on its
 // replica: the owner's client, refused, starts a new chain.
 func (h *responseHomes) locate(ctx context.Context, id, tenant string) (*router.Replica, error) {
-	notFound := func() error { return errNotFound.with(fmt.Sprintf("Response with id '%s' not found.", id)) }
+	notFound := func() error { return responseNotFound(id) }
 	if hm, ok := h.c.Peek(id); ok {
 		if hm.owned && hm.owner != tenant || !hm.owned && h.strict {
 			return nil, notFound()
@@ -323,4 +371,17 @@ func responsesBodyUsage(tail []byte) *openai.Usage {
 func isResponsesEnd(data []byte) bool {
 	return bytes.Contains(data, []byte("response.completed")) || bytes.Contains(data, []byte("response.incomplete")) ||
 		bytes.Contains(data, []byte("response.failed"))
+}
+
+// inRotation reports whether every replica the router lists is in
+// rotation: a lookup that skipped one out of it (ejected, failing its
+// health checks) did not ask the replica that may hold the response, and
+// its 404 is not remembered.
+func (g *Gateway) inRotation() bool {
+	for i := range g.rt.Replicas() {
+		if r := g.rt.Replica(i); !r.Removed() && !r.Healthy() {
+			return false
+		}
+	}
+	return true
 }

@@ -21,7 +21,7 @@ func TestResponseHomesFollowTheReplicaNotTheSlot(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	h := newResponseHomes(rt, 8, nil, false)
+	h := newResponseHomes(rt, 8, nil, false, time.Now)
 	h.add("resp_b", 1, "", true, "")
 	specs := func(urls ...string) {
 		t.Helper()

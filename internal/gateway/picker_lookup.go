@@ -42,7 +42,7 @@ var errLookupUnchecked = &apiError{Status: http.StatusServiceUnavailable, Type: 
 // ask (as serve's: nothing says the response does not exist).
 func (h *Handoff) find(id string) error {
 	g, x := h.g, h.x
-	notFound := errNotFound.with(fmt.Sprintf("Response with id '%s' not found.", id))
+	notFound := responseNotFound(id)
 	if !plainID(id) {
 		return notFound // no replica makes such an id; none is asked (it would be a path of the client's)
 	}
@@ -59,6 +59,7 @@ func (h *Handoff) find(id string) error {
 	if len(cands) == 0 {
 		return errNoReplica
 	}
+	complete := len(x.exclude) == 0 && g.inRotation() // every replica of the pool is asked
 	// The probes carry the call's Via and this gateway's hop, as the call
 	// would: a replica that is this gateway again (a loop) refuses them.
 	via := append(slices.Clone(x.r.Header.Values("Via")), viaEntry(x.r, g.via))
@@ -69,6 +70,8 @@ func (h *Handoff) find(id string) error {
 		return nil
 	case unchecked:
 		return errLookupUnchecked
+	case complete:
+		g.pt.homes.noteAbsent(x.req.Model, id)
 	}
 	return notFound
 }

@@ -11,6 +11,7 @@ import (
 	"strings"
 	"sync"
 	"testing"
+	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/redis/go-redis/v9"
@@ -263,7 +264,7 @@ func TestStoredResponsesOwnerAcrossRestart(t *testing.T) {
 	if err := os.WriteFile(path, []byte(bad), 0o600); err != nil {
 		t.Fatal(err)
 	}
-	h := newResponseHomes(again.g.rt, 16, nil, true)
+	h := newResponseHomes(again.g.rt, 16, nil, true, time.Now)
 	if n, err := h.load(path); err == nil || n != 0 || h.c.Len() != 0 {
 		t.Fatalf("a tampered file: %d homes, %v; want refused", n, err)
 	}
