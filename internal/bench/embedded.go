@@ -52,7 +52,9 @@ type EmbeddedResult struct {
 	Run     report.Run
 	Records []report.Record
 	// HitRate from the replicas' own counters (vllm:prefix_cache_hits_total /
-	// vllm:prefix_cache_queries_total over the run).
+	// vllm:prefix_cache_queries_total over the run); on a disaggregated
+	// fleet, from the records: each request's prefill step's hit, as its
+	// route receipt names it.
 	HitRate float64
 }
 
@@ -74,9 +76,17 @@ func RunEmbedded(ctx context.Context, e EmbeddedConfig, policy string, reqs []wo
 	clk := newModelClock(fl.Timeline())
 	defer clk.close() // after the gateways stop
 	queues := len(e.Gateway.Tenants) > 0 || e.Gateway.FlowControl.Enabled
+	// Disaggregated: the replicas' prefix counters summed would count a
+	// request's prompt twice, on its prefill replica and again on its
+	// decode replica, which looks up what it then pulls (and whose usage
+	// counts the pulled prompt as cached). A request's hit is its prefill
+	// step's, which the route receipt names (the replay's definition: the
+	// prefill replica's hit, the decode replica's when the step was
+	// skipped).
+	pd := len(answering(urls, simCfg)) < len(urls)
 	// A wait in the gateway's queue is the engines' time: the receipt
 	// gives it in model time (splitRecord).
-	e.Gateway.RouteReceipts = e.Gateway.RouteReceipts || queues
+	e.Gateway.RouteReceipts = e.Gateway.RouteReceipts || queues || pd
 	targets, stop, err := startGateways(ctx, e, policy, urls, simCfg, clk)
 	if err != nil {
 		return EmbeddedResult{}, err
@@ -109,7 +119,8 @@ func RunEmbedded(ctx context.Context, e EmbeddedConfig, policy string, reqs []wo
 		// held it back (sim.Timeline).
 		res.Run.Extra = map[string]float64{ExtraTimeScale: wall.Seconds() / spent.Seconds()}
 	}
-	if q := after.queries - before.queries; q > 0 {
+	res.HitRate = res.Run.HitRate
+	if q := after.queries - before.queries; q > 0 && !pd {
 		res.HitRate = float64(after.hits-before.hits) / float64(q)
 		res.Run.HitRate = res.HitRate
 	}

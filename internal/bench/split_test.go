@@ -6,6 +6,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvgate/kvgate/internal/engine"
 	"github.com/kvgate/kvgate/internal/report"
 	"github.com/kvgate/kvgate/internal/sim"
 )
@@ -129,5 +130,44 @@ func TestQueueWaitOf(t *testing.T) {
 		if got := queueWaitOf(tc.h, tc.pre, tc.preModel); got != tc.want {
 			t.Errorf("%v (%v real, %v model): %+v, want %+v", tc.h, tc.pre, tc.preModel, got, tc.want)
 		}
+	}
+}
+
+// On a disaggregated fleet a request's hit is its prefill step's (the
+// route receipt's), not the decode replica's usage, which counts the
+// prompt it pulled as cached, nor the replicas' counters summed, which
+// count the prompt on both steps. One system prompt shared by every
+// request: the first one's prefill computes it whole (no hit), the others'
+// find it.
+func TestEmbeddedPDHitIsThePrefillSteps(t *testing.T) {
+	reqs := generate(t, "shared_prefix", map[string]float64{"groups": 1, "prompts_per_group": 5,
+		"system_prompt_len": 1024, "question_len": 64, "output_len": 4})
+	e := embedded(3)
+	e.Sim.Roles = []engine.Role{engine.RolePrefill, engine.RoleDecode, engine.RoleDecode}
+	e.Load.Concurrency = 1 // the first request first
+	res, err := RunEmbedded(context.Background(), e, "ttft", reqs)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if res.Run.Errors != 0 || len(res.Records) != len(reqs) {
+		t.Fatalf("%d errors, %d records of %d", res.Run.Errors, len(res.Records), len(reqs))
+	}
+	var cached, prompt int
+	for i, rec := range res.Records {
+		if rec.CachedTokens < 0 || rec.CachedTokens > rec.PromptTokens {
+			t.Fatalf("record %d: %d cached of %d", i, rec.CachedTokens, rec.PromptTokens)
+		}
+		cached += rec.CachedTokens
+		prompt += rec.PromptTokens
+	}
+	if first := res.Records[0]; first.CachedTokens != 0 {
+		t.Errorf("the first request's prefill found %d of %d tokens cached, want none (the decode replica's usage?)",
+			first.CachedTokens, first.PromptTokens)
+	}
+	if cached == 0 {
+		t.Errorf("no request found the shared system prompt")
+	}
+	if want := float64(cached) / float64(prompt); res.HitRate != want || res.Run.HitRate != want {
+		t.Errorf("hit rate %v (run %v), want the records' %v", res.HitRate, res.Run.HitRate, want)
 	}
 }
