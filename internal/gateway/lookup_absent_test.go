@@ -12,8 +12,9 @@ import (
 // that does not exist costs the replicas one lookup per TTL, not one
 // request each per poll. Past the TTL the replicas are asked again (an id
 // stored on a replica past the gateway is found then); a call of another
-// model is another lookup; and a lookup that could not ask a replica (out
-// of rotation) is not remembered.
+// model is another lookup; and a lookup that did not ask every replica of
+// the pool (the proxy's subset, a replica out of rotation) is not
+// remembered.
 func TestLookupRemembersAnAbsentID(t *testing.T) {
 	a, b := newAPIReplica(t, "a", "m", ""), newAPIReplica(t, "b", "m", "")
 	cfg := baseConfig(a.srv.URL, b.srv.URL)
@@ -58,8 +59,9 @@ func TestLookupRemembersAnAbsentID(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	var subset []string // the endpoints the proxy lets the picker choose from (nil: all)
 	pick := func(id string) *Reply {
-		h, _, reply := p.Pick(PickRequest{Context: context.Background(), Method: http.MethodGet,
+		h, _, reply := p.Pick(PickRequest{Context: context.Background(), Method: http.MethodGet, Subset: subset,
 			Target: "/v1/responses/" + id, Header: http.Header{"Content-Type": {"application/json"}}, RemoteAddr: "127.0.0.1:1"})
 		if h != nil {
 			h.End(false)
@@ -75,6 +77,22 @@ func TestLookupRemembersAnAbsentID(t *testing.T) {
 	if n := asked() - before; n != 2 {
 		t.Fatalf("the picker asked %d replicas for an unknown id three times, want each once", n)
 	}
+	// A lookup within a subset of the pool asked only part of it.
+	epb, err := Endpoint(b.srv.URL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	subset = []string{epb}
+	beforeA, beforeB := len(a.requests()), len(b.requests())
+	for range 2 {
+		if reply := pick("resp_subset"); reply == nil || reply.Status != http.StatusNotFound {
+			t.Fatalf("the picker, an unknown id within b alone: %+v, want 404", reply)
+		}
+	}
+	if na, nb := len(a.requests())-beforeA, len(b.requests())-beforeB; na != 0 || nb != 2 {
+		t.Fatalf("within b alone, two calls asked a %d and b %d times, want b twice", na, nb)
+	}
+	subset = nil
 	// A lookup while a replica is out of rotation is not remembered.
 	gw.g.rt.SetHealthy(0, false)
 	before = asked()

@@ -125,7 +125,7 @@ func (pt *passthrough) serve(w http.ResponseWriter, r *http.Request, kind prompt
 		return
 	}
 	g.run(x, pt.attempt)
-	if x.lookup && x.missed && x.notHere == len(x.exclude) && g.inRotation() {
+	if x.lookup && x.missed && x.notHere == len(x.exclude) && g.lookupComplete(x, x.notHere) {
 		// Every replica the call could go to said it does not hold the id.
 		pt.homes.noteAbsent(x.req.Model, statefulID(x))
 	}

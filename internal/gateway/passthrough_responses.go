@@ -373,15 +373,26 @@ func isResponsesEnd(data []byte) bool {
 		bytes.Contains(data, []byte("response.failed"))
 }
 
-// inRotation reports whether every replica the router lists is in
-// rotation: a lookup that skipped one out of it (ejected, failing its
-// health checks) did not ask the replica that may hold the response, and
-// its 404 is not remembered.
-func (g *Gateway) inRotation() bool {
+// lookupComplete reports whether a lookup of x that asked asked replicas
+// asked every replica x could go to: every replica listed is in rotation
+// (one out of it, ejected or failing its health checks, was not asked and
+// may hold the response), and as many were asked as x's model's pool has
+// now (one back in rotation since is not counted as asked).
+func (g *Gateway) lookupComplete(x *exchange, asked int) bool {
 	for i := range g.rt.Replicas() {
 		if r := g.rt.Replica(i); !r.Removed() && !r.Healthy() {
 			return false
 		}
 	}
-	return true
+	views, err := g.rt.Candidates(x.req)
+	if err != nil {
+		return false
+	}
+	n := 0
+	for i := range views {
+		if views[i].Healthy {
+			n++
+		}
+	}
+	return asked >= n
 }

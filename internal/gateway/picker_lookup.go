@@ -59,7 +59,6 @@ func (h *Handoff) find(id string) error {
 	if len(cands) == 0 {
 		return errNoReplica
 	}
-	complete := len(x.exclude) == 0 && g.inRotation() // every replica of the pool is asked
 	// The probes carry the call's Via and this gateway's hop, as the call
 	// would: a replica that is this gateway again (a loop) refuses them.
 	via := append(slices.Clone(x.r.Header.Values("Via")), viaEntry(x.r, g.via))
@@ -70,7 +69,7 @@ func (h *Handoff) find(id string) error {
 		return nil
 	case unchecked:
 		return errLookupUnchecked
-	case complete:
+	case g.lookupComplete(x, len(cands)):
 		g.pt.homes.noteAbsent(x.req.Model, id)
 	}
 	return notFound
