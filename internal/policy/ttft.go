@@ -52,6 +52,8 @@ type TTFT struct {
 	meanPrompt float64            // EWMA of uncached tokens per request, for others' queued requests
 	meanOutput float64            // EWMA of output tokens per request, when max_tokens is absent
 	prefixes   []ttftPrefixRate   // hot prefixes' rates by last block, ttftPrefixSlots (ttft_replicate.go)
+	families   []ttftCount        // families' requests in the warm-up, ttftFamilySlots (ttft_replicate.go)
+	routed     ttftCount          // the fleet's requests in the warm-up
 	// picks holds, by request ID modulo its size, the correction each Pick
 	// applied to its chosen replica's estimate, so that Observe learns from
 	// the model's own estimate whatever was learnt between Pick and Routed.
@@ -170,6 +172,10 @@ type ttftParams struct {
 	// prefill.
 	ReplicateS    float64 `json:"replicate_s"`
 	ReplicateRoom float64 `json:"replicate_room"`
+	// ReplicateWarmup is the fleet's first requests (decayed over
+	// window_s) during which a prefix gets another holder only if its
+	// family's share asks for it (ttft_replicate.go); 0: off.
+	ReplicateWarmup float64 `json:"replicate_warmup"`
 	// BalanceS is the horizon (s) over which, for the requests of a hot
 	// prefix, a replica's recent work beyond the fleet's mean is priced
 	// (ttft_replicate.go); 0: off.
@@ -225,14 +231,15 @@ func init() {
 	// 3.92× → 3.91×, synthetic 3.37× both, with host tier and pulls
 	// 4.52× both; agents 1.95×, 2.24×, 2.04× → 1.90×, 2.32×, 2.04×
 	// (seeds 1–3: on its cliff); RL batches unchanged. pending_weight 1:
-	// see pendingMs. balance_s 0 (off): see balanceMs.
+	// see pendingMs. balance_s 0 (off): see balanceMs. replicate_warmup
+	// 25: see warmingUp (ttft_replicate.go).
 	register("ttft", func(o Options) (Policy, error) {
 		params := ttftParams{
 			MarginRel: 0.2, MarginMs: 2, Alpha: 0.1, ReplicaAlpha: 0.02, MaxCorrection: 4,
 			DecodeWeight: 1, InterferenceWeight: 0, EvictionWeight: 2, DeferMs: 1000,
 			FutureWeight: 2, PrefixLifeS: 40, WaitWeight: 0.1, WindowS: 20,
 			Programs: true, ProgramWeight: 0.1, ProgramFutureTurns: 8,
-			ReplicateS: 1, ReplicateRoom: 0.3, PendingWeight: 1,
+			ReplicateS: 1, ReplicateRoom: 0.3, ReplicateWarmup: 25, PendingWeight: 1,
 			ttftTierParams: ttftTierParams{HostHits: hostHitsLoad},
 		}
 		if err := decodeParams(o.Params, &params); err != nil {
@@ -255,6 +262,7 @@ func init() {
 		return &TTFT{
 			o: o, params: params, g: newRNG(o.Seed),
 			fleetFac: 1, pending: map[uint64]pendEst{}, prefixes: make([]ttftPrefixRate, ttftPrefixSlots),
+			families: make([]ttftCount, ttftFamilySlots),
 		}, nil
 	})
 }
@@ -265,10 +273,12 @@ func (p *ttftParams) checkFuture() error {
 	if !(p.FutureWeight >= 0 && p.FutureWeight <= 1e6) || !(p.WaitWeight >= 0 && p.WaitWeight <= 1e6) ||
 		!(p.PrefixLifeS >= 0.001 && p.PrefixLifeS <= 86400) || !(p.WindowS >= 0.001 && p.WindowS <= 86400) ||
 		!(p.ReplicateS >= 0 && p.ReplicateS <= 86400) || !(p.ReplicateRoom >= 0 && p.ReplicateRoom <= 1) ||
-		!(p.PendingWeight >= 0 && p.PendingWeight <= 1e6) || !(p.BalanceS >= 0 && p.BalanceS <= 86400) {
+		!(p.PendingWeight >= 0 && p.PendingWeight <= 1e6) || !(p.BalanceS >= 0 && p.BalanceS <= 86400) ||
+		!(p.ReplicateWarmup >= 0 && p.ReplicateWarmup <= 1e6) {
 		return fmt.Errorf("%w: need 0 ≤ future_weight ≤ 1e6, 0 ≤ wait_weight ≤ 1e6, "+
 			"0.001 ≤ prefix_life_s ≤ 86400, 0.001 ≤ window_s ≤ 86400, 0 ≤ replicate_s ≤ 86400, "+
-			"0 ≤ replicate_room ≤ 1, 0 ≤ pending_weight ≤ 1e6, 0 ≤ balance_s ≤ 86400", ErrParam)
+			"0 ≤ replicate_room ≤ 1, 0 ≤ pending_weight ≤ 1e6, 0 ≤ balance_s ≤ 86400, "+
+			"0 ≤ replicate_warmup ≤ 1e6", ErrParam)
 	}
 	return nil
 }

@@ -154,6 +154,7 @@ func (t *TTFT) observeFlow(ev Event) {
 	case Routed:
 		if pk := &t.picks[ev.Req.ID%ttftPickSlots]; !ev.Remote && pk.id == ev.Req.ID && pk.replica == ev.Decision.Replica {
 			t.countPrefix(pk.prefix, ev.At)
+			t.countFamily(ev.Req, ev.At)
 		}
 		_, out := t.means(ev.Req)
 		uncached := max(count(ev.Req.Tokens)-count(ev.Decision.Matched)*t.o.BlockSize, 0)

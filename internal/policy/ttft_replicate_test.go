@@ -2,7 +2,9 @@ package policy
 
 import (
 	"errors"
+	"fmt"
 	"math"
+	"strings"
 	"testing"
 	"time"
 )
@@ -116,7 +118,7 @@ func TestTTFTPrefixRate(t *testing.T) {
 func TestTTFTReplicateParams(t *testing.T) {
 	for _, bad := range []map[string]any{
 		{"replicate_s": -1}, {"replicate_s": 1e6}, {"replicate_room": -0.1}, {"replicate_room": 1.5},
-		{"balance_s": -1}, {"balance_s": 1e6},
+		{"balance_s": -1}, {"balance_s": 1e6}, {"replicate_warmup": -1}, {"replicate_warmup": 2e6},
 	} {
 		if _, err := New("ttft", Options{Params: bad}); !errors.Is(err, ErrParam) {
 			t.Errorf("%v: %v, want ErrParam", bad, err)
@@ -170,6 +172,38 @@ func TestTTFTBalancesAHotPrefixByRecentWork(t *testing.T) {
 		want := c.balanceS * (w[0] - mean) // the second holder is below the mean: nothing
 		if pos != 1 || w[1] >= mean || math.Abs(diff-want) > 1e-9*want {
 			t.Errorf("%s: chose %d, scores %v (difference %v, want %v; work rates %v ms/s)", c.name, pos, d.Scores, diff, want, w)
+		}
+	}
+}
+
+// In the warm-up a hot prefix gets a second holder only if its family's
+// share of the fleet's requests asks for one: 21 requests of the hot
+// prefix and 63 of three other families (share 21/(84+4) of 3 replicas,
+// 0.72 holders) leave it with its holder while the warm-up lasts
+// (replicate_warmup 1,000); past it (50) or with it off (0), and alone
+// (its share 21/(21+4), 2.5 holders), it gets its copy.
+func TestTTFTWarmupKeepsAPrefixToItsShare(t *testing.T) {
+	for _, c := range []struct {
+		name   string
+		warmup float64
+		others int // requests of other families routed before
+		want   bool
+	}{
+		{"a family among four", 1000, 63, false},
+		{"past the warm-up", 50, 63, true},
+		{"warm-up off", 0, 63, true},
+		{"the only family", 1000, 0, true},
+	} {
+		p := peerNew(t, "ttft", map[string]any{"margin_rel": 0, "margin_ms": 0, "replicate_warmup": c.warmup})
+		for i := range c.others {
+			req := peerReq(uint64(1000+i), fmt.Sprintf("family %d: %s", i%3, strings.Repeat("wxyz", 400)), peerT0.Add(-2*time.Second))
+			_, d := peerPick(t, p, req, peerViews(3))
+			peerObserve(p, Event{Kind: Routed, At: req.Now, Req: req, Decision: d, Replica: d.Replica})
+		}
+		heat(t, p, 21, peerT0)
+		pos, d := peerPick(t, p, ttftReq(1), replicateViews(200))
+		if moved := pos != 0; moved != c.want {
+			t.Errorf("%s: chose %d (%s), want moved=%v (scores %v)", c.name, pos, d.Reason, c.want, d.Scores)
 		}
 	}
 }
