@@ -440,3 +440,44 @@ func TestTTFTPendingPrefillAmongEqualHolders(t *testing.T) {
 		t.Errorf("deeper match with a request pending: chose %d, want 0 (scores %v)", pos, d.Scores)
 	}
 }
+
+// copy_inflight: the deepest match yields to a shallower replica as fast
+// when the blocks it holds beyond that one are still queued for prefill
+// there, and only then.
+func TestTTFTCopyInflight(t *testing.T) {
+	req := ttftReq(1) // 100 blocks
+	views := func(queued, decodes int) []ReplicaView {
+		rs := peerViews(2)
+		rs[0].Match, rs[1].Match = len(req.Blocks), 50 // 800 tokens beyond replica 1's match
+		rs[0].PendingPrefill, rs[0].PendingCount = queued, 1
+		rs[0].InFlight, rs[0].InFlightTokens = 1+decodes, (1+decodes)*1600
+		return rs
+	}
+	params := func(on bool) map[string]any {
+		return map[string]any{"copy_inflight": on, "decode_weight": 0, "eviction_weight": 0}
+	}
+	for _, c := range []struct {
+		name            string
+		on              bool
+		queued, decodes int
+		want            int
+		copy            bool
+	}{
+		{"off: the deepest match", false, 900, 0, 0, false},
+		{"its blocks still queued: a copy", true, 900, 0, 1, true},
+		{"slower but its blocks computed: it stays", true, 700, 200, 0, false},
+		{"its blocks queued but faster: it stays", true, 900, 0, 0, false},
+	} {
+		rs := views(c.queued, c.decodes)
+		if c.name == "its blocks queued but faster: it stays" {
+			rs[1].InFlight, rs[1].InFlightTokens = 200, 200*1600 // replica 1's steps slowed by its decodes
+		}
+		pos, d := peerPick(t, peerNew(t, "ttft", params(c.on)), req, rs)
+		if pos != c.want || strings.Contains(d.Reason, "a copy") != c.copy {
+			t.Errorf("%s: chose %d (%q), want %d (scores %v)", c.name, pos, d.Reason, c.want, d.Scores)
+		}
+	}
+	if _, err := New("ttft", Options{Params: map[string]any{"copy_inflight": 1}}); !errors.Is(err, ErrParam) {
+		t.Errorf("copy_inflight 1: %v, want ErrParam", err)
+	}
+}
