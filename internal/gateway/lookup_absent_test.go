@@ -14,7 +14,7 @@ import (
 // stored on a replica past the gateway is found then); a call of another
 // model is another lookup; and a lookup that did not ask every replica of
 // the pool (the proxy's subset, a replica out of rotation) is not
-// remembered.
+// remembered, nor is an id no replica could have made.
 func TestLookupRemembersAnAbsentID(t *testing.T) {
 	a, b := newAPIReplica(t, "a", "m", ""), newAPIReplica(t, "b", "m", "")
 	cfg := baseConfig(a.srv.URL, b.srv.URL)
@@ -40,6 +40,18 @@ func TestLookupRemembersAnAbsentID(t *testing.T) {
 	}
 	if n := asked() - before; n != 0 {
 		t.Fatalf("the id every replica denied was asked again %d times within the TTL", n)
+	}
+	// An id no replica could have made (past sharedstate.MaxResponseID)
+	// is not remembered: entries stay small whatever a client names.
+	long := `{"model":"m","input":"x","previous_response_id":"resp_` + strings.Repeat("f", 300) + `"}`
+	before = asked()
+	for range 2 {
+		if status, _, _ := do(t, "POST", gw.srv.URL+"/v1/responses", "application/json", long); status != http.StatusNotFound {
+			t.Fatalf("a 305-character id: %d, want 404", status)
+		}
+	}
+	if n := asked() - before; n != 4 {
+		t.Fatalf("a 305-character id asked %d replicas over two calls, want both each time", n)
 	}
 	// A call of a model names its pool: asked anew.
 	before = asked()

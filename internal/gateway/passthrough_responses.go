@@ -112,9 +112,14 @@ func (h *responseHomes) notedAbsent(model, id string) bool {
 }
 
 // noteAbsent remembers that every replica a call of model could go to
-// answered 404 for id.
+// answered 404 for id: only an id a replica could have made (plainID,
+// within sharedstate.MaxResponseID), so that the entries stay small
+// whatever a client names (a previous_response_id may be as long as a
+// body).
 func (h *responseHomes) noteAbsent(model, id string) {
-	h.absent.Add(absentKey(model, id), h.now().Add(absentTTL))
+	if plainID(id) {
+		h.absent.Add(absentKey(model, id), h.now().Add(absentTTL))
+	}
 }
 
 // get is the replica holding response id, false when the id is unknown or
