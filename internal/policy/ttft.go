@@ -716,7 +716,10 @@ func (t *TTFT) choose(scores, ties []float64, matched []int, best float64) int {
 // their system prompts would have stayed on: the sweep's multiturn points
 // on 4 replicas worsen (seed 1: 1,500 blocks at 32/s 1.06 → 2.47, 1,000
 // blocks at 24/s 1.38 → 1.80) and the multiturn point is behind
-// llm-d on 9 of 20 seeds against 4.
+// llm-d on 9 of 20 seeds against 3 (replicate_warmup 25). Limited to the
+// copies a prefix's family asks for (as in the warm-up), it kept the
+// multiturn point at 4 seeds behind but took agents' capacity from 2.09×
+// to 2.00× (sweep 13, 21, 12 points).
 func (t *TTFT) copyInflight(choice int, rs []ReplicaView, scores, ttfts []float64, matched []int, best float64) int {
 	if !t.params.CopyInflight || choice < 0 {
 		return choice

@@ -460,18 +460,17 @@ func TestTTFTCopyInflight(t *testing.T) {
 		name            string
 		on              bool
 		queued, decodes int
+		altDecodes      int // replica 1's, slowing its steps
 		want            int
 		copy            bool
 	}{
-		{"off: the deepest match", false, 900, 0, 0, false},
-		{"its blocks still queued: a copy", true, 900, 0, 1, true},
-		{"slower but its blocks computed: it stays", true, 700, 200, 0, false},
-		{"its blocks queued but faster: it stays", true, 900, 0, 0, false},
+		{"off: the deepest match", false, 900, 0, 0, 0, false},
+		{"its blocks still queued: a copy", true, 900, 0, 0, 1, true},
+		{"slower but its blocks computed: it stays", true, 700, 200, 0, 0, false},
+		{"its blocks queued but faster: it stays", true, 900, 0, 200, 0, false},
 	} {
 		rs := views(c.queued, c.decodes)
-		if c.name == "its blocks queued but faster: it stays" {
-			rs[1].InFlight, rs[1].InFlightTokens = 200, 200*1600 // replica 1's steps slowed by its decodes
-		}
+		rs[1].InFlight, rs[1].InFlightTokens = c.altDecodes, c.altDecodes*1600
 		pos, d := peerPick(t, peerNew(t, "ttft", params(c.on)), req, rs)
 		if pos != c.want || strings.Contains(d.Reason, "a copy") != c.copy {
 			t.Errorf("%s: chose %d (%q), want %d (scores %v)", c.name, pos, d.Reason, c.want, d.Scores)
