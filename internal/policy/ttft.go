@@ -380,18 +380,29 @@ func (t *TTFT) queueMs(l *ttftLoad) float64 {
 // multiturn replay on 1,500-block replicas: p90 TTFT 60.3 ms against 35.8
 // ms for llm-d's rule).
 func (t *TTFT) kvWaitMs(v *ReplicaView, l *ttftLoad, own int, out float64) float64 {
-	if v.NumBlocks <= 0 {
+	footprint, capacity := t.kvFootprint(v)
+	if capacity == 0 {
 		return 0
-	}
-	capacity := float64(count(v.NumBlocks)) * float64(t.o.BlockSize)
-	footprint := float64(count(v.InFlightKV))
-	if v.HaveMetrics {
-		footprint = max(footprint, fraction(v.KVUsage)*capacity)
 	}
 	if excess := footprint + float64(own) + out - capacity; excess > 0 && footprint > 0 {
 		return min(excess/footprint, 1) * out * l.stepMs
 	}
 	return 0
+}
+
+// kvFootprint is the KV (tokens) the requests in flight on v hold or
+// wait to hold, InFlightKV or the scraped usage when larger (kvWaitMs),
+// and v's capacity in tokens (0: unknown).
+func (t *TTFT) kvFootprint(v *ReplicaView) (footprint, capacity float64) {
+	if v.NumBlocks <= 0 {
+		return 0, 0
+	}
+	capacity = float64(count(v.NumBlocks)) * float64(t.o.BlockSize)
+	footprint = float64(count(v.InFlightKV))
+	if v.HaveMetrics {
+		footprint = max(footprint, fraction(v.KVUsage)*capacity)
+	}
+	return footprint, capacity
 }
 
 // evictShare is the share of own tokens written into v's cache that evict
@@ -608,7 +619,7 @@ func (t *TTFT) estimateOne(a *estAll, i int, c float64) {
 	e := &a.est
 	t.estimateTiers(e, &a.plans[i], a.req, a.rs, i, a.meanPrompt, a.out, a.src)
 	a.ttfts[i] = e.ms * c
-	a.scores[i], a.matched[i] = a.ttfts[i]+e.cost+t.moveMs(&a.pp, a.req, a.rs, i, &e.load), e.matched
+	a.scores[i], a.matched[i] = a.ttfts[i]+e.cost+t.moveMs(&a.pp, a.req, a.rs, i, &e.load, a.out), e.matched
 	a.ties[i] = e.tie
 	if a.workMean >= 0 {
 		a.scores[i] += t.balanceMs(a.rs[i].Index, a.req.Now, a.workMean)

@@ -99,3 +99,41 @@ func TestTTFTCountsBurstFollowersAsDecodes(t *testing.T) {
 		})
 	}
 }
+
+// A chat's next turn (2,700 tokens, the first 1,536 a system prompt its
+// home holds, its history evicted there) with 8,000 tokens queued at its
+// home: where the fleet's KV has room it moves to the idle replica, as
+// before; where the fleet's KV is claimed (every replica's in-flight KV at
+// its capacity), a replica that holds none of it would keep a copy of the
+// system prompt for each of the chat's turns to come (hold), and it stays
+// home; a replica holding the system prompt still takes it.
+func TestTTFTPricesTheOpeningAProgramCopies(t *testing.T) {
+	params := map[string]any{"margin_rel": 0, "margin_ms": 0, "decode_weight": 0}
+	cases := []struct {
+		name       string
+		inFlightKV int // every replica's, tokens (capacity 16,000)
+		awayMatch  int // blocks the other replica holds
+		want       int
+	}{
+		{"fleet KV with room: moves", 0, 0, 1},
+		{"fleet KV claimed: stays home", 16_000, 0, 0},
+		{"fleet KV claimed, the other holds the opening: moves", 16_000, 96, 1},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			req := peerReq(1, strings.Repeat("abcd", 2700), peerT0)
+			rs := peerViews(2)
+			req.Program = Program{ID: 9, Continues: true, Home: rs[0].Index, Tokens: 2500, Turns: 6}
+			rs[0].Match, rs[1].Match = 96, c.awayMatch
+			rs[0].PendingPrefill, rs[0].PendingCount, rs[0].InFlight = 8000, 1, 1
+			for i := range rs {
+				rs[i].NumBlocks, rs[i].Cached = 1000, rs[i].Match // room in the cache: no eviction cost
+				rs[i].InFlightKV, rs[i].ProgramTokens = c.inFlightKV, 80_000
+			}
+			pos, d := peerPick(t, peerNew(t, "ttft", params), req, rs)
+			if pos != c.want {
+				t.Fatalf("chose %d, want %d (scores %v, %s)", pos, c.want, d.Scores, d.Reason)
+			}
+		})
+	}
+}
