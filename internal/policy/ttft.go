@@ -185,8 +185,9 @@ type ttftParams struct {
 	// (pendingMs); 0: ignored, as before.
 	PendingWeight float64 `json:"pending_weight"`
 	// CopyInflight: within the margin, the deepest match yields to a
-	// shallower one when the blocks it has beyond it are still queued for
-	// prefill there (copyInflight); off: the deepest match wins, as before.
+	// shallower one as fast whose cache has room for a copy, when the
+	// blocks it has beyond it are shared and its queue is no shorter
+	// than their prefill (copyInflight); off: the deepest match wins.
 	CopyInflight bool `json:"copy_inflight"`
 	// The KV tiers' parameters (ttft_tiers.go).
 	ttftTierParams
@@ -236,14 +237,15 @@ func init() {
 	// 4.52× both; agents 1.95×, 2.24×, 2.04× → 1.90×, 2.32×, 2.04×
 	// (seeds 1–3: on its cliff); RL batches unchanged. pending_weight 1:
 	// see pendingMs. balance_s 0 (off): see balanceMs. replicate_warmup
-	// 25: see warmingUp (ttft_replicate.go).
+	// 25: see warmingUp (ttft_replicate.go). copy_inflight on: see
+	// copyInflight.
 	register("ttft", func(o Options) (Policy, error) {
 		params := ttftParams{
 			MarginRel: 0.2, MarginMs: 2, Alpha: 0.1, ReplicaAlpha: 0.02, MaxCorrection: 4,
 			DecodeWeight: 1, InterferenceWeight: 0, EvictionWeight: 2, DeferMs: 1000,
 			FutureWeight: 2, PrefixLifeS: 40, WaitWeight: 0.1, WindowS: 20,
 			Programs: true, ProgramWeight: 0.1, ProgramFutureTurns: 8,
-			ReplicateS: 1, ReplicateRoom: 0.3, ReplicateWarmup: 25, PendingWeight: 1,
+			ReplicateS: 1, ReplicateRoom: 0.3, ReplicateWarmup: 25, PendingWeight: 1, CopyInflight: true,
 			ttftTierParams: ttftTierParams{HostHits: hostHitsLoad},
 		}
 		if err := decodeParams(o.Params, &params); err != nil {
@@ -514,8 +516,8 @@ func (t *TTFT) Pick(req *Request, rs []ReplicaView) (Decision, error) {
 	if scores[choice] > best {
 		reason = "deepest match within the margin of the lowest score"
 	}
-	if c := t.copyInflight(choice, rs, scores, ttfts, matched, best); c != choice {
-		choice, reason = c, "a copy: the deepest match's blocks are still queued for prefill there"
+	if c := t.copyInflight(req, choice, rs, scores, ttfts, matched, best); c != choice {
+		choice, reason = c, "a copy: the deepest match queues more than the shared blocks it holds beyond this one"
 	}
 	if pp := t.programPrice(req, rs); pp.home >= 0 && choice != pp.home {
 		reason = moveReason(&pp, rs, ttfts, scores, choice)
@@ -708,42 +710,65 @@ func (t *TTFT) choose(scores, ties []float64, matched []int, best float64) int {
 // copyInflight is the position copy_inflight sends the request to instead
 // of choice, the deepest match within the margin: a shallower candidate
 // within the margin whose estimated TTFT is no higher than choice's and
-// whose score (with ties) is lower, the lowest such, when the prefill
-// queued on choice covers the blocks choice holds beyond it. Those blocks
-// are then still being computed there (the index credits a prefix when it
-// is routed, not when it is computed): the request waits for them as long
-// as it would compute them, and its miss elsewhere makes a second holder
-// of the prefix for nothing now, where ttft otherwise copies a hot prefix
-// later, under load, onto a replica busy with another (a 130 ms prefill
-// step stalling its hits).
+// whose score (with ties) is lower, the lowest such, when
 //
-// Off by default. On, over the pressure sweep (ttft's p90 TTFT over the
-// best peer's; seeds 1 and 2 and at 3× its length), points above 1.05×
-// 21 → 11, 24 → 9, 14 → 9, geometric mean 1.0238 → 1.0122, 1.0227 →
-// 1.0041, 1.0234 → 1.0176: every shared-prefix point on 8 replicas at
-// 72 and 96 requests/s (13 of the 21 on seed 1) within 1.05× of Dynamo's.
-// But multiturn chats on 4 replicas lose: the copies of system prompts
-// made at the start (each chat's first turn) move chats off the replicas
-// their system prompts would have stayed on: the sweep's multiturn points
-// on 4 replicas worsen (seed 1: 1,500 blocks at 32/s 1.06 → 2.47, 1,000
-// blocks at 24/s 1.38 → 1.80) and the issue's multiturn point is behind
-// llm-d on 9 of 20 seeds against 3 (replicate_warmup 25). Limited to the
-// copies a prefix's family asks for (as in the warm-up), it kept the
-// multiturn point at 4 seeds behind but took agents' capacity from 2.09×
-// to 2.00× (sweep 13, 21, 12 points).
-func (t *TTFT) copyInflight(choice int, rs []ReplicaView, scores, ttfts []float64, matched []int, best float64) int {
-	if !t.params.CopyInflight || choice < 0 {
+//   - the prefill queued on choice covers the blocks choice holds beyond
+//     it: the request waits there at least as long as it would take to
+//     compute them;
+//   - they are not a program's own context (copyable, ttft_replicate.go):
+//     a request on choice is still computing them (the index credits a
+//     prefix when it is routed, not when it is computed), or they end at
+//     a prefix requests share at a rate;
+//   - the candidate's cache has room for them (roomFor, as for the
+//     replicate term): under cache pressure a copy evicts contexts that
+//     come back;
+//   - the request does not start a program in the warm-up
+//     (replicate_warmup): its later turns follow it, and the replica it
+//     takes may be the one a family not seen yet needs.
+//
+// A group's second request thus makes a second holder at the start, when
+// it costs nothing, as Dynamo's rule does, instead of late under load on
+// a replica serving another group, where its prefill (130 ms) stalls that
+// replica's hits.
+//
+// On by default. Over the pressure sweep (ttft's p90 TTFT over the best
+// peer's; seeds 1 and 2 and at 3× its length) points above 1.05× 20 →
+// 11, 23 → 12, 12 → 12, geometric mean 1.0185 → 1.0043, 1.0178 →
+// 1.0068, 1.0161 → 1.0160: shared prefix on 8 replicas at 72 and 96/s
+// within 1.05× of Dynamo's but for a few points; multiturn points
+// unchanged but one (8 replicas of 1,000 blocks at 64/s, seed 1: 1.36 →
+// 1.21). The issue's multiturn point (4 replicas of 1,500 blocks,
+// 16/s) is behind llm-d's rule by more than 5 % on the same seeds either
+// way (2, 3 and 5 of 1–20, mean p90 35.2 ms against 39.0; 6 of 21–60).
+// Capacity at p90 ≤ 2 s on 8 replicas: conversation trace 3.979× →
+// 3.976×, synthetic 3.454× both, agents (seeds 1–3) 2.110×, 2.466×,
+// 2.254× → 2.035×, 2.516×, 2.254×; RL unchanged. Agents' seed 1 is on a
+// cliff where p90 TTFT is not monotone in the speed-up: both fail at
+// 2.04× and 2.045× and pass at 2.05–2.09× with p90s equal but at 2.03×
+// (1.44 s against 1.63 s off) and 2.05× (1.63 s against 1.47 s); the
+// search's probes land on either side. The first version, on the queue
+// alone, copied chats' system prompts in the first requests and moved
+// their next turns off the replicas holding their histories: multiturn
+// point behind on 9 seeds, the sweep's multiturn on 4 replicas of 1,500
+// blocks at 32/s 1.01 → 1.64, synthetic 3.39×, agents 2.04× (seed 1).
+// Without the room test: that point 2.12, long sweep geometric mean
+// 1.0174; without the warm-up: behind on 8 seeds; without the writes in
+// flight or the hot prefix: 20, 22, 12 and 13, 16, 12 points.
+func (t *TTFT) copyInflight(req *Request, choice int, rs []ReplicaView, scores, ttfts []float64, matched []int, best float64) int {
+	if !t.params.CopyInflight || choice < 0 || t.startsInWarmup(req) {
 		return choice
 	}
 	limit, ties := t.limit(best), t.ties[:len(rs)]
-	queued := count(rs[choice].PendingPrefill)
+	queued, m := count(rs[choice].PendingPrefill), matched[choice]
 	alt := -1
 	for i := range scores {
-		if scores[i] > limit || matched[i] >= matched[choice] || ttfts[i] > ttfts[choice] ||
-			queued < (matched[choice]-matched[i])*t.o.BlockSize {
+		if scores[i] > limit || matched[i] >= m || ttfts[i] > ttfts[choice] ||
+			queued < (m-matched[i])*t.o.BlockSize || !t.roomFor(&rs[i], m) {
 			continue
 		}
-		if s := scores[i] + ties[i]; s < scores[choice]+ties[choice] && (alt < 0 || s < scores[alt]+ties[alt]) {
+		s := scores[i] + ties[i]
+		if s < scores[choice]+ties[choice] && (alt < 0 || s < scores[alt]+ties[alt]) &&
+			t.copyable(req, rs[choice].Index, matched[i], m) {
 			alt = i
 		}
 	}
@@ -810,6 +835,7 @@ type ttftSlot struct {
 	learnt         bool
 	flowing        bool
 	flow           ttftFlow
+	writes         []ttftWrite // prefills in flight (copy_inflight, ttft_replicate.go)
 }
 
 // slot is replica's state, or nil when it has none yet. t.mu must be held.
@@ -850,6 +876,7 @@ func (t *TTFT) Observe(ev Event) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	t.observeFlow(ev)
+	t.observeWrite(ev)
 	switch ev.Kind {
 	case Routed:
 		if !ev.Remote && ev.Phase != PhasePrefill && ev.Decision.EstTTFT > 0 && len(t.pending) < ttftMaxPending {

@@ -2,6 +2,7 @@ package policy
 
 import (
 	"math"
+	"slices"
 	"time"
 )
 
@@ -280,9 +281,9 @@ func (t *TTFT) value(c *ttftCount, now time.Time) float64 {
 }
 
 // countFamily counts a request routed at at in its family and the fleet's
-// total, during the warm-up. t.mu held.
+// total, during the warm-up (which copy_inflight reads too). t.mu held.
 func (t *TTFT) countFamily(req *Request, at time.Time) {
-	if len(req.Blocks) == 0 || t.params.ReplicateWarmup == 0 || t.params.ReplicateS == 0 {
+	if len(req.Blocks) == 0 || t.params.ReplicateWarmup == 0 {
 		return
 	}
 	t.add(&t.routed, at)
@@ -310,4 +311,99 @@ func (t *TTFT) warmingUp(req *Request, holders, healthy int) bool {
 		nf = t.value(c, req.Now)
 	}
 	return float64(holders) >= nf/(n+ttftFamilyPrior)*float64(healthy)
+}
+
+// What copy_inflight may copy (copyInflight, ttft.go). The index credits
+// a replica with a request's blocks when the request is routed there, not
+// when they are computed; and a queue as long as the blocks a replica
+// holds beyond another's does not tell whose blocks they are. A chat's
+// next turn on the replica holding its history, busy with other chats'
+// prefills, read as waiting for its own history (computed a turn ago),
+// moved off its context, and its later turns followed it (agents on 8
+// replicas, capacity at p90 ≤ 2 s, seed 1, before the price of a moved
+// program's opening: 2.09× → 1.99× with the warm-up's family share, 2.11×
+// with this). So a copy is made only of blocks that are
+//
+//   - still being computed there: a request this gateway sent that has
+//     no first token yet writes them (its blocks from its credited match
+//     on cover them); each replica keeps those requests until their first
+//     token or their end; or
+//   - a prefix shared at a rate: the deepest match ends at a prefix whose
+//     requests come λ_p × replicate_s ≥ 1 per horizon (the replicate
+//     term's hot prefix); a program's own context is the deepest match of
+//     its next turn only (λ_p 0).
+//
+// Without the first, the shared-prefix points the copies win stay where
+// they were (the sweep's points above 1.05× on seeds 1 and 2 and at 3×
+// its length: 20, 22, 12 against 11, 12, 12): there a group's first
+// requests find its prefix still being computed on its first holder.
+// Without the second: 13, 16, 12.
+
+// ttftMaxWrites bounds the writes kept per replica: past it the oldest is
+// forgotten (a copy it would have allowed is not made).
+const ttftMaxWrites = 256
+
+// ttftWrite is one request's prefill in flight on a replica: its blocks
+// from its credited match on.
+type ttftWrite struct {
+	id     uint64
+	from   int      // the blocks credited at routing: those before are not its own
+	blocks []uint64 // the request's block hashes (Request.Blocks, never written to)
+}
+
+// observeWrite keeps the writes in flight on each replica: a local request
+// routed whole or as its prefill step, until its first token or its end.
+// Only while copy_inflight is on. t.mu held.
+func (t *TTFT) observeWrite(ev Event) {
+	if !t.params.CopyInflight || ev.Remote || ev.Phase == PhaseDecode {
+		return
+	}
+	sl := t.grow(ev.Replica)
+	if sl == nil {
+		return
+	}
+	if ev.Kind == Routed {
+		from := count(ev.Decision.Matched)
+		if from >= len(ev.Req.Blocks) {
+			return // nothing written beyond the credited match
+		}
+		if len(sl.writes) == ttftMaxWrites {
+			sl.writes = slices.Delete(sl.writes, 0, 1)
+		}
+		sl.writes = append(sl.writes, ttftWrite{id: ev.Req.ID, from: from, blocks: ev.Req.Blocks})
+		return
+	}
+	for i := range sl.writes {
+		if sl.writes[i].id == ev.Req.ID {
+			sl.writes = slices.Delete(sl.writes, i, i+1) // zeroes the freed slot: its blocks are not kept
+			return
+		}
+	}
+}
+
+// copyable reports whether req's blocks a to m (a < m ≤ len(req.Blocks))
+// on replica may be copied elsewhere: a request in flight there without a
+// first token writes them, or they end at a hot prefix. t.mu held.
+func (t *TTFT) copyable(req *Request, replica, a, m int) bool {
+	if m <= a || m > len(req.Blocks) {
+		return false
+	}
+	last := req.Blocks[m-1]
+	if sl := t.slot(replica); sl != nil {
+		for i := range sl.writes {
+			w := &sl.writes[i]
+			if w.from <= a && len(w.blocks) >= m && w.blocks[m-1] == last {
+				return true
+			}
+		}
+	}
+	return t.prefixRate(last, req.Now)*t.params.ReplicateS >= 1
+}
+
+// startsInWarmup reports whether req starts a program while the fleet has
+// routed fewer than replicate_warmup requests: copy_inflight leaves it on
+// its deepest match. t.mu held.
+func (t *TTFT) startsInWarmup(req *Request) bool {
+	return req.Program.ID != 0 && !req.Program.Continues && t.params.ReplicateWarmup > 0 &&
+		t.value(&t.routed, req.Now) < t.params.ReplicateWarmup
 }

@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -205,5 +206,50 @@ func TestTTFTWarmupKeepsAPrefixToItsShare(t *testing.T) {
 		if moved := pos != 0; moved != c.want {
 			t.Errorf("%s: chose %d (%s), want moved=%v (scores %v)", c.name, pos, d.Reason, c.want, d.Scores)
 		}
+	}
+}
+
+// copy_inflight's writes in flight: kept per replica from Routed until the
+// request's first token or its end, at most ttftMaxWrites (the oldest
+// forgotten), never a remote decision's or a request credited its whole
+// prompt, and none at all with copy_inflight off.
+func TestTTFTWritesInFlight(t *testing.T) {
+	writes := func(p Policy, replica int) []ttftWrite {
+		tt := p.(*TTFT)
+		tt.mu.Lock()
+		defer tt.mu.Unlock()
+		if sl := tt.slot(replica); sl != nil {
+			return slices.Clone(sl.writes)
+		}
+		return nil
+	}
+	routed := func(p Policy, id uint64, matched int, remote bool) *Request {
+		req := ttftReq(id)
+		d := Decision{Replica: 2, Matched: matched}
+		peerObserve(p, Event{Kind: Routed, At: peerT0, Req: req, Decision: d, Replica: 2, Remote: remote})
+		return req
+	}
+	p := peerNew(t, "ttft", nil)
+	a, b := routed(p, 1, 10, false), routed(p, 2, 0, false)
+	routed(p, 3, len(a.Blocks), false) // credited its whole prompt: writes nothing
+	routed(p, 4, 0, true)              // another gateway's
+	if w := writes(p, 2); len(w) != 2 || w[0].id != 1 || w[0].from != 10 || w[1].id != 2 {
+		t.Fatalf("writes %+v, want requests 1 (from 10) and 2", w)
+	}
+	peerObserve(p, Event{Kind: FirstToken, At: peerT0, Req: a, Replica: 2, TTFT: time.Millisecond})
+	peerObserve(p, Event{Kind: Done, At: peerT0, Req: b, Replica: 2, Err: errors.New("reset")})
+	if w := writes(p, 2); len(w) != 0 {
+		t.Fatalf("writes %+v after a first token and an end, want none", w)
+	}
+	for i := range ttftMaxWrites + 10 {
+		routed(p, uint64(100+i), 0, false)
+	}
+	if w := writes(p, 2); len(w) != ttftMaxWrites || w[0].id != 110 {
+		t.Fatalf("%d writes from %d, want %d from 110", len(w), w[0].id, ttftMaxWrites)
+	}
+	off := peerNew(t, "ttft", map[string]any{"copy_inflight": false})
+	routed(off, 1, 0, false)
+	if w := writes(off, 2); len(w) != 0 {
+		t.Fatalf("copy_inflight off: writes %+v, want none", w)
 	}
 }

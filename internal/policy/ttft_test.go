@@ -442,8 +442,11 @@ func TestTTFTPendingPrefillAmongEqualHolders(t *testing.T) {
 }
 
 // copy_inflight: the deepest match yields to a shallower replica as fast
-// when the blocks it holds beyond that one are still queued for prefill
-// there, and only then.
+// when the blocks it holds beyond that one are queued for prefill there,
+// are not a program's own context (a request still computes them there,
+// or they end at a prefix shared at a rate) and the other replica's cache
+// has room for them; and only then. A request starting a program stays
+// in the warm-up.
 func TestTTFTCopyInflight(t *testing.T) {
 	req := ttftReq(1) // 100 blocks
 	views := func(queued, decodes int) []ReplicaView {
@@ -451,28 +454,69 @@ func TestTTFTCopyInflight(t *testing.T) {
 		rs[0].Match, rs[1].Match = len(req.Blocks), 50 // 800 tokens beyond replica 1's match
 		rs[0].PendingPrefill, rs[0].PendingCount = queued, 1
 		rs[0].InFlight, rs[0].InFlightTokens = 1+decodes, (1+decodes)*1600
+		for i := range rs {
+			rs[i].NumBlocks, rs[i].Cached = 3000, 200
+		}
 		return rs
-	}
-	params := func(on bool) map[string]any {
-		return map[string]any{"copy_inflight": on, "decode_weight": 0, "eviction_weight": 0}
 	}
 	for _, c := range []struct {
 		name            string
-		on              bool
+		params          map[string]any
 		queued, decodes int
-		altDecodes      int // replica 1's, slowing its steps
+		altDecodes      int  // replica 1's, slowing its steps
+		writer          int  // the match credited to a request sharing the blocks routed to replica 0 (-1: none)
+		firstToken      bool // the writer has its first token: its blocks are computed
+		altCached       int  // replica 1's cached blocks (0: 200)
+		program         bool // req starts a program
+		hot             bool // requests with this deepest match came at 2 a second
 		want            int
-		copy            bool
 	}{
-		{"off: the deepest match", false, 900, 0, 0, 0, false},
-		{"its blocks still queued: a copy", true, 900, 0, 0, 1, true},
-		{"slower but its blocks computed: it stays", true, 700, 200, 0, 0, false},
-		{"its blocks queued but faster: it stays", true, 900, 0, 200, 0, false},
+		{"off: the deepest match", map[string]any{"copy_inflight": false}, 900, 0, 0, 0, false, 0, false, false, 0},
+		{"its blocks still computed there: a copy", nil, 900, 0, 0, 0, false, 0, false, false, 1},
+		{"their writer credited beyond the other's match: it stays", nil, 900, 0, 0, 60, false, 0, false, false, 0},
+		{"their writer has its first token: it stays", nil, 900, 0, 0, 0, true, 0, false, false, 0},
+		{"no writer (a history computed a turn ago): it stays", nil, 900, 0, 0, -1, false, 0, false, false, 0},
+		{"no room for a copy: it stays", nil, 900, 0, 0, 0, false, 850, false, false, 0},
+		{"slower but its queue shorter than the blocks: it stays", nil, 700, 200, 0, 0, false, 0, false, false, 0},
+		{"its blocks queued but faster: it stays", nil, 900, 0, 200, 0, false, 0, false, false, 0},
+		{"a program's first turn in the warm-up: it stays", nil, 900, 0, 0, 0, false, 0, true, false, 0},
+		{"a program's first turn, warm-up off: a copy", map[string]any{"replicate_warmup": 0}, 900, 0, 0, 0, false, 0, true, false, 1},
+		{"no writer but a hot prefix: a copy", nil, 900, 0, 0, -1, false, 0, false, true, 1},
 	} {
+		params := map[string]any{"decode_weight": 0, "eviction_weight": 0}
+		for k, v := range c.params {
+			params[k] = v
+		}
+		p := peerNew(t, "ttft", params)
+		hot := 0
+		if c.hot {
+			hot = 3
+		}
+		for i := range hot { // counted at Routed, as the router does
+			h := ttftReq(uint64(10 + i))
+			h.Now = peerT0.Add(-time.Second + time.Duration(i)*time.Second/2)
+			_, d := peerPick(t, p, h, views(0, 0))
+			peerObserve(p, Event{Kind: Routed, At: h.Now, Req: h, Decision: d, Replica: d.Replica})
+		}
+		if c.writer >= 0 {
+			w := ttftReq(2) // the same blocks
+			d := Decision{Replica: views(0, 0)[0].Index, Matched: c.writer}
+			peerObserve(p, Event{Kind: Routed, At: peerT0, Req: w, Decision: d, Replica: d.Replica})
+			if c.firstToken {
+				peerObserve(p, Event{Kind: FirstToken, At: peerT0, Req: w, Decision: d, Replica: d.Replica, TTFT: time.Millisecond})
+			}
+		}
 		rs := views(c.queued, c.decodes)
 		rs[1].InFlight, rs[1].InFlightTokens = c.altDecodes, c.altDecodes*1600
-		pos, d := peerPick(t, peerNew(t, "ttft", params(c.on)), req, rs)
-		if pos != c.want || strings.Contains(d.Reason, "a copy") != c.copy {
+		if c.altCached > 0 {
+			rs[1].Cached = c.altCached
+		}
+		r := *req
+		if c.program {
+			r.Program = Program{ID: 9, Home: -1}
+		}
+		pos, d := peerPick(t, p, &r, rs)
+		if pos != c.want || strings.Contains(d.Reason, "a copy") != (c.want == 1) {
 			t.Errorf("%s: chose %d (%q), want %d (scores %v)", c.name, pos, d.Reason, c.want, d.Scores)
 		}
 	}

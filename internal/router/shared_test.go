@@ -47,8 +47,11 @@ func TestSharedDecisionsReachAnotherRouter(t *testing.T) {
 	if tk2.Replica != tk.Replica {
 		t.Fatalf("turn 2 on b went to %d, turn 1 on a to %d", tk2.Replica, tk.Replica)
 	}
-	// Turn 2 routed on a too: the whole prompt is shared, and how much of
-	// it the replica held in a's view.
+	// Turn 2 routed on a too, after turn 1's answer (while turn 1 is
+	// still in prefill ttft's copy_inflight may send it elsewhere): the
+	// whole prompt is shared, and how much of it the replica held in a's
+	// view.
+	tk.FirstToken(a.Now())
 	shared = nil
 	if _, err := a.Route(a.Prepare(parse(t, turn2), "", "")); err != nil {
 		t.Fatal(err)
