@@ -724,7 +724,13 @@ func (t *TTFT) choose(scores, ties []float64, matched []int, best float64) int {
 //     come back;
 //   - the request does not start a program in the warm-up
 //     (replicate_warmup): its later turns follow it, and the replica it
-//     takes may be the one a family not seen yet needs.
+//     takes may be the one a family not seen yet needs;
+//   - choice is the prefix's only holder: a copy makes its second, at the
+//     start; a third is the replicate term's to weigh, by the holders'
+//     queues against the others' (without this test, on the agents
+//     workload on 8 replicas, seed 1, one copy of the agents' system
+//     prompt, already held elsewhere, moved a program's turn: makespan
+//     p90 193.1 → 195.0 s, capacity 2.11× → 2.04×).
 //
 // A group's second request thus makes a second holder at the start, when
 // it costs nothing, as Dynamo's rule does, instead of late under load on
@@ -733,33 +739,33 @@ func (t *TTFT) choose(scores, ties []float64, matched []int, best float64) int {
 //
 // On by default. Over the pressure sweep (ttft's p90 TTFT over the best
 // peer's; seeds 1 and 2 and at 3× its length) points above 1.05× 20 →
-// 11, 23 → 12, 12 → 12, geometric mean 1.0185 → 1.0043, 1.0178 →
-// 1.0068, 1.0161 → 1.0160: shared prefix on 8 replicas at 72 and 96/s
-// within 1.05× of Dynamo's but for a few points; multiturn points
-// unchanged but one (8 replicas of 1,000 blocks at 64/s, seed 1: 1.36 →
-// 1.21). The multiturn point (4 replicas of 1,500 blocks,
-// 16/s) is behind llm-d's rule by more than 5 % on the same seeds either
-// way (2, 3 and 5 of 1–20, mean p90 35.2 ms against 39.0; 6 of 21–60).
-// Capacity at p90 ≤ 2 s on 8 replicas: conversation trace 3.979× →
-// 3.976×, synthetic 3.454× both, agents (seeds 1–3) 2.110×, 2.466×,
-// 2.254× → 2.035×, 2.516×, 2.254×; RL unchanged. Agents' seed 1 is on a
-// cliff where p90 TTFT is not monotone in the speed-up: both fail at
-// 2.04× and 2.045× and pass at 2.05–2.09× with p90s equal but at 2.03×
-// (1.44 s against 1.63 s off) and 2.05× (1.63 s against 1.47 s); the
-// search's probes land on either side. The first version, on the queue
-// alone, copied chats' system prompts in the first requests and moved
-// their next turns off the replicas holding their histories: multiturn
-// point behind on 9 seeds, the sweep's multiturn on 4 replicas of 1,500
-// blocks at 32/s 1.01 → 1.64, synthetic 3.39×, agents 2.04× (seed 1).
-// Without the room test: that point 2.12, long sweep geometric mean
-// 1.0174; without the warm-up: behind on 8 seeds; without the writes in
-// flight or the hot prefix: 20, 22, 12 and 13, 16, 12 points.
+// 10, 23 → 11, 12 → 12, geometric mean 1.0185 → 1.0048, 1.0178 →
+// 1.0022, 1.0161 → 1.0147: shared prefix on 8 replicas at 72 and 96/s
+// within 1.05× of Dynamo's but for a few points. The multiturn
+// point (4 replicas of 1,500 blocks, 16/s) is behind llm-d's rule by
+// more than 5 % on the same seeds either way (2, 3 and 5 of 1–20, mean
+// p90 35.2 ms against 39.0). Capacity at p90 ≤ 2 s on 8 replicas
+// unchanged: conversation trace 3.98×, synthetic 3.45×, agents (seeds
+// 1–3) 2.11×, 2.47×, 2.25×; RL unchanged. Its cost: where one holder of
+// each prefix suffices, the early copy is a miss (6 system prompts on 4
+// replicas of 1,500 blocks at 24/s, seeds 1–12: hit 93.0 % → 92.7 %,
+// p90 27.0 → 27.3 ms, llm-d's rule 93.4 %, 27.7 ms). The first version,
+// on the queue alone, copied chats' system prompts in the first requests
+// and moved their next turns off the replicas holding their histories:
+// multiturn point behind on 9 seeds, the sweep's multiturn on 4 replicas
+// of 1,500 blocks at 32/s 1.01 → 1.64, synthetic 3.39×. Without the room
+// test: that point 2.12; without the warm-up: behind on 8 seeds; without
+// the writes in flight or the hot prefix: 20, 22, 12 and 13, 16, 12
+// points.
 func (t *TTFT) copyInflight(req *Request, choice int, rs []ReplicaView, scores, ttfts []float64, matched []int, best float64) int {
 	if !t.params.CopyInflight || choice < 0 || t.startsInWarmup(req) {
 		return choice
 	}
 	limit, ties := t.limit(best), t.ties[:len(rs)]
 	queued, m := count(rs[choice].PendingPrefill), matched[choice]
+	if holdersOf(req, rs, m) > 1 {
+		return choice
+	}
 	alt := -1
 	for i := range scores {
 		if scores[i] > limit || matched[i] >= m || ttfts[i] > ttfts[choice] ||

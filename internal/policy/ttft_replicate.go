@@ -407,3 +407,14 @@ func (t *TTFT) startsInWarmup(req *Request) bool {
 	return req.Program.ID != 0 && !req.Program.Continues && t.params.ReplicateWarmup > 0 &&
 		t.value(&t.routed, req.Now) < t.params.ReplicateWarmup
 }
+
+// holdersOf counts the healthy replicas holding req's first m blocks.
+func holdersOf(req *Request, rs []ReplicaView, m int) int {
+	n := 0
+	for i := range rs {
+		if rs[i].Healthy && min(count(rs[i].Match), len(req.Blocks)) >= m {
+			n++
+		}
+	}
+	return n
+}

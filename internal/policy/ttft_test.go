@@ -520,6 +520,30 @@ func TestTTFTCopyInflight(t *testing.T) {
 			t.Errorf("%s: chose %d (%q), want %d (scores %v)", c.name, pos, d.Reason, c.want, d.Scores)
 		}
 	}
+	// A prefix another replica holds already (busy, outside the margin):
+	// a copy would make a third holder, which is the replicate term's to
+	// weigh, not copy_inflight's.
+	for _, second := range []bool{false, true} {
+		p := peerNew(t, "ttft", map[string]any{"decode_weight": 0, "eviction_weight": 0})
+		w := ttftReq(2)
+		d := Decision{Replica: peerViews(3)[0].Index}
+		peerObserve(p, Event{Kind: Routed, At: peerT0, Req: w, Decision: d, Replica: d.Replica})
+		rs := peerViews(3)
+		rs[0].Match, rs[1].Match = len(req.Blocks), 50
+		rs[0].PendingPrefill, rs[0].PendingCount, rs[0].InFlight, rs[0].InFlightTokens = 900, 1, 1, 1600
+		rs[2].PendingPrefill, rs[2].PendingCount, rs[2].InFlight, rs[2].InFlightTokens = 40000, 8, 8, 40000
+		if second {
+			rs[2].Match = len(req.Blocks)
+		}
+		for i := range rs {
+			rs[i].NumBlocks, rs[i].Cached = 3000, 200
+		}
+		r := *req
+		pos, dd := peerPick(t, p, &r, rs)
+		if want := map[bool]int{false: 1, true: 0}[second]; pos != want {
+			t.Errorf("a second holder %v: chose %d (%q), want %d (scores %v)", second, pos, dd.Reason, want, dd.Scores)
+		}
+	}
 	if _, err := New("ttft", Options{Params: map[string]any{"copy_inflight": 1}}); !errors.Is(err, ErrParam) {
 		t.Errorf("copy_inflight 1: %v, want ErrParam", err)
 	}
