@@ -763,9 +763,6 @@ func (t *TTFT) copyInflight(req *Request, choice int, rs []ReplicaView, scores, 
 	}
 	limit, ties := t.limit(best), t.ties[:len(rs)]
 	queued, m := count(rs[choice].PendingPrefill), matched[choice]
-	if holdersOf(req, rs, m) > 1 {
-		return choice
-	}
 	alt := -1
 	for i := range scores {
 		if scores[i] > limit || matched[i] >= m || ttfts[i] > ttfts[choice] ||
@@ -778,7 +775,7 @@ func (t *TTFT) copyInflight(req *Request, choice int, rs []ReplicaView, scores, 
 			alt = i
 		}
 	}
-	if alt < 0 {
+	if alt < 0 || holdersOf(req, rs, m) > 1 { // counted last: most picks find no alt
 		return choice
 	}
 	return alt
