@@ -5,6 +5,7 @@ import (
 	"net/http"
 	"strings"
 	"testing"
+	"time"
 )
 
 // An id every replica answered 404 for is answered 404 at once for
@@ -105,8 +106,14 @@ func TestLookupRemembersAnAbsentID(t *testing.T) {
 		t.Fatalf("within b alone, two calls asked a %d and b %d times, want b twice", na, nb)
 	}
 	subset = nil
-	// A lookup while a replica is out of rotation is not remembered.
-	gw.g.rt.SetHealthy(0, false)
+	// A lookup while a replica is out of rotation is not remembered. a's
+	// health check fails, so that no probe puts it back (one woken by the
+	// clock's advance above could, after a SetHealthy).
+	a.down.Store(true)
+	eventually(t, "a out of rotation", func() bool {
+		clk.Advance(time.Second) // the next health check
+		return !gw.g.rt.Healthy(0)
+	})
 	before = asked()
 	for range 2 {
 		if status, _ := get("resp_elsewhere"); status != http.StatusNotFound {

@@ -35,6 +35,7 @@ type apiReplica struct {
 	unauthorized atomic.Int64
 	probes       sync.Map // path → true once probed with the key
 	status       atomic.Int64
+	down         atomic.Bool // /health answers 503
 	// hold, when set, holds a streamed response after its response.created
 	// event until it is closed.
 	hold chan struct{}
@@ -58,6 +59,9 @@ func (f *apiReplica) serve(w http.ResponseWriter, r *http.Request) {
 	switch r.URL.Path {
 	case "/health":
 		f.probes.Store("/health", true)
+		if f.down.Load() {
+			w.WriteHeader(http.StatusServiceUnavailable)
+		}
 		return
 	case "/metrics":
 		f.probes.Store("/metrics", true)
