@@ -504,7 +504,10 @@ func (t *TTFT) Pick(req *Request, rs []ReplicaView) (Decision, error) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	ttfts, matched, plans := t.pickScratch(len(rs)) // estimated TTFT (ms), blocks credited, tier plans
-	best, queueMs, prefix := t.estimateAll(req, rs, scores, ttfts, matched, plans)
+	// The program's price, once: estimateAll prices moves by it, and the
+	// reason names a move.
+	pp := t.programPrice(req, rs)
+	best, queueMs, prefix := t.estimateAll(req, rs, &pp, scores, ttfts, matched, plans)
 	if math.IsInf(best, 1) {
 		return Decision{}, ErrNoReplica
 	}
@@ -519,7 +522,7 @@ func (t *TTFT) Pick(req *Request, rs []ReplicaView) (Decision, error) {
 	if c := t.copyInflight(req, choice, rs, scores, ttfts, matched, best); c != choice {
 		choice, reason = c, "a copy: the deepest match queues more than the shared blocks it holds beyond this one"
 	}
-	if pp := t.programPrice(req, rs); pp.home >= 0 && choice != pp.home {
+	if pp.home >= 0 && choice != pp.home {
 		reason = moveReason(&pp, rs, ttfts, scores, choice)
 	}
 	d := decide(rs, choice, reason, matched[choice], float64(count(rs[choice].PendingPrefill)))
@@ -556,12 +559,12 @@ func (t *TTFT) pickScratch(n int) ([]float64, []int, []tierPlan) {
 // blocks credited; unhealthy replicas score +Inf. It returns the lowest
 // score and the shortest corrected queue ahead (ms). Unless the decision
 // is explained (Request.Explain), a replica that cannot be chosen is not
-// estimated in full (prune): its score stays +Inf. It returns too the last
-// block of the deepest match (0: none), the prefix the request counts
-// for. t.mu must be held.
-func (t *TTFT) estimateAll(req *Request, rs []ReplicaView, scores, ttfts []float64, matched []int, plans []tierPlan) (float64, float64, uint64) {
+// estimated in full (prune): its score stays +Inf. pp is req's program
+// price (programPrice). It returns too the last block of the deepest
+// match (0: none), the prefix the request counts for. t.mu must be held.
+func (t *TTFT) estimateAll(req *Request, rs []ReplicaView, pp *programPrice, scores, ttfts []float64, matched []int, plans []tierPlan) (float64, float64, uint64) {
 	a := estAll{req: req, rs: rs, scores: scores, ttfts: ttfts, matched: matched, plans: plans, ties: t.ties[:len(rs)],
-		pp: t.programPrice(req, rs), src: t.peerSources(req, rs), best: math.Inf(1), queue: math.Inf(1), workMean: -1}
+		pp: *pp, src: t.peerSources(req, rs), best: math.Inf(1), queue: math.Inf(1), workMean: -1}
 	a.meanPrompt, a.out = t.means(req)
 	// The deepest match (and a program's home) first, so that the best
 	// score is low early and most others are pruned against it.

@@ -281,7 +281,9 @@ func (t *TTFT) value(c *ttftCount, now time.Time) float64 {
 }
 
 // countFamily counts a request routed at at in its family and the fleet's
-// total, during the warm-up (which copy_inflight reads too). t.mu held.
+// total, the whole run (the counts decay over window_s): the replicate
+// term's gate reads both in the warm-up, copy_inflight the fleet's. t.mu
+// held.
 func (t *TTFT) countFamily(req *Request, at time.Time) {
 	if len(req.Blocks) == 0 || t.params.ReplicateWarmup == 0 {
 		return
