@@ -116,6 +116,11 @@ type ttftParams struct {
 	// MarginRel and MarginMs: scores within best×(1+rel)+ms tie.
 	MarginRel float64 `json:"margin_rel"`
 	MarginMs  float64 `json:"margin_ms"`
+	// SaturatedMs and SaturatedRel widen the margin in a saturated fleet
+	// (limit): rel grows by up to SaturatedRel as the best score goes from
+	// SaturatedMs to twice it. 0: a fixed margin.
+	SaturatedMs  float64 `json:"saturated_ms"`
+	SaturatedRel float64 `json:"saturated_rel"`
 	// Alpha is the EWMA weight of a new TTFT observation in the fleet's
 	// correction (0 disables all correction).
 	Alpha float64 `json:"correction_alpha"`
@@ -238,10 +243,10 @@ func init() {
 	// (seeds 1–3: on its cliff); RL batches unchanged. pending_weight 1:
 	// see pendingMs. balance_s 0 (off): see balanceMs. replicate_warmup
 	// 25: see warmingUp (ttft_replicate.go). copy_inflight on: see
-	// copyInflight.
+	// copyInflight. saturated_ms 500, saturated_rel 0.8: see limit.
 	register("ttft", func(o Options) (Policy, error) {
 		params := ttftParams{
-			MarginRel: 0.2, MarginMs: 2, Alpha: 0.1, ReplicaAlpha: 0.02, MaxCorrection: 4,
+			MarginRel: 0.2, MarginMs: 2, SaturatedMs: 500, SaturatedRel: 0.8, Alpha: 0.1, ReplicaAlpha: 0.02, MaxCorrection: 4,
 			DecodeWeight: 1, InterferenceWeight: 0, EvictionWeight: 2, DeferMs: 1000,
 			FutureWeight: 2, PrefixLifeS: 40, WaitWeight: 0.1, WindowS: 20,
 			Programs: true, ProgramWeight: 0.1, ProgramFutureTurns: 8,
@@ -257,11 +262,13 @@ func init() {
 		if err := params.ttftTierParams.validate(); err != nil {
 			return nil, err
 		}
-		if params.MarginRel < 0 || params.MarginMs < 0 || params.Alpha < 0 || params.Alpha > 1 ||
+		if params.MarginRel < 0 || params.MarginMs < 0 || !(params.SaturatedMs >= 0 && params.SaturatedMs <= 864e5) ||
+			!(params.SaturatedRel >= 0 && params.SaturatedRel <= 1e3) || params.Alpha < 0 || params.Alpha > 1 ||
 			params.ReplicaAlpha < 0 || params.ReplicaAlpha > 1 || params.MaxCorrection < 1 ||
 			params.DecodeWeight < 0 || params.InterferenceWeight < 0 || params.EvictionWeight < 0 || params.DeferMs < 0 ||
 			!(params.ProgramWeight >= 0 && params.ProgramWeight <= 1e3) || !(params.ProgramFutureTurns >= 0 && params.ProgramFutureTurns <= 1e3) {
-			return nil, fmt.Errorf("%w: need margin_rel ≥ 0, margin_ms ≥ 0, 0 ≤ correction_alpha ≤ 1, "+
+			return nil, fmt.Errorf("%w: need margin_rel ≥ 0, margin_ms ≥ 0, 0 ≤ saturated_ms ≤ 86400000, "+
+				"0 ≤ saturated_rel ≤ 1000, 0 ≤ correction_alpha ≤ 1, "+
 				"0 ≤ replica_alpha ≤ 1, max_correction ≥ 1, decode_weight ≥ 0, interference_weight ≥ 0, "+
 				"eviction_weight ≥ 0, 0 ≤ program_weight ≤ 1000, 0 ≤ program_future_turns ≤ 1000", ErrParam)
 		}
@@ -680,9 +687,30 @@ func (t *TTFT) prune(a *estAll, i int, c float64) bool {
 // limit is the highest score within the margin of best. best ≥ 0 (every
 // term of a score is); the margin is taken on its magnitude all the same,
 // so that the limit is never below best itself and best's option is always
-// among those chosen from.
+// among those chosen from. It rises with best (prune relies on that).
+//
+// In a saturated fleet the margin widens (saturated_ms, saturated_rel):
+// when even the best replica's score is long, every queue is, the
+// estimates' errors grow with them, and a move off the deepest match
+// spends a re-prefill of work the fleet has no room for, so its gain is
+// rarely won back. With 500 ms and 0.8 the relative margin goes from 0.2
+// to 1.0 as best goes from 500 to 1,000 ms. Multiturn chats on 4 replicas
+// of 1,000 blocks at 32/s, every policy saturated: mean p90 over seeds
+// 1–10 1,764 → 1,593 ms (sglang, which never moves a chat, 1,547). The
+// pressure sweep's points above 1.05× the best peer (seeds 1 and 2, three
+// times as long) 10 / 11 / 12 → 9 / 10 / 8, geometric means 1.0048 /
+// 1.0022 / 1.0147 → 1.0033 / 1.0009 / 1.0079; the issue's two points
+// unchanged. Capacity at p90 ≤ 2 s on 8 replicas: conversation trace
+// 3.98× → 4.02×, synthetic 3.45× → 3.48×, agents over seeds 1–8 a mean
+// of 2.280× → 2.293× (seed 1 2.11× → 2.08×). 0.3 gained less (9 / 10 /
+// 10 points; 4.00×, 3.46×); saturated_ms 1,000 less again (3.42×), 250
+// no more.
 func (t *TTFT) limit(best float64) float64 {
-	return best + math.Abs(best)*t.params.MarginRel + t.params.MarginMs
+	rel := t.params.MarginRel
+	if s := t.params.SaturatedMs; s > 0 && best > s {
+		rel += t.params.SaturatedRel * min((best-s)/s, 1)
+	}
+	return best + math.Abs(best)*rel + t.params.MarginMs
 }
 
 // choose returns the position to send the request to: among the scores

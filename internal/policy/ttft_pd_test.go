@@ -118,7 +118,7 @@ func TestTTFTPairSlowLinkPrefersTheHolder(t *testing.T) {
 	}{{costmodel.DefaultTransferGBps, 2}, {0.5, 3}} {
 		prof := costmodel.MustLookup(costmodel.Default)
 		prof.TransferGBps = c.gbps
-		p, err := New("ttft", Options{Seed: 7, Profile: prof, Params: map[string]any{"margin_rel": 0, "margin_ms": 0}})
+		p, err := New("ttft", Options{Seed: 7, Profile: prof, Params: map[string]any{"margin_rel": 0, "margin_ms": 0, "saturated_rel": 0}})
 		if err != nil {
 			t.Fatal(err)
 		}

@@ -22,7 +22,7 @@ func programCase(homeQueued, awayReserved int) (*Request, []ReplicaView) {
 }
 
 func TestTTFTPricesMovingAProgram(t *testing.T) {
-	base := map[string]any{"margin_rel": 0, "margin_ms": 0, "decode_weight": 0, "program_weight": 1} // the mechanism, at full weight
+	base := map[string]any{"margin_rel": 0, "margin_ms": 0, "saturated_rel": 0, "decode_weight": 0, "program_weight": 1} // the mechanism, at full weight
 	cases := []struct {
 		name         string
 		params       map[string]any

@@ -2,6 +2,7 @@ package policy
 
 import (
 	"errors"
+	"maps"
 	"math"
 	"math/rand/v2"
 	"strings"
@@ -84,6 +85,46 @@ func TestTTFTMarginPrefersDeeperMatch(t *testing.T) {
 	loose := peerNew(t, "ttft", map[string]any{"margin_rel": 0.5, "margin_ms": 0, "decode_weight": 0, "eviction_weight": 0})
 	if pos, d := peerPick(t, loose, req, rs); pos != 1 || !strings.Contains(d.Reason, "deepest") {
 		t.Fatalf("wide margin: chose %d (%s)", pos, d.Reason)
+	}
+}
+
+// In a saturated fleet the margin widens: the same queues, scaled up until
+// the best score passes twice saturated_ms, keep the request on the deeper
+// match that a fixed margin would have moved it off.
+func TestTTFTSaturatedMarginKeepsDeeperMatch(t *testing.T) {
+	req := ttftReq(1)
+	rs := peerViews(2)
+	rs[0].Match, rs[1].Match = 0, 100
+	params := map[string]any{"margin_rel": 0.2, "margin_ms": 0, "decode_weight": 0, "eviction_weight": 0, "defer_ms": 0}
+	for _, c := range []struct {
+		name       string
+		queued     [2]int // tokens queued on each replica
+		saturated  float64
+		want       int
+		wantReason string
+	}{
+		// Scores 0.56 and 1.1 s: below saturated_ms 1000, a margin of 0.2.
+		{"not saturated", [2]int{12_000, 27_000}, 0, 0, "lowest"},
+		// Scores 2.4 and 4.6 s, past twice saturated_ms: a margin of 1.2.
+		{"saturated", [2]int{56_000, 112_000}, 1, 1, "deepest"},
+		// The same without the widening: the shallower, faster replica.
+		{"saturated, widening off", [2]int{56_000, 112_000}, 0, 0, "lowest"},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			pp := map[string]any{"saturated_ms": 1000, "saturated_rel": c.saturated}
+			maps.Copy(pp, params)
+			p := peerNew(t, "ttft", pp)
+			for i := range rs {
+				rs[i].PendingPrefill, rs[i].PendingCount, rs[i].InFlight = c.queued[i], 1, 1
+			}
+			pos, d := peerPick(t, p, req, rs)
+			if pos != c.want || !strings.Contains(d.Reason, c.wantReason) {
+				t.Fatalf("chose %d, want %d (scores %v, %s)", pos, c.want, d.Scores, d.Reason)
+			}
+		})
+	}
+	if _, err := New("ttft", Options{Params: map[string]any{"saturated_ms": -1}}); err == nil {
+		t.Fatal("a negative saturated_ms is accepted")
 	}
 }
 

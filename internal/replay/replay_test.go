@@ -717,7 +717,8 @@ func TestConversationTraceHead(t *testing.T) {
 // their holders: the synthetic trace at 3.4× speed-up, where the plain
 // estimate scatters them (README: 32.7% against 22.9% hit rate). The plain
 // estimate is without the price of the future too (future_weight,
-// wait_weight), which also keeps prefixes where they are kept.
+// wait_weight) and the saturated fleet's wider margin (saturated_rel),
+// which also keep prefixes where they are kept.
 func TestEvictionCostHoldsHitRateUnderLoad(t *testing.T) {
 	testutil.Deterministic(t)
 	if testing.Short() {
@@ -726,7 +727,7 @@ func TestEvictionCostHoldsHitRateUnderLoad(t *testing.T) {
 	reqs := traceReqs(t, syntheticTrace, 0)
 	specs := []PolicySpec{
 		{Name: "ttft"},
-		{Name: "ttft", Label: "ttft-no-eviction", Params: map[string]any{"eviction_weight": 0, "future_weight": 0, "wait_weight": 0}},
+		{Name: "ttft", Label: "ttft-no-eviction", Params: map[string]any{"eviction_weight": 0, "future_weight": 0, "wait_weight": 0, "saturated_rel": 0}},
 	}
 	res, err := Compare(context.Background(), Config{Replicas: 8, Speedup: 3.4, Seed: 1}, reqs, specs, Options{})
 	if err != nil {
