@@ -65,6 +65,9 @@ type TTFT struct {
 	ties    []float64 // pendingMs per replica (choose)
 	matched []int
 	plans   []tierPlan
+	// floor is the current pick's least own prefill (ms): limit reads
+	// the fleet's saturation from the best score beyond it (setFloor).
+	floor float64
 }
 
 type pendEst struct {
@@ -117,8 +120,9 @@ type ttftParams struct {
 	MarginRel float64 `json:"margin_rel"`
 	MarginMs  float64 `json:"margin_ms"`
 	// SaturatedMs and SaturatedRel widen the margin in a saturated fleet
-	// (limit): rel grows by up to SaturatedRel as the best score goes from
-	// SaturatedMs to twice it. 0: a fixed margin.
+	// (limit): rel grows by up to SaturatedRel as the best score beyond
+	// the request's own prefill goes from SaturatedMs to twice it. 0: a
+	// fixed margin.
 	SaturatedMs  float64 `json:"saturated_ms"`
 	SaturatedRel float64 `json:"saturated_rel"`
 	// Alpha is the EWMA weight of a new TTFT observation in the fleet's
@@ -243,10 +247,10 @@ func init() {
 	// (seeds 1–3: on its cliff); RL batches unchanged. pending_weight 1:
 	// see pendingMs. balance_s 0 (off): see balanceMs. replicate_warmup
 	// 25: see warmingUp (ttft_replicate.go). copy_inflight on: see
-	// copyInflight. saturated_ms 500, saturated_rel 0.8: see limit.
+	// copyInflight. saturated_ms 350, saturated_rel 0.8: see limit.
 	register("ttft", func(o Options) (Policy, error) {
 		params := ttftParams{
-			MarginRel: 0.2, MarginMs: 2, SaturatedMs: 500, SaturatedRel: 0.8, Alpha: 0.1, ReplicaAlpha: 0.02, MaxCorrection: 4,
+			MarginRel: 0.2, MarginMs: 2, SaturatedMs: 350, SaturatedRel: 0.8, Alpha: 0.1, ReplicaAlpha: 0.02, MaxCorrection: 4,
 			DecodeWeight: 1, InterferenceWeight: 0, EvictionWeight: 2, DeferMs: 1000,
 			FutureWeight: 2, PrefixLifeS: 40, WaitWeight: 0.1, WindowS: 20,
 			Programs: true, ProgramWeight: 0.1, ProgramFutureTurns: 8,
@@ -514,6 +518,7 @@ func (t *TTFT) Pick(req *Request, rs []ReplicaView) (Decision, error) {
 	// The program's price, once: estimateAll prices moves by it, and the
 	// reason names a move.
 	pp := t.programPrice(req, rs)
+	t.setFloor(req, rs)
 	best, queueMs, prefix := t.estimateAll(req, rs, &pp, scores, ttfts, matched, plans)
 	if math.IsInf(best, 1) {
 		return Decision{}, ErrNoReplica
@@ -690,27 +695,51 @@ func (t *TTFT) prune(a *estAll, i int, c float64) bool {
 // among those chosen from. It rises with best (prune relies on that).
 //
 // In a saturated fleet the margin widens (saturated_ms, saturated_rel):
-// when even the best replica's score is long, every queue is, the
-// estimates' errors grow with them, and a move off the deepest match
-// spends a re-prefill of work the fleet has no room for, so its gain is
-// rarely won back. With 500 ms and 0.8 the relative margin goes from 0.2
-// to 1.0 as best goes from 500 to 1,000 ms. Multiturn chats on 4 replicas
-// of 1,000 blocks at 32/s, every policy saturated: mean p90 over seeds
-// 1–10 1,764 → 1,593 ms (sglang, which never moves a chat, 1,547). The
-// pressure sweep's points above 1.05× the best peer (seeds 1 and 2, three
-// times as long) 10 / 11 / 12 → 9 / 10 / 8, geometric means 1.0048 /
-// 1.0022 / 1.0147 → 1.0033 / 1.0009 / 1.0079; the issue's two points
-// unchanged. Capacity at p90 ≤ 2 s on 8 replicas: conversation trace
-// 3.98× → 4.02×, synthetic 3.45× → 3.48×, agents over seeds 1–8 a mean
-// of 2.280× → 2.293× (seed 1 2.11× → 2.08×). 0.3 gained less (9 / 10 /
-// 10 points; 4.00×, 3.46×); saturated_ms 1,000 less again (3.42×), 250
-// no more.
+// when even the best replica's score is long beyond the request's own
+// prefill (setFloor), every queue is, the estimates' errors grow with
+// them, and a move off the deepest match spends a re-prefill of work the
+// fleet has no room for, so its gain is rarely won back. With 350 ms and
+// 0.8 the relative margin goes from 0.2 to 1.0 as that wait goes from
+// 350 to 700 ms. Multiturn chats on 4 replicas of 1,000 blocks at 32/s,
+// every policy saturated: mean p90 over seeds 1–10 1,764 → 1,593 ms
+// (sglang, which never moves a chat, 1,547); at 24/s 601 → 545 ms (517).
+// The pressure sweep's points above 1.05× the best peer (seeds 1 and 2,
+// three times as long) 10 / 11 / 12 → 9 / 10 / 8, geometric means
+// 1.0048 / 1.0022 / 1.0147 → 1.0033 / 1.0013 / 1.0081; the issue's two
+// points unchanged. Capacity at p90 ≤ 2 s on 8 replicas: conversation
+// trace 3.98× → 4.01×, synthetic 3.45× → 3.51×, agents over seeds 1–8 a
+// mean of 2.280× both (seed 1 2.11× → 2.09×), its makespan p90 at 1× over
+// seeds 1–12 200.2 → 199.8 s (preble 200.8). With 500 ms: 3.99×, 3.45×,
+// 2.299×; 250 ms: 4.00×, 3.47×. Measured from the best score alone (no
+// floor) a 128k-token prompt's own prefill read as saturation, and the
+// wider margin let fewer replicas be pruned: the decision at 256 replicas
+// went from 1.46× to 1.75× the prompt's hashing.
 func (t *TTFT) limit(best float64) float64 {
 	rel := t.params.MarginRel
-	if s := t.params.SaturatedMs; s > 0 && best > s {
-		rel += t.params.SaturatedRel * min((best-s)/s, 1)
+	if s, w := t.params.SaturatedMs, best-t.floor; s > 0 && w > s {
+		rel += t.params.SaturatedRel * min((w-s)/s, 1)
 	}
 	return best + math.Abs(best)*rel + t.params.MarginMs
+}
+
+// setFloor sets t.floor for req among the replicas of sets: the
+// profile's compute of the tokens past the deepest healthy match, a
+// lower bound of the request's own prefill anywhere. A long prompt's
+// score is long on an idle fleet; what it waits beyond its own prefill
+// tells a saturated one. t.mu held.
+func (t *TTFT) setFloor(req *Request, sets ...[]ReplicaView) {
+	depth := 0
+	for _, rs := range sets {
+		for i := range rs {
+			if rs[i].Healthy {
+				depth = max(depth, min(count(rs[i].Match), len(req.Blocks)))
+			}
+		}
+	}
+	tokens := count(req.Tokens)
+	cached := min(depth*t.o.BlockSize, max(tokens-1, 0))
+	idle := ttftLoad{chunk: float64(t.o.MaxBatchTokens), stepMs: t.o.Profile.C0}
+	t.floor = t.prefillMs(max(tokens-cached, 1), cached, &idle)
 }
 
 // choose returns the position to send the request to: among the scores

@@ -64,6 +64,7 @@ func (t *TTFT) PickPair(req *Request, prefill, decode []ReplicaView) (PairDecisi
 	pre, dec := scratch(&pbuf, len(prefill)), scratch(&dbuf, len(decode))
 	t.mu.Lock()
 	defer t.mu.Unlock()
+	t.setFloor(req, prefill, decode)
 	t.pairSides(req, prefill, decode, pre, dec)
 	// The best score of an option through each replica (returned).
 	preScores, decScores := infs(len(prefill)), infs(len(decode))

@@ -89,35 +89,43 @@ func TestTTFTMarginPrefersDeeperMatch(t *testing.T) {
 }
 
 // In a saturated fleet the margin widens: the same queues, scaled up until
-// the best score passes twice saturated_ms, keep the request on the deeper
-// match that a fixed margin would have moved it off.
+// the best score passes its own prefill by twice saturated_ms, keep the
+// request on the deeper match that a fixed margin would have moved it off.
+// A long prompt's own prefill is not saturation: on an idle replica its
+// score is long, and the margin stays.
 func TestTTFTSaturatedMarginKeepsDeeperMatch(t *testing.T) {
-	req := ttftReq(1)
-	rs := peerViews(2)
-	rs[0].Match, rs[1].Match = 0, 100
 	params := map[string]any{"margin_rel": 0.2, "margin_ms": 0, "decode_weight": 0, "eviction_weight": 0, "defer_ms": 0}
+	long := peerReq(1, strings.Repeat("abcd", 32000), peerT0) // 32,000 tokens: 1.4 s of prefill alone
 	for _, c := range []struct {
 		name       string
+		req        *Request
+		matched    int    // blocks replica 1 holds (replica 0 none)
 		queued     [2]int // tokens queued on each replica
 		saturated  float64
 		want       int
 		wantReason string
 	}{
 		// Scores 0.56 and 1.1 s: below saturated_ms 1000, a margin of 0.2.
-		{"not saturated", [2]int{12_000, 27_000}, 0, 0, "lowest"},
+		{"not saturated", ttftReq(1), 100, [2]int{12_000, 27_000}, 0.8, 0, "lowest"},
 		// Scores 2.4 and 4.6 s, past twice saturated_ms: a margin of 1.2.
-		{"saturated", [2]int{56_000, 112_000}, 1, 1, "deepest"},
+		{"saturated", ttftReq(1), 100, [2]int{56_000, 112_000}, 1, 1, "deepest"},
 		// The same without the widening: the shallower, faster replica.
-		{"saturated, widening off", [2]int{56_000, 112_000}, 0, 0, "lowest"},
+		{"saturated, widening off", ttftReq(1), 100, [2]int{56_000, 112_000}, 0, 0, "lowest"},
+		// Scores 1.4 s (idle, all 32,000 tokens) and 2.1 s (half held,
+		// 35,000 queued): 0.7 s beyond the 0.7 s prefill of the half not
+		// held, a margin of 0.2.
+		{"a long prompt on an idle replica", long, 1000, [2]int{0, 35_000}, 1, 0, "lowest"},
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			pp := map[string]any{"saturated_ms": 1000, "saturated_rel": c.saturated}
 			maps.Copy(pp, params)
 			p := peerNew(t, "ttft", pp)
+			rs := peerViews(2)
+			rs[1].Match = c.matched
 			for i := range rs {
 				rs[i].PendingPrefill, rs[i].PendingCount, rs[i].InFlight = c.queued[i], 1, 1
 			}
-			pos, d := peerPick(t, p, req, rs)
+			pos, d := peerPick(t, p, c.req, rs)
 			if pos != c.want || !strings.Contains(d.Reason, c.wantReason) {
 				t.Fatalf("chose %d, want %d (scores %v, %s)", pos, c.want, d.Scores, d.Reason)
 			}
