@@ -708,8 +708,8 @@ func (t *TTFT) prune(a *estAll, i int, c float64) bool {
 // 1.0048 / 1.0022 / 1.0147 → 1.0033 / 1.0013 / 1.0081; the two
 // points unchanged. Capacity at p90 ≤ 2 s on 8 replicas: conversation
 // trace 3.98× → 4.01×, synthetic 3.45× → 3.51×, agents over seeds 1–8 a
-// mean of 2.280× both (seed 1 2.11× → 2.09×), its makespan p90 at 1× over
-// seeds 1–12 200.2 → 199.8 s (preble 200.8). With 500 ms: 3.99×, 3.45×,
+// mean of 2.280× → 2.284× (seed 1 2.11× → 2.06×, preble 2.00×), its
+// makespan p90 at 1× over seeds 1–12 200.2 → 199.8 s (preble 200.8). With 500 ms: 3.99×, 3.45×,
 // 2.299×; 250 ms: 4.00×, 3.47×. Measured from the best score alone (no
 // floor) a 128k-token prompt's own prefill read as saturation, and the
 // wider margin let fewer replicas be pruned: the decision at 256 replicas
@@ -724,9 +724,10 @@ func (t *TTFT) limit(best float64) float64 {
 
 // setFloor sets t.floor for req among the replicas of sets: the
 // profile's compute of the tokens past the deepest healthy match, a
-// lower bound of the request's own prefill anywhere. A long prompt's
-// score is long on an idle fleet; what it waits beyond its own prefill
-// tells a saturated one. t.mu held.
+// lower bound of the request's own prefill anywhere, corrected as the
+// scores are (the fleet's correction). A long prompt's score is long on
+// an idle fleet; what it waits beyond its own prefill tells a saturated
+// one. t.mu held.
 func (t *TTFT) setFloor(req *Request, sets ...[]ReplicaView) {
 	depth := 0
 	for _, rs := range sets {
@@ -739,7 +740,8 @@ func (t *TTFT) setFloor(req *Request, sets ...[]ReplicaView) {
 	tokens := count(req.Tokens)
 	cached := min(depth*t.o.BlockSize, max(tokens-1, 0))
 	idle := ttftLoad{chunk: float64(t.o.MaxBatchTokens), stepMs: t.o.Profile.C0}
-	t.floor = t.prefillMs(max(tokens-cached, 1), cached, &idle)
+	c := min(max(t.fleetFac, 1/t.params.MaxCorrection), t.params.MaxCorrection)
+	t.floor = c * t.prefillMs(max(tokens-cached, 1), cached, &idle)
 }
 
 // choose returns the position to send the request to: among the scores
