@@ -518,7 +518,6 @@ func (t *TTFT) Pick(req *Request, rs []ReplicaView) (Decision, error) {
 	// The program's price, once: estimateAll prices moves by it, and the
 	// reason names a move.
 	pp := t.programPrice(req, rs)
-	t.setFloor(req, rs)
 	best, queueMs, prefix := t.estimateAll(req, rs, &pp, scores, ttfts, matched, plans)
 	if math.IsInf(best, 1) {
 		return Decision{}, ErrNoReplica
@@ -581,6 +580,7 @@ func (t *TTFT) estimateAll(req *Request, rs []ReplicaView, pp *programPrice, sco
 	// The deepest match (and a program's home) first, so that the best
 	// score is low early and most others are pruned against it.
 	first := t.firstEstimated(req, rs)
+	t.setFloor(req, first, rs)
 	var key uint64
 	if first >= 0 {
 		if a.depth = min(count(rs[first].Match), len(req.Blocks)); a.depth > 0 {
@@ -722,20 +722,16 @@ func (t *TTFT) limit(best float64) float64 {
 	return best + math.Abs(best)*rel + t.params.MarginMs
 }
 
-// setFloor sets t.floor for req among the replicas of sets: the
-// profile's compute of the tokens past the deepest healthy match, a
-// lower bound of the request's own prefill anywhere, corrected as the
-// scores are (the fleet's correction). A long prompt's score is long on
-// an idle fleet; what it waits beyond its own prefill tells a saturated
-// one. t.mu held.
-func (t *TTFT) setFloor(req *Request, sets ...[]ReplicaView) {
+// setFloor sets t.floor for req: the profile's compute of the tokens
+// past the deepest healthy match (rs[deepest], none if -1), a lower
+// bound of the request's own prefill anywhere, corrected as the scores
+// are (the fleet's correction). A long prompt's score is long on an idle
+// fleet; what it waits beyond its own prefill tells a saturated one. t.mu
+// held.
+func (t *TTFT) setFloor(req *Request, deepest int, rs []ReplicaView) {
 	depth := 0
-	for _, rs := range sets {
-		for i := range rs {
-			if rs[i].Healthy {
-				depth = max(depth, min(count(rs[i].Match), len(req.Blocks)))
-			}
-		}
+	if deepest >= 0 {
+		depth = min(count(rs[deepest].Match), len(req.Blocks))
 	}
 	tokens := count(req.Tokens)
 	cached := min(depth*t.o.BlockSize, max(tokens-1, 0))

@@ -64,7 +64,12 @@ func (t *TTFT) PickPair(req *Request, prefill, decode []ReplicaView) (PairDecisi
 	pre, dec := scratch(&pbuf, len(prefill)), scratch(&dbuf, len(decode))
 	t.mu.Lock()
 	defer t.mu.Unlock()
-	t.setFloor(req, prefill, decode)
+	// The saturation floor from the deepest healthy match on either side.
+	if p, d := t.firstEstimated(req, prefill), t.firstEstimated(req, decode); p >= 0 && (d < 0 || count(prefill[p].Match) > count(decode[d].Match)) {
+		t.setFloor(req, p, prefill)
+	} else {
+		t.setFloor(req, d, decode)
+	}
 	t.pairSides(req, prefill, decode, pre, dec)
 	// The best score of an option through each replica (returned).
 	preScores, decScores := infs(len(prefill)), infs(len(decode))
