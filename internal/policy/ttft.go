@@ -709,11 +709,12 @@ func (t *TTFT) prune(a *estAll, i int, c float64) bool {
 // points unchanged. Capacity at p90 ≤ 2 s on 8 replicas: conversation
 // trace 3.98× → 4.01×, synthetic 3.45× → 3.51×, agents over seeds 1–8 a
 // mean of 2.280× → 2.284× (seed 1 2.11× → 2.06×, preble 2.00×), its
-// makespan p90 at 1× over seeds 1–12 200.2 → 200.3 s (preble 200.8). With 500 ms: 3.99×, 3.45×,
-// 2.299×; 250 ms: 4.00×, 3.47×. Measured from the best score alone (no
-// floor) a 128k-token prompt's own prefill read as saturation, and the
-// wider margin let fewer replicas be pruned: the decision at 256 replicas
-// went from 1.46× to 1.75× the prompt's hashing.
+// makespan p90 at 1× over seeds 1–12 200.2 → 200.3 s (preble 200.8).
+// With 500 ms: 3.99×, 3.45×, 2.299×; 250 ms: 4.00×, 3.47×. Measured
+// from the best score alone (no floor) a 128k-token prompt's own prefill
+// read as saturation, and the wider margin let fewer replicas be pruned:
+// the decision at 256 replicas went from 1.46× to 1.75× the prompt's
+// hashing.
 func (t *TTFT) limit(best float64) float64 {
 	rel := t.params.MarginRel
 	if s, w := t.params.SaturatedMs, best-t.floor; s > 0 && w > s {

@@ -127,8 +127,10 @@ func (t *TTFT) moveMs(pp *programPrice, req *Request, rs []ReplicaView, i int, l
 	reprefill := prof.C1*float64(lost) + prof.C2*float64(lost)*float64(held+lost) + math.Ceil(float64(lost)/l.chunk)*l.stepMs
 	over := t.overflow(req, v)
 	move := t.params.ProgramWeight * reprefill * (1 + pp.future*over)
-	if _, capacity := t.kvFootprint(v); held == 0 && capacity > 0 {
-		move += pp.fleetKV * pp.future * over * float64(lost) / capacity * out * l.stepMs
+	if held == 0 {
+		if _, capacity := t.kvFootprint(v); capacity > 0 {
+			move += pp.fleetKV * pp.future * over * float64(lost) / capacity * out * l.stepMs
+		}
 	}
 	return move
 }
