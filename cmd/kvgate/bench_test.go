@@ -301,3 +301,36 @@ func TestBenchEmbeddedTenants(t *testing.T) {
 		}
 	}
 }
+
+// A workload that times its own arrivals (agents, rl, a trace) runs as an
+// open loop: a closed loop of --concurrency clients held 100 agent
+// programs' due turns back and doubled their makespans against the
+// replay's. The others stay a closed loop unless --rate is given.
+func TestBenchTimedWorkloadsRunOpen(t *testing.T) {
+	trace := filepath.Join(t.TempDir(), "t.jsonl")
+	if err := os.WriteFile(trace, []byte(`{"timestamp": 0, "input_length": 64, "output_length": 4, "hash_ids": [1]}`+"\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	for _, c := range []struct {
+		args []string
+		open bool
+	}{
+		{[]string{"--workload", "agents", "--workload-param", "programs=2"}, true},
+		{[]string{"--workload", "rl", "--workload-param", "batches=1"}, true},
+		{[]string{"--workload", "trace:" + trace}, true},
+		{[]string{"--workload", "multiturn", "--requests", "4"}, false},
+		{[]string{"--workload", "multiturn", "--requests", "4", "--rate", "2"}, true},
+	} {
+		b, inv := parsed(t, "bench", append([]string{"--embedded", "--policies", "ttft"}, c.args...)...)
+		cfg, err := b.(*benchFlags).config(inv, "t")
+		if err != nil {
+			t.Fatalf("%v: %v", c.args, err)
+		}
+		if open := cfg.load.Concurrency == 0; open != c.open {
+			t.Errorf("%v: concurrency %d (open loop %v), want open %v", c.args, cfg.load.Concurrency, open, c.open)
+		}
+		if _, closed := cfg.meta["concurrency"]; closed == c.open {
+			t.Errorf("%v: meta %v names a concurrency on an open loop or none on a closed one", c.args, cfg.meta)
+		}
+	}
+}

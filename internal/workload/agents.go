@@ -54,6 +54,7 @@ const (
 
 var agentsGenerator = generator{
 	name:   "agents",
+	timed:  true,
 	doc:    "coding-agent programs: a shared system prompt, a task, then tool results and answers appended each turn, with tool pauses, compaction and subagents",
 	domain: 6,
 	params: []Param{
@@ -279,6 +280,7 @@ func toolPause(r *rng) time.Duration {
 // batch's makespan, as stragglers do in RL rollouts.
 var rlGenerator = generator{
 	name:   "rl",
+	timed:  true,
 	doc:    "RL rollouts: batches of prompts × n identical samples, the next batch when the last answer of the one before has come",
 	domain: 7,
 	params: []Param{

@@ -163,6 +163,11 @@ type generator struct {
 	domain uint64 // rng stream of this workload
 	params []Param
 	plan   func(p params, requests int) (plan, error)
+	// timed: the workload times its own arrivals (Request.Timed: programs
+	// and batches start on their own clocks, later requests follow what
+	// they wait for), so --rate does not apply and a load generator must
+	// send each request when it is due: an open loop (Spec.Timed).
+	timed bool
 }
 
 type plan struct {
@@ -182,6 +187,20 @@ func Names() []string {
 		out = append(out, generators[i].name)
 	}
 	return append(out, TraceName)
+}
+
+// Timed reports whether the workload times its own arrivals: a trace (its
+// timestamps), agents (programs at program_rate, turns after tool pauses)
+// and rl (the next batch when the last one ends). A load generator runs
+// such a workload as an open loop: a closed loop of N clients would hold
+// a request that is due until one of them is free, which lengthens the
+// programs' makespans and thins the load the replay models.
+func (s Spec) Timed() bool {
+	if s.Name == TraceName {
+		return true
+	}
+	g := lookup(s.Name)
+	return g != nil && g.timed
 }
 
 func lookup(name string) *generator {

@@ -236,6 +236,11 @@ func TestRequestInvariants(t *testing.T) {
 					if r.HashIDs != nil {
 						t.Fatalf("request %d: HashIDs set on a synthetic workload", i)
 					}
+					// Spec.Timed tells a load generator to send each request
+					// when due (an open loop): it must say what the requests are.
+					if r.Timed != (Spec{Name: name}).Timed() {
+						t.Fatalf("request %d: Timed %v, Spec.Timed() %v", i, r.Timed, !r.Timed)
+					}
 				}
 			})
 		}
