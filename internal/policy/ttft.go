@@ -113,6 +113,12 @@ const (
 	// flight than the replica can run. Chosen with the first version of the
 	// policy, not tuned.
 	ttftMinChunkDiv = 8
+	// ttftMaxKVTurns bounds KV admission's wait (kvWaitMs) to this many
+	// turnovers of a replica's held KV: a queue that deep is priced as
+	// unbounded would be, and a stale or wrong count cannot make a score
+	// run away. Not tuned: 1, 2, 4 and 8 gave the same decisions over the
+	// pressure sweep's saturated points.
+	ttftMaxKVTurns = 4
 )
 
 type ttftParams struct {
@@ -382,23 +388,38 @@ func (t *TTFT) queueMs(l *ttftLoad) float64 {
 }
 
 // kvWaitMs is KV admission: a request whose new blocks (own uncached
-// tokens + out) do not fit beside those the requests running on v hold
-// waits until enough of them finish. Footprints finish at about the same
-// rate as the in-flight requests decode: the excess share of the
-// footprint times a request's decode time. The footprint is the KV the
-// requests in flight add (InFlightKV: a prefix they share is held once),
-// or the replica's own usage when scraped and larger; not their contexts
-// summed, which counts a shared system prompt once per request and, under
-// cache pressure, made every holder of a hot prefix look full (a
-// multiturn replay on 1,500-block replicas: p90 TTFT 60.3 ms against 35.8
-// ms for llm-d's rule).
+// tokens + out) do not fit beside those the requests on v hold, and those
+// the requests queued ahead of it will take, waits until enough of them
+// finish. The held KV frees at about the rate the running requests
+// decode: the excess over the held KV times a request's decode time, at
+// most ttftMaxKVTurns such times. The held KV is what the requests in
+// flight add (InFlightKV: a prefix they share is held once), or the
+// replica's own usage when scraped and larger; not their contexts summed,
+// which counts a shared system prompt once per request and, under cache
+// pressure, made every holder of a hot prefix look full (a multiturn
+// replay on 1,500-block replicas: p90 TTFT 60.3 ms against 35.8 ms for
+// llm-d's rule). The scraped usage counts only the requests admitted
+// when it was read, so the requests still waiting for their first token
+// add their uncached prompts and outputs to it: without them, a burst
+// sent to a full holder within one scrape period was priced a fraction
+// of a decode time and waited several (8 replicas of 1,000 blocks, 48
+// chats' turns a second, seed 3: p90 TTFT 805 ms against 203 ms for
+// llm-d's rule; with them, 351 ms, and 212 → 137 ms on average over
+// seeds 1–6 against llm-d's 136).
 func (t *TTFT) kvWaitMs(v *ReplicaView, l *ttftLoad, own int, out float64) float64 {
-	footprint, capacity := t.kvFootprint(v)
-	if capacity == 0 {
+	held, capacity := t.kvFootprint(v)
+	if capacity == 0 || held == 0 {
 		return 0
 	}
-	if excess := footprint + float64(own) + out - capacity; excess > 0 && footprint > 0 {
-		return min(excess/footprint, 1) * out * l.stepMs
+	demand := held
+	if v.HaveMetrics {
+		if used := fraction(v.KVUsage) * capacity; used > 0 {
+			held = used
+			demand = max(demand, used+float64(count(v.PendingPrefill))+float64(count(v.PendingCount))*out)
+		}
+	}
+	if excess := demand + float64(own) + out - capacity; excess > 0 {
+		return min(excess/held, ttftMaxKVTurns) * out * l.stepMs
 	}
 	return 0
 }

@@ -422,6 +422,46 @@ func TestTTFTKVWaitCountsSharedPrefixesOnce(t *testing.T) {
 	}
 }
 
+// KV admission counts the requests queued ahead: the scraped usage holds
+// only the requests admitted when it was read, and those still waiting for
+// their first token take their uncached prompts and outputs before the
+// next request gets its blocks. A full holder with a burst queued is
+// priced its turnover; at most ttftMaxKVTurns of them.
+func TestTTFTKVWaitCountsTheQueueAhead(t *testing.T) {
+	p := peerNew(t, "ttft", nil).(*TTFT)
+	const own, out = 1000, 128.0
+	view := func(pending, pendingTokens int, metrics bool) *ReplicaView {
+		v := &peerViews(1)[0]
+		v.NumBlocks = 1500 // 24,000 tokens
+		v.InFlight, v.InFlightTokens, v.InFlightKV = 20, 20*2600, 16000
+		v.PendingCount, v.PendingPrefill = pending, pendingTokens
+		v.HaveMetrics, v.KVUsage, v.Running = metrics, 0.9, 20-pending
+		return v
+	}
+	wait := func(v *ReplicaView) (float64, float64) {
+		var l ttftLoad
+		p.load(&l, v, 1000)
+		return p.kvWaitMs(v, &l, own, out), l.stepMs
+	}
+	if ms, _ := wait(view(0, 0, true)); ms != 0 {
+		t.Errorf("room for the request beside the 21,600 tokens held: waits %.1f ms, want 0", ms)
+	}
+	// 21,600 held + 3,000 + 3×128 queued + 1,128 its own: 2,112 over 24,000.
+	ms, step := wait(view(3, 3000, true))
+	if want := 2112.0 / 21600 * out * step; math.Abs(ms-want) > 1e-9 || ms == 0 {
+		t.Errorf("three requests queued ahead: waits %.3f ms, want %.3f", ms, want)
+	}
+	ms, step = wait(view(20, 200000, true))
+	if want := ttftMaxKVTurns * out * step; ms != want {
+		t.Errorf("a queue of 200,000 tokens: waits %.1f ms, want the bound %.1f", ms, want)
+	}
+	// Unscraped, the gateway's own count (it holds the queued requests too):
+	// 16,000 + 1,128 fits.
+	if ms, _ := wait(view(3, 3000, false)); ms != 0 {
+		t.Errorf("unscraped, 17,128 of 24,000: waits %.1f ms, want 0", ms)
+	}
+}
+
 // BenchmarkTTFTPick is ttft's pick alone over 16 replicas (the routing
 // decision's part after the hash and the match): loads, metrics and
 // matches spread over the fleet, a 32,000-character prompt, a learnt
