@@ -186,7 +186,7 @@ func newRouter(cfg Config, specs []router.Spec, prof costmodel.Profile, clk cloc
 	}
 	return router.New(router.Config{Specs: specs, Policy: pol, Pools: pools, BlockSize: cfg.BlockSize, NonCachedTokens: nonCached,
 		BlocksPerReplica: cfg.BlocksPerReplica, MaxEntries: cfg.IndexMaxEntries, Precise: cfg.Precise(), Now: clk.Now,
-		StaleAfter: cfg.ScrapeStaleAfter.D(), LearnOnAccept: true, OnLearn: learn, OnDrained: drained, OnPolicyPanic: panicked, OnEject: eject, Dynamic: cfg.dynamic(),
+		StaleAfter: cfg.ScrapeStaleAfter.D(), ConfirmOnAccept: true, OnLearn: learn, OnDrained: drained, OnPolicyPanic: panicked, OnEject: eject, Dynamic: cfg.dynamic(),
 		Breaker: router.BreakerConfig{EjectAfter: cfg.EjectAfter, Cooldown: cfg.EjectCooldown.D()}, ForgetAfter: cfg.ForgetAfter.D(),
 		Flow: cfg.routerFlow(prof), Programs: cfg.Programs.RouterConfig(),
 		OffloadBlocks: cfg.OffloadBlocks, Pulls: cfg.KVPulls.Enabled})

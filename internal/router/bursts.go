@@ -20,9 +20,9 @@ import (
 // burst-prefix-cache-producer does the same by holding every request for
 // its window and placing the window's groups together; kvgate holds none:
 // the first request of a burst goes at once, placed by the policy, and the
-// others follow it. Live, where the index learns a request only once its
-// replica takes it (Config.LearnOnAccept), identical requests arriving
-// together would otherwise each see a cold cache everywhere. Only for
+// others follow it, so a burst stays together whatever each of them would
+// choose alone under load (the index credits the first at Route: the
+// others see its replica holding the prompt, Config.ConfirmOnAccept). Only for
 // policies that place programs (policy.PlacesPrograms); the OpenAI n
 // parameter is one request already.
 

@@ -37,7 +37,7 @@ func FuzzBodyToDecision(f *testing.F) {
 		}
 		now := time.Unix(1000, 0)
 		rt, err := New(Config{Replicas: []string{"a", "b", "c"}, Policy: pol, Now: func() time.Time { return now },
-			BlocksPerReplica: 1 << 12, MaxEntries: 1 << 16, LearnOnAccept: true})
+			BlocksPerReplica: 1 << 12, MaxEntries: 1 << 16, ConfirmOnAccept: true})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -108,7 +108,7 @@ func FuzzRoutePD(f *testing.F) {
 			}
 		}
 		rt, err := New(Config{Specs: specs, Policy: pol, Now: func() time.Time { return now },
-			BlocksPerReplica: 1 << 12, MaxEntries: 1 << 16, LearnOnAccept: pick&2 == 2})
+			BlocksPerReplica: 1 << 12, MaxEntries: 1 << 16, ConfirmOnAccept: pick&2 == 2})
 		if err != nil {
 			t.Fatal(err)
 		}

@@ -21,7 +21,7 @@ type PD struct {
 	// Its Request is a copy of the request with an ID of its own and
 	// MaxTokens 1. It counts like any ticket on its replica: in flight, its
 	// uncached prompt pending, until the caller ends it with Done when the
-	// prefill response arrives (Accept it first under LearnOnAccept).
+	// prefill response arrives (Accept it first under ConfirmOnAccept).
 	Prefill *Ticket
 	// Decode is the decode step's ticket, in flight on its replica until
 	// the stream ends (FirstToken, Done as for Route's tickets). With a

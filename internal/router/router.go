@@ -42,15 +42,21 @@ type Config struct {
 	// routed on the gateway's own counts only (0: scrapes never go stale,
 	// as in the replay, where staleness is modelled on purpose).
 	StaleAfter time.Duration
-	// LearnOnAccept: the approximate index learns a routed request only
-	// when its ticket is Accepted (the replica took it: first byte or 2xx),
-	// never when the replica rejects it. Off, the index learns at Route
-	// (the replay, whose replicas accept every request).
-	LearnOnAccept bool
+	// ConfirmOnAccept: the approximate index credits a routed request's
+	// blocks to its replica at Route, as the peers' routers do, but keeps
+	// them only once its ticket is Accepted (the replica took it: first
+	// byte or 2xx). A ticket Rejected, or ended (Done) without Accept,
+	// forgets the blocks it added; other gateways hear a request (OnLearn)
+	// only at Accept. So a burst of identical prompts routed before the
+	// first answer sees the first one's replica holding the prompt, and
+	// nothing a replica refused stays in the index. Off, the index learns
+	// and shares at Route (the replay, whose replicas accept every
+	// request).
+	ConfirmOnAccept bool
 	// Breaker configures every replica's circuit breaker.
 	Breaker BreakerConfig
 	// OnLearn, when set, hears every request the approximate index learns
-	// (at Route, or at Accept with LearnOnAccept), for sharing with other
+	// (at Route, or at Accept with ConfirmOnAccept), for sharing with other
 	// gateways. It runs on the request path: it must not block or keep
 	// Learned.Blocks.
 	OnLearn func(Learned)
@@ -599,6 +605,8 @@ type Ticket struct {
 	first          bool
 	done           bool
 	learned        bool // the approximate index holds this request's blocks for Replica
+	shared         bool // OnLearn heard it (at Route, or at Accept with ConfirmOnAccept)
+	accepted       bool // Accept was called before the ticket ended
 	rejected       bool // the replica did not take it: never learnt
 	burst          bool // a burst follower, counted in burstPending until its first token
 	// policy is the name of the policy that decided (the pool's, or the
@@ -619,8 +627,8 @@ type Ticket struct {
 // upstream call) and observers hear Routed. Candidates are the healthy
 // replicas that serve the request's model, less exclude (a retry's failed
 // ones); ErrModelNotServed when no replica serves it at all. The
-// approximate index learns the request at Route, or with LearnOnAccept
-// when the ticket is Accepted.
+// approximate index learns the request at Route (with ConfirmOnAccept:
+// credits it there, keeps it when the ticket is Accepted).
 func (rt *Router) Route(req *policy.Request, exclude ...int) (*Ticket, error) {
 	return rt.RouteWith(nil, req, exclude...)
 }
@@ -782,9 +790,7 @@ func (rt *Router) commit(req *policy.Request, d policy.Decision, v *policy.Repli
 	r.pendingCount.Add(1)
 	r.pendingTransfer.Add(t.transfer)
 	r.countWork(t.uncached, int64(req.Tokens), int64(max(req.MaxTokens, 0))) // saturation.go
-	if !rt.cfg.LearnOnAccept {
-		t.learn()
-	}
+	t.learn(!rt.cfg.ConfirmOnAccept)
 	rt.programRouted(t)
 	t.obs = rt.observer(d.Replica)
 	t.observe(policy.Event{Kind: policy.Routed, At: req.Now, Req: req, Decision: d, Replica: d.Replica, Phase: phase})
@@ -792,21 +798,38 @@ func (rt *Router) commit(req *policy.Request, d policy.Decision, v *policy.Repli
 }
 
 // Accept records that the replica took the request (its first response
-// byte, or a 2xx): the approximate index learns its blocks (idempotent).
-func (t *Ticket) Accept() { t.learn() }
-
-func (t *Ticket) learn() {
+// byte, or a 2xx): the approximate index keeps its blocks, and other
+// gateways hear it (idempotent; ignored once the ticket was Rejected or
+// ended).
+func (t *Ticket) Accept() {
 	t.mu.Lock()
-	defer t.mu.Unlock() // held across the insert: a Reject cannot run between
-	if t.learned || t.done || t.rejected {
+	if t.done || t.rejected {
+		t.mu.Unlock()
 		return
 	}
-	t.learned = true
-	_ = t.rt.approx.Insert(t.Replica, t.req.Blocks)
-	if h := t.rt.approxHost; h != nil {
-		_ = h.Insert(t.Replica, t.req.Blocks) // write-through, as the connector offloads
+	t.accepted = true
+	t.mu.Unlock()
+	t.learn(true)
+}
+
+// learn inserts the request's blocks into the approximate index for its
+// replica (once), and, with share, tells OnLearn (once). t.mu is held
+// across the insert: a Reject cannot run between.
+func (t *Ticket) learn(share bool) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if t.done || t.rejected {
+		return
 	}
-	if f := t.rt.cfg.OnLearn; f != nil {
+	if !t.learned {
+		t.learned = true
+		_ = t.rt.approx.Insert(t.Replica, t.req.Blocks)
+		if h := t.rt.approxHost; h != nil {
+			_ = h.Insert(t.Replica, t.req.Blocks) // write-through, as the connector offloads
+		}
+	}
+	if f := t.rt.cfg.OnLearn; share && !t.shared && f != nil {
+		t.shared = true
 		f(Learned{Replica: t.Replica, Model: t.req.Model, Held: min(t.match, len(t.req.Blocks)), Blocks: t.req.Blocks, Tokens: t.req.Tokens,
 			Program: t.req.Program.ID})
 	}
@@ -818,8 +841,16 @@ func (t *Ticket) learn() {
 func (t *Ticket) Reject() {
 	t.mu.Lock()
 	defer t.mu.Unlock()
+	t.rejected = true
+	t.forget()
+}
+
+// forget removes from the approximate index the blocks the request added
+// (those beyond the match its replica had at routing), if it holds them.
+// t.mu held.
+func (t *Ticket) forget() {
 	learned := t.learned
-	t.learned, t.rejected = false, true
+	t.learned = false
 	if learned && t.match < len(t.req.Blocks) {
 		_ = t.rt.approx.Remove(t.Replica, t.req.Blocks[t.match:])
 		if h := t.rt.approxHost; h != nil {
@@ -938,6 +969,9 @@ func (t *Ticket) Done(at time.Time, o Outcome) {
 		return
 	}
 	t.done = true
+	if t.rt.cfg.ConfirmOnAccept && !t.accepted {
+		t.forget() // credited at Route, never taken
+	}
 	first, burst := t.first, t.burst
 	t.mu.Unlock()
 	t.report(at, o.Health)

@@ -177,7 +177,7 @@ func BenchmarkDecisionScale(b *testing.B) {
 			// under real traffic, instead of piling onto the holders.
 			now := time.Unix(0, 0)
 			rt, err := New(Config{Replicas: replicaURLs(c.replicas), Policy: p, Now: func() time.Time { return now },
-				MaxEntries: c.blocks, BlocksPerReplica: 1 << 20, LearnOnAccept: true})
+				MaxEntries: c.blocks, BlocksPerReplica: 1 << 20, ConfirmOnAccept: true})
 			if err != nil {
 				b.Fatal(err)
 			}
@@ -320,29 +320,34 @@ func TestViewsCapacityInRouterBlocks(t *testing.T) {
 	}
 }
 
-// Finding 8: with LearnOnAccept the index learns a request only once the
-// replica took it, and a rejection forgets what the request added.
-func TestIndexLearnsOnAcceptForgetsOnReject(t *testing.T) {
+// Finding 8: with ConfirmOnAccept the index credits a request at Route
+// (a burst routed before the first answer sees it) but keeps it only once
+// the replica took it: a rejection, or an end without Accept, forgets
+// what the request added, and other gateways hear it only at Accept.
+func TestIndexConfirmsOnAcceptForgetsOtherwise(t *testing.T) {
 	p, _ := policy.New("least_load", policy.Options{Seed: 1})
-	rt, err := New(Config{Replicas: []string{"a", "b"}, Policy: p, LearnOnAccept: true, BlocksPerReplica: 1 << 10})
+	var shared []Learned
+	rt, err := New(Config{Replicas: []string{"a", "b"}, Policy: p, ConfirmOnAccept: true, BlocksPerReplica: 1 << 10,
+		OnLearn: func(l Learned) { shared = append(shared, l) }})
 	if err != nil {
 		t.Fatal(err)
 	}
-	shared := strings.Repeat("s", 64*16)
-	warm := rt.Prepare(parse(t, shared), "", "")
+	prompt := strings.Repeat("s", 64*16)
+	warm := rt.Prepare(parse(t, prompt), "", "")
 	tk, _ := rt.Route(warm)
-	if rt.Index().ReplicaLen(tk.Replica) != 0 {
-		t.Fatal("learned before the replica accepted")
+	held := rt.Index().ReplicaLen(tk.Replica)
+	if held != len(warm.Blocks) || len(shared) != 0 {
+		t.Fatalf("routed: %d blocks credited (want %d), %d shared (want 0 before Accept)", held, len(warm.Blocks), len(shared))
 	}
 	tk.Accept()
-	held := rt.Index().ReplicaLen(tk.Replica)
-	if held != len(warm.Blocks) {
-		t.Fatalf("accepted request: %d blocks held, want %d", held, len(warm.Blocks))
-	}
 	tk.Done(time.Unix(1, 0), Outcome{CachedTokens: -1})
-	// A longer prompt on the same replica is rejected after it was learnt
-	// (a 4xx after the first byte): its own blocks go, the shared ones stay.
-	long := rt.Prepare(parse(t, shared+strings.Repeat("j", 64*16)), "", "")
+	if rt.Index().ReplicaLen(tk.Replica) != held || len(shared) != 1 {
+		t.Fatalf("accepted: %d blocks held (want %d), %d shared (want 1)", rt.Index().ReplicaLen(tk.Replica), held, len(shared))
+	}
+	// A longer prompt on the same replica is rejected after it was
+	// accepted (a 4xx after the first byte): its own blocks go, the shared
+	// ones stay.
+	long := rt.Prepare(parse(t, prompt+strings.Repeat("j", 64*16)), "", "")
 	tk2, _ := rt.Route(long, 1-tk.Replica)
 	tk2.Accept()
 	if rt.Index().ReplicaLen(tk.Replica) != len(long.Blocks) {
@@ -353,14 +358,23 @@ func TestIndexLearnsOnAcceptForgetsOnReject(t *testing.T) {
 	if got := rt.Index().ReplicaLen(tk.Replica); got != held {
 		t.Fatalf("after the rejection %d blocks held, want the %d shared ones", got, held)
 	}
-	// A ticket rejected before it was accepted never touches the index.
+	// Tickets the replica never took: rejected before Accept, or ended
+	// without one (a refusal, the client gone before the answer began):
+	// the index returns to what it held, and no gateway heard them.
+	before, sharedBefore := rt.Index().Len(), len(shared)
 	tk3, _ := rt.Route(rt.Prepare(parse(t, strings.Repeat("z", 64*16)), "", ""))
-	before := rt.Index().Len()
+	tk4, _ := rt.Route(rt.Prepare(parse(t, strings.Repeat("y", 64*16)), "", ""))
+	if rt.Index().Len() == before {
+		t.Fatal("routed requests not credited")
+	}
 	tk3.Reject()
 	tk3.Done(time.Unix(3, 0), Outcome{CachedTokens: -1})
 	tk3.Accept() // after Done: ignored
-	if rt.Index().Len() != before {
-		t.Fatalf("index %d entries, %d before a rejected request", rt.Index().Len(), before)
+	tk4.Done(time.Unix(3, 0), Outcome{CachedTokens: -1, Err: errors.New("refused")})
+	tk4.Accept() // after Done: ignored
+	if rt.Index().Len() != before || len(shared) != sharedBefore {
+		t.Fatalf("index %d entries (%d before), %d shared (%d before): requests never taken were kept",
+			rt.Index().Len(), before, len(shared), sharedBefore)
 	}
 }
 
@@ -477,7 +491,7 @@ func TestRouteAllocatesNothingPerReplica(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		rt, err := New(Config{Replicas: replicaURLs(n), Policy: p, Now: func() time.Time { return time.Unix(0, 0) }, LearnOnAccept: true})
+		rt, err := New(Config{Replicas: replicaURLs(n), Policy: p, Now: func() time.Time { return time.Unix(0, 0) }, ConfirmOnAccept: true})
 		if err != nil {
 			t.Fatal(err)
 		}
