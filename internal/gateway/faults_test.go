@@ -427,6 +427,55 @@ func TestBoundedBuffering(t *testing.T) {
 	}
 }
 
+// A request is credited to its replica once it is sent, before the
+// replica answers (as the peers' routers credit what they route: a burst
+// routed before the first answer sees it), and kept only if the replica
+// takes it: a refusal forgets it.
+func TestSentPromptsAreCreditedUntilRefused(t *testing.T) {
+	hold := make(chan struct{})
+	a := newStub(t, "", func(w http.ResponseWriter, r *http.Request) {
+		body, _ := io.ReadAll(r.Body)
+		<-hold
+		if strings.Contains(string(body), "refuse") {
+			w.Header().Set("Content-Type", "application/json")
+			w.WriteHeader(http.StatusServiceUnavailable)
+			_, _ = io.WriteString(w, `{"error":{"message":"full","type":"ServiceUnavailableError","code":503}}`)
+			return
+		}
+		r.Body = io.NopCloser(strings.NewReader(string(body)))
+		okStream(1)(w, r)
+	})
+	cfg := baseConfig(a.srv.URL)
+	cfg.Retries = 0 // the refusal reaches the client at once, no backoff on the fake clock
+	gw, _ := gwWithClock(t, cfg)
+	rt := gw.g.Router()
+	send := func(prompt string) <-chan int {
+		done := make(chan int, 1)
+		go func() {
+			done <- testutil.Post(t, nil, gw.srv.URL+"/v1/completions", `{"model":"m","prompt":"`+prompt+`","stream":true}`).Status
+		}()
+		return done
+	}
+	taken := send("taken " + strings.Repeat("t ", 400))
+	eventually(t, "the sent request credited before its answer", func() bool { return rt.Index().Len() > 0 })
+	hold <- struct{}{}
+	if st := <-taken; st != 200 {
+		t.Fatalf("taken: %d", st)
+	}
+	waitIdle(t, gw)
+	held := rt.Index().Len()
+	refused := send("refuse " + strings.Repeat("r ", 400))
+	eventually(t, "the second request credited before its answer", func() bool { return rt.Index().Len() > held })
+	close(hold)
+	if st := <-refused; st != http.StatusServiceUnavailable {
+		t.Fatalf("refused: %d", st)
+	}
+	waitIdle(t, gw)
+	if n := rt.Index().Len(); n != held {
+		t.Fatalf("after the refusal the index holds %d entries, want the %d of the request taken", n, held)
+	}
+}
+
 // Finding 8: prompts the replicas reject leave nothing in the index.
 func TestRejectedPromptsAreNotLearned(t *testing.T) {
 	a := newStub(t, "", func(w http.ResponseWriter, r *http.Request) {

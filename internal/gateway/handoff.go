@@ -167,6 +167,7 @@ func (p *Picker) Pick(req PickRequest) (*Handoff, Pick, *Reply) {
 		g.endUnrouted(h.x, err)
 		return nil, Pick{}, h.finish()
 	}
+	h.a.tk.Credit() // the proxy sends it next: the index credits it until the answer confirms it
 	if b := h.x.body; b != nil && !bytes.Equal(b, req.Body) {
 		pick.Body = b
 		pick.Set["Content-Length"] = []string{strconv.Itoa(len(b))}

@@ -108,17 +108,20 @@ func (g *Gateway) answered(x *exchange, a *attempt, ctx context.Context, cancel 
 
 // upstreamCall is what the transport's hooks tell of one request to a
 // replica (httptrace), made in one allocation with the request: wrote
-// turns true once the whole request has been written, and firstByte (nil:
+// turns true once the whole request has been written (and the ticket's
+// blocks are credited to its replica then), and firstByte (nil:
 // none) is stopped when the response's first byte arrives.
 type upstreamCall struct {
 	trace     httptrace.ClientTrace
 	wrote     atomic.Bool
 	firstByte clock.Timer
+	tk        *router.Ticket // credited once the request is written (Ticket.Credit)
 }
 
 func (c *upstreamCall) wroteRequest(info httptrace.WroteRequestInfo) {
 	if info.Err == nil {
 		c.wrote.Store(true)
+		c.tk.Credit() // on the transport's writer, off the request's path
 	}
 }
 
@@ -132,7 +135,7 @@ func (c *upstreamCall) gotFirstByte() {
 // payload), and the call that hears how its sending goes (set the call's
 // firstByte before sending).
 func (g *Gateway) upstreamRequest(ctx context.Context, x *exchange, a *attempt) (*http.Request, *upstreamCall) {
-	call := &upstreamCall{}
+	call := &upstreamCall{tk: a.tk}
 	call.trace.WroteRequest, call.trace.GotFirstResponseByte = call.wroteRequest, call.gotFirstByte
 	ctx = httptrace.WithClientTrace(ctx, &call.trace)
 	rep, body := g.rt.Replica(a.tk.Replica), a.payload(x)

@@ -21,8 +21,8 @@ import (
 // its window and placing the window's groups together; kvgate holds none:
 // the first request of a burst goes at once, placed by the policy, and the
 // others follow it, so a burst stays together whatever each of them would
-// choose alone under load (the index credits the first at Route: the
-// others see its replica holding the prompt, Config.ConfirmOnAccept). Only for
+// choose alone under load (the index credits the first once it is sent:
+// the others see its replica holding the prompt, Config.ConfirmOnAccept). Only for
 // policies that place programs (policy.PlacesPrograms); the OpenAI n
 // parameter is one request already.
 

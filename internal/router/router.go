@@ -43,15 +43,15 @@ type Config struct {
 	// as in the replay, where staleness is modelled on purpose).
 	StaleAfter time.Duration
 	// ConfirmOnAccept: the approximate index credits a routed request's
-	// blocks to its replica at Route, as the peers' routers do, but keeps
-	// them only once its ticket is Accepted (the replica took it: first
-	// byte or 2xx). A ticket Rejected, or ended (Done) without Accept,
-	// forgets the blocks it added; other gateways hear a request (OnLearn)
-	// only at Accept. So a burst of identical prompts routed before the
-	// first answer sees the first one's replica holding the prompt, and
-	// nothing a replica refused stays in the index. Off, the index learns
-	// and shares at Route (the replay, whose replicas accept every
-	// request).
+	// blocks to its replica once the caller has sent it (Ticket.Credit),
+	// as the peers' routers credit a request they routed, but keeps them
+	// only once its ticket is Accepted (the replica took it: first byte or
+	// 2xx). A ticket Rejected, or ended (Done) without Accept, forgets the
+	// blocks it added; other gateways hear a request (OnLearn) only at
+	// Accept. So a burst of identical prompts routed before the first
+	// answer sees the first one's replica holding the prompt, and nothing
+	// a replica refused stays in the index. Off, the index learns and
+	// shares at Route (the replay, whose replicas accept every request).
 	ConfirmOnAccept bool
 	// Breaker configures every replica's circuit breaker.
 	Breaker BreakerConfig
@@ -628,7 +628,7 @@ type Ticket struct {
 // replicas that serve the request's model, less exclude (a retry's failed
 // ones); ErrModelNotServed when no replica serves it at all. The
 // approximate index learns the request at Route (with ConfirmOnAccept:
-// credits it there, keeps it when the ticket is Accepted).
+// credits it at Credit, keeps it when the ticket is Accepted).
 func (rt *Router) Route(req *policy.Request, exclude ...int) (*Ticket, error) {
 	return rt.RouteWith(nil, req, exclude...)
 }
@@ -790,7 +790,9 @@ func (rt *Router) commit(req *policy.Request, d policy.Decision, v *policy.Repli
 	r.pendingCount.Add(1)
 	r.pendingTransfer.Add(t.transfer)
 	r.countWork(t.uncached, int64(req.Tokens), int64(max(req.MaxTokens, 0))) // saturation.go
-	t.learn(!rt.cfg.ConfirmOnAccept)
+	if !rt.cfg.ConfirmOnAccept {
+		t.learn(true)
+	}
 	rt.programRouted(t)
 	t.obs = rt.observer(d.Replica)
 	t.observe(policy.Event{Kind: policy.Routed, At: req.Now, Req: req, Decision: d, Replica: d.Replica, Phase: phase})
@@ -811,6 +813,16 @@ func (t *Ticket) Accept() {
 	t.mu.Unlock()
 	t.learn(true)
 }
+
+// Credit records that the request is on its way to its replica: with
+// ConfirmOnAccept the approximate index credits its blocks there now,
+// without telling other gateways, until Accept keeps them or the ticket
+// ends without it (idempotent; ignored once the ticket was Rejected or
+// ended). The caller calls it once the request is sent (the gateway: once
+// written to the replica's connection), off the decision's path: at 256
+// replicas a 128k-token prompt's blocks take several times the decision
+// to insert into a full index.
+func (t *Ticket) Credit() { t.learn(false) }
 
 // learn inserts the request's blocks into the approximate index for its
 // replica (once), and, with share, tells OnLearn (once). t.mu is held

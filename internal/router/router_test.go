@@ -320,10 +320,11 @@ func TestViewsCapacityInRouterBlocks(t *testing.T) {
 	}
 }
 
-// Finding 8: with ConfirmOnAccept the index credits a request at Route
-// (a burst routed before the first answer sees it) but keeps it only once
-// the replica took it: a rejection, or an end without Accept, forgets
-// what the request added, and other gateways hear it only at Accept.
+// Finding 8: with ConfirmOnAccept the index credits a request once it is
+// sent (Credit: a burst routed before the first answer sees it) but keeps
+// it only once the replica took it: a rejection, or an end without Accept,
+// forgets what the request added, and other gateways hear it only at
+// Accept.
 func TestIndexConfirmsOnAcceptForgetsOtherwise(t *testing.T) {
 	p, _ := policy.New("least_load", policy.Options{Seed: 1})
 	var shared []Learned
@@ -335,9 +336,13 @@ func TestIndexConfirmsOnAcceptForgetsOtherwise(t *testing.T) {
 	prompt := strings.Repeat("s", 64*16)
 	warm := rt.Prepare(parse(t, prompt), "", "")
 	tk, _ := rt.Route(warm)
+	if n := rt.Index().ReplicaLen(tk.Replica); n != 0 {
+		t.Fatalf("routed, not sent: %d blocks credited, want 0", n)
+	}
+	tk.Credit()
 	held := rt.Index().ReplicaLen(tk.Replica)
 	if held != len(warm.Blocks) || len(shared) != 0 {
-		t.Fatalf("routed: %d blocks credited (want %d), %d shared (want 0 before Accept)", held, len(warm.Blocks), len(shared))
+		t.Fatalf("sent: %d blocks credited (want %d), %d shared (want 0 before Accept)", held, len(warm.Blocks), len(shared))
 	}
 	tk.Accept()
 	tk.Done(time.Unix(1, 0), Outcome{CachedTokens: -1})
@@ -364,6 +369,8 @@ func TestIndexConfirmsOnAcceptForgetsOtherwise(t *testing.T) {
 	before, sharedBefore := rt.Index().Len(), len(shared)
 	tk3, _ := rt.Route(rt.Prepare(parse(t, strings.Repeat("z", 64*16)), "", ""))
 	tk4, _ := rt.Route(rt.Prepare(parse(t, strings.Repeat("y", 64*16)), "", ""))
+	tk3.Credit()
+	tk4.Credit()
 	if rt.Index().Len() == before {
 		t.Fatal("routed requests not credited")
 	}
