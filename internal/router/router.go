@@ -606,7 +606,7 @@ type Ticket struct {
 	done           bool
 	learned        bool // the approximate index holds this request's blocks for Replica
 	shared         bool // OnLearn heard it (at Route, or at Accept with ConfirmOnAccept)
-	accepted       bool // Accept was called before the ticket ended
+	accepted       bool // taken: Accept before the ticket ended (or learnt at Route, without ConfirmOnAccept)
 	rejected       bool // the replica did not take it: never learnt
 	burst          bool // a burst follower, counted in burstPending until its first token
 	// policy is the name of the policy that decided (the pool's, or the
@@ -803,16 +803,7 @@ func (rt *Router) commit(req *policy.Request, d policy.Decision, v *policy.Repli
 // byte, or a 2xx): the approximate index keeps its blocks, and other
 // gateways hear it (idempotent; ignored once the ticket was Rejected or
 // ended).
-func (t *Ticket) Accept() {
-	t.mu.Lock()
-	if t.done || t.rejected {
-		t.mu.Unlock()
-		return
-	}
-	t.accepted = true
-	t.mu.Unlock()
-	t.learn(true)
-}
+func (t *Ticket) Accept() { t.learn(true) }
 
 // Credit records that the request is on its way to its replica: with
 // ConfirmOnAccept the approximate index credits its blocks there now,
@@ -825,14 +816,15 @@ func (t *Ticket) Accept() {
 func (t *Ticket) Credit() { t.learn(false) }
 
 // learn inserts the request's blocks into the approximate index for its
-// replica (once), and, with share, tells OnLearn (once). t.mu is held
-// across the insert: a Reject cannot run between.
-func (t *Ticket) learn(share bool) {
+// replica (once); with accept, it marks the ticket taken and tells OnLearn
+// (once). t.mu is held throughout: a Reject or Done cannot run between.
+func (t *Ticket) learn(accept bool) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	if t.done || t.rejected {
 		return
 	}
+	t.accepted = t.accepted || accept
 	if !t.learned {
 		t.learned = true
 		_ = t.rt.approx.Insert(t.Replica, t.req.Blocks)
@@ -840,7 +832,7 @@ func (t *Ticket) learn(share bool) {
 			_ = h.Insert(t.Replica, t.req.Blocks) // write-through, as the connector offloads
 		}
 	}
-	if f := t.rt.cfg.OnLearn; share && !t.shared && f != nil {
+	if f := t.rt.cfg.OnLearn; accept && !t.shared && f != nil {
 		t.shared = true
 		f(Learned{Replica: t.Replica, Model: t.req.Model, Held: min(t.match, len(t.req.Blocks)), Blocks: t.req.Blocks, Tokens: t.req.Tokens,
 			Program: t.req.Program.ID})
