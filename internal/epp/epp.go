@@ -202,13 +202,18 @@ func (c *call) pick(buffered bool) error {
 		if p.Body != nil {
 			common.BodyMutation = &extprocv3.BodyMutation{Mutation: &extprocv3.BodyMutation_Body{Body: body}}
 		}
-		return c.send(&extprocv3.ProcessingResponse{DynamicMetadata: md, Response: &extprocv3.ProcessingResponse_RequestBody{
-			RequestBody: &extprocv3.BodyResponse{Response: common}}})
+		if err := c.send(&extprocv3.ProcessingResponse{DynamicMetadata: md, Response: &extprocv3.ProcessingResponse_RequestBody{
+			RequestBody: &extprocv3.BodyResponse{Response: common}}}); err != nil {
+			return err
+		}
+		h.Sent()
+		return nil
 	}
 	if err := c.send(&extprocv3.ProcessingResponse{DynamicMetadata: md, Response: &extprocv3.ProcessingResponse_RequestHeaders{
 		RequestHeaders: &extprocv3.HeadersResponse{Response: common}}}); err != nil {
 		return err
 	}
+	h.Sent()
 	if c.reqMode != procmodev3.ProcessingMode_FULL_DUPLEX_STREAMED || c.body.Len() == 0 && c.req.method == "GET" {
 		return nil
 	}

@@ -445,14 +445,24 @@ func TestSentPromptsAreCreditedUntilRefused(t *testing.T) {
 		r.Body = io.NopCloser(strings.NewReader(string(body)))
 		okStream(1)(w, r)
 	})
+	var release sync.Once
+	t.Cleanup(func() { release.Do(func() { close(hold) }) }) // a test stopped early frees the stub
 	cfg := baseConfig(a.srv.URL)
 	cfg.Retries = 0 // the refusal reaches the client at once, no backoff on the fake clock
 	gw, _ := gwWithClock(t, cfg)
 	rt := gw.g.Router()
 	send := func(prompt string) <-chan int {
 		done := make(chan int, 1)
-		go func() {
-			done <- testutil.Post(t, nil, gw.srv.URL+"/v1/completions", `{"model":"m","prompt":"`+prompt+`","stream":true}`).Status
+		go func() { // no t.Fatal off the test's goroutine: a failed call is status -1
+			resp, err := http.Post(gw.srv.URL+"/v1/completions", "application/json",
+				strings.NewReader(`{"model":"m","prompt":"`+prompt+`","stream":true}`))
+			if err != nil {
+				done <- -1
+				return
+			}
+			_, _ = io.Copy(io.Discard, resp.Body)
+			_ = resp.Body.Close()
+			done <- resp.StatusCode
 		}()
 		return done
 	}
@@ -466,7 +476,7 @@ func TestSentPromptsAreCreditedUntilRefused(t *testing.T) {
 	held := rt.Index().Len()
 	refused := send("refuse " + strings.Repeat("r ", 400))
 	eventually(t, "the second request credited before its answer", func() bool { return rt.Index().Len() > held })
-	close(hold)
+	release.Do(func() { close(hold) })
 	if st := <-refused; st != http.StatusServiceUnavailable {
 		t.Fatalf("refused: %d", st)
 	}

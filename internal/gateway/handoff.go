@@ -167,13 +167,18 @@ func (p *Picker) Pick(req PickRequest) (*Handoff, Pick, *Reply) {
 		g.endUnrouted(h.x, err)
 		return nil, Pick{}, h.finish()
 	}
-	h.a.tk.Credit() // the proxy sends it next: the index credits it until the answer confirms it
 	if b := h.x.body; b != nil && !bytes.Equal(b, req.Body) {
 		pick.Body = b
 		pick.Set["Content-Length"] = []string{strconv.Itoa(len(b))}
 	}
 	return h, pick, nil
 }
+
+// Sent records that the pick has gone to the proxy, which sends the
+// request on: the index credits it to the chosen replica until the answer
+// confirms it (Ticket.Credit), off the pick's path, as the gateway's own
+// proxy credits a request once written.
+func (h *Handoff) Sent() { h.a.tk.Credit() }
 
 // httpRequest is the request as the HTTP front would have read it.
 func (req PickRequest) httpRequest() (*http.Request, error) {

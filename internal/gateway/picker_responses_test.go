@@ -339,3 +339,46 @@ func TestPickerLookupStaysInThePool(t *testing.T) {
 		t.Errorf("the other pool's replica was asked %d times", n)
 	}
 }
+
+// Behind a proxy the index credits the request to the picked replica once
+// the pick has left (Sent), not while picking, and forgets it when the
+// exchange ends without the replica's answer; an answered one stays.
+func TestPickerCreditsOnceSentUntilAnswered(t *testing.T) {
+	f := newAPIReplica(t, "a", "m", "")
+	gw := startGateway(t, baseConfig(f.srv.URL))
+	allListed(t, gw)
+	p, err := gw.g.NewPicker(0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	idx := gw.g.Router().Index()
+	pick := func(text string) *Handoff {
+		h, _, reply := p.Pick(PickRequest{Context: context.Background(), Method: http.MethodPost, Target: "/v1/completions",
+			Header: http.Header{"Content-Type": {"application/json"}},
+			Body:   []byte(`{"model":"m","prompt":"` + strings.Repeat(text, 200) + `"}`), RemoteAddr: "127.0.0.1:1"})
+		if reply != nil {
+			t.Fatalf("refused: %d %s", reply.Status, reply.Body)
+		}
+		return h
+	}
+	h := pick("lost ")
+	if n := idx.Len(); n != 0 {
+		t.Fatalf("picked, not sent: %d entries credited, want 0", n)
+	}
+	h.Sent()
+	if idx.Len() == 0 {
+		t.Fatal("sent: nothing credited")
+	}
+	h.End(false) // the proxy gave up before any answer
+	if n := idx.Len(); n != 0 {
+		t.Fatalf("ended unanswered: %d entries kept, want 0", n)
+	}
+	h = pick("kept ")
+	h.Sent()
+	h.Respond(http.StatusOK, http.Header{"Content-Type": {"application/json"}}, "")
+	h.End(true)
+	waitIdle(t, gw)
+	if idx.Len() == 0 {
+		t.Fatal("answered: the credit was forgotten")
+	}
+}

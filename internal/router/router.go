@@ -605,7 +605,6 @@ type Ticket struct {
 	first          bool
 	done           bool
 	learned        bool // the approximate index holds this request's blocks for Replica
-	shared         bool // OnLearn heard it (at Route, or at Accept with ConfirmOnAccept)
 	accepted       bool // taken: Accept before the ticket ended (or learnt at Route, without ConfirmOnAccept)
 	rejected       bool // the replica did not take it: never learnt
 	burst          bool // a burst follower, counted in burstPending until its first token
@@ -824,6 +823,7 @@ func (t *Ticket) learn(accept bool) {
 	if t.done || t.rejected {
 		return
 	}
+	first := accept && !t.accepted // OnLearn hears it once
 	t.accepted = t.accepted || accept
 	if !t.learned {
 		t.learned = true
@@ -832,8 +832,7 @@ func (t *Ticket) learn(accept bool) {
 			_ = h.Insert(t.Replica, t.req.Blocks) // write-through, as the connector offloads
 		}
 	}
-	if f := t.rt.cfg.OnLearn; accept && !t.shared && f != nil {
-		t.shared = true
+	if f := t.rt.cfg.OnLearn; first && f != nil {
 		f(Learned{Replica: t.Replica, Model: t.req.Model, Held: min(t.match, len(t.req.Blocks)), Blocks: t.req.Blocks, Tokens: t.req.Tokens,
 			Program: t.req.Program.ID})
 	}
