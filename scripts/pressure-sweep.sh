@@ -24,11 +24,17 @@
 #   CONVERSATIONS  multiturn chats (default 128)
 #   PER_GROUP      shared_prefix questions per group (default 80)
 #   SEED           workload and policy seed (default 1)
+#   SEEDS          several seeds, e.g. "1 2 3 4 5 6 7 8 9 10": each seed's sweep in OUTDIR/seed-N/,
+#                  and the summary on each policy's mean p90 over them (a single run's p90 of
+#                  240-480 requests moves by a few percent from seed to seed; the mean tells which
+#                  points are the policy's and which the seed's). Default: SEED alone, in OUTDIR.
 #   TIMEOUT        seconds allowed per replay (default 600)
 #   MAX            fail (exit 1) when a point's ratio is above it, e.g. 1.05 (default: report only)
 #
 # The summary is a Go test of internal/replay (TestPressureSweepSummary) reading OUTDIR:
-# no python or jq needed, only the Go toolchain that builds kvgate.
+# no python or jq needed, only the Go toolchain that builds kvgate. Beside ttft's ratios it
+# counts, for every policy, the points where it is above 1.05x the best of the others: how
+# often a single run misses the mark by chance.
 set -euo pipefail
 
 if [ $# -ne 1 ]; then
@@ -42,7 +48,7 @@ out=$(cd "$out" && pwd)
 
 conversations=${CONVERSATIONS:-128}
 per_group=${PER_GROUP:-80}
-seed=${SEED:-1}
+seeds=${SEEDS:-${SEED:-1}}
 timeout_s=${TIMEOUT:-600}
 
 kvgate=${KVGATE:-}
@@ -56,26 +62,48 @@ mt=(--workload multiturn --workload-param "conversations=$conversations" --workl
 sp=(--workload shared_prefix --workload-param groups=6 --workload-param "prompts_per_group=$per_group"
 	--workload-param system_prompt_len=3072 --workload-param question_len=128 --workload-param output_len=128)
 
-# replay NAME RATE REPLICAS WORKLOAD-FLAGS...: one cache-pressure sweep over --kv-blocks.
+# replay DIR SEED NAME RATE REPLICAS WORKLOAD-FLAGS...: one cache-pressure sweep over --kv-blocks.
 replay() {
-	local name=$1 rate=$2 replicas=$3
-	shift 3
-	echo "$name: $replicas replicas, $rate requests/s" >&2
+	local dir=$1 seed=$2 name=$3 rate=$4 replicas=$5
+	shift 5
+	echo "$name: $replicas replicas, $rate requests/s, seed $seed" >&2
 	timeout "$timeout_s" "$kvgate" replay "$@" --rate "$rate" --replicas "$replicas" --seed "$seed" \
-		--question cache-pressure --json "$out/$name.json" --report "$out/$name" >"$out/$name.txt" 2>&1 || {
-		echo "FAIL: $name (see $out/$name.txt)" >&2
+		--question cache-pressure --json "$dir/$name.json" --report "$dir/$name" >"$dir/$name.txt" 2>&1 || {
+		echo "FAIL: $name (see $dir/$name.txt)" >&2
 		exit 1
 	}
 }
 
-for replicas in 4 8; do
-	for step in 1 2 3 4; do
-		rate=$((8 * step * replicas / 4))
-		replay "$(printf 'mt-%d-r%03d' "$replicas" "$rate")" "$rate" "$replicas" "${mt[@]}"
-		rate=$((12 * step * replicas / 4))
-		replay "$(printf 'sp-%d-r%03d' "$replicas" "$rate")" "$rate" "$replicas" "${sp[@]}"
+# sweep DIR SEED: every point of the sweep on one seed.
+sweep() {
+	local dir=$1 seed=$2 replicas step rate
+	mkdir -p "$dir"
+	for replicas in 4 8; do
+		for step in 1 2 3 4; do
+			rate=$((8 * step * replicas / 4))
+			replay "$dir" "$seed" "$(printf 'mt-%d-r%03d' "$replicas" "$rate")" "$rate" "$replicas" "${mt[@]}"
+			rate=$((12 * step * replicas / 4))
+			replay "$dir" "$seed" "$(printf 'sp-%d-r%03d' "$replicas" "$rate")" "$rate" "$replicas" "${sp[@]}"
+		done
 	done
+}
+
+read -ra seed_list <<<"$seeds"
+for s in "${seed_list[@]}"; do
+	case $s in
+	'' | *[!0-9]*)
+		echo "$0: seed $s: want a whole number" >&2
+		exit 2
+		;;
+	esac
 done
+if [ "${#seed_list[@]}" -eq 1 ]; then
+	sweep "$out" "${seed_list[0]}"
+else
+	for s in "${seed_list[@]}"; do
+		sweep "$out/seed-$s" "$s"
+	done
+fi
 
 cd "$root"
 status=0
