@@ -684,8 +684,10 @@ func (t *TTFT) firstEstimated(req *Request, rs []ReplicaView) int {
 // prune reports whether replica i (of correction c) cannot be chosen: a lower bound of its
 // score is above the margin of the best score so far (which only falls),
 // so choose would pass it over whatever its full estimate. The bound is
-// the estimate's compute term alone, C1 × (queued + own), corrected: every
-// other term of a score is at least 0, and own is taken for the deepest
+// the estimate's compute terms alone, C1 × (queued + own) + C2 × own ×
+// tokens (the estimate's attention term has own × (cached + own), at
+// least own × tokens), corrected: every other term of a score is at least
+// 0, and own is taken for the deepest
 // hit the replica may be credited (its GPU or host-tier match; not with
 // pulls, where another replica's blocks may be credited, which prune is
 // never asked for). Its queue counts towards the shortest one while that
@@ -699,7 +701,8 @@ func (t *TTFT) prune(a *estAll, i int, c float64) bool {
 	tokens := count(a.req.Tokens)
 	held := min(max(count(v.Match), count(v.MatchHost)), len(a.req.Blocks))
 	own := max(tokens-min(held*t.o.BlockSize, max(tokens-1, 0)), 1)
-	lower := t.o.Profile.C1 * (queuedTokens(v, a.meanPrompt) + float64(own)) * c
+	prof := t.o.Profile
+	lower := (prof.C1*(queuedTokens(v, a.meanPrompt)+float64(own)) + prof.C2*float64(own)*float64(tokens)) * c
 	if !(lower > t.limit(a.best)) {
 		return false
 	}

@@ -5,6 +5,8 @@ import (
 	"fmt"
 	"testing"
 
+	"github.com/kvgate/kvgate/internal/costmodel"
+
 	"pgregory.net/rapid"
 )
 
@@ -20,6 +22,10 @@ func TestTTFTPruneChangesNoDecision(t *testing.T) {
 		seed := rapid.Uint64().Draw(rt, "seed")
 		opts := Options{Seed: seed, BlockSize: rapid.SampledFrom([]int{1, 16}).Draw(rt, "block_size"),
 			OffloadBlocks: rapid.SampledFrom([]int{0, 1000}).Draw(rt, "offload")}
+		// The bound's attention term: the default profile's, none, or one
+		// that dominates the compute of long prompts.
+		opts.Profile = costmodel.MustLookup(costmodel.Default)
+		opts.Profile.C2 = rapid.SampledFrom([]float64{opts.Profile.C2, 0, 1e-5}).Draw(rt, "c2")
 		pruned, err1 := New("ttft", opts)
 		full, err2 := New("ttft", opts)
 		if err1 != nil || err2 != nil {
