@@ -68,6 +68,9 @@ type TTFT struct {
 	// floor is the current pick's least own prefill (ms): limit reads
 	// the fleet's saturation from the best score beyond it (setFloor).
 	floor float64
+	// warm: estimateAll is estimating a request that starts a program in
+	// the warm-up (warmupElapsed).
+	warm bool
 }
 
 type pendEst struct {
@@ -470,6 +473,7 @@ func (t *TTFT) estimate(e *ttftEstimate, req *Request, v *ReplicaView, meanPromp
 
 	l := &e.load
 	t.load(l, v, meanPrompt)
+	l.queued = max(l.queued-t.warmupElapsed(req, v.Index), 0)
 	work := l.queued + float64(own)
 	steps := math.Ceil(work / l.chunk)
 	ms := steps*l.stepMs + prof.C1*work + prof.C2*float64(own)*float64(cached+own) + tp.ms
@@ -599,6 +603,10 @@ func (t *TTFT) estimateAll(req *Request, rs []ReplicaView, pp *programPrice, sco
 	a := estAll{req: req, rs: rs, scores: scores, ttfts: ttfts, matched: matched, plans: plans, ties: t.ties[:len(rs)],
 		pp: *pp, src: t.peerSources(req, rs), best: math.Inf(1), queue: math.Inf(1), workMean: -1}
 	a.meanPrompt, a.out = t.means(req)
+	// The prefill under way counts its part still to compute for a
+	// program's first request in the warm-up (warmupElapsed).
+	t.warm = t.startsInWarmup(req)
+	defer func() { t.warm = false }()
 	// The deepest match (and a program's home) first, so that the best
 	// score is low early and most others are pruned against it.
 	first := t.firstEstimated(req, rs)
@@ -702,7 +710,8 @@ func (t *TTFT) prune(a *estAll, i int, c float64) bool {
 	held := min(max(count(v.Match), count(v.MatchHost)), len(a.req.Blocks))
 	own := max(tokens-min(held*t.o.BlockSize, max(tokens-1, 0)), 1)
 	prof := t.o.Profile
-	lower := (prof.C1*(queuedTokens(v, a.meanPrompt)+float64(own)) + prof.C2*float64(own)*float64(tokens)) * c
+	queued := max(queuedTokens(v, a.meanPrompt)-t.warmupElapsed(a.req, v.Index), 0)
+	lower := (prof.C1*(queued+float64(own)) + prof.C2*float64(own)*float64(tokens)) * c
 	if !(lower > t.limit(a.best)) {
 		return false
 	}

@@ -253,3 +253,50 @@ func TestTTFTWritesInFlight(t *testing.T) {
 		t.Fatalf("copy_inflight off: writes %+v, want none", w)
 	}
 }
+
+// In the warm-up, a program's first turn reads the prefill under way on
+// a holder for the part still to compute: the holder of its prefix,
+// 90 % through the first request's prefill with a 200-token hit queued
+// behind, keeps it, where the whole queue read moves it to an idle
+// replica as a miss. A request of no program, one routed as the first
+// prefill starts, one past the warm-up (replicate_warmup 0), or with
+// copy_inflight off (no writes kept) still reads the whole queue.
+func TestTTFTWarmupCountsThePrefillUnderWay(t *testing.T) {
+	full := 74.3 // ms: the idle prefill of the first request's 1,600 tokens (c0 + c1 and c2 terms)
+	for _, c := range []struct {
+		name    string
+		params  map[string]any
+		program bool
+		after   float64 // ms since the first request was routed
+		want    int
+	}{
+		{"a program's first turn", nil, true, 0.9 * full, 0},
+		{"no program", nil, false, 0.9 * full, 1},
+		{"as the prefill starts", nil, true, 0, 1},
+		{"past the warm-up", map[string]any{"replicate_warmup": 0}, true, 0.9 * full, 1},
+		{"copy_inflight off", map[string]any{"copy_inflight": false}, true, 0.9 * full, 1},
+	} {
+		params := map[string]any{"margin_rel": 0, "margin_ms": 0}
+		for k, v := range c.params {
+			params[k] = v
+		}
+		p := peerNew(t, "ttft", params)
+		first := ttftReq(1)
+		peerObserve(p, Event{Kind: Routed, At: peerT0, Req: first, Decision: Decision{Replica: peerBase}, Replica: peerBase})
+		req := ttftReq(2)
+		req.Now = peerT0.Add(time.Duration(c.after * float64(time.Millisecond)))
+		if c.program {
+			req.Program = Program{ID: 7}
+		}
+		rs := peerViews(3)
+		for i := range rs {
+			rs[i].NumBlocks = 30000
+		}
+		rs[0].Match, rs[0].Cached = len(req.Blocks), len(req.Blocks)
+		rs[0].PendingPrefill, rs[0].PendingCount, rs[0].InFlight = 1800, 2, 2
+		pos, d := peerPick(t, p, req, rs)
+		if pos != c.want {
+			t.Errorf("%s: chose %d (%s), want %d (scores %v)", c.name, pos, d.Reason, c.want, d.Scores)
+		}
+	}
+}
