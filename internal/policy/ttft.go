@@ -770,9 +770,15 @@ func (t *TTFT) setFloor(req *Request, deepest int, rs []ReplicaView) {
 	}
 	tokens := count(req.Tokens)
 	cached := min(depth*t.o.BlockSize, max(tokens-1, 0))
-	idle := ttftLoad{chunk: float64(t.o.MaxBatchTokens), stepMs: t.o.Profile.C0}
+	idle := t.idleLoad()
 	c := min(max(t.fleetFac, 1/t.params.MaxCorrection), t.params.MaxCorrection)
 	t.floor = c * t.prefillMs(max(tokens-cached, 1), cached, &idle)
+}
+
+// idleLoad is an idle replica's load: no queue, no decodes, the whole
+// token budget a step.
+func (t *TTFT) idleLoad() ttftLoad {
+	return ttftLoad{chunk: float64(t.o.MaxBatchTokens), stepMs: t.o.Profile.C0}
 }
 
 // choose returns the position to send the request to: among the scores

@@ -464,7 +464,7 @@ func (t *TTFT) warmupElapsed(req *Request, replica int) float64 {
 	if !(el > 0) || w.tokens <= 0 {
 		return 0
 	}
-	idle := ttftLoad{chunk: float64(t.o.MaxBatchTokens), stepMs: t.o.Profile.C0}
+	idle := t.idleLoad()
 	full := t.prefillMs(w.tokens, w.from*t.o.BlockSize, &idle)
 	if !(full > 0) {
 		return 0

@@ -973,7 +973,7 @@ func (t *Ticket) Done(at time.Time, o Outcome) {
 	}
 	t.done = true
 	if t.rt.cfg.ConfirmOnAccept && !t.accepted {
-		t.forget() // credited at Route, never taken
+		t.forget() // credited once sent (Credit), never taken
 	}
 	first, burst := t.first, t.burst
 	t.mu.Unlock()
