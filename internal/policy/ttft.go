@@ -193,7 +193,8 @@ type ttftParams struct {
 	ReplicateRoom float64 `json:"replicate_room"`
 	// ReplicateWarmup is the fleet's first requests (decayed over
 	// window_s) during which a prefix gets another holder only if its
-	// family's share asks for it (ttft_replicate.go); 0: off.
+	// family's share asks for it, as a program's request does the whole
+	// run (familyHeld, ttft_replicate.go); 0: neither.
 	ReplicateWarmup float64 `json:"replicate_warmup"`
 	// BalanceS is the horizon (s) over which, for the requests of a hot
 	// prefix, a replica's recent work beyond the fleet's mean is priced
@@ -256,7 +257,7 @@ func init() {
 	// 4.52× both; agents 1.95×, 2.24×, 2.04× → 1.90×, 2.32×, 2.04×
 	// (seeds 1–3: on its cliff); RL batches unchanged. pending_weight 1:
 	// see pendingMs. balance_s 0 (off): see balanceMs. replicate_warmup
-	// 25: see warmingUp (ttft_replicate.go). copy_inflight on: see
+	// 25: see familyHeld (ttft_replicate.go). copy_inflight on: see
 	// copyInflight. saturated_ms 350, saturated_rel 0.8: see limit.
 	register("ttft", func(o Options) (Policy, error) {
 		params := ttftParams{

@@ -209,6 +209,47 @@ func TestTTFTWarmupKeepsAPrefixToItsShare(t *testing.T) {
 	}
 }
 
+// A program's request gets a new holder of its family's prefix only where
+// the family's share, less its noise, asks for one, for the whole run: 20
+// requests of the hot prefix and 36 of three other families (decayed: a
+// share of 3 replicas of about 1.1 holders, about 0.85 less one standard
+// deviation) leave a program's first turn with the holder, past the
+// warm-up as in it; a request without a program copies on the share
+// itself past the warm-up (replicate_warmup 50); so does a program of the
+// only family (2.5 holders), and every program with the gate off
+// (replicate_warmup 0).
+func TestTTFTProgramKeepsItsFamilyToItsShare(t *testing.T) {
+	for _, c := range []struct {
+		name    string
+		warmup  float64
+		others  int // requests of other families routed before
+		program bool
+		want    bool
+	}{
+		{"a program of a family among four", 50, 36, true, false},
+		{"a program in the warm-up", 1000, 36, true, false},
+		{"a request without a program", 50, 36, false, true},
+		{"a program of the only family", 50, 0, true, true},
+		{"gate off", 0, 36, true, true},
+	} {
+		p := peerNew(t, "ttft", map[string]any{"margin_rel": 0, "margin_ms": 0, "replicate_warmup": c.warmup})
+		for i := range c.others {
+			req := peerReq(uint64(1000+i), fmt.Sprintf("family %d: %s", i%3, strings.Repeat("wxyz", 400)), peerT0.Add(-2*time.Second))
+			_, d := peerPick(t, p, req, peerViews(3))
+			peerObserve(p, Event{Kind: Routed, At: req.Now, Req: req, Decision: d, Replica: d.Replica})
+		}
+		heat(t, p, 21, peerT0)
+		req := ttftReq(1)
+		if c.program {
+			req.Program = Program{ID: 7, Home: -1}
+		}
+		pos, d := peerPick(t, p, req, replicateViews(200))
+		if moved := pos != 0; moved != c.want {
+			t.Errorf("%s: chose %d (%s), want moved=%v (scores %v)", c.name, pos, d.Reason, c.want, d.Scores)
+		}
+	}
+}
+
 // copy_inflight's writes in flight: kept per replica from Routed until the
 // request's first token or its end, at most ttftMaxWrites (the oldest
 // forgotten), never a remote decision's or a request credited its whole
