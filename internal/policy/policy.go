@@ -151,9 +151,16 @@ type ReplicaView struct {
 	HaveMetrics bool
 	MetricsAge  time.Duration
 	Waiting     int
-	Running     int
-	KVUsage     float64 // 0..1
-	NumBlocks   int     // the replica's KV capacity in blocks: scraped, else the router's assumption (0: unknown)
+	// WaitingUnseen is the part of Waiting the counts above do not hold:
+	// the scraped waiting requests beyond those the gateways had sent and
+	// not seen a first token of when the scrape arrived (requests others
+	// send the replica). Read against PendingCount now instead, a scrape
+	// a few hundred ms old counts requests that have had their first
+	// token since as a queue that is not there.
+	WaitingUnseen int
+	Running       int
+	KVUsage       float64 // 0..1
+	NumBlocks     int     // the replica's KV capacity in blocks: scraped, else the router's assumption (0: unknown)
 
 	// Programs and ProgramTokens are the live programs whose home is the
 	// replica (a turn in flight, or idle less than the programs' TTL) and

@@ -243,6 +243,7 @@ func drawViews(t *rapid.T, label string, n, blocks int) []ReplicaView {
 			HaveMetrics:     rapid.Bool().Draw(t, l+"have_metrics"),
 			MetricsAge:      anyDuration(t, l+"metrics_age"),
 			Waiting:         anyInt(t, l+"waiting"),
+			WaitingUnseen:   anyInt(t, l+"waiting_unseen"),
 			Running:         anyInt(t, l+"running"),
 			KVUsage:         anyFloat(t, l+"kv_usage"),
 			NumBlocks:       anyInt(t, l+"num_blocks"),

@@ -379,10 +379,9 @@ func (t *TTFT) load(l *ttftLoad, v *ReplicaView, meanPrompt float64) {
 // queuedTokens is the prompt tokens queued or running ahead on v (load's
 // queued).
 func queuedTokens(v *ReplicaView, meanPrompt float64) float64 {
-	pending := count(v.PendingCount)
 	queued := float64(count(v.PendingPrefill))
-	if v.HaveMetrics && count(v.Waiting) > pending {
-		queued += float64(count(v.Waiting)-pending) * meanPrompt
+	if v.HaveMetrics {
+		queued += float64(count(v.WaitingUnseen)) * meanPrompt
 	}
 	return queued
 }

@@ -71,6 +71,29 @@ func TestTTFTEstimateMatchesCostModel(t *testing.T) {
 	}
 }
 
+// The scraped waiting requests count as a queue only for their part the
+// gateways' counts do not hold (WaitingUnseen, as the router reads them at
+// the scrape): a scrape taken while this gateway's requests waited, read
+// after their first tokens, adds nothing; requests another gateway sent
+// add a mean prompt each.
+func TestTTFTQueuesOnlyTheUnseenWaiting(t *testing.T) {
+	p := peerNew(t, "ttft", nil).(*TTFT)
+	req := ttftReq(1)
+	idle := ReplicaView{Healthy: true, Match: 40}
+	stale := ReplicaView{Healthy: true, Match: 40, HaveMetrics: true, Waiting: 3}
+	others := stale
+	others.WaitingUnseen = 2
+	i, _ := p.Estimate(req, &idle, 1000)
+	s, _ := p.Estimate(req, &stale, 1000)
+	o, _ := p.Estimate(req, &others, 1000)
+	if s != i {
+		t.Errorf("three waiting, all seen: %v ms against %v idle", s, i)
+	}
+	if want := p.o.Profile.C1 * 2000; !(o-i >= want) {
+		t.Errorf("two waiting unseen: %v ms against %v idle, want at least %v more", o, i, want)
+	}
+}
+
 // Within the margin the deeper match wins; outside it, the faster replica.
 func TestTTFTMarginPrefersDeeperMatch(t *testing.T) {
 	req := ttftReq(1)
@@ -475,6 +498,7 @@ func BenchmarkTTFTPick(b *testing.B) {
 		rs[i].InFlight, rs[i].InFlightTokens, rs[i].InFlightKV = i%5, 8000*(i%5), 6000*(i%5)
 		rs[i].PendingPrefill, rs[i].PendingCount = 1000*(i%3), i%3
 		rs[i].HaveMetrics, rs[i].Waiting, rs[i].Running, rs[i].KVUsage = true, i%3, i%5, float64(i%4)/4
+		rs[i].WaitingUnseen = max(rs[i].Waiting-rs[i].PendingCount, 0)
 		rs[i].NumBlocks, rs[i].Cached = 30000, 20000+i*700
 	}
 	for k := range 64 {

@@ -434,10 +434,8 @@ func (f *flow) replicaSaturated(v *policy.ReplicaView) bool {
 	waiting := max(v.PendingCount, 0)
 	tokens := float64(max(v.PendingPrefill, 0))
 	if v.HaveMetrics {
-		if v.Waiting > waiting {
-			tokens += float64(v.Waiting-waiting) * f.meanPrompt
-			waiting = v.Waiting
-		}
+		tokens += float64(max(v.WaitingUnseen, 0)) * f.meanPrompt
+		waiting += max(v.WaitingUnseen, 0)
 		if v.KVUsage > s.KVUsage {
 			return true
 		}

@@ -125,6 +125,10 @@ func (r *Replica) SetCapacityBlocks(n int) bool {
 type scrape struct {
 	m  Metrics
 	at time.Time
+	// pending is the replica's requests without a first token, this
+	// gateway's and the others' it shares state with, when the scrape
+	// arrived: those of m.Waiting the gateways know (WaitingUnseen).
+	pending int
 }
 
 // Index is the replica's slot.

@@ -306,7 +306,10 @@ func (rt *Router) SetMetrics(i int, m Metrics, at time.Time) Metrics {
 		m.NumBlocks = int(int64(m.NumBlocks) * int64(m.BlockSize) / int64(rt.cfg.BlockSize))
 		m.BlockSize = rt.cfg.BlockSize
 	}
-	rt.reps()[i].scrape.Store(&scrape{m: m, at: at})
+	r := rt.reps()[i]
+	var v policy.ReplicaView
+	r.loadView(&v)
+	r.scrape.Store(&scrape{m: m, at: at, pending: v.PendingCount})
 	rt.releaseIfQueued()
 	return m
 }
@@ -424,6 +427,7 @@ func (rt *Router) views(req *policy.Request, vb *viewBuf) ([]policy.ReplicaView,
 			if rt.cfg.StaleAfter <= 0 || v.MetricsAge <= rt.cfg.StaleAfter {
 				v.HaveMetrics = true
 				v.Waiting, v.Running, v.KVUsage = s.m.Waiting, s.m.Running, s.m.KVUsage
+				v.WaitingUnseen = max(s.m.Waiting-s.pending, 0)
 			}
 			v.NumBlocks = s.m.NumBlocks
 		}

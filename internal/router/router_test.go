@@ -525,3 +525,48 @@ func TestRouteAllocatesNothingPerReplica(t *testing.T) {
 		t.Fatalf("a decision allocates %.0f bytes at 16 replicas, %.0f at 256: %.1f bytes a replica, want ≤ 16 (the scores)", small, large, perReplica)
 	}
 }
+
+// A replica's scraped waiting requests are read against the gateway's
+// requests waiting for a first token when that scrape arrived, not now: a
+// scrape taken while two of this gateway's requests waited, read after
+// their first tokens, holds one request another sent (WaitingUnseen 1), not
+// three; a request routed after the scrape is not in it; the next scrape
+// that holds only this gateway's requests holds none.
+func TestWaitingUnseenIsReadAtTheScrape(t *testing.T) {
+	ll, _ := policy.New("least_load", policy.Options{Seed: 1})
+	now := time.Unix(0, 0)
+	rt, err := New(Config{Replicas: []string{"http://ra", "http://rb"}, Policy: ll, Now: func() time.Time { return now }})
+	if err != nil {
+		t.Fatal(err)
+	}
+	route := func(text string) *Ticket {
+		tk, err := rt.Route(rt.Prepare(parse(t, text), "", ""), 1)
+		if err != nil || tk.Replica != 0 {
+			t.Fatalf("routed to %v, %v", tk, err)
+		}
+		tk.Accept()
+		return tk
+	}
+	unseen := func(want int, when string) {
+		t.Helper()
+		v := rt.Views(rt.Prepare(parse(t, "probe"), "", ""))[0]
+		if !v.HaveMetrics || v.WaitingUnseen != want {
+			t.Errorf("%s: waiting %d, pending %d, unseen %d (metrics %v): want unseen %d", when, v.Waiting,
+				v.PendingCount, v.WaitingUnseen, v.HaveMetrics, want)
+		}
+	}
+	a, b := route("first request"), route("second request")
+	rt.SetMetrics(0, Metrics{Waiting: 3}, now)
+	unseen(1, "two of three waiting are this gateway's")
+	now = now.Add(100 * time.Millisecond)
+	a.FirstToken(now)
+	b.FirstToken(now)
+	unseen(1, "after their first tokens")
+	c := route("third request")
+	unseen(1, "a request routed after the scrape")
+	rt.SetMetrics(0, Metrics{Waiting: 1}, now)
+	unseen(0, "a scrape holding only this gateway's request")
+	for _, tk := range []*Ticket{a, b, c} {
+		tk.Done(now, Outcome{})
+	}
+}
