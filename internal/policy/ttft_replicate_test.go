@@ -216,7 +216,7 @@ func TestTTFTWarmupKeepsAPrefixToItsShare(t *testing.T) {
 // deviation) leave a program's first turn with the holder, past the
 // warm-up as in it; a request without a program copies on the share
 // itself past the warm-up (replicate_warmup 50); so does a program of the
-// only family (2.5 holders), and every program with the gate off
+// only family (2.5 holders, 1.96 less its noise), and every program with the gate off
 // (replicate_warmup 0).
 func TestTTFTProgramKeepsItsFamilyToItsShare(t *testing.T) {
 	for _, c := range []struct {

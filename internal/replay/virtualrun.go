@@ -64,6 +64,7 @@ type snapshot struct {
 	replica int
 	metrics router.Metrics
 	at      time.Duration
+	pending []int // each gateway's requests to the replica without a first token at the scrape (staleness only)
 }
 
 // kvBatch is one step's KV events of one engine on their way to the router.
@@ -698,6 +699,10 @@ func (vr *virtualRun) scrape() {
 			vr.setMetrics(sn)
 			continue
 		}
+		sn.pending = make([]int, len(vr.gateways))
+		for g := range vr.gateways {
+			sn.pending[g] = int(vr.gateways[g].router.LocalLoad(e).PendingCount)
+		}
 		vr.metricsInFlight.push(sn)
 		vr.events.push(vr.now+vr.cfg.Staleness, evMetrics, 0)
 	}
@@ -711,7 +716,12 @@ func (vr *virtualRun) scrape() {
 // setMetrics hands one scrape to every gateway: each scrapes every replica.
 func (vr *virtualRun) setMetrics(sn snapshot) {
 	for g := range vr.gateways {
-		vr.gateways[g].router.SetMetrics(sn.replica, sn.metrics, epoch.Add(sn.at))
+		rt := vr.gateways[g].router
+		if sn.pending == nil {
+			rt.SetMetrics(sn.replica, sn.metrics, epoch.Add(sn.at))
+			continue
+		}
+		rt.SetMetricsSeen(sn.replica, sn.metrics, epoch.Add(sn.at), sn.pending[g])
 	}
 }
 

@@ -21,7 +21,8 @@ import (
 // The controller therefore holds requests back while the pool is
 // saturated, and keeps the engines' own queues short. A replica is
 // saturated when the prefill queued on it (its uncached prompt tokens
-// without a first token, and what its scrape shows waiting beyond them)
+// without a first token, and what its scrape shows waiting beyond the
+// requests the gateways had there without a first token when it was taken)
 // would take longer than SaturationRule.QueueMs by the cost model, or more than
 // SaturationRule.Waiting requests wait there, or its KV cache is fuller than
 // SaturationRule.KVUsage; a pool is saturated when every candidate replica is.

@@ -125,9 +125,10 @@ func (r *Replica) SetCapacityBlocks(n int) bool {
 type scrape struct {
 	m  Metrics
 	at time.Time
-	// pending is the replica's requests without a first token, this
-	// gateway's and the others' it shares state with, when the scrape
-	// arrived: those of m.Waiting the gateways know (WaitingUnseen).
+	// pending is this gateway's requests to the replica without a first
+	// token when the scrape was taken: those of m.Waiting it knows; the
+	// other gateways' are read from their loads at routing, which reach
+	// this one a heartbeat late (WaitingUnseen).
 	pending int
 }
 

@@ -297,8 +297,16 @@ func (rt *Router) SetHealthy(i int, ok bool) { rt.reps()[i].setHealthy(ok) }
 // Healthy reports replica i's health.
 func (rt *Router) Healthy(i int) bool { return rt.reps()[i].healthy.Load() }
 
-// SetMetrics records a scrape of replica i taken at `at`.
+// SetMetrics records a scrape of replica i taken at `at`, arriving now:
+// this gateway's requests to it without a first token now are those the
+// scrape may show waiting (WaitingUnseen).
 func (rt *Router) SetMetrics(i int, m Metrics, at time.Time) Metrics {
+	return rt.SetMetricsSeen(i, m, at, int(rt.LocalLoad(i).PendingCount))
+}
+
+// SetMetricsSeen is SetMetrics for a scrape that arrives late: pending is
+// LocalLoad(i).PendingCount when it was taken.
+func (rt *Router) SetMetricsSeen(i int, m Metrics, at time.Time, pending int) Metrics {
 	// The replica's KV capacity in the router's blocks: vLLM's block size
 	// (its cache_config_info) need not be the index's.
 	m.EngineBlockSize = m.BlockSize
@@ -306,10 +314,7 @@ func (rt *Router) SetMetrics(i int, m Metrics, at time.Time) Metrics {
 		m.NumBlocks = int(int64(m.NumBlocks) * int64(m.BlockSize) / int64(rt.cfg.BlockSize))
 		m.BlockSize = rt.cfg.BlockSize
 	}
-	r := rt.reps()[i]
-	var v policy.ReplicaView
-	r.loadView(&v)
-	r.scrape.Store(&scrape{m: m, at: at, pending: v.PendingCount})
+	rt.reps()[i].scrape.Store(&scrape{m: m, at: at, pending: max(pending, 0)})
 	rt.releaseIfQueued()
 	return m
 }
@@ -427,7 +432,7 @@ func (rt *Router) views(req *policy.Request, vb *viewBuf) ([]policy.ReplicaView,
 			if rt.cfg.StaleAfter <= 0 || v.MetricsAge <= rt.cfg.StaleAfter {
 				v.HaveMetrics = true
 				v.Waiting, v.Running, v.KVUsage = s.m.Waiting, s.m.Running, s.m.KVUsage
-				v.WaitingUnseen = max(s.m.Waiting-s.pending, 0)
+				v.WaitingUnseen = max(s.m.Waiting-s.pending-r.remotePending(), 0)
 			}
 			v.NumBlocks = s.m.NumBlocks
 		}
@@ -468,6 +473,15 @@ func (r *Replica) loadView(v *policy.ReplicaView) {
 		v.PendingPrefill += int(l.PendingPrefill)
 		v.PendingCount += int(l.PendingCount)
 	}
+}
+
+// remotePending is the other gateways' requests to the replica without a
+// first token, as their last shared loads say (shared state).
+func (r *Replica) remotePending() int {
+	if l := r.remote.Load(); l != nil {
+		return max(int(l.PendingCount), 0)
+	}
+	return 0
 }
 
 // remoteKV is the KV of the other gateways' requests in flight to a

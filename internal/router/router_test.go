@@ -531,7 +531,9 @@ func TestRouteAllocatesNothingPerReplica(t *testing.T) {
 // scrape taken while two of this gateway's requests waited, read after
 // their first tokens, holds one request another sent (WaitingUnseen 1), not
 // three; a request routed after the scrape is not in it; the next scrape
-// that holds only this gateway's requests holds none.
+// that holds only this gateway's requests holds none. Another gateway's
+// requests count as unseen until its shared loads hold them; a scrape
+// delivered late is read against the count when it was taken.
 func TestWaitingUnseenIsReadAtTheScrape(t *testing.T) {
 	ll, _ := policy.New("least_load", policy.Options{Seed: 1})
 	now := time.Unix(0, 0)
@@ -566,6 +568,19 @@ func TestWaitingUnseenIsReadAtTheScrape(t *testing.T) {
 	unseen(1, "a request routed after the scrape")
 	rt.SetMetrics(0, Metrics{Waiting: 1}, now)
 	unseen(0, "a scrape holding only this gateway's request")
+	// Another gateway's two requests: waiting in the scrape before its
+	// loads say so they are unseen; once its loads say so, they are its
+	// pending requests, counted once.
+	rt.SetMetrics(0, Metrics{Waiting: 3}, now)
+	unseen(2, "another gateway's requests before its loads")
+	rt.SetRemoteLoad(0, Load{InFlight: 2, PendingPrefill: 2000, PendingCount: 2})
+	unseen(0, "another gateway's requests in its loads")
+	// A scrape delivered late reads this gateway's requests when it was
+	// taken: c, without a first token then, had one by its arrival.
+	c.FirstToken(now)
+	rt.SetMetricsSeen(0, Metrics{Waiting: 4}, now, 1)
+	unseen(1, "a late scrape: its own request then, and the other gateway's two")
+	rt.SetRemoteLoad(0, Load{})
 	for _, tk := range []*Ticket{a, b, c} {
 		tk.Done(now, Outcome{})
 	}
