@@ -62,8 +62,8 @@ func replicaDebugs(g *Gateway, views []policy.ReplicaView, d *policy.Decision) [
 			rd.Rank = &k
 		}
 		if v.HaveMetrics {
-			w, r, k, age := v.Waiting, v.Running, v.KVUsage, float64(v.MetricsAge.Microseconds())/1000
-			rd.Waiting, rd.Running, rd.KVUsage, rd.MetricsAgeMs = &w, &r, &k, &age
+			w, u, r, k, age := v.Waiting, v.WaitingUnseen, v.Running, v.KVUsage, float64(v.MetricsAge.Microseconds())/1000
+			rd.Waiting, rd.WaitingUnseen, rd.Running, rd.KVUsage, rd.MetricsAgeMs = &w, &u, &r, &k, &age
 		}
 		if d != nil && i < len(d.Scores) {
 			s := d.Scores[i]

@@ -154,6 +154,7 @@ func TestSaturatedProgramMoves(t *testing.T) {
 		Replicas []struct {
 			URL     string `json:"url"`
 			Waiting *int   `json:"waiting"`
+			Unseen  *int   `json:"waiting_unseen"`
 		} `json:"replicas"`
 	}
 	var out route
@@ -165,7 +166,8 @@ func TestSaturatedProgramMoves(t *testing.T) {
 		}
 		for _, r := range out.Replicas {
 			if r.URL == home {
-				return r.Waiting != nil && *r.Waiting == 5000
+				// Another client's queue: none of it this gateway's.
+				return r.Waiting != nil && *r.Waiting == 5000 && r.Unseen != nil && *r.Unseen == 5000
 			}
 		}
 		return false

@@ -73,22 +73,26 @@ type Tenant struct {
 // ReplicaRow is a replica as the operator's pages show it: /admin/replicas,
 // /debug/route and the view.
 type ReplicaRow struct {
-	Slot           int      `json:"-"` // the router's (listings leave free slots out)
-	URL            string   `json:"url"`
-	State          string   `json:"state"`          // active, draining (removed, requests in flight) or removed (until forget_after)
-	Role           string   `json:"role,omitempty"` // a prefill/decode fleet's
-	Pool           string   `json:"pool,omitempty"` // with pools: in the config
-	Rank           *int     `json:"rank,omitempty"`
-	Healthy        bool     `json:"healthy"`
-	MatchBlocks    int      `json:"match_blocks"`
-	InFlight       int      `json:"in_flight"`
-	PendingPrefill int      `json:"pending_prefill_tokens"`
-	Waiting        *int     `json:"waiting,omitempty"`
-	Running        *int     `json:"running,omitempty"`
-	KVUsage        *float64 `json:"kv_usage,omitempty"`
-	MetricsAgeMs   *float64 `json:"metrics_age_ms,omitempty"`
-	Score          *float64 `json:"score,omitempty"`
-	IndexBlocks    int      `json:"index_blocks"`
+	Slot           int    `json:"-"` // the router's (listings leave free slots out)
+	URL            string `json:"url"`
+	State          string `json:"state"`          // active, draining (removed, requests in flight) or removed (until forget_after)
+	Role           string `json:"role,omitempty"` // a prefill/decode fleet's
+	Pool           string `json:"pool,omitempty"` // with pools: in the config
+	Rank           *int   `json:"rank,omitempty"`
+	Healthy        bool   `json:"healthy"`
+	MatchBlocks    int    `json:"match_blocks"`
+	InFlight       int    `json:"in_flight"`
+	PendingPrefill int    `json:"pending_prefill_tokens"`
+	Waiting        *int   `json:"waiting,omitempty"`
+	// WaitingUnseen: of Waiting, the requests beyond those the gateways
+	// had there without a first token when the scrape was taken (what
+	// ttft counts as other clients' queue).
+	WaitingUnseen *int     `json:"waiting_unseen,omitempty"`
+	Running       *int     `json:"running,omitempty"`
+	KVUsage       *float64 `json:"kv_usage,omitempty"`
+	MetricsAgeMs  *float64 `json:"metrics_age_ms,omitempty"`
+	Score         *float64 `json:"score,omitempty"`
+	IndexBlocks   int      `json:"index_blocks"`
 	// Programs and ProgramTokens: the live programs homed on the replica
 	// and the contexts they reserve there (router, programs.go).
 	Programs      int `json:"programs,omitempty"`
