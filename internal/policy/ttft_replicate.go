@@ -261,11 +261,11 @@ func (t *TTFT) balanceMs(replica int, now time.Time, mean float64) float64 {
 // 32/s (128 chats), mean p90 TTFT over seeds 1–100 241.6 ms where
 // SGLang's rule, which never moves a chat, has 200.7 (the term off while
 // the fleet's decayed count of routed requests is below 100: 201.6 ms;
-// off only past it: no gain). So for a program's request the family gate holds for the
-// whole run, on the family's count less one standard deviation (a
-// Poisson count's √n_f): equal families on a fleet that divides them
-// evenly ask for an integer number of holders exactly, and the share
-// read from its count exceeds it on half the draws. Four system prompts
+// off only past it: no gain). So for a program's request the family
+// gate holds for the whole run, on the family's count less one standard
+// deviation (a Poisson count's √n_f): equal families on a fleet that
+// divides them evenly ask for an integer number of holders exactly, and
+// the share read from its count exceeds it on half the draws. Four system prompts
 // on 8 replicas still get two holders each; one family (an agent fleet's
 // system prompt) every replica; six groups of questions on 8 replicas
 // (each group a session, so a program) 1.33 holders each, a second for

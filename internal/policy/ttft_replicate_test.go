@@ -177,48 +177,20 @@ func TestTTFTBalancesAHotPrefixByRecentWork(t *testing.T) {
 	}
 }
 
-// In the warm-up a hot prefix gets a second holder only if its family's
-// share of the fleet's requests asks for one: 21 requests of the hot
-// prefix and 63 of three other families (share 21/(84+4) of 3 replicas,
-// 0.72 holders) leave it with its holder while the warm-up lasts
-// (replicate_warmup 1,000); past it (50) or with it off (0), and alone
-// (its share 21/(21+4), 2.5 holders), it gets its copy.
-func TestTTFTWarmupKeepsAPrefixToItsShare(t *testing.T) {
-	for _, c := range []struct {
-		name   string
-		warmup float64
-		others int // requests of other families routed before
-		want   bool
-	}{
-		{"a family among four", 1000, 63, false},
-		{"past the warm-up", 50, 63, true},
-		{"warm-up off", 0, 63, true},
-		{"the only family", 1000, 0, true},
-	} {
-		p := peerNew(t, "ttft", map[string]any{"margin_rel": 0, "margin_ms": 0, "replicate_warmup": c.warmup})
-		for i := range c.others {
-			req := peerReq(uint64(1000+i), fmt.Sprintf("family %d: %s", i%3, strings.Repeat("wxyz", 400)), peerT0.Add(-2*time.Second))
-			_, d := peerPick(t, p, req, peerViews(3))
-			peerObserve(p, Event{Kind: Routed, At: req.Now, Req: req, Decision: d, Replica: d.Replica})
-		}
-		heat(t, p, 21, peerT0)
-		pos, d := peerPick(t, p, ttftReq(1), replicateViews(200))
-		if moved := pos != 0; moved != c.want {
-			t.Errorf("%s: chose %d (%s), want moved=%v (scores %v)", c.name, pos, d.Reason, c.want, d.Scores)
-		}
-	}
-}
-
-// A program's request gets a new holder of its family's prefix only where
-// the family's share, less its noise, asks for one, for the whole run: 20
-// requests of the hot prefix and 36 of three other families (decayed: a
-// share of 3 replicas of about 1.1 holders, about 0.85 less one standard
-// deviation) leave a program's first turn with the holder, past the
-// warm-up as in it; a request without a program copies on the share
-// itself past the warm-up (replicate_warmup 50); so does a program of the
-// only family (2.5 holders, 1.96 less its noise), and every program with the gate off
-// (replicate_warmup 0).
-func TestTTFTProgramKeepsItsFamilyToItsShare(t *testing.T) {
+// A hot prefix gets a second holder only where its family's share of the
+// fleet's requests asks for one: in the warm-up for any request, and for
+// a program's request the whole run, on the share less its noise.
+//   - 21 requests of the hot prefix and 63 of three other families (share
+//     21/(84+4) of 3 replicas, 0.72 holders) leave it with its holder
+//     while the warm-up lasts (replicate_warmup 1,000); past it (50) or
+//     with it off (0), and alone (its share 21/(21+4), 2.5 holders), it
+//     gets its copy.
+//   - 20 and 36 (decayed: about 1.1 holders, about 0.85 less one standard
+//     deviation) leave a program's first turn with the holder, past the
+//     warm-up as in it; a request without a program copies on the share
+//     itself past the warm-up; so does a program of the only family (2.5
+//     holders, 1.96 less its noise), and every program with the gate off.
+func TestTTFTFamilyShareGatesACopy(t *testing.T) {
 	for _, c := range []struct {
 		name    string
 		warmup  float64
@@ -226,11 +198,15 @@ func TestTTFTProgramKeepsItsFamilyToItsShare(t *testing.T) {
 		program bool
 		want    bool
 	}{
+		{"a family among four", 1000, 63, false, false},
+		{"past the warm-up", 50, 63, false, true},
+		{"warm-up off", 0, 63, false, true},
+		{"the only family", 1000, 0, false, true},
 		{"a program of a family among four", 50, 36, true, false},
 		{"a program in the warm-up", 1000, 36, true, false},
 		{"a request without a program", 50, 36, false, true},
 		{"a program of the only family", 50, 0, true, true},
-		{"gate off", 0, 36, true, true},
+		{"a program, gate off", 0, 36, true, true},
 	} {
 		p := peerNew(t, "ttft", map[string]any{"margin_rel": 0, "margin_ms": 0, "replicate_warmup": c.warmup})
 		for i := range c.others {
