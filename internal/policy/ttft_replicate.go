@@ -286,8 +286,15 @@ func (t *TTFT) balanceMs(replica int, now time.Time, mean float64) float64 {
 // 31.9) but costs agents' capacity (2.315× → 2.293× over seeds 1–8).
 
 // ttftFamilySlots is the size of the table of families' counts (32 bytes
-// a slot): a family whose slot another takes counts from 0 again.
-const ttftFamilySlots = 1 << 10
+// a slot), in sets of ttftFamilyWays: a family not in its set takes the
+// way whose count is lowest now, so two active families whose keys share
+// a set both keep counting (with one way a set, a rare family's requests
+// reset a hot one's count at each, and with it the copies its share asks
+// for), and a family pushed out is the least of ttftFamilyWays.
+const (
+	ttftFamilySlots = 1 << 10
+	ttftFamilyWays  = 4
+)
 
 // ttftFamilyPrior is the share's prior, in requests. See replicate_warmup.
 const ttftFamilyPrior = 4
@@ -324,11 +331,35 @@ func (t *TTFT) countFamily(req *Request, at time.Time) {
 	}
 	t.add(&t.routed, at)
 	key := req.Blocks[0]
-	c := &t.families[key%ttftFamilySlots]
-	if c.key != key {
+	c := t.family(key)
+	if c == nil {
+		set := t.familySet(key)
+		c = &set[0]
+		for i := range set[1:] {
+			if w := &set[1+i]; t.value(w, at) < t.value(c, at) {
+				c = w
+			}
+		}
 		*c = ttftCount{key: key, at: at}
 	}
 	t.add(c, at)
+}
+
+// familySet is the set of ways where key's family is counted.
+func (t *TTFT) familySet(key uint64) []ttftCount {
+	i := int(key%(ttftFamilySlots/ttftFamilyWays)) * ttftFamilyWays
+	return t.families[i : i+ttftFamilyWays]
+}
+
+// family is key's count, nil if its family is not counted. t.mu held.
+func (t *TTFT) family(key uint64) *ttftCount {
+	set := t.familySet(key)
+	for i := range set {
+		if set[i].key == key && set[i].n > 0 {
+			return &set[i]
+		}
+	}
+	return nil
 }
 
 // familyHeld reports whether req's family has as many holders as its
@@ -345,7 +376,7 @@ func (t *TTFT) familyHeld(req *Request, holders, healthy int) bool {
 		return false
 	}
 	nf := 0.0
-	if c := &t.families[req.Blocks[0]%ttftFamilySlots]; c.key == req.Blocks[0] {
+	if c := t.family(req.Blocks[0]); c != nil {
 		nf = t.value(c, req.Now)
 	}
 	if program {

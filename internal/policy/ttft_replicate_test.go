@@ -226,6 +226,51 @@ func TestTTFTFamilyShareGatesACopy(t *testing.T) {
 	}
 }
 
+// The family table keeps the families that count: a hot family whose set
+// other families pass through keeps its count (one way a set reset it at
+// each of their requests), and a newcomer takes the way counted least.
+func TestTTFTFamilyTableKeepsTheHotFamily(t *testing.T) {
+	tt := peerNew(t, "ttft", nil).(*TTFT)
+	sets := uint64(ttftFamilySlots / ttftFamilyWays)
+	hot := uint64(12345)
+	count := func(key uint64, at time.Time) {
+		tt.countFamily(&Request{Blocks: []uint64{key}}, at)
+	}
+	value := func(key uint64, at time.Time) float64 {
+		if c := tt.family(key); c != nil {
+			return tt.value(c, at)
+		}
+		return 0
+	}
+	at := peerT0
+	for i := range 40 {
+		count(hot, at)
+		if i%2 == 1 { // a rare family of hot's set, new each time
+			count(hot+sets*uint64(1+i), at)
+		}
+	}
+	if v := value(hot, at); math.Abs(v-40) > 1e-9 {
+		t.Fatalf("hot family's count %v after 40 requests among 20 rare families of its set, want 40", v)
+	}
+	// The set now holds hot and three rare families of one request each;
+	// three more families of two requests push those three out, hot stays.
+	for k := uint64(100); k < 103; k++ {
+		count(hot+sets*k, at)
+		count(hot+sets*k, at)
+	}
+	for k := uint64(100); k < 103; k++ {
+		if v := value(hot+sets*k, at); v != 2 {
+			t.Errorf("family %d: count %v, want 2", k, v)
+		}
+	}
+	if v := value(hot, at); math.Abs(v-40) > 1e-9 {
+		t.Errorf("hot family's count %v, want 40", v)
+	}
+	if v := value(hot+sets*40, at); v != 0 {
+		t.Errorf("a rare family pushed out still counts %v", v)
+	}
+}
+
 // copy_inflight's writes in flight: kept per replica from Routed until the
 // request's first token or its end, at most ttftMaxWrites (the oldest
 // forgotten), never a remote decision's or a request credited its whole
