@@ -109,6 +109,7 @@ func TestUIInChromium(t *testing.T) {
 		document.getElementById("hitrate").textContent.endsWith("%") &&
 		document.querySelectorAll("#decisions tbody tr").length > 0 &&
 		Array.from(document.querySelectorAll("#replicas td.share")).some(td => !td.textContent.startsWith("0.0 %")) &&
+		Array.from(document.querySelectorAll("#replicas td.waiting")).every(td => /^\d+( \(\d+ not ours\))?$/.test(td.textContent)) &&
 		document.querySelectorAll("#ttft-chart polyline").length > 0`
 	if err := chromedp.Do(ctx, chromedp.Poll[chromedp.Void](moved, chromedp.WithPollingTimeout(10*time.Second))); err != nil {
 		text, _ := chromedp.Run(ctx, chromedp.Text(chromedp.CSS("body")))
