@@ -197,8 +197,8 @@ type ttftParams struct {
 	// run (familyHeld, ttft_replicate.go); 0: neither.
 	ReplicateWarmup float64 `json:"replicate_warmup"`
 	// BalanceS is the horizon (s) over which, for the requests of a hot
-	// prefix, a replica's recent work beyond the fleet's mean is priced
-	// (ttft_replicate.go); 0: off.
+	// prefix that do not continue a program, a replica's recent work
+	// beyond the fleet's mean is priced (ttft_replicate.go); 0: off.
 	BalanceS float64 `json:"balance_s"`
 	// PendingWeight weighs, among equally matched replicas within the
 	// margin, the requests sent to r still waiting for their first token
@@ -256,7 +256,7 @@ func init() {
 	// 3.92× → 3.91×, synthetic 3.37× both, with host tier and pulls
 	// 4.52× both; agents 1.95×, 2.24×, 2.04× → 1.90×, 2.32×, 2.04×
 	// (seeds 1–3: on its cliff); RL batches unchanged. pending_weight 1:
-	// see pendingMs. balance_s 0 (off): see balanceMs. replicate_warmup
+	// see pendingMs. balance_s 5: see balanceMs. replicate_warmup
 	// 25: see familyHeld (ttft_replicate.go). copy_inflight on: see
 	// copyInflight. saturated_ms 350, saturated_rel 0.8: see limit.
 	register("ttft", func(o Options) (Policy, error) {
@@ -265,7 +265,7 @@ func init() {
 			DecodeWeight: 1, InterferenceWeight: 0, EvictionWeight: 2, DeferMs: 1000,
 			FutureWeight: 2, PrefixLifeS: 40, WaitWeight: 0.1, WindowS: 20,
 			Programs: true, ProgramWeight: 0.1, ProgramFutureTurns: 8,
-			ReplicateS: 1, ReplicateRoom: 0.3, ReplicateWarmup: 25, PendingWeight: 1, CopyInflight: true,
+			ReplicateS: 1, ReplicateRoom: 0.3, ReplicateWarmup: 25, PendingWeight: 1, CopyInflight: true, BalanceS: 5,
 			ttftTierParams: ttftTierParams{HostHits: hostHitsLoad},
 		}
 		if err := decodeParams(o.Params, &params); err != nil {

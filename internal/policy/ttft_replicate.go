@@ -151,7 +151,8 @@ func (t *TTFT) roomFor(v *ReplicaView, depth int) bool {
 // replicate term weighs the queues a prefix's holders have now; a hot
 // prefix's requests keep coming, and they find the queues the work routed
 // recently builds. So every replica carries, for a request whose deepest
-// match is a hot prefix (λ_p × replicate_s ≥ 1, as above),
+// match is a hot prefix (λ_p × replicate_s ≥ 1, as above) and that does
+// not continue a program,
 //
 //	balance(r) = balance_s × max(W_r − W̄, 0)
 //
@@ -163,7 +164,10 @@ func (t *TTFT) roomFor(v *ReplicaView, depth int) bool {
 // while, not only at this instant, that gets a copy of the prefix made
 // elsewhere; among holders, the one that has had the least. A chat's turn
 // is the only one of its deepest match (λ_p 0) and never carries it: it
-// stays with its context. See balanceMs for the figures.
+// stays with its context; nor does any request that continues a program
+// (its home's move price weighs a move), where its first request, which
+// picks the home for the turns to come, does. See balanceMs for the
+// figures.
 
 // workRate is replica's W_r at now, ms per second. t.mu held.
 func (t *TTFT) workRate(replica int, now time.Time) float64 {
@@ -174,7 +178,7 @@ func (t *TTFT) workRate(replica int, now time.Time) float64 {
 // workMean is W̄ for req, whose deepest match is requested lam times a
 // second; -1 when the term is off or the prefix not hot. t.mu held.
 func (t *TTFT) workMean(req *Request, rs []ReplicaView, lam float64) float64 {
-	if t.params.BalanceS == 0 || lam*t.params.ReplicateS < 1 {
+	if t.params.BalanceS == 0 || req.Program.Continues || lam*t.params.ReplicateS < 1 {
 		return -1
 	}
 	sum, n := 0.0, 0
@@ -192,7 +196,23 @@ func (t *TTFT) workMean(req *Request, rs []ReplicaView, lam float64) float64 {
 
 // balanceMs is balance(r) for replica at now, the mean W̄ being mean.
 //
-// Off by default (balance_s 0). At 3, over the pressure sweep on seeds 1
+// For a request that does not continue a program (a program's first
+// request, or a request of none); balance_s 5. Chats at low load on
+// caches with room (multiturn, 8 replicas of 3,000 blocks, 16/s): their
+// first turns went to the holders of their system prompts, whose queues
+// were short, and stayed there with their later turns; three replicas
+// served 17–24 requests of 640, the others up to 143, and the idle ones
+// took late moves of chats whose homes had filled (seed 1: p90 TTFT 37.3
+// ms against preble's 32.1; seeds 1–30: 34.1 ms against 31.9). Priced,
+// 32.8 and 32.2 ms. The pressure sweep's points above 1.05× the best
+// peer on ten seeds' means 3 → 2 (on seeds 1, 2, 3: 7, 6, 8 → 5, 6, 7);
+// agents' capacity on 8 replicas, seeds 1–8, mean 2.296× → 2.334×
+// (seed 1 2.09× → 2.03×, preble 2.00×; its program makespan p90 193.8 →
+// 191.8 s, preble 193.7); the conversation trace 4.00× both, synthetic
+// 3.46× both; the two points and RL batches unchanged.
+//
+// Before, for every request of a hot prefix and off by default: at 3,
+// over the pressure sweep on seeds 1
 // and 2 and at 3× its length (ttft's p90 TTFT over the best peer's):
 // points above 1.05× 21 → 19, 24 → 18, 14 → 11; geometric mean of the
 // ratios 1.0238 → 1.0188, 1.0227 → 1.0162, 1.0234 → 1.0132; worst 1.49 →
@@ -202,7 +222,9 @@ func (t *TTFT) workMean(req *Request, rs []ReplicaView, lam float64) float64 {
 // at p90 ≤ 2 s on 8 replicas fell a little: conversation trace 3.964× →
 // 3.961× (seed 2 3.976× → 3.962×), agents 2.090× → 2.071× (seeds 2 and 3:
 // 2.466× → 2.546×, 2.254× → 2.221×; balance_s 2: 2.026×), synthetic
-// 3.454× both. Priced for every request, not only a hot prefix's, it
+// 3.454× both; and live, a shared prefix's requests (a session's
+// questions, continuing it) made copies that cost hit rate. Priced for
+// every request, not only a hot prefix's, it
 // gained more on the sweep (at 10 s, beyond 1.2× the least loaded
 // replica: 11, 10, 8) but spread the multiturn chats' first turns
 // off the replicas that held their system prompts (hit 86.6 → 84.7 %, p90

@@ -59,7 +59,7 @@ func TestTTFTReplicatesAHotPrefix(t *testing.T) {
 		{"off", map[string]any{"replicate_s": 0}, true, 200, false, false},
 		{"dry runs only", nil, true, 200, true, false},
 	} {
-		params := map[string]any{"margin_rel": 0, "margin_ms": 0}
+		params := map[string]any{"margin_rel": 0, "margin_ms": 0, "balance_s": 0} // the replicate term alone
 		for k, v := range c.params {
 			params[k] = v
 		}
@@ -129,18 +129,23 @@ func TestTTFTReplicateParams(t *testing.T) {
 
 // A hot prefix's request goes, among holders placed alike, to the one that
 // has had less work lately: a replica carries balance_s × its work rate's
-// excess over the healthy replicas' mean. A prefix nobody else asks for (a
-// chat's turn), or balance_s 0, leaves the holders' scores equal.
+// excess over the healthy replicas' mean; so does a program's first
+// request. A prefix nobody else asks for (a chat's turn), a request that
+// continues a program (it stays with its context), or balance_s 0, leaves
+// the holders' scores equal.
 func TestTTFTBalancesAHotPrefixByRecentWork(t *testing.T) {
 	for _, c := range []struct {
 		name     string
 		balanceS float64
 		hot      bool
+		program  Program
 		want     bool // the holder with the recent work scores higher
 	}{
-		{"hot", 3, true, true},
-		{"cold", 3, false, false},
-		{"off", 0, true, false},
+		{"hot", 3, true, Program{}, true},
+		{"a program's first request", 3, true, Program{ID: 7, Home: -1}, true},
+		{"a program's next request", 3, true, Program{ID: 7, Home: -1, Continues: true, Turns: 1}, false},
+		{"cold", 3, false, Program{}, false},
+		{"off", 0, true, Program{}, false},
 	} {
 		// The price of the future reads the same flows: off, to see this term alone.
 		p := peerNew(t, "ttft", map[string]any{"margin_rel": 0, "margin_ms": 0, "future_weight": 0,
@@ -161,7 +166,9 @@ func TestTTFTBalancesAHotPrefixByRecentWork(t *testing.T) {
 			rs[i].NumBlocks, rs[i].Cached = 3000, 200
 		}
 		rs[0].Match, rs[1].Match = 90, 90 // the prefix heat made hot
-		pos, d := peerPick(t, p, ttftReq(1), rs)
+		req := ttftReq(1)
+		req.Program = c.program
+		pos, d := peerPick(t, p, req, rs)
 		diff := d.Scores[0] - d.Scores[1]
 		if !c.want {
 			if diff != 0 {
@@ -208,7 +215,7 @@ func TestTTFTFamilyShareGatesACopy(t *testing.T) {
 		{"a program of the only family", 50, 0, true, true},
 		{"a program, gate off", 0, 36, true, true},
 	} {
-		p := peerNew(t, "ttft", map[string]any{"margin_rel": 0, "margin_ms": 0, "replicate_warmup": c.warmup})
+		p := peerNew(t, "ttft", map[string]any{"margin_rel": 0, "margin_ms": 0, "replicate_warmup": c.warmup, "balance_s": 0})
 		for i := range c.others {
 			req := peerReq(uint64(1000+i), fmt.Sprintf("family %d: %s", i%3, strings.Repeat("wxyz", 400)), peerT0.Add(-2*time.Second))
 			_, d := peerPick(t, p, req, peerViews(3))
@@ -338,7 +345,7 @@ func TestTTFTWarmupCountsThePrefillUnderWay(t *testing.T) {
 		{"past the warm-up", map[string]any{"replicate_warmup": 0}, true, 0.9 * full, 1},
 		{"copy_inflight off", map[string]any{"copy_inflight": false}, true, 0.9 * full, 1},
 	} {
-		params := map[string]any{"margin_rel": 0, "margin_ms": 0}
+		params := map[string]any{"margin_rel": 0, "margin_ms": 0, "balance_s": 0} // the replicate term alone
 		for k, v := range c.params {
 			params[k] = v
 		}

@@ -98,11 +98,15 @@ func TestOracleDeterministicAndAggregatedOnly(t *testing.T) {
 // shared prefixes on small caches at twice the load; the seventh, chats on
 // 4 replicas saturated at the end (seed 6), where copies of system prompts
 // made for chats' first turns in the first seconds split the families
-// (472 ms against sglang's 281 before familyHeld's program gate).
+// (472 ms against sglang's 281 before familyHeld's program gate); the
+// eighth, chats at low load on caches with room, where their first turns
+// piled onto the holders of their system prompts and three replicas
+// stayed nearly idle (37.3 ms against preble's 32.1 before balance_s
+// priced a program's first request).
 func TestTTFTUnderCachePressure(t *testing.T) {
 	testutil.Deterministic(t)
 	if testing.Short() {
-		t.Skip("replays seven sweep points with every cache-aware policy")
+		t.Skip("replays eight sweep points with every cache-aware policy")
 	}
 	gen := func(name string, rate float64, seed uint64, params map[string]float64) []workload.Request {
 		reqs, err := workload.Generate(workload.Spec{Name: name, Seed: seed, Params: params})
@@ -134,6 +138,7 @@ func TestTTFTUnderCachePressure(t *testing.T) {
 		{"multiturn 32/s, 8 × 1,500 blocks, 128 chats", chats(32, 128, 1), 8, 1500, 1},
 		{"shared_prefix 48/s, 8 × 1,000 blocks", shared(48, 80), 8, 1000, 1},
 		{"multiturn 32/s, 4 × 1,500 blocks, 128 chats, seed 6", chats(32, 128, 6), 4, 1500, 6},
+		{"multiturn 16/s, 8 × 3,000 blocks, 128 chats", chats(16, 128, 1), 8, 3000, 1},
 	}
 	specs := specsOf(t, CacheAware()...)
 	for _, pt := range points {
