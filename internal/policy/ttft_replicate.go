@@ -354,12 +354,13 @@ func (t *TTFT) countFamily(req *Request, at time.Time) {
 	t.add(&t.routed, at)
 	key := req.Blocks[0]
 	c := t.family(key)
-	if c == nil {
+	if c == nil { // the way counted least now
 		set := t.familySet(key)
 		c = &set[0]
-		for i := range set[1:] {
-			if w := &set[1+i]; t.value(w, at) < t.value(c, at) {
-				c = w
+		least := t.value(c, at)
+		for i := 1; i < len(set); i++ {
+			if v := t.value(&set[i], at); v < least {
+				c, least = &set[i], v
 			}
 		}
 		*c = ttftCount{key: key, at: at}
